@@ -1,0 +1,309 @@
+//! The bytes a store holds for an entry: a fixed header carrying the expiry metadata,
+//! then the value.
+//!
+//! ```text
+//! offset  size  field
+//!      0     3  magic "CRL"
+//!      3     1  version (1)
+//!      4     8  absolute expiration, Unix ms, big-endian; 0 = none
+//!     12     8  sliding interval, ms, big-endian; 0 = none
+//!     20     8  expires at, Unix ms, big-endian
+//!     28     4  value length, big-endian
+//!     32     -  value bytes
+//! ```
+//!
+//! Zero is free to mean "none" because [`crate::expiry::plan`] never produces a zero
+//! duration or an absolute point at the epoch. The fixed layout is what lets the Redis
+//! read script ([`crate::script::READ_AND_TOUCH`]) touch the expiry in place.
+//!
+//! Decoding never panics: anything that is not a version-1 envelope within the limits
+//! decodes to a [`Corruption`].
+
+use crate::{Corruption, EntryMeta, Limits};
+
+/// The header's length; the value starts here.
+pub const HEADER_LEN: usize = 32;
+/// The first bytes of every envelope.
+pub const MAGIC: [u8; 3] = *b"CRL";
+/// The envelope version this build writes and reads.
+pub const VERSION: u8 = 1;
+/// Where the expires-at field starts (the one a touch rewrites).
+pub const EXPIRES_AT_OFFSET: usize = 20;
+
+/// The header for `meta` in front of a value of `value_len` bytes.
+///
+/// # Panics
+/// Never for values within [`Limits`]; a `value_len` over `u32::MAX` is clamped, and a
+/// reader then sees the envelope as corrupt rather than misreading it.
+pub fn encode_header(meta: &EntryMeta, value_len: u64) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[..3].copy_from_slice(&MAGIC);
+    h[3] = VERSION;
+    h[4..12].copy_from_slice(&meta.absolute_ms.unwrap_or(0).to_be_bytes());
+    h[12..20].copy_from_slice(&meta.sliding_ms.unwrap_or(0).to_be_bytes());
+    h[20..28].copy_from_slice(&meta.expires_at_ms.to_be_bytes());
+    let len = u32::try_from(value_len).unwrap_or(u32::MAX);
+    h[28..32].copy_from_slice(&len.to_be_bytes());
+    h
+}
+
+/// The whole envelope: header and value.
+pub fn encode(meta: &EntryMeta, value: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + value.len());
+    out.extend_from_slice(&encode_header(meta, value.len() as u64));
+    out.extend_from_slice(value);
+    out
+}
+
+/// A decoded header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decoded {
+    /// The entry's metadata.
+    pub meta: EntryMeta,
+    /// Where the value starts.
+    pub value_offset: usize,
+    /// How long the value is.
+    pub value_len: usize,
+}
+
+/// Decodes the header in `head` (the first bytes of an envelope of `total_len` bytes).
+///
+/// # Errors
+/// A [`Corruption`] when the bytes are not a version-1 envelope, the lengths disagree,
+/// the value is over `limits.max_value_bytes`, or the fields contradict each other.
+pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Decoded, Corruption> {
+    let header_len = HEADER_LEN as u64;
+    if head.len() < 4.min(HEADER_LEN) || total_len < 4 {
+        return Err(Corruption::Truncated {
+            expected: header_len,
+            actual: total_len,
+        });
+    }
+    if head[..3] != MAGIC {
+        return Err(Corruption::Foreign);
+    }
+    if head[3] != VERSION {
+        return Err(Corruption::UnknownVersion(head[3]));
+    }
+    if head.len() < HEADER_LEN || total_len < header_len {
+        return Err(Corruption::Truncated {
+            expected: header_len,
+            actual: total_len.min(head.len() as u64),
+        });
+    }
+    let u64_at = |at: usize| u64::from_be_bytes(head[at..at + 8].try_into().expect("8 bytes"));
+    let absolute = u64_at(4);
+    let sliding = u64_at(12);
+    let expires_at_ms = u64_at(20);
+    let value_len = u32::from_be_bytes(head[28..32].try_into().expect("4 bytes"));
+    if value_len > limits.max_value_bytes {
+        return Err(Corruption::Oversized {
+            len: u64::from(value_len),
+            max: limits.max_value_bytes,
+        });
+    }
+    let expected = header_len + u64::from(value_len);
+    if total_len < expected {
+        return Err(Corruption::Truncated {
+            expected,
+            actual: total_len,
+        });
+    }
+    if total_len > expected {
+        return Err(Corruption::TrailingBytes {
+            expected,
+            actual: total_len,
+        });
+    }
+    let meta = EntryMeta {
+        absolute_ms: (absolute != 0).then_some(absolute),
+        sliding_ms: (sliding != 0).then_some(sliding),
+        expires_at_ms,
+    };
+    if meta.absolute_ms.is_none() && meta.sliding_ms.is_none() {
+        return Err(Corruption::Inconsistent(
+            "neither absolute nor sliding expiration",
+        ));
+    }
+    if meta.absolute_ms.is_some_and(|a| expires_at_ms > a) {
+        return Err(Corruption::Inconsistent(
+            "expires after its absolute expiration",
+        ));
+    }
+    Ok(Decoded {
+        meta,
+        value_offset: HEADER_LEN,
+        value_len: value_len as usize,
+    })
+}
+
+/// Decodes a whole envelope into its metadata and value.
+///
+/// # Errors
+/// As [`decode_header`].
+pub fn decode<'a>(bytes: &'a [u8], limits: &Limits) -> Result<(EntryMeta, &'a [u8]), Corruption> {
+    let d = decode_header(bytes, bytes.len() as u64, limits)?;
+    Ok((d.meta, &bytes[d.value_offset..d.value_offset + d.value_len]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const META: EntryMeta = EntryMeta {
+        absolute_ms: Some(2_000),
+        sliding_ms: Some(500),
+        expires_at_ms: 1_500,
+    };
+
+    fn limits() -> Limits {
+        Limits::default()
+    }
+
+    #[test]
+    fn an_envelope_round_trips() {
+        let bytes = encode(&META, b"hello");
+        assert_eq!(bytes.len(), HEADER_LEN + 5);
+        assert_eq!(&bytes[..4], b"CRL\x01");
+        assert_eq!(decode(&bytes, &limits()), Ok((META, &b"hello"[..])));
+    }
+
+    #[test]
+    fn an_empty_value_is_a_value() {
+        let bytes = encode(&META, b"");
+        assert_eq!(decode(&bytes, &limits()), Ok((META, &b""[..])));
+    }
+
+    #[test]
+    fn the_header_alone_decodes_given_the_total_length() {
+        let bytes = encode(&META, &[7; 100]);
+        let d = decode_header(&bytes[..HEADER_LEN], bytes.len() as u64, &limits()).unwrap();
+        assert_eq!(
+            (d.meta, d.value_offset, d.value_len),
+            (META, HEADER_LEN, 100)
+        );
+    }
+
+    #[test]
+    fn a_truncated_envelope_is_corrupt() {
+        let bytes = encode(&META, b"hello");
+        for cut in [0, 2, 3, 10, HEADER_LEN, HEADER_LEN + 4] {
+            let err = decode(&bytes[..cut], &limits()).unwrap_err();
+            assert!(
+                matches!(err, Corruption::Truncated { .. }),
+                "cut at {cut}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_are_corrupt() {
+        let mut bytes = encode(&META, b"hello");
+        bytes.push(0);
+        assert!(matches!(
+            decode(&bytes, &limits()),
+            Err(Corruption::TrailingBytes { .. })
+        ));
+    }
+
+    #[test]
+    fn foreign_bytes_are_corrupt() {
+        for bytes in [
+            &b"hello world, this is not a Corral envelope"[..],
+            b"{\"json\":true}",
+            b"\0\0\0\0",
+        ] {
+            assert_eq!(decode(bytes, &limits()), Err(Corruption::Foreign));
+        }
+    }
+
+    #[test]
+    fn an_unknown_version_is_corrupt() {
+        let mut bytes = encode(&META, b"x");
+        bytes[3] = 2;
+        assert_eq!(
+            decode(&bytes, &limits()),
+            Err(Corruption::UnknownVersion(2))
+        );
+    }
+
+    #[test]
+    fn an_oversized_value_is_corrupt() {
+        let small = Limits {
+            max_value_bytes: 4,
+            ..limits()
+        };
+        let bytes = encode(&META, b"hello");
+        assert_eq!(
+            decode(&bytes, &small),
+            Err(Corruption::Oversized { len: 5, max: 4 })
+        );
+    }
+
+    #[test]
+    fn contradictory_fields_are_corrupt() {
+        let none = EntryMeta {
+            absolute_ms: None,
+            sliding_ms: None,
+            expires_at_ms: 5,
+        };
+        assert!(matches!(
+            decode(&encode(&none, b""), &limits()),
+            Err(Corruption::Inconsistent(_))
+        ));
+        let past_absolute = EntryMeta {
+            absolute_ms: Some(5),
+            sliding_ms: None,
+            expires_at_ms: 6,
+        };
+        assert!(matches!(
+            decode(&encode(&past_absolute, b""), &limits()),
+            Err(Corruption::Inconsistent(_))
+        ));
+    }
+
+    #[test]
+    fn the_expires_at_field_is_where_the_script_writes() {
+        let bytes = encode(&META, b"v");
+        let field = &bytes[EXPIRES_AT_OFFSET..EXPIRES_AT_OFFSET + 8];
+        assert_eq!(field, 1_500u64.to_be_bytes());
+    }
+
+    fn any_meta() -> impl Strategy<Value = EntryMeta> {
+        (
+            proptest::option::of(1u64..u64::MAX / 2),
+            proptest::option::of(1u64..u64::MAX / 2),
+            1u64..u64::MAX / 2,
+        )
+            .prop_filter("some expiration", |(a, s, _)| a.is_some() || s.is_some())
+            .prop_map(|(a, s, e)| EntryMeta {
+                absolute_ms: a,
+                sliding_ms: s,
+                expires_at_ms: a.map_or(e, |a| a.min(e)),
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn every_valid_entry_round_trips(meta in any_meta(), value in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let bytes = encode(&meta, &value);
+            prop_assert_eq!(decode(&bytes, &limits()), Ok((meta, &value[..])));
+        }
+
+        #[test]
+        fn no_input_panics_and_only_envelopes_decode(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
+            if let Ok((meta, value)) = decode(&bytes, &limits()) {
+                // Whatever decodes re-encodes to the very same bytes.
+                prop_assert_eq!(encode(&meta, value), bytes);
+            }
+        }
+
+        #[test]
+        fn any_truncation_of_an_envelope_is_corrupt(meta in any_meta(), value in proptest::collection::vec(any::<u8>(), 1..100), cut in 0usize..132) {
+            let bytes = encode(&meta, &value);
+            let cut = cut.min(bytes.len() - 1);
+            prop_assert!(decode(&bytes[..cut], &limits()).is_err());
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! Corral's brain: every decision of the cache and lock contract, as pure functions
+//! and state machines.
+//!
+//! Nothing here performs I/O or reads a clock. Time comes in as `now_ms` (Unix epoch
+//! milliseconds), in the style of quinn-proto: the same inputs always give the same
+//! answer, so every rule is unit-testable natively and the same code runs inside the
+//! WebAssembly component (`corral-guest`) that every host drives.
+//!
+//! - [`key`]: what a key may be.
+//! - [`expiry`]: planning an entry's expiry at set time, checking it on read.
+//! - [`envelope`]: the bytes a store holds: a versioned header carrying the expiry
+//!   metadata, then the value.
+//! - [`policy`]: the above composed into one decision per store operation.
+//! - [`script`]: the server-side Lua a Redis store runs to read and touch atomically;
+//!   it mirrors [`expiry::check`] and lives here so the rule has one home.
+
+#![deny(missing_docs)]
+
+pub mod envelope;
+mod error;
+pub mod expiry;
+pub mod key;
+pub mod policy;
+pub mod script;
+
+pub use error::{Arg, ArgError, Corruption};
+pub use expiry::{EntryMeta, EntryOptions, Freshness};
+
+/// The limits and defaults of one cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The longest key, in UTF-8 bytes.
+    pub max_key_bytes: u32,
+    /// The largest value, in bytes.
+    pub max_value_bytes: u32,
+    /// The sliding expiration an entry gets when its options name no expiration.
+    pub default_sliding_ms: u64,
+}
+
+impl Limits {
+    /// 20 minutes, as SqlServerCache.
+    pub const DEFAULT_SLIDING_MS: u64 = 20 * 60 * 1000;
+    /// 1 KiB of key: far more than any sensible key, far less than Redis's 512 MB.
+    pub const DEFAULT_MAX_KEY_BYTES: u32 = 1024;
+    /// 16 MiB of value.
+    pub const DEFAULT_MAX_VALUE_BYTES: u32 = 16 * 1024 * 1024;
+
+    /// Checks that the limits are usable.
+    ///
+    /// # Errors
+    /// An [`ArgError`] naming `limits` when a size or the default sliding is zero, or a
+    /// value limit leaves no room for the envelope header.
+    pub fn check(&self) -> Result<(), ArgError> {
+        let bad = |reason: &str| Err(ArgError::new(Arg::Limits, reason));
+        if self.max_key_bytes == 0 {
+            return bad("max key bytes must be positive");
+        }
+        if self.max_value_bytes == 0 {
+            return bad("max value bytes must be positive");
+        }
+        if self.max_value_bytes > u32::MAX - envelope::HEADER_LEN as u32 {
+            return bad("max value bytes leaves no room for the envelope header");
+        }
+        if self.default_sliding_ms == 0 {
+            return bad("default sliding expiration must be positive");
+        }
+        Ok(())
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_key_bytes: Self::DEFAULT_MAX_KEY_BYTES,
+            max_value_bytes: Self::DEFAULT_MAX_VALUE_BYTES,
+            default_sliding_ms: Self::DEFAULT_SLIDING_MS,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_limits_are_usable() {
+        assert_eq!(Limits::default().check(), Ok(()));
+    }
+
+    #[test]
+    fn zero_limits_are_rejected_naming_limits() {
+        for limits in [
+            Limits {
+                max_key_bytes: 0,
+                ..Limits::default()
+            },
+            Limits {
+                max_value_bytes: 0,
+                ..Limits::default()
+            },
+            Limits {
+                default_sliding_ms: 0,
+                ..Limits::default()
+            },
+            Limits {
+                max_value_bytes: u32::MAX,
+                ..Limits::default()
+            },
+        ] {
+            let err = limits.check().unwrap_err();
+            assert_eq!(err.arg, Arg::Limits, "{limits:?}");
+        }
+    }
+}

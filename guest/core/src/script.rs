@@ -1,0 +1,71 @@
+//! Server-side Lua for Redis stores.
+//!
+//! [`READ_AND_TOUCH`] reads an envelope and applies [`crate::expiry::check`] on the
+//! server, so a sliding read costs one round trip and cannot race another writer. It is
+//! the one place the expiry rule is written a second time, in Lua; the contract suite
+//! runs it against a real Redis beside the Rust rule.
+//!
+//! Timestamps are below 2^53, so Lua's doubles hold them exactly.
+
+/// `KEYS[1]`: the entry. `ARGV[1]`: now (Unix ms). `ARGV[2]`: the store TTL grace (ms).
+///
+/// Returns the envelope, touched when a sliding read moved it, or nil when the key is
+/// missing or expired (an expired entry is deleted). Bytes that are not a version-1
+/// envelope come back untouched, for the reader to judge (and remove) as corrupt.
+pub const READ_AND_TOUCH: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if not v then return false end
+if string.len(v) < 32 or string.sub(v, 1, 4) ~= 'CRL\1' then return v end
+local function u64(at)
+  local n = 0
+  for i = at, at + 7 do n = n * 256 + string.byte(v, i) end
+  return n
+end
+local absolute, sliding, expires = u64(5), u64(13), u64(21)
+local now = tonumber(ARGV[1])
+if now >= expires then
+  redis.call('DEL', KEYS[1])
+  return false
+end
+if sliding > 0 then
+  local target = now + sliding
+  if absolute > 0 and absolute < target then target = absolute end
+  if target > expires then
+    local bytes, n = {}, target
+    for i = 8, 1, -1 do
+      bytes[i] = string.char(n % 256)
+      n = math.floor(n / 256)
+    end
+    local field = table.concat(bytes)
+    redis.call('SETRANGE', KEYS[1], 20, field)
+    redis.call('PEXPIRE', KEYS[1], target - now + tonumber(ARGV[2]))
+    v = string.sub(v, 1, 20) .. field .. string.sub(v, 29)
+  end
+end
+return v
+"#;
+
+/// `KEYS[1]`: the key. `ARGV[1]`: the bytes it must hold. Deletes the key only if it
+/// still holds exactly those bytes; returns 1 when deleted, else 0. Used to remove a
+/// corrupt entry without removing a good one written since, and to release a lock.
+pub const DELETE_IF_EQUAL: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::envelope::{EXPIRES_AT_OFFSET, MAGIC, VERSION};
+
+    #[test]
+    fn the_script_agrees_with_the_envelope_layout() {
+        // Lua strings are 1-based; SETRANGE offsets are 0-based.
+        assert!(READ_AND_TOUCH.contains(&format!("SETRANGE', KEYS[1], {EXPIRES_AT_OFFSET},")));
+        assert!(READ_AND_TOUCH.contains(&format!("u64({})", EXPIRES_AT_OFFSET + 1)));
+        let magic = format!("'{}\\{}'", std::str::from_utf8(&MAGIC).unwrap(), VERSION);
+        assert!(READ_AND_TOUCH.contains(&magic), "{magic}");
+    }
+}

@@ -1,0 +1,327 @@
+//! `corral`: the command-line face of the cache.
+//!
+//! `corral demo` runs the main job on the embedded default (no Redis needed). The
+//! entry commands (`set`, `get`, `refresh`, `remove`, `inspect`) work on the embedded
+//! default or, with `--redis URL`, on a shared Redis; `corral script` runs one command
+//! per line of standard input against one cache, which is how the embedded default
+//! (which lives only as long as the process) is used from a shell.
+
+use std::io::BufRead;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use comfy_table::Table;
+use corral::{Clock, Corral, EntryOptions, Error, ErrorKind, ManualClock};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "corral",
+    version,
+    about = "Corral: a tiered cache and lock that stops cache stampedes"
+)]
+struct Cli {
+    /// Use Redis at this URL as L2 (default: the embedded in-memory L2).
+    #[arg(long, global = true, env = "CORRAL_REDIS", value_name = "URL")]
+    redis: Option<String>,
+    /// Store every key under this prefix in Redis.
+    #[arg(long, global = true, default_value = "corral:")]
+    prefix: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Walk through the cache contract on the embedded default and print what happened.
+    Demo,
+    /// Store VALUE under KEY.
+    Set {
+        key: String,
+        value: String,
+        /// Expire this long after the set (e.g. 30s, 5m).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        relative: Option<Duration>,
+        /// Expire at this Unix time, in milliseconds.
+        #[arg(long, value_name = "UNIX_MS")]
+        absolute_ms: Option<u64>,
+        /// Expire this long after the last read or refresh (e.g. 20m).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        sliding: Option<Duration>,
+    },
+    /// Print the value under KEY.
+    Get { key: String },
+    /// Refresh KEY as a read would (moves a sliding expiry).
+    Refresh { key: String },
+    /// Remove KEY.
+    Remove { key: String },
+    /// Decode the entry under KEY and show its metadata.
+    Inspect { key: String },
+    /// Run one command per line of standard input (e.g. `set k v --sliding 5m`) on one cache.
+    Script,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                eprintln!("  caused by: {s}");
+                source = s.source();
+            }
+            if let Some(hint) = hint(&e) {
+                eprintln!("hint: {hint}");
+            }
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}
+
+fn hint(e: &Error) -> Option<&'static str> {
+    match e.kind() {
+        ErrorKind::Unavailable => Some(
+            "is redis-server running at that URL? Start one with `redis-server --port 6379`, \
+             or drop --redis to use the embedded in-memory store",
+        ),
+        ErrorKind::InvalidArgument => Some("see `corral --help` for what each argument takes"),
+        ErrorKind::Guest => Some(
+            "the guest component failed: this is a bug, please report it with the command you ran",
+        ),
+        _ => None,
+    }
+}
+
+fn exit_code(e: &Error) -> u8 {
+    match e.kind() {
+        ErrorKind::InvalidArgument => 2,
+        ErrorKind::Unavailable | ErrorKind::Timeout => 3,
+        _ => 1,
+    }
+}
+
+fn build(cli: &Cli) -> corral::Result<Corral> {
+    let builder = Corral::builder();
+    let builder = match &cli.redis {
+        Some(url) => {
+            let mut options = corral::l2::RedisOptions::new(url.clone());
+            options.prefix = cli.prefix.clone();
+            builder.redis_options(options)
+        }
+        None => builder,
+    };
+    builder.build()
+}
+
+async fn run(cli: Cli) -> corral::Result<()> {
+    match &cli.command {
+        Command::Demo => demo().await,
+        Command::Script => {
+            let cache = build(&cli)?;
+            for (n, line) in std::io::stdin().lock().lines().enumerate() {
+                let line = line.map_err(|e| {
+                    Error::from(ErrorKind::InvalidArgument)
+                        .with_context(format!("reading line {}: {e}", n + 1))
+                })?;
+                let words: Vec<&str> = line.split_whitespace().collect();
+                if words.is_empty() || words[0].starts_with('#') {
+                    continue;
+                }
+                let parsed = match Cli::try_parse_from(
+                    std::iter::once("corral").chain(words.iter().copied()),
+                ) {
+                    Ok(parsed) => parsed,
+                    Err(e) => {
+                        eprintln!(
+                            "line {}: {}",
+                            n + 1,
+                            e.to_string().lines().next().unwrap_or_default()
+                        );
+                        continue;
+                    }
+                };
+                if let Err(e) = entry_command(&cache, &parsed.command).await {
+                    println!("line {}: error: {e}", n + 1);
+                }
+            }
+            Ok(())
+        }
+        command => entry_command(&build(&cli)?, command).await,
+    }
+}
+
+async fn entry_command(cache: &Corral, command: &Command) -> corral::Result<()> {
+    match command {
+        Command::Set {
+            key,
+            value,
+            relative,
+            absolute_ms,
+            sliding,
+        } => {
+            let mut options = EntryOptions::new();
+            if let Some(d) = relative {
+                options = options.relative(*d);
+            }
+            if let Some(at) = absolute_ms {
+                options = options.absolute_at_ms(*at);
+            }
+            if let Some(d) = sliding {
+                options = options.sliding(*d);
+            }
+            cache.set(key, value.clone().into_bytes(), options).await?;
+            println!("stored {key}");
+        }
+        Command::Get { key } => match cache.get(key).await? {
+            Some(v) => println!("{}", String::from_utf8_lossy(&v)),
+            None => println!("(no entry)"),
+        },
+        Command::Refresh { key } => {
+            let found = cache.refresh(key).await?;
+            println!("{}", if found { "refreshed" } else { "(no entry)" });
+        }
+        Command::Remove { key } => {
+            let found = cache.remove(key).await?;
+            println!("{}", if found { "removed" } else { "(no entry)" });
+        }
+        Command::Inspect { key } => match cache.inspect(key).await? {
+            Some(i) => println!("{}", inspection_table(cache, key, &i)),
+            None => println!("(no entry)"),
+        },
+        Command::Demo | Command::Script => {
+            return Err(Error::from(ErrorKind::InvalidArgument)
+                .with_context("demo and script cannot be nested"));
+        }
+    }
+    Ok(())
+}
+
+fn ms(d: Option<u64>) -> String {
+    d.map_or_else(
+        || "-".to_string(),
+        |ms| humantime::format_duration(Duration::from_millis(ms)).to_string(),
+    )
+}
+
+fn inspection_table(cache: &Corral, key: &str, i: &corral::Inspection) -> Table {
+    let now = cache.clock().now_ms();
+    let mut table = Table::new();
+    table
+        .load_preset(comfy_table::presets::UTF8_BORDERS_ONLY)
+        .set_header(["field", "value"]);
+    table.add_row(["key", key]);
+    table.add_row(["state", if i.fresh { "fresh" } else { "expired" }]);
+    table.add_row(["value bytes".to_string(), i.value_len.to_string()]);
+    table.add_row(["stored bytes".to_string(), i.stored_len.to_string()]);
+    table.add_row([
+        "absolute expiration (unix ms)".to_string(),
+        i.meta.absolute_ms.map_or("-".into(), |v| v.to_string()),
+    ]);
+    table.add_row(["sliding expiration".to_string(), ms(i.meta.sliding_ms)]);
+    table.add_row([
+        "expires at (unix ms)".to_string(),
+        i.meta.expires_at_ms.to_string(),
+    ]);
+    table.add_row([
+        "expires in".to_string(),
+        ms(Some(i.meta.expires_at_ms.saturating_sub(now))),
+    ]);
+    table
+}
+
+/// The contract in one screen, on the embedded default with a manual clock (so the
+/// demo can skip ahead in time without waiting).
+async fn demo() -> corral::Result<()> {
+    let clock = ManualClock::starting_now();
+    let cache = Corral::builder()
+        .clock(clock.clone())
+        .default_sliding(Duration::from_secs(20 * 60))
+        .build()?;
+    println!("Corral demo: embedded in-memory L2, a manual clock we move by hand.\n");
+    let mut table = Table::new();
+    table
+        .load_preset(comfy_table::presets::UTF8_BORDERS_ONLY)
+        .set_header(["t+", "operation", "result"]);
+    let start = clock.now_ms();
+    let mut row = |op: &str, result: String| {
+        let t =
+            humantime::format_duration(Duration::from_millis(clock.now_ms() - start)).to_string();
+        table.add_row([
+            if t.is_empty() { "0s".to_string() } else { t },
+            op.to_string(),
+            result,
+        ]);
+    };
+    let show = |r: corral::Result<Option<bytes::Bytes>>| match r {
+        Ok(Some(v)) => format!("hit: {}", String::from_utf8_lossy(&v)),
+        Ok(None) => "miss".to_string(),
+        Err(e) => format!("error: {e}"),
+    };
+
+    cache
+        .set(
+            "session",
+            "s3cr3t",
+            EntryOptions::new().sliding(Duration::from_secs(60)),
+        )
+        .await?;
+    row("set session, sliding 1m", "stored".into());
+    cache
+        .set(
+            "report",
+            "q3",
+            EntryOptions::new().relative(Duration::from_secs(90)),
+        )
+        .await?;
+    row("set report, relative 90s", "stored".into());
+    cache.set("plain", "x", EntryOptions::new()).await?;
+    row("set plain, no options", "default sliding 20m".into());
+    clock.advance(Duration::from_secs(45));
+    row("get session", show(cache.get("session").await));
+    clock.advance(Duration::from_secs(45));
+    row(
+        "get session (read at 45s slid it)",
+        show(cache.get("session").await),
+    );
+    row(
+        "get report (relative never slides)",
+        show(cache.get("report").await),
+    );
+    clock.advance(Duration::from_secs(61));
+    row("get session (idle 61s)", show(cache.get("session").await));
+    row("get plain", show(cache.get("plain").await));
+    row("get \"   \"", show(cache.get("   ").await));
+    let both = EntryOptions::new()
+        .relative(Duration::from_secs(1))
+        .absolute_at_ms(clock.now_ms() + 5);
+    row(
+        "set with relative and absolute",
+        match cache.set("k", "v", both).await {
+            Ok(()) => "stored".into(),
+            Err(e) => format!("error: {e}"),
+        },
+    );
+    println!("{table}\n");
+
+    let mut metrics = Table::new();
+    metrics
+        .load_preset(comfy_table::presets::UTF8_BORDERS_ONLY)
+        .set_header(["metric", "count"]);
+    for (name, value) in cache.metrics().fields() {
+        if value > 0 {
+            metrics.add_row([name.to_string(), value.to_string()]);
+        }
+    }
+    println!("{metrics}");
+    Ok(())
+}

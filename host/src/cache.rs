@@ -1,0 +1,347 @@
+//! [`Corral`]: the cache a service embeds, and its builder.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::clock::{Clock, SystemClock};
+use crate::l2::{L2Store, MemoryL2};
+use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::options::{EntryOptions, Inspection, duration_ms};
+use crate::policy::{Limits, Policy, ReadOutcome};
+use crate::{Error, ErrorKind, Result};
+
+#[cfg(feature = "redis")]
+use crate::l2::{RedisL2, RedisOptions};
+
+/// A tiered cache whose every decision is made by the Corral guest component.
+///
+/// Cheap to clone: clones share the stores, the guest and the metrics.
+///
+/// ```no_run
+/// # async fn demo() -> corral::Result<()> {
+/// use std::time::Duration;
+/// use corral::{Corral, EntryOptions};
+///
+/// let cache = Corral::builder().build()?; // in-memory L2; `.redis(url)` for Redis
+/// cache.set("user:42", b"Ada".to_vec(), EntryOptions::new().sliding(Duration::from_secs(60))).await?;
+/// assert_eq!(cache.get("user:42").await?.as_deref(), Some(&b"Ada"[..]));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Corral {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    policy: Policy,
+    clock: Arc<dyn Clock>,
+    l2: Arc<dyn L2Store>,
+    memory: Option<MemoryL2>,
+    #[cfg(feature = "redis")]
+    redis: Option<RedisL2>,
+    metrics: Metrics,
+}
+
+impl fmt::Debug for Corral {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Corral")
+            .field("l2", &self.inner.l2)
+            .field("clock", &self.inner.clock)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures and builds a [`Corral`].
+#[derive(Debug)]
+#[must_use]
+pub struct CorralBuilder {
+    clock: Arc<dyn Clock>,
+    limits: Limits,
+    invalidation_interval: Duration,
+    #[cfg(feature = "redis")]
+    redis: Option<RedisOptions>,
+}
+
+impl Default for CorralBuilder {
+    fn default() -> Self {
+        CorralBuilder {
+            clock: Arc::new(SystemClock),
+            limits: Limits {
+                max_key_bytes: 1024,
+                max_value_bytes: 16 * 1024 * 1024,
+                default_sliding_ms: 20 * 60 * 1000,
+            },
+            invalidation_interval: Duration::from_secs(30),
+            #[cfg(feature = "redis")]
+            redis: None,
+        }
+    }
+}
+
+impl CorralBuilder {
+    /// The clock every decision reads (default: the system clock). Tests pass a
+    /// [`ManualClock`](crate::ManualClock).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Use Redis at `url` (`redis://host:port/db`) as L2, keys under the prefix `corral:`.
+    #[cfg(feature = "redis")]
+    pub fn redis(self, url: impl Into<String>) -> Self {
+        self.redis_options(RedisOptions::new(url))
+    }
+
+    /// Use Redis as L2 with these options.
+    #[cfg(feature = "redis")]
+    pub fn redis_options(mut self, options: RedisOptions) -> Self {
+        self.redis = Some(options);
+        self
+    }
+
+    /// The sliding expiration of entries whose options name none (default 20 minutes).
+    pub fn default_sliding(mut self, idle: Duration) -> Self {
+        self.limits.default_sliding_ms = duration_ms(idle);
+        self
+    }
+
+    /// The longest key, in UTF-8 bytes (default 1024).
+    pub fn max_key_bytes(mut self, n: u32) -> Self {
+        self.limits.max_key_bytes = n;
+        self
+    }
+
+    /// The largest value, in bytes (default 16 MiB).
+    pub fn max_value_bytes(mut self, n: u32) -> Self {
+        self.limits.max_value_bytes = n;
+        self
+    }
+
+    /// How often the in-memory L2 removes expired entries in the background (default 30 s).
+    pub fn invalidation_interval(mut self, every: Duration) -> Self {
+        self.invalidation_interval = every;
+        self
+    }
+
+    /// Loads the guest, checks the limits and connects the stores. Redis is connected
+    /// lazily: an unreachable server is reported by the operations that need it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for bad limits or a bad Redis URL;
+    /// [`ErrorKind::Guest`] if the guest component cannot be loaded.
+    pub fn build(self) -> Result<Corral> {
+        let policy = Policy::load(self.limits)?;
+        let clock = self.clock;
+        let mut memory = None;
+        #[cfg(feature = "redis")]
+        let mut redis = None;
+        #[cfg(feature = "redis")]
+        let l2: Arc<dyn L2Store> = match &self.redis {
+            Some(options) => {
+                let store = RedisL2::connect(options, &policy)?;
+                redis = Some(store.clone());
+                Arc::new(store)
+            }
+            None => {
+                let store = MemoryL2::new(
+                    policy.clone(),
+                    clock.clone(),
+                    duration_ms(self.invalidation_interval),
+                );
+                memory = Some(store.clone());
+                Arc::new(store)
+            }
+        };
+        #[cfg(not(feature = "redis"))]
+        let l2: Arc<dyn L2Store> = {
+            let store = MemoryL2::new(
+                policy.clone(),
+                clock.clone(),
+                duration_ms(self.invalidation_interval),
+            );
+            memory = Some(store.clone());
+            Arc::new(store)
+        };
+        Ok(Corral {
+            inner: Arc::new(Inner {
+                policy,
+                clock,
+                l2,
+                memory,
+                #[cfg(feature = "redis")]
+                redis,
+                metrics: Metrics::default(),
+            }),
+        })
+    }
+}
+
+impl Corral {
+    /// A builder with the defaults: in-memory L2, system clock, 20-minute default sliding.
+    pub fn builder() -> CorralBuilder {
+        CorralBuilder::default()
+    }
+
+    /// The value under `key`, if a fresh entry holds one. A read of a sliding entry
+    /// moves its expiry (never past its absolute expiration). Missing, expired and
+    /// corrupt entries are all `None`; an expired or corrupt entry is removed.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
+    /// the store fails.
+    pub async fn get(&self, key: &str) -> Result<Option<Bytes>> {
+        self.inner.policy.validate_key(key)?;
+        let now = self.inner.clock.now_ms();
+        let found = self.l2_read(key, now).await?;
+        let m = &self.inner.metrics;
+        Metrics::bump(if found.is_some() {
+            &m.l2_hits
+        } else {
+            &m.misses
+        });
+        Ok(found)
+    }
+
+    /// Stores `value` under `key`, expiring as `options` say.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] naming `key`, `value`, `absolute`, `relative` or
+    /// `sliding`; [`ErrorKind::Unavailable`] when the store fails.
+    pub async fn set(
+        &self,
+        key: &str,
+        value: impl Into<Bytes>,
+        options: EntryOptions,
+    ) -> Result<()> {
+        let value = value.into();
+        let now = self.inner.clock.now_ms();
+        let plan = self
+            .inner
+            .policy
+            .plan_set(key, value.len(), &options, now)?;
+        let mut stored = Vec::with_capacity(plan.header.len() + value.len());
+        stored.extend_from_slice(&plan.header);
+        stored.extend_from_slice(&value);
+        self.l2_op(self.inner.l2.write(key, stored.into(), plan.store_ttl_ms))
+            .await?;
+        Metrics::bump(&self.inner.metrics.sets);
+        Ok(())
+    }
+
+    /// Refreshes `key` as a read would, without returning the value: a sliding entry's
+    /// expiry moves. Says whether a fresh entry was there; a missing one is not an error.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub async fn refresh(&self, key: &str) -> Result<bool> {
+        self.inner.policy.validate_key(key)?;
+        let now = self.inner.clock.now_ms();
+        Ok(self.l2_read(key, now).await?.is_some())
+    }
+
+    /// Removes `key`. Says whether an entry was there; a missing one is not an error.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
+    /// the store fails.
+    pub async fn remove(&self, key: &str) -> Result<bool> {
+        self.inner.policy.validate_key(key)?;
+        let removed = self.l2_op(self.inner.l2.delete(key)).await?;
+        Metrics::bump(&self.inner.metrics.removes);
+        Ok(removed)
+    }
+
+    /// The entry under `key` as stored, decoded, without touching it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Corrupt`] when the stored bytes are not an envelope (they are left
+    /// in place); otherwise as [`get`](Self::get).
+    pub async fn inspect(&self, key: &str) -> Result<Option<Inspection>> {
+        self.inner.policy.validate_key(key)?;
+        let Some(stored) = self.l2_op(self.inner.l2.peek(key)).await? else {
+            return Ok(None);
+        };
+        let (meta, _offset, value_len) = self.inner.policy.decode(&stored)?;
+        let now = self.inner.clock.now_ms();
+        let fresh = !matches!(
+            self.inner.policy.check(&meta, now)?,
+            crate::Freshness::Expired
+        );
+        Ok(Some(Inspection {
+            meta,
+            value_len,
+            fresh,
+            stored_len: stored.len(),
+        }))
+    }
+
+    /// What this cache has done so far.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.inner.metrics.snapshot()
+    }
+
+    /// The L2 store.
+    pub fn l2(&self) -> &dyn L2Store {
+        &*self.inner.l2
+    }
+
+    /// The in-memory L2, when that is the backend.
+    pub fn memory_l2(&self) -> Option<&MemoryL2> {
+        self.inner.memory.as_ref()
+    }
+
+    /// The Redis L2, when that is the backend.
+    #[cfg(feature = "redis")]
+    pub fn redis_l2(&self) -> Option<&RedisL2> {
+        self.inner.redis.as_ref()
+    }
+
+    /// The guest's decisions, for callers that want them directly.
+    pub fn policy(&self) -> &Policy {
+        &self.inner.policy
+    }
+
+    /// The clock this cache reads.
+    pub fn clock(&self) -> &dyn Clock {
+        &*self.inner.clock
+    }
+
+    async fn l2_op<T>(&self, op: impl Future<Output = Result<T>>) -> Result<T> {
+        let out = op.await;
+        if out.is_err() {
+            Metrics::bump(&self.inner.metrics.l2_errors);
+        }
+        out
+    }
+
+    /// One L2 read: the store touches atomically, the guest judges what came back.
+    async fn l2_read(&self, key: &str, now: u64) -> Result<Option<Bytes>> {
+        let Some(stored) = self.l2_op(self.inner.l2.read(key, now)).await? else {
+            return Ok(None);
+        };
+        match self.inner.policy.read(&stored, now)? {
+            ReadOutcome::Fresh(hit) => Ok(Some(stored.slice(hit.value_offset as usize..))),
+            ReadOutcome::Expired => {
+                self.l2_op(self.inner.l2.delete_if_equal(key, stored))
+                    .await?;
+                Ok(None)
+            }
+            ReadOutcome::Corrupt(reason) => {
+                Metrics::bump(&self.inner.metrics.corrupt);
+                tracing::warn!(key, %reason, "corrupt entry removed and treated as a miss");
+                self.l2_op(self.inner.l2.delete_if_equal(key, stored))
+                    .await?;
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl From<ErrorKind> for Error {
+    fn from(kind: ErrorKind) -> Self {
+        Error::new(kind, kind.to_string())
+    }
+}

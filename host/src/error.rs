@@ -1,0 +1,111 @@
+//! The one error type of the public API.
+
+use std::fmt;
+
+/// What kind of failure an [`Error`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// An argument broke the contract; [`Error::argument`] names it. Nothing was
+    /// stored, changed or removed.
+    InvalidArgument,
+    /// The store (Redis) could not be reached, timed out or failed.
+    Unavailable,
+    /// A stored value was not a Corral envelope. Reads treat this as a miss; it only
+    /// surfaces where a caller asked to see the raw entry.
+    Corrupt,
+    /// A lock the caller held was lost (expired, taken over, or its server gone).
+    LockLost,
+    /// A deadline passed before the operation could complete.
+    Timeout,
+    /// The guest component failed: a trap or a broken contract. A bug, not a condition.
+    Guest,
+    /// The loader of a get-or-set failed; the source is its error.
+    Loader,
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ErrorKind::InvalidArgument => "invalid argument",
+            ErrorKind::Unavailable => "store unavailable",
+            ErrorKind::Corrupt => "corrupt entry",
+            ErrorKind::LockLost => "lock lost",
+            ErrorKind::Timeout => "timed out",
+            ErrorKind::Guest => "guest component failed",
+            ErrorKind::Loader => "loader failed",
+        })
+    }
+}
+
+type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// An error of a Corral operation: a [`kind`](Error::kind), a message, and the cause.
+///
+/// Store errors never leak a Redis type: the Redis error is only the
+/// [`source`](std::error::Error::source).
+#[derive(Debug, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    argument: Option<String>,
+    #[source]
+    source: Option<Source>,
+}
+
+/// `Result<T, corral::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error {
+            kind,
+            message: message.into(),
+            argument: None,
+            source: None,
+        }
+    }
+
+    pub(crate) fn invalid_argument(name: impl Into<String>, reason: impl fmt::Display) -> Self {
+        let name = name.into();
+        let mut e = Error::new(ErrorKind::InvalidArgument, format!("`{name}` {reason}"));
+        e.argument = Some(name);
+        e
+    }
+
+    pub(crate) fn unavailable(context: impl fmt::Display, source: impl Into<Source>) -> Self {
+        Error::new(ErrorKind::Unavailable, context.to_string()).with_source(source)
+    }
+
+    pub(crate) fn guest(context: impl fmt::Display, source: impl Into<Source>) -> Self {
+        Error::new(ErrorKind::Guest, context.to_string()).with_source(source)
+    }
+
+    pub(crate) fn with_source(mut self, source: impl Into<Source>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// Replaces the message with `context` (the kind, argument and source stay).
+    pub fn with_context(mut self, context: impl Into<String>) -> Self {
+        self.message = context.into();
+        self
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// For [`ErrorKind::InvalidArgument`], the argument at fault (`key`, `value`,
+    /// `absolute`, `relative`, `sliding`, `limits`, ...).
+    pub fn argument(&self) -> Option<&str> {
+        self.argument.as_deref()
+    }
+
+    /// Whether trying again later may succeed (a store outage or a timeout).
+    pub fn is_retryable(&self) -> bool {
+        matches!(self.kind, ErrorKind::Unavailable | ErrorKind::Timeout)
+    }
+}

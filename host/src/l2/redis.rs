@@ -1,0 +1,211 @@
+//! The Redis L2, through the `redis` crate's `ConnectionManager` (reconnects by itself).
+//!
+//! Every key is stored under the configured prefix, so applications and tenants sharing
+//! one Redis never see each other's entries. A read is one round trip: the guest's
+//! read-and-touch Lua runs on the server (`EVALSHA`, falling back to `EVAL` once).
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::io::tcp::TcpSettings;
+use redis::{IntoConnectionInfo, Script};
+
+use super::L2Store;
+use crate::policy::Policy;
+use crate::{Error, Result};
+
+/// How to reach Redis.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RedisOptions {
+    /// `redis://host:port/db`.
+    pub url: String,
+    /// Every key is stored as `prefix` + key.
+    pub prefix: String,
+    /// How long one connection attempt may take.
+    pub connect_timeout: Duration,
+    /// How long one command may take.
+    pub response_timeout: Duration,
+}
+
+impl RedisOptions {
+    /// Options for `url` with the default prefix `corral:` and timeouts.
+    pub fn new(url: impl Into<String>) -> Self {
+        RedisOptions {
+            url: url.into(),
+            prefix: "corral:".into(),
+            connect_timeout: Duration::from_millis(500),
+            response_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// The Redis L2 store. Cheap to clone.
+#[derive(Clone)]
+pub struct RedisL2 {
+    conn: ConnectionManager,
+    prefix: Arc<str>,
+    read_script: Arc<Script>,
+    delete_if_equal: Arc<Script>,
+    grace_ms: u64,
+    commands: Arc<AtomicU64>,
+}
+
+impl fmt::Debug for RedisL2 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisL2")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
+    move |e| Error::unavailable(format!("redis {what} failed"), e)
+}
+
+impl RedisL2 {
+    /// Connects to Redis (lazily: an unreachable server is reported by the first
+    /// operation, and the manager keeps reconnecting).
+    pub(crate) fn connect(options: &RedisOptions, policy: &Policy) -> Result<Self> {
+        let info = options
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| {
+                Error::invalid_argument("redis url", format!("is not a Redis URL: {e}"))
+                    .with_source(e)
+            })?
+            .set_tcp_settings(TcpSettings::default().set_nodelay(true));
+        let client = redis::Client::open(info).map_err(unavailable("client"))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.connect_timeout))
+            .set_response_timeout(Some(options.response_timeout))
+            .set_number_of_retries(1);
+        let conn = client
+            .get_connection_manager_lazy(config)
+            .map_err(unavailable("connect"))?;
+        Ok(RedisL2 {
+            conn,
+            prefix: options.prefix.as_str().into(),
+            read_script: Arc::new(Script::new(policy.redis_read_script())),
+            delete_if_equal: Arc::new(Script::new(policy.redis_delete_if_equal_script())),
+            grace_ms: policy.store_ttl_grace_ms(),
+            commands: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    fn key(&self, key: &str) -> String {
+        let mut k = String::with_capacity(self.prefix.len() + key.len());
+        k.push_str(&self.prefix);
+        k.push_str(key);
+        k
+    }
+
+    fn count(&self, n: u64) {
+        self.commands.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Commands sent to Redis so far by this store (a script counts as one).
+    pub fn commands_sent(&self) -> u64 {
+        self.commands.load(Ordering::Relaxed)
+    }
+
+    /// A connection to the same Redis, for callers that need raw access (tests, tools).
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+
+    /// The prefix every key is stored under.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+}
+
+impl L2Store for RedisL2 {
+    fn read<'a>(&'a self, key: &'a str, now_ms: u64) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            let found: Option<Vec<u8>> = self
+                .read_script
+                .key(self.key(key))
+                .arg(now_ms)
+                .arg(self.grace_ms)
+                .invoke_async(&mut conn)
+                .await
+                .map_err(unavailable("read"))?;
+            Ok(found.map(Bytes::from))
+        }
+        .boxed()
+    }
+
+    fn peek<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            let found: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(self.key(key))
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("GET"))?;
+            Ok(found.map(Bytes::from))
+        }
+        .boxed()
+    }
+
+    fn write<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            redis::cmd("SET")
+                .arg(self.key(key))
+                .arg(bytes.as_ref())
+                .arg("PX")
+                .arg(ttl_ms.max(1))
+                .query_async::<()>(&mut conn)
+                .await
+                .map_err(unavailable("SET"))
+        }
+        .boxed()
+    }
+
+    fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            let n: u64 = redis::cmd("DEL")
+                .arg(self.key(key))
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("DEL"))?;
+            Ok(n > 0)
+        }
+        .boxed()
+    }
+
+    fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            let n: u64 = self
+                .delete_if_equal
+                .key(self.key(key))
+                .arg(expected.as_ref())
+                .invoke_async(&mut conn)
+                .await
+                .map_err(unavailable("delete-if-equal"))?;
+            Ok(n > 0)
+        }
+        .boxed()
+    }
+
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+}

@@ -1,0 +1,40 @@
+//! Corral: a tiered cache with single-flight loading and distributed locks, whose
+//! every decision is made by a WebAssembly component.
+//!
+//! The guest component (`guest/component`, built from `corral-core`) is the brain: key
+//! rules, expiry, the stored envelope. This crate is the fast native body: it loads the
+//! component once, calls its pure `policy` export synchronously, and performs the I/O:
+//! the clock, the L2 store (in memory, or Redis through the `redis` crate).
+//!
+//! ```no_run
+//! # async fn demo() -> corral::Result<()> {
+//! use std::time::Duration;
+//! use corral::{Corral, EntryOptions, ErrorKind};
+//!
+//! let cache = Corral::builder().redis("redis://127.0.0.1:6379").build()?;
+//! cache.set("greeting", "hello", EntryOptions::new().relative(Duration::from_secs(30))).await?;
+//! let value = cache.get("greeting").await?; // Some(b"hello")
+//! # assert!(value.is_some());
+//! let err = cache.get("   ").await.unwrap_err();
+//! assert_eq!(err.kind(), ErrorKind::InvalidArgument);
+//! assert_eq!(err.argument(), Some("key"));
+//! # Ok(()) }
+//! ```
+
+#![deny(missing_docs)]
+
+mod bindings;
+mod cache;
+mod clock;
+mod error;
+pub mod l2;
+mod metrics;
+mod options;
+mod policy;
+
+pub use cache::{Corral, CorralBuilder};
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use error::{Error, ErrorKind, Result};
+pub use metrics::MetricsSnapshot;
+pub use options::{EntryMeta, EntryOptions, Inspection};
+pub use policy::{Freshness, GUEST_WASM, GUEST_WASM_PATH, Policy};

@@ -1,0 +1,328 @@
+//! The guest component, loaded once, and the calls into its `policy` export.
+//!
+//! The component is compiled once per process (and cached on disk by wasmtime between
+//! processes). Calls are synchronous and short; each takes an idle instance from a
+//! small pool (one `Store` each), so concurrent callers never share a `Store`.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+use wasmtime::component::{Component, Linker, ResourceTable};
+use wasmtime::{Config, Engine, Store};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use crate::bindings::corral::cache::types;
+use crate::bindings::exports::corral::cache::policy as wit;
+use crate::bindings::{Guest, GuestPre};
+use crate::options::{EntryMeta, EntryOptions};
+use crate::{Error, ErrorKind, Result};
+
+/// The guest component's bytes: `guest/component` built for `wasm32-wasip2`.
+pub const GUEST_WASM: &[u8] = include_bytes!(env!("CORRAL_GUEST_WASM"));
+
+/// Where the build put the guest component (the file [`GUEST_WASM`] was read from).
+pub const GUEST_WASM_PATH: &str = env!("CORRAL_GUEST_WASM");
+
+/// How many idle instances the pool keeps; more are created under load and dropped after.
+const MAX_IDLE: usize = 64;
+
+pub(crate) struct GuestState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+}
+
+impl WasiView for GuestState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+struct Loaded {
+    engine: Engine,
+    pre: GuestPre<GuestState>,
+}
+
+/// Compiles the component and links WASI, once per process.
+fn loaded() -> Result<&'static Loaded> {
+    static LOADED: OnceLock<std::result::Result<Loaded, String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| load().map_err(|e| format!("{e:#}")))
+        .as_ref()
+        .map_err(|e| {
+            Error::new(
+                ErrorKind::Guest,
+                format!("loading the guest component failed: {e}"),
+            )
+        })
+}
+
+fn load() -> wasmtime::Result<Loaded> {
+    let mut config = Config::new();
+    // A cache across processes: the multi-process tools and tests compile once.
+    if let Ok(cache) = wasmtime::Cache::from_file(None) {
+        config.cache(Some(cache));
+    }
+    let engine = Engine::new(&config)?;
+    let component = Component::new(&engine, GUEST_WASM)?;
+    let mut linker = Linker::<GuestState>::new(&engine);
+    // std on wasip2 imports wasi:cli and wasi:io (stderr for panics); the policy itself
+    // needs nothing.
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+    let pre = GuestPre::new(linker.instantiate_pre(&component)?)?;
+    Ok(Loaded { engine, pre })
+}
+
+struct Slot {
+    store: Store<GuestState>,
+    guest: Guest,
+}
+
+/// A handle to the guest's cache decisions. Cheap to clone.
+#[derive(Clone)]
+pub struct Policy {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    loaded: &'static Loaded,
+    slots: Mutex<Vec<Slot>>,
+    limits: types::Limits,
+    header_len: usize,
+    read_script: String,
+    delete_if_equal_script: String,
+    grace_ms: u64,
+}
+
+impl fmt::Debug for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Policy")
+            .field("limits", &self.inner.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The limits of one cache (see the builder).
+pub(crate) use types::Limits;
+
+pub(crate) use wit::{Freshness as WitFreshness, Plan, ReadOutcome};
+
+impl Policy {
+    /// Loads the guest and checks `limits` with it.
+    pub(crate) fn load(limits: Limits) -> Result<Self> {
+        let loaded = loaded()?;
+        let mut slot = instantiate(loaded)?;
+        let p = slot.guest.corral_cache_policy();
+        let checked = p.call_check_limits(&mut slot.store, limits).map_err(trap)?;
+        checked.map_err(from_wit)?;
+        let header_len = p.call_header_len(&mut slot.store).map_err(trap)? as usize;
+        let read_script = p.call_redis_read_script(&mut slot.store).map_err(trap)?;
+        let delete_if_equal_script = p
+            .call_redis_delete_if_equal_script(&mut slot.store)
+            .map_err(trap)?;
+        let grace_ms = p.call_store_ttl_grace_ms(&mut slot.store).map_err(trap)?;
+        Ok(Policy {
+            inner: Arc::new(Inner {
+                loaded,
+                slots: Mutex::new(vec![slot]),
+                limits,
+                header_len,
+                read_script,
+                delete_if_equal_script,
+                grace_ms,
+            }),
+        })
+    }
+
+    fn call<R>(&self, f: impl FnOnce(&mut Slot) -> wasmtime::Result<R>) -> Result<R> {
+        let idle = self.inner.slots.lock().pop();
+        let mut slot = match idle {
+            Some(slot) => slot,
+            None => instantiate(self.inner.loaded)?,
+        };
+        // A trapped instance is poisoned: it is dropped, not returned to the pool.
+        let out = f(&mut slot).map_err(trap)?;
+        let mut slots = self.inner.slots.lock();
+        if slots.len() < MAX_IDLE {
+            slots.push(slot);
+        }
+        Ok(out)
+    }
+
+    /// Checks a key against the contract (non-empty, not only white space, within the
+    /// length limit).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] naming `key`.
+    pub fn validate_key(&self, key: &str) -> Result<()> {
+        let limits = self.inner.limits;
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_validate_key(&mut s.store, key, limits)
+        })?
+        .map_err(from_wit)
+    }
+
+    /// Checks `meta` at `now_ms`, applying a read's sliding touch.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Guest`] if the component fails.
+    pub fn check(&self, meta: &EntryMeta, now_ms: u64) -> Result<Freshness> {
+        let meta = meta_in(meta);
+        let f = self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_check(&mut s.store, meta, now_ms)
+        })?;
+        Ok(match f {
+            WitFreshness::Fresh((meta, moved)) => Freshness::Fresh {
+                meta: meta_out(meta),
+                moved,
+            },
+            WitFreshness::Expired => Freshness::Expired,
+        })
+    }
+
+    pub(crate) fn plan_set(
+        &self,
+        key: &str,
+        value_len: usize,
+        options: &EntryOptions,
+        now_ms: u64,
+    ) -> Result<Plan> {
+        let limits = self.inner.limits;
+        let options = types::EntryOptions {
+            absolute_ms: options.absolute_ms,
+            relative_ms: options.relative_ms,
+            sliding_ms: options.sliding_ms,
+        };
+        self.call(|s| {
+            s.guest.corral_cache_policy().call_plan_set(
+                &mut s.store,
+                key,
+                value_len as u64,
+                options,
+                now_ms,
+                limits,
+            )
+        })?
+        .map_err(from_wit)
+    }
+
+    /// Reads stored bytes at `now_ms`: fresh (with the touch to write back), expired, or corrupt.
+    pub(crate) fn read(&self, stored: &[u8], now_ms: u64) -> Result<ReadOutcome> {
+        let limits = self.inner.limits;
+        let head = &stored[..stored.len().min(self.inner.header_len)];
+        self.call(|s| {
+            s.guest.corral_cache_policy().call_read(
+                &mut s.store,
+                head,
+                stored.len() as u64,
+                now_ms,
+                limits,
+            )
+        })
+    }
+
+    /// Decodes stored bytes without judging them; corrupt bytes are an error.
+    pub(crate) fn decode(&self, stored: &[u8]) -> Result<(EntryMeta, usize, usize)> {
+        let limits = self.inner.limits;
+        let head = &stored[..stored.len().min(self.inner.header_len)];
+        let d = self
+            .call(|s| {
+                s.guest.corral_cache_policy().call_decode(
+                    &mut s.store,
+                    head,
+                    stored.len() as u64,
+                    limits,
+                )
+            })?
+            .map_err(from_wit)?;
+        Ok((
+            meta_out(d.meta),
+            d.value_offset as usize,
+            d.value_len as usize,
+        ))
+    }
+
+    /// The Lua a Redis store runs to read and touch in one round trip.
+    pub(crate) fn redis_read_script(&self) -> &str {
+        &self.inner.read_script
+    }
+
+    /// The Lua of an owner-checked delete (corrupt-entry removal, lock release).
+    pub(crate) fn redis_delete_if_equal_script(&self) -> &str {
+        &self.inner.delete_if_equal_script
+    }
+
+    /// The grace a store TTL gets past the expiry moment.
+    pub(crate) fn store_ttl_grace_ms(&self) -> u64 {
+        self.inner.grace_ms
+    }
+
+    /// Idle instances in the pool (for diagnostics).
+    pub fn idle_instances(&self) -> usize {
+        self.inner.slots.lock().len()
+    }
+}
+
+/// An entry checked at a moment (see [`Policy::check`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Freshness {
+    /// Fresh, with the metadata after a sliding touch.
+    Fresh {
+        /// The metadata after the touch.
+        meta: EntryMeta,
+        /// Whether the touch moved the expiry.
+        moved: bool,
+    },
+    /// Expired.
+    Expired,
+}
+
+fn instantiate(loaded: &Loaded) -> Result<Slot> {
+    let state = GuestState {
+        wasi: WasiCtx::builder().build(),
+        table: ResourceTable::new(),
+    };
+    let mut store = Store::new(&loaded.engine, state);
+    let guest = loaded
+        .pre
+        .instantiate(&mut store)
+        .map_err(|e| Error::guest("instantiating the guest component failed", e))?;
+    Ok(Slot { store, guest })
+}
+
+fn trap(e: wasmtime::Error) -> Error {
+    Error::guest("the guest component trapped", e)
+}
+
+pub(crate) fn from_wit(e: types::Error) -> Error {
+    match e {
+        types::Error::InvalidArgument(a) => Error::invalid_argument(a.name, a.reason),
+        types::Error::Unavailable(m) => Error::new(ErrorKind::Unavailable, m),
+        types::Error::Corrupt(m) => Error::new(ErrorKind::Corrupt, m),
+        types::Error::Other(m) => Error::new(ErrorKind::Guest, m),
+    }
+}
+
+pub(crate) fn meta_in(m: &EntryMeta) -> types::EntryMeta {
+    types::EntryMeta {
+        absolute_ms: m.absolute_ms,
+        sliding_ms: m.sliding_ms,
+        expires_at_ms: m.expires_at_ms,
+    }
+}
+
+pub(crate) fn meta_out(m: types::EntryMeta) -> EntryMeta {
+    EntryMeta {
+        absolute_ms: m.absolute_ms,
+        sliding_ms: m.sliding_ms,
+        expires_at_ms: m.expires_at_ms,
+    }
+}
