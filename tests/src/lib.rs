@@ -1,1 +1,241 @@
+//! The harness of Corral's integration tests: real `redis-server` processes on free
+//! loopback ports, and fixtures that build a cache over each backend with a manual clock.
+//!
+//! Redis tests are never skipped: without `redis-server` they fail, saying how to
+//! install it. `REDIS_SERVER_BIN` picks another binary.
 
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use corral::{Corral, ManualClock};
+
+/// A `redis-server` this process started, on a free loopback port. Dropping it stops it.
+#[derive(Debug)]
+pub struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+}
+
+fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding a probe socket")?;
+    Ok(listener.local_addr()?.port())
+}
+
+fn server_bin() -> String {
+    std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into())
+}
+
+impl RedisServer {
+    /// Starts a server on a free port and waits until it accepts connections.
+    pub fn start() -> Result<Self> {
+        // A port can be taken between the probe and the bind: try a few.
+        let mut last = None;
+        for _ in 0..5 {
+            let port = free_port()?;
+            match Self::start_on(port) {
+                Ok(server) => return Ok(server),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("tried at least once"))
+    }
+
+    /// Starts a server on `port` and waits until it is ready.
+    pub fn start_on(port: u16) -> Result<Self> {
+        let bin = server_bin();
+        let mut child = Command::new(&bin)
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--loglevel", "notice", "--protected-mode", "no"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| {
+                format!("starting `{bin}` failed: install it with `apt-get install redis-server` (or set REDIS_SERVER_BIN)")
+            })?;
+        // Wait for the server's own word that it is ready, not for a guessed delay.
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut ready = false;
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if !ready && line.contains("Ready to accept connections") {
+                    ready = true;
+                    let _ = tx.send(Ok(()));
+                } else if !ready
+                    && (line.contains("Address already in use") || line.contains("# Failed"))
+                {
+                    let _ = tx.send(Err(line));
+                }
+            }
+        });
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(Ok(())) => Ok(RedisServer {
+                port,
+                child: Some(child),
+            }),
+            Ok(Err(line)) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("redis-server on port {port} failed: {line}")
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("redis-server on port {port} did not become ready within 10 s")
+            }
+        }
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Kills the server (SIGKILL) and waits for it to die.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port.
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill();
+        let fresh = Self::start_on(self.port)?;
+        *self = fresh;
+        Ok(())
+    }
+
+    fn signal(&self, sig: &str) -> Result<()> {
+        let pid = self.child.as_ref().context("server is not running")?.id();
+        let status = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()?;
+        anyhow::ensure!(status.success(), "kill {sig} {pid} failed");
+        Ok(())
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) -> Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// Unfreezes a paused server (SIGCONT).
+    pub fn resume(&self) -> Result<()> {
+        self.signal("-CONT")
+    }
+
+    /// A plain async connection, for planting and checking raw data.
+    pub async fn connection(&self) -> Result<redis::aio::MultiplexedConnection> {
+        let client = redis::Client::open(self.url())?;
+        Ok(client.get_multiplexed_async_connection().await?)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Which L2 backend a fixture runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The embedded in-memory L2.
+    Memory,
+    /// A real redis-server started for the fixture.
+    Redis,
+}
+
+/// The prefix fixtures store Redis keys under.
+pub const PREFIX: &str = "test:";
+
+/// A cache over one backend with a manual clock, and what it runs on.
+#[derive(Debug)]
+pub struct Fixture {
+    /// The cache under test.
+    pub cache: Corral,
+    /// The clock every decision reads.
+    pub clock: ManualClock,
+    /// The server, for the Redis backend.
+    pub redis: Option<RedisServer>,
+}
+
+impl Fixture {
+    /// A fixture on `backend` with default settings.
+    pub fn new(backend: Backend) -> Result<Self> {
+        Self::with(backend, |b| b)
+    }
+
+    /// A fixture on `backend`, the builder adjusted by `configure`.
+    pub fn with(
+        backend: Backend,
+        configure: impl FnOnce(corral::CorralBuilder) -> corral::CorralBuilder,
+    ) -> Result<Self> {
+        let clock = ManualClock::starting_now();
+        let builder = Corral::builder().clock(clock.clone());
+        let (builder, redis) = match backend {
+            Backend::Memory => (builder, None),
+            Backend::Redis => {
+                let server = RedisServer::start()?;
+                let mut options = corral::l2::RedisOptions::new(server.url());
+                options.prefix = PREFIX.into();
+                (builder.redis_options(options), Some(server))
+            }
+        };
+        let cache = configure(builder).build()?;
+        Ok(Fixture {
+            cache,
+            clock,
+            redis,
+        })
+    }
+
+    /// Writes raw bytes under `key`, bypassing the cache's encoding: straight into Redis
+    /// (under the prefix) for the Redis backend.
+    pub async fn plant(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        match &self.redis {
+            Some(server) => {
+                let mut conn = server.connection().await?;
+                redis::cmd("SET")
+                    .arg(format!("{PREFIX}{key}"))
+                    .arg(bytes)
+                    .query_async::<()>(&mut conn)
+                    .await?;
+            }
+            None => {
+                self.cache
+                    .l2()
+                    .write(key, bytes.to_vec().into(), 60_000)
+                    .await?
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the store still holds anything under `key` (expired or not).
+    pub async fn stored(&self, key: &str) -> Result<bool> {
+        match &self.redis {
+            Some(server) => {
+                let mut conn = server.connection().await?;
+                let n: u64 = redis::cmd("EXISTS")
+                    .arg(format!("{PREFIX}{key}"))
+                    .query_async(&mut conn)
+                    .await?;
+                Ok(n > 0)
+            }
+            None => Ok(self.cache.l2().peek(key).await?.is_some()),
+        }
+    }
+}

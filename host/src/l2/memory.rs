@@ -38,6 +38,7 @@ struct Inner {
     interval_ms: u64,
     last_run_ms: AtomicU64,
     running: AtomicBool,
+    started: AtomicU64,
     removed: AtomicU64,
     runs: watch::Sender<u64>,
 }
@@ -46,6 +47,8 @@ struct Inner {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct InvalidationStats {
+    /// Runs started.
+    pub started: u64,
     /// Completed runs.
     pub runs: u64,
     /// Expired entries removed, in all runs.
@@ -73,6 +76,7 @@ impl MemoryL2 {
                 interval_ms,
                 last_run_ms: AtomicU64::new(now),
                 running: AtomicBool::new(false),
+                started: AtomicU64::new(0),
                 removed: AtomicU64::new(0),
                 runs: watch::channel(0).0,
             }),
@@ -92,6 +96,7 @@ impl MemoryL2 {
     /// What the background invalidation has done so far.
     pub fn invalidation_stats(&self) -> InvalidationStats {
         InvalidationStats {
+            started: self.inner.started.load(Ordering::SeqCst),
             runs: *self.inner.runs.borrow(),
             removed: self.inner.removed.load(Ordering::SeqCst),
         }
@@ -132,6 +137,7 @@ impl MemoryL2 {
             return;
         };
         inner.last_run_ms.store(now, Ordering::Release);
+        inner.started.fetch_add(1, Ordering::SeqCst);
         let store = self.clone();
         runtime.spawn_blocking(move || store.invalidate(now));
     }

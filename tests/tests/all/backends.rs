@@ -1,0 +1,251 @@
+//! What is particular to each backend: Redis's prefix, TTLs, server-side touch and
+//! outages; the memory store's background invalidation; the guest artefact itself.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use corral::{Clock, Corral, EntryOptions, ErrorKind, Freshness};
+use corral_tests::{Backend, Fixture, PREFIX, RedisServer};
+
+const SEC: Duration = Duration::from_secs(1);
+
+#[test]
+fn the_guest_is_a_small_component() {
+    let wasm = corral::GUEST_WASM;
+    assert_eq!(&wasm[..4], b"\0asm", "a wasm binary");
+    assert_eq!(
+        &wasm[4..8],
+        &[0x0d, 0x00, 0x01, 0x00],
+        "of the component layer, not a core module"
+    );
+    assert!(
+        wasm.len() < 200 * 1024,
+        "a few tens of KB, not {} bytes",
+        wasm.len()
+    );
+}
+
+async fn pttl(server: &RedisServer, key: &str) -> Result<i64> {
+    let mut conn = server.connection().await?;
+    Ok(redis::cmd("PTTL")
+        .arg(format!("{PREFIX}{key}"))
+        .query_async(&mut conn)
+        .await?)
+}
+
+#[tokio::test]
+async fn the_server_side_touch_agrees_with_the_guest() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    let cases = [
+        ("sliding", EntryOptions::new().sliding(60 * SEC)),
+        (
+            "capped",
+            EntryOptions::new().relative(80 * SEC).sliding(60 * SEC),
+        ),
+        ("relative", EntryOptions::new().relative(60 * SEC)),
+        ("default", EntryOptions::new()),
+    ];
+    for (key, options) in cases {
+        f.cache.set(key, "v", options).await?;
+    }
+    for step in [25, 30, 20] {
+        f.clock.advance(step * SEC);
+        let now = f.clock.now_ms();
+        for (key, _) in cases {
+            let before = f.cache.inspect(key).await?.expect("stored").meta;
+            let expected = f.cache.policy().check(&before, now)?;
+            let got = f.cache.get(key).await?;
+            match expected {
+                Freshness::Fresh { meta, .. } => {
+                    assert!(got.is_some(), "{key} at +{step}s");
+                    let after = f.cache.inspect(key).await?.expect("stored").meta;
+                    assert_eq!(after, meta, "Lua touch and guest check agree for {key}");
+                }
+                Freshness::Expired => assert_eq!(got, None, "{key}"),
+                _ => unreachable!(),
+            }
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn keys_live_under_the_prefix_and_tenants_never_meet() -> Result<()> {
+    let server = RedisServer::start()?;
+    let tenant = |prefix: &str| {
+        let mut o = corral::l2::RedisOptions::new(server.url());
+        o.prefix = prefix.into();
+        Corral::builder().redis_options(o).build()
+    };
+    let (a, b) = (tenant("a:")?, tenant("b:")?);
+    a.set("k", "from a", EntryOptions::new()).await?;
+    assert_eq!(b.get("k").await?, None);
+    b.set("k", "from b", EntryOptions::new()).await?;
+    assert_eq!(a.get("k").await?.as_deref(), Some(&b"from a"[..]));
+    let mut conn = server.connection().await?;
+    let mut keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
+    keys.sort();
+    assert_eq!(keys, ["a:k", "b:k"]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_redis_ttl_is_an_upper_bound_that_follows_the_touch() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    let server = f.redis.as_ref().expect("redis");
+    f.cache
+        .set("k", "v", EntryOptions::new().sliding(60 * SEC))
+        .await?;
+    let ttl = pttl(server, "k").await?;
+    assert!(
+        (60_000..=61_000).contains(&ttl),
+        "expiry plus at most the grace: {ttl}"
+    );
+    // 40 s of manual time later a read slides the entry 60 s from then: Redis's TTL
+    // moves with it (real time has hardly passed, so it must grow by about 40 s).
+    f.clock.advance(40 * SEC);
+    assert!(f.cache.get("k").await?.is_some());
+    let ttl = pttl(server, "k").await?;
+    assert!(
+        (60_000..=61_000).contains(&ttl),
+        "PEXPIRE'd with the touch: {ttl}"
+    );
+    // A relative entry's TTL never grows.
+    f.cache
+        .set("r", "v", EntryOptions::new().relative(30 * SEC))
+        .await?;
+    f.clock.advance(10 * SEC);
+    assert!(f.cache.get("r").await?.is_some());
+    assert!(pttl(server, "r").await? <= 31_000);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_dead_redis_is_a_typed_retryable_error_and_recovery_follows() -> Result<()> {
+    let mut f = Fixture::new(Backend::Redis)?;
+    f.cache.set("k", "v", EntryOptions::new()).await?;
+    f.redis.as_mut().expect("redis").kill();
+    let e = f.cache.get("k").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.is_retryable());
+    assert!(
+        std::error::Error::source(&e).is_some(),
+        "the cause is chained"
+    );
+    let e = f
+        .cache
+        .set("k", "v2", EntryOptions::new())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable);
+    // Bad input is still judged first, without touching the store.
+    assert_eq!(
+        f.cache.get(" ").await.unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    assert!(f.cache.metrics().l2_errors >= 2);
+
+    f.redis.as_mut().expect("redis").restart()?;
+    // The connection manager reconnects in the background; the first command after a
+    // restart may still see the old connection fail.
+    let mut recovered = false;
+    for _ in 0..50 {
+        if f.cache.set("k", "v3", EntryOptions::new()).await.is_ok() {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(recovered, "the cache works again once Redis is back");
+    assert_eq!(f.cache.get("k").await?.as_deref(), Some(&b"v3"[..]));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_bad_redis_url_is_an_argument_error() {
+    let e = Corral::builder()
+        .redis("http://not-redis")
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        (e.kind(), e.argument()),
+        (ErrorKind::InvalidArgument, Some("redis url"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_invalidation_runs_in_the_background_at_most_once_per_interval() -> Result<()> {
+    let f = Fixture::with(Backend::Memory, |b| b.invalidation_interval(10 * SEC))?;
+    let store = f.cache.memory_l2().expect("memory backend").clone();
+    for key in ["a", "b", "c"] {
+        f.cache
+            .set(key, "v", EntryOptions::new().relative(5 * SEC))
+            .await?;
+    }
+    f.cache
+        .set("long", "v", EntryOptions::new().relative(3600 * SEC))
+        .await?;
+
+    f.clock.advance(6 * SEC);
+    f.cache.get("long").await?;
+    assert_eq!(
+        store.invalidation_stats().started,
+        0,
+        "not yet due: the interval has not passed"
+    );
+    assert_eq!(
+        store.len(),
+        4,
+        "expired entries wait for a read or an invalidation"
+    );
+
+    f.clock.advance(5 * SEC);
+    f.cache.get("long").await?;
+    assert_eq!(
+        store.invalidation_stats().started,
+        1,
+        "due: started by an ordinary call"
+    );
+    store.invalidated(1).await;
+    assert_eq!(store.invalidation_stats().removed, 3);
+    assert_eq!(store.len(), 1);
+
+    f.clock.advance(9 * SEC);
+    f.cache.set("x", "v", EntryOptions::new()).await?;
+    f.cache.remove("x").await?;
+    assert_eq!(
+        store.invalidation_stats().started,
+        1,
+        "at most once per interval"
+    );
+    f.clock.advance(SEC);
+    f.cache.remove("x").await?;
+    assert_eq!(store.invalidation_stats().started, 2);
+    store.invalidated(2).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_callers_share_the_guest_safely() -> Result<()> {
+    for backend in [Backend::Memory, Backend::Redis] {
+        let f = Fixture::new(backend)?;
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..200 {
+            let cache = f.cache.clone();
+            tasks.spawn(async move {
+                let key = format!("k{}", i % 20);
+                cache
+                    .set(&key, format!("v{i}"), EntryOptions::new())
+                    .await?;
+                anyhow::ensure!(cache.get(&key).await?.is_some(), "{key} missing");
+                Ok(())
+            });
+        }
+        while let Some(r) = tasks.join_next().await {
+            r??;
+        }
+        assert_eq!(f.cache.metrics().sets, 200, "{backend:?}");
+        assert!(f.cache.policy().idle_instances() >= 1);
+    }
+    Ok(())
+}

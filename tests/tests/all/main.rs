@@ -1,0 +1,4 @@
+//! Corral's integration tests: one binary of modules (as wasmtime's crates/wasi/tests/all).
+
+mod backends;
+mod contract;
