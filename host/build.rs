@@ -61,15 +61,8 @@ fn main() {
              If the target is missing, install it with: rustup target add {TARGET}"
         );
     }
-    let wasm = target_dir
-        .join(TARGET)
-        .join("guest")
-        .join("corral_guest.wasm");
-    assert!(
-        wasm.exists(),
-        "the guest build produced no {}",
-        wasm.display()
-    );
+    let wasm = target_dir.join(TARGET).join("guest").join("corral_guest.wasm");
+    assert!(wasm.exists(), "the guest build produced no {}", wasm.display());
     println!("cargo:rustc-env=CORRAL_GUEST_WASM={}", wasm.display());
 }
 

@@ -22,11 +22,7 @@ fn policy_calls(c: &mut Criterion) {
             .unwrap();
         rt.block_on(async {
             cache
-                .set(
-                    "k",
-                    "v",
-                    EntryOptions::new().sliding(Duration::from_secs(60)),
-                )
+                .set("k", "v", EntryOptions::new().sliding(Duration::from_secs(60)))
                 .await
                 .unwrap();
             cache.inspect("k").await.unwrap().unwrap().meta
@@ -73,12 +69,8 @@ fn memory_get(c: &mut Criterion) {
         });
     }
     group.bench_function("set 64 B", |b| {
-        b.to_async(&rt).iter(|| async {
-            cache
-                .set("w", vec![7u8; 64], EntryOptions::new())
-                .await
-                .unwrap()
-        })
+        b.to_async(&rt)
+            .iter(|| async { cache.set("w", vec![7u8; 64], EntryOptions::new()).await.unwrap() })
     });
     group.finish();
 }

@@ -7,10 +7,12 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::clock::{Clock, SystemClock};
+use crate::l1::L1;
 use crate::l2::{L2Store, MemoryL2};
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::options::{EntryOptions, Inspection, duration_ms};
-use crate::policy::{Limits, Policy, ReadOutcome};
+use crate::policy::{Limits, Policy, ReadOutcome, WitMeta};
+use crate::registry::Registry;
 use crate::{Error, ErrorKind, Result};
 
 #[cfg(feature = "redis")]
@@ -32,17 +34,27 @@ use crate::l2::{RedisL2, RedisOptions};
 /// ```
 #[derive(Clone)]
 pub struct Corral {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
-    policy: Policy,
-    clock: Arc<dyn Clock>,
-    l2: Arc<dyn L2Store>,
+pub(crate) struct Inner {
+    pub(crate) policy: Policy,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) l2: Arc<dyn L2Store>,
     memory: Option<MemoryL2>,
     #[cfg(feature = "redis")]
     redis: Option<RedisL2>,
-    metrics: Metrics,
+    pub(crate) l1: L1,
+    pub(crate) l1_ttl_ms: u64,
+    pub(crate) flight: FlightSettings,
+    pub(crate) registry: Registry,
+    pub(crate) metrics: Metrics,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FlightSettings {
+    pub(crate) lock_wait_ms: u64,
+    pub(crate) lock_ttl_ms: u64,
 }
 
 impl fmt::Debug for Corral {
@@ -61,6 +73,10 @@ pub struct CorralBuilder {
     clock: Arc<dyn Clock>,
     limits: Limits,
     invalidation_interval: Duration,
+    l1_capacity: u64,
+    l1_ttl: Duration,
+    lock_wait: Duration,
+    lock_ttl: Duration,
     #[cfg(feature = "redis")]
     redis: Option<RedisOptions>,
 }
@@ -75,6 +91,10 @@ impl Default for CorralBuilder {
                 default_sliding_ms: 20 * 60 * 1000,
             },
             invalidation_interval: Duration::from_secs(30),
+            l1_capacity: 100_000,
+            l1_ttl: Duration::from_secs(5 * 60),
+            lock_wait: Duration::from_secs(5),
+            lock_ttl: Duration::from_secs(30),
             #[cfg(feature = "redis")]
             redis: None,
         }
@@ -126,6 +146,33 @@ impl CorralBuilder {
         self
     }
 
+    /// How many entries L1 holds at most (default 100,000).
+    pub fn l1_capacity(mut self, entries: u64) -> Self {
+        self.l1_capacity = entries;
+        self
+    }
+
+    /// The longest an entry is served from L1 without asking L2 (default 5 minutes).
+    /// L1 never serves an entry past its L2 expiry either.
+    pub fn l1_ttl(mut self, ttl: Duration) -> Self {
+        self.l1_ttl = ttl;
+        self
+    }
+
+    /// How long a get-or-set waits for another process's load (the distributed lock)
+    /// before running its loader uncached (default 5 s).
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.lock_wait = wait;
+        self
+    }
+
+    /// The TTL of the get-or-set lock, the longest a crashed loader can block others
+    /// (default 30 s).
+    pub fn lock_ttl(mut self, ttl: Duration) -> Self {
+        self.lock_ttl = ttl;
+        self
+    }
+
     /// Loads the guest, checks the limits and connects the stores. Redis is connected
     /// lazily: an unreachable server is reported by the operations that need it.
     ///
@@ -173,6 +220,13 @@ impl CorralBuilder {
                 memory,
                 #[cfg(feature = "redis")]
                 redis,
+                l1: L1::new(self.l1_capacity, self.l1_ttl),
+                l1_ttl_ms: duration_ms(self.l1_ttl),
+                flight: FlightSettings {
+                    lock_wait_ms: duration_ms(self.lock_wait),
+                    lock_ttl_ms: duration_ms(self.lock_ttl),
+                },
+                registry: Registry::default(),
                 metrics: Metrics::default(),
             }),
         })
@@ -185,54 +239,54 @@ impl Corral {
         CorralBuilder::default()
     }
 
-    /// The value under `key`, if a fresh entry holds one. A read of a sliding entry
-    /// moves its expiry (never past its absolute expiration). Missing, expired and
-    /// corrupt entries are all `None`; an expired or corrupt entry is removed.
+    /// The value under `key`, if a fresh entry holds one: from L1, else from L2 (which
+    /// then fills L1). A read of a sliding entry in L2 moves its expiry (never past its
+    /// absolute expiration). Missing, expired and corrupt entries are all `None`; an
+    /// expired or corrupt entry is removed.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
     /// the store fails.
     pub async fn get(&self, key: &str) -> Result<Option<Bytes>> {
-        self.inner.policy.validate_key(key)?;
         let now = self.inner.clock.now_ms();
-        let found = self.l2_read(key, now).await?;
+        // Only a valid key can be in L1: a hit needs no key check.
+        if let Some(value) = self.inner.l1.get(key, now).await {
+            Metrics::bump(&self.inner.metrics.l1_hits);
+            return Ok(Some(value));
+        }
+        self.inner.policy.validate_key(key)?;
         let m = &self.inner.metrics;
-        Metrics::bump(if found.is_some() {
-            &m.l2_hits
-        } else {
-            &m.misses
-        });
-        Ok(found)
+        match self.l2_read(key, now).await? {
+            Some((value, meta)) => {
+                Metrics::bump(&m.l2_hits);
+                self.fill_l1(key, &value, meta, now).await?;
+                Ok(Some(value))
+            }
+            None => {
+                Metrics::bump(&m.misses);
+                Ok(None)
+            }
+        }
     }
 
-    /// Stores `value` under `key`, expiring as `options` say.
+    /// Stores `value` under `key`, expiring as `options` say: L2 first, then L1.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] naming `key`, `value`, `absolute`, `relative` or
-    /// `sliding`; [`ErrorKind::Unavailable`] when the store fails.
-    pub async fn set(
-        &self,
-        key: &str,
-        value: impl Into<Bytes>,
-        options: EntryOptions,
-    ) -> Result<()> {
+    /// `sliding`; [`ErrorKind::Unavailable`] when the store fails (L1 is then not written).
+    pub async fn set(&self, key: &str, value: impl Into<Bytes>, options: EntryOptions) -> Result<()> {
         let value = value.into();
         let now = self.inner.clock.now_ms();
-        let plan = self
-            .inner
-            .policy
-            .plan_set(key, value.len(), &options, now)?;
-        let mut stored = Vec::with_capacity(plan.header.len() + value.len());
-        stored.extend_from_slice(&plan.header);
-        stored.extend_from_slice(&value);
-        self.l2_op(self.inner.l2.write(key, stored.into(), plan.store_ttl_ms))
+        let plan = self.inner.policy.plan_set(key, value.len(), &options, now)?;
+        self.l2_write(key, &plan.header, &value, plan.store_ttl_ms)
             .await?;
         Metrics::bump(&self.inner.metrics.sets);
-        Ok(())
+        self.fill_l1(key, &value, plan.meta, now).await
     }
 
-    /// Refreshes `key` as a read would, without returning the value: a sliding entry's
-    /// expiry moves. Says whether a fresh entry was there; a missing one is not an error.
+    /// Refreshes `key` in L2 as a read would, without returning the value: a sliding
+    /// entry's expiry moves. Says whether a fresh entry was there; a missing one is not
+    /// an error.
     ///
     /// # Errors
     /// As [`get`](Self::get).
@@ -242,19 +296,21 @@ impl Corral {
         Ok(self.l2_read(key, now).await?.is_some())
     }
 
-    /// Removes `key`. Says whether an entry was there; a missing one is not an error.
+    /// Removes `key` from both tiers. Says whether L2 held it; a missing entry is not
+    /// an error.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
     /// the store fails.
     pub async fn remove(&self, key: &str) -> Result<bool> {
         self.inner.policy.validate_key(key)?;
+        self.inner.l1.remove(key).await;
         let removed = self.l2_op(self.inner.l2.delete(key)).await?;
         Metrics::bump(&self.inner.metrics.removes);
         Ok(removed)
     }
 
-    /// The entry under `key` as stored, decoded, without touching it.
+    /// The entry under `key` as stored in L2, decoded, without touching it.
     ///
     /// # Errors
     /// [`ErrorKind::Corrupt`] when the stored bytes are not an envelope (they are left
@@ -266,10 +322,7 @@ impl Corral {
         };
         let (meta, _offset, value_len) = self.inner.policy.decode(&stored)?;
         let now = self.inner.clock.now_ms();
-        let fresh = !matches!(
-            self.inner.policy.check(&meta, now)?,
-            crate::Freshness::Expired
-        );
+        let fresh = !matches!(self.inner.policy.check(&meta, now)?, crate::Freshness::Expired);
         Ok(Some(Inspection {
             meta,
             value_len,
@@ -281,6 +334,17 @@ impl Corral {
     /// What this cache has done so far.
     pub fn metrics(&self) -> MetricsSnapshot {
         self.inner.metrics.snapshot()
+    }
+
+    /// Get-or-set flights in progress in this process: 0 whenever none runs (the
+    /// registry keeps no entry for a finished or abandoned flight).
+    pub fn flights_in_progress(&self) -> usize {
+        self.inner.registry.len()
+    }
+
+    /// Callers in this process waiting on the flight of `key` (0 when none runs).
+    pub fn followers_of(&self, key: &str) -> usize {
+        self.inner.registry.followers(key)
     }
 
     /// The L2 store.
@@ -309,7 +373,7 @@ impl Corral {
         &*self.inner.clock
     }
 
-    async fn l2_op<T>(&self, op: impl Future<Output = Result<T>>) -> Result<T> {
+    pub(crate) async fn l2_op<T>(&self, op: impl Future<Output = Result<T>>) -> Result<T> {
         let out = op.await;
         if out.is_err() {
             Metrics::bump(&self.inner.metrics.l2_errors);
@@ -317,23 +381,37 @@ impl Corral {
         out
     }
 
+    /// Writes `header` then `value` to L2.
+    pub(crate) async fn l2_write(&self, key: &str, header: &[u8], value: &[u8], ttl_ms: u64) -> Result<()> {
+        let mut stored = Vec::with_capacity(header.len() + value.len());
+        stored.extend_from_slice(header);
+        stored.extend_from_slice(value);
+        self.l2_op(self.inner.l2.write(key, stored.into(), ttl_ms)).await
+    }
+
+    /// Fills L1 with `value` until the guest's deadline for `meta`.
+    pub(crate) async fn fill_l1(&self, key: &str, value: &Bytes, meta: WitMeta, now: u64) -> Result<()> {
+        let until = self.inner.policy.l1_deadline(meta, now, self.inner.l1_ttl_ms)?;
+        self.inner.l1.insert(key, value.clone(), until).await;
+        Ok(())
+    }
+
     /// One L2 read: the store touches atomically, the guest judges what came back.
-    async fn l2_read(&self, key: &str, now: u64) -> Result<Option<Bytes>> {
+    /// Returns the value and its (touched) metadata when fresh.
+    pub(crate) async fn l2_read(&self, key: &str, now: u64) -> Result<Option<(Bytes, WitMeta)>> {
         let Some(stored) = self.l2_op(self.inner.l2.read(key, now)).await? else {
             return Ok(None);
         };
         match self.inner.policy.read(&stored, now)? {
-            ReadOutcome::Fresh(hit) => Ok(Some(stored.slice(hit.value_offset as usize..))),
+            ReadOutcome::Fresh(hit) => Ok(Some((stored.slice(hit.value_offset as usize..), hit.meta))),
             ReadOutcome::Expired => {
-                self.l2_op(self.inner.l2.delete_if_equal(key, stored))
-                    .await?;
+                self.l2_op(self.inner.l2.delete_if_equal(key, stored)).await?;
                 Ok(None)
             }
             ReadOutcome::Corrupt(reason) => {
                 Metrics::bump(&self.inner.metrics.corrupt);
                 tracing::warn!(key, %reason, "corrupt entry removed and treated as a miss");
-                self.l2_op(self.inner.l2.delete_if_equal(key, stored))
-                    .await?;
+                self.l2_op(self.inner.l2.delete_if_equal(key, stored)).await?;
                 Ok(None)
             }
         }

@@ -48,8 +48,7 @@ impl ManualClock {
 
     /// Moves the clock forward by `by`.
     pub fn advance(&self, by: Duration) {
-        self.now_ms
-            .fetch_add(by.as_millis() as u64, Ordering::SeqCst);
+        self.now_ms.fetch_add(by.as_millis() as u64, Ordering::SeqCst);
     }
 
     /// Sets the clock to `now_ms`.

@@ -87,6 +87,27 @@ impl Error {
         self
     }
 
+    pub(crate) fn loader(source: Source) -> Self {
+        Error::new(ErrorKind::Loader, format!("the loader failed: {source}")).with_source(source)
+    }
+
+    /// A copy for the other callers of a flight: same kind, message and argument; the
+    /// source is described, not shared (a `Box<dyn Error>` cannot be cloned).
+    pub(crate) fn share(&self) -> Error {
+        Error {
+            kind: self.kind,
+            message: self.message.clone(),
+            argument: self.argument.clone(),
+            source: None,
+        }
+    }
+
+    pub(crate) fn from_shared(shared: std::sync::Arc<Error>) -> Self {
+        let mut e = shared.share();
+        e.source = Some(Box::new(SharedError(shared)));
+        e
+    }
+
     /// Replaces the message with `context` (the kind, argument and source stay).
     pub fn with_context(mut self, context: impl Into<String>) -> Self {
         self.message = context.into();
@@ -107,5 +128,21 @@ impl Error {
     /// Whether trying again later may succeed (a store outage or a timeout).
     pub fn is_retryable(&self) -> bool {
         matches!(self.kind, ErrorKind::Unavailable | ErrorKind::Timeout)
+    }
+}
+
+/// The leader's error, as seen by a caller coalesced on its flight.
+#[derive(Debug)]
+struct SharedError(std::sync::Arc<Error>);
+
+impl fmt::Display for SharedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the flight's leader failed: {}", self.0)
+    }
+}
+
+impl std::error::Error for SharedError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&*self.0)
     }
 }

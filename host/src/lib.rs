@@ -27,14 +27,24 @@ mod bindings;
 mod cache;
 mod clock;
 mod error;
+mod flight;
+mod l1;
 pub mod l2;
+mod load;
 mod metrics;
 mod options;
 mod policy;
+mod registry;
 
 pub use cache::{Corral, CorralBuilder};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
+pub use load::LoadOptions;
 pub use metrics::MetricsSnapshot;
 pub use options::{EntryMeta, EntryOptions, Inspection};
 pub use policy::{Freshness, GUEST_WASM, GUEST_WASM_PATH, Policy};
+
+/// A fresh random 128-bit owner token for a lock, as 32 hex digits.
+pub(crate) fn lock_token() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}

@@ -28,9 +28,7 @@ impl EntryOptions {
 
     /// Expire at `at`.
     pub fn absolute(self, at: SystemTime) -> Self {
-        let ms = at
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
+        let ms = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         self.absolute_at_ms(ms)
     }
 

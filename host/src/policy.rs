@@ -108,6 +108,8 @@ impl fmt::Debug for Policy {
 /// The limits of one cache (see the builder).
 pub(crate) use types::Limits;
 
+pub(crate) use crate::bindings::exports::corral::cache::flight as wflight;
+pub(crate) use types::EntryMeta as WitMeta;
 pub(crate) use wit::{Freshness as WitFreshness, Plan, ReadOutcome};
 
 impl Policy {
@@ -195,11 +197,7 @@ impl Policy {
         now_ms: u64,
     ) -> Result<Plan> {
         let limits = self.inner.limits;
-        let options = types::EntryOptions {
-            absolute_ms: options.absolute_ms,
-            relative_ms: options.relative_ms,
-            sliding_ms: options.sliding_ms,
-        };
+        let options = options_in(options);
         self.call(|s| {
             s.guest.corral_cache_policy().call_plan_set(
                 &mut s.store,
@@ -218,13 +216,9 @@ impl Policy {
         let limits = self.inner.limits;
         let head = &stored[..stored.len().min(self.inner.header_len)];
         self.call(|s| {
-            s.guest.corral_cache_policy().call_read(
-                &mut s.store,
-                head,
-                stored.len() as u64,
-                now_ms,
-                limits,
-            )
+            s.guest
+                .corral_cache_policy()
+                .call_read(&mut s.store, head, stored.len() as u64, now_ms, limits)
         })
     }
 
@@ -234,19 +228,59 @@ impl Policy {
         let head = &stored[..stored.len().min(self.inner.header_len)];
         let d = self
             .call(|s| {
-                s.guest.corral_cache_policy().call_decode(
-                    &mut s.store,
-                    head,
-                    stored.len() as u64,
-                    limits,
-                )
+                s.guest
+                    .corral_cache_policy()
+                    .call_decode(&mut s.store, head, stored.len() as u64, limits)
             })?
             .map_err(from_wit)?;
-        Ok((
-            meta_out(d.meta),
-            d.value_offset as usize,
-            d.value_len as usize,
-        ))
+        Ok((meta_out(d.meta), d.value_offset as usize, d.value_len as usize))
+    }
+
+    /// Starts a get-or-set flight: judges key and options, returns the first action.
+    pub(crate) fn flight_start(
+        &self,
+        key: &str,
+        options: &EntryOptions,
+        config: wflight::FlightConfig,
+        now_ms: u64,
+    ) -> Result<(wflight::FlightState, wflight::Action)> {
+        let limits = self.inner.limits;
+        let options = options_in(options);
+        self.call(|s| {
+            s.guest
+                .corral_cache_flight()
+                .call_start(&mut s.store, key, options, config, now_ms, limits)
+        })?
+        .map_err(from_wit)
+    }
+
+    /// Feeds one event to a flight; returns the new state and the next action.
+    pub(crate) fn flight_step(
+        &self,
+        state: wflight::FlightState,
+        event: wflight::Event,
+        now_ms: u64,
+    ) -> Result<(wflight::FlightState, wflight::Action)> {
+        let limits = self.inner.limits;
+        self.call(|s| {
+            s.guest
+                .corral_cache_flight()
+                .call_step(&mut s.store, state, event, now_ms, limits)
+        })
+    }
+
+    /// Whether an abandoned flight holds the lock (and so owes a release).
+    pub(crate) fn flight_abandon(&self, state: wflight::FlightState) -> Result<bool> {
+        self.call(|s| s.guest.corral_cache_flight().call_abandon(&mut s.store, state))
+    }
+
+    /// Until when an entry filled into L1 at `now_ms` may be served from L1.
+    pub(crate) fn l1_deadline(&self, meta: WitMeta, now_ms: u64, l1_ttl_ms: u64) -> Result<u64> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_flight()
+                .call_l1_deadline(&mut s.store, meta, now_ms, l1_ttl_ms)
+        })
     }
 
     /// The Lua a Redis store runs to read and touch in one round trip.
@@ -308,6 +342,14 @@ pub(crate) fn from_wit(e: types::Error) -> Error {
         types::Error::Unavailable(m) => Error::new(ErrorKind::Unavailable, m),
         types::Error::Corrupt(m) => Error::new(ErrorKind::Corrupt, m),
         types::Error::Other(m) => Error::new(ErrorKind::Guest, m),
+    }
+}
+
+fn options_in(o: &EntryOptions) -> types::EntryOptions {
+    types::EntryOptions {
+        absolute_ms: o.absolute_ms,
+        relative_ms: o.relative_ms,
+        sliding_ms: o.sliding_ms,
     }
 }
 

@@ -13,12 +13,7 @@ fn corral(args: &[&str], stdin: Option<&str>) -> Output {
         .spawn()
         .expect("corral runs");
     if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
     }
     drop(child.stdin.take());
     child.wait_with_output().unwrap()
@@ -34,10 +29,7 @@ fn demo_runs_on_the_embedded_default() {
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
     assert!(stdout.contains("hit: s3cr3t"), "{stdout}");
-    assert!(
-        stdout.contains("`key` must not be only white space"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("`key` must not be only white space"), "{stdout}");
 }
 
 #[test]

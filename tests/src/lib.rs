@@ -66,9 +66,7 @@ impl RedisServer {
                 if !ready && line.contains("Ready to accept connections") {
                     ready = true;
                     let _ = tx.send(Ok(()));
-                } else if !ready
-                    && (line.contains("Address already in use") || line.contains("# Failed"))
-                {
+                } else if !ready && (line.contains("Address already in use") || line.contains("# Failed")) {
                     let _ = tx.send(Err(line));
                 }
             }
@@ -119,9 +117,7 @@ impl RedisServer {
 
     fn signal(&self, sig: &str) -> Result<()> {
         let pid = self.child.as_ref().context("server is not running")?.id();
-        let status = Command::new("kill")
-            .args([sig, &pid.to_string()])
-            .status()?;
+        let status = Command::new("kill").args([sig, &pid.to_string()]).status()?;
         anyhow::ensure!(status.success(), "kill {sig} {pid} failed");
         Ok(())
     }
@@ -147,6 +143,35 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The `corral` binary of this build (`cargo test` builds it beside the test binaries).
+pub fn corral_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary has a path");
+    // target/<profile>/deps/all-<hash> -> target/<profile>/corral
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>")
+        .join("corral");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build -p corral`",
+        bin.display()
+    );
+    bin
+}
+
+/// Server-side command count (`INFO stats` total_commands_processed).
+pub async fn commands_processed(server: &RedisServer) -> Result<u64> {
+    let mut conn = server.connection().await?;
+    let info: String = redis::cmd("INFO").arg("stats").query_async(&mut conn).await?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .context("no total_commands_processed in INFO")?
+        .trim()
+        .parse()
+        .context("total_commands_processed is a number")
 }
 
 /// Which L2 backend a fixture runs on.
@@ -195,11 +220,7 @@ impl Fixture {
             }
         };
         let cache = configure(builder).build()?;
-        Ok(Fixture {
-            cache,
-            clock,
-            redis,
-        })
+        Ok(Fixture { cache, clock, redis })
     }
 
     /// Writes raw bytes under `key`, bypassing the cache's encoding: straight into Redis
@@ -209,17 +230,12 @@ impl Fixture {
             Some(server) => {
                 let mut conn = server.connection().await?;
                 redis::cmd("SET")
-                    .arg(format!("{PREFIX}{key}"))
+                    .arg(format!("{PREFIX}e:{key}"))
                     .arg(bytes)
                     .query_async::<()>(&mut conn)
                     .await?;
             }
-            None => {
-                self.cache
-                    .l2()
-                    .write(key, bytes.to_vec().into(), 60_000)
-                    .await?
-            }
+            None => self.cache.l2().write(key, bytes.to_vec().into(), 60_000).await?,
         }
         Ok(())
     }
@@ -230,7 +246,7 @@ impl Fixture {
             Some(server) => {
                 let mut conn = server.connection().await?;
                 let n: u64 = redis::cmd("EXISTS")
-                    .arg(format!("{PREFIX}{key}"))
+                    .arg(format!("{PREFIX}e:{key}"))
                     .query_async(&mut conn)
                     .await?;
                 Ok(n > 0)

@@ -80,8 +80,7 @@ impl wit::Guest for Component {
             relative_ms: options.relative_ms,
             sliding_ms: options.sliding_ms,
         };
-        let plan =
-            policy::plan_set(&key, value_len, &options, now_ms, &limits(l)).map_err(arg_error)?;
+        let plan = policy::plan_set(&key, value_len, &options, now_ms, &limits(l)).map_err(arg_error)?;
         Ok(wit::Plan {
             meta: meta_out(plan.meta),
             header: plan.header.to_vec(),
@@ -91,9 +90,7 @@ impl wit::Guest for Component {
 
     fn check(meta: types::EntryMeta, now_ms: u64) -> wit::Freshness {
         match expiry::check(&meta_in(meta), now_ms) {
-            expiry::Freshness::Fresh { meta, moved } => {
-                wit::Freshness::Fresh((meta_out(meta), moved))
-            }
+            expiry::Freshness::Fresh { meta, moved } => wit::Freshness::Fresh((meta_out(meta), moved)),
             expiry::Freshness::Expired => wit::Freshness::Expired,
         }
     }
@@ -111,11 +108,7 @@ impl wit::Guest for Component {
         }
     }
 
-    fn decode(
-        head: Vec<u8>,
-        total_len: u64,
-        l: types::Limits,
-    ) -> Result<wit::Decoded, types::Error> {
+    fn decode(head: Vec<u8>, total_len: u64, l: types::Limits) -> Result<wit::Decoded, types::Error> {
         let d = envelope::decode_header(&head, total_len, &limits(l))
             .map_err(|c| types::Error::Corrupt(c.to_string()))?;
         Ok(wit::Decoded {
@@ -143,5 +136,183 @@ impl wit::Guest for Component {
 
     fn store_ttl_grace_ms() -> u64 {
         expiry::STORE_TTL_GRACE_MS
+    }
+}
+
+mod flight {
+    //! The `flight` export: conversions around `corral_core::flight`.
+
+    use corral_core::flight::{self as core, Action, Event, Flight, Outcome, Phase};
+
+    use super::bindings::corral::cache::types;
+    use super::bindings::exports::corral::cache::flight as wit;
+    use super::{Component, arg_error, limits, meta_in, meta_out};
+
+    fn options_in(o: types::EntryOptions) -> corral_core::EntryOptions {
+        corral_core::EntryOptions {
+            absolute_ms: o.absolute_ms,
+            relative_ms: o.relative_ms,
+            sliding_ms: o.sliding_ms,
+        }
+    }
+
+    fn options_out(o: corral_core::EntryOptions) -> types::EntryOptions {
+        types::EntryOptions {
+            absolute_ms: o.absolute_ms,
+            relative_ms: o.relative_ms,
+            sliding_ms: o.sliding_ms,
+        }
+    }
+
+    fn config_in(c: wit::FlightConfig) -> core::FlightConfig {
+        core::FlightConfig {
+            lock_wait_ms: c.lock_wait_ms,
+            lock_ttl_ms: c.lock_ttl_ms,
+            l1_ttl_ms: c.l1_ttl_ms,
+            bypass: c.bypass,
+        }
+    }
+
+    fn config_out(c: core::FlightConfig) -> wit::FlightConfig {
+        wit::FlightConfig {
+            lock_wait_ms: c.lock_wait_ms,
+            lock_ttl_ms: c.lock_ttl_ms,
+            l1_ttl_ms: c.l1_ttl_ms,
+            bypass: c.bypass,
+        }
+    }
+
+    fn phase_in(p: wit::Phase) -> Phase {
+        match p {
+            wit::Phase::Reading => Phase::Reading,
+            wit::Phase::Locking => Phase::Locking,
+            wit::Phase::DoubleChecking => Phase::DoubleChecking,
+            wit::Phase::Waiting => Phase::Waiting,
+            wit::Phase::Loading => Phase::Loading,
+            wit::Phase::Writing => Phase::Writing,
+            wit::Phase::Done => Phase::Done,
+        }
+    }
+
+    fn phase_out(p: Phase) -> wit::Phase {
+        match p {
+            Phase::Reading => wit::Phase::Reading,
+            Phase::Locking => wit::Phase::Locking,
+            Phase::DoubleChecking => wit::Phase::DoubleChecking,
+            Phase::Waiting => wit::Phase::Waiting,
+            Phase::Loading => wit::Phase::Loading,
+            Phase::Writing => wit::Phase::Writing,
+            Phase::Done => wit::Phase::Done,
+        }
+    }
+
+    fn state_in(s: wit::FlightState) -> Flight {
+        Flight {
+            phase: phase_in(s.phase),
+            options: options_in(s.options),
+            config: config_in(s.config),
+            attempt: s.attempt,
+            deadline_ms: s.deadline_ms,
+            locked: s.locked,
+            waited: s.waited,
+            timed_out: s.timed_out,
+            planned: s.planned.map(meta_in),
+        }
+    }
+
+    fn state_out(f: Flight) -> wit::FlightState {
+        wit::FlightState {
+            phase: phase_out(f.phase),
+            options: options_out(f.options),
+            config: config_out(f.config),
+            attempt: f.attempt,
+            deadline_ms: f.deadline_ms,
+            locked: f.locked,
+            waited: f.waited,
+            timed_out: f.timed_out,
+            planned: f.planned.map(meta_out),
+        }
+    }
+
+    fn event_in(e: wit::Event) -> Event {
+        match e {
+            wit::Event::L2Hit(meta) => Event::L2Hit(meta_in(meta)),
+            wit::Event::L2Miss => Event::L2Miss,
+            wit::Event::L2Failed => Event::L2Failed,
+            wit::Event::LockAcquired => Event::LockAcquired,
+            wit::Event::LockBusy(watching) => Event::LockBusy { watching },
+            wit::Event::LockFailed => Event::LockFailed,
+            wit::Event::Woken => Event::Woken,
+            wit::Event::Loaded(l) => Event::Loaded {
+                len: l.len,
+                cacheable: l.cacheable,
+            },
+            wit::Event::LoadFailed => Event::LoadFailed,
+            wit::Event::L2Written => Event::L2Written,
+            wit::Event::L2WriteFailed => Event::L2WriteFailed,
+        }
+    }
+
+    fn action_out(a: Action) -> wit::Action {
+        match a {
+            Action::ReadL2 => wit::Action::ReadL2,
+            Action::TryLock { ttl_ms } => wit::Action::TryLock(ttl_ms),
+            Action::Wait { until_ms } => wit::Action::Wait(until_ms),
+            Action::Load => wit::Action::Load,
+            Action::WriteL2 { header, store_ttl_ms } => wit::Action::WriteL2(wit::Write {
+                header: header.to_vec(),
+                store_ttl_ms,
+            }),
+            Action::Finish {
+                outcome,
+                release,
+                notify,
+                l1_until_ms,
+            } => wit::Action::Finish(wit::Finish {
+                outcome: match outcome {
+                    Outcome::L2Hit { after_wait } => wit::Outcome::L2Hit(after_wait),
+                    Outcome::Loaded { cached } => wit::Outcome::Loaded(cached),
+                    Outcome::Degraded { timed_out } => wit::Outcome::Degraded(timed_out),
+                    Outcome::LoaderFailed => wit::Outcome::LoaderFailed,
+                },
+                release,
+                notify,
+                l1_until_ms,
+            }),
+        }
+    }
+
+    impl wit::Guest for Component {
+        fn start(
+            key: String,
+            options: types::EntryOptions,
+            config: wit::FlightConfig,
+            now_ms: u64,
+            l: types::Limits,
+        ) -> Result<(wit::FlightState, wit::Action), types::Error> {
+            let (flight, action) =
+                Flight::start(&key, options_in(options), config_in(config), now_ms, &limits(l))
+                    .map_err(arg_error)?;
+            Ok((state_out(flight), action_out(action)))
+        }
+
+        fn step(
+            state: wit::FlightState,
+            event: wit::Event,
+            now_ms: u64,
+            l: types::Limits,
+        ) -> (wit::FlightState, wit::Action) {
+            let mut flight = state_in(state);
+            let action = flight.handle(event_in(event), now_ms, &limits(l));
+            (state_out(flight), action_out(action))
+        }
+
+        fn abandon(state: wit::FlightState) -> bool {
+            state_in(state).abandon()
+        }
+
+        fn l1_deadline(meta: types::EntryMeta, now_ms: u64, l1_ttl_ms: u64) -> u64 {
+            core::l1_deadline(&meta_in(meta), now_ms, l1_ttl_ms)
+        }
     }
 }

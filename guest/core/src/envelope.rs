@@ -126,9 +126,7 @@ pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Dec
         ));
     }
     if meta.absolute_ms.is_some_and(|a| expires_at_ms > a) {
-        return Err(Corruption::Inconsistent(
-            "expires after its absolute expiration",
-        ));
+        return Err(Corruption::Inconsistent("expires after its absolute expiration"));
     }
     Ok(Decoded {
         meta,
@@ -179,10 +177,7 @@ mod tests {
     fn the_header_alone_decodes_given_the_total_length() {
         let bytes = encode(&META, &[7; 100]);
         let d = decode_header(&bytes[..HEADER_LEN], bytes.len() as u64, &limits()).unwrap();
-        assert_eq!(
-            (d.meta, d.value_offset, d.value_len),
-            (META, HEADER_LEN, 100)
-        );
+        assert_eq!((d.meta, d.value_offset, d.value_len), (META, HEADER_LEN, 100));
     }
 
     #[test]
@@ -190,10 +185,7 @@ mod tests {
         let bytes = encode(&META, b"hello");
         for cut in [0, 2, 3, 10, HEADER_LEN, HEADER_LEN + 4] {
             let err = decode(&bytes[..cut], &limits()).unwrap_err();
-            assert!(
-                matches!(err, Corruption::Truncated { .. }),
-                "cut at {cut}: {err}"
-            );
+            assert!(matches!(err, Corruption::Truncated { .. }), "cut at {cut}: {err}");
         }
     }
 
@@ -222,10 +214,7 @@ mod tests {
     fn an_unknown_version_is_corrupt() {
         let mut bytes = encode(&META, b"x");
         bytes[3] = 2;
-        assert_eq!(
-            decode(&bytes, &limits()),
-            Err(Corruption::UnknownVersion(2))
-        );
+        assert_eq!(decode(&bytes, &limits()), Err(Corruption::UnknownVersion(2)));
     }
 
     #[test]

@@ -75,24 +75,26 @@ pub fn plan(options: &EntryOptions, now_ms: u64, limits: &Limits) -> Result<Entr
             format!("must lie in the future: {at} ms is not after now ({now_ms} ms)"),
         ));
     }
-    let absolute_ms =
-        match relative_ms {
-            Some(rel) => Some(now_ms.checked_add(rel).ok_or_else(|| {
-                ArgError::new(Arg::Relative, "is too long: now plus it overflows")
-            })?),
-            None => absolute_ms,
-        };
+    let absolute_ms = match relative_ms {
+        Some(rel) => Some(
+            now_ms
+                .checked_add(rel)
+                .ok_or_else(|| ArgError::new(Arg::Relative, "is too long: now plus it overflows"))?,
+        ),
+        None => absolute_ms,
+    };
     let sliding_ms = match (absolute_ms, sliding_ms) {
         (None, None) => Some(limits.default_sliding_ms),
         (_, sliding) => sliding,
     };
-    let slid_to =
-        match sliding_ms {
-            Some(s) => Some(now_ms.checked_add(s).ok_or_else(|| {
-                ArgError::new(Arg::Sliding, "is too long: now plus it overflows")
-            })?),
-            None => None,
-        };
+    let slid_to = match sliding_ms {
+        Some(s) => Some(
+            now_ms
+                .checked_add(s)
+                .ok_or_else(|| ArgError::new(Arg::Sliding, "is too long: now plus it overflows"))?,
+        ),
+        None => None,
+    };
     let expires_at_ms = match (absolute_ms, slid_to) {
         (Some(a), Some(s)) => a.min(s),
         (Some(a), None) => a,
@@ -152,11 +154,7 @@ mod tests {
     const NOW: u64 = 1_700_000_000_000;
     const MIN: u64 = 60_000;
 
-    fn opts(
-        absolute_ms: Option<u64>,
-        relative_ms: Option<u64>,
-        sliding_ms: Option<u64>,
-    ) -> EntryOptions {
+    fn opts(absolute_ms: Option<u64>, relative_ms: Option<u64>, sliding_ms: Option<u64>) -> EntryOptions {
         EntryOptions {
             absolute_ms,
             relative_ms,
@@ -245,10 +243,7 @@ mod tests {
             plan_now(opts(None, Some(0), None)).unwrap_err().arg,
             Arg::Relative
         );
-        assert_eq!(
-            plan_now(opts(None, None, Some(0))).unwrap_err().arg,
-            Arg::Sliding
-        );
+        assert_eq!(plan_now(opts(None, None, Some(0))).unwrap_err().arg, Arg::Sliding);
     }
 
     #[test]
@@ -276,10 +271,7 @@ mod tests {
     #[test]
     fn an_entry_is_expired_at_its_expiry_moment() {
         let meta = plan_now(opts(None, Some(MIN), None)).unwrap();
-        assert!(matches!(
-            check(&meta, NOW + MIN - 1),
-            Freshness::Fresh { .. }
-        ));
+        assert!(matches!(check(&meta, NOW + MIN - 1), Freshness::Fresh { .. }));
         assert_eq!(check(&meta, NOW + MIN), Freshness::Expired);
         assert_eq!(check(&meta, u64::MAX), Freshness::Expired);
     }

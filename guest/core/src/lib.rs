@@ -10,6 +10,7 @@
 //! - [`expiry`]: planning an entry's expiry at set time, checking it on read.
 //! - [`envelope`]: the bytes a store holds: a versioned header carrying the expiry
 //!   metadata, then the value.
+//! - [`flight`]: the single-flight state machine of a tiered get-or-set.
 //! - [`policy`]: the above composed into one decision per store operation.
 //! - [`script`]: the server-side Lua a Redis store runs to read and touch atomically;
 //!   it mirrors [`expiry::check`] and lives here so the rule has one home.
@@ -19,6 +20,7 @@
 pub mod envelope;
 mod error;
 pub mod expiry;
+pub mod flight;
 pub mod key;
 pub mod policy;
 pub mod script;

@@ -31,6 +31,19 @@ pub fn plan_set(
     limits: &Limits,
 ) -> Result<Plan, ArgError> {
     key::validate(key, limits)?;
+    plan_value(value_len, options, now_ms, limits)
+}
+
+/// Plans a write of a `value_len`-byte value at `now_ms`, for a key already judged.
+///
+/// # Errors
+/// An [`ArgError`] naming the value (over the limit) or the expiry option.
+pub fn plan_value(
+    value_len: u64,
+    options: &EntryOptions,
+    now_ms: u64,
+    limits: &Limits,
+) -> Result<Plan, ArgError> {
     if value_len > u64::from(limits.max_value_bytes) {
         return Err(ArgError::new(
             Arg::Value,
@@ -123,9 +136,7 @@ mod tests {
         let plan = plan_set("k", 3, &opts, NOW, &Limits::default()).unwrap();
         let mut bytes = plan.header.to_vec();
         bytes.extend_from_slice(b"abc");
-        let ReadOutcome::Fresh(hit) =
-            read(&bytes, bytes.len() as u64, NOW + 999, &Limits::default())
-        else {
+        let ReadOutcome::Fresh(hit) = read(&bytes, bytes.len() as u64, NOW + 999, &Limits::default()) else {
             panic!("expected fresh")
         };
         assert_eq!(&bytes[hit.value_offset..], b"abc");

@@ -17,7 +17,7 @@ use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use super::L2Store;
+use super::{L2Store, LandingWatch, Landings};
 use crate::Result;
 use crate::clock::Clock;
 use crate::policy::{Policy, ReadOutcome};
@@ -35,6 +35,9 @@ struct Inner {
     shards: [Mutex<HashMap<String, Bytes>>; SHARDS],
     policy: Policy,
     clock: Arc<dyn Clock>,
+    /// Lock of key -> (owner, expires at): the same-process stand-in for `SET NX PX`.
+    locks: Mutex<HashMap<String, (String, u64)>>,
+    landings: Landings,
     interval_ms: u64,
     last_run_ms: AtomicU64,
     running: AtomicBool,
@@ -73,6 +76,8 @@ impl MemoryL2 {
                 shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
                 policy,
                 clock,
+                locks: Mutex::new(HashMap::new()),
+                landings: Landings::default(),
                 interval_ms,
                 last_run_ms: AtomicU64::new(now),
                 running: AtomicBool::new(false),
@@ -217,6 +222,34 @@ impl L2Store for MemoryL2 {
             map.remove(key);
         }
         futures::future::ready(Ok(equal)).boxed()
+    }
+
+    fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
+        let now = self.inner.clock.now_ms();
+        let mut locks = self.inner.locks.lock();
+        let free = locks.get(key).is_none_or(|(_, expires)| now >= *expires);
+        if free {
+            locks.insert(key.to_owned(), (owner.to_owned(), now.saturating_add(ttl_ms)));
+        }
+        futures::future::ready(Ok(free)).boxed()
+    }
+
+    fn release_lock<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
+        let mut locks = self.inner.locks.lock();
+        let owned = locks.get(key).is_some_and(|(o, _)| o == owner);
+        if owned {
+            locks.remove(key);
+        }
+        futures::future::ready(Ok(owned)).boxed()
+    }
+
+    fn watch_landing<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {
+        futures::future::ready(self.inner.landings.watch(key)).boxed()
+    }
+
+    fn announce_landing<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<()>> {
+        self.inner.landings.announce(key);
+        futures::future::ready(Ok(())).boxed()
     }
 
     fn name(&self) -> &'static str {

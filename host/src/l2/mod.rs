@@ -13,10 +13,13 @@ use futures::future::BoxFuture;
 
 use crate::Result;
 
+mod landing;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
 
+pub use landing::LandingWatch;
+pub(crate) use landing::Landings;
 pub use memory::{InvalidationStats, MemoryL2};
 #[cfg(feature = "redis")]
 pub use redis::{RedisL2, RedisOptions};
@@ -42,6 +45,22 @@ pub trait L2Store: Send + Sync + fmt::Debug + 'static {
 
     /// Removes `key` only if it still holds exactly `expected`; says whether it did.
     fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>>;
+
+    /// Takes the lock of `key` for `owner` if nobody holds it (`SET NX PX`); says
+    /// whether it did. Lock keys never meet entry keys.
+    fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>>;
+
+    /// Releases the lock of `key` if `owner` holds it (compare-and-delete); says whether it did.
+    fn release_lock<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>>;
+
+    /// Registers interest in the next landing of a value for `key` in any process
+    /// sharing the store. Register before trying the lock, so no landing is missed.
+    /// Never fails: without a notification channel the watch never fires and the
+    /// caller's backoff timer is the fallback.
+    fn watch_landing<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch>;
+
+    /// Tells every process sharing the store that a value for `key` landed.
+    fn announce_landing<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<()>>;
 
     /// A short name for logs and tables: `memory`, `redis`.
     fn name(&self) -> &'static str;

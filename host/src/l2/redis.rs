@@ -1,8 +1,10 @@
 //! The Redis L2, through the `redis` crate's `ConnectionManager` (reconnects by itself).
 //!
 //! Every key is stored under the configured prefix, so applications and tenants sharing
-//! one Redis never see each other's entries. A read is one round trip: the guest's
-//! read-and-touch Lua runs on the server (`EVALSHA`, falling back to `EVAL` once).
+//! one Redis never see each other's entries or locks: entries live at `{prefix}e:{key}`,
+//! locks at `{prefix}l:{key}`, and landings are announced on the channel
+//! `{prefix}landed`. A read is one round trip: the guest's read-and-touch Lua runs on
+//! the server (`EVALSHA`, falling back to `EVAL` once).
 
 use std::fmt;
 use std::sync::Arc;
@@ -16,7 +18,10 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
 
-use super::L2Store;
+use futures::StreamExt;
+use tokio::sync::Mutex as AsyncMutex;
+
+use super::{L2Store, LandingWatch, Landings};
 use crate::policy::Policy;
 use crate::{Error, Result};
 
@@ -55,6 +60,10 @@ pub struct RedisL2 {
     delete_if_equal: Arc<Script>,
     grace_ms: u64,
     commands: Arc<AtomicU64>,
+    client: redis::Client,
+    landings: Landings,
+    /// Whether this process listens on the landing channel yet (subscribed on first need).
+    listening: Arc<AsyncMutex<bool>>,
 }
 
 impl fmt::Debug for RedisL2 {
@@ -78,8 +87,7 @@ impl RedisL2 {
             .as_str()
             .into_connection_info()
             .map_err(|e| {
-                Error::invalid_argument("redis url", format!("is not a Redis URL: {e}"))
-                    .with_source(e)
+                Error::invalid_argument("redis url", format!("is not a Redis URL: {e}")).with_source(e)
             })?
             .set_tcp_settings(TcpSettings::default().set_nodelay(true));
         let client = redis::Client::open(info).map_err(unavailable("client"))?;
@@ -97,14 +105,70 @@ impl RedisL2 {
             delete_if_equal: Arc::new(Script::new(policy.redis_delete_if_equal_script())),
             grace_ms: policy.store_ttl_grace_ms(),
             commands: Arc::new(AtomicU64::new(0)),
+            client,
+            landings: Landings::default(),
+            listening: Arc::new(AsyncMutex::new(false)),
         })
     }
 
-    fn key(&self, key: &str) -> String {
-        let mut k = String::with_capacity(self.prefix.len() + key.len());
+    fn namespaced(&self, space: &str, key: &str) -> String {
+        let mut k = String::with_capacity(self.prefix.len() + space.len() + key.len());
         k.push_str(&self.prefix);
+        k.push_str(space);
         k.push_str(key);
         k
+    }
+
+    /// The Redis key an entry is stored under: `{prefix}e:{key}`.
+    pub fn entry_key(&self, key: &str) -> String {
+        self.namespaced("e:", key)
+    }
+
+    /// The Redis key of an entry's get-or-set lock: `{prefix}l:{key}`.
+    pub fn lock_key(&self, key: &str) -> String {
+        self.namespaced("l:", key)
+    }
+
+    fn channel(&self) -> String {
+        self.namespaced("landed", "")
+    }
+
+    /// Subscribes to the landing channel once per process; the listener task feeds the
+    /// local waiters. Returns false when Redis cannot be reached (callers then rely on
+    /// their timers; the next wait tries again).
+    async fn ensure_listening(&self) -> bool {
+        let mut listening = self.listening.lock().await;
+        if *listening {
+            return true;
+        }
+        self.count(1);
+        let subscribed = async {
+            let mut pubsub = self.client.get_async_pubsub().await?;
+            pubsub.subscribe(self.channel()).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        };
+        match subscribed.await {
+            Ok(pubsub) => {
+                let landings = self.landings.clone();
+                let flag = self.listening.clone();
+                tokio::spawn(async move {
+                    let mut messages = pubsub.into_on_message();
+                    while let Some(msg) = messages.next().await {
+                        if let Ok(key) = msg.get_payload::<String>() {
+                            landings.announce(&key);
+                        }
+                    }
+                    // The connection dropped: subscribe again on the next wait.
+                    *flag.lock().await = false;
+                });
+                *listening = true;
+                true
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "landing channel unavailable; waiters fall back to timers");
+                false
+            }
+        }
     }
 
     fn count(&self, n: u64) {
@@ -134,7 +198,7 @@ impl L2Store for RedisL2 {
             let mut conn = self.conn.clone();
             let found: Option<Vec<u8>> = self
                 .read_script
-                .key(self.key(key))
+                .key(self.entry_key(key))
                 .arg(now_ms)
                 .arg(self.grace_ms)
                 .invoke_async(&mut conn)
@@ -150,7 +214,7 @@ impl L2Store for RedisL2 {
             self.count(1);
             let mut conn = self.conn.clone();
             let found: Option<Vec<u8>> = redis::cmd("GET")
-                .arg(self.key(key))
+                .arg(self.entry_key(key))
                 .query_async(&mut conn)
                 .await
                 .map_err(unavailable("GET"))?;
@@ -164,7 +228,7 @@ impl L2Store for RedisL2 {
             self.count(1);
             let mut conn = self.conn.clone();
             redis::cmd("SET")
-                .arg(self.key(key))
+                .arg(self.entry_key(key))
                 .arg(bytes.as_ref())
                 .arg("PX")
                 .arg(ttl_ms.max(1))
@@ -180,7 +244,7 @@ impl L2Store for RedisL2 {
             self.count(1);
             let mut conn = self.conn.clone();
             let n: u64 = redis::cmd("DEL")
-                .arg(self.key(key))
+                .arg(self.entry_key(key))
                 .query_async(&mut conn)
                 .await
                 .map_err(unavailable("DEL"))?;
@@ -195,12 +259,71 @@ impl L2Store for RedisL2 {
             let mut conn = self.conn.clone();
             let n: u64 = self
                 .delete_if_equal
-                .key(self.key(key))
+                .key(self.entry_key(key))
                 .arg(expected.as_ref())
                 .invoke_async(&mut conn)
                 .await
                 .map_err(unavailable("delete-if-equal"))?;
             Ok(n > 0)
+        }
+        .boxed()
+    }
+
+    fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            let ok: Option<String> = redis::cmd("SET")
+                .arg(self.lock_key(key))
+                .arg(owner)
+                .arg("NX")
+                .arg("PX")
+                .arg(ttl_ms.max(1))
+                .query_async(&mut conn)
+                .await
+                .map_err(unavailable("SET NX"))?;
+            Ok(ok.is_some())
+        }
+        .boxed()
+    }
+
+    fn release_lock<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            let n: u64 = self
+                .delete_if_equal
+                .key(self.lock_key(key))
+                .arg(owner)
+                .invoke_async(&mut conn)
+                .await
+                .map_err(unavailable("lock release"))?;
+            Ok(n > 0)
+        }
+        .boxed()
+    }
+
+    fn watch_landing<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {
+        async move {
+            if self.ensure_listening().await {
+                self.landings.watch(key)
+            } else {
+                LandingWatch::never()
+            }
+        }
+        .boxed()
+    }
+
+    fn announce_landing<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<()>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            redis::cmd("PUBLISH")
+                .arg(self.channel())
+                .arg(key)
+                .query_async::<()>(&mut conn)
+                .await
+                .map_err(unavailable("PUBLISH"))
         }
         .boxed()
     }

@@ -2,3 +2,4 @@
 
 mod backends;
 mod contract;
+mod single_flight;

@@ -11,6 +11,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+
+mod stampede;
 use comfy_table::Table;
 use corral::{Clock, Corral, EntryOptions, Error, ErrorKind, ManualClock};
 
@@ -59,14 +61,37 @@ enum Command {
     Inspect { key: String },
     /// Run one command per line of standard input (e.g. `set k v --sliding 5m`) on one cache.
     Script,
+    /// Fire N concurrent get-or-set calls at one cold key; report loads, latency, commands.
+    ///
+    /// Run several at once against one Redis to try a multi-process stampede.
+    Stampede {
+        /// Concurrent callers.
+        #[arg(long, default_value_t = 1000)]
+        callers: usize,
+        /// How long the loader takes, in ms.
+        #[arg(long, default_value_t = 500)]
+        loader_ms: u64,
+        /// The key (default: a fresh one per run).
+        #[arg(long)]
+        key: Option<String>,
+        /// Print exactly one JSON object on stdout instead of tables.
+        #[arg(long)]
+        json: bool,
+        /// Print "ready" on stderr once connected, then wait for a line on stdin (a barrier
+        /// for several processes).
+        #[arg(long)]
+        wait_for_go: bool,
+        /// How long to wait for another process's load before loading uncached.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+        lock_wait: Duration,
+    },
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG")
-                .unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG").unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -95,9 +120,9 @@ fn hint(e: &Error) -> Option<&'static str> {
              or drop --redis to use the embedded in-memory store",
         ),
         ErrorKind::InvalidArgument => Some("see `corral --help` for what each argument takes"),
-        ErrorKind::Guest => Some(
-            "the guest component failed: this is a bug, please report it with the command you ran",
-        ),
+        ErrorKind::Guest => {
+            Some("the guest component failed: this is a bug, please report it with the command you ran")
+        }
         _ => None,
     }
 }
@@ -111,7 +136,14 @@ fn exit_code(e: &Error) -> u8 {
 }
 
 fn build(cli: &Cli) -> corral::Result<Corral> {
-    let builder = Corral::builder();
+    build_with(cli, |b| b)
+}
+
+fn build_with(
+    cli: &Cli,
+    configure: impl FnOnce(corral::CorralBuilder) -> corral::CorralBuilder,
+) -> corral::Result<Corral> {
+    let builder = configure(Corral::builder());
     let builder = match &cli.redis {
         Some(url) => {
             let mut options = corral::l2::RedisOptions::new(url.clone());
@@ -137,9 +169,8 @@ async fn run(cli: Cli) -> corral::Result<()> {
                 if words.is_empty() || words[0].starts_with('#') {
                     continue;
                 }
-                let parsed = match Cli::try_parse_from(
-                    std::iter::once("corral").chain(words.iter().copied()),
-                ) {
+                let parsed = match Cli::try_parse_from(std::iter::once("corral").chain(words.iter().copied()))
+                {
                     Ok(parsed) => parsed,
                     Err(e) => {
                         eprintln!(
@@ -153,6 +184,37 @@ async fn run(cli: Cli) -> corral::Result<()> {
                 if let Err(e) = entry_command(&cache, &parsed.command).await {
                     println!("line {}: error: {e}", n + 1);
                 }
+            }
+            Ok(())
+        }
+        Command::Stampede {
+            callers,
+            loader_ms,
+            key,
+            json,
+            wait_for_go,
+            lock_wait,
+        } => {
+            let cache = build_with(&cli, |b| b.lock_wait(*lock_wait))?;
+            let key = key
+                .clone()
+                .unwrap_or_else(|| format!("stampede:{}", corral::SystemClock.now_ms()));
+            if *wait_for_go {
+                // Connect (and subscribe) before the barrier, so the start is even.
+                cache.get(&format!("{key}:warmup")).await?;
+                eprintln!("ready");
+                let mut line = String::new();
+                std::io::stdin().read_line(&mut line).map_err(|e| {
+                    Error::from(ErrorKind::InvalidArgument)
+                        .with_context(format!("waiting for go on stdin: {e}"))
+                })?;
+            }
+            let report =
+                stampede::run(&cache, &key, *callers, Duration::from_millis(*loader_ms), !*json).await;
+            if *json {
+                println!("{}", report.json());
+            } else {
+                println!("{}", report.table());
             }
             Ok(())
         }
@@ -198,9 +260,10 @@ async fn entry_command(cache: &Corral, command: &Command) -> corral::Result<()> 
             Some(i) => println!("{}", inspection_table(cache, key, &i)),
             None => println!("(no entry)"),
         },
-        Command::Demo | Command::Script => {
-            return Err(Error::from(ErrorKind::InvalidArgument)
-                .with_context("demo and script cannot be nested"));
+        Command::Demo | Command::Script | Command::Stampede { .. } => {
+            return Err(
+                Error::from(ErrorKind::InvalidArgument).with_context("demo and script cannot be nested")
+            );
         }
     }
     Ok(())
@@ -242,20 +305,62 @@ fn inspection_table(cache: &Corral, key: &str, i: &corral::Inspection) -> Table 
 /// The contract in one screen, on the embedded default with a manual clock (so the
 /// demo can skip ahead in time without waiting).
 async fn demo() -> corral::Result<()> {
+    println!("Corral demo, part 1: a stampede on the embedded default (in-memory L2).\n");
+    let clock = ManualClock::starting_now();
+    let cache = Corral::builder()
+        .clock(clock.clone())
+        .l1_ttl(Duration::from_secs(1))
+        .build()?;
+    let key = "report:2026-q3";
+    let report = stampede::run(&cache, key, 1_000, Duration::from_millis(200), true).await;
+    println!("{}\n", report.table());
+
+    let mut tiers = Table::new();
+    tiers
+        .load_preset(comfy_table::presets::UTF8_BORDERS_ONLY)
+        .set_header(["read", "served by", "took"]);
+    for (label, skip) in [
+        ("get_or_set right after", Duration::ZERO),
+        (
+            "get_or_set 2 s later (past the 1 s L1 TTL)",
+            Duration::from_secs(2),
+        ),
+        ("get_or_set again", Duration::ZERO),
+    ] {
+        clock.advance(skip);
+        let before = cache.metrics();
+        let began = std::time::Instant::now();
+        cache
+            .get_or_set(key, EntryOptions::new(), || async {
+                Ok::<_, Error>("loaded again?")
+            })
+            .await?;
+        let took = began.elapsed();
+        let after = cache.metrics();
+        let tier = if after.l1_hits > before.l1_hits {
+            "L1 (moka)"
+        } else if after.l2_hits > before.l2_hits {
+            "L2 (then L1 refilled)"
+        } else {
+            "the loader"
+        };
+        tiers.add_row([label.to_string(), tier.to_string(), format!("{took:.1?}")]);
+    }
+    println!("{tiers}\n");
+
+    println!("Corral demo, part 2: the cache contract, with a manual clock we move by hand.\n");
     let clock = ManualClock::starting_now();
     let cache = Corral::builder()
         .clock(clock.clone())
         .default_sliding(Duration::from_secs(20 * 60))
         .build()?;
-    println!("Corral demo: embedded in-memory L2, a manual clock we move by hand.\n");
     let mut table = Table::new();
     table
         .load_preset(comfy_table::presets::UTF8_BORDERS_ONLY)
         .set_header(["t+", "operation", "result"]);
     let start = clock.now_ms();
     let mut row = |op: &str, result: String| {
-        let t =
-            humantime::format_duration(Duration::from_millis(clock.now_ms() - start)).to_string();
+        let t = humantime::format_duration(Duration::from_millis(clock.now_ms() - start)).to_string();
         table.add_row([
             if t.is_empty() { "0s".to_string() } else { t },
             op.to_string(),

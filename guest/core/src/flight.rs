@@ -1,0 +1,869 @@
+//! The single-flight state machine of a tiered get-or-set (SPEC section 5).
+//!
+//! One [`Flight`] is the life of one get-or-set in the process that leads it (the
+//! host's keyed flight registry makes every other caller of the same key in the process
+//! wait for that leader: one loader call per key per process). The host checks L1
+//! first (against a deadline this machine issued when it filled L1), then drives the
+//! flight: it performs each [`Action`] and feeds back the [`Event`] it led to. The
+//! machine decides everything else: when to take the distributed lock, how long to back
+//! off, when to give up and degrade, what to write where, and what to write into L1.
+//!
+//! In the style of quinn-proto: no I/O, no clock reads; `now_ms` comes with every event,
+//! so a simulated-time harness drives every path deterministically (see the tests).
+//! The state is a plain value, so any instance of the component can step any flight.
+
+use crate::envelope::HEADER_LEN;
+use crate::expiry::{self, EntryMeta, EntryOptions};
+use crate::{ArgError, Limits, key, policy};
+
+/// How a get-or-set runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlightConfig {
+    /// How long to wait for the distributed lock (or a value) before degrading.
+    pub lock_wait_ms: u64,
+    /// The distributed lock's TTL.
+    pub lock_ttl_ms: u64,
+    /// The longest an entry is served from L1 without asking L2.
+    pub l1_ttl_ms: u64,
+    /// Skip both locks: load, write the tiers if cacheable, return.
+    pub bypass: bool,
+}
+
+impl Default for FlightConfig {
+    fn default() -> Self {
+        FlightConfig {
+            lock_wait_ms: 5_000,
+            lock_ttl_ms: 30_000,
+            l1_ttl_ms: 5 * 60_000,
+            bypass: false,
+        }
+    }
+}
+
+/// First wait of a follower for the lock holder; doubled per attempt.
+pub const BACKOFF_INITIAL_MS: u64 = 50;
+/// Longest wait between two looks.
+pub const BACKOFF_MAX_MS: u64 = 1_000;
+
+/// The wait before look number `attempt` (0-based): 50 ms doubling to at most 1 s.
+pub fn backoff_ms(attempt: u32) -> u64 {
+    BACKOFF_INITIAL_MS
+        .saturating_mul(1u64 << attempt.min(16))
+        .min(BACKOFF_MAX_MS)
+}
+
+/// Until when an entry with `meta`, filled into L1 at `now_ms`, may be served from L1
+/// without asking L2: never past its expiry, never longer than the L1 TTL, and for a
+/// sliding entry never longer than half its interval, so that reads served by L1 send a
+/// read (and its touch) to L2 at least twice per interval and keep it alive there.
+pub fn l1_deadline(meta: &EntryMeta, now_ms: u64, l1_ttl_ms: u64) -> u64 {
+    let mut until = meta.expires_at_ms.min(now_ms.saturating_add(l1_ttl_ms));
+    if let Some(s) = meta.sliding_ms {
+        until = until.min(now_ms.saturating_add((s / 2).max(1)));
+    }
+    until
+}
+
+/// Where a flight stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Reading L2 for the first time.
+    Reading,
+    /// Trying to take the distributed lock.
+    Locking,
+    /// Holding the lock, reading L2 again before loading.
+    DoubleChecking,
+    /// Waiting for the lock holder's value (or the next try).
+    Waiting,
+    /// The loader runs.
+    Loading,
+    /// Writing the loaded value to L2.
+    Writing,
+    /// Finished: no more actions.
+    Done,
+}
+
+/// What the host tells the machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A read of L2 found a fresh entry (as judged by [`policy::read`]) with this meta.
+    L2Hit(EntryMeta),
+    /// A read of L2 found nothing fresh (missing, expired or corrupt).
+    L2Miss,
+    /// A read of L2 failed (store unavailable).
+    L2Failed,
+    /// The distributed lock is ours.
+    LockAcquired,
+    /// Someone else holds the distributed lock. `watching` says whether the host has a
+    /// live notification channel for landings (then waits can be long: a landing wakes
+    /// the waiter; the timer is only a safety net).
+    LockBusy {
+        /// Whether a landing notification will wake the wait.
+        watching: bool,
+    },
+    /// The lock could not be tried (store unavailable).
+    LockFailed,
+    /// A wait ended: a value landed, or the timer fired.
+    Woken,
+    /// The loader returned a value of `len` bytes; `cacheable` is the caller's
+    /// `should_cache` verdict on it.
+    Loaded {
+        /// The value's length.
+        len: u64,
+        /// Whether the caller's predicate accepts caching it.
+        cacheable: bool,
+    },
+    /// The loader failed.
+    LoadFailed,
+    /// The L2 write succeeded.
+    L2Written,
+    /// The L2 write failed.
+    L2WriteFailed,
+}
+
+/// How a flight ended, for the caller and the metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Served from L2 (`after_wait`: once another process's load landed).
+    L2Hit {
+        /// Whether the value came from another process's load we waited for.
+        after_wait: bool,
+    },
+    /// This flight loaded the value; `cached` says whether it went into the tiers.
+    Loaded {
+        /// Whether the value was written to the tiers.
+        cached: bool,
+    },
+    /// The distributed lock could not be had (store down or wait timed out): the
+    /// loader ran uncached for this caller.
+    Degraded {
+        /// Whether the lock wait ran past its deadline (else the store failed).
+        timed_out: bool,
+    },
+    /// The loader failed; nothing was cached. Its error goes to the caller and to every
+    /// caller coalesced on this flight.
+    LoaderFailed,
+}
+
+/// What the host does next.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Read L2 (through [`policy::read`]) and report [`Event::L2Hit`], [`Event::L2Miss`]
+    /// or [`Event::L2Failed`].
+    ReadL2,
+    /// Try the distributed lock with this TTL (`SET NX PX`, a fresh random token), and
+    /// report [`Event::LockAcquired`], [`Event::LockBusy`] or [`Event::LockFailed`].
+    TryLock {
+        /// The lock's TTL.
+        ttl_ms: u64,
+    },
+    /// Wait until a value for the key lands (a notification) or until `until_ms`,
+    /// whichever is first, then report [`Event::Woken`].
+    Wait {
+        /// When to stop waiting.
+        until_ms: u64,
+    },
+    /// Call the loader once and report [`Event::Loaded`] or [`Event::LoadFailed`].
+    Load,
+    /// Write the header followed by the value to L2 with this TTL, then report
+    /// [`Event::L2Written`] or [`Event::L2WriteFailed`].
+    WriteL2 {
+        /// The envelope header.
+        header: [u8; HEADER_LEN],
+        /// The store TTL upper bound.
+        store_ttl_ms: u64,
+    },
+    /// The flight is over: release the lock if `release` (owner-checked), tell waiters
+    /// the value landed if `notify`, fill L1 until `l1_until_ms` if set, and return.
+    Finish {
+        /// How it ended.
+        outcome: Outcome,
+        /// Release the distributed lock.
+        release: bool,
+        /// Notify waiting followers: a value was written to L2, or the lock released.
+        notify: bool,
+        /// Fill L1 with the value, servable until this moment.
+        l1_until_ms: Option<u64>,
+    },
+}
+
+/// One get-or-set in the process that leads it. A plain value: copy it, store it,
+/// step it anywhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Flight {
+    /// Where it stands.
+    pub phase: Phase,
+    /// How the loaded entry expires.
+    pub options: EntryOptions,
+    /// How it runs.
+    pub config: FlightConfig,
+    /// Looks taken while waiting for the lock.
+    pub attempt: u32,
+    /// When waiting for the lock ends.
+    pub deadline_ms: u64,
+    /// Whether this flight holds the distributed lock.
+    pub locked: bool,
+    /// Whether this flight has waited for another holder.
+    pub waited: bool,
+    /// Whether the lock wait timed out.
+    pub timed_out: bool,
+    /// The planned entry, once loaded and cacheable.
+    pub planned: Option<EntryMeta>,
+}
+
+impl Flight {
+    /// Starts a flight for `key` at `now_ms`: the key and the options are judged now,
+    /// before anything is loaded. Returns the flight and its first action.
+    ///
+    /// # Errors
+    /// An [`ArgError`] for a bad key or bad entry options.
+    pub fn start(
+        key: &str,
+        options: EntryOptions,
+        config: FlightConfig,
+        now_ms: u64,
+        limits: &Limits,
+    ) -> Result<(Flight, Action), ArgError> {
+        key::validate(key, limits)?;
+        expiry::plan(&options, now_ms, limits)?;
+        let mut flight = Flight {
+            phase: Phase::Reading,
+            options,
+            config,
+            attempt: 0,
+            deadline_ms: now_ms.saturating_add(config.lock_wait_ms),
+            locked: false,
+            waited: false,
+            timed_out: false,
+            planned: None,
+        };
+        if config.bypass {
+            flight.phase = Phase::Loading;
+            return Ok((flight, Action::Load));
+        }
+        Ok((flight, Action::ReadL2))
+    }
+
+    /// Feeds the result of the last action; returns the next action.
+    ///
+    /// An event that does not fit the phase (a host bug) ends the flight by loading
+    /// uncached rather than panicking: the caller still gets a value.
+    pub fn handle(&mut self, event: Event, now_ms: u64, limits: &Limits) -> Action {
+        use Event as E;
+        use Phase as P;
+        match (self.phase, event) {
+            (P::Reading | P::DoubleChecking | P::Waiting, E::L2Hit(meta)) => {
+                let after_wait = self.waited;
+                // A double-check hit holds the lock: release it.
+                self.finish(
+                    Outcome::L2Hit { after_wait },
+                    self.locked,
+                    Some(l1_deadline(&meta, now_ms, self.config.l1_ttl_ms)),
+                )
+            }
+            (P::Reading, E::L2Miss) => self.try_lock(),
+            (P::Reading | P::Waiting, E::L2Failed) => self.degrade(),
+            (P::Locking, E::LockAcquired) => {
+                self.locked = true;
+                self.phase = P::DoubleChecking;
+                Action::ReadL2
+            }
+            (P::Locking, E::LockBusy { watching }) => self.wait(now_ms, watching),
+            (P::Locking, E::LockFailed) => self.degrade(),
+            (P::Waiting, E::Woken) => Action::ReadL2,
+            (P::Waiting, E::L2Miss) => {
+                if now_ms >= self.deadline_ms {
+                    self.timed_out = true;
+                    self.degrade()
+                } else {
+                    self.try_lock()
+                }
+            }
+            (P::DoubleChecking, E::L2Miss | E::L2Failed) => {
+                self.phase = P::Loading;
+                Action::Load
+            }
+            (P::Loading, E::Loaded { len, cacheable }) => {
+                let degraded = !self.locked && !self.config.bypass;
+                if degraded {
+                    return self.finish(
+                        Outcome::Degraded {
+                            timed_out: self.timed_out,
+                        },
+                        false,
+                        None,
+                    );
+                }
+                if !cacheable {
+                    return self.finish(Outcome::Loaded { cached: false }, self.locked, None);
+                }
+                match policy::plan_value(len, &self.options, now_ms, limits) {
+                    Ok(plan) => {
+                        self.planned = Some(plan.meta);
+                        self.phase = P::Writing;
+                        Action::WriteL2 {
+                            header: plan.header,
+                            store_ttl_ms: plan.store_ttl_ms,
+                        }
+                    }
+                    // Too large to cache, or the absolute point passed while loading:
+                    // the caller gets the value, nothing is cached.
+                    Err(_) => self.finish(Outcome::Loaded { cached: false }, self.locked, None),
+                }
+            }
+            (P::Loading, E::LoadFailed) => self.finish(Outcome::LoaderFailed, self.locked, None),
+            (P::Writing, E::L2Written) => {
+                let l1 = self
+                    .planned
+                    .map(|m| l1_deadline(&m, now_ms, self.config.l1_ttl_ms));
+                self.finish(Outcome::Loaded { cached: true }, self.locked, l1)
+            }
+            // L2 first, then L1: a failed L2 write leaves L1 alone.
+            (P::Writing, E::L2WriteFailed) => {
+                self.finish(Outcome::Loaded { cached: false }, self.locked, None)
+            }
+            // Anything else is out of order: load uncached, never trap.
+            _ => {
+                if self.phase == P::Done {
+                    return self.finish(Outcome::Degraded { timed_out: false }, false, None);
+                }
+                self.degrade()
+            }
+        }
+    }
+
+    /// The caller went away mid-flight (its future was dropped). Ends the flight and
+    /// says whether a distributed lock is held and must be released.
+    pub fn abandon(&mut self) -> bool {
+        let owed = self.locked;
+        self.locked = false;
+        self.phase = Phase::Done;
+        owed
+    }
+
+    fn try_lock(&mut self) -> Action {
+        self.phase = Phase::Locking;
+        Action::TryLock {
+            ttl_ms: self.config.lock_ttl_ms,
+        }
+    }
+
+    /// Waits for the holder: with a live landing channel, a landing wakes the waiter and
+    /// the timer is a safety net at the longest backoff; without one, the timer is the
+    /// only wake-up and follows the backoff schedule (50 ms doubling to 1 s).
+    fn wait(&mut self, now_ms: u64, watching: bool) -> Action {
+        self.phase = Phase::Waiting;
+        self.waited = true;
+        let pause = if watching {
+            BACKOFF_MAX_MS
+        } else {
+            backoff_ms(self.attempt)
+        };
+        let until_ms = now_ms.saturating_add(pause).min(self.deadline_ms.max(now_ms));
+        self.attempt = self.attempt.saturating_add(1);
+        Action::Wait { until_ms }
+    }
+
+    fn degrade(&mut self) -> Action {
+        self.locked = false;
+        self.phase = Phase::Loading;
+        Action::Load
+    }
+
+    fn finish(&mut self, outcome: Outcome, release: bool, l1_until_ms: Option<u64>) -> Action {
+        self.phase = Phase::Done;
+        // Waiters wake for a landed value, and for a released lock (to take it over).
+        let notify = matches!(outcome, Outcome::Loaded { cached: true }) || release;
+        self.locked = false;
+        Action::Finish {
+            outcome,
+            release,
+            notify,
+            l1_until_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_700_000_000_000;
+
+    /// A simulated world: one key's L2, one distributed lock, a loader, and time.
+    /// `drive` runs a flight to its end, bounded so a livelock fails the test.
+    struct World {
+        now: u64,
+        l2: Option<EntryMeta>,
+        lock_holder: Option<&'static str>,
+        redis_up: bool,
+        loader: Result<u64, ()>,
+        cacheable: bool,
+        l2_write_ok: bool,
+        /// When someone else's value lands in L2 (a simulated other process).
+        lands_at: Option<u64>,
+        /// Whether the host has a live landing channel.
+        watching: bool,
+        loads: u32,
+        trace: Vec<String>,
+    }
+
+    impl World {
+        fn new() -> Self {
+            World {
+                now: NOW,
+                l2: None,
+                lock_holder: None,
+                redis_up: true,
+                loader: Ok(5),
+                cacheable: true,
+                l2_write_ok: true,
+                lands_at: None,
+                watching: false,
+                loads: 0,
+                trace: vec![],
+            }
+        }
+
+        fn land_if_due(&mut self) {
+            if let Some(at) = self.lands_at
+                && self.now >= at
+            {
+                self.l2 = Some(EntryMeta {
+                    absolute_ms: Some(at + 60_000),
+                    sliding_ms: None,
+                    expires_at_ms: at + 60_000,
+                });
+                self.lock_holder = None;
+                self.lands_at = None;
+            }
+        }
+
+        fn drive(&mut self, options: EntryOptions, config: FlightConfig) -> (Action, Flight) {
+            let limits = Limits::default();
+            let (mut flight, mut action) = Flight::start("k", options, config, self.now, &limits).unwrap();
+            for _ in 0..200 {
+                self.trace.push(
+                    format!("{action:?}")
+                        .split([' ', '{'])
+                        .next()
+                        .unwrap()
+                        .to_string(),
+                );
+                let event = match &action {
+                    Action::Finish { release, .. } => {
+                        if *release {
+                            assert_eq!(self.lock_holder, Some("me"), "releases only what it holds");
+                            self.lock_holder = None;
+                        }
+                        return (action, flight);
+                    }
+                    Action::ReadL2 => {
+                        self.land_if_due();
+                        match (self.redis_up, self.l2) {
+                            (false, _) => Event::L2Failed,
+                            (true, Some(m)) if self.now < m.expires_at_ms => Event::L2Hit(m),
+                            (true, _) => Event::L2Miss,
+                        }
+                    }
+                    Action::TryLock { .. } => match (self.redis_up, self.lock_holder) {
+                        (false, _) => Event::LockFailed,
+                        (true, None) => {
+                            self.lock_holder = Some("me");
+                            Event::LockAcquired
+                        }
+                        (true, Some(_)) => Event::LockBusy {
+                            watching: self.watching,
+                        },
+                    },
+                    Action::Wait { until_ms } => {
+                        assert!(
+                            *until_ms > self.now || *until_ms == flight.deadline_ms,
+                            "waits move time forward"
+                        );
+                        // Wake at the landing if it comes first (a notification), else at the timer.
+                        self.now = match self.lands_at {
+                            Some(at) if at < *until_ms => at.max(self.now),
+                            _ => *until_ms,
+                        };
+                        Event::Woken
+                    }
+                    Action::Load => {
+                        self.loads += 1;
+                        self.now += 500;
+                        match self.loader {
+                            Ok(len) => Event::Loaded {
+                                len,
+                                cacheable: self.cacheable,
+                            },
+                            Err(()) => Event::LoadFailed,
+                        }
+                    }
+                    Action::WriteL2 { .. } => {
+                        if self.l2_write_ok {
+                            self.l2 = Some(flight.planned.unwrap());
+                            Event::L2Written
+                        } else {
+                            Event::L2WriteFailed
+                        }
+                    }
+                };
+                action = flight.handle(event, self.now, &limits);
+            }
+            panic!("livelock: {:?}", self.trace);
+        }
+    }
+
+    fn relative(ms: u64) -> EntryOptions {
+        EntryOptions {
+            relative_ms: Some(ms),
+            ..Default::default()
+        }
+    }
+
+    fn finish(a: &Action) -> (Outcome, bool, bool, Option<u64>) {
+        match a {
+            Action::Finish {
+                outcome,
+                release,
+                notify,
+                l1_until_ms,
+            } => (*outcome, *release, *notify, *l1_until_ms),
+            other => panic!("not finished: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_from_50_ms_to_at_most_1_s() {
+        let waits: Vec<u64> = (0..8).map(backoff_ms).collect();
+        assert_eq!(waits, [50, 100, 200, 400, 800, 1000, 1000, 1000]);
+        assert_eq!(backoff_ms(u32::MAX), 1000);
+    }
+
+    #[test]
+    fn l1_never_outlives_l2_nor_its_own_ttl() {
+        let meta = EntryMeta {
+            absolute_ms: Some(NOW + 10_000),
+            sliding_ms: None,
+            expires_at_ms: NOW + 10_000,
+        };
+        assert_eq!(l1_deadline(&meta, NOW, 300_000), NOW + 10_000);
+        assert_eq!(l1_deadline(&meta, NOW, 2_000), NOW + 2_000);
+        let sliding = EntryMeta {
+            absolute_ms: None,
+            sliding_ms: Some(60_000),
+            expires_at_ms: NOW + 60_000,
+        };
+        assert_eq!(
+            l1_deadline(&sliding, NOW, 300_000),
+            NOW + 30_000,
+            "half the sliding interval"
+        );
+    }
+
+    #[test]
+    fn a_bad_key_or_bad_options_fail_before_anything_runs() {
+        let l = Limits::default();
+        assert!(Flight::start(" ", EntryOptions::default(), FlightConfig::default(), NOW, &l).is_err());
+        let bad = EntryOptions {
+            relative_ms: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(
+            Flight::start("k", bad, FlightConfig::default(), NOW, &l)
+                .unwrap_err()
+                .arg,
+            crate::Arg::Relative
+        );
+    }
+
+    #[test]
+    fn an_l2_hit_fills_l1_and_takes_no_lock() {
+        let mut w = World::new();
+        w.l2 = Some(EntryMeta {
+            absolute_ms: Some(NOW + 60_000),
+            sliding_ms: None,
+            expires_at_ms: NOW + 60_000,
+        });
+        let (a, _) = w.drive(relative(60_000), FlightConfig::default());
+        assert_eq!(
+            finish(&a),
+            (
+                Outcome::L2Hit { after_wait: false },
+                false,
+                false,
+                Some(NOW + 60_000)
+            )
+        );
+        assert_eq!(w.loads, 0);
+        assert_eq!(w.trace, ["ReadL2", "Finish"]);
+    }
+
+    #[test]
+    fn a_leader_double_checks_loads_once_writes_l2_then_l1_and_releases() {
+        let mut w = World::new();
+        let (a, f) = w.drive(relative(60_000), FlightConfig::default());
+        let (outcome, release, notify, l1) = finish(&a);
+        assert_eq!(
+            (outcome, release, notify),
+            (Outcome::Loaded { cached: true }, true, true)
+        );
+        assert_eq!(w.loads, 1);
+        assert_eq!(
+            w.trace,
+            ["ReadL2", "TryLock", "ReadL2", "Load", "WriteL2", "Finish"]
+        );
+        assert_eq!(w.lock_holder, None);
+        let planned = f.planned.unwrap();
+        assert_eq!(
+            planned.expires_at_ms,
+            NOW + 500 + 60_000,
+            "planned when the value arrived"
+        );
+        assert_eq!(l1, Some(planned.expires_at_ms));
+    }
+
+    #[test]
+    fn the_double_check_finds_a_value_that_landed_meanwhile() {
+        // Between our first read and our lock, someone else's load landed.
+        let limits = Limits::default();
+        let (mut f, a) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
+        assert_eq!(a, Action::ReadL2);
+        assert!(matches!(
+            f.handle(Event::L2Miss, NOW, &limits),
+            Action::TryLock { .. }
+        ));
+        assert_eq!(f.handle(Event::LockAcquired, NOW, &limits), Action::ReadL2);
+        let meta = EntryMeta {
+            absolute_ms: None,
+            sliding_ms: Some(10_000),
+            expires_at_ms: NOW + 10_000,
+        };
+        let (outcome, release, _, l1) = finish(&f.handle(Event::L2Hit(meta), NOW, &limits));
+        assert_eq!(
+            (outcome, release, l1),
+            (Outcome::L2Hit { after_wait: false }, true, Some(NOW + 5_000))
+        );
+        assert_eq!(f.phase, Phase::Done);
+    }
+
+    #[test]
+    fn a_follower_is_woken_when_the_value_lands_and_never_loads() {
+        let mut w = World::new();
+        w.lock_holder = Some("other");
+        w.lands_at = Some(NOW + 30);
+        let (a, _) = w.drive(relative(60_000), FlightConfig::default());
+        assert_eq!(finish(&a).0, Outcome::L2Hit { after_wait: true });
+        assert_eq!(w.loads, 0);
+        assert_eq!(w.now, NOW + 30, "woken by the landing, not by the 50 ms timer");
+        assert_eq!(w.trace, ["ReadL2", "TryLock", "Wait", "ReadL2", "Finish"]);
+    }
+
+    #[test]
+    fn a_follower_backs_off_exponentially_then_degrades_at_the_deadline() {
+        let mut w = World::new();
+        w.lock_holder = Some("stuck");
+        let config = FlightConfig {
+            lock_wait_ms: 5_000,
+            ..Default::default()
+        };
+        let (a, f) = w.drive(relative(60_000), config);
+        assert_eq!(
+            finish(&a),
+            (Outcome::Degraded { timed_out: true }, false, false, None)
+        );
+        assert_eq!(w.loads, 1, "the caller still gets a value");
+        assert_eq!(
+            w.lock_holder,
+            Some("stuck"),
+            "never releases a lock it does not hold"
+        );
+        assert_eq!(w.l2, None, "a degraded load is not cached");
+        // 50+100+200+400+800+1000+1000+1000+450 = 5000: the deadline, not a minute later.
+        assert_eq!(w.now, NOW + 5_000 + 500);
+        assert_eq!(f.attempt, 9);
+    }
+
+    #[test]
+    fn a_watching_follower_waits_for_the_landing_with_a_long_safety_timer() {
+        let mut w = World::new();
+        w.watching = true;
+        w.lock_holder = Some("other");
+        w.lands_at = Some(NOW + 700);
+        let (a, f) = w.drive(relative(60_000), FlightConfig::default());
+        assert_eq!(finish(&a).0, Outcome::L2Hit { after_wait: true });
+        assert_eq!(
+            w.trace,
+            ["ReadL2", "TryLock", "Wait", "ReadL2", "Finish"],
+            "one look, no polling"
+        );
+        assert_eq!((w.now, f.attempt), (NOW + 700, 1));
+    }
+
+    #[test]
+    fn a_watching_follower_still_polls_once_a_second_if_no_landing_comes() {
+        let mut w = World::new();
+        w.watching = true;
+        w.lock_holder = Some("stuck");
+        let (a, f) = w.drive(
+            relative(60_000),
+            FlightConfig {
+                lock_wait_ms: 3_000,
+                ..Default::default()
+            },
+        );
+        assert_eq!(finish(&a).0, Outcome::Degraded { timed_out: true });
+        assert_eq!(f.attempt, 3, "1 s, 1 s, 1 s: the safety timer");
+    }
+
+    #[test]
+    fn a_release_without_a_value_still_wakes_the_waiters() {
+        let mut w = World::new();
+        w.loader = Err(());
+        let (a, _) = w.drive(relative(60_000), FlightConfig::default());
+        let (_, release, notify, _) = finish(&a);
+        assert!(release && notify, "so they can take the lock over at once");
+    }
+
+    #[test]
+    fn a_holder_that_dies_lets_a_follower_take_over() {
+        let mut w = World::new();
+        w.lock_holder = Some("other");
+        let limits = Limits::default();
+        let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
+        f.handle(Event::L2Miss, NOW, &limits);
+        assert!(
+            matches!(f.handle(Event::LockBusy { watching: false }, NOW, &limits), Action::Wait { until_ms } if until_ms == NOW + 50)
+        );
+        assert_eq!(f.handle(Event::Woken, NOW + 50, &limits), Action::ReadL2);
+        assert!(matches!(
+            f.handle(Event::L2Miss, NOW + 50, &limits),
+            Action::TryLock { .. }
+        ));
+        assert_eq!(
+            f.handle(Event::LockAcquired, NOW + 50, &limits),
+            Action::ReadL2,
+            "double-check as leader"
+        );
+        assert_eq!(f.handle(Event::L2Miss, NOW + 50, &limits), Action::Load);
+    }
+
+    #[test]
+    fn redis_down_degrades_at_once_to_an_uncached_load() {
+        let mut w = World::new();
+        w.redis_up = false;
+        let (a, _) = w.drive(relative(60_000), FlightConfig::default());
+        assert_eq!(
+            finish(&a),
+            (Outcome::Degraded { timed_out: false }, false, false, None)
+        );
+        assert_eq!((w.loads, w.now), (1, NOW + 500), "no waiting on a dead store");
+    }
+
+    #[test]
+    fn a_lock_that_cannot_be_tried_degrades() {
+        let limits = Limits::default();
+        let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
+        f.handle(Event::L2Miss, NOW, &limits);
+        assert_eq!(f.handle(Event::LockFailed, NOW, &limits), Action::Load);
+        assert_eq!(
+            finish(&f.handle(
+                Event::Loaded {
+                    len: 1,
+                    cacheable: true
+                },
+                NOW,
+                &limits
+            ))
+            .0,
+            Outcome::Degraded { timed_out: false }
+        );
+    }
+
+    #[test]
+    fn a_loader_error_is_not_cached_and_the_lock_is_released() {
+        let mut w = World::new();
+        w.loader = Err(());
+        let (a, _) = w.drive(relative(60_000), FlightConfig::default());
+        assert_eq!(finish(&a), (Outcome::LoaderFailed, true, true, None));
+        assert_eq!((w.l2, w.lock_holder), (None, None));
+    }
+
+    #[test]
+    fn a_value_should_cache_rejects_is_returned_but_written_nowhere() {
+        let mut w = World::new();
+        w.cacheable = false;
+        let (a, _) = w.drive(relative(60_000), FlightConfig::default());
+        assert_eq!(finish(&a), (Outcome::Loaded { cached: false }, true, true, None));
+        assert_eq!(w.l2, None);
+    }
+
+    #[test]
+    fn a_failed_l2_write_leaves_l1_alone() {
+        let mut w = World::new();
+        w.l2_write_ok = false;
+        let (a, _) = w.drive(relative(60_000), FlightConfig::default());
+        assert_eq!(finish(&a), (Outcome::Loaded { cached: false }, true, true, None));
+    }
+
+    #[test]
+    fn a_value_too_large_to_cache_is_still_returned() {
+        let mut w = World::new();
+        w.loader = Ok(u64::from(Limits::default().max_value_bytes) + 1);
+        let (a, _) = w.drive(relative(60_000), FlightConfig::default());
+        assert_eq!(finish(&a).0, Outcome::Loaded { cached: false });
+        assert_eq!(w.l2, None);
+    }
+
+    #[test]
+    fn bypass_loads_without_locks_and_writes_both_tiers() {
+        let mut w = World::new();
+        w.l2 = Some(EntryMeta {
+            absolute_ms: None,
+            sliding_ms: Some(1_000),
+            expires_at_ms: NOW + 1_000,
+        });
+        w.lock_holder = Some("other");
+        let (a, _) = w.drive(
+            relative(60_000),
+            FlightConfig {
+                bypass: true,
+                ..Default::default()
+            },
+        );
+        let (outcome, release, notify, l1) = finish(&a);
+        assert_eq!(
+            (outcome, release, notify),
+            (Outcome::Loaded { cached: true }, false, true)
+        );
+        assert!(l1.is_some());
+        assert_eq!(w.trace, ["Load", "WriteL2", "Finish"]);
+        assert_eq!(w.lock_holder, Some("other"));
+    }
+
+    #[test]
+    fn an_abandoned_flight_owes_a_release_only_while_it_holds_the_lock() {
+        let limits = Limits::default();
+        let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
+        assert!(!f.clone().abandon(), "reading: no lock yet");
+        f.handle(Event::L2Miss, NOW, &limits);
+        f.handle(Event::LockAcquired, NOW, &limits);
+        f.handle(Event::L2Miss, NOW, &limits);
+        assert_eq!(f.phase, Phase::Loading);
+        assert!(f.abandon(), "dropped mid-load while holding the lock");
+        assert!(!f.abandon(), "exactly once");
+    }
+
+    #[test]
+    fn out_of_order_events_never_panic_and_end_in_a_load() {
+        let limits = Limits::default();
+        let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
+        assert_eq!(f.handle(Event::L2Written, NOW, &limits), Action::Load);
+        let mut done = f;
+        done.phase = Phase::Done;
+        assert!(matches!(
+            done.handle(Event::Woken, NOW, &limits),
+            Action::Finish { release: false, .. }
+        ));
+    }
+}

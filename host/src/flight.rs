@@ -1,0 +1,301 @@
+//! The native driver of get-or-set: a loop that performs what the guest's flight
+//! machine asks (SPEC section 5). It decides nothing; the guest does.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::time::sleep;
+
+use crate::cache::Corral;
+use crate::load::LoadOptions;
+use crate::metrics::Metrics;
+use crate::policy::wflight::{self, Action, Event, Outcome};
+use crate::registry::{Join, Shared, follow};
+use crate::{Error, Result};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+impl Corral {
+    /// The value under `key`; on a miss, `loader` produces it, once per key across
+    /// every caller in this process and every process sharing the Redis. The value is
+    /// cached as `options` say and returned to every caller waiting for it.
+    ///
+    /// - L1 hit: returned at once. L2 hit: L1 is filled, the value returned.
+    /// - Miss: the first caller of the key in this process leads; the others wait for
+    ///   its result. The leader takes the distributed lock (`SET NX PX`, a random
+    ///   128-bit owner token), reads L2 again, loads, writes L2 then L1, releases the
+    ///   lock (owner-checked), and announces the landing (pub/sub), which wakes the
+    ///   waiting processes; they read the value from L2.
+    /// - If the lock cannot be had (Redis down, or held past the lock wait), the loader
+    ///   runs uncached for this caller (with a `tracing` warning), still coalesced
+    ///   within the process.
+    /// - A loader error goes to the leader and every coalesced caller; nothing is cached.
+    /// - Dropping the future mid-flight releases the lock (in the background) and hands
+    ///   the flight to a waiting caller: no lock, permit or map entry leaks.
+    ///
+    /// ```no_run
+    /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
+    /// use std::time::Duration;
+    /// use corral::{EntryOptions, LoadOptions};
+    ///
+    /// let options = LoadOptions::new()
+    ///     .entry(EntryOptions::new().relative(Duration::from_secs(60)))
+    ///     .should_cache(|v| !v.is_empty());
+    /// let user = cache
+    ///     .get_or_set("user:42", options, || async { Ok::<_, std::io::Error>(b"Ada".to_vec()) })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key
+    /// or options, before anything runs; [`ErrorKind::Loader`](crate::ErrorKind::Loader)
+    /// with the loader's error as the source.
+    pub async fn get_or_set<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        loader: F,
+    ) -> Result<Bytes>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<V, E>>,
+        V: Into<Bytes>,
+        E: Into<BoxError>,
+    {
+        let options = options.into();
+        if options.bypass {
+            return self.lead(key, &options, loader).await;
+        }
+        let now = self.inner.clock.now_ms();
+        if let Some(value) = self.inner.l1.get(key, now).await {
+            Metrics::bump(&self.inner.metrics.l1_hits);
+            return Ok(value);
+        }
+        loop {
+            match self.inner.registry.join(key) {
+                Join::Leader(guard) => {
+                    let result = self.lead(key, &options, loader).await;
+                    guard.finish(match &result {
+                        Ok(value) => Shared::Value(value.clone()),
+                        Err(e) => Shared::Failed(Arc::new(e.share())),
+                    });
+                    return result;
+                }
+                Join::Follower(rx) => match follow(rx).await {
+                    Shared::Value(value) => {
+                        Metrics::bump(&self.inner.metrics.coalesced);
+                        return Ok(value);
+                    }
+                    Shared::Failed(e) => {
+                        Metrics::bump(&self.inner.metrics.coalesced);
+                        return Err(Error::from_shared(e));
+                    }
+                    // The leader went away: try to lead (or follow whoever does).
+                    Shared::Gone => continue,
+                },
+            }
+        }
+    }
+
+    /// One flight, led by this caller: the guest decides, this loop performs.
+    async fn lead<F, Fut, V, E>(&self, key: &str, options: &LoadOptions, loader: F) -> Result<Bytes>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<V, E>>,
+        V: Into<Bytes>,
+        E: Into<BoxError>,
+    {
+        let inner = &*self.inner;
+        let config = wflight::FlightConfig {
+            lock_wait_ms: inner.flight.lock_wait_ms,
+            lock_ttl_ms: inner.flight.lock_ttl_ms,
+            l1_ttl_ms: inner.l1_ttl_ms,
+            bypass: options.bypass,
+        };
+        let mut now = inner.clock.now_ms();
+        let (state, mut action) = inner.policy.flight_start(key, &options.entry, config, now)?;
+        let mut held = HeldFlight {
+            cache: self,
+            key,
+            state,
+            owner: None,
+            done: false,
+        };
+        let mut loader = Some(loader);
+        let mut value: Option<Bytes> = None;
+        let mut loader_error: Option<BoxError> = None;
+        let mut landing = None;
+        let mut waited = false;
+        loop {
+            let event = match action {
+                Action::ReadL2 => match self.l2_read(key, now).await {
+                    Ok(Some((v, meta))) => {
+                        value = Some(v);
+                        Event::L2Hit(meta)
+                    }
+                    Ok(None) => Event::L2Miss,
+                    Err(e) => {
+                        tracing::warn!(key, error = %e, "L2 read failed during get-or-set");
+                        Event::L2Failed
+                    }
+                },
+                Action::TryLock(ttl_ms) => {
+                    // Listen before trying, so a landing right after the try is not missed.
+                    let watch = inner.l2.watch_landing(key).await;
+                    let watching = watch.is_live();
+                    landing = Some(watch);
+                    let owner = crate::lock_token();
+                    match inner.l2.try_lock(key, &owner, ttl_ms).await {
+                        Ok(true) => {
+                            held.owner = Some(owner);
+                            Event::LockAcquired
+                        }
+                        Ok(false) => Event::LockBusy(watching),
+                        Err(e) => {
+                            tracing::warn!(key, error = %e, "get-or-set lock unavailable");
+                            Event::LockFailed
+                        }
+                    }
+                }
+                Action::Wait(until_ms) => {
+                    if !waited {
+                        waited = true;
+                        Metrics::bump(&inner.metrics.lock_waits);
+                    }
+                    let pause = Duration::from_millis(until_ms.saturating_sub(inner.clock.now_ms()));
+                    match landing.as_mut() {
+                        Some(watch) => tokio::select! {
+                            () = watch.landed() => {}
+                            () = sleep(pause) => {}
+                        },
+                        None => sleep(pause).await,
+                    }
+                    landing = None;
+                    Event::Woken
+                }
+                Action::Load => {
+                    Metrics::bump(&inner.metrics.loads);
+                    let Some(load) = loader.take() else {
+                        return Err(Error::guest(
+                            "the flight asked for a second load",
+                            "broken contract",
+                        ));
+                    };
+                    match load().await {
+                        Ok(v) => {
+                            let v: Bytes = v.into();
+                            let loaded = wflight::Loaded {
+                                len: v.len() as u64,
+                                cacheable: options.accepts(&v),
+                            };
+                            value = Some(v);
+                            Event::Loaded(loaded)
+                        }
+                        Err(e) => {
+                            loader_error = Some(e.into());
+                            Event::LoadFailed
+                        }
+                    }
+                }
+                Action::WriteL2(write) => {
+                    let v = value.as_deref().unwrap_or_default();
+                    match self.l2_write(key, &write.header, v, write.store_ttl_ms).await {
+                        Ok(()) => Event::L2Written,
+                        Err(e) => {
+                            tracing::warn!(key, error = %e, "L2 write failed; the value is returned uncached");
+                            Event::L2WriteFailed
+                        }
+                    }
+                }
+                Action::Finish(finish) => {
+                    held.done = true;
+                    if finish.release
+                        && let Some(owner) = held.owner.take()
+                        && let Err(e) = inner.l2.release_lock(key, &owner).await
+                    {
+                        tracing::warn!(key, error = %e, "lock release failed; the lock expires by its TTL");
+                    }
+                    if finish.notify
+                        && let Err(e) = inner.l2.announce_landing(key).await
+                    {
+                        tracing::debug!(key, error = %e, "landing announcement failed; waiters fall back to polling");
+                    }
+                    self.count_outcome(key, finish.outcome);
+                    if let Outcome::LoaderFailed = finish.outcome {
+                        return Err(Error::loader(
+                            loader_error.take().unwrap_or_else(|| "loader failed".into()),
+                        ));
+                    }
+                    let value = value.take().unwrap_or_default();
+                    if let Some(until_ms) = finish.l1_until_ms {
+                        inner.l1.insert(key, value.clone(), until_ms).await;
+                    }
+                    return Ok(value);
+                }
+            };
+            now = inner.clock.now_ms();
+            let (state, next) = inner.policy.flight_step(held.state, event, now)?;
+            held.state = state;
+            action = next;
+        }
+    }
+
+    fn count_outcome(&self, key: &str, outcome: Outcome) {
+        let m = &self.inner.metrics;
+        match outcome {
+            Outcome::L2Hit(_) => Metrics::bump(&m.l2_hits),
+            Outcome::Loaded(_) | Outcome::LoaderFailed => Metrics::bump(&m.misses),
+            Outcome::Degraded(timed_out) => {
+                Metrics::bump(&m.misses);
+                Metrics::bump(&m.degraded);
+                if timed_out {
+                    Metrics::bump(&m.lock_timeouts);
+                }
+                tracing::warn!(key, timed_out, "distributed lock unavailable: loaded uncached");
+            }
+        }
+    }
+}
+
+/// A leader's flight in progress. Dropped before it finishes (the caller's future was
+/// dropped), it asks the guest whether the flight owes a lock release, and releases in
+/// the background.
+struct HeldFlight<'a> {
+    cache: &'a Corral,
+    key: &'a str,
+    state: wflight::FlightState,
+    owner: Option<String>,
+    done: bool,
+}
+
+impl Drop for HeldFlight<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let owed = self
+            .cache
+            .inner
+            .policy
+            .flight_abandon(self.state)
+            .unwrap_or(true);
+        let Some(owner) = self.owner.take().filter(|_| owed) else {
+            return;
+        };
+        let l2 = self.cache.inner.l2.clone();
+        let key = self.key.to_owned();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                match l2.release_lock(&key, &owner).await {
+                    // Wake the waiting processes so one of them takes over at once.
+                    Ok(_) => {
+                        let _ = l2.announce_landing(&key).await;
+                    }
+                    Err(e) => tracing::warn!(key, error = %e, "releasing an abandoned lock failed; it expires by its TTL"),
+                }
+            });
+        }
+    }
+}

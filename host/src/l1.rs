@@ -1,0 +1,44 @@
+//! The L1 tier: moka, in process. An entry carries the deadline the guest issued when
+//! it was filled (never past the entry's L2 expiry, nor the L1 TTL); moka's own TTL is
+//! only an upper bound that keeps memory in check.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use moka::future::Cache;
+
+#[derive(Clone, Debug)]
+pub(crate) struct L1Entry {
+    pub(crate) value: Bytes,
+    /// Served until this moment (Unix ms), as issued by the guest.
+    pub(crate) until_ms: u64,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct L1 {
+    cache: Cache<String, L1Entry>,
+}
+
+impl L1 {
+    pub(crate) fn new(capacity: u64, ttl: Duration) -> Self {
+        L1 {
+            cache: Cache::builder().max_capacity(capacity).time_to_live(ttl).build(),
+        }
+    }
+
+    /// The value of `key` if its guest-issued deadline has not passed at `now_ms`.
+    pub(crate) async fn get(&self, key: &str, now_ms: u64) -> Option<Bytes> {
+        let entry = self.cache.get(key).await?;
+        (now_ms < entry.until_ms).then_some(entry.value)
+    }
+
+    pub(crate) async fn insert(&self, key: &str, value: Bytes, until_ms: u64) {
+        self.cache
+            .insert(key.to_owned(), L1Entry { value, until_ms })
+            .await;
+    }
+
+    pub(crate) async fn remove(&self, key: &str) {
+        self.cache.invalidate(key).await;
+    }
+}

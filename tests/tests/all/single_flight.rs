@@ -1,0 +1,367 @@
+//! Tiered get-or-set with single flight (SPEC section 5), against the in-memory L2 and
+//! real redis-server processes; the multi-process stampede spawns real OS processes.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use corral::{Corral, EntryOptions, ErrorKind, LoadOptions};
+use corral_tests::{Backend, Fixture, RedisServer, commands_processed, corral_bin};
+use tokio::sync::Notify;
+
+const MIN: Duration = Duration::from_secs(60);
+
+fn relative() -> LoadOptions {
+    EntryOptions::new().relative(MIN).into()
+}
+
+/// `n` concurrent callers of one cold key, each with a loader that counts its calls and
+/// sleeps `loader` before answering.
+async fn stampede(cache: &Corral, key: &str, n: usize, loader: Duration) -> Result<(usize, Vec<Bytes>)> {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let (cache, calls, key) = (cache.clone(), calls.clone(), key.to_owned());
+        tasks.spawn(async move {
+            cache
+                .get_or_set(&key, relative(), || async move {
+                    let call = calls.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(loader).await;
+                    Ok::<_, std::io::Error>(format!("value from call {call}"))
+                })
+                .await
+        });
+    }
+    let mut values = Vec::with_capacity(n);
+    while let Some(r) = tasks.join_next().await {
+        values.push(r??);
+    }
+    Ok((calls.load(Ordering::SeqCst), values))
+}
+
+async fn a_thousand_callers_get_one_load(backend: Backend) -> Result<()> {
+    let f = Fixture::new(backend)?;
+    let (calls, values) = stampede(&f.cache, "cold", 1_000, Duration::from_millis(500)).await?;
+    assert_eq!(calls, 1, "one loader call for 1,000 callers");
+    assert!(
+        values.iter().all(|v| v == "value from call 0"),
+        "everyone gets the same value"
+    );
+    assert_eq!(
+        f.cache.flights_in_progress(),
+        0,
+        "the flight registry is empty afterwards"
+    );
+    let m = f.cache.metrics();
+    assert_eq!((m.loads, m.coalesced, m.degraded), (1, 999, 0));
+    // Served from L1 now, without a load.
+    let (calls, _) = stampede(&f.cache, "cold", 10, Duration::ZERO).await?;
+    assert_eq!(calls, 0);
+    assert_eq!(f.cache.metrics().l1_hits, 10);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_callers_get_one_load_memory() -> Result<()> {
+    a_thousand_callers_get_one_load(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_callers_get_one_load_redis() -> Result<()> {
+    a_thousand_callers_get_one_load(Backend::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_processes_share_one_load_without_a_polling_storm() -> Result<()> {
+    let server = RedisServer::start()?;
+    let before = commands_processed(&server).await?;
+    let mut children = Vec::new();
+    for _ in 0..4 {
+        let child = Command::new(corral_bin())
+            .args([
+                "stampede",
+                "--callers",
+                "250",
+                "--loader-ms",
+                "500",
+                "--key",
+                "shared",
+            ])
+            .args(["--redis", &server.url(), "--json", "--wait-for-go"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("spawning corral stampede")?;
+        children.push(child);
+    }
+    // A barrier, not a sleep: each process says "ready" once connected, then all go at once.
+    for child in &mut children {
+        let mut line = String::new();
+        BufReader::new(child.stderr.as_mut().expect("piped")).read_line(&mut line)?;
+        assert_eq!(line.trim(), "ready", "{line}");
+    }
+    for child in &mut children {
+        writeln!(child.stdin.as_mut().expect("piped"), "go")?;
+    }
+    let mut loads = 0;
+    let mut client_commands = 0;
+    for child in children {
+        let out = child.wait_with_output()?;
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("one JSON object on stdout")?;
+        loads += report["loader_calls"].as_u64().context("loader_calls")?;
+        client_commands += report["redis_commands"].as_u64().context("redis_commands")?;
+        assert_eq!(report["callers"], 250);
+        assert_eq!(report["errors"], 0);
+    }
+    let server_commands = commands_processed(&server).await? - before - 1;
+    println!(
+        "4 x 250 callers: {loads} loader call(s), {client_commands} cache commands, {server_commands} server-side"
+    );
+    assert_eq!(loads, 1, "one loader call across four processes");
+    assert!(
+        client_commands <= 30,
+        "a few commands per process, not a polling storm: {client_commands}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_error_reaches_every_coalesced_caller_and_nothing_is_cached() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..50 {
+        let cache = f.cache.clone();
+        tasks.spawn(async move {
+            cache
+                .get_or_set("k", relative(), || async {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    Err::<Vec<u8>, _>(std::io::Error::other("database down"))
+                })
+                .await
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        let e = r?.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Loader);
+        assert!(
+            format!("{e:#}").contains("database down") || std::error::Error::source(&e).is_some(),
+            "{e}"
+        );
+    }
+    assert_eq!(f.cache.metrics().loads, 1);
+    assert_eq!(f.cache.get("k").await?, None, "nothing cached");
+    let v = f
+        .cache
+        .get_or_set("k", relative(), || async {
+            Ok::<_, std::io::Error>("second try")
+        })
+        .await?;
+    assert_eq!(v, "second try", "the next call loads again");
+    assert_eq!(f.cache.metrics().loads, 2);
+    assert_eq!(f.cache.flights_in_progress(), 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_leader_hands_the_flight_over_and_leaks_nothing() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    let started = Arc::new(Notify::new());
+    let leader = {
+        let (cache, started) = (f.cache.clone(), started.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set("k", relative(), || async move {
+                    started.notify_one();
+                    std::future::pending::<()>().await;
+                    Ok::<_, std::io::Error>("never")
+                })
+                .await
+        })
+    };
+    started.notified().await; // the leader holds the lock and is loading
+    let mut followers = tokio::task::JoinSet::new();
+    for i in 0..10 {
+        let cache = f.cache.clone();
+        followers.spawn(async move {
+            cache
+                .get_or_set("k", relative(), move || async move {
+                    Ok::<_, std::io::Error>(format!("from {i}"))
+                })
+                .await
+        });
+    }
+    while f.cache.followers_of("k") < 10 {
+        tokio::task::yield_now().await;
+    }
+    let began = Instant::now();
+    leader.abort();
+    assert!(leader.await.unwrap_err().is_cancelled());
+    let mut values = Vec::new();
+    while let Some(r) = followers.join_next().await {
+        values.push(r??);
+    }
+    values.dedup();
+    assert_eq!(values.len(), 1, "one new leader served everyone: {values:?}");
+    let m = f.cache.metrics();
+    // The abandoned lock was released (and the release announced), not left to block
+    // the new leader until its 30 s TTL or the 5 s lock wait.
+    assert_eq!((m.loads, m.degraded, m.lock_timeouts), (2, 0, 0));
+    assert!(
+        began.elapsed() < Duration::from_secs(5),
+        "soon after: {:?}",
+        began.elapsed()
+    );
+    assert_eq!(f.cache.flights_in_progress(), 0);
+    let server = f.redis.as_ref().expect("redis");
+    let mut conn = server.connection().await?;
+    let pttl: i64 = redis::cmd("PTTL").arg("test:l:k").query_async(&mut conn).await?;
+    assert_eq!(pttl, -2, "the lock key is gone");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_down_the_caller_gets_the_loaders_value() -> Result<()> {
+    let lock_wait = Duration::from_secs(1);
+    let mut f = Fixture::with(Backend::Redis, |b| b.lock_wait(lock_wait))?;
+    f.redis.as_mut().expect("redis").kill();
+    let began = Instant::now();
+    let v = f
+        .cache
+        .get_or_set("k", relative(), || async {
+            Ok::<_, std::io::Error>("fresh from the source")
+        })
+        .await?;
+    let took = began.elapsed();
+    assert_eq!(v, "fresh from the source");
+    assert!(
+        took < lock_wait + Duration::from_secs(1),
+        "within lock wait plus loader time: {took:?}"
+    );
+    let m = f.cache.metrics();
+    assert_eq!((m.loads, m.degraded), (1, 1));
+    assert_eq!(f.cache.flights_in_progress(), 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_l2_write_fails_the_caller_gets_the_value_and_l1_is_not_written() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    let server = Arc::new(parking_lot::Mutex::new(f.redis));
+    let killer = server.clone();
+    let v = f
+        .cache
+        .get_or_set("k", relative(), move || async move {
+            // Redis dies while the value is being loaded.
+            if let Some(s) = killer.lock().as_mut() {
+                s.kill();
+            }
+            Ok::<_, std::io::Error>("loaded")
+        })
+        .await?;
+    assert_eq!(v, "loaded");
+    assert_eq!(f.cache.metrics().loads, 1);
+    // Had L1 been written, this read would be an L1 hit; it goes to the dead L2 instead.
+    let e = f.cache.get("k").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable);
+    assert_eq!(f.cache.metrics().l1_hits, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_should_cache_rejects_is_returned_but_not_cached() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    let options = || relative().should_cache(|v| v != b"error page");
+    let v = f
+        .cache
+        .get_or_set("k", options(), || async { Ok::<_, std::io::Error>("error page") })
+        .await?;
+    assert_eq!(v, "error page");
+    assert_eq!(f.cache.get("k").await?, None, "written to no tier");
+    let v = f
+        .cache
+        .get_or_set("k", options(), || async { Ok::<_, std::io::Error>("good") })
+        .await?;
+    assert_eq!(v, "good");
+    assert_eq!(f.cache.get("k").await?.as_deref(), Some(&b"good"[..]));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bypass_always_loads_and_writes_both_tiers() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    f.cache.set("k", "old", EntryOptions::new()).await?;
+    let v = f
+        .cache
+        .get_or_set("k", relative().bypass(true), || async {
+            Ok::<_, std::io::Error>("new")
+        })
+        .await?;
+    assert_eq!(v, "new");
+    assert_eq!(f.cache.metrics().loads, 1);
+    assert_eq!(f.cache.get("k").await?.as_deref(), Some(&b"new"[..]));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_fails_before_the_loader_runs() -> Result<()> {
+    let f = Fixture::new(Backend::Memory)?;
+    let e = f
+        .cache
+        .get_or_set(" ", relative(), || async { Ok::<_, std::io::Error>("x") })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.kind(), e.argument()),
+        (ErrorKind::InvalidArgument, Some("key"))
+    );
+    let bad = EntryOptions::new().sliding(Duration::ZERO);
+    let e = f
+        .cache
+        .get_or_set("k", bad, || async { Ok::<_, std::io::Error>("x") })
+        .await
+        .unwrap_err();
+    assert_eq!(e.argument(), Some("sliding"));
+    assert_eq!(f.cache.metrics().loads, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_process_is_woken_by_the_landing_not_by_polling() -> Result<()> {
+    // Two caches on one Redis: two processes as far as Redis can tell.
+    let server = RedisServer::start()?;
+    let cache = || Corral::builder().redis(server.url()).build();
+    let (a, b) = (cache()?, cache()?);
+    let loading = Arc::new(Notify::new());
+    let leader = {
+        let (a, loading) = (a.clone(), loading.clone());
+        tokio::spawn(async move {
+            a.get_or_set("k", relative(), || async move {
+                loading.notify_one();
+                tokio::time::sleep(Duration::from_millis(800)).await;
+                Ok::<_, std::io::Error>("from a")
+            })
+            .await
+        })
+    };
+    loading.notified().await;
+    let began = Instant::now();
+    let v = b
+        .get_or_set("k", relative(), || async { Ok::<_, std::io::Error>("from b") })
+        .await?;
+    assert_eq!(v, "from a");
+    assert_eq!(leader.await??, "from a");
+    let (mb, redis_b) = (b.metrics(), b.redis_l2().expect("redis").commands_sent());
+    assert_eq!((mb.loads, mb.lock_waits, mb.l2_hits), (0, 1, 1));
+    // With backoff polling alone (50, 100, 200, 400 ms...) b would have read and tried
+    // the lock four more times in 0.8 s; woken by the landing it reads once more.
+    assert_eq!(redis_b, 4, "read, subscribe, lock (busy), read after the landing");
+    assert!(began.elapsed() < Duration::from_secs(5));
+    Ok(())
+}
