@@ -3,4 +3,5 @@
 wasmtime::component::bindgen!({
     path: "../wit",
     world: "corral:guest/guest",
+    additional_derives: [PartialEq, Eq],
 });

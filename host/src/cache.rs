@@ -85,11 +85,7 @@ impl Default for CorralBuilder {
     fn default() -> Self {
         CorralBuilder {
             clock: Arc::new(SystemClock),
-            limits: Limits {
-                max_key_bytes: 1024,
-                max_value_bytes: 16 * 1024 * 1024,
-                default_sliding_ms: 20 * 60 * 1000,
-            },
+            limits: crate::policy::default_limits(),
             invalidation_interval: Duration::from_secs(30),
             l1_capacity: 100_000,
             l1_ttl: Duration::from_secs(5 * 60),

@@ -22,6 +22,8 @@ pub enum ErrorKind {
     Guest,
     /// The loader of a get-or-set failed; the source is its error.
     Loader,
+    /// Too few of a lock's Redis servers answered for a majority.
+    Quorum,
 }
 
 impl fmt::Display for ErrorKind {
@@ -34,6 +36,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Timeout => "timed out",
             ErrorKind::Guest => "guest component failed",
             ErrorKind::Loader => "loader failed",
+            ErrorKind::Quorum => "no quorum",
         })
     }
 }
@@ -127,7 +130,10 @@ impl Error {
 
     /// Whether trying again later may succeed (a store outage or a timeout).
     pub fn is_retryable(&self) -> bool {
-        matches!(self.kind, ErrorKind::Unavailable | ErrorKind::Timeout)
+        matches!(
+            self.kind,
+            ErrorKind::Unavailable | ErrorKind::Timeout | ErrorKind::Quorum
+        )
     }
 }
 

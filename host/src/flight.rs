@@ -275,12 +275,7 @@ impl Drop for HeldFlight<'_> {
         if self.done {
             return;
         }
-        let owed = self
-            .cache
-            .inner
-            .policy
-            .flight_abandon(self.state)
-            .unwrap_or(true);
+        let owed = self.cache.inner.policy.flight_abandon(self.state).unwrap_or(true);
         let Some(owner) = self.owner.take().filter(|_| owed) else {
             return;
         };

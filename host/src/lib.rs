@@ -31,6 +31,7 @@ mod flight;
 mod l1;
 pub mod l2;
 mod load;
+pub mod locks;
 mod metrics;
 mod options;
 mod policy;
@@ -47,4 +48,15 @@ pub use policy::{Freshness, GUEST_WASM, GUEST_WASM_PATH, Policy};
 /// A fresh random 128-bit owner token for a lock, as 32 hex digits.
 pub(crate) fn lock_token() -> String {
     format!("{:032x}", rand::random::<u128>())
+}
+
+/// Redis connections run on the caller's Tokio runtime: without one, a clear error
+/// instead of the runtime's panic.
+pub(crate) fn require_runtime(what: &str) -> Result<()> {
+    tokio::runtime::Handle::try_current().map(|_| ()).map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidArgument,
+            format!("{what} needs a Tokio runtime: build the cache inside one (e.g. in #[tokio::main])"),
+        )
+    })
 }

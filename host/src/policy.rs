@@ -95,6 +95,7 @@ struct Inner {
     read_script: String,
     delete_if_equal_script: String,
     grace_ms: u64,
+    lock_scripts: wlock::LockScripts,
 }
 
 impl fmt::Debug for Policy {
@@ -108,7 +109,17 @@ impl fmt::Debug for Policy {
 /// The limits of one cache (see the builder).
 pub(crate) use types::Limits;
 
+/// The default limits: 1 KiB keys, 16 MiB values, 20 minutes of default sliding.
+pub(crate) fn default_limits() -> Limits {
+    Limits {
+        max_key_bytes: 1024,
+        max_value_bytes: 16 * 1024 * 1024,
+        default_sliding_ms: 20 * 60 * 1000,
+    }
+}
+
 pub(crate) use crate::bindings::exports::corral::cache::flight as wflight;
+pub(crate) use crate::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
 pub(crate) use wit::{Freshness as WitFreshness, Plan, ReadOutcome};
 
@@ -126,6 +137,11 @@ impl Policy {
             .call_redis_delete_if_equal_script(&mut slot.store)
             .map_err(trap)?;
         let grace_ms = p.call_store_ttl_grace_ms(&mut slot.store).map_err(trap)?;
+        let lock_scripts = slot
+            .guest
+            .corral_lock_policy()
+            .call_scripts(&mut slot.store)
+            .map_err(trap)?;
         Ok(Policy {
             inner: Arc::new(Inner {
                 loaded,
@@ -135,6 +151,7 @@ impl Policy {
                 read_script,
                 delete_if_equal_script,
                 grace_ms,
+                lock_scripts,
             }),
         })
     }
@@ -281,6 +298,115 @@ impl Policy {
                 .corral_cache_flight()
                 .call_l1_deadline(&mut s.store, meta, now_ms, l1_ttl_ms)
         })
+    }
+
+    /// Checks a lock request (key rules, positive TTL).
+    pub(crate) fn lock_check_request(&self, key: &str, ttl_ms: u64) -> Result<()> {
+        let limits = self.inner.limits;
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_check_request(&mut s.store, key, ttl_ms, limits)
+        })?
+        .map_err(from_wit)
+    }
+
+    /// The entry to store if the lock is free at `now_ms`.
+    pub(crate) fn lock_try(
+        &self,
+        current: Option<&wlock::Held>,
+        owner: &str,
+        ttl_ms: u64,
+        now_ms: u64,
+    ) -> Result<Option<wlock::Held>> {
+        let current = current.cloned();
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_try_lock(&mut s.store, current.as_ref(), owner, ttl_ms, now_ms)
+        })
+    }
+
+    pub(crate) fn lock_is_expired(&self, current: Option<&wlock::Held>, now_ms: u64) -> Result<bool> {
+        let current = current.cloned();
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_is_expired(&mut s.store, current.as_ref(), now_ms)
+        })
+    }
+
+    pub(crate) fn lock_is_locked_by(
+        &self,
+        current: Option<&wlock::Held>,
+        owner: &str,
+        now_ms: u64,
+    ) -> Result<bool> {
+        let current = current.cloned();
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_is_locked_by(&mut s.store, current.as_ref(), owner, now_ms)
+        })
+    }
+
+    pub(crate) fn lock_sweepable(&self, entry: &wlock::Held, now_ms: u64) -> Result<bool> {
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_sweepable(&mut s.store, entry, now_ms)
+        })
+    }
+
+    pub(crate) fn lock_next_try(&self, attempt: u32, now_ms: u64, deadline_ms: u64) -> Result<Option<u64>> {
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_next_try(&mut s.store, attempt, now_ms, deadline_ms)
+        })
+    }
+
+    pub(crate) fn lock_decide(
+        &self,
+        acquired: u32,
+        servers: u32,
+        ttl_ms: u64,
+        elapsed_ms: u64,
+    ) -> Result<Option<u64>> {
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_decide(&mut s.store, acquired, servers, ttl_ms, elapsed_ms)
+        })
+    }
+
+    pub(crate) fn lock_has_quorum(&self, count: u32, servers: u32) -> Result<bool> {
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_has_quorum(&mut s.store, count, servers)
+        })
+    }
+
+    pub(crate) fn lock_renew_after(&self, ttl_ms: u64) -> Result<u64> {
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_renew_after_ms(&mut s.store, ttl_ms)
+        })
+    }
+
+    pub(crate) fn lock_fencing_token(&self, per_server: &[u64]) -> Result<u64> {
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_fencing_token(&mut s.store, per_server)
+        })
+    }
+
+    /// The lock scripts (acquire with fencing, release, extend).
+    pub(crate) fn lock_scripts(&self) -> &wlock::LockScripts {
+        &self.inner.lock_scripts
     }
 
     /// The Lua a Redis store runs to read and touch in one round trip.

@@ -316,3 +316,83 @@ mod flight {
         }
     }
 }
+
+mod lock {
+    //! The `corral:lock/policy` export: conversions around `corral_core::lock`.
+
+    use corral_core::lock::{self as core, Held};
+
+    use super::bindings::corral::cache::types;
+    use super::bindings::exports::corral::lock::policy as wit;
+    use super::{Component, arg_error, limits};
+
+    fn held_in(h: wit::Held) -> Held {
+        Held {
+            owner: h.owner,
+            expires_at_ms: h.expires_at_ms,
+        }
+    }
+
+    fn held_out(h: Held) -> wit::Held {
+        wit::Held {
+            owner: h.owner,
+            expires_at_ms: h.expires_at_ms,
+        }
+    }
+
+    impl wit::Guest for Component {
+        fn check_request(key: String, ttl_ms: u64, l: types::Limits) -> Result<(), types::Error> {
+            core::check_request(&key, ttl_ms, &limits(l)).map_err(arg_error)
+        }
+
+        fn try_lock(
+            current: Option<wit::Held>,
+            owner: String,
+            ttl_ms: u64,
+            now_ms: u64,
+        ) -> Option<wit::Held> {
+            core::try_lock(current.map(held_in).as_ref(), &owner, ttl_ms, now_ms).map(held_out)
+        }
+
+        fn is_expired(current: Option<wit::Held>, now_ms: u64) -> bool {
+            core::is_expired(current.map(held_in).as_ref(), now_ms)
+        }
+
+        fn is_locked_by(current: Option<wit::Held>, owner: String, now_ms: u64) -> bool {
+            core::is_locked_by(current.map(held_in).as_ref(), &owner, now_ms)
+        }
+
+        fn sweepable(entry: wit::Held, now_ms: u64) -> bool {
+            core::sweepable(&held_in(entry), now_ms)
+        }
+
+        fn next_try(attempt: u32, now_ms: u64, deadline_ms: u64) -> Option<u64> {
+            core::next_try(attempt, now_ms, deadline_ms)
+        }
+
+        fn decide(acquired: u32, servers: u32, ttl_ms: u64, elapsed_ms: u64) -> Option<u64> {
+            core::decide(acquired, servers, ttl_ms, elapsed_ms)
+        }
+
+        fn has_quorum(count: u32, servers: u32) -> bool {
+            core::has_quorum(count, servers)
+        }
+
+        fn renew_after_ms(ttl_ms: u64) -> u64 {
+            core::renew_after_ms(ttl_ms)
+        }
+
+        fn fencing_token(per_server: Vec<u64>) -> u64 {
+            core::fencing_token(&per_server)
+        }
+
+        fn scripts() -> wit::LockScripts {
+            use corral_core::script;
+            wit::LockScripts {
+                acquire: script::LOCK_ACQUIRE.to_string(),
+                release: script::LOCK_RELEASE.to_string(),
+                extend: script::LOCK_EXTEND.to_string(),
+            }
+        }
+    }
+}

@@ -16,6 +16,8 @@ pub enum Arg {
     Sliding,
     /// The cache's limits and defaults.
     Limits,
+    /// A lock's TTL.
+    Ttl,
 }
 
 impl Arg {
@@ -28,6 +30,7 @@ impl Arg {
             Arg::Relative => "relative",
             Arg::Sliding => "sliding",
             Arg::Limits => "limits",
+            Arg::Ttl => "ttl",
         }
     }
 }

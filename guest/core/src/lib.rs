@@ -11,6 +11,7 @@
 //! - [`envelope`]: the bytes a store holds: a versioned header carrying the expiry
 //!   metadata, then the value.
 //! - [`flight`]: the single-flight state machine of a tiered get-or-set.
+//! - [`lock`]: the lock protocols: lock table, retries, Redlock, watchdog, fencing.
 //! - [`policy`]: the above composed into one decision per store operation.
 //! - [`script`]: the server-side Lua a Redis store runs to read and touch atomically;
 //!   it mirrors [`expiry::check`] and lives here so the rule has one home.
@@ -22,6 +23,7 @@ mod error;
 pub mod expiry;
 pub mod flight;
 pub mod key;
+pub mod lock;
 pub mod policy;
 pub mod script;
 

@@ -55,6 +55,40 @@ end
 return 0
 "#;
 
+/// Lock acquire with fencing. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
+/// `ARGV[1]`: the owner token, `ARGV[2]`: the TTL (ms). Takes the lock if free
+/// (`SET NX PX`) and returns the incremented counter (from 1), else 0.
+pub const LOCK_ACQUIRE: &str = r#"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+return 0
+"#;
+
+/// Owner-checked release. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
+/// `ARGV[1]`: the owner token, `ARGV[2]`: the fencing token the lease carried (0: none).
+/// Raises the counter to at least that token (so a later holder on any majority gets
+/// a larger one), then deletes the lock if the owner holds it: 1, else 0.
+pub const LOCK_RELEASE: &str = r#"
+local fence = tonumber(ARGV[2])
+if fence > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') < fence then
+  redis.call('SET', KEYS[2], fence)
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+/// Owner-checked extend. `KEYS[1]`: the lock. `ARGV[1]`: the owner token, `ARGV[2]`:
+/// the new TTL (ms). Resets the TTL if the owner holds it: 1, else 0.
+pub const LOCK_EXTEND: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"#;
+
 #[cfg(test)]
 mod tests {
     use super::*;

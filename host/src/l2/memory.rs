@@ -10,6 +10,7 @@ use std::fmt;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::FutureExt;
@@ -20,6 +21,7 @@ use tokio::sync::watch;
 use super::{L2Store, LandingWatch, Landings};
 use crate::Result;
 use crate::clock::Clock;
+use crate::locks::MemoryLocks;
 use crate::policy::{Policy, ReadOutcome};
 
 const SHARDS: usize = 16;
@@ -35,8 +37,8 @@ struct Inner {
     shards: [Mutex<HashMap<String, Bytes>>; SHARDS],
     policy: Policy,
     clock: Arc<dyn Clock>,
-    /// Lock of key -> (owner, expires at): the same-process stand-in for `SET NX PX`.
-    locks: Mutex<HashMap<String, (String, u64)>>,
+    /// The get-or-set locks: the same-process counterpart of `SET NX PX`.
+    locks: MemoryLocks,
     landings: Landings,
     interval_ms: u64,
     last_run_ms: AtomicU64,
@@ -74,9 +76,9 @@ impl MemoryL2 {
             inner: Arc::new(Inner {
                 hasher: RandomState::new(),
                 shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+                locks: MemoryLocks::from_parts(policy.clone(), clock.clone()),
                 policy,
                 clock,
-                locks: Mutex::new(HashMap::new()),
                 landings: Landings::default(),
                 interval_ms,
                 last_run_ms: AtomicU64::new(now),
@@ -225,22 +227,15 @@ impl L2Store for MemoryL2 {
     }
 
     fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
-        let now = self.inner.clock.now_ms();
-        let mut locks = self.inner.locks.lock();
-        let free = locks.get(key).is_none_or(|(_, expires)| now >= *expires);
-        if free {
-            locks.insert(key.to_owned(), (owner.to_owned(), now.saturating_add(ttl_ms)));
-        }
-        futures::future::ready(Ok(free)).boxed()
+        let taken = self
+            .inner
+            .locks
+            .try_lock(key, owner, Duration::from_millis(ttl_ms));
+        futures::future::ready(taken).boxed()
     }
 
     fn release_lock<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
-        let mut locks = self.inner.locks.lock();
-        let owned = locks.get(key).is_some_and(|(o, _)| o == owner);
-        if owned {
-            locks.remove(key);
-        }
-        futures::future::ready(Ok(owned)).boxed()
+        futures::future::ready(self.inner.locks.unlock(key, owner)).boxed()
     }
 
     fn watch_landing<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {

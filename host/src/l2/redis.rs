@@ -90,6 +90,7 @@ impl RedisL2 {
                 Error::invalid_argument("redis url", format!("is not a Redis URL: {e}")).with_source(e)
             })?
             .set_tcp_settings(TcpSettings::default().set_nodelay(true));
+        crate::require_runtime("connecting to Redis")?;
         let client = redis::Client::open(info).map_err(unavailable("client"))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connect_timeout))

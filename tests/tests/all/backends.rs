@@ -153,6 +153,16 @@ async fn a_dead_redis_is_a_typed_retryable_error_and_recovery_follows() -> Resul
     Ok(())
 }
 
+#[test]
+fn building_with_redis_outside_a_runtime_is_an_error_not_a_panic() {
+    let e = Corral::builder()
+        .redis("redis://127.0.0.1:1")
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.to_string().contains("Tokio runtime"), "{e}");
+}
+
 #[tokio::test]
 async fn a_bad_redis_url_is_an_argument_error() {
     let e = Corral::builder().redis("http://not-redis").build().unwrap_err();

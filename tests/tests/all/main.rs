@@ -2,4 +2,5 @@
 
 mod backends;
 mod contract;
+mod locks;
 mod single_flight;

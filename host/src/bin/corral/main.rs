@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
+mod lock;
 mod stampede;
 use comfy_table::Table;
 use corral::{Clock, Corral, EntryOptions, Error, ErrorKind, ManualClock};
@@ -23,9 +24,10 @@ use corral::{Clock, Corral, EntryOptions, Error, ErrorKind, ManualClock};
     about = "Corral: a tiered cache and lock that stops cache stampedes"
 )]
 struct Cli {
-    /// Use Redis at this URL as L2 (default: the embedded in-memory L2).
+    /// Use Redis at this URL as L2 (default: the embedded in-memory L2). `lock` takes it
+    /// several times for Redlock.
     #[arg(long, global = true, env = "CORRAL_REDIS", value_name = "URL")]
-    redis: Option<String>,
+    redis: Vec<String>,
     /// Store every key under this prefix in Redis.
     #[arg(long, global = true, default_value = "corral:")]
     prefix: String,
@@ -85,6 +87,29 @@ enum Command {
         #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
         lock_wait: Duration,
     },
+    /// Run COMMAND only while holding the lock KEY: a distributed flock(1) for cron jobs.
+    ///
+    /// The fencing token is passed to COMMAND as CORRAL_FENCING_TOKEN. If the lock is
+    /// lost, COMMAND gets SIGTERM, then SIGKILL after 5 s. Exits with COMMAND's status,
+    /// or 75 when the lock could not be had within --wait, or 76 when it was lost.
+    /// Several --redis URLs mean Redlock.
+    Lock {
+        /// The lock's key.
+        #[arg(long)]
+        key: String,
+        /// Hold the lock for exactly this long (else a watchdog renews it while COMMAND runs).
+        #[arg(long, value_parser = humantime::parse_duration, conflicts_with = "watchdog")]
+        ttl: Option<Duration>,
+        /// Renew the lock while COMMAND runs (the default), with this Redis TTL.
+        #[arg(long, value_parser = humantime::parse_duration, default_missing_value = "30s", num_args = 0..=1)]
+        watchdog: Option<Duration>,
+        /// How long to wait for the lock.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
+        wait: Duration,
+        /// The command and its arguments.
+        #[arg(last = true, required = true, value_name = "COMMAND")]
+        command: Vec<String>,
+    },
 }
 
 #[tokio::main]
@@ -97,7 +122,7 @@ async fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match run(cli).await {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");
             let mut source = std::error::Error::source(&e);
@@ -130,7 +155,7 @@ fn hint(e: &Error) -> Option<&'static str> {
 fn exit_code(e: &Error) -> u8 {
     match e.kind() {
         ErrorKind::InvalidArgument => 2,
-        ErrorKind::Unavailable | ErrorKind::Timeout => 3,
+        ErrorKind::Unavailable | ErrorKind::Timeout | ErrorKind::Quorum => 3,
         _ => 1,
     }
 }
@@ -144,7 +169,11 @@ fn build_with(
     configure: impl FnOnce(corral::CorralBuilder) -> corral::CorralBuilder,
 ) -> corral::Result<Corral> {
     let builder = configure(Corral::builder());
-    let builder = match &cli.redis {
+    if cli.redis.len() > 1 {
+        return Err(Error::from(ErrorKind::InvalidArgument)
+            .with_context("--redis may be given several times only for `lock` (Redlock)"));
+    }
+    let builder = match cli.redis.first() {
         Some(url) => {
             let mut options = corral::l2::RedisOptions::new(url.clone());
             options.prefix = cli.prefix.clone();
@@ -155,7 +184,27 @@ fn build_with(
     builder.build()
 }
 
-async fn run(cli: Cli) -> corral::Result<()> {
+async fn run(cli: Cli) -> corral::Result<ExitCode> {
+    if let Command::Lock {
+        key,
+        ttl,
+        watchdog,
+        wait,
+        command,
+    } = &cli.command
+    {
+        let mut options = corral::locks::LockOptions::new().wait(*wait);
+        options = match (ttl, watchdog) {
+            (Some(ttl), _) => options.ttl(*ttl),
+            (None, Some(w)) => options.watchdog(*w),
+            (None, None) => options,
+        };
+        return lock::run(&cli.redis, &cli.prefix, key, options, command).await;
+    }
+    run_cache(cli).await.map(|()| ExitCode::SUCCESS)
+}
+
+async fn run_cache(cli: Cli) -> corral::Result<()> {
     match &cli.command {
         Command::Demo => demo().await,
         Command::Script => {
@@ -260,7 +309,7 @@ async fn entry_command(cache: &Corral, command: &Command) -> corral::Result<()> 
             Some(i) => println!("{}", inspection_table(cache, key, &i)),
             None => println!("(no entry)"),
         },
-        Command::Demo | Command::Script | Command::Stampede { .. } => {
+        Command::Demo | Command::Script | Command::Stampede { .. } | Command::Lock { .. } => {
             return Err(
                 Error::from(ErrorKind::InvalidArgument).with_context("demo and script cannot be nested")
             );

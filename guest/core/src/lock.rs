@@ -1,0 +1,201 @@
+//! The lock protocols (SPEC section 6): the in-memory lock table's transitions, the
+//! retry schedule, Redlock's quorum and validity arithmetic, the watchdog's timing, and
+//! fencing. Pure, like the rest of this crate; the host performs the I/O.
+
+use crate::{Arg, ArgError, Limits, key};
+
+/// A held lock as a lock table stores it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    /// Who holds it.
+    pub owner: String,
+    /// When it expires (Unix ms): expired when `now_ms >= expires_at_ms`.
+    pub expires_at_ms: u64,
+}
+
+/// Checks a lock request: the key follows the cache's key rules, the TTL is positive.
+///
+/// # Errors
+/// An [`ArgError`] naming `key` or `ttl`.
+pub fn check_request(key: &str, ttl_ms: u64, limits: &Limits) -> Result<(), ArgError> {
+    key::validate(key, limits)?;
+    if ttl_ms == 0 {
+        return Err(ArgError::new(
+            Arg::Ttl,
+            "must be a positive duration: a lock always expires",
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `current` is expired (or absent) at `now_ms`.
+pub fn is_expired(current: Option<&Held>, now_ms: u64) -> bool {
+    current.is_none_or(|h| now_ms >= h.expires_at_ms)
+}
+
+/// Whether `owner` holds `current` at `now_ms`.
+pub fn is_locked_by(current: Option<&Held>, owner: &str, now_ms: u64) -> bool {
+    current.is_some_and(|h| h.owner == owner && now_ms < h.expires_at_ms)
+}
+
+/// A try-lock: the new entry to store if the lock is free (absent or expired), else
+/// `None`. Not re-entrant: a holder trying again while its lock lives gets `None`.
+pub fn try_lock(current: Option<&Held>, owner: &str, ttl_ms: u64, now_ms: u64) -> Option<Held> {
+    is_expired(current, now_ms).then(|| Held {
+        owner: owner.to_owned(),
+        expires_at_ms: now_ms.saturating_add(ttl_ms),
+    })
+}
+
+/// Whether a sweep may remove `entry`: only once it is expired. The remover MUST
+/// remove it only if the table still holds this very entry (a renewal or takeover in
+/// between replaces it, and the replacement stays).
+pub fn sweepable(entry: &Held, now_ms: u64) -> bool {
+    now_ms >= entry.expires_at_ms
+}
+
+/// When to try again after attempt `attempt` (0-based) failed at `now_ms`: the backoff
+/// schedule (50 ms doubling to 1 s), never past `deadline_ms`; `None` once the deadline
+/// has passed (give up).
+pub fn next_try(attempt: u32, now_ms: u64, deadline_ms: u64) -> Option<u64> {
+    (now_ms < deadline_ms).then(|| {
+        now_ms
+            .saturating_add(crate::flight::backoff_ms(attempt))
+            .min(deadline_ms)
+    })
+}
+
+/// The clock-drift allowance of a lease of `ttl_ms`: 1% of the TTL plus 2 ms.
+pub fn drift_ms(ttl_ms: u64) -> u64 {
+    ttl_ms / 100 + 2
+}
+
+/// The majority of `servers`.
+pub fn quorum(servers: u32) -> u32 {
+    servers / 2 + 1
+}
+
+/// Whether `count` of `servers` is a majority (an owner-checked release or extend
+/// succeeded, or enough servers answered to judge).
+pub fn has_quorum(count: u32, servers: u32) -> bool {
+    servers > 0 && count >= quorum(servers)
+}
+
+/// Redlock's decision: with `acquired` of `servers` locked after `elapsed_ms` of a
+/// `ttl_ms` lease, the lock is held for the returned validity (ms) only with a majority
+/// and a positive `ttl - elapsed - drift`. `None`: not held; release everywhere.
+pub fn decide(acquired: u32, servers: u32, ttl_ms: u64, elapsed_ms: u64) -> Option<u64> {
+    if servers == 0 || acquired < quorum(servers) {
+        return None;
+    }
+    let validity = ttl_ms.saturating_sub(elapsed_ms).saturating_sub(drift_ms(ttl_ms));
+    (validity > 0).then_some(validity)
+}
+
+/// How long after a (re)confirmation a watchdog renews a lease of `ttl_ms`: TTL/3.
+pub fn renew_after_ms(ttl_ms: u64) -> u64 {
+    (ttl_ms / 3).max(1)
+}
+
+/// The fencing token of a lease acquired on several servers: the largest per-server
+/// counter value. Any two majorities share a server, and every release raises each
+/// server's counter to the token it carried, so a later holder's token is larger
+/// whenever the earlier holder released (see the README on fencing under Redlock).
+pub fn fencing_token(per_server: &[u64]) -> u64 {
+    per_server.iter().copied().max().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_000_000;
+
+    fn held(owner: &str, expires_at_ms: u64) -> Held {
+        Held {
+            owner: owner.into(),
+            expires_at_ms,
+        }
+    }
+
+    #[test]
+    fn a_request_needs_a_good_key_and_a_positive_ttl() {
+        let l = Limits::default();
+        assert_eq!(check_request(" ", 10, &l).unwrap_err().arg, Arg::Key);
+        assert_eq!(check_request("k", 0, &l).unwrap_err().arg, Arg::Ttl);
+        assert!(check_request("k", 1, &l).is_ok());
+    }
+
+    #[test]
+    fn a_free_lock_is_taken_a_live_one_is_not_an_expired_one_is_taken_over() {
+        assert_eq!(try_lock(None, "a", 100, NOW), Some(held("a", NOW + 100)));
+        let a = held("a", NOW + 100);
+        assert_eq!(try_lock(Some(&a), "b", 100, NOW + 99), None);
+        assert_eq!(try_lock(Some(&a), "a", 100, NOW + 99), None, "not re-entrant");
+        assert_eq!(
+            try_lock(Some(&a), "b", 100, NOW + 100),
+            Some(held("b", NOW + 200))
+        );
+    }
+
+    #[test]
+    fn ownership_and_expiry_are_judged_at_now() {
+        let a = held("a", NOW + 100);
+        assert!(is_locked_by(Some(&a), "a", NOW));
+        assert!(!is_locked_by(Some(&a), "b", NOW));
+        assert!(!is_locked_by(Some(&a), "a", NOW + 100));
+        assert!(!is_expired(Some(&a), NOW + 99));
+        assert!(is_expired(Some(&a), NOW + 100));
+        assert!(is_expired(None, NOW), "no lock is as good as an expired one");
+    }
+
+    #[test]
+    fn only_expired_entries_are_sweepable() {
+        assert!(!sweepable(&held("a", NOW + 1), NOW));
+        assert!(sweepable(&held("a", NOW), NOW));
+    }
+
+    #[test]
+    fn retries_follow_the_backoff_and_stop_at_the_deadline() {
+        assert_eq!(next_try(0, NOW, NOW + 5_000), Some(NOW + 50));
+        assert_eq!(next_try(4, NOW, NOW + 5_000), Some(NOW + 800));
+        assert_eq!(next_try(9, NOW, NOW + 5_000), Some(NOW + 1_000));
+        assert_eq!(
+            next_try(9, NOW, NOW + 300),
+            Some(NOW + 300),
+            "never past the deadline"
+        );
+        assert_eq!(next_try(0, NOW + 300, NOW + 300), None);
+    }
+
+    #[test]
+    fn redlock_needs_a_majority_within_the_validity() {
+        assert_eq!(quorum(1), 1);
+        assert_eq!(quorum(3), 2);
+        assert_eq!(quorum(5), 3);
+        assert!(has_quorum(3, 5) && !has_quorum(2, 5) && !has_quorum(0, 0));
+        assert_eq!(drift_ms(10_000), 102);
+        assert_eq!(decide(3, 5, 10_000, 50), Some(10_000 - 50 - 102));
+        assert_eq!(decide(2, 5, 10_000, 50), None, "no majority");
+        assert_eq!(
+            decide(5, 5, 10_000, 9_950),
+            None,
+            "took too long: no validity left"
+        );
+        assert_eq!(decide(0, 0, 10_000, 0), None);
+        assert_eq!(decide(1, 1, 200, 5), Some(200 - 5 - 4));
+    }
+
+    #[test]
+    fn the_watchdog_renews_at_a_third_of_the_ttl() {
+        assert_eq!(renew_after_ms(300), 100);
+        assert_eq!(renew_after_ms(30_000), 10_000);
+        assert_eq!(renew_after_ms(1), 1);
+    }
+
+    #[test]
+    fn the_fencing_token_is_the_largest_counter() {
+        assert_eq!(fencing_token(&[3, 9, 4]), 9);
+        assert_eq!(fencing_token(&[]), 0);
+    }
+}

@@ -1,0 +1,232 @@
+//! The in-memory lock provider (seed 001): atomic try-lock with takeover of expired
+//! locks, owner checks, and a background sweep of expired entries ("zombies") that
+//! never removes an entry renewed or taken over in the meantime. O(1) per operation.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::Result;
+use crate::clock::{Clock, SystemClock};
+use crate::options::duration_ms;
+use crate::policy::{Policy, default_limits, wlock::Held};
+
+const SHARDS: usize = 16;
+
+/// An in-memory lock table. Cheap to clone; clones share the table.
+#[derive(Clone)]
+pub struct MemoryLocks {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    policy: Policy,
+    clock: Arc<dyn Clock>,
+    hasher: RandomState,
+    shards: [Mutex<HashMap<String, Held>>; SHARDS],
+}
+
+impl fmt::Debug for MemoryLocks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryLocks")
+            .field("entries", &self.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryLocks {
+    /// A lock table on the system clock.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the guest cannot be loaded.
+    pub fn new() -> Result<Self> {
+        Self::with_clock(SystemClock)
+    }
+
+    /// A lock table on `clock` (a [`ManualClock`](crate::ManualClock) in tests).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn with_clock(clock: impl Clock) -> Result<Self> {
+        Ok(MemoryLocks {
+            inner: Arc::new(Inner {
+                policy: Policy::load(default_limits())?,
+                clock: Arc::new(clock),
+                hasher: RandomState::new(),
+                shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+            }),
+        })
+    }
+
+    /// A table sharing a cache's guest handle and clock (the memory L2's get-or-set locks).
+    pub(crate) fn from_parts(policy: Policy, clock: Arc<dyn Clock>) -> Self {
+        MemoryLocks {
+            inner: Arc::new(Inner {
+                policy,
+                clock,
+                hasher: RandomState::new(),
+                shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+            }),
+        }
+    }
+
+    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Held>> {
+        &self.inner.shards[self.inner.hasher.hash_one(key) as usize % SHARDS]
+    }
+
+    /// Takes the lock of `key` for `owner` for `ttl`, if it is free or expired. Of any
+    /// number of racing callers at most one wins while the lock lives.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key` or `ttl`.
+    pub fn try_lock(&self, key: &str, owner: &str, ttl: Duration) -> Result<bool> {
+        let ttl_ms = duration_ms(ttl);
+        let policy = &self.inner.policy;
+        policy.lock_check_request(key, ttl_ms)?;
+        let now = self.inner.clock.now_ms();
+        let mut map = self.shard(key).lock();
+        match policy.lock_try(map.get(key), owner, ttl_ms, now)? {
+            Some(entry) => {
+                map.insert(key.to_owned(), entry);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Releases `key` if `owner` holds it; says whether it did.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
+    pub fn unlock(&self, key: &str, owner: &str) -> Result<bool> {
+        let now = self.inner.clock.now_ms();
+        let mut map = self.shard(key).lock();
+        let owned = self.inner.policy.lock_is_locked_by(map.get(key), owner, now)?;
+        if owned {
+            map.remove(key);
+        }
+        Ok(owned)
+    }
+
+    /// Releases `key` whoever holds it (for administrators); says whether it was there.
+    pub fn force_unlock(&self, key: &str) -> bool {
+        self.shard(key).lock().remove(key).is_some()
+    }
+
+    /// Whether the lock of `key` is expired (or was never taken).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
+    pub fn is_lock_expired(&self, key: &str) -> Result<bool> {
+        let now = self.inner.clock.now_ms();
+        let map = self.shard(key).lock();
+        self.inner.policy.lock_is_expired(map.get(key), now)
+    }
+
+    /// Whether `owner` holds the lock of `key` now.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
+    pub fn is_locked_by(&self, key: &str, owner: &str) -> Result<bool> {
+        let now = self.inner.clock.now_ms();
+        let map = self.shard(key).lock();
+        self.inner.policy.lock_is_locked_by(map.get(key), owner, now)
+    }
+
+    /// Entries in the table, expired ones included until swept.
+    pub fn len(&self) -> usize {
+        self.inner.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Removes the expired entries; returns how many. Two phases: find the candidates,
+    /// then remove each only if the table still holds that very entry, so an entry
+    /// renewed or taken over in between stays.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
+    pub fn sweep(&self) -> Result<usize> {
+        let candidates = self.sweep_candidates()?;
+        Ok(self.remove_unchanged(candidates))
+    }
+
+    fn sweep_candidates(&self) -> Result<Vec<(String, Held)>> {
+        let now = self.inner.clock.now_ms();
+        let mut candidates = Vec::new();
+        for shard in &self.inner.shards {
+            let snapshot: Vec<(String, Held)> =
+                shard.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            for (key, entry) in snapshot {
+                if self.inner.policy.lock_sweepable(&entry, now)? {
+                    candidates.push((key, entry));
+                }
+            }
+        }
+        Ok(candidates)
+    }
+
+    fn remove_unchanged(&self, candidates: Vec<(String, Held)>) -> usize {
+        let mut removed = 0;
+        for (key, entry) in candidates {
+            let mut map = self.shard(&key).lock();
+            if map.get(&key) == Some(&entry) {
+                map.remove(&key);
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    /// Sweeps every `every` in the background until the table is dropped.
+    pub fn spawn_sweeper(&self, every: Duration) -> tokio::task::JoinHandle<()> {
+        let weak: Weak<Inner> = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { return };
+                let locks = MemoryLocks { inner };
+                match locks.sweep() {
+                    Ok(n) if n > 0 => tracing::debug!(removed = n, "lock sweep"),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "lock sweep failed"),
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ManualClock;
+
+    #[test]
+    fn the_sweep_never_removes_an_entry_renewed_between_its_two_phases() {
+        let clock = ManualClock::new(1_000_000);
+        let locks = MemoryLocks::with_clock(clock.clone()).unwrap();
+        assert!(locks.try_lock("a", "one", Duration::from_millis(100)).unwrap());
+        assert!(locks.try_lock("b", "one", Duration::from_millis(100)).unwrap());
+        clock.advance(Duration::from_millis(150));
+        let candidates = locks.sweep_candidates().unwrap();
+        assert_eq!(candidates.len(), 2, "both expired");
+        // Between the phases, "a" is taken over by a new owner.
+        assert!(locks.try_lock("a", "two", Duration::from_millis(100)).unwrap());
+        assert_eq!(
+            locks.remove_unchanged(candidates),
+            1,
+            "only the untouched zombie goes"
+        );
+        assert!(locks.is_locked_by("a", "two").unwrap());
+        assert_eq!(locks.len(), 1);
+    }
+}
