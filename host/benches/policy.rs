@@ -61,7 +61,7 @@ fn memory_get(c: &mut Criterion) {
             .await
             .unwrap();
     });
-    let mut group = c.benchmark_group("in-memory L2 get");
+    let mut group = c.benchmark_group("in-memory L2 get (L1 off)");
     for key in ["relative", "sliding"] {
         group.bench_function(key, |b| {
             b.to_async(&rt)

@@ -323,7 +323,9 @@ impl RedisLocks {
 /// the background. Its [`lost`](Lease::lost) signal fires if the lock is lost.
 pub struct Lease {
     shared: Arc<LeaseShared>,
+    /// The watchdog, for a lease taken without a TTL.
     monitor: Option<JoinHandle<()>>,
+    watchdog: bool,
     released: bool,
 }
 
@@ -366,10 +368,12 @@ impl Lease {
             valid_until: AtomicU64::new(valid_until),
             lost: watch::channel(false).0,
         });
-        let monitor = tokio::spawn(monitor(shared.clone(), watchdog));
+        // A lease with a TTL needs no task: its validity is a deadline, checked on demand.
+        let monitor = watchdog.then(|| tokio::spawn(renew(shared.clone())));
         Lease {
             shared,
-            monitor: Some(monitor),
+            monitor,
+            watchdog,
             released: false,
         }
     }
@@ -385,15 +389,33 @@ impl Lease {
         &self.shared.key
     }
 
-    /// Whether the lock is known lost.
+    /// Whether the lock is known lost (or, for a lease with a TTL, its validity ran out).
     pub fn is_lost(&self) -> bool {
-        *self.shared.lost.borrow()
+        *self.shared.lost.borrow() || (!self.watchdog && self.shared.validity_passed())
     }
 
     /// Completes when the lock is lost (never, while it is held).
     pub async fn lost(&self) {
         let mut rx = self.shared.lost.subscribe();
-        let _ = rx.wait_for(|lost| *lost).await;
+        loop {
+            if *rx.borrow_and_update() {
+                return;
+            }
+            if self.watchdog {
+                let _ = rx.changed().await;
+                continue;
+            }
+            if self.shared.validity_passed() {
+                self.shared.lost.send_replace(true);
+                return;
+            }
+            // Until the validity the guest gave (an extend may move it), or a change.
+            let wait = self.shared.until_validity();
+            tokio::select! {
+                _ = rx.changed() => {}
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
     }
 
     /// Resets the lock's TTL to `ttl` if this lease still holds it (on a majority).
@@ -437,10 +459,26 @@ impl Drop for Lease {
     }
 }
 
+impl LeaseShared {
+    fn validity_passed(&self) -> bool {
+        self.locks.inner.clock.now_ms() >= self.valid_until.load(Ordering::SeqCst)
+    }
+
+    fn until_validity(&self) -> Duration {
+        let now = self.locks.inner.clock.now_ms();
+        Duration::from_millis(self.valid_until.load(Ordering::SeqCst).saturating_sub(now))
+    }
+}
+
 async fn release(shared: &LeaseShared) -> Result<()> {
     let locks = &shared.locks;
     let keys = [locks.lock_key(&shared.key), locks.fence_key(&shared.key)];
-    let fence = shared.fencing.to_string();
+    // One server needs no counter raise: its counter already carries the token.
+    let fence = if locks.inner.servers.len() > 1 {
+        shared.fencing.to_string()
+    } else {
+        "0".to_string()
+    };
     let replies = locks
         .everywhere(&locks.inner.release, &keys, &[&shared.token, &fence])
         .await;
@@ -492,23 +530,13 @@ async fn extend(shared: &LeaseShared, ttl_ms: u64) -> Result<()> {
     }
 }
 
-/// Watches a lease: with a watchdog, renews it every TTL/3; without, waits for its
-/// validity to run out. Either way, fires the lost signal when the lock is lost.
-async fn monitor(shared: Arc<LeaseShared>, watchdog: bool) {
+/// The watchdog of a lease taken without a TTL: renews it every TTL/3 while the holder
+/// lives, and fires the lost signal when a renewal finds the lock gone or its validity
+/// runs out unconfirmed.
+async fn renew(shared: Arc<LeaseShared>) {
     let clock = shared.locks.inner.clock.clone();
     let policy = shared.locks.inner.policy.clone();
     let sleep_until = |at: u64| tokio::time::sleep(Duration::from_millis(at.saturating_sub(clock.now_ms())));
-    if !watchdog {
-        loop {
-            let until = shared.valid_until.load(Ordering::SeqCst);
-            sleep_until(until).await;
-            // An extend may have moved the validity while we slept.
-            if clock.now_ms() >= shared.valid_until.load(Ordering::SeqCst) {
-                shared.lost.send_replace(true);
-                return;
-            }
-        }
-    }
     let Ok(renew_after) = policy.lock_renew_after(shared.ttl_ms) else {
         shared.lost.send_replace(true);
         return;
