@@ -142,7 +142,7 @@ impl CorralBuilder {
         self
     }
 
-    /// How many entries L1 holds at most (default 100,000).
+    /// How many entries L1 holds at most (default 100,000); 0 turns L1 off.
     pub fn l1_capacity(mut self, entries: u64) -> Self {
         self.l1_capacity = entries;
         self

@@ -1,6 +1,6 @@
 //! The L1 tier: moka, in process. An entry carries the deadline the guest issued when
 //! it was filled (never past the entry's L2 expiry, nor the L1 TTL); moka's own TTL is
-//! only an upper bound that keeps memory in check.
+//! only an upper bound that keeps memory in check. A capacity of 0 turns L1 off.
 
 use std::time::Duration;
 
@@ -16,29 +16,29 @@ pub(crate) struct L1Entry {
 
 #[derive(Clone, Debug)]
 pub(crate) struct L1 {
-    cache: Cache<String, L1Entry>,
+    cache: Option<Cache<String, L1Entry>>,
 }
 
 impl L1 {
     pub(crate) fn new(capacity: u64, ttl: Duration) -> Self {
-        L1 {
-            cache: Cache::builder().max_capacity(capacity).time_to_live(ttl).build(),
-        }
+        L1 { cache: (capacity > 0).then(|| Cache::builder().max_capacity(capacity).time_to_live(ttl).build()) }
     }
 
-    /// The value of `key` if its guest-issued deadline has not passed at `now_ms`.
+    /// The value of `key` if the deadline the guest issued has not passed at `now_ms`.
     pub(crate) async fn get(&self, key: &str, now_ms: u64) -> Option<Bytes> {
-        let entry = self.cache.get(key).await?;
+        let entry = self.cache.as_ref()?.get(key).await?;
         (now_ms < entry.until_ms).then_some(entry.value)
     }
 
     pub(crate) async fn insert(&self, key: &str, value: Bytes, until_ms: u64) {
-        self.cache
-            .insert(key.to_owned(), L1Entry { value, until_ms })
-            .await;
+        if let Some(cache) = &self.cache {
+            cache.insert(key.to_owned(), L1Entry { value, until_ms }).await;
+        }
     }
 
     pub(crate) async fn remove(&self, key: &str) {
-        self.cache.invalidate(key).await;
+        if let Some(cache) = &self.cache {
+            cache.invalidate(key).await;
+        }
     }
 }

@@ -35,7 +35,9 @@ pub mod locks;
 mod metrics;
 mod options;
 mod policy;
+pub mod portable;
 mod registry;
+mod semaphore;
 
 pub use cache::{Corral, CorralBuilder};
 pub use clock::{Clock, ManualClock, SystemClock};
@@ -44,6 +46,7 @@ pub use load::LoadOptions;
 pub use metrics::MetricsSnapshot;
 pub use options::{EntryMeta, EntryOptions, Inspection};
 pub use policy::{Freshness, GUEST_WASM, GUEST_WASM_PATH, Policy};
+pub use semaphore::{KeyPermit, KeyedSemaphore};
 
 /// A fresh random 128-bit owner token for a lock, as 32 hex digits.
 pub(crate) fn lock_token() -> String {

@@ -30,6 +30,8 @@ const MAX_IDLE: usize = 64;
 pub(crate) struct GuestState {
     wasi: WasiCtx,
     table: ResourceTable,
+    /// What the portable body's imports act on (unused by the native body's calls).
+    pub(crate) portable: crate::portable::Imports,
 }
 
 impl WasiView for GuestState {
@@ -41,13 +43,13 @@ impl WasiView for GuestState {
     }
 }
 
-struct Loaded {
-    engine: Engine,
-    pre: GuestPre<GuestState>,
+pub(crate) struct Loaded {
+    pub(crate) engine: Engine,
+    pub(crate) pre: GuestPre<GuestState>,
 }
 
 /// Compiles the component and links WASI, once per process.
-fn loaded() -> Result<&'static Loaded> {
+pub(crate) fn loaded() -> Result<&'static Loaded> {
     static LOADED: OnceLock<std::result::Result<Loaded, String>> = OnceLock::new();
     LOADED
         .get_or_init(|| load().map_err(|e| format!("{e:#}")))
@@ -72,13 +74,15 @@ fn load() -> wasmtime::Result<Loaded> {
     // std on wasip2 imports wasi:cli and wasi:io (stderr for panics); the policy itself
     // needs nothing.
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+    // The portable body's imports (the native body links them too: one component).
+    Guest::add_to_linker::<_, wasmtime::component::HasSelf<_>>(&mut linker, |s| s)?;
     let pre = GuestPre::new(linker.instantiate_pre(&component)?)?;
     Ok(Loaded { engine, pre })
 }
 
-struct Slot {
-    store: Store<GuestState>,
-    guest: Guest,
+pub(crate) struct Slot {
+    pub(crate) store: Store<GuestState>,
+    pub(crate) guest: Guest,
 }
 
 /// A handle to the guest's cache decisions. Cheap to clone.
@@ -94,6 +98,7 @@ struct Inner {
     header_len: usize,
     read_script: String,
     delete_if_equal_script: String,
+    replace_if_equal_script: String,
     grace_ms: u64,
     lock_scripts: wlock::LockScripts,
 }
@@ -136,6 +141,7 @@ impl Policy {
         let delete_if_equal_script = p
             .call_redis_delete_if_equal_script(&mut slot.store)
             .map_err(trap)?;
+        let replace_if_equal_script = p.call_redis_replace_if_equal_script(&mut slot.store).map_err(trap)?;
         let grace_ms = p.call_store_ttl_grace_ms(&mut slot.store).map_err(trap)?;
         let lock_scripts = slot
             .guest
@@ -150,6 +156,7 @@ impl Policy {
                 header_len,
                 read_script,
                 delete_if_equal_script,
+                replace_if_equal_script,
                 grace_ms,
                 lock_scripts,
             }),
@@ -314,11 +321,11 @@ impl Policy {
     /// The entry to store if the lock is free at `now_ms`.
     pub(crate) fn lock_try(
         &self,
-        current: Option<&wlock::Held>,
+        current: Option<&crate::bindings::corral::lock::types::Held>,
         owner: &str,
         ttl_ms: u64,
         now_ms: u64,
-    ) -> Result<Option<wlock::Held>> {
+    ) -> Result<Option<crate::bindings::corral::lock::types::Held>> {
         let current = current.cloned();
         self.call(|s| {
             s.guest
@@ -327,7 +334,7 @@ impl Policy {
         })
     }
 
-    pub(crate) fn lock_is_expired(&self, current: Option<&wlock::Held>, now_ms: u64) -> Result<bool> {
+    pub(crate) fn lock_is_expired(&self, current: Option<&crate::bindings::corral::lock::types::Held>, now_ms: u64) -> Result<bool> {
         let current = current.cloned();
         self.call(|s| {
             s.guest
@@ -338,7 +345,7 @@ impl Policy {
 
     pub(crate) fn lock_is_locked_by(
         &self,
-        current: Option<&wlock::Held>,
+        current: Option<&crate::bindings::corral::lock::types::Held>,
         owner: &str,
         now_ms: u64,
     ) -> Result<bool> {
@@ -350,7 +357,7 @@ impl Policy {
         })
     }
 
-    pub(crate) fn lock_sweepable(&self, entry: &wlock::Held, now_ms: u64) -> Result<bool> {
+    pub(crate) fn lock_sweepable(&self, entry: &crate::bindings::corral::lock::types::Held, now_ms: u64) -> Result<bool> {
         self.call(|s| {
             s.guest
                 .corral_lock_policy()
@@ -419,6 +426,11 @@ impl Policy {
         &self.inner.delete_if_equal_script
     }
 
+    /// The Lua of a compare-and-replace (the portable body's touch write-back).
+    pub(crate) fn redis_replace_if_equal_script(&self) -> &str {
+        &self.inner.replace_if_equal_script
+    }
+
     /// The grace a store TTL gets past the expiry moment.
     pub(crate) fn store_ttl_grace_ms(&self) -> u64 {
         self.inner.grace_ms
@@ -446,10 +458,12 @@ pub enum Freshness {
 }
 
 fn instantiate(loaded: &Loaded) -> Result<Slot> {
-    let state = GuestState {
-        wasi: WasiCtx::builder().build(),
-        table: ResourceTable::new(),
-    };
+    instantiate_with(loaded, WasiCtx::builder().build(), crate::portable::Imports::default())
+}
+
+/// An instance with its own WASI context (clocks) and portable imports.
+pub(crate) fn instantiate_with(loaded: &Loaded, wasi: WasiCtx, portable: crate::portable::Imports) -> Result<Slot> {
+    let state = GuestState { wasi, table: ResourceTable::new(), portable };
     let mut store = Store::new(&loaded.engine, state);
     let guest = loaded
         .pre
@@ -458,7 +472,7 @@ fn instantiate(loaded: &Loaded) -> Result<Slot> {
     Ok(Slot { store, guest })
 }
 
-fn trap(e: wasmtime::Error) -> Error {
+pub(crate) fn trap(e: wasmtime::Error) -> Error {
     Error::guest("the guest component trapped", e)
 }
 

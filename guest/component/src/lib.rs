@@ -23,6 +23,8 @@ mod bindings {
     export!(Component);
 }
 
+mod portable;
+
 use bindings::corral::cache::types;
 use bindings::exports::corral::cache::policy as wit;
 
@@ -132,6 +134,10 @@ impl wit::Guest for Component {
 
     fn redis_delete_if_equal_script() -> String {
         corral_core::script::DELETE_IF_EQUAL.to_string()
+    }
+
+    fn redis_replace_if_equal_script() -> String {
+        corral_core::script::REPLACE_IF_EQUAL.to_string()
     }
 
     fn store_ttl_grace_ms() -> u64 {
@@ -323,18 +329,19 @@ mod lock {
     use corral_core::lock::{self as core, Held};
 
     use super::bindings::corral::cache::types;
+    use super::bindings::corral::lock::types::Held as WitHeld;
     use super::bindings::exports::corral::lock::policy as wit;
     use super::{Component, arg_error, limits};
 
-    fn held_in(h: wit::Held) -> Held {
+    fn held_in(h: WitHeld) -> Held {
         Held {
             owner: h.owner,
             expires_at_ms: h.expires_at_ms,
         }
     }
 
-    fn held_out(h: Held) -> wit::Held {
-        wit::Held {
+    fn held_out(h: Held) -> WitHeld {
+        WitHeld {
             owner: h.owner,
             expires_at_ms: h.expires_at_ms,
         }
@@ -346,23 +353,23 @@ mod lock {
         }
 
         fn try_lock(
-            current: Option<wit::Held>,
+            current: Option<WitHeld>,
             owner: String,
             ttl_ms: u64,
             now_ms: u64,
-        ) -> Option<wit::Held> {
+        ) -> Option<WitHeld> {
             core::try_lock(current.map(held_in).as_ref(), &owner, ttl_ms, now_ms).map(held_out)
         }
 
-        fn is_expired(current: Option<wit::Held>, now_ms: u64) -> bool {
+        fn is_expired(current: Option<WitHeld>, now_ms: u64) -> bool {
             core::is_expired(current.map(held_in).as_ref(), now_ms)
         }
 
-        fn is_locked_by(current: Option<wit::Held>, owner: String, now_ms: u64) -> bool {
+        fn is_locked_by(current: Option<WitHeld>, owner: String, now_ms: u64) -> bool {
             core::is_locked_by(current.map(held_in).as_ref(), &owner, now_ms)
         }
 
-        fn sweepable(entry: wit::Held, now_ms: u64) -> bool {
+        fn sweepable(entry: WitHeld, now_ms: u64) -> bool {
             core::sweepable(&held_in(entry), now_ms)
         }
 

@@ -55,6 +55,17 @@ end
 return 0
 "#;
 
+/// `KEYS[1]`: the key. `ARGV[1]`: the bytes it must hold, `ARGV[2]`: the new bytes,
+/// `ARGV[3]`: the TTL (ms). Replaces the bytes only if the key still holds exactly
+/// `ARGV[1]`: 1, else 0. Writes back a touch without ever overwriting a newer value.
+pub const REPLACE_IF_EQUAL: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"#;
+
 /// Lock acquire with fencing. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
 /// `ARGV[1]`: the owner token, `ARGV[2]`: the TTL (ms). Takes the lock if free
 /// (`SET NX PX`) and returns the incremented counter (from 1), else 0.

@@ -226,6 +226,21 @@ impl L2Store for MemoryL2 {
         futures::future::ready(Ok(equal)).boxed()
     }
 
+    fn replace_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: Bytes,
+        bytes: Bytes,
+        _ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>> {
+        let mut map = self.shard(key).lock();
+        let equal = map.get(key).is_some_and(|b| *b == expected);
+        if equal {
+            map.insert(key.to_owned(), bytes);
+        }
+        futures::future::ready(Ok(equal)).boxed()
+    }
+
     fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
         let taken = self
             .inner

@@ -46,6 +46,16 @@ pub trait L2Store: Send + Sync + fmt::Debug + 'static {
     /// Removes `key` only if it still holds exactly `expected`; says whether it did.
     fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>>;
 
+    /// Replaces `key`'s bytes with `bytes` only if it still holds exactly `expected`;
+    /// says whether it did.
+    fn replace_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: Bytes,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>>;
+
     /// Takes the lock of `key` for `owner` if nobody holds it (`SET NX PX`); says
     /// whether it did. Lock keys never meet entry keys.
     fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>>;

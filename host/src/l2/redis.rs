@@ -58,6 +58,7 @@ pub struct RedisL2 {
     prefix: Arc<str>,
     read_script: Arc<Script>,
     delete_if_equal: Arc<Script>,
+    replace_if_equal: Arc<Script>,
     grace_ms: u64,
     commands: Arc<AtomicU64>,
     client: redis::Client,
@@ -104,6 +105,7 @@ impl RedisL2 {
             prefix: options.prefix.as_str().into(),
             read_script: Arc::new(Script::new(policy.redis_read_script())),
             delete_if_equal: Arc::new(Script::new(policy.redis_delete_if_equal_script())),
+            replace_if_equal: Arc::new(Script::new(policy.redis_replace_if_equal_script())),
             grace_ms: policy.store_ttl_grace_ms(),
             commands: Arc::new(AtomicU64::new(0)),
             client,
@@ -265,6 +267,30 @@ impl L2Store for RedisL2 {
                 .invoke_async(&mut conn)
                 .await
                 .map_err(unavailable("delete-if-equal"))?;
+            Ok(n > 0)
+        }
+        .boxed()
+    }
+
+    fn replace_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: Bytes,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            let n: u64 = self
+                .replace_if_equal
+                .key(self.entry_key(key))
+                .arg(expected.as_ref())
+                .arg(bytes.as_ref())
+                .arg(ttl_ms.max(1))
+                .invoke_async(&mut conn)
+                .await
+                .map_err(unavailable("replace-if-equal"))?;
             Ok(n > 0)
         }
         .boxed()

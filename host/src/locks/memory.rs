@@ -13,7 +13,8 @@ use parking_lot::Mutex;
 use crate::Result;
 use crate::clock::{Clock, SystemClock};
 use crate::options::duration_ms;
-use crate::policy::{Policy, default_limits, wlock::Held};
+use crate::bindings::corral::lock::types::Held;
+use crate::policy::{Policy, default_limits};
 
 const SHARDS: usize = 16;
 

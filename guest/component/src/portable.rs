@@ -1,0 +1,249 @@
+//! The portable body: the `cache` and `lock` exports, run inside the component against
+//! the host's imports, with time from `wasi:clocks` (std's `SystemTime` on wasip2).
+//!
+//! Every decision is `corral-core`'s, the same the native host follows: this is the
+//! other loop over the same actions.
+
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use corral_core::flight::{Action, Event, Flight, FlightConfig, Outcome};
+use corral_core::policy::{self, ReadOutcome};
+use corral_core::{EntryMeta, EntryOptions, Limits, flight, key, lock};
+
+use super::bindings::corral::cache::{l1, l2, loader, local_lock, types};
+use super::bindings::corral::lock::table;
+use super::bindings::exports::corral::cache::cache as wcache;
+use super::bindings::exports::corral::lock::lock as wlock;
+use super::{Component, arg_error, limits};
+
+struct Settings {
+    limits: Limits,
+    l1_ttl_ms: u64,
+    lock_wait_ms: u64,
+    lock_ttl_ms: u64,
+}
+
+static SETTINGS: Mutex<Settings> = Mutex::new(Settings {
+    limits: Limits {
+        max_key_bytes: Limits::DEFAULT_MAX_KEY_BYTES,
+        max_value_bytes: Limits::DEFAULT_MAX_VALUE_BYTES,
+        default_sliding_ms: Limits::DEFAULT_SLIDING_MS,
+    },
+    l1_ttl_ms: 5 * 60_000,
+    lock_wait_ms: 5_000,
+    lock_ttl_ms: 30_000,
+});
+
+fn settings<R>(f: impl FnOnce(&Settings) -> R) -> R {
+    f(&SETTINGS.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+fn options_in(o: types::EntryOptions) -> EntryOptions {
+    EntryOptions { absolute_ms: o.absolute_ms, relative_ms: o.relative_ms, sliding_ms: o.sliding_ms }
+}
+
+/// One L2 read at `now`: judged by the policy; a sliding touch is written back only
+/// over the very bytes read; expired and corrupt bytes are removed.
+fn l2_read(key: &str, now: u64, limits: &Limits) -> Result<Option<(Vec<u8>, EntryMeta)>, types::Error> {
+    let Some(stored) = l2::get(key)? else { return Ok(None) };
+    match policy::read(&stored, stored.len() as u64, now, limits) {
+        ReadOutcome::Fresh(hit) => {
+            let value = stored[hit.value_offset..].to_vec();
+            if let Some(header) = hit.new_header {
+                let mut touched = header.to_vec();
+                touched.extend_from_slice(&value);
+                l2::replace_if_equal(key, &stored, &touched, hit.store_ttl_ms)?;
+            }
+            Ok(Some((value, hit.meta)))
+        }
+        ReadOutcome::Expired | ReadOutcome::Corrupt(_) => {
+            l2::delete_if_equal(key, &stored)?;
+            Ok(None)
+        }
+    }
+}
+
+fn l1_hit(key: &str, now: u64) -> Option<Vec<u8>> {
+    l1::get(key).filter(|e| now < e.until_ms).map(|e| e.value)
+}
+
+fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
+    let until_ms = flight::l1_deadline(meta, now, settings(|s| s.l1_ttl_ms));
+    l1::set(key, &l1::L1Entry { value: value.to_vec(), until_ms });
+}
+
+impl wcache::Guest for Component {
+    fn configure(s: wcache::Settings) -> Result<(), types::Error> {
+        let l = limits(s.limits);
+        l.check().map_err(arg_error)?;
+        let mut settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
+        *settings =
+            Settings { limits: l, l1_ttl_ms: s.l1_ttl_ms, lock_wait_ms: s.lock_wait_ms, lock_ttl_ms: s.lock_ttl_ms };
+        Ok(())
+    }
+
+    fn get(key: String) -> Result<Option<Vec<u8>>, types::Error> {
+        let now = now_ms();
+        if let Some(v) = l1_hit(&key, now) {
+            return Ok(Some(v));
+        }
+        let limits = settings(|s| s.limits);
+        key::validate(&key, &limits).map_err(arg_error)?;
+        Ok(l2_read(&key, now, &limits)?.map(|(value, meta)| {
+            fill_l1(&key, &value, &meta, now);
+            value
+        }))
+    }
+
+    fn set(key: String, value: Vec<u8>, options: types::EntryOptions) -> Result<(), types::Error> {
+        let now = now_ms();
+        let limits = settings(|s| s.limits);
+        let plan = policy::plan_set(&key, value.len() as u64, &options_in(options), now, &limits).map_err(arg_error)?;
+        let mut stored = plan.header.to_vec();
+        stored.extend_from_slice(&value);
+        l2::set(&key, &stored, plan.store_ttl_ms)?;
+        fill_l1(&key, &value, &plan.meta, now);
+        Ok(())
+    }
+
+    fn refresh(key: String) -> Result<bool, types::Error> {
+        let limits = settings(|s| s.limits);
+        key::validate(&key, &limits).map_err(arg_error)?;
+        Ok(l2_read(&key, now_ms(), &limits)?.is_some())
+    }
+
+    fn remove(key: String) -> Result<bool, types::Error> {
+        key::validate(&key, &settings(|s| s.limits)).map_err(arg_error)?;
+        l1::delete(&key);
+        l2::delete(&key)
+    }
+
+    fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
+        let (limits, config) = settings(|s| {
+            (s.limits, FlightConfig { lock_wait_ms: s.lock_wait_ms, lock_ttl_ms: s.lock_ttl_ms, l1_ttl_ms: s.l1_ttl_ms, bypass })
+        });
+        let now = now_ms();
+        if !bypass && let Some(v) = l1_hit(&key, now) {
+            return Ok(v);
+        }
+        let (flight, action) = Flight::start(&key, options_in(options), config, now, &limits).map_err(arg_error)?;
+        if bypass {
+            return fly(&key, flight, action, &limits);
+        }
+        // One flight per key in the process: the host's keyed semaphore.
+        let permit = local_lock::acquire(&key, config.lock_wait_ms);
+        // Whoever held the permit before may have filled L1.
+        let out = match l1_hit(&key, now_ms()) {
+            Some(v) => Ok(v),
+            None => fly(&key, flight, action, &limits),
+        };
+        if permit {
+            local_lock::release(&key);
+        }
+        out
+    }
+}
+
+/// Runs one flight to its end, performing each action the machine asks for.
+fn fly(key: &str, mut flight: Flight, mut action: Action, limits: &Limits) -> Result<Vec<u8>, types::Error> {
+    let mut value: Vec<u8> = Vec::new();
+    let mut owner: Option<String> = None;
+    let mut loader_error = String::new();
+    loop {
+        let event = match action {
+            Action::ReadL2 => match l2_read(key, now_ms(), limits) {
+                Ok(Some((v, meta))) => {
+                    value = v;
+                    Event::L2Hit(meta)
+                }
+                Ok(None) => Event::L2Miss,
+                Err(_) => Event::L2Failed,
+            },
+            Action::TryLock { ttl_ms } => match l2::try_lock(key, ttl_ms) {
+                Ok(Some(token)) => {
+                    owner = Some(token);
+                    Event::LockAcquired
+                }
+                Ok(None) => Event::LockBusy { watching: false },
+                Err(_) => Event::LockFailed,
+            },
+            Action::Wait { until_ms } => {
+                l2::wait_landing(key, until_ms);
+                Event::Woken
+            }
+            Action::Load => match loader::load(key) {
+                Ok(v) => {
+                    let cacheable = loader::should_cache(key, &v);
+                    let len = v.len() as u64;
+                    value = v;
+                    Event::Loaded { len, cacheable }
+                }
+                Err(e) => {
+                    loader_error = e;
+                    Event::LoadFailed
+                }
+            },
+            Action::WriteL2 { header, store_ttl_ms } => {
+                let mut stored = header.to_vec();
+                stored.extend_from_slice(&value);
+                match l2::set(key, &stored, store_ttl_ms) {
+                    Ok(()) => Event::L2Written,
+                    Err(_) => Event::L2WriteFailed,
+                }
+            }
+            Action::Finish { outcome, release, notify, l1_until_ms } => {
+                if release && let Some(owner) = owner.take() {
+                    let _ = l2::release_lock(key, &owner);
+                }
+                if notify {
+                    l2::announce_landing(key);
+                }
+                if let Outcome::LoaderFailed = outcome {
+                    return Err(types::Error::Other(format!("loader: {loader_error}")));
+                }
+                if let Some(until_ms) = l1_until_ms {
+                    l1::set(key, &l1::L1Entry { value: value.clone(), until_ms });
+                }
+                return Ok(value);
+            }
+        };
+        action = flight.handle(event, now_ms(), limits);
+    }
+}
+
+fn held_in(h: table::Held) -> lock::Held {
+    lock::Held { owner: h.owner, expires_at_ms: h.expires_at_ms }
+}
+
+impl wlock::Guest for Component {
+    fn try_lock(key: String, owner: String, ttl_ms: u64) -> Result<bool, types::Error> {
+        lock::check_request(&key, ttl_ms, &settings(|s| s.limits)).map_err(arg_error)?;
+        let current = table::get(&key);
+        let Some(new) = lock::try_lock(current.clone().map(held_in).as_ref(), &owner, ttl_ms, now_ms()) else {
+            return Ok(false);
+        };
+        // Atomic: of racing callers, only the one whose swap finds the entry unchanged wins.
+        Ok(table::compare_and_swap(&key, current.as_ref(), &table::Held { owner: new.owner, expires_at_ms: new.expires_at_ms }))
+    }
+
+    fn unlock(key: String, owner: String) -> Result<bool, types::Error> {
+        let Some(current) = table::get(&key) else { return Ok(false) };
+        if !lock::is_locked_by(Some(&held_in(current.clone())), &owner, now_ms()) {
+            return Ok(false);
+        }
+        Ok(table::compare_and_delete(&key, &current))
+    }
+
+    fn is_locked_by(key: String, owner: String) -> Result<bool, types::Error> {
+        Ok(lock::is_locked_by(table::get(&key).map(held_in).as_ref(), &owner, now_ms()))
+    }
+
+    fn is_lock_expired(key: String) -> Result<bool, types::Error> {
+        Ok(lock::is_expired(table::get(&key).map(held_in).as_ref(), now_ms()))
+    }
+}
