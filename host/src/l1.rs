@@ -21,7 +21,9 @@ pub(crate) struct L1 {
 
 impl L1 {
     pub(crate) fn new(capacity: u64, ttl: Duration) -> Self {
-        L1 { cache: (capacity > 0).then(|| Cache::builder().max_capacity(capacity).time_to_live(ttl).build()) }
+        L1 {
+            cache: (capacity > 0).then(|| Cache::builder().max_capacity(capacity).time_to_live(ttl).build()),
+        }
     }
 
     /// The value of `key` if the deadline the guest issued has not passed at `now_ms`.

@@ -141,7 +141,9 @@ impl Policy {
         let delete_if_equal_script = p
             .call_redis_delete_if_equal_script(&mut slot.store)
             .map_err(trap)?;
-        let replace_if_equal_script = p.call_redis_replace_if_equal_script(&mut slot.store).map_err(trap)?;
+        let replace_if_equal_script = p
+            .call_redis_replace_if_equal_script(&mut slot.store)
+            .map_err(trap)?;
         let grace_ms = p.call_store_ttl_grace_ms(&mut slot.store).map_err(trap)?;
         let lock_scripts = slot
             .guest
@@ -334,7 +336,11 @@ impl Policy {
         })
     }
 
-    pub(crate) fn lock_is_expired(&self, current: Option<&crate::bindings::corral::lock::types::Held>, now_ms: u64) -> Result<bool> {
+    pub(crate) fn lock_is_expired(
+        &self,
+        current: Option<&crate::bindings::corral::lock::types::Held>,
+        now_ms: u64,
+    ) -> Result<bool> {
         let current = current.cloned();
         self.call(|s| {
             s.guest
@@ -357,7 +363,11 @@ impl Policy {
         })
     }
 
-    pub(crate) fn lock_sweepable(&self, entry: &crate::bindings::corral::lock::types::Held, now_ms: u64) -> Result<bool> {
+    pub(crate) fn lock_sweepable(
+        &self,
+        entry: &crate::bindings::corral::lock::types::Held,
+        now_ms: u64,
+    ) -> Result<bool> {
         self.call(|s| {
             s.guest
                 .corral_lock_policy()
@@ -458,12 +468,24 @@ pub enum Freshness {
 }
 
 fn instantiate(loaded: &Loaded) -> Result<Slot> {
-    instantiate_with(loaded, WasiCtx::builder().build(), crate::portable::Imports::default())
+    instantiate_with(
+        loaded,
+        WasiCtx::builder().build(),
+        crate::portable::Imports::default(),
+    )
 }
 
 /// An instance with its own WASI context (clocks) and portable imports.
-pub(crate) fn instantiate_with(loaded: &Loaded, wasi: WasiCtx, portable: crate::portable::Imports) -> Result<Slot> {
-    let state = GuestState { wasi, table: ResourceTable::new(), portable };
+pub(crate) fn instantiate_with(
+    loaded: &Loaded,
+    wasi: WasiCtx,
+    portable: crate::portable::Imports,
+) -> Result<Slot> {
+    let state = GuestState {
+        wasi,
+        table: ResourceTable::new(),
+        portable,
+    };
     let mut store = Store::new(&loaded.engine, state);
     let guest = loaded
         .pre
@@ -481,6 +503,7 @@ pub(crate) fn from_wit(e: types::Error) -> Error {
         types::Error::InvalidArgument(a) => Error::invalid_argument(a.name, a.reason),
         types::Error::Unavailable(m) => Error::new(ErrorKind::Unavailable, m),
         types::Error::Corrupt(m) => Error::new(ErrorKind::Corrupt, m),
+        types::Error::LoaderFailed(m) => Error::new(ErrorKind::Loader, format!("the loader failed: {m}")),
         types::Error::Other(m) => Error::new(ErrorKind::Guest, m),
     }
 }

@@ -48,7 +48,9 @@ struct Backend {
 
 impl Imports {
     fn backend(&self) -> std::result::Result<&Backend, types::Error> {
-        self.backend.as_ref().ok_or_else(|| types::Error::Other("this instance runs no portable cache".into()))
+        self.backend
+            .as_ref()
+            .ok_or_else(|| types::Error::Other("this instance runs no portable cache".into()))
     }
 }
 
@@ -82,12 +84,17 @@ impl l1::Host for crate::policy::GuestState {
 impl l2::Host for crate::policy::GuestState {
     fn get(&mut self, key: String) -> std::result::Result<Option<Vec<u8>>, types::Error> {
         let b = self.portable.backend()?;
-        b.runtime.block_on(b.l2.peek(&key)).map(|v| v.map(|b| b.to_vec())).map_err(to_wit)
+        b.runtime
+            .block_on(b.l2.peek(&key))
+            .map(|v| v.map(|b| b.to_vec()))
+            .map_err(to_wit)
     }
 
     fn set(&mut self, key: String, value: Vec<u8>, ttl_ms: u64) -> std::result::Result<(), types::Error> {
         let b = self.portable.backend()?;
-        b.runtime.block_on(b.l2.write(&key, value.into(), ttl_ms)).map_err(to_wit)
+        b.runtime
+            .block_on(b.l2.write(&key, value.into(), ttl_ms))
+            .map_err(to_wit)
     }
 
     fn delete(&mut self, key: String) -> std::result::Result<bool, types::Error> {
@@ -97,7 +104,9 @@ impl l2::Host for crate::policy::GuestState {
 
     fn delete_if_equal(&mut self, key: String, expected: Vec<u8>) -> std::result::Result<bool, types::Error> {
         let b = self.portable.backend()?;
-        b.runtime.block_on(b.l2.delete_if_equal(&key, expected.into())).map_err(to_wit)
+        b.runtime
+            .block_on(b.l2.delete_if_equal(&key, expected.into()))
+            .map_err(to_wit)
     }
 
     fn replace_if_equal(
@@ -108,19 +117,26 @@ impl l2::Host for crate::policy::GuestState {
         ttl_ms: u64,
     ) -> std::result::Result<bool, types::Error> {
         let b = self.portable.backend()?;
-        b.runtime.block_on(b.l2.replace_if_equal(&key, expected.into(), value.into(), ttl_ms)).map_err(to_wit)
+        b.runtime
+            .block_on(b.l2.replace_if_equal(&key, expected.into(), value.into(), ttl_ms))
+            .map_err(to_wit)
     }
 
     fn try_lock(&mut self, key: String, ttl_ms: u64) -> std::result::Result<Option<String>, types::Error> {
         let b = self.portable.backend()?;
         let owner = crate::lock_token();
-        let taken = b.runtime.block_on(b.l2.try_lock(&key, &owner, ttl_ms)).map_err(to_wit)?;
+        let taken = b
+            .runtime
+            .block_on(b.l2.try_lock(&key, &owner, ttl_ms))
+            .map_err(to_wit)?;
         Ok(taken.then_some(owner))
     }
 
     fn release_lock(&mut self, key: String, owner: String) -> std::result::Result<bool, types::Error> {
         let b = self.portable.backend()?;
-        b.runtime.block_on(b.l2.release_lock(&key, &owner)).map_err(to_wit)
+        b.runtime
+            .block_on(b.l2.release_lock(&key, &owner))
+            .map_err(to_wit)
     }
 
     fn wait_landing(&mut self, key: String, until_ms: u64) {
@@ -144,8 +160,12 @@ impl l2::Host for crate::policy::GuestState {
 
 impl local_lock::Host for crate::policy::GuestState {
     fn acquire(&mut self, key: String, timeout_ms: u64) -> bool {
-        let Ok(b) = self.portable.backend() else { return false };
-        let permit = b.runtime.block_on(b.semaphore.acquire(&key, Duration::from_millis(timeout_ms)));
+        let Ok(b) = self.portable.backend() else {
+            return false;
+        };
+        let permit = b
+            .runtime
+            .block_on(b.semaphore.acquire(&key, Duration::from_millis(timeout_ms)));
         let acquired = permit.acquired();
         if acquired {
             self.portable.permits.insert(key, permit);
@@ -177,7 +197,9 @@ impl table::Host for crate::policy::GuestState {
     }
 
     fn compare_and_swap(&mut self, key: String, expected: Option<Held>, new: Held) -> bool {
-        let Some(b) = &self.portable.backend else { return false };
+        let Some(b) = &self.portable.backend else {
+            return false;
+        };
         let mut table = b.table.lock();
         if table.get(&key) != expected.as_ref() {
             return false;
@@ -187,7 +209,9 @@ impl table::Host for crate::policy::GuestState {
     }
 
     fn compare_and_delete(&mut self, key: String, expected: Held) -> bool {
-        let Some(b) = &self.portable.backend else { return false };
+        let Some(b) = &self.portable.backend else {
+            return false;
+        };
         let mut table = b.table.lock();
         if table.get(&key) != Some(&expected) {
             return false;
@@ -230,7 +254,9 @@ pub struct PortableCache {
 
 impl fmt::Debug for PortableCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PortableCache").field("l2", &self.l2.name()).finish_non_exhaustive()
+        f.debug_struct("PortableCache")
+            .field("l2", &self.l2.name())
+            .finish_non_exhaustive()
     }
 }
 
@@ -242,6 +268,8 @@ pub struct PortableBuilder {
     #[cfg(feature = "redis")]
     redis: Option<crate::l2::RedisOptions>,
     default_sliding: Duration,
+    max_key_bytes: u32,
+    max_value_bytes: u32,
 }
 
 impl Default for PortableBuilder {
@@ -251,6 +279,8 @@ impl Default for PortableBuilder {
             #[cfg(feature = "redis")]
             redis: None,
             default_sliding: Duration::from_secs(20 * 60),
+            max_key_bytes: default_limits().max_key_bytes,
+            max_value_bytes: default_limits().max_value_bytes,
         }
     }
 }
@@ -275,6 +305,18 @@ impl PortableBuilder {
         self
     }
 
+    /// The longest key, in UTF-8 bytes (default 1024).
+    pub fn max_key_bytes(mut self, n: u32) -> Self {
+        self.max_key_bytes = n;
+        self
+    }
+
+    /// The largest value, in bytes (default 16 MiB).
+    pub fn max_value_bytes(mut self, n: u32) -> Self {
+        self.max_value_bytes = n;
+        self
+    }
+
     /// Instantiates the component with its imports; call inside a Tokio runtime.
     ///
     /// # Errors
@@ -285,12 +327,15 @@ impl PortableBuilder {
         let runtime = tokio::runtime::Handle::current();
         let mut limits = default_limits();
         limits.default_sliding_ms = duration_ms(self.default_sliding);
+        limits.max_key_bytes = self.max_key_bytes;
+        limits.max_value_bytes = self.max_value_bytes;
         let policy = Policy::load(limits)?;
         let l2: Arc<dyn L2Store> = match () {
             #[cfg(feature = "redis")]
-            () if self.redis.is_some() => {
-                Arc::new(crate::l2::RedisL2::connect(self.redis.as_ref().expect("checked"), &policy)?)
-            }
+            () if self.redis.is_some() => Arc::new(crate::l2::RedisL2::connect(
+                self.redis.as_ref().expect("checked"),
+                &policy,
+            )?),
             () => Arc::new(MemoryL2::new(policy, self.clock.clone(), 30_000)),
         };
         let mut wasi = WasiCtx::builder();
@@ -307,9 +352,21 @@ impl PortableBuilder {
             ..Imports::default()
         };
         let mut slot = instantiate_with(loaded()?, wasi.build(), imports)?;
-        let settings = wcache::Settings { limits, l1_ttl_ms: 5 * 60_000, lock_wait_ms: 5_000, lock_ttl_ms: 30_000 };
-        slot.guest.corral_cache_cache().call_configure(&mut slot.store, settings).map_err(trap)?.map_err(from_wit)?;
-        Ok(PortableCache { slot: Arc::new(Mutex::new(slot)), l2 })
+        let settings = wcache::Settings {
+            limits,
+            l1_ttl_ms: 5 * 60_000,
+            lock_wait_ms: 5_000,
+            lock_ttl_ms: 30_000,
+        };
+        slot.guest
+            .corral_cache_cache()
+            .call_configure(&mut slot.store, settings)
+            .map_err(trap)?
+            .map_err(from_wit)?;
+        Ok(PortableCache {
+            slot: Arc::new(Mutex::new(slot)),
+            l2,
+        })
     }
 }
 
@@ -343,7 +400,9 @@ impl PortableCache {
     /// As [`Corral::get`](crate::Corral::get).
     pub async fn get(&self, key: &str) -> Result<Option<Bytes>> {
         let key = key.to_owned();
-        let v = self.call(move |s| s.guest.corral_cache_cache().call_get(&mut s.store, &key)).await?;
+        let v = self
+            .call(move |s| s.guest.corral_cache_cache().call_get(&mut s.store, &key))
+            .await?;
         Ok(v.map(Bytes::from))
     }
 
@@ -358,7 +417,12 @@ impl PortableCache {
             relative_ms: options.relative_ms,
             sliding_ms: options.sliding_ms,
         };
-        self.call(move |s| s.guest.corral_cache_cache().call_set(&mut s.store, &key, &value, options)).await
+        self.call(move |s| {
+            s.guest
+                .corral_cache_cache()
+                .call_set(&mut s.store, &key, &value, options)
+        })
+        .await
     }
 
     /// As [`Corral::refresh`](crate::Corral::refresh).
@@ -367,7 +431,8 @@ impl PortableCache {
     /// As [`Corral::refresh`](crate::Corral::refresh).
     pub async fn refresh(&self, key: &str) -> Result<bool> {
         let key = key.to_owned();
-        self.call(move |s| s.guest.corral_cache_cache().call_refresh(&mut s.store, &key)).await
+        self.call(move |s| s.guest.corral_cache_cache().call_refresh(&mut s.store, &key))
+            .await
     }
 
     /// As [`Corral::remove`](crate::Corral::remove).
@@ -376,15 +441,16 @@ impl PortableCache {
     /// As [`Corral::remove`](crate::Corral::remove).
     pub async fn remove(&self, key: &str) -> Result<bool> {
         let key = key.to_owned();
-        self.call(move |s| s.guest.corral_cache_cache().call_remove(&mut s.store, &key)).await
+        self.call(move |s| s.guest.corral_cache_cache().call_remove(&mut s.store, &key))
+            .await
     }
 
     /// Get-or-set in the component: `loader` produces the value on a miss (once),
     /// `should_cache` judges it.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] for a bad key or options; [`ErrorKind::Guest`] with
-    /// the loader's text (`loader: ...`) when it failed.
+    /// [`ErrorKind::InvalidArgument`] for a bad key or options; [`ErrorKind::Loader`]
+    /// with the loader's text when it failed.
     pub async fn get_or_set(
         &self,
         key: &str,
@@ -403,7 +469,10 @@ impl PortableCache {
             .call(move |s| {
                 s.store.data_mut().portable.loader = Some(Box::new(loader));
                 s.store.data_mut().portable.should_cache = Some(Box::new(should_cache));
-                let out = s.guest.corral_cache_cache().call_get_or_set(&mut s.store, &key, options, bypass);
+                let out = s
+                    .guest
+                    .corral_cache_cache()
+                    .call_get_or_set(&mut s.store, &key, options, bypass);
                 s.store.data_mut().portable.loader = None;
                 s.store.data_mut().portable.should_cache = None;
                 out
@@ -418,7 +487,12 @@ impl PortableCache {
     /// [`ErrorKind::InvalidArgument`] naming `key` or `ttl`.
     pub async fn try_lock(&self, key: &str, owner: &str, ttl: Duration) -> Result<bool> {
         let (key, owner, ttl_ms) = (key.to_owned(), owner.to_owned(), duration_ms(ttl));
-        self.call(move |s| s.guest.corral_lock_lock().call_try_lock(&mut s.store, &key, &owner, ttl_ms)).await
+        self.call(move |s| {
+            s.guest
+                .corral_lock_lock()
+                .call_try_lock(&mut s.store, &key, &owner, ttl_ms)
+        })
+        .await
     }
 
     /// Releases `key` if `owner` holds it.
@@ -427,7 +501,8 @@ impl PortableCache {
     /// [`ErrorKind::Guest`] only.
     pub async fn unlock(&self, key: &str, owner: &str) -> Result<bool> {
         let (key, owner) = (key.to_owned(), owner.to_owned());
-        self.call(move |s| s.guest.corral_lock_lock().call_unlock(&mut s.store, &key, &owner)).await
+        self.call(move |s| s.guest.corral_lock_lock().call_unlock(&mut s.store, &key, &owner))
+            .await
     }
 
     /// Whether `owner` holds `key`.
@@ -436,7 +511,12 @@ impl PortableCache {
     /// [`ErrorKind::Guest`] only.
     pub async fn is_locked_by(&self, key: &str, owner: &str) -> Result<bool> {
         let (key, owner) = (key.to_owned(), owner.to_owned());
-        self.call(move |s| s.guest.corral_lock_lock().call_is_locked_by(&mut s.store, &key, &owner)).await
+        self.call(move |s| {
+            s.guest
+                .corral_lock_lock()
+                .call_is_locked_by(&mut s.store, &key, &owner)
+        })
+        .await
     }
 
     /// Whether `key`'s lock is expired or was never taken.
@@ -445,6 +525,11 @@ impl PortableCache {
     /// [`ErrorKind::Guest`] only.
     pub async fn is_lock_expired(&self, key: &str) -> Result<bool> {
         let key = key.to_owned();
-        self.call(move |s| s.guest.corral_lock_lock().call_is_lock_expired(&mut s.store, &key)).await
+        self.call(move |s| {
+            s.guest
+                .corral_lock_lock()
+                .call_is_lock_expired(&mut s.store, &key)
+        })
+        .await
     }
 }

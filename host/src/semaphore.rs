@@ -19,7 +19,9 @@ pub struct KeyedSemaphore {
 
 impl fmt::Debug for KeyedSemaphore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KeyedSemaphore").field("keys", &self.len()).finish()
+        f.debug_struct("KeyedSemaphore")
+            .field("keys", &self.len())
+            .finish()
     }
 }
 
@@ -34,7 +36,10 @@ pub struct KeyPermit {
 
 impl fmt::Debug for KeyPermit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KeyPermit").field("key", &self.key).field("acquired", &self.acquired()).finish()
+        f.debug_struct("KeyPermit")
+            .field("key", &self.key)
+            .field("acquired", &self.acquired())
+            .finish()
     }
 }
 
@@ -48,7 +53,9 @@ impl KeyPermit {
 impl Drop for KeyPermit {
     fn drop(&mut self) {
         drop(self.permit.take());
-        let Some(semaphore) = self.semaphore.take() else { return };
+        let Some(semaphore) = self.semaphore.take() else {
+            return;
+        };
         let mut map = self.owner.map.lock();
         // Ours and the map's are the last two references, and the permit is free.
         if Arc::strong_count(&semaphore) == 2 && semaphore.available_permits() == 1 {
@@ -66,9 +73,22 @@ impl KeyedSemaphore {
     /// Takes `key`'s permit, waiting at most `timeout`. The returned claim says whether
     /// it was had; dropping it releases whatever it holds.
     pub async fn acquire(&self, key: &str, timeout: Duration) -> KeyPermit {
-        let semaphore = self.map.lock().entry(key.to_owned()).or_insert_with(|| Arc::new(Semaphore::new(1))).clone();
-        let permit = tokio::time::timeout(timeout, semaphore.clone().acquire_owned()).await.ok().and_then(Result::ok);
-        KeyPermit { owner: self.clone(), key: key.to_owned(), semaphore: Some(semaphore), permit }
+        let semaphore = self
+            .map
+            .lock()
+            .entry(key.to_owned())
+            .or_insert_with(|| Arc::new(Semaphore::new(1)))
+            .clone();
+        let permit = tokio::time::timeout(timeout, semaphore.clone().acquire_owned())
+            .await
+            .ok()
+            .and_then(Result::ok);
+        KeyPermit {
+            owner: self.clone(),
+            key: key.to_owned(),
+            semaphore: Some(semaphore),
+            permit,
+        }
     }
 
     /// Keys with a holder or a waiter.

@@ -352,12 +352,7 @@ mod lock {
             core::check_request(&key, ttl_ms, &limits(l)).map_err(arg_error)
         }
 
-        fn try_lock(
-            current: Option<WitHeld>,
-            owner: String,
-            ttl_ms: u64,
-            now_ms: u64,
-        ) -> Option<WitHeld> {
+        fn try_lock(current: Option<WitHeld>, owner: String, ttl_ms: u64, now_ms: u64) -> Option<WitHeld> {
             core::try_lock(current.map(held_in).as_ref(), &owner, ttl_ms, now_ms).map(held_out)
         }
 

@@ -40,17 +40,25 @@ fn settings<R>(f: impl FnOnce(&Settings) -> R) -> R {
 }
 
 fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn options_in(o: types::EntryOptions) -> EntryOptions {
-    EntryOptions { absolute_ms: o.absolute_ms, relative_ms: o.relative_ms, sliding_ms: o.sliding_ms }
+    EntryOptions {
+        absolute_ms: o.absolute_ms,
+        relative_ms: o.relative_ms,
+        sliding_ms: o.sliding_ms,
+    }
 }
 
 /// One L2 read at `now`: judged by the policy; a sliding touch is written back only
 /// over the very bytes read; expired and corrupt bytes are removed.
 fn l2_read(key: &str, now: u64, limits: &Limits) -> Result<Option<(Vec<u8>, EntryMeta)>, types::Error> {
-    let Some(stored) = l2::get(key)? else { return Ok(None) };
+    let Some(stored) = l2::get(key)? else {
+        return Ok(None);
+    };
     match policy::read(&stored, stored.len() as u64, now, limits) {
         ReadOutcome::Fresh(hit) => {
             let value = stored[hit.value_offset..].to_vec();
@@ -74,7 +82,13 @@ fn l1_hit(key: &str, now: u64) -> Option<Vec<u8>> {
 
 fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
     let until_ms = flight::l1_deadline(meta, now, settings(|s| s.l1_ttl_ms));
-    l1::set(key, &l1::L1Entry { value: value.to_vec(), until_ms });
+    l1::set(
+        key,
+        &l1::L1Entry {
+            value: value.to_vec(),
+            until_ms,
+        },
+    );
 }
 
 impl wcache::Guest for Component {
@@ -82,8 +96,12 @@ impl wcache::Guest for Component {
         let l = limits(s.limits);
         l.check().map_err(arg_error)?;
         let mut settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-        *settings =
-            Settings { limits: l, l1_ttl_ms: s.l1_ttl_ms, lock_wait_ms: s.lock_wait_ms, lock_ttl_ms: s.lock_ttl_ms };
+        *settings = Settings {
+            limits: l,
+            l1_ttl_ms: s.l1_ttl_ms,
+            lock_wait_ms: s.lock_wait_ms,
+            lock_ttl_ms: s.lock_ttl_ms,
+        };
         Ok(())
     }
 
@@ -103,7 +121,8 @@ impl wcache::Guest for Component {
     fn set(key: String, value: Vec<u8>, options: types::EntryOptions) -> Result<(), types::Error> {
         let now = now_ms();
         let limits = settings(|s| s.limits);
-        let plan = policy::plan_set(&key, value.len() as u64, &options_in(options), now, &limits).map_err(arg_error)?;
+        let plan = policy::plan_set(&key, value.len() as u64, &options_in(options), now, &limits)
+            .map_err(arg_error)?;
         let mut stored = plan.header.to_vec();
         stored.extend_from_slice(&value);
         l2::set(&key, &stored, plan.store_ttl_ms)?;
@@ -125,13 +144,22 @@ impl wcache::Guest for Component {
 
     fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
         let (limits, config) = settings(|s| {
-            (s.limits, FlightConfig { lock_wait_ms: s.lock_wait_ms, lock_ttl_ms: s.lock_ttl_ms, l1_ttl_ms: s.l1_ttl_ms, bypass })
+            (
+                s.limits,
+                FlightConfig {
+                    lock_wait_ms: s.lock_wait_ms,
+                    lock_ttl_ms: s.lock_ttl_ms,
+                    l1_ttl_ms: s.l1_ttl_ms,
+                    bypass,
+                },
+            )
         });
         let now = now_ms();
         if !bypass && let Some(v) = l1_hit(&key, now) {
             return Ok(v);
         }
-        let (flight, action) = Flight::start(&key, options_in(options), config, now, &limits).map_err(arg_error)?;
+        let (flight, action) =
+            Flight::start(&key, options_in(options), config, now, &limits).map_err(arg_error)?;
         if bypass {
             return fly(&key, flight, action, &limits);
         }
@@ -196,7 +224,12 @@ fn fly(key: &str, mut flight: Flight, mut action: Action, limits: &Limits) -> Re
                     Err(_) => Event::L2WriteFailed,
                 }
             }
-            Action::Finish { outcome, release, notify, l1_until_ms } => {
+            Action::Finish {
+                outcome,
+                release,
+                notify,
+                l1_until_ms,
+            } => {
                 if release && let Some(owner) = owner.take() {
                     let _ = l2::release_lock(key, &owner);
                 }
@@ -204,10 +237,16 @@ fn fly(key: &str, mut flight: Flight, mut action: Action, limits: &Limits) -> Re
                     l2::announce_landing(key);
                 }
                 if let Outcome::LoaderFailed = outcome {
-                    return Err(types::Error::Other(format!("loader: {loader_error}")));
+                    return Err(types::Error::LoaderFailed(loader_error));
                 }
                 if let Some(until_ms) = l1_until_ms {
-                    l1::set(key, &l1::L1Entry { value: value.clone(), until_ms });
+                    l1::set(
+                        key,
+                        &l1::L1Entry {
+                            value: value.clone(),
+                            until_ms,
+                        },
+                    );
                 }
                 return Ok(value);
             }
@@ -217,22 +256,35 @@ fn fly(key: &str, mut flight: Flight, mut action: Action, limits: &Limits) -> Re
 }
 
 fn held_in(h: table::Held) -> lock::Held {
-    lock::Held { owner: h.owner, expires_at_ms: h.expires_at_ms }
+    lock::Held {
+        owner: h.owner,
+        expires_at_ms: h.expires_at_ms,
+    }
 }
 
 impl wlock::Guest for Component {
     fn try_lock(key: String, owner: String, ttl_ms: u64) -> Result<bool, types::Error> {
         lock::check_request(&key, ttl_ms, &settings(|s| s.limits)).map_err(arg_error)?;
         let current = table::get(&key);
-        let Some(new) = lock::try_lock(current.clone().map(held_in).as_ref(), &owner, ttl_ms, now_ms()) else {
+        let Some(new) = lock::try_lock(current.clone().map(held_in).as_ref(), &owner, ttl_ms, now_ms())
+        else {
             return Ok(false);
         };
         // Atomic: of racing callers, only the one whose swap finds the entry unchanged wins.
-        Ok(table::compare_and_swap(&key, current.as_ref(), &table::Held { owner: new.owner, expires_at_ms: new.expires_at_ms }))
+        Ok(table::compare_and_swap(
+            &key,
+            current.as_ref(),
+            &table::Held {
+                owner: new.owner,
+                expires_at_ms: new.expires_at_ms,
+            },
+        ))
     }
 
     fn unlock(key: String, owner: String) -> Result<bool, types::Error> {
-        let Some(current) = table::get(&key) else { return Ok(false) };
+        let Some(current) = table::get(&key) else {
+            return Ok(false);
+        };
         if !lock::is_locked_by(Some(&held_in(current.clone())), &owner, now_ms()) {
             return Ok(false);
         }
@@ -240,7 +292,11 @@ impl wlock::Guest for Component {
     }
 
     fn is_locked_by(key: String, owner: String) -> Result<bool, types::Error> {
-        Ok(lock::is_locked_by(table::get(&key).map(held_in).as_ref(), &owner, now_ms()))
+        Ok(lock::is_locked_by(
+            table::get(&key).map(held_in).as_ref(),
+            &owner,
+            now_ms(),
+        ))
     }
 
     fn is_lock_expired(key: String) -> Result<bool, types::Error> {

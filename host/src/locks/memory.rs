@@ -11,9 +11,9 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::Result;
+use crate::bindings::corral::lock::types::Held;
 use crate::clock::{Clock, SystemClock};
 use crate::options::duration_ms;
-use crate::bindings::corral::lock::types::Held;
 use crate::policy::{Policy, default_limits};
 
 const SHARDS: usize = 16;

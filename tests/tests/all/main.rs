@@ -4,3 +4,4 @@ mod backends;
 mod contract;
 mod locks;
 mod single_flight;
+mod vectors;
