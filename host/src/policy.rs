@@ -508,7 +508,7 @@ pub(crate) fn from_wit(e: types::Error) -> Error {
     }
 }
 
-fn options_in(o: &EntryOptions) -> types::EntryOptions {
+pub(crate) fn options_in(o: &EntryOptions) -> types::EntryOptions {
     types::EntryOptions {
         absolute_ms: o.absolute_ms,
         relative_ms: o.relative_ms,

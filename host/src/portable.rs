@@ -21,7 +21,7 @@ use crate::bindings::exports::corral::cache::cache as wcache;
 use crate::clock::{Clock, SystemClock};
 use crate::l2::{L2Store, MemoryL2};
 use crate::options::{EntryOptions, duration_ms};
-use crate::policy::{Policy, Slot, default_limits, from_wit, instantiate_with, loaded, trap};
+use crate::policy::{Policy, Slot, default_limits, from_wit, instantiate_with, loaded, options_in, trap};
 use crate::semaphore::{KeyPermit, KeyedSemaphore};
 use crate::{Error, ErrorKind, Result};
 
@@ -412,11 +412,7 @@ impl PortableCache {
     /// As [`Corral::set`](crate::Corral::set).
     pub async fn set(&self, key: &str, value: impl Into<Vec<u8>>, options: EntryOptions) -> Result<()> {
         let (key, value) = (key.to_owned(), value.into());
-        let options = types::EntryOptions {
-            absolute_ms: options.absolute_ms,
-            relative_ms: options.relative_ms,
-            sliding_ms: options.sliding_ms,
-        };
+        let options = options_in(&options);
         self.call(move |s| {
             s.guest
                 .corral_cache_cache()
@@ -460,11 +456,7 @@ impl PortableCache {
         should_cache: impl Fn(&[u8]) -> bool + Send + 'static,
     ) -> Result<Bytes> {
         let key = key.to_owned();
-        let options = types::EntryOptions {
-            absolute_ms: options.absolute_ms,
-            relative_ms: options.relative_ms,
-            sliding_ms: options.sliding_ms,
-        };
+        let options = options_in(&options);
         let v = self
             .call(move |s| {
                 s.store.data_mut().portable.loader = Some(Box::new(loader));

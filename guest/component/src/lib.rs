@@ -54,6 +54,14 @@ fn meta_out(m: corral_core::EntryMeta) -> types::EntryMeta {
     }
 }
 
+fn options_in(o: types::EntryOptions) -> corral_core::EntryOptions {
+    corral_core::EntryOptions {
+        absolute_ms: o.absolute_ms,
+        relative_ms: o.relative_ms,
+        sliding_ms: o.sliding_ms,
+    }
+}
+
 fn arg_error(e: corral_core::ArgError) -> types::Error {
     types::Error::InvalidArgument(types::ArgError {
         name: e.arg.name().to_string(),
@@ -77,11 +85,7 @@ impl wit::Guest for Component {
         now_ms: u64,
         l: types::Limits,
     ) -> Result<wit::Plan, types::Error> {
-        let options = corral_core::EntryOptions {
-            absolute_ms: options.absolute_ms,
-            relative_ms: options.relative_ms,
-            sliding_ms: options.sliding_ms,
-        };
+        let options = options_in(options);
         let plan = policy::plan_set(&key, value_len, &options, now_ms, &limits(l)).map_err(arg_error)?;
         Ok(wit::Plan {
             meta: meta_out(plan.meta),
@@ -152,15 +156,7 @@ mod flight {
 
     use super::bindings::corral::cache::types;
     use super::bindings::exports::corral::cache::flight as wit;
-    use super::{Component, arg_error, limits, meta_in, meta_out};
-
-    fn options_in(o: types::EntryOptions) -> corral_core::EntryOptions {
-        corral_core::EntryOptions {
-            absolute_ms: o.absolute_ms,
-            relative_ms: o.relative_ms,
-            sliding_ms: o.sliding_ms,
-        }
-    }
+    use super::{Component, arg_error, limits, meta_in, meta_out, options_in};
 
     fn options_out(o: corral_core::EntryOptions) -> types::EntryOptions {
         types::EntryOptions {

@@ -9,13 +9,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use corral_core::flight::{Action, Event, Flight, FlightConfig, Outcome};
 use corral_core::policy::{self, ReadOutcome};
-use corral_core::{EntryMeta, EntryOptions, Limits, flight, key, lock};
+use corral_core::{EntryMeta, Limits, flight, key, lock};
 
 use super::bindings::corral::cache::{l1, l2, loader, local_lock, types};
 use super::bindings::corral::lock::table;
 use super::bindings::exports::corral::cache::cache as wcache;
 use super::bindings::exports::corral::lock::lock as wlock;
-use super::{Component, arg_error, limits};
+use super::{Component, arg_error, limits, options_in};
 
 struct Settings {
     limits: Limits,
@@ -43,14 +43,6 @@ fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-fn options_in(o: types::EntryOptions) -> EntryOptions {
-    EntryOptions {
-        absolute_ms: o.absolute_ms,
-        relative_ms: o.relative_ms,
-        sliding_ms: o.sliding_ms,
-    }
 }
 
 /// One L2 read at `now`: judged by the policy; a sliding touch is written back only
