@@ -1,4 +1,5 @@
-//! What one decision costs across the wasm boundary, and what an in-memory read costs.
+//! What one decision costs across the wasm boundary, and what reads of the embedded
+//! default cost: an L1 hit, and the in-memory L2 with L1 off.
 //!
 //! `cargo bench -p corral --bench policy`. Figures go to BENCHMARKS.md with the machine.
 
@@ -35,45 +36,56 @@ fn policy_calls(c: &mut Criterion) {
     group.finish();
 }
 
-fn memory_get(c: &mut Criterion) {
+fn embedded_default(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     let clock = ManualClock::starting_now();
-    let cache = Corral::builder().clock(clock).build().expect("cache");
+    let with_l1 = Corral::builder().clock(clock.clone()).build().expect("cache");
+    // L1 capacity 0 turns L1 off: every get reads the in-memory L2.
+    let l2_only = Corral::builder()
+        .clock(clock)
+        .l1_capacity(0)
+        .build()
+        .expect("cache");
     rt.block_on(async {
-        cache
-            .set(
-                "sliding",
-                vec![7u8; 64],
-                EntryOptions::new().sliding(Duration::from_secs(600)),
-            )
-            .await
-            .unwrap();
-        cache
-            .set(
-                "relative",
-                vec![7u8; 64],
-                EntryOptions::new().relative(Duration::from_secs(600)),
-            )
-            .await
-            .unwrap();
+        for cache in [&with_l1, &l2_only] {
+            let sliding = EntryOptions::new().sliding(Duration::from_secs(600));
+            cache.set("sliding", vec![7u8; 64], sliding).await.unwrap();
+            cache
+                .set(
+                    "relative",
+                    vec![7u8; 64],
+                    EntryOptions::new().relative(Duration::from_secs(600)),
+                )
+                .await
+                .unwrap();
+        }
     });
-    let mut group = c.benchmark_group("in-memory L2 get (L1 off)");
+    let mut group = c.benchmark_group("embedded default (64 B)");
+    group.bench_function("get, L1 hit", |b| {
+        b.to_async(&rt)
+            .iter(|| async { with_l1.get(black_box("relative")).await.unwrap().unwrap() })
+    });
     for key in ["relative", "sliding"] {
-        group.bench_function(key, |b| {
+        group.bench_function(format!("get, in-memory L2 ({key}), L1 off"), |b| {
             b.to_async(&rt)
-                .iter(|| async { cache.get(black_box(key)).await.unwrap().unwrap() })
+                .iter(|| async { l2_only.get(black_box(key)).await.unwrap().unwrap() })
         });
     }
-    group.bench_function("set 64 B", |b| {
-        b.to_async(&rt)
-            .iter(|| async { cache.set("w", vec![7u8; 64], EntryOptions::new()).await.unwrap() })
+    group.bench_function("set", |b| {
+        b.to_async(&rt).iter(|| async {
+            with_l1
+                .set("w", vec![7u8; 64], EntryOptions::new())
+                .await
+                .unwrap()
+        })
     });
     group.finish();
+    assert_eq!(l2_only.metrics().l1_hits, 0, "the L1-off cache never hit L1");
 }
 
-criterion_group!(benches, policy_calls, memory_get);
+criterion_group!(benches, policy_calls, embedded_default);
 criterion_main!(benches);

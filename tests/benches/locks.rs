@@ -67,6 +67,34 @@ fn locks(c: &mut Criterion) {
             }
         })
     });
+    // The same two scripts Corral runs (the fencing INCR needs Lua on acquire), raw.
+    let acquire = redis::Script::new(
+        "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return redis.call('INCR', KEYS[2]) end return 0",
+    );
+    g.bench_function("raw EVALSHA acquire+INCR + EVALSHA release", |b| {
+        b.to_async(&rt).iter(|| {
+            let mut conn = raw.clone();
+            let (acquire, release) = (&acquire, &release);
+            async move {
+                let token: u64 = acquire
+                    .key("raw-lock2")
+                    .key("raw-fence2")
+                    .arg("token-0123456789abcdef")
+                    .arg(10_000)
+                    .invoke_async(&mut conn)
+                    .await
+                    .unwrap();
+                assert!(token > 0);
+                let n: u64 = release
+                    .key("raw-lock2")
+                    .arg("token-0123456789abcdef")
+                    .invoke_async(&mut conn)
+                    .await
+                    .unwrap();
+                assert_eq!(n, 1);
+            }
+        })
+    });
     g.bench_function("corral lease, 1 server", |b| {
         b.to_async(&rt).iter(|| async {
             one.try_acquire("k", options)

@@ -90,7 +90,6 @@ struct Inner {
     acquire: Script,
     release: Script,
     extend: Script,
-    timeout: Duration,
 }
 
 impl fmt::Debug for RedisLocks {
@@ -167,7 +166,6 @@ impl RedisLocks {
                 policy,
                 clock: Arc::new(clock),
                 prefix: prefix.to_owned(),
-                timeout,
             }),
         })
     }
@@ -186,7 +184,8 @@ impl RedisLocks {
         format!("{}fence:{key}", self.inner.prefix)
     }
 
-    /// Runs `script` on every server in parallel, each bounded by the timeout.
+    /// Runs `script` on every server in parallel, each bounded by the connection's
+    /// response timeout.
     async fn everywhere(&self, script: &Script, keys: &[String], args: &[&str]) -> Vec<Reply> {
         let calls = self.inner.servers.iter().map(|server| {
             let mut invocation = script.prepare_invoke();
@@ -198,15 +197,13 @@ impl RedisLocks {
             }
             let mut conn = server.conn.clone();
             async move {
-                match tokio::time::timeout(self.inner.timeout, invocation.invoke_async::<u64>(&mut conn))
-                    .await
-                {
-                    Ok(Ok(v)) => Reply::Value(v),
-                    Ok(Err(e)) => {
+                // The connection's response timeout bounds each server's answer.
+                match invocation.invoke_async::<u64>(&mut conn).await {
+                    Ok(v) => Reply::Value(v),
+                    Err(e) => {
                         tracing::debug!(server = %server.url, error = %e, "lock command failed");
                         Reply::Down
                     }
-                    Err(_) => Reply::Down,
                 }
             }
         });
