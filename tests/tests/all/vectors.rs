@@ -1,6 +1,6 @@
 //! The contract vectors (tests/vectors/*.json) against the native body and against the
-//! component's portable body in wasmtime. The same files run in Node through jco
-//! (tests/jco); all three hosts must agree.
+//! component's portable body in wasmtime, each over the in-memory L2 and over a real
+//! redis-server. The same files run in Node through jco (tests/jco); all hosts must agree.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 use corral::locks::MemoryLocks;
 use corral::portable::PortableCache;
 use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions, ManualClock};
+use corral_tests::RedisServer;
 use serde_json::{Value, json};
 
 /// Where every vector's clock starts.
@@ -46,7 +47,18 @@ fn setting(settings: &Value, name: &str) -> Option<u64> {
 }
 
 impl Body {
-    fn new(portable: bool, settings: &Value, clock: &ManualClock) -> Result<Body> {
+    /// A body over the in-memory L2, or over Redis (keys under `prefix`) when given one.
+    fn new(
+        portable: bool,
+        settings: &Value,
+        clock: &ManualClock,
+        redis: Option<(&RedisServer, String)>,
+    ) -> Result<Body> {
+        let redis = redis.map(|(server, prefix)| {
+            let mut o = corral::l2::RedisOptions::new(server.url());
+            o.prefix = prefix;
+            o
+        });
         let sliding = setting(settings, "default_sliding_ms").map(Duration::from_millis);
         let key_bytes = setting(settings, "max_key_bytes").map(|n| n as u32);
         let value_bytes = setting(settings, "max_value_bytes").map(|n| n as u32);
@@ -61,6 +73,9 @@ impl Body {
             if let Some(n) = value_bytes {
                 b = b.max_value_bytes(n);
             }
+            if let Some(o) = redis {
+                b = b.redis_options(o);
+            }
             return Ok(Body::Portable(b.build()?));
         }
         let mut b = Corral::builder().clock(clock.clone());
@@ -72,6 +87,9 @@ impl Body {
         }
         if let Some(n) = value_bytes {
             b = b.max_value_bytes(n);
+        }
+        if let Some(o) = redis {
+            b = b.redis_options(o);
         }
         Ok(Body::Native {
             cache: b.build()?,
@@ -205,14 +223,20 @@ async fn run_step(
 }
 
 /// Runs every vector on fresh bodies; returns (vectors, steps) run, or every mismatch.
-async fn run_all(portable: bool) -> Result<(usize, usize)> {
+async fn run_all(portable: bool, redis: Option<&RedisServer>) -> Result<(usize, usize)> {
     let mut failures = Vec::new();
     let mut steps_run = 0;
     let vectors = vectors()?;
-    for vector in &vectors {
+    for (n, vector) in vectors.iter().enumerate() {
         let name = vector["name"].as_str().unwrap_or("?");
         let clock = ManualClock::new(T0);
-        let body = Body::new(portable, &vector["settings"], &clock)?;
+        // One Redis for all vectors: each its own tenant (prefix).
+        let body = Body::new(
+            portable,
+            &vector["settings"],
+            &clock,
+            redis.map(|r| (r, format!("v{n}:"))),
+        )?;
         for (i, step) in vector["steps"].as_array().context("steps")?.iter().enumerate() {
             let loads = Arc::new(AtomicUsize::new(0));
             let Some(got) = run_step(&body, step, &clock, &loads).await? else {
@@ -246,15 +270,31 @@ async fn run_all(portable: bool) -> Result<(usize, usize)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_vectors_pass_in_the_native_body() -> Result<()> {
-    let (vectors, steps) = run_all(false).await?;
+    let (vectors, steps) = run_all(false, None).await?;
     println!("native body: {vectors} vectors, {steps} steps passed");
     assert!(vectors >= 40);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_vectors_pass_in_the_native_body_over_redis() -> Result<()> {
+    let server = RedisServer::start()?;
+    let (vectors, steps) = run_all(false, Some(&server)).await?;
+    println!("native body over redis-server: {vectors} vectors, {steps} steps passed");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_vectors_pass_in_the_component_in_wasmtime_over_redis() -> Result<()> {
+    let server = RedisServer::start()?;
+    let (vectors, steps) = run_all(true, Some(&server)).await?;
+    println!("component in wasmtime over redis-server: {vectors} vectors, {steps} steps passed");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_vectors_pass_in_the_component_in_wasmtime() -> Result<()> {
-    let (vectors, steps) = run_all(true).await?;
+    let (vectors, steps) = run_all(true, None).await?;
     println!("component in wasmtime: {vectors} vectors, {steps} steps passed");
     assert!(vectors >= 40);
     Ok(())
