@@ -27,46 +27,59 @@ fn locks(c: &mut Criterion) {
     let release = redis::Script::new(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
     );
-    let raw = rt.block_on(async {
+    let (raw, raw_configured) = rt.block_on(async {
         let info = redis::IntoConnectionInfo::into_connection_info(servers[0].url().as_str())
             .unwrap()
             .set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
-        redis::Client::open(info)
-            .unwrap()
-            .get_connection_manager()
-            .await
-            .unwrap()
+        let client = redis::Client::open(info).unwrap();
+        // The settings Corral's lock connections use: 500 ms connect and response timeouts.
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_millis(500)))
+            .set_response_timeout(Some(Duration::from_millis(500)))
+            .set_number_of_retries(1);
+        (
+            client.get_connection_manager().await.unwrap(),
+            client.get_connection_manager_with_config(config).await.unwrap(),
+        )
     });
     let options = LockOptions::new()
         .ttl(Duration::from_secs(10))
         .wait(Duration::ZERO);
 
     let mut g = c.benchmark_group("lock acquire + release (uncontended)");
-    g.bench_function("raw SET NX PX + EVALSHA", |b| {
-        b.to_async(&rt).iter(|| {
-            let mut conn = raw.clone();
-            let release = &release;
-            async move {
-                let ok: Option<String> = redis::cmd("SET")
-                    .arg("raw-lock")
-                    .arg("token-0123456789abcdef")
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(10_000)
-                    .query_async(&mut conn)
-                    .await
-                    .unwrap();
-                assert!(ok.is_some());
-                let n: u64 = release
-                    .key("raw-lock")
-                    .arg("token-0123456789abcdef")
-                    .invoke_async(&mut conn)
-                    .await
-                    .unwrap();
-                assert_eq!(n, 1);
-            }
-        })
-    });
+    for (name, raw) in [
+        ("raw SET NX PX + EVALSHA", &raw),
+        (
+            "raw SET NX PX + EVALSHA, Corral's connection settings",
+            &raw_configured,
+        ),
+    ] {
+        g.bench_function(name, |b| {
+            b.to_async(&rt).iter(|| {
+                let mut conn = raw.clone();
+                let release = &release;
+                async move {
+                    let ok: Option<String> = redis::cmd("SET")
+                        .arg("raw-lock")
+                        .arg("token-0123456789abcdef")
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(10_000)
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                    assert!(ok.is_some());
+                    let n: u64 = release
+                        .key("raw-lock")
+                        .arg("token-0123456789abcdef")
+                        .invoke_async(&mut conn)
+                        .await
+                        .unwrap();
+                    assert_eq!(n, 1);
+                }
+            })
+        });
+    }
     // The same two scripts Corral runs (the fencing INCR needs Lua on acquire), raw.
     let acquire = redis::Script::new(
         "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return redis.call('INCR', KEYS[2]) end return 0",
