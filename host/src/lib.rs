@@ -2,9 +2,18 @@
 //! every decision is made by a WebAssembly component.
 //!
 //! The guest component (`guest/component`, built from `corral-core`) is the brain: key
-//! rules, expiry, the stored envelope. This crate is the fast native body: it loads the
-//! component once, calls its pure `policy` export synchronously, and performs the I/O:
-//! the clock, the L2 store (in memory, or Redis through the `redis` crate).
+//! rules, expiry, the stored envelope, the single-flight machine, the lock protocols. This
+//! crate is the fast native body: it loads the component once, calls its pure `policy`,
+//! `flight` and lock `policy` exports synchronously, and performs the I/O: the clock, L1
+//! (moka), L2 (in memory, or Redis through the `redis` crate), the flight registry, the
+//! locks and their watchdogs.
+//!
+//! - [`Corral`]: `get`, `set`, `refresh`, `remove`, and [`Corral::get_or_set`], which
+//!   loads each key once across every caller and process.
+//! - [`locks`]: [`locks::MemoryLocks`] in process; [`locks::RedisLocks`] leases on one
+//!   Redis or Redlock on several, with fencing tokens and a watchdog.
+//! - [`portable`]: the component's own `cache` and `lock` exports, run in wasmtime with
+//!   this crate's stores as their imports (the body any component host can supply).
 //!
 //! ```no_run
 //! # async fn demo() -> corral::Result<()> {
@@ -38,6 +47,7 @@ mod policy;
 pub mod portable;
 mod registry;
 mod semaphore;
+mod typed;
 
 pub use cache::{Corral, CorralBuilder};
 pub use clock::{Clock, ManualClock, SystemClock};

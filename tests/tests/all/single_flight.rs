@@ -365,3 +365,27 @@ async fn a_waiting_process_is_woken_by_the_landing_not_by_polling() -> Result<()
     assert!(began.elapsed() < Duration::from_secs(5));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typed_values_travel_as_json() -> Result<()> {
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct User {
+        name: String,
+        visits: u32,
+    }
+    let f = Fixture::new(Backend::Redis)?;
+    let ada = || User {
+        name: "Ada".into(),
+        visits: 3,
+    };
+    let loaded: User = f
+        .cache
+        .get_or_set_json("user:1", relative(), || async { Ok::<_, std::io::Error>(ada()) })
+        .await?;
+    assert_eq!(loaded, ada());
+    assert_eq!(f.cache.get_json::<User>("user:1").await?, Some(ada()));
+    f.cache.set_json("n", &7u32, EntryOptions::new()).await?;
+    let e = f.cache.get_json::<User>("n").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+    Ok(())
+}
