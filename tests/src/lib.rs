@@ -145,6 +145,14 @@ impl Drop for RedisServer {
     }
 }
 
+/// Tests whose assertions involve real time (a 300 ms lease renewed every 100 ms, a
+/// wake-up before a 1 s safety timer, four processes racing) take this first, so that
+/// they never starve each other of the machine's two cores. Hold it for the whole test.
+pub async fn real_time() -> tokio::sync::MutexGuard<'static, ()> {
+    static REAL_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    REAL_TIME.lock().await
+}
+
 /// The `corral` binary of this build (`cargo test` builds it beside the test binaries).
 pub fn corral_bin() -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("the test binary has a path");

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use corral::locks::{LockOptions, MemoryLocks, RedisLocks};
 use corral::{ErrorKind, ManualClock};
-use corral_tests::{RedisServer, corral_bin};
+use corral_tests::{RedisServer, corral_bin, real_time};
 use tokio::io::AsyncBufReadExt;
 
 const MS: Duration = Duration::from_millis(1);
@@ -40,6 +40,7 @@ impl Fenced {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_contenders_never_overlap_and_tokens_rise() -> Result<()> {
+    let _real_time = real_time().await;
     let server = RedisServer::start()?;
     let resource = Arc::new(Fenced::default());
     let until = Instant::now() + Duration::from_secs(5);
@@ -86,6 +87,7 @@ async fn sixty_four_contenders_never_overlap_and_tokens_rise() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_holder_cannot_release_or_extend_the_next_holders_lock() -> Result<()> {
+    let _real_time = real_time().await;
     let server = RedisServer::start()?;
     let locks = RedisLocks::connect(&[server.url()])?;
     let a = locks.acquire("job", LockOptions::new().ttl(200 * MS)).await?;
@@ -120,6 +122,7 @@ async fn an_expired_holder_cannot_release_or_extend_the_next_holders_lock() -> R
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watchdog_keeps_a_short_lease_alive_and_release_leaves_nothing() -> Result<()> {
+    let _real_time = real_time().await;
     let server = RedisServer::start()?;
     let locks = RedisLocks::connect(&[server.url()])?;
     let lease = locks
@@ -146,6 +149,7 @@ async fn a_watchdog_keeps_a_short_lease_alive_and_release_leaves_nothing() -> Re
 }
 
 async fn lost_signal_fires(fault: impl FnOnce(&mut RedisServer) -> Result<()>) -> Result<()> {
+    let _real_time = real_time().await;
     let mut server = RedisServer::start()?;
     let locks = RedisLocks::connect(&[server.url()])?;
     let lease = locks
@@ -178,6 +182,7 @@ async fn a_killed_server_makes_the_lost_signal_fire() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redlock_holds_with_two_of_five_down_and_refuses_with_three() -> Result<()> {
+    let _real_time = real_time().await;
     let mut servers = (0..5).map(|_| RedisServer::start()).collect::<Result<Vec<_>>>()?;
     let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
     let locks = RedisLocks::connect(&urls)?;
@@ -274,6 +279,7 @@ fn the_memory_provider_follows_the_seed_api_and_sweeps_zombies() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_shell_processes_take_turns_under_corral_lock() -> Result<()> {
+    let _real_time = real_time().await;
     let server = RedisServer::start()?;
     let dir = std::env::temp_dir().join(format!("corral-lock-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -351,6 +357,7 @@ async fn corral_lock_says_so_when_the_lock_is_busy() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corral_lock_stops_the_command_when_the_lock_is_lost() -> Result<()> {
+    let _real_time = real_time().await;
     let server = RedisServer::start()?;
     let mut child = tokio::process::Command::new(corral_bin())
         .args([

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use corral::{Corral, EntryOptions, ErrorKind, LoadOptions};
-use corral_tests::{Backend, Fixture, RedisServer, commands_processed, corral_bin};
+use corral_tests::{Backend, Fixture, RedisServer, commands_processed, corral_bin, real_time};
 use tokio::sync::Notify;
 
 const MIN: Duration = Duration::from_secs(60);
@@ -44,6 +44,7 @@ async fn stampede(cache: &Corral, key: &str, n: usize, loader: Duration) -> Resu
 }
 
 async fn a_thousand_callers_get_one_load(backend: Backend) -> Result<()> {
+    let _real_time = real_time().await;
     let f = Fixture::new(backend)?;
     let (calls, values) = stampede(&f.cache, "cold", 1_000, Duration::from_millis(500)).await?;
     assert_eq!(calls, 1, "one loader call for 1,000 callers");
@@ -77,6 +78,7 @@ async fn a_thousand_callers_get_one_load_redis() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_processes_share_one_load_without_a_polling_storm() -> Result<()> {
+    let _real_time = real_time().await;
     let server = RedisServer::start()?;
     let before = commands_processed(&server).await?;
     let mut children = Vec::new();
@@ -171,6 +173,7 @@ async fn a_loader_error_reaches_every_coalesced_caller_and_nothing_is_cached() -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_leader_hands_the_flight_over_and_leaks_nothing() -> Result<()> {
+    let _real_time = real_time().await;
     let f = Fixture::new(Backend::Redis)?;
     let started = Arc::new(Notify::new());
     let leader = {
@@ -228,6 +231,7 @@ async fn a_dropped_leader_hands_the_flight_over_and_leaks_nothing() -> Result<()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_redis_down_the_caller_gets_the_loaders_value() -> Result<()> {
+    let _real_time = real_time().await;
     let lock_wait = Duration::from_secs(1);
     let mut f = Fixture::with(Backend::Redis, |b| b.lock_wait(lock_wait))?;
     f.redis.as_mut().expect("redis").kill();
@@ -334,6 +338,7 @@ async fn bad_input_fails_before_the_loader_runs() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_process_is_woken_by_the_landing_not_by_polling() -> Result<()> {
+    let _real_time = real_time().await;
     // Two caches on one Redis: two processes as far as Redis can tell.
     let server = RedisServer::start()?;
     let cache = || Corral::builder().redis(server.url()).build();
@@ -344,7 +349,7 @@ async fn a_waiting_process_is_woken_by_the_landing_not_by_polling() -> Result<()
         tokio::spawn(async move {
             a.get_or_set("k", relative(), || async move {
                 loading.notify_one();
-                tokio::time::sleep(Duration::from_millis(800)).await;
+                tokio::time::sleep(Duration::from_millis(500)).await;
                 Ok::<_, std::io::Error>("from a")
             })
             .await
@@ -359,8 +364,8 @@ async fn a_waiting_process_is_woken_by_the_landing_not_by_polling() -> Result<()
     assert_eq!(leader.await??, "from a");
     let (mb, redis_b) = (b.metrics(), b.redis_l2().expect("redis").commands_sent());
     assert_eq!((mb.loads, mb.lock_waits, mb.l2_hits), (0, 1, 1));
-    // With backoff polling alone (50, 100, 200, 400 ms...) b would have read and tried
-    // the lock four more times in 0.8 s; woken by the landing it reads once more.
+    // With backoff polling alone (50, 100, 200 ms...) b would have read and tried the
+    // lock three more times in 0.5 s; woken by the landing it reads once more.
     assert_eq!(redis_b, 4, "read, subscribe, lock (busy), read after the landing");
     assert!(began.elapsed() < Duration::from_secs(5));
     Ok(())
