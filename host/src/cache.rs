@@ -48,7 +48,7 @@ pub(crate) struct Inner {
     pub(crate) l1_ttl_ms: u64,
     pub(crate) flight: FlightSettings,
     pub(crate) registry: Registry,
-    pub(crate) metrics: Metrics,
+    pub(crate) metrics: Arc<Metrics>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -177,6 +177,8 @@ impl CorralBuilder {
     /// [`ErrorKind::Guest`] if the guest component cannot be loaded.
     pub fn build(self) -> Result<Corral> {
         let policy = Policy::load(self.limits)?;
+        let l1 = L1::new(self.l1_capacity, self.l1_ttl);
+        let metrics = Arc::new(Metrics::default());
         let clock = self.clock;
         let mut memory = None;
         #[cfg(feature = "redis")]
@@ -185,6 +187,15 @@ impl CorralBuilder {
         let l2: Arc<dyn L2Store> = match &self.redis {
             Some(options) => {
                 let store = RedisL2::connect(options, &policy)?;
+                // Another process's set, removal or load of a key drops our L1 copy.
+                let (l1, metrics) = (l1.clone(), metrics.clone());
+                store.on_foreign_landing(Arc::new(move |key| {
+                    let (l1, metrics) = (l1.clone(), metrics.clone());
+                    tokio::spawn(async move {
+                        l1.remove(&key).await;
+                        Metrics::bump(&metrics.l1_invalidations);
+                    });
+                }));
                 redis = Some(store.clone());
                 Arc::new(store)
             }
@@ -216,14 +227,14 @@ impl CorralBuilder {
                 memory,
                 #[cfg(feature = "redis")]
                 redis,
-                l1: L1::new(self.l1_capacity, self.l1_ttl),
+                l1,
                 l1_ttl_ms: duration_ms(self.l1_ttl),
                 flight: FlightSettings {
                     lock_wait_ms: duration_ms(self.lock_wait),
                     lock_ttl_ms: duration_ms(self.lock_ttl),
                 },
                 registry: Registry::default(),
-                metrics: Metrics::default(),
+                metrics,
             }),
         })
     }
@@ -277,7 +288,25 @@ impl Corral {
         self.l2_write(key, &plan.header, &value, plan.store_ttl_ms)
             .await?;
         Metrics::bump(&self.inner.metrics.sets);
+        self.announce_change(key);
         self.fill_l1(key, &value, plan.meta, now).await
+    }
+
+    /// Tells the other processes sharing the Redis that `key` changed, so they drop
+    /// their L1 copy; in the background (a lost announcement costs only staleness up to
+    /// the L1 deadline).
+    fn announce_change(&self, key: &str) {
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &self.inner.redis {
+            let (redis, key) = (redis.clone(), key.to_owned());
+            tokio::spawn(async move {
+                if let Err(e) = redis.announce_landing(&key).await {
+                    tracing::debug!(key, error = %e, "change announcement failed");
+                }
+            });
+        }
+        #[cfg(not(feature = "redis"))]
+        let _ = key;
     }
 
     /// Refreshes `key` in L2 as a read would, without returning the value: a sliding
@@ -303,6 +332,7 @@ impl Corral {
         self.inner.l1.remove(key).await;
         let removed = self.l2_op(self.inner.l2.delete(key)).await?;
         Metrics::bump(&self.inner.metrics.removes);
+        self.announce_change(key);
         Ok(removed)
     }
 

@@ -16,6 +16,7 @@ pub(crate) struct Metrics {
     pub(crate) lock_timeouts: AtomicU64,
     pub(crate) degraded: AtomicU64,
     pub(crate) l2_errors: AtomicU64,
+    pub(crate) l1_invalidations: AtomicU64,
 }
 
 impl Metrics {
@@ -38,6 +39,7 @@ impl Metrics {
             lock_timeouts: get(&self.lock_timeouts),
             degraded: get(&self.degraded),
             l2_errors: get(&self.l2_errors),
+            l1_invalidations: get(&self.l1_invalidations),
         }
     }
 }
@@ -70,11 +72,13 @@ pub struct MetricsSnapshot {
     pub degraded: u64,
     /// L2 operations that failed.
     pub l2_errors: u64,
+    /// L1 entries dropped because another process wrote, removed or loaded the key.
+    pub l1_invalidations: u64,
 }
 
 impl MetricsSnapshot {
     /// Name and value of every counter, in a stable order (for tables and JSON).
-    pub fn fields(&self) -> [(&'static str, u64); 12] {
+    pub fn fields(&self) -> [(&'static str, u64); 13] {
         [
             ("l1_hits", self.l1_hits),
             ("l2_hits", self.l2_hits),
@@ -88,6 +92,7 @@ impl MetricsSnapshot {
             ("lock_timeouts", self.lock_timeouts),
             ("degraded", self.degraded),
             ("l2_errors", self.l2_errors),
+            ("l1_invalidations", self.l1_invalidations),
         ]
     }
 }

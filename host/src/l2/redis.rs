@@ -7,8 +7,8 @@
 //! the server (`EVALSHA`, falling back to `EVAL` once).
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -65,7 +65,14 @@ pub struct RedisL2 {
     landings: Landings,
     /// Whether this process listens on the landing channel yet (subscribed on first need).
     listening: Arc<AsyncMutex<bool>>,
+    /// This store's name on the landing channel, so it can tell its own messages apart.
+    origin: Arc<str>,
+    /// Called with the key of every landing another store announced (L1 invalidation).
+    on_foreign_landing: Arc<OnceLock<LandingHook>>,
 }
+
+/// What a store does when another one announces a landing.
+pub(crate) type LandingHook = Arc<dyn Fn(String) + Send + Sync>;
 
 impl fmt::Debug for RedisL2 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -111,6 +118,8 @@ impl RedisL2 {
             client,
             landings: Landings::default(),
             listening: Arc::new(AsyncMutex::new(false)),
+            origin: crate::lock_token().into(),
+            on_foreign_landing: Arc::new(OnceLock::new()),
         })
     }
 
@@ -154,11 +163,22 @@ impl RedisL2 {
             Ok(pubsub) => {
                 let landings = self.landings.clone();
                 let flag = self.listening.clone();
+                let (origin, hook) = (self.origin.clone(), self.on_foreign_landing.clone());
                 tokio::spawn(async move {
                     let mut messages = pubsub.into_on_message();
                     while let Some(msg) = messages.next().await {
-                        if let Ok(key) = msg.get_payload::<String>() {
-                            landings.announce(&key);
+                        // "{origin} {key}": the key may hold spaces, the origin never does.
+                        let Ok(payload) = msg.get_payload::<String>() else {
+                            continue;
+                        };
+                        let Some((from, key)) = payload.split_once(' ') else {
+                            continue;
+                        };
+                        landings.announce(key);
+                        if from != &*origin
+                            && let Some(hook) = hook.get()
+                        {
+                            hook(key.to_owned());
                         }
                     }
                     // The connection dropped: subscribe again on the next wait.
@@ -172,6 +192,16 @@ impl RedisL2 {
                 false
             }
         }
+    }
+
+    /// Calls `hook` with the key of every landing (a set, a removal, a loaded value)
+    /// another store announces on this prefix, and starts listening now.
+    pub(crate) fn on_foreign_landing(&self, hook: LandingHook) {
+        let _ = self.on_foreign_landing.set(hook);
+        let store = self.clone();
+        tokio::spawn(async move {
+            store.ensure_listening().await;
+        });
     }
 
     fn count(&self, n: u64) {
@@ -347,7 +377,7 @@ impl L2Store for RedisL2 {
             let mut conn = self.conn.clone();
             redis::cmd("PUBLISH")
                 .arg(self.channel())
-                .arg(key)
+                .arg(format!("{} {key}", self.origin))
                 .query_async::<()>(&mut conn)
                 .await
                 .map_err(unavailable("PUBLISH"))

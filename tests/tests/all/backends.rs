@@ -243,3 +243,48 @@ async fn concurrent_callers_share_the_guest_safely() -> Result<()> {
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_in_one_process_drops_the_l1_copy_in_another() -> Result<()> {
+    let server = RedisServer::start()?;
+    let cache = || Corral::builder().redis(server.url()).build();
+    let (a, b) = (cache()?, cache()?);
+    // Make sure b listens before a speaks (subscribing is otherwise in the background).
+    drop(b.l2().watch_landing("anything").await);
+    a.set("k", "one", EntryOptions::new()).await?;
+    assert_eq!(
+        b.get("k").await?.as_deref(),
+        Some(&b"one"[..]),
+        "b reads L2 and fills its L1"
+    );
+    assert_eq!(b.get("k").await?.as_deref(), Some(&b"one"[..]));
+    assert_eq!(b.metrics().l1_hits, 1);
+
+    // Wait for b to act on a's announcement (over pub/sub), not for a guessed delay.
+    let heard = |after: u64| {
+        let b = b.clone();
+        async move {
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while b.metrics().l1_invalidations <= after {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+        }
+    };
+    let before = b.metrics().l1_invalidations;
+    a.set("k", "two", EntryOptions::new()).await?;
+    heard(before).await?;
+    assert_eq!(
+        b.get("k").await?.as_deref(),
+        Some(&b"two"[..]),
+        "no stale L1 copy"
+    );
+
+    let before = b.metrics().l1_invalidations;
+    a.remove("k").await?;
+    heard(before).await?;
+    assert_eq!(b.get("k").await?, None, "a removal reaches b's L1 too");
+    assert_eq!(a.metrics().l1_invalidations, 0, "a ignores its own announcements");
+    Ok(())
+}
