@@ -145,6 +145,10 @@ fn hint(e: &Error) -> Option<&'static str> {
              or drop --redis to use the embedded in-memory store",
         ),
         ErrorKind::InvalidArgument => Some("see `corral --help` for what each argument takes"),
+        ErrorKind::Corrupt => Some(
+            "the bytes under this key were not written by this Corral version; \
+             `corral remove KEY` deletes them, and a `get` treats them as a miss",
+        ),
         ErrorKind::Guest => {
             Some("the guest component failed: this is a bug, please report it with the command you ran")
         }
