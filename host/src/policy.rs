@@ -24,6 +24,17 @@ pub const GUEST_WASM: &[u8] = include_bytes!(env!("CORRAL_GUEST_WASM"));
 /// Where the build put the guest component (the file [`GUEST_WASM`] was read from).
 pub const GUEST_WASM_PATH: &str = env!("CORRAL_GUEST_WASM");
 
+/// How often the engine's epoch advances.
+const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// The budget of one pure policy call, in epoch ticks (1 s: a pure decision takes
+/// microseconds; only a runaway guest reaches it).
+const CALL_BUDGET_TICKS: u64 = 100;
+
+/// The budget of one portable call, in ticks (1 hour): its imports may wait on a loader
+/// or a lock for as long as the caller allows, and that time counts.
+pub(crate) const PORTABLE_BUDGET_TICKS: u64 = 360_000;
+
 /// How many idle instances the pool keeps; more are created under load and dropped after.
 const MAX_IDLE: usize = 64;
 
@@ -68,7 +79,18 @@ fn load() -> wasmtime::Result<Loaded> {
     if let Ok(cache) = wasmtime::Cache::from_file(None) {
         config.cache(Some(cache));
     }
+    // A guest that runs away (a bug) traps at its deadline instead of hanging a thread.
+    config.epoch_interruption(true);
     let engine = Engine::new(&config)?;
+    let ticker = engine.clone();
+    std::thread::Builder::new()
+        .name("corral-epoch".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(EPOCH_TICK);
+                ticker.increment_epoch();
+            }
+        })?;
     let component = Component::new(&engine, GUEST_WASM)?;
     let mut linker = Linker::<GuestState>::new(&engine);
     // std on wasip2 imports wasi:cli and wasi:io (stderr for panics); the policy itself
@@ -166,11 +188,16 @@ impl Policy {
     }
 
     fn call<R>(&self, f: impl FnOnce(&mut Slot) -> wasmtime::Result<R>) -> Result<R> {
+        self.call_with_budget(CALL_BUDGET_TICKS, f)
+    }
+
+    fn call_with_budget<R>(&self, ticks: u64, f: impl FnOnce(&mut Slot) -> wasmtime::Result<R>) -> Result<R> {
         let idle = self.inner.slots.lock().pop();
         let mut slot = match idle {
             Some(slot) => slot,
             None => instantiate(self.inner.loaded)?,
         };
+        slot.store.set_epoch_deadline(ticks);
         // A trapped instance is poisoned: it is dropped, not returned to the pool.
         let out = f(&mut slot).map_err(trap)?;
         let mut slots = self.inner.slots.lock();
@@ -487,6 +514,8 @@ pub(crate) fn instantiate_with(
         portable,
     };
     let mut store = Store::new(&loaded.engine, state);
+    // Instantiation runs guest code too; every call sets its own budget afterwards.
+    store.set_epoch_deadline(CALL_BUDGET_TICKS);
     let guest = loaded
         .pre
         .instantiate(&mut store)
@@ -529,5 +558,31 @@ pub(crate) fn meta_out(m: types::EntryMeta) -> EntryMeta {
         absolute_ms: m.absolute_ms,
         sliding_ms: m.sliding_ms,
         expires_at_ms: m.expires_at_ms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guest_past_its_budget_traps_into_a_typed_error_and_the_pool_recovers() {
+        let policy = Policy::load(default_limits()).unwrap();
+        let limits = policy.inner.limits;
+        // A budget of 0 ticks: the first epoch check in the guest traps.
+        let e = policy
+            .call_with_budget(0, |s| {
+                s.guest
+                    .corral_cache_policy()
+                    .call_validate_key(&mut s.store, "k", limits)
+            })
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Guest);
+        assert!(e.to_string().contains("trapped"), "{e}");
+        assert!(
+            policy.validate_key("k").is_ok(),
+            "a fresh instance serves the next call"
+        );
+        assert!(policy.validate_key(" ").is_err());
     }
 }

@@ -21,7 +21,9 @@ use crate::bindings::exports::corral::cache::cache as wcache;
 use crate::clock::{Clock, SystemClock};
 use crate::l2::{L2Store, MemoryL2};
 use crate::options::{EntryOptions, duration_ms};
-use crate::policy::{Policy, Slot, default_limits, from_wit, instantiate_with, loaded, options_in, trap};
+use crate::policy::{
+    PORTABLE_BUDGET_TICKS, Policy, Slot, default_limits, from_wit, instantiate_with, loaded, options_in, trap,
+};
 use crate::semaphore::{KeyPermit, KeyedSemaphore};
 use crate::{Error, ErrorKind, Result};
 
@@ -352,6 +354,7 @@ impl PortableBuilder {
             ..Imports::default()
         };
         let mut slot = instantiate_with(loaded()?, wasi.build(), imports)?;
+        slot.store.set_epoch_deadline(PORTABLE_BUDGET_TICKS);
         let settings = wcache::Settings {
             limits,
             l1_ttl_ms: 5 * 60_000,
@@ -387,11 +390,15 @@ impl PortableCache {
         f: impl FnOnce(&mut Slot) -> wasmtime::Result<std::result::Result<R, types::Error>> + Send + 'static,
     ) -> Result<R> {
         let slot = self.slot.clone();
-        tokio::task::spawn_blocking(move || f(&mut slot.lock()))
-            .await
-            .map_err(|e| Error::guest("the portable call's thread failed", e))?
-            .map_err(trap)?
-            .map_err(from_wit)
+        tokio::task::spawn_blocking(move || {
+            let mut slot = slot.lock();
+            slot.store.set_epoch_deadline(PORTABLE_BUDGET_TICKS);
+            f(&mut slot)
+        })
+        .await
+        .map_err(|e| Error::guest("the portable call's thread failed", e))?
+        .map_err(trap)?
+        .map_err(from_wit)
     }
 
     /// As [`Corral::get`](crate::Corral::get), decided and driven inside the component.
