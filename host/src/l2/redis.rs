@@ -2,8 +2,9 @@
 //!
 //! Every key is stored under the configured prefix, so applications and tenants sharing
 //! one Redis never see each other's entries or locks: entries live at `{prefix}e:{key}`,
-//! locks at `{prefix}l:{key}`, and landings are announced on the channel
-//! `{prefix}landed`. A read is one round trip: the guest's read-and-touch Lua runs on
+//! locks at `{prefix}l:{key}`, and landings (a set, a removal, a loaded value) are
+//! announced on the channel `{prefix}landed` as `"{origin} {key}"`, where `origin` names
+//! the announcing store: waiters wake, and other stores drop their L1 copy. A read is one round trip: the guest's read-and-touch Lua runs on
 //! the server (`EVALSHA`, falling back to `EVAL` once).
 
 use std::fmt;
