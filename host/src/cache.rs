@@ -180,6 +180,13 @@ impl CorralBuilder {
         let l1 = L1::new(self.l1_capacity, self.l1_ttl);
         let metrics = Arc::new(Metrics::default());
         let clock = self.clock;
+        let memory_l2 = || {
+            MemoryL2::new(
+                policy.clone(),
+                clock.clone(),
+                duration_ms(self.invalidation_interval),
+            )
+        };
         let mut memory = None;
         #[cfg(feature = "redis")]
         let mut redis = None;
@@ -200,22 +207,14 @@ impl CorralBuilder {
                 Arc::new(store)
             }
             None => {
-                let store = MemoryL2::new(
-                    policy.clone(),
-                    clock.clone(),
-                    duration_ms(self.invalidation_interval),
-                );
+                let store = memory_l2();
                 memory = Some(store.clone());
                 Arc::new(store)
             }
         };
         #[cfg(not(feature = "redis"))]
         let l2: Arc<dyn L2Store> = {
-            let store = MemoryL2::new(
-                policy.clone(),
-                clock.clone(),
-                duration_ms(self.invalidation_interval),
-            );
+            let store = memory_l2();
             memory = Some(store.clone());
             Arc::new(store)
         };

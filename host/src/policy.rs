@@ -145,6 +145,7 @@ pub(crate) fn default_limits() -> Limits {
     }
 }
 
+pub(crate) use crate::bindings::corral::lock::types::Held;
 pub(crate) use crate::bindings::exports::corral::cache::flight as wflight;
 pub(crate) use crate::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
@@ -350,51 +351,35 @@ impl Policy {
     /// The entry to store if the lock is free at `now_ms`.
     pub(crate) fn lock_try(
         &self,
-        current: Option<&crate::bindings::corral::lock::types::Held>,
+        current: Option<&Held>,
         owner: &str,
         ttl_ms: u64,
         now_ms: u64,
-    ) -> Result<Option<crate::bindings::corral::lock::types::Held>> {
-        let current = current.cloned();
+    ) -> Result<Option<Held>> {
         self.call(|s| {
             s.guest
                 .corral_lock_policy()
-                .call_try_lock(&mut s.store, current.as_ref(), owner, ttl_ms, now_ms)
+                .call_try_lock(&mut s.store, current, owner, ttl_ms, now_ms)
         })
     }
 
-    pub(crate) fn lock_is_expired(
-        &self,
-        current: Option<&crate::bindings::corral::lock::types::Held>,
-        now_ms: u64,
-    ) -> Result<bool> {
-        let current = current.cloned();
+    pub(crate) fn lock_is_expired(&self, current: Option<&Held>, now_ms: u64) -> Result<bool> {
         self.call(|s| {
             s.guest
                 .corral_lock_policy()
-                .call_is_expired(&mut s.store, current.as_ref(), now_ms)
+                .call_is_expired(&mut s.store, current, now_ms)
         })
     }
 
-    pub(crate) fn lock_is_locked_by(
-        &self,
-        current: Option<&crate::bindings::corral::lock::types::Held>,
-        owner: &str,
-        now_ms: u64,
-    ) -> Result<bool> {
-        let current = current.cloned();
+    pub(crate) fn lock_is_locked_by(&self, current: Option<&Held>, owner: &str, now_ms: u64) -> Result<bool> {
         self.call(|s| {
             s.guest
                 .corral_lock_policy()
-                .call_is_locked_by(&mut s.store, current.as_ref(), owner, now_ms)
+                .call_is_locked_by(&mut s.store, current, owner, now_ms)
         })
     }
 
-    pub(crate) fn lock_sweepable(
-        &self,
-        entry: &crate::bindings::corral::lock::types::Held,
-        now_ms: u64,
-    ) -> Result<bool> {
+    pub(crate) fn lock_sweepable(&self, entry: &Held, now_ms: u64) -> Result<bool> {
         self.call(|s| {
             s.guest
                 .corral_lock_policy()
