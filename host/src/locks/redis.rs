@@ -63,6 +63,14 @@ impl LockOptions {
         self
     }
 
+    /// The Redis TTL in ms, and whether a watchdog renews it.
+    fn lease(&self) -> (u64, bool) {
+        match self.ttl {
+            Some(ttl) => (duration_ms(ttl), false),
+            None => (duration_ms(self.watchdog_ttl), true),
+        }
+    }
+
     /// How long to keep trying (50 ms doubling to 1 s between tries); zero: one try.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
@@ -216,10 +224,7 @@ impl RedisLocks {
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for a bad key or a zero TTL; [`ErrorKind::Quorum`].
     pub async fn try_acquire(&self, key: &str, options: LockOptions) -> Result<Option<Lease>> {
-        let (ttl_ms, watchdog) = match options.ttl {
-            Some(ttl) => (duration_ms(ttl), false),
-            None => (duration_ms(options.watchdog_ttl), true),
-        };
+        let (ttl_ms, watchdog) = options.lease();
         self.inner.policy.lock_check_request(key, ttl_ms)?;
         self.attempt(key, ttl_ms, watchdog).await
     }
@@ -232,10 +237,7 @@ impl RedisLocks {
     /// when, at the end, too few servers answered; [`ErrorKind::InvalidArgument`] for a
     /// bad key or a zero TTL.
     pub async fn acquire(&self, key: &str, options: LockOptions) -> Result<Lease> {
-        let (ttl_ms, watchdog) = match options.ttl {
-            Some(ttl) => (duration_ms(ttl), false),
-            None => (duration_ms(options.watchdog_ttl), true),
-        };
+        let (ttl_ms, watchdog) = options.lease();
         let policy = &self.inner.policy;
         policy.lock_check_request(key, ttl_ms)?;
         let deadline = self
