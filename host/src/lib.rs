@@ -15,6 +15,11 @@
 //! - [`portable`]: the component's own `cache` and `lock` exports, run in wasmtime with
 //!   this crate's stores as their imports (the body any component host can supply).
 //!
+//! Where things live: [`guest`] loads the brain and asks it; `Corral` drives it for
+//! a service; [`store`] holds the pure-I/O stores (memory, Redis) behind traits;
+//! [`locks`] holds the lock APIs; [`portable`] runs the component's own body. The
+//! contract all of them keep is `docs/contract.md`.
+//!
 //! ```no_run
 //! # async fn demo() -> corral::Result<()> {
 //! use std::time::Duration;
@@ -32,31 +37,23 @@
 
 #![deny(missing_docs)]
 
-mod bindings;
 mod cache;
 mod clock;
 mod error;
-mod flight;
-mod l1;
-pub mod l2;
-mod load;
+pub mod guest;
 pub mod locks;
-mod metrics;
 mod options;
-mod policy;
 pub mod portable;
-mod registry;
-mod semaphore;
-mod typed;
+pub mod store;
 
+pub use cache::load::LoadOptions;
+pub use cache::metrics::MetricsSnapshot;
 pub use cache::{Corral, CorralBuilder};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
-pub use load::LoadOptions;
-pub use metrics::MetricsSnapshot;
 pub use options::{EntryMeta, EntryOptions, Inspection};
-pub use policy::{Freshness, GUEST_WASM, GUEST_WASM_PATH, Policy};
-pub use semaphore::{KeyPermit, KeyedSemaphore};
+#[cfg(feature = "redis")]
+pub use store::redis::RedisOptions;
 
 /// A fresh random 128-bit owner token for a lock, as 32 hex digits.
 pub(crate) fn lock_token() -> String {

@@ -222,7 +222,7 @@ impl Fixture {
             Backend::Memory => (builder, None),
             Backend::Redis => {
                 let server = RedisServer::start()?;
-                let mut options = corral::l2::RedisOptions::new(server.url());
+                let mut options = corral::RedisOptions::new(server.url());
                 options.prefix = PREFIX.into();
                 (builder.redis_options(options), Some(server))
             }
@@ -243,7 +243,12 @@ impl Fixture {
                     .query_async::<()>(&mut conn)
                     .await?;
             }
-            None => self.cache.l2().write(key, bytes.to_vec().into(), 60_000).await?,
+            None => {
+                self.cache
+                    .entries()
+                    .set(key, bytes.to_vec().into(), 60_000)
+                    .await?
+            }
         }
         Ok(())
     }
@@ -259,7 +264,7 @@ impl Fixture {
                     .await?;
                 Ok(n > 0)
             }
-            None => Ok(self.cache.l2().peek(key).await?.is_some()),
+            None => Ok(self.cache.entries().get(key).await?.is_some()),
         }
     }
 }

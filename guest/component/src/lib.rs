@@ -38,6 +38,34 @@ fn limits(l: types::Limits) -> Limits {
     }
 }
 
+fn limits_out(l: Limits) -> types::Limits {
+    types::Limits {
+        max_key_bytes: l.max_key_bytes,
+        max_value_bytes: l.max_value_bytes,
+        default_sliding_ms: l.default_sliding_ms,
+    }
+}
+
+fn settings_in(s: types::Settings) -> corral_core::Settings {
+    corral_core::Settings {
+        limits: limits(s.limits),
+        l1_ttl_ms: s.l1_ttl_ms,
+        lock_wait_ms: s.lock_wait_ms,
+        lock_ttl_ms: s.lock_ttl_ms,
+        invalidation_interval_ms: s.invalidation_interval_ms,
+    }
+}
+
+fn settings_out(s: corral_core::Settings) -> types::Settings {
+    types::Settings {
+        limits: limits_out(s.limits),
+        l1_ttl_ms: s.l1_ttl_ms,
+        lock_wait_ms: s.lock_wait_ms,
+        lock_ttl_ms: s.lock_ttl_ms,
+        invalidation_interval_ms: s.invalidation_interval_ms,
+    }
+}
+
 fn meta_in(m: types::EntryMeta) -> corral_core::EntryMeta {
     corral_core::EntryMeta {
         absolute_ms: m.absolute_ms,
@@ -70,6 +98,10 @@ fn arg_error(e: corral_core::ArgError) -> types::Error {
 }
 
 impl wit::Guest for Component {
+    fn defaults() -> types::Settings {
+        settings_out(corral_core::Settings::DEFAULT)
+    }
+
     fn check_limits(l: types::Limits) -> Result<(), types::Error> {
         limits(l).check().map_err(arg_error)
     }

@@ -7,36 +7,22 @@
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use corral_core::flight::{Action, Event, Flight, FlightConfig, Outcome};
+use corral_core::flight::{Action, Event, Flight, Outcome};
 use corral_core::policy::{self, ReadOutcome};
-use corral_core::{EntryMeta, Limits, flight, key, lock};
+use corral_core::{EntryMeta, Limits, Settings, flight, key, lock};
 
-use super::bindings::corral::cache::{l1, l2, loader, local_lock, types};
+use super::bindings::corral::cache::flights::{self, Joined};
+use super::bindings::corral::cache::{l1, l2, loader, types};
 use super::bindings::corral::lock::table;
 use super::bindings::exports::corral::cache::cache as wcache;
 use super::bindings::exports::corral::lock::lock as wlock;
-use super::{Component, arg_error, limits, options_in};
+use super::{Component, arg_error, options_in, settings_in};
 
-struct Settings {
-    limits: Limits,
-    l1_ttl_ms: u64,
-    lock_wait_ms: u64,
-    lock_ttl_ms: u64,
-}
+/// This instance's settings: the core's defaults until `configure`.
+static SETTINGS: Mutex<Settings> = Mutex::new(Settings::DEFAULT);
 
-static SETTINGS: Mutex<Settings> = Mutex::new(Settings {
-    limits: Limits {
-        max_key_bytes: Limits::DEFAULT_MAX_KEY_BYTES,
-        max_value_bytes: Limits::DEFAULT_MAX_VALUE_BYTES,
-        default_sliding_ms: Limits::DEFAULT_SLIDING_MS,
-    },
-    l1_ttl_ms: 5 * 60_000,
-    lock_wait_ms: 5_000,
-    lock_ttl_ms: 30_000,
-});
-
-fn settings<R>(f: impl FnOnce(&Settings) -> R) -> R {
-    f(&SETTINGS.lock().unwrap_or_else(|e| e.into_inner()))
+fn settings() -> Settings {
+    *SETTINGS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn now_ms() -> u64 {
@@ -73,7 +59,7 @@ fn l1_hit(key: &str, now: u64) -> Option<Vec<u8>> {
 }
 
 fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
-    let until_ms = flight::l1_deadline(meta, now, settings(|s| s.l1_ttl_ms));
+    let until_ms = flight::l1_deadline(meta, now, settings().l1_ttl_ms);
     l1::set(
         key,
         &l1::L1Entry {
@@ -84,16 +70,10 @@ fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
 }
 
 impl wcache::Guest for Component {
-    fn configure(s: wcache::Settings) -> Result<(), types::Error> {
-        let l = limits(s.limits);
-        l.check().map_err(arg_error)?;
-        let mut settings = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-        *settings = Settings {
-            limits: l,
-            l1_ttl_ms: s.l1_ttl_ms,
-            lock_wait_ms: s.lock_wait_ms,
-            lock_ttl_ms: s.lock_ttl_ms,
-        };
+    fn configure(s: types::Settings) -> Result<(), types::Error> {
+        let s = settings_in(s);
+        s.limits.check().map_err(arg_error)?;
+        *SETTINGS.lock().unwrap_or_else(|e| e.into_inner()) = s;
         Ok(())
     }
 
@@ -102,7 +82,7 @@ impl wcache::Guest for Component {
         if let Some(v) = l1_hit(&key, now) {
             return Ok(Some(v));
         }
-        let limits = settings(|s| s.limits);
+        let limits = settings().limits;
         key::validate(&key, &limits).map_err(arg_error)?;
         Ok(l2_read(&key, now, &limits)?.map(|(value, meta)| {
             fill_l1(&key, &value, &meta, now);
@@ -112,7 +92,7 @@ impl wcache::Guest for Component {
 
     fn set(key: String, value: Vec<u8>, options: types::EntryOptions) -> Result<(), types::Error> {
         let now = now_ms();
-        let limits = settings(|s| s.limits);
+        let limits = settings().limits;
         let plan = policy::plan_set(&key, value.len() as u64, &options_in(options), now, &limits)
             .map_err(arg_error)?;
         let mut stored = plan.header.to_vec();
@@ -123,49 +103,47 @@ impl wcache::Guest for Component {
     }
 
     fn refresh(key: String) -> Result<bool, types::Error> {
-        let limits = settings(|s| s.limits);
+        let limits = settings().limits;
         key::validate(&key, &limits).map_err(arg_error)?;
         Ok(l2_read(&key, now_ms(), &limits)?.is_some())
     }
 
     fn remove(key: String) -> Result<bool, types::Error> {
-        key::validate(&key, &settings(|s| s.limits)).map_err(arg_error)?;
+        key::validate(&key, &settings().limits).map_err(arg_error)?;
         l1::delete(&key);
         l2::delete(&key)
     }
 
     fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
-        let (limits, config) = settings(|s| {
-            (
-                s.limits,
-                FlightConfig {
-                    lock_wait_ms: s.lock_wait_ms,
-                    lock_ttl_ms: s.lock_ttl_ms,
-                    l1_ttl_ms: s.l1_ttl_ms,
-                    bypass,
-                },
-            )
-        });
-        let now = now_ms();
-        if !bypass && let Some(v) = l1_hit(&key, now) {
+        let settings = settings();
+        if !bypass && let Some(v) = l1_hit(&key, now_ms()) {
             return Ok(v);
         }
-        let (flight, action) =
-            Flight::start(&key, options_in(options), config, now, &limits).map_err(arg_error)?;
-        if bypass {
-            return fly(&key, flight, action, &limits);
-        }
-        // One flight per key in the process: the host's keyed semaphore.
-        let permit = local_lock::acquire(&key, config.lock_wait_ms);
-        // Whoever held the permit before may have filled L1.
-        let out = match l1_hit(&key, now_ms()) {
-            Some(v) => Ok(v),
-            None => fly(&key, flight, action, &limits),
+        let start = || {
+            Flight::start(
+                &key,
+                options_in(options),
+                settings.flight(bypass),
+                now_ms(),
+                &settings.limits,
+            )
+            .map_err(arg_error)
         };
-        if permit {
-            local_lock::release(&key);
+        if bypass {
+            let (flight, action) = start()?;
+            return fly(&key, flight, action, &settings.limits);
         }
-        out
+        // One flight per key in the process, whichever instance runs it: the host's
+        // flight registry, the same one the native body uses (contract §5.14).
+        match flights::join(&key) {
+            Joined::Value(v) => Ok(v),
+            Joined::Failed(e) => Err(e),
+            Joined::Lead => {
+                let out = start().and_then(|(flight, action)| fly(&key, flight, action, &settings.limits));
+                flights::finish(&key, out.as_ref().map(Vec::as_slice));
+                out
+            }
+        }
     }
 }
 
@@ -256,7 +234,7 @@ fn held_in(h: table::Held) -> lock::Held {
 
 impl wlock::Guest for Component {
     fn try_lock(key: String, owner: String, ttl_ms: u64) -> Result<bool, types::Error> {
-        lock::check_request(&key, ttl_ms, &settings(|s| s.limits)).map_err(arg_error)?;
+        lock::check_request(&key, ttl_ms, &settings().limits).map_err(arg_error)?;
         let current = table::get(&key);
         let Some(new) = lock::try_lock(current.clone().map(held_in).as_ref(), &owner, ttl_ms, now_ms())
         else {

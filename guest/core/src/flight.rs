@@ -31,12 +31,7 @@ pub struct FlightConfig {
 
 impl Default for FlightConfig {
     fn default() -> Self {
-        FlightConfig {
-            lock_wait_ms: 5_000,
-            lock_ttl_ms: 30_000,
-            l1_ttl_ms: 5 * 60_000,
-            bypass: false,
-        }
+        crate::Settings::DEFAULT.flight(false)
     }
 }
 

@@ -82,6 +82,55 @@ impl Default for Limits {
     }
 }
 
+/// How one cache runs: its limits and the timings of its get-or-set. The one place
+/// the defaults are written (contract §5.9): every body, builder and the CLI read them
+/// from here, through the guest's `policy.defaults` export.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// Key and value limits, and the default sliding expiration.
+    pub limits: Limits,
+    /// The longest L1 serves an entry without asking L2 (default 5 minutes).
+    pub l1_ttl_ms: u64,
+    /// How long a get-or-set waits for the distributed lock or the holder's value
+    /// before degrading to an uncached load (default 5 s).
+    pub lock_wait_ms: u64,
+    /// The get-or-set lock's TTL, the longest a crashed loader blocks others (default 30 s).
+    pub lock_ttl_ms: u64,
+    /// How often a store that does not expire entries by itself sweeps them (default 30 s).
+    pub invalidation_interval_ms: u64,
+}
+
+impl Settings {
+    /// The defaults.
+    pub const DEFAULT: Settings = Settings {
+        limits: Limits {
+            max_key_bytes: Limits::DEFAULT_MAX_KEY_BYTES,
+            max_value_bytes: Limits::DEFAULT_MAX_VALUE_BYTES,
+            default_sliding_ms: Limits::DEFAULT_SLIDING_MS,
+        },
+        l1_ttl_ms: 5 * 60_000,
+        lock_wait_ms: 5_000,
+        lock_ttl_ms: 30_000,
+        invalidation_interval_ms: 30_000,
+    };
+
+    /// The flight configuration these settings give a get-or-set.
+    pub fn flight(&self, bypass: bool) -> flight::FlightConfig {
+        flight::FlightConfig {
+            lock_wait_ms: self.lock_wait_ms,
+            lock_ttl_ms: self.lock_ttl_ms,
+            l1_ttl_ms: self.l1_ttl_ms,
+            bypass,
+        }
+    }
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings::DEFAULT
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,10 +11,10 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::Result;
-use crate::bindings::corral::lock::types::Held;
 use crate::clock::{Clock, SystemClock};
+use crate::guest::Policy;
+use crate::guest::policy::{Held, defaults};
 use crate::options::duration_ms;
-use crate::policy::{Policy, default_limits};
 
 const SHARDS: usize = 16;
 
@@ -55,7 +55,7 @@ impl MemoryLocks {
     pub fn with_clock(clock: impl Clock) -> Result<Self> {
         Ok(MemoryLocks {
             inner: Arc::new(Inner {
-                policy: Policy::load(default_limits())?,
+                policy: Policy::load(defaults()?.limits)?,
                 clock: Arc::new(clock),
                 hasher: RandomState::new(),
                 shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
@@ -63,7 +63,7 @@ impl MemoryLocks {
         })
     }
 
-    /// A table sharing a cache's guest handle and clock (the memory L2's get-or-set locks).
+    /// A table sharing a cache's guest handle, limits and clock ([`Corral::locks`](crate::Corral::locks)).
     pub(crate) fn from_parts(policy: Policy, clock: Arc<dyn Clock>) -> Self {
         MemoryLocks {
             inner: Arc::new(Inner {

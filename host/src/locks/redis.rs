@@ -14,15 +14,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::future::join_all;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::io::tcp::TcpSettings;
-use redis::{IntoConnectionInfo, Script};
+use redis::Script;
+use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::clock::{Clock, SystemClock};
+use crate::guest::Policy;
+use crate::guest::policy::defaults;
 use crate::options::duration_ms;
-use crate::policy::{Policy, default_limits};
+use crate::store::redis::{Connection, RedisOptions};
 use crate::{Error, ErrorKind, Result};
 
 /// How a lease is taken.
@@ -78,9 +79,26 @@ impl LockOptions {
     }
 }
 
-struct Server {
+/// One server of a lock: its URL (for logs) and its connection.
+pub(crate) struct Server {
     url: String,
     conn: ConnectionManager,
+}
+
+impl Server {
+    /// Connects (lazily) the one way Corral connects to Redis.
+    pub(crate) fn open(options: &RedisOptions) -> Result<Self> {
+        let conn = Connection::open(&options.url, options.connect_timeout, options.response_timeout)?;
+        Ok(Server::shared(options, conn.manager))
+    }
+
+    /// A server reached through an existing connection (a cache's).
+    pub(crate) fn shared(options: &RedisOptions, conn: ConnectionManager) -> Self {
+        Server {
+            url: options.url.clone(),
+            conn,
+        }
+    }
 }
 
 /// Locks on one Redis (a single-server lease) or several independent ones (Redlock).
@@ -139,43 +157,35 @@ impl RedisLocks {
                 "must be given at least once",
             ));
         }
-        crate::require_runtime("connecting to Redis")?;
-        let policy = Policy::load(default_limits())?;
-        let timeout = Duration::from_millis(500);
+        let policy = Policy::load(defaults()?.limits)?;
         let mut servers = Vec::with_capacity(urls.len());
         for url in urls {
-            let url = url.as_ref();
-            let info = url
-                .into_connection_info()
-                .map_err(|e| {
-                    Error::invalid_argument("redis url", format!("{url:?} is not a Redis URL: {e}"))
-                })?
-                .set_tcp_settings(TcpSettings::default().set_nodelay(true));
-            let client = redis::Client::open(info).map_err(|e| Error::unavailable("redis client", e))?;
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(timeout))
-                .set_response_timeout(Some(timeout))
-                .set_number_of_retries(1);
-            let conn = client
-                .get_connection_manager_lazy(config)
-                .map_err(|e| Error::unavailable("redis connect", e))?;
-            servers.push(Server {
-                url: url.to_owned(),
-                conn,
-            });
+            let options = RedisOptions::new(url.as_ref());
+            servers.push(Server::open(&options)?);
         }
+        Ok(Self::from_parts(policy, Arc::new(clock), servers, prefix))
+    }
+
+    /// Locks sharing a cache's guest handle, clock and Redis connection
+    /// ([`Corral::locks`](crate::Corral::locks)).
+    pub(crate) fn from_parts(
+        policy: Policy,
+        clock: Arc<dyn Clock>,
+        servers: Vec<Server>,
+        prefix: &str,
+    ) -> Self {
         let scripts = policy.lock_scripts();
-        Ok(RedisLocks {
+        RedisLocks {
             inner: Arc::new(Inner {
                 acquire: Script::new(&scripts.acquire),
                 release: Script::new(&scripts.release),
                 extend: Script::new(&scripts.extend),
                 servers,
                 policy,
-                clock: Arc::new(clock),
+                clock,
                 prefix: prefix.to_owned(),
             }),
-        })
+        }
     }
 
     /// How many servers the locks span.

@@ -4,14 +4,15 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use corral::{Clock, Corral, EntryOptions, ErrorKind, Freshness};
+use corral::guest::Freshness;
+use corral::{Clock, Corral, EntryOptions, ErrorKind};
 use corral_tests::{Backend, Fixture, PREFIX, RedisServer};
 
 const SEC: Duration = Duration::from_secs(1);
 
 #[test]
 fn the_guest_is_a_small_component() {
-    let wasm = corral::GUEST_WASM;
+    let wasm = corral::guest::GUEST_WASM;
     assert_eq!(&wasm[..4], b"\0asm", "a wasm binary");
     assert_eq!(
         &wasm[4..8],
@@ -71,7 +72,7 @@ async fn the_server_side_touch_agrees_with_the_guest() -> Result<()> {
 async fn keys_live_under_the_prefix_and_tenants_never_meet() -> Result<()> {
     let server = RedisServer::start()?;
     let tenant = |prefix: &str| {
-        let mut o = corral::l2::RedisOptions::new(server.url());
+        let mut o = corral::RedisOptions::new(server.url());
         o.prefix = prefix.into();
         Corral::builder().redis_options(o).build()
     };
@@ -175,7 +176,7 @@ async fn a_bad_redis_url_is_an_argument_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_invalidation_runs_in_the_background_at_most_once_per_interval() -> Result<()> {
     let f = Fixture::with(Backend::Memory, |b| b.invalidation_interval(10 * SEC))?;
-    let store = f.cache.memory_l2().expect("memory backend").clone();
+    let store = f.cache.memory_store().expect("memory backend").clone();
     for key in ["a", "b", "c"] {
         f.cache
             .set(key, "v", EntryOptions::new().relative(5 * SEC))
@@ -250,7 +251,7 @@ async fn a_write_in_one_process_drops_the_l1_copy_in_another() -> Result<()> {
     let cache = || Corral::builder().redis(server.url()).build();
     let (a, b) = (cache()?, cache()?);
     // Make sure b listens before a speaks (subscribing is otherwise in the background).
-    drop(b.l2().watch_landing("anything").await);
+    drop(b.notifications().watch("anything").await);
     a.set("k", "one", EntryOptions::new()).await?;
     assert_eq!(
         b.get("k").await?.as_deref(),

@@ -380,7 +380,7 @@ async fn a_truncated_envelope_is_a_miss_removed_and_counted(b: Backend) -> Resul
     f.cache
         .set("good", "a value of some length", EntryOptions::new())
         .await?;
-    let whole = f.cache.l2().peek("good").await?.expect("stored");
+    let whole = f.cache.entries().get("good").await?.expect("stored");
     corrupt_is_a_counted_miss(b, &whole[..whole.len() - 3]).await?;
     corrupt_is_a_counted_miss(b, &whole[..20]).await
 }
@@ -388,7 +388,7 @@ async fn a_truncated_envelope_is_a_miss_removed_and_counted(b: Backend) -> Resul
 async fn an_unknown_envelope_version_is_a_miss_removed_and_counted(b: Backend) -> Result<()> {
     let f = Fixture::new(b)?;
     f.cache.set("good", "v", EntryOptions::new()).await?;
-    let mut bytes = f.cache.l2().peek("good").await?.expect("stored").to_vec();
+    let mut bytes = f.cache.entries().get("good").await?.expect("stored").to_vec();
     bytes[3] = 9;
     corrupt_is_a_counted_miss(b, &bytes).await
 }

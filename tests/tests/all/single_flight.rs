@@ -362,7 +362,7 @@ async fn a_waiting_process_is_woken_by_the_landing_not_by_polling() -> Result<()
         .await?;
     assert_eq!(v, "from a");
     assert_eq!(leader.await??, "from a");
-    let (mb, redis_b) = (b.metrics(), b.redis_l2().expect("redis").commands_sent());
+    let (mb, redis_b) = (b.metrics(), b.redis_store().expect("redis").commands_sent());
     assert_eq!((mb.loads, mb.lock_waits, mb.l2_hits), (0, 1, 1));
     // With backoff polling alone (50, 100, 200 ms...) b would have read and tried the
     // lock three more times in 0.5 s; woken by the landing it reads once more.

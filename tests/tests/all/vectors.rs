@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use corral::locks::MemoryLocks;
@@ -17,24 +17,20 @@ use serde_json::{Value, json};
 /// Where every vector's clock starts.
 const T0: u64 = 1_700_000_000_000;
 
-fn vectors() -> Result<Vec<Value>> {
-    // CORRAL_VECTORS_DIR runs another set (e.g. a deliberately broken scratch copy).
-    let dir = std::env::var_os("CORRAL_VECTORS_DIR").map_or_else(
+/// Where the vector files are (CORRAL_VECTORS_DIR runs another set, e.g. a
+/// deliberately broken scratch copy).
+fn vectors_dir() -> PathBuf {
+    std::env::var_os("CORRAL_VECTORS_DIR").map_or_else(
         || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("vectors"),
         PathBuf::from,
-    );
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)?
-        .map(|e| e.map(|e| e.path()))
-        .collect::<std::io::Result<_>>()?;
-    files.retain(|p| p.extension().is_some_and(|e| e == "json"));
-    files.sort();
-    let mut all = Vec::new();
-    for file in files {
-        let list: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&file)?)
-            .with_context(|| format!("{} is not a list of vectors", file.display()))?;
-        all.extend(list);
-    }
-    Ok(all)
+    )
+}
+
+/// The vectors of one file, `tests/vectors/{name}.json`.
+fn vectors(name: &str) -> Result<Vec<Value>> {
+    let file = vectors_dir().join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not a list of vectors", file.display()))
 }
 
 enum Body {
@@ -55,7 +51,7 @@ impl Body {
         redis: Option<(&RedisServer, String)>,
     ) -> Result<Body> {
         let redis = redis.map(|(server, prefix)| {
-            let mut o = corral::l2::RedisOptions::new(server.url());
+            let mut o = corral::RedisOptions::new(server.url());
             o.prefix = prefix;
             o
         });
@@ -217,22 +213,163 @@ async fn run_step(
         ("is_locked_by", Body::Portable(p)) => outcome(p.is_locked_by(key, owner).await),
         ("is_lock_expired", Body::Native { locks, .. }) => outcome(locks.is_lock_expired(key)),
         ("is_lock_expired", Body::Portable(p)) => outcome(p.is_lock_expired(key).await),
+        ("get_or_set_together", body) => together(body, step, now, loads).await?,
         (op, _) => anyhow::bail!("unknown op {op:?}"),
     };
     Ok(Some(got))
 }
 
-/// Runs every vector on fresh bodies; returns (vectors, steps) run, or every mismatch.
-async fn run_all(portable: bool, redis: Option<&RedisServer>) -> Result<(usize, usize)> {
+/// How a scripted loader ends.
+#[derive(Clone, Debug)]
+enum Script {
+    Value(Vec<u8>),
+    Error(String),
+    Abandon,
+}
+
+fn script(loader: &Value) -> Script {
+    if let Some(v) = loader.get("value") {
+        return Script::Value(v.as_str().unwrap_or_default().as_bytes().to_vec());
+    }
+    if loader.get("abandon").is_some() {
+        return Script::Abandon;
+    }
+    Script::Error(loader["error"].as_str().unwrap_or("failed").to_string())
+}
+
+/// Waits (bounded) until `probe` holds; the probe reads the registry, which has no
+/// notification of its own.
+async fn until(what: &str, probe: impl Fn() -> bool) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !probe() {
+        anyhow::ensure!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
+/// `get_or_set_together`: the first caller leads and its loader holds until every other
+/// caller waits on its flight; then it ends as scripted (see tests/vectors/README.md).
+async fn together(body: &Body, step: &Value, now: u64, loads: &Arc<AtomicUsize>) -> Result<Value> {
+    let key = step["key"].as_str().context("key")?.to_owned();
+    let callers = step["callers"].as_array().context("callers")?;
+    let entry = options(step, now);
+    // The leader's loader: says it entered, then waits for the gate.
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel::<()>();
+    let mut entered_rx = Some(entered_rx);
+    let (gate_tx, gate_rx) = std::sync::mpsc::channel::<()>();
+    let gate_rx = Arc::new(std::sync::Mutex::new(gate_rx));
+    let mut tasks = Vec::new();
+    for (i, caller) in callers.iter().enumerate() {
+        let scripted = script(&caller["loader"]);
+        let cacheable = caller["should_cache"].as_bool().unwrap_or(true);
+        let (key, loads) = (key.clone(), loads.clone());
+        let leader = i == 0;
+        let (entered, gate) = (entered_tx.clone(), gate_rx.clone());
+        // Blocks the calling thread: fine for the portable body (a blocking thread), and
+        // for the native body run as its own task on a multi-thread runtime.
+        let load = move || -> std::result::Result<Vec<u8>, String> {
+            loads.fetch_add(1, Ordering::SeqCst);
+            if leader {
+                let _ = entered.send(());
+                let _ = gate.lock().expect("gate").recv();
+            }
+            match scripted.clone() {
+                Script::Value(v) => Ok(v),
+                Script::Error(e) => Err(e),
+                // The caller is gone by now; whatever this returns is never seen.
+                Script::Abandon => Err("abandoned".into()),
+            }
+        };
+        let task = match body {
+            Body::Native { cache, .. } => {
+                let cache = cache.clone();
+                let o = LoadOptions::new()
+                    .entry(entry)
+                    .should_cache(move |_| cacheable);
+                tokio::spawn(async move {
+                    cache
+                        .get_or_set(&key, o, || async move {
+                            tokio::task::spawn_blocking(load)
+                                .await
+                                .expect("loader thread")
+                                .map_err(std::io::Error::other)
+                        })
+                        .await
+                })
+            }
+            Body::Portable(p) => {
+                let p = p.clone();
+                let mut load = Some(load);
+                tokio::spawn(async move {
+                    let once = move |_: &str| load.take().map_or(Err("loaded twice".into()), |l| l());
+                    p.get_or_set(&key, entry, false, once, move |_| cacheable).await
+                })
+            }
+        };
+        tasks.push(task);
+        if let Some(entered) = entered_rx.take() {
+            // The leader is in its loader before anyone else calls.
+            tokio::task::spawn_blocking(move || entered.recv_timeout(Duration::from_secs(10))).await??;
+        }
+    }
+    let followers = callers.len() - 1;
+    until("every follower waits on the leader", || match body {
+        Body::Native { cache, .. } => cache.followers_of(&key) == followers,
+        Body::Portable(p) => p.followers_of(&key) == followers,
+    })
+    .await?;
+    let mut tasks = tasks.into_iter();
+    let leader = tasks.next().context("a leader")?;
+    let mut got = Vec::new();
+    if matches!(script(&callers[0]["loader"]), Script::Abandon) {
+        // The leader's caller goes away mid-load; its loader then returns into nothing.
+        leader.abort();
+        anyhow::ensure!(
+            leader.await.is_err_and(|e| e.is_cancelled()),
+            "the leader was cancelled"
+        );
+        gate_tx.send(())?;
+        got.push(json!({"abandoned": true}));
+    } else {
+        gate_tx.send(())?;
+        got.push(outcome(leader.await?.map(|b| text(Some(b)))));
+    }
+    for task in tasks {
+        got.push(outcome(task.await?.map(|b| text(Some(b)))));
+    }
+    Ok(json!({"callers": got}))
+}
+
+/// What a step expects: `expect`, or for a together step each caller's, in order.
+fn expectation(step: &Value) -> Value {
+    match step["callers"].as_array() {
+        Some(callers) => json!({"callers": callers.iter().map(|c| c["expect"].clone()).collect::<Vec<_>>()}),
+        None => step["expect"].clone(),
+    }
+}
+
+/// Where a file's vectors run.
+#[derive(Clone, Copy, Debug)]
+enum Host {
+    /// The native body (`Corral`, `MemoryLocks`).
+    Native,
+    /// The component's own exports in wasmtime (`PortableCache`).
+    Wasmtime,
+}
+
+/// Runs every vector of `file` on fresh bodies; returns (vectors, steps) run, or every
+/// mismatch.
+async fn run_file(file: &str, host: Host, redis: Option<&RedisServer>) -> Result<(usize, usize)> {
     let mut failures = Vec::new();
     let mut steps_run = 0;
-    let vectors = vectors()?;
+    let vectors = vectors(file)?;
     for (n, vector) in vectors.iter().enumerate() {
         let name = vector["name"].as_str().unwrap_or("?");
         let clock = ManualClock::new(T0);
         // One Redis for all vectors: each its own tenant (prefix).
         let body = Body::new(
-            portable,
+            matches!(host, Host::Wasmtime),
             &vector["settings"],
             &clock,
             redis.map(|r| (r, format!("v{n}:"))),
@@ -243,10 +380,11 @@ async fn run_all(portable: bool, redis: Option<&RedisServer>) -> Result<(usize, 
                 continue;
             };
             steps_run += 1;
-            if got != step["expect"] {
+            let expect = expectation(step);
+            if got != expect {
                 failures.push(format!(
-                    "{name} / step {i} ({}): expected {}, got {got}",
-                    step["op"], step["expect"]
+                    "{name} / step {i} ({}): expected {expect}, got {got}",
+                    step["op"]
                 ));
             }
             if let Some(expected) = step.get("loads").and_then(Value::as_u64) {
@@ -261,52 +399,82 @@ async fn run_all(portable: bool, redis: Option<&RedisServer>) -> Result<(usize, 
     }
     anyhow::ensure!(
         failures.is_empty(),
-        "{} mismatch(es):\n{}",
+        "{file}.json: {} mismatch(es):\n{}",
         failures.len(),
         failures.join("\n")
     );
     Ok((vectors.len(), steps_run))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_vectors_pass_in_the_native_body() -> Result<()> {
-    let (vectors, steps) = run_all(false, None).await?;
-    println!("native body: {vectors} vectors, {steps} steps passed");
-    assert!(vectors >= 40);
+async fn run(file: &str, host: Host, over_redis: bool) -> Result<()> {
+    let server = over_redis.then(RedisServer::start).transpose()?;
+    let (vectors, steps) = run_file(file, host, server.as_ref()).await?;
+    let store = if over_redis { "redis-server" } else { "memory" };
+    println!("{file}.json, {host:?} over {store}: {vectors} vectors, {steps} steps passed");
+    anyhow::ensure!(vectors > 0, "{file}.json holds no vector");
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_vectors_pass_in_the_native_body_over_redis() -> Result<()> {
-    let server = RedisServer::start()?;
-    let (vectors, steps) = run_all(false, Some(&server)).await?;
-    println!("native body over redis-server: {vectors} vectors, {steps} steps passed");
-    Ok(())
+/// One module per vector file, one test per host and store: `vectors::expiry::native`
+/// runs one file in one body. The list is checked against the directory below.
+macro_rules! vector_files {
+    ($($file:ident),* $(,)?) => {
+        const FILES: &[&str] = &[$(stringify!($file)),*];
+        $(
+            mod $file {
+                use super::{Host, run};
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn native() -> anyhow::Result<()> {
+                    run(stringify!($file), Host::Native, false).await
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn native_over_redis() -> anyhow::Result<()> {
+                    run(stringify!($file), Host::Native, true).await
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn wasmtime() -> anyhow::Result<()> {
+                    run(stringify!($file), Host::Wasmtime, false).await
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn wasmtime_over_redis() -> anyhow::Result<()> {
+                    run(stringify!($file), Host::Wasmtime, true).await
+                }
+            }
+        )*
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_vectors_pass_in_the_component_in_wasmtime_over_redis() -> Result<()> {
-    let server = RedisServer::start()?;
-    let (vectors, steps) = run_all(true, Some(&server)).await?;
-    println!("component in wasmtime over redis-server: {vectors} vectors, {steps} steps passed");
-    Ok(())
-}
+vector_files!(coalescing, errors, expiry, get_or_set, keys, locks);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_vectors_pass_in_the_component_in_wasmtime() -> Result<()> {
-    let (vectors, steps) = run_all(true, None).await?;
-    println!("component in wasmtime: {vectors} vectors, {steps} steps passed");
-    assert!(vectors >= 40);
+/// As wasmtime's `assert_test_exists`: a vector file without tests fails here.
+#[test]
+fn every_vector_file_has_its_tests() -> Result<()> {
+    let mut on_disk: Vec<String> = std::fs::read_dir(vectors_dir())?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .collect();
+    on_disk.sort();
+    let mut listed: Vec<String> = FILES.iter().map(|f| (*f).to_owned()).collect();
+    listed.sort();
+    assert_eq!(
+        on_disk, listed,
+        "every tests/vectors/*.json needs a line in vector_files!(...) in tests/tests/all/vectors.rs"
+    );
     Ok(())
 }
 
 #[test]
 fn wasmtime_loads_the_very_file_jco_runs() -> Result<()> {
-    let on_disk = std::fs::read(corral::GUEST_WASM_PATH)?;
+    let on_disk = std::fs::read(corral::guest::GUEST_WASM_PATH)?;
     assert!(
-        on_disk == corral::GUEST_WASM,
+        on_disk == corral::guest::GUEST_WASM,
         "{} differs from the embedded component",
-        corral::GUEST_WASM_PATH
+        corral::guest::GUEST_WASM_PATH
     );
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! The native driver of get-or-set: a loop that performs what the guest's flight
-//! machine asks (SPEC section 5). It decides nothing; the guest does.
+//! machine asks (contract §5). It decides nothing; the guest does.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,11 +7,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::sleep;
 
-use crate::cache::Corral;
-use crate::load::LoadOptions;
-use crate::metrics::Metrics;
-use crate::policy::wflight::{self, Action, Event, Outcome};
-use crate::registry::{Join, Shared, follow};
+use super::Corral;
+use super::load::LoadOptions;
+use super::metrics::Metrics;
+use crate::guest::policy::wflight::{self, Action, Event, Outcome};
 use crate::{Error, Result};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -73,28 +72,18 @@ impl Corral {
             Metrics::bump(&self.inner.metrics.l1_hits);
             return Ok(value);
         }
-        loop {
-            match self.inner.registry.join(key) {
-                Join::Leader(guard) => {
-                    let result = self.lead(key, &options, loader).await;
-                    guard.finish(match &result {
-                        Ok(value) => Shared::Value(value.clone()),
-                        Err(e) => Shared::Failed(Arc::new(e.share())),
-                    });
-                    return result;
-                }
-                Join::Follower(rx) => match follow(rx).await {
-                    Shared::Value(value) => {
-                        Metrics::bump(&self.inner.metrics.coalesced);
-                        return Ok(value);
-                    }
-                    Shared::Failed(e) => {
-                        Metrics::bump(&self.inner.metrics.coalesced);
-                        return Err(Error::from_shared(e));
-                    }
-                    // The leader went away: try to lead (or follow whoever does).
-                    Shared::Gone => continue,
-                },
+        match self.inner.registry.lead_or_follow(key).await {
+            Ok(guard) => {
+                let result = self.lead(key, &options, loader).await;
+                guard.finish(match &result {
+                    Ok(value) => Ok(value.clone()),
+                    Err(e) => Err(Arc::new(e.share())),
+                });
+                result
+            }
+            Err(outcome) => {
+                Metrics::bump(&self.inner.metrics.coalesced);
+                outcome.map_err(Error::from_shared)
             }
         }
     }
@@ -143,11 +132,11 @@ impl Corral {
                 },
                 Action::TryLock(ttl_ms) => {
                     // Listen before trying, so a landing right after the try is not missed.
-                    let watch = inner.l2.watch_landing(key).await;
+                    let watch = inner.stores.notifications.watch(key).await;
                     let watching = watch.is_live();
                     landing = Some(watch);
                     let owner = crate::lock_token();
-                    match inner.l2.try_lock(key, &owner, ttl_ms).await {
+                    match inner.stores.flight_lock.try_lock(key, &owner, ttl_ms).await {
                         Ok(true) => {
                             held.owner = Some(owner);
                             Event::LockAcquired
@@ -213,12 +202,12 @@ impl Corral {
                     held.done = true;
                     if finish.release
                         && let Some(owner) = held.owner.take()
-                        && let Err(e) = inner.l2.release_lock(key, &owner).await
+                        && let Err(e) = inner.stores.flight_lock.release(key, &owner).await
                     {
                         tracing::warn!(key, error = %e, "lock release failed; the lock expires by its TTL");
                     }
                     if finish.notify
-                        && let Err(e) = inner.l2.announce_landing(key).await
+                        && let Err(e) = inner.stores.notifications.announce(key).await
                     {
                         tracing::debug!(key, error = %e, "landing announcement failed; waiters fall back to polling");
                     }
@@ -279,14 +268,14 @@ impl Drop for HeldFlight<'_> {
         let Some(owner) = self.owner.take().filter(|_| owed) else {
             return;
         };
-        let l2 = self.cache.inner.l2.clone();
+        let stores = self.cache.inner.stores.clone();
         let key = self.key.to_owned();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                match l2.release_lock(&key, &owner).await {
+                match stores.flight_lock.release(&key, &owner).await {
                     // Wake the waiting processes so one of them takes over at once.
                     Ok(_) => {
-                        let _ = l2.announce_landing(&key).await;
+                        let _ = stores.notifications.announce(&key).await;
                     }
                     Err(e) => tracing::warn!(key, error = %e, "releasing an abandoned lock failed; it expires by its TTL"),
                 }

@@ -1,110 +1,39 @@
-//! The guest component, loaded once, and the calls into its `policy` export.
+//! [`Policy`]: the handle every body asks for the contract's decisions.
 //!
-//! The component is compiled once per process (and cached on disk by wasmtime between
-//! processes). Calls are synchronous and short; each takes an idle instance from a
-//! small pool (one `Store` each), so concurrent callers never share a `Store`.
+//! Calls are synchronous and short; each takes an idle instance from a small pool (one
+//! `Store` each), so concurrent callers never share a `Store`. A trapped instance is
+//! dropped, never reused.
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
-use wasmtime::component::{Component, Linker, ResourceTable};
-use wasmtime::{Config, Engine, Store};
-use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use crate::bindings::corral::cache::types;
-use crate::bindings::exports::corral::cache::policy as wit;
-use crate::bindings::{Guest, GuestPre};
+use super::bindings::corral::cache::types;
+use super::bindings::exports::corral::cache::policy as wit;
+use super::convert::{from_wit, meta_in, meta_out, options_in};
+use super::engine::{CALL_BUDGET_TICKS, Loaded, PolicyState, Slot, instantiate, loaded, trap};
+use crate::Result;
 use crate::options::{EntryMeta, EntryOptions};
-use crate::{Error, ErrorKind, Result};
-
-/// The guest component's bytes: `guest/component` built for `wasm32-wasip2`.
-pub const GUEST_WASM: &[u8] = include_bytes!(env!("CORRAL_GUEST_WASM"));
-
-/// Where the build put the guest component (the file [`GUEST_WASM`] was read from).
-pub const GUEST_WASM_PATH: &str = env!("CORRAL_GUEST_WASM");
-
-/// How often the engine's epoch advances.
-const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
-
-/// The budget of one pure policy call, in epoch ticks (1 s: a pure decision takes
-/// microseconds; only a runaway guest reaches it).
-const CALL_BUDGET_TICKS: u64 = 100;
-
-/// The budget of one portable call, in ticks (1 hour): its imports may wait on a loader
-/// or a lock for as long as the caller allows, and that time counts.
-pub(crate) const PORTABLE_BUDGET_TICKS: u64 = 360_000;
 
 /// How many idle instances the pool keeps; more are created under load and dropped after.
 const MAX_IDLE: usize = 64;
 
-pub(crate) struct GuestState {
-    wasi: WasiCtx,
-    table: ResourceTable,
-    /// What the portable body's imports act on (unused by the native body's calls).
-    pub(crate) portable: crate::portable::Imports,
-}
-
-impl WasiView for GuestState {
-    fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView {
-            ctx: &mut self.wasi,
-            table: &mut self.table,
-        }
+/// The settings every body starts from, as the guest states them (contract §5.9): read
+/// once per process, never written anywhere else.
+pub(crate) fn defaults() -> Result<Settings> {
+    static DEFAULTS: OnceLock<Settings> = OnceLock::new();
+    if let Some(d) = DEFAULTS.get() {
+        return Ok(*d);
     }
-}
-
-pub(crate) struct Loaded {
-    pub(crate) engine: Engine,
-    pub(crate) pre: GuestPre<GuestState>,
-}
-
-/// Compiles the component and links WASI, once per process.
-pub(crate) fn loaded() -> Result<&'static Loaded> {
-    static LOADED: OnceLock<std::result::Result<Loaded, String>> = OnceLock::new();
-    LOADED
-        .get_or_init(|| load().map_err(|e| format!("{e:#}")))
-        .as_ref()
-        .map_err(|e| {
-            Error::new(
-                ErrorKind::Guest,
-                format!("loading the guest component failed: {e}"),
-            )
-        })
-}
-
-fn load() -> wasmtime::Result<Loaded> {
-    let mut config = Config::new();
-    // A cache across processes: the multi-process tools and tests compile once.
-    if let Ok(cache) = wasmtime::Cache::from_file(None) {
-        config.cache(Some(cache));
-    }
-    // A guest that runs away (a bug) traps at its deadline instead of hanging a thread.
-    config.epoch_interruption(true);
-    let engine = Engine::new(&config)?;
-    let ticker = engine.clone();
-    std::thread::Builder::new()
-        .name("corral-epoch".into())
-        .spawn(move || {
-            loop {
-                std::thread::sleep(EPOCH_TICK);
-                ticker.increment_epoch();
-            }
-        })?;
-    let component = Component::new(&engine, GUEST_WASM)?;
-    let mut linker = Linker::<GuestState>::new(&engine);
-    // std on wasip2 imports wasi:cli and wasi:io (stderr for panics); the policy itself
-    // needs nothing.
-    wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
-    // The portable body's imports (the native body links them too: one component).
-    Guest::add_to_linker::<_, wasmtime::component::HasSelf<_>>(&mut linker, |s| s)?;
-    let pre = GuestPre::new(linker.instantiate_pre(&component)?)?;
-    Ok(Loaded { engine, pre })
-}
-
-pub(crate) struct Slot {
-    pub(crate) store: Store<GuestState>,
-    pub(crate) guest: Guest,
+    let loaded = loaded()?;
+    let mut slot = instantiate(loaded, &loaded.policy_pre, PolicyState::new())?;
+    let d = slot
+        .guest
+        .corral_cache_policy()
+        .call_defaults(&mut slot.store)
+        .map_err(trap)?;
+    Ok(*DEFAULTS.get_or_init(|| d))
 }
 
 /// A handle to the guest's cache decisions. Cheap to clone.
@@ -115,14 +44,25 @@ pub struct Policy {
 
 struct Inner {
     loaded: &'static Loaded,
-    slots: Mutex<Vec<Slot>>,
+    slots: Mutex<Vec<Slot<PolicyState>>>,
     limits: types::Limits,
     header_len: usize,
-    read_script: String,
-    delete_if_equal_script: String,
-    replace_if_equal_script: String,
-    grace_ms: u64,
+    scripts: Scripts,
     lock_scripts: wlock::LockScripts,
+}
+
+/// The server-side Lua of a Redis store, as the guest writes it (data, not decisions
+/// the store makes: the store runs them verbatim).
+#[derive(Clone, Debug)]
+pub(crate) struct Scripts {
+    /// Read and apply the sliding touch atomically.
+    pub(crate) read_and_touch: String,
+    /// Owner-checked delete (corrupt-entry removal, lock release).
+    pub(crate) delete_if_equal: String,
+    /// Compare-and-replace (a read's touch written back).
+    pub(crate) replace_if_equal: String,
+    /// The grace a store TTL gets past the expiry moment.
+    pub(crate) grace_ms: u64,
 }
 
 impl fmt::Debug for Policy {
@@ -134,20 +74,11 @@ impl fmt::Debug for Policy {
 }
 
 /// The limits of one cache (see the builder).
-pub(crate) use types::Limits;
+pub(crate) use types::{Limits, Settings};
 
-/// The default limits: 1 KiB keys, 16 MiB values, 20 minutes of default sliding.
-pub(crate) fn default_limits() -> Limits {
-    Limits {
-        max_key_bytes: 1024,
-        max_value_bytes: 16 * 1024 * 1024,
-        default_sliding_ms: 20 * 60 * 1000,
-    }
-}
-
-pub(crate) use crate::bindings::corral::lock::types::Held;
-pub(crate) use crate::bindings::exports::corral::cache::flight as wflight;
-pub(crate) use crate::bindings::exports::corral::lock::policy as wlock;
+pub(crate) use super::bindings::corral::lock::types::Held;
+pub(crate) use super::bindings::exports::corral::cache::flight as wflight;
+pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
 pub(crate) use wit::{Freshness as WitFreshness, Plan, ReadOutcome};
 
@@ -155,7 +86,7 @@ impl Policy {
     /// Loads the guest and checks `limits` with it.
     pub(crate) fn load(limits: Limits) -> Result<Self> {
         let loaded = loaded()?;
-        let mut slot = instantiate(loaded)?;
+        let mut slot = instantiate(loaded, &loaded.policy_pre, PolicyState::new())?;
         let p = slot.guest.corral_cache_policy();
         let checked = p.call_check_limits(&mut slot.store, limits).map_err(trap)?;
         checked.map_err(from_wit)?;
@@ -179,24 +110,34 @@ impl Policy {
                 slots: Mutex::new(vec![slot]),
                 limits,
                 header_len,
-                read_script,
-                delete_if_equal_script,
-                replace_if_equal_script,
-                grace_ms,
+                scripts: Scripts {
+                    read_and_touch: read_script,
+                    delete_if_equal: delete_if_equal_script,
+                    replace_if_equal: replace_if_equal_script,
+                    grace_ms,
+                },
                 lock_scripts,
             }),
         })
     }
 
-    fn call<R>(&self, f: impl FnOnce(&mut Slot) -> wasmtime::Result<R>) -> Result<R> {
+    fn call<R>(&self, f: impl FnOnce(&mut Slot<PolicyState>) -> wasmtime::Result<R>) -> Result<R> {
         self.call_with_budget(CALL_BUDGET_TICKS, f)
     }
 
-    fn call_with_budget<R>(&self, ticks: u64, f: impl FnOnce(&mut Slot) -> wasmtime::Result<R>) -> Result<R> {
+    fn call_with_budget<R>(
+        &self,
+        ticks: u64,
+        f: impl FnOnce(&mut Slot<PolicyState>) -> wasmtime::Result<R>,
+    ) -> Result<R> {
         let idle = self.inner.slots.lock().pop();
         let mut slot = match idle {
             Some(slot) => slot,
-            None => instantiate(self.inner.loaded)?,
+            None => instantiate(
+                self.inner.loaded,
+                &self.inner.loaded.policy_pre,
+                PolicyState::new(),
+            )?,
         };
         slot.store.set_epoch_deadline(ticks);
         // A trapped instance is poisoned: it is dropped, not returned to the pool.
@@ -438,27 +379,13 @@ impl Policy {
         &self.inner.lock_scripts
     }
 
-    /// The Lua a Redis store runs to read and touch in one round trip.
-    pub(crate) fn redis_read_script(&self) -> &str {
-        &self.inner.read_script
-    }
-
-    /// The Lua of an owner-checked delete (corrupt-entry removal, lock release).
-    pub(crate) fn redis_delete_if_equal_script(&self) -> &str {
-        &self.inner.delete_if_equal_script
-    }
-
-    /// The Lua of a compare-and-replace (the portable body's touch write-back).
-    pub(crate) fn redis_replace_if_equal_script(&self) -> &str {
-        &self.inner.replace_if_equal_script
-    }
-
-    /// The grace a store TTL gets past the expiry moment.
-    pub(crate) fn store_ttl_grace_ms(&self) -> u64 {
-        self.inner.grace_ms
+    /// The Lua a Redis store runs, and the TTL grace.
+    pub(crate) fn scripts(&self) -> &Scripts {
+        &self.inner.scripts
     }
 
     /// Idle instances in the pool (for diagnostics).
+    #[cfg(any(test, feature = "test-util"))]
     pub fn idle_instances(&self) -> usize {
         self.inner.slots.lock().len()
     }
@@ -479,80 +406,14 @@ pub enum Freshness {
     Expired,
 }
 
-fn instantiate(loaded: &Loaded) -> Result<Slot> {
-    instantiate_with(
-        loaded,
-        WasiCtx::builder().build(),
-        crate::portable::Imports::default(),
-    )
-}
-
-/// An instance with its own WASI context (clocks) and portable imports.
-pub(crate) fn instantiate_with(
-    loaded: &Loaded,
-    wasi: WasiCtx,
-    portable: crate::portable::Imports,
-) -> Result<Slot> {
-    let state = GuestState {
-        wasi,
-        table: ResourceTable::new(),
-        portable,
-    };
-    let mut store = Store::new(&loaded.engine, state);
-    // Instantiation runs guest code too; every call sets its own budget afterwards.
-    store.set_epoch_deadline(CALL_BUDGET_TICKS);
-    let guest = loaded
-        .pre
-        .instantiate(&mut store)
-        .map_err(|e| Error::guest("instantiating the guest component failed", e))?;
-    Ok(Slot { store, guest })
-}
-
-pub(crate) fn trap(e: wasmtime::Error) -> Error {
-    Error::guest("the guest component trapped", e)
-}
-
-pub(crate) fn from_wit(e: types::Error) -> Error {
-    match e {
-        types::Error::InvalidArgument(a) => Error::invalid_argument(a.name, a.reason),
-        types::Error::Unavailable(m) => Error::new(ErrorKind::Unavailable, m),
-        types::Error::Corrupt(m) => Error::new(ErrorKind::Corrupt, m),
-        types::Error::LoaderFailed(m) => Error::new(ErrorKind::Loader, format!("the loader failed: {m}")),
-        types::Error::Other(m) => Error::new(ErrorKind::Guest, m),
-    }
-}
-
-pub(crate) fn options_in(o: &EntryOptions) -> types::EntryOptions {
-    types::EntryOptions {
-        absolute_ms: o.absolute_ms,
-        relative_ms: o.relative_ms,
-        sliding_ms: o.sliding_ms,
-    }
-}
-
-pub(crate) fn meta_in(m: &EntryMeta) -> types::EntryMeta {
-    types::EntryMeta {
-        absolute_ms: m.absolute_ms,
-        sliding_ms: m.sliding_ms,
-        expires_at_ms: m.expires_at_ms,
-    }
-}
-
-pub(crate) fn meta_out(m: types::EntryMeta) -> EntryMeta {
-    EntryMeta {
-        absolute_ms: m.absolute_ms,
-        sliding_ms: m.sliding_ms,
-        expires_at_ms: m.expires_at_ms,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ErrorKind;
 
     #[test]
     fn a_guest_past_its_budget_traps_into_a_typed_error_and_the_pool_recovers() {
-        let policy = Policy::load(default_limits()).unwrap();
+        let policy = Policy::load(defaults().unwrap().limits).unwrap();
         let limits = policy.inner.limits;
         // A budget of 0 ticks: the first epoch check in the guest traps.
         let e = policy

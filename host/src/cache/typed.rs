@@ -3,8 +3,8 @@
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::cache::Corral;
-use crate::load::LoadOptions;
+use super::Corral;
+use super::load::LoadOptions;
 use crate::options::EntryOptions;
 use crate::{Error, ErrorKind, Result};
 

@@ -179,7 +179,7 @@ fn build_with(
     }
     let builder = match cli.redis.first() {
         Some(url) => {
-            let mut options = corral::l2::RedisOptions::new(url.clone());
+            let mut options = corral::RedisOptions::new(url.clone());
             options.prefix = cli.prefix.clone();
             builder.redis_options(options)
         }

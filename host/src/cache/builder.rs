@@ -1,0 +1,209 @@
+//! [`CorralBuilder`]: what a cache is made of, and the one place it is composed.
+//!
+//! Every setting left alone takes the guest's default (`policy.defaults`, contract
+//! §5.9): the builder writes none of them down.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::l1_invalidation;
+use super::metrics::Metrics;
+use super::registry::Registry;
+use super::{Corral, FlightSettings, Inner};
+use crate::Result;
+use crate::clock::{Clock, SystemClock};
+use crate::guest::Policy;
+use crate::guest::policy::{Settings, defaults};
+use crate::locks::{Locks, MemoryLocks};
+#[cfg(feature = "redis")]
+use crate::locks::{RedisLocks, Server};
+use crate::options::duration_ms;
+use crate::store::Stores;
+use crate::store::l1::L1;
+use crate::store::memory::MemoryStore;
+
+#[cfg(feature = "redis")]
+use crate::store::redis::{RedisOptions, RedisStore};
+
+/// Configures and builds a [`Corral`].
+#[derive(Debug)]
+#[must_use]
+pub struct CorralBuilder {
+    clock: Arc<dyn Clock>,
+    overrides: Overrides,
+    l1_capacity: u64,
+    #[cfg(feature = "redis")]
+    redis: Option<RedisOptions>,
+}
+
+/// The settings a caller named; the rest come from the guest's defaults.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Overrides {
+    pub(crate) default_sliding_ms: Option<u64>,
+    pub(crate) max_key_bytes: Option<u32>,
+    pub(crate) max_value_bytes: Option<u32>,
+    pub(crate) l1_ttl_ms: Option<u64>,
+    pub(crate) lock_wait_ms: Option<u64>,
+    pub(crate) lock_ttl_ms: Option<u64>,
+    pub(crate) invalidation_interval_ms: Option<u64>,
+}
+
+impl Overrides {
+    /// The guest's defaults with these overrides applied.
+    pub(crate) fn settings(&self) -> Result<Settings> {
+        let mut s = defaults()?;
+        let l = &mut s.limits;
+        l.default_sliding_ms = self.default_sliding_ms.unwrap_or(l.default_sliding_ms);
+        l.max_key_bytes = self.max_key_bytes.unwrap_or(l.max_key_bytes);
+        l.max_value_bytes = self.max_value_bytes.unwrap_or(l.max_value_bytes);
+        s.l1_ttl_ms = self.l1_ttl_ms.unwrap_or(s.l1_ttl_ms);
+        s.lock_wait_ms = self.lock_wait_ms.unwrap_or(s.lock_wait_ms);
+        s.lock_ttl_ms = self.lock_ttl_ms.unwrap_or(s.lock_ttl_ms);
+        s.invalidation_interval_ms = self
+            .invalidation_interval_ms
+            .unwrap_or(s.invalidation_interval_ms);
+        Ok(s)
+    }
+}
+
+impl Default for CorralBuilder {
+    fn default() -> Self {
+        CorralBuilder {
+            clock: Arc::new(SystemClock),
+            overrides: Overrides::default(),
+            l1_capacity: 100_000,
+            #[cfg(feature = "redis")]
+            redis: None,
+        }
+    }
+}
+
+impl CorralBuilder {
+    /// The clock every decision reads (default: the system clock). Tests pass a
+    /// [`ManualClock`](crate::ManualClock).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Use Redis at `url` (`redis://host:port/db`) as L2, keys under the prefix `corral:`.
+    #[cfg(feature = "redis")]
+    pub fn redis(self, url: impl Into<String>) -> Self {
+        self.redis_options(RedisOptions::new(url))
+    }
+
+    /// Use Redis as L2 with these options.
+    #[cfg(feature = "redis")]
+    pub fn redis_options(mut self, options: RedisOptions) -> Self {
+        self.redis = Some(options);
+        self
+    }
+
+    /// The sliding expiration of entries whose options name none (default 20 minutes).
+    pub fn default_sliding(mut self, idle: Duration) -> Self {
+        self.overrides.default_sliding_ms = Some(duration_ms(idle));
+        self
+    }
+
+    /// The longest key, in UTF-8 bytes (default 1024).
+    pub fn max_key_bytes(mut self, n: u32) -> Self {
+        self.overrides.max_key_bytes = Some(n);
+        self
+    }
+
+    /// The largest value, in bytes (default 16 MiB).
+    pub fn max_value_bytes(mut self, n: u32) -> Self {
+        self.overrides.max_value_bytes = Some(n);
+        self
+    }
+
+    /// How often the in-memory L2 removes expired entries in the background (default 30 s).
+    pub fn invalidation_interval(mut self, every: Duration) -> Self {
+        self.overrides.invalidation_interval_ms = Some(duration_ms(every));
+        self
+    }
+
+    /// How many entries L1 holds at most (default 100,000); 0 turns L1 off.
+    pub fn l1_capacity(mut self, entries: u64) -> Self {
+        self.l1_capacity = entries;
+        self
+    }
+
+    /// The longest an entry is served from L1 without asking L2 (default 5 minutes).
+    /// L1 never serves an entry past its L2 expiry either.
+    pub fn l1_ttl(mut self, ttl: Duration) -> Self {
+        self.overrides.l1_ttl_ms = Some(duration_ms(ttl));
+        self
+    }
+
+    /// How long a get-or-set waits for another process's load (the distributed lock)
+    /// before running its loader uncached (default 5 s).
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.overrides.lock_wait_ms = Some(duration_ms(wait));
+        self
+    }
+
+    /// The TTL of the get-or-set lock, the longest a crashed loader can block others
+    /// (default 30 s).
+    pub fn lock_ttl(mut self, ttl: Duration) -> Self {
+        self.overrides.lock_ttl_ms = Some(duration_ms(ttl));
+        self
+    }
+
+    /// Loads the guest, checks the settings and connects the stores. Redis is connected
+    /// lazily: an unreachable server is reported by the operations that need it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for bad limits
+    /// or a bad Redis URL; [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the guest
+    /// component cannot be loaded.
+    pub fn build(self) -> Result<Corral> {
+        let settings = self.overrides.settings()?;
+        let policy = Policy::load(settings.limits)?;
+        let l1 = L1::new(self.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
+        let metrics = Arc::new(Metrics::default());
+        let clock = self.clock;
+        let stores = match () {
+            #[cfg(feature = "redis")]
+            () if self.redis.is_some() => {
+                let options = self.redis.as_ref().expect("checked");
+                Stores::redis(RedisStore::connect(options, policy.scripts())?)
+            }
+            () => Stores::memory(MemoryStore::new(clock.clone(), settings.invalidation_interval_ms)),
+        };
+        // Another process's set, removal or load of a key drops our L1 copy.
+        stores
+            .notifications
+            .on_foreign(l1_invalidation(l1.clone(), metrics.clone()));
+        let locks = Locks {
+            table: MemoryLocks::from_parts(policy.clone(), clock.clone()),
+            #[cfg(feature = "redis")]
+            redis: stores.redis.as_ref().map(|store| {
+                let server = Server::shared(store.options(), store.manager());
+                RedisLocks::from_parts(
+                    policy.clone(),
+                    clock.clone(),
+                    vec![server],
+                    &store.options().prefix,
+                )
+            }),
+        };
+        Ok(Corral {
+            inner: Arc::new(Inner {
+                policy,
+                clock,
+                stores,
+                l1,
+                l1_ttl_ms: settings.l1_ttl_ms,
+                flight: FlightSettings {
+                    lock_wait_ms: settings.lock_wait_ms,
+                    lock_ttl_ms: settings.lock_ttl_ms,
+                },
+                sliding_keys: super::read::SlidingKeys::new(self.l1_capacity),
+                registry: Registry::default(),
+                metrics,
+                locks,
+            }),
+        })
+    }
+}

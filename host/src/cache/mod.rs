@@ -1,0 +1,301 @@
+//! [`Corral`]: the cache a service embeds.
+//!
+//! - this file: the handle, `get`, `set`, `refresh`, `remove`, `inspect`;
+//! - [`builder`]: how a cache is composed; [`read`]: one L2 read, judged by the guest;
+//! - [`flight`]: the get-or-set driver; [`registry`]: in-process single flight;
+//! - [`load`]: get-or-set options; [`typed`]: JSON values; [`metrics`]: counters.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::clock::Clock;
+use crate::guest::Policy;
+use crate::guest::policy::WitMeta;
+use crate::options::{EntryOptions, Inspection};
+use crate::store::Stores;
+use crate::store::l1::L1;
+use crate::{Error, ErrorKind, Result};
+
+mod builder;
+mod flight;
+pub(crate) mod load;
+pub(crate) mod metrics;
+mod read;
+pub(crate) mod registry;
+mod typed;
+
+pub use builder::CorralBuilder;
+pub(crate) use builder::Overrides;
+use metrics::{Metrics, MetricsSnapshot};
+use registry::Registry;
+
+/// A tiered cache whose every decision is made by the Corral guest component.
+///
+/// Cheap to clone: clones share the stores, the guest and the metrics.
+///
+/// ```no_run
+/// # async fn demo() -> corral::Result<()> {
+/// use std::time::Duration;
+/// use corral::{Corral, EntryOptions};
+///
+/// let cache = Corral::builder().build()?; // in-memory L2; `.redis(url)` for Redis
+/// cache.set("user:42", b"Ada".to_vec(), EntryOptions::new().sliding(Duration::from_secs(60))).await?;
+/// assert_eq!(cache.get("user:42").await?.as_deref(), Some(&b"Ada"[..]));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Corral {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) policy: Policy,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) stores: Stores,
+    pub(crate) l1: L1,
+    pub(crate) l1_ttl_ms: u64,
+    pub(crate) flight: FlightSettings,
+    /// Keys last seen sliding: their reads touch on the server in one round trip.
+    pub(crate) sliding_keys: read::SlidingKeys,
+    pub(crate) registry: Registry<registry::Outcome>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) locks: crate::locks::Locks,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FlightSettings {
+    pub(crate) lock_wait_ms: u64,
+    pub(crate) lock_ttl_ms: u64,
+}
+
+impl fmt::Debug for Corral {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Corral")
+            .field("l2", &self.inner.stores.entries.name())
+            .field("clock", &self.inner.clock)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Another process's set, removal or load of a key drops this process's L1 copy.
+pub(crate) fn l1_invalidation(l1: L1, metrics: Arc<Metrics>) -> crate::store::ForeignHook {
+    Arc::new(move |key| {
+        let (l1, metrics) = (l1.clone(), metrics.clone());
+        tokio::spawn(async move {
+            l1.remove(&key).await;
+            Metrics::bump(&metrics.l1_invalidations);
+        });
+    })
+}
+
+impl Corral {
+    /// A builder with the defaults: in-memory L2, system clock, 20-minute default sliding.
+    pub fn builder() -> CorralBuilder {
+        CorralBuilder::default()
+    }
+
+    /// The value under `key`, if a fresh entry holds one: from L1, else from L2 (which
+    /// then fills L1). A read of a sliding entry in L2 moves its expiry (never past its
+    /// absolute expiration). Missing, expired and corrupt entries are all `None`; an
+    /// expired or corrupt entry is removed.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
+    /// the store fails.
+    pub async fn get(&self, key: &str) -> Result<Option<Bytes>> {
+        let now = self.inner.clock.now_ms();
+        // Only a valid key can be in L1: a hit needs no key check.
+        if let Some(value) = self.inner.l1.get(key, now).await {
+            Metrics::bump(&self.inner.metrics.l1_hits);
+            return Ok(Some(value));
+        }
+        self.inner.policy.validate_key(key)?;
+        let m = &self.inner.metrics;
+        match self.l2_read(key, now).await? {
+            Some((value, meta)) => {
+                Metrics::bump(&m.l2_hits);
+                self.fill_l1(key, &value, meta, now).await?;
+                Ok(Some(value))
+            }
+            None => {
+                Metrics::bump(&m.misses);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Stores `value` under `key`, expiring as `options` say: L2 first, then L1.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] naming `key`, `value`, `absolute`, `relative` or
+    /// `sliding`; [`ErrorKind::Unavailable`] when the store fails (L1 is then not written).
+    pub async fn set(&self, key: &str, value: impl Into<Bytes>, options: EntryOptions) -> Result<()> {
+        let value = value.into();
+        let now = self.inner.clock.now_ms();
+        let plan = self.inner.policy.plan_set(key, value.len(), &options, now)?;
+        self.l2_write(key, &plan.header, &value, plan.store_ttl_ms)
+            .await?;
+        Metrics::bump(&self.inner.metrics.sets);
+        self.announce_change(key);
+        self.fill_l1(key, &value, plan.meta, now).await
+    }
+
+    /// Tells the other processes sharing the store that `key` changed, so they drop
+    /// their L1 copy; in the background (a lost announcement costs only staleness up to
+    /// the L1 deadline).
+    fn announce_change(&self, key: &str) {
+        let (notifications, key) = (self.inner.stores.notifications.clone(), key.to_owned());
+        tokio::spawn(async move {
+            if let Err(e) = notifications.announce(&key).await {
+                tracing::debug!(key, error = %e, "change announcement failed");
+            }
+        });
+    }
+
+    /// Refreshes `key` in L2 as a read would, without returning the value: a sliding
+    /// entry's expiry moves. Says whether a fresh entry was there; a missing one is not
+    /// an error.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub async fn refresh(&self, key: &str) -> Result<bool> {
+        self.inner.policy.validate_key(key)?;
+        let now = self.inner.clock.now_ms();
+        Ok(self.l2_read(key, now).await?.is_some())
+    }
+
+    /// Removes `key` from both tiers. Says whether L2 held it; a missing entry is not
+    /// an error.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
+    /// the store fails.
+    pub async fn remove(&self, key: &str) -> Result<bool> {
+        self.inner.policy.validate_key(key)?;
+        self.inner.l1.remove(key).await;
+        let removed = self.l2_op(self.inner.stores.entries.delete(key)).await?;
+        Metrics::bump(&self.inner.metrics.removes);
+        self.announce_change(key);
+        Ok(removed)
+    }
+
+    /// The entry under `key` as stored in L2, decoded, without touching it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Corrupt`] when the stored bytes are not an envelope (they are left
+    /// in place); otherwise as [`get`](Self::get).
+    pub async fn inspect(&self, key: &str) -> Result<Option<Inspection>> {
+        self.inner.policy.validate_key(key)?;
+        let Some(stored) = self.l2_op(self.inner.stores.entries.get(key)).await? else {
+            return Ok(None);
+        };
+        let (meta, _offset, value_len) = self.inner.policy.decode(&stored)?;
+        let now = self.inner.clock.now_ms();
+        let fresh = !matches!(
+            self.inner.policy.check(&meta, now)?,
+            crate::guest::Freshness::Expired
+        );
+        Ok(Some(Inspection {
+            meta,
+            value_len,
+            fresh,
+            stored_len: stored.len(),
+        }))
+    }
+
+    /// What this cache has done so far.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.inner.metrics.snapshot()
+    }
+
+    /// Get-or-set flights in progress in this process: 0 whenever none runs (the
+    /// registry keeps no entry for a finished or abandoned flight).
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn flights_in_progress(&self) -> usize {
+        self.inner.registry.len()
+    }
+
+    /// Callers in this process waiting on the flight of `key` (0 when none runs).
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn followers_of(&self, key: &str) -> usize {
+        self.inner.registry.followers(key)
+    }
+
+    /// The entries store (for tests that plant or inspect raw bytes).
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn entries(&self) -> &dyn crate::store::Entries {
+        &*self.inner.stores.entries
+    }
+
+    /// The landing notifications (for tests that wait until a process listens).
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn notifications(&self) -> &dyn crate::store::Notifications {
+        &*self.inner.stores.notifications
+    }
+
+    /// The in-memory store, when that is the backend.
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn memory_store(&self) -> Option<&crate::store::memory::MemoryStore> {
+        self.inner.stores.memory.as_ref()
+    }
+
+    /// The Redis store, when that is the backend.
+    #[cfg(all(feature = "redis", any(test, feature = "test-util")))]
+    pub fn redis_store(&self) -> Option<&crate::store::redis::RedisStore> {
+        self.inner.stores.redis.as_ref()
+    }
+
+    /// The guest's decisions, for tests that compare against them.
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn policy(&self) -> &Policy {
+        &self.inner.policy
+    }
+
+    /// The lock APIs of this cache: they share its guest, clock, limits and Redis
+    /// connection.
+    pub fn locks(&self) -> &crate::locks::Locks {
+        &self.inner.locks
+    }
+
+    /// The name of the L2 backend: `memory` or `redis`.
+    pub fn backend(&self) -> &'static str {
+        self.inner.stores.entries.name()
+    }
+
+    /// The clock this cache reads.
+    pub fn clock(&self) -> &dyn Clock {
+        &*self.inner.clock
+    }
+
+    pub(crate) async fn l2_op<T>(&self, op: impl Future<Output = Result<T>>) -> Result<T> {
+        let out = op.await;
+        if out.is_err() {
+            Metrics::bump(&self.inner.metrics.l2_errors);
+        }
+        out
+    }
+
+    /// Writes `header` then `value` to L2.
+    pub(crate) async fn l2_write(&self, key: &str, header: &[u8], value: &[u8], ttl_ms: u64) -> Result<()> {
+        let mut stored = Vec::with_capacity(header.len() + value.len());
+        stored.extend_from_slice(header);
+        stored.extend_from_slice(value);
+        self.l2_op(self.inner.stores.entries.set(key, stored.into(), ttl_ms))
+            .await
+    }
+
+    /// Fills L1 with `value` until the guest's deadline for `meta`.
+    pub(crate) async fn fill_l1(&self, key: &str, value: &Bytes, meta: WitMeta, now: u64) -> Result<()> {
+        let until = self.inner.policy.l1_deadline(meta, now, self.inner.l1_ttl_ms)?;
+        self.inner.l1.insert(key, value.clone(), until).await;
+        Ok(())
+    }
+}
+
+impl From<ErrorKind> for Error {
+    fn from(kind: ErrorKind) -> Self {
+        Error::new(kind, kind.to_string())
+    }
+}

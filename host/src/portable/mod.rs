@@ -1,0 +1,403 @@
+//! The portable body in wasmtime: the component's own `cache` and `lock` exports, run
+//! against this crate's stores as their imports ([`imports`]). The component runs the
+//! same `corral-core` machines the native body drives, with time from `wasi:clocks`,
+//! which this module injects from the cache's [`Clock`]. This path is for portability
+//! (the same `.wasm` runs in jco, or composed into a wasm platform), not speed: each
+//! call takes an instance from a pool and runs on a blocking thread; concurrent calls
+//! run on separate instances and coalesce through the shared flight registry.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use wasmtime::component::Linker;
+
+use crate::cache::Overrides;
+use crate::clock::{Clock, SystemClock};
+use crate::guest::Policy;
+use crate::guest::bindings::GuestPre;
+use crate::guest::bindings::corral::cache::types;
+use crate::guest::convert::{from_wit, options_in};
+use crate::guest::engine::{Loaded, PORTABLE_BUDGET_TICKS, Slot, instantiate, loaded, trap};
+use crate::options::{EntryOptions, duration_ms};
+use crate::store::Stores;
+use crate::store::memory::MemoryStore;
+use crate::{Error, Result};
+
+mod imports;
+
+use imports::{Backend, CallState, PortableState};
+
+/// How many idle instances a portable cache keeps.
+const MAX_IDLE: usize = 16;
+
+/// The portable body's template: WASI and this module's imports, linked once.
+fn portable_pre(loaded: &Loaded) -> Result<&'static GuestPre<PortableState>> {
+    static PRE: OnceLock<std::result::Result<GuestPre<PortableState>, String>> = OnceLock::new();
+    PRE.get_or_init(|| {
+        let link = || -> wasmtime::Result<GuestPre<PortableState>> {
+            let mut linker = Linker::new(&loaded.engine);
+            imports::add_to_linker(&mut linker)?;
+            GuestPre::new(linker.instantiate_pre(&loaded.component)?)
+        };
+        link().map_err(|e| format!("{e:#}"))
+    })
+    .as_ref()
+    .map_err(|e| {
+        Error::new(
+            crate::ErrorKind::Guest,
+            format!("linking the portable body failed: {e}"),
+        )
+    })
+}
+
+/// The component's own cache and lock exports (the portable body), run in wasmtime with
+/// this crate's stores as its imports. Cheap to clone.
+///
+/// ```no_run
+/// # async fn demo() -> corral::Result<()> {
+/// let cache = corral::portable::PortableCache::builder().build()?;
+/// cache.set("k", b"v".to_vec(), corral::EntryOptions::new()).await?;
+/// assert_eq!(cache.get("k").await?.as_deref(), Some(&b"v"[..]));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PortableCache {
+    inner: Arc<PortableInner>,
+}
+
+struct PortableInner {
+    loaded: &'static Loaded,
+    pre: &'static GuestPre<PortableState>,
+    backend: Arc<Backend>,
+    settings: types::Settings,
+    idle: Mutex<Vec<Slot<PortableState>>>,
+}
+
+impl fmt::Debug for PortableCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PortableCache")
+            .field("l2", &self.inner.backend.stores.entries.name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`PortableCache`].
+#[derive(Debug)]
+#[must_use]
+pub struct PortableBuilder {
+    clock: Arc<dyn Clock>,
+    #[cfg(feature = "redis")]
+    redis: Option<crate::store::redis::RedisOptions>,
+    overrides: Overrides,
+}
+
+impl Default for PortableBuilder {
+    fn default() -> Self {
+        PortableBuilder {
+            clock: Arc::new(SystemClock),
+            #[cfg(feature = "redis")]
+            redis: None,
+            overrides: Overrides::default(),
+        }
+    }
+}
+
+impl PortableBuilder {
+    /// The clock the guest's `wasi:clocks` reads (default: the system clock).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Redis as the L2 import, with these options (default: the in-memory store).
+    #[cfg(feature = "redis")]
+    pub fn redis_options(mut self, options: crate::store::redis::RedisOptions) -> Self {
+        self.redis = Some(options);
+        self
+    }
+
+    /// The sliding expiration of entries whose options name none.
+    pub fn default_sliding(mut self, idle: Duration) -> Self {
+        self.overrides.default_sliding_ms = Some(duration_ms(idle));
+        self
+    }
+
+    /// The longest key, in UTF-8 bytes (default 1024).
+    pub fn max_key_bytes(mut self, n: u32) -> Self {
+        self.overrides.max_key_bytes = Some(n);
+        self
+    }
+
+    /// The largest value, in bytes (default 16 MiB).
+    pub fn max_value_bytes(mut self, n: u32) -> Self {
+        self.overrides.max_value_bytes = Some(n);
+        self
+    }
+
+    /// Instantiates the component with its imports; call inside a Tokio runtime.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] outside a runtime or for bad settings;
+    /// [`ErrorKind::Guest`] if the component cannot be loaded.
+    pub fn build(self) -> Result<PortableCache> {
+        crate::require_runtime("the portable cache")?;
+        let settings = self.overrides.settings()?;
+        let policy = Policy::load(settings.limits)?;
+        let stores = match () {
+            #[cfg(feature = "redis")]
+            () if self.redis.is_some() => Stores::redis(crate::store::redis::RedisStore::connect(
+                self.redis.as_ref().expect("checked"),
+                policy.scripts(),
+            )?),
+            () => Stores::memory(MemoryStore::new(
+                self.clock.clone(),
+                settings.invalidation_interval_ms,
+            )),
+        };
+        let loaded = loaded()?;
+        let cache = PortableCache {
+            inner: Arc::new(PortableInner {
+                loaded,
+                pre: portable_pre(loaded)?,
+                backend: Arc::new(Backend {
+                    runtime: tokio::runtime::Handle::current(),
+                    clock: self.clock,
+                    l1: moka::sync::Cache::builder().max_capacity(100_000).build(),
+                    stores,
+                    registry: Default::default(),
+                    table: Default::default(),
+                }),
+                settings,
+                idle: Mutex::new(Vec::new()),
+            }),
+        };
+        // The first instance judges the settings now, not at the first call.
+        let slot = cache.inner.instance()?;
+        cache.inner.idle.lock().push(slot);
+        Ok(cache)
+    }
+}
+
+impl PortableInner {
+    /// An idle instance, or a new one configured with this cache's settings.
+    fn instance(&self) -> Result<Slot<PortableState>> {
+        if let Some(slot) = self.idle.lock().pop() {
+            return Ok(slot);
+        }
+        let mut slot = instantiate(self.loaded, self.pre, PortableState::new(self.backend.clone()))?;
+        slot.guest
+            .corral_cache_cache()
+            .call_configure(&mut slot.store, self.settings)
+            .map_err(trap)?
+            .map_err(from_wit)?;
+        Ok(slot)
+    }
+}
+
+/// Marks a call cancelled when its caller's future is dropped before it returned.
+struct CancelOnDrop(Arc<std::sync::atomic::AtomicBool>, bool);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+impl PortableCache {
+    /// A builder: in-memory L2, system clock.
+    pub fn builder() -> PortableBuilder {
+        PortableBuilder::default()
+    }
+
+    /// The entries store the imports act on (for tests that plant raw bytes).
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn entries(&self) -> &dyn crate::store::Entries {
+        &*self.inner.backend.stores.entries
+    }
+
+    /// Callers waiting on the flight of `key` (0 when none runs).
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn followers_of(&self, key: &str) -> usize {
+        self.inner.backend.registry.followers(key)
+    }
+
+    /// Runs `f` on an instance, on a blocking thread (the imports block on I/O), with
+    /// `call` as its per-call state. The flights the call led are handed on when it
+    /// ends; a trapped instance is dropped, never reused.
+    async fn call_with<R: Send + 'static>(
+        &self,
+        mut call: CallState,
+        f: impl FnOnce(&mut Slot<PortableState>) -> wasmtime::Result<std::result::Result<R, types::Error>>
+        + Send
+        + 'static,
+    ) -> Result<R> {
+        let mut cancel = CancelOnDrop(call.cancelled.clone(), false);
+        let inner = self.inner.clone();
+        call.cancelled = cancel.0.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            let mut slot = inner.instance()?;
+            slot.store.set_epoch_deadline(PORTABLE_BUDGET_TICKS);
+            slot.store.data_mut().call = call;
+            let out = f(&mut slot);
+            // Whatever the call held or led and did not finish is handed on now.
+            let ended = std::mem::take(&mut slot.store.data_mut().call);
+            inner.backend.end_call(ended);
+            if out.is_ok() {
+                let mut idle = inner.idle.lock();
+                if idle.len() < MAX_IDLE {
+                    idle.push(slot);
+                }
+            }
+            out.map_err(trap)?.map_err(from_wit)
+        })
+        .await
+        .map_err(|e| Error::guest("the portable call's thread failed", e))?;
+        cancel.1 = true;
+        out
+    }
+
+    async fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Slot<PortableState>) -> wasmtime::Result<std::result::Result<R, types::Error>>
+        + Send
+        + 'static,
+    ) -> Result<R> {
+        self.call_with(CallState::default(), f).await
+    }
+
+    /// As [`Corral::get`](crate::Corral::get), decided and driven inside the component.
+    ///
+    /// # Errors
+    /// As [`Corral::get`](crate::Corral::get).
+    pub async fn get(&self, key: &str) -> Result<Option<Bytes>> {
+        let key = key.to_owned();
+        let v = self
+            .call(move |s| s.guest.corral_cache_cache().call_get(&mut s.store, &key))
+            .await?;
+        Ok(v.map(Bytes::from))
+    }
+
+    /// As [`Corral::set`](crate::Corral::set).
+    ///
+    /// # Errors
+    /// As [`Corral::set`](crate::Corral::set).
+    pub async fn set(&self, key: &str, value: impl Into<Vec<u8>>, options: EntryOptions) -> Result<()> {
+        let (key, value) = (key.to_owned(), value.into());
+        let options = options_in(&options);
+        self.call(move |s| {
+            s.guest
+                .corral_cache_cache()
+                .call_set(&mut s.store, &key, &value, options)
+        })
+        .await
+    }
+
+    /// As [`Corral::refresh`](crate::Corral::refresh).
+    ///
+    /// # Errors
+    /// As [`Corral::refresh`](crate::Corral::refresh).
+    pub async fn refresh(&self, key: &str) -> Result<bool> {
+        let key = key.to_owned();
+        self.call(move |s| s.guest.corral_cache_cache().call_refresh(&mut s.store, &key))
+            .await
+    }
+
+    /// As [`Corral::remove`](crate::Corral::remove).
+    ///
+    /// # Errors
+    /// As [`Corral::remove`](crate::Corral::remove).
+    pub async fn remove(&self, key: &str) -> Result<bool> {
+        let key = key.to_owned();
+        self.call(move |s| s.guest.corral_cache_cache().call_remove(&mut s.store, &key))
+            .await
+    }
+
+    /// Get-or-set in the component: `loader` produces the value on a miss (once),
+    /// `should_cache` judges it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for a bad key or options; [`ErrorKind::Loader`]
+    /// with the loader's text when it failed.
+    pub async fn get_or_set(
+        &self,
+        key: &str,
+        options: EntryOptions,
+        bypass: bool,
+        loader: impl FnMut(&str) -> std::result::Result<Vec<u8>, String> + Send + 'static,
+        should_cache: impl Fn(&[u8]) -> bool + Send + 'static,
+    ) -> Result<Bytes> {
+        let key = key.to_owned();
+        let options = options_in(&options);
+        let call = CallState {
+            loader: Some(Box::new(loader)),
+            should_cache: Some(Box::new(should_cache)),
+            ..CallState::default()
+        };
+        let v = self
+            .call_with(call, move |s| {
+                s.guest
+                    .corral_cache_cache()
+                    .call_get_or_set(&mut s.store, &key, options, bypass)
+            })
+            .await?;
+        Ok(Bytes::from(v))
+    }
+
+    /// The in-memory lock provider, in the component: takes `key` for `owner`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] naming `key` or `ttl`.
+    pub async fn try_lock(&self, key: &str, owner: &str, ttl: Duration) -> Result<bool> {
+        let (key, owner, ttl_ms) = (key.to_owned(), owner.to_owned(), duration_ms(ttl));
+        self.call(move |s| {
+            s.guest
+                .corral_lock_lock()
+                .call_try_lock(&mut s.store, &key, &owner, ttl_ms)
+        })
+        .await
+    }
+
+    /// Releases `key` if `owner` holds it.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Guest`] only.
+    pub async fn unlock(&self, key: &str, owner: &str) -> Result<bool> {
+        let (key, owner) = (key.to_owned(), owner.to_owned());
+        self.call(move |s| s.guest.corral_lock_lock().call_unlock(&mut s.store, &key, &owner))
+            .await
+    }
+
+    /// Whether `owner` holds `key`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Guest`] only.
+    pub async fn is_locked_by(&self, key: &str, owner: &str) -> Result<bool> {
+        let (key, owner) = (key.to_owned(), owner.to_owned());
+        self.call(move |s| {
+            s.guest
+                .corral_lock_lock()
+                .call_is_locked_by(&mut s.store, &key, &owner)
+        })
+        .await
+    }
+
+    /// Whether `key`'s lock is expired or was never taken.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Guest`] only.
+    pub async fn is_lock_expired(&self, key: &str) -> Result<bool> {
+        let key = key.to_owned();
+        self.call(move |s| {
+            s.guest
+                .corral_lock_lock()
+                .call_is_lock_expired(&mut s.store, &key)
+        })
+        .await
+    }
+}

@@ -1,0 +1,316 @@
+//! The in-memory store: the embedded default, and a first-class backend for tests.
+//!
+//! It keeps Redis's semantics for what Corral uses, on the cache's [`Clock`]: an entry
+//! lives until the TTL it was written with passes (a read after that finds nothing,
+//! as `PX` does), the flight lock is a `SET NX PX` with an owner, and landings are
+//! announced to the waiters of this process. It judges nothing: the guest's TTL is the
+//! only expiry it knows.
+//!
+//! Expired entries are removed by a background invalidation (contract §3): it may
+//! start on any call, runs at most once per interval, never two at once, and off the
+//! calling task.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::{BoxFuture, ready};
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use super::{Entries, FlightLock, LandingWatch, Landings, Notifications};
+use crate::Result;
+use crate::clock::Clock;
+
+const SHARDS: usize = 16;
+
+/// Bytes and the moment (Unix ms, on the cache's clock) the store may drop them.
+#[derive(Clone, Debug)]
+struct Stored {
+    bytes: Bytes,
+    until_ms: u64,
+}
+
+type Shard = Mutex<HashMap<String, Stored>>;
+
+/// The in-memory store. Cheap to clone; clones share the entries.
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    hasher: RandomState,
+    entries: [Shard; SHARDS],
+    /// The get-or-set locks: owner and the moment the lock lapses.
+    locks: [Mutex<HashMap<String, (String, u64)>>; SHARDS],
+    clock: Arc<dyn Clock>,
+    landings: Landings,
+    interval_ms: u64,
+    last_run_ms: AtomicU64,
+    running: AtomicBool,
+    started: AtomicU64,
+    removed: AtomicU64,
+    runs: watch::Sender<u64>,
+}
+
+/// What the background invalidation has done so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InvalidationStats {
+    /// Runs started.
+    pub started: u64,
+    /// Completed runs.
+    pub runs: u64,
+    /// Expired entries removed, in all runs.
+    pub removed: u64,
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("entries", &self.len())
+            .field("interval_ms", &self.inner.interval_ms)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryStore {
+    /// A store on `clock` that sweeps expired entries at most every `interval_ms`.
+    pub(crate) fn new(clock: Arc<dyn Clock>, interval_ms: u64) -> Self {
+        let now = clock.now_ms();
+        MemoryStore {
+            inner: Arc::new(Inner {
+                hasher: RandomState::new(),
+                entries: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+                locks: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+                clock,
+                landings: Landings::default(),
+                interval_ms,
+                last_run_ms: AtomicU64::new(now),
+                running: AtomicBool::new(false),
+                started: AtomicU64::new(0),
+                removed: AtomicU64::new(0),
+                runs: watch::channel(0).0,
+            }),
+        }
+    }
+
+    /// How many entries the store holds, expired ones included until invalidated.
+    pub fn len(&self) -> usize {
+        self.inner.entries.iter().map(|s| s.lock().len()).sum()
+    }
+
+    /// Whether the store holds no entries.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// What the background invalidation has done so far.
+    pub fn invalidation_stats(&self) -> InvalidationStats {
+        InvalidationStats {
+            started: self.inner.started.load(Ordering::SeqCst),
+            runs: *self.inner.runs.borrow(),
+            removed: self.inner.removed.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Waits until at least `runs` invalidation runs have completed.
+    pub async fn invalidated(&self, runs: u64) {
+        let mut rx = self.inner.runs.subscribe();
+        // The sender lives in `inner`, which `self` keeps alive: this cannot fail.
+        let _ = rx.wait_for(|n| *n >= runs).await;
+    }
+
+    fn index(&self, key: &str) -> usize {
+        self.inner.hasher.hash_one(key) as usize % SHARDS
+    }
+
+    fn shard(&self, key: &str) -> &Shard {
+        &self.inner.entries[self.index(key)]
+    }
+
+    fn now(&self) -> u64 {
+        self.inner.clock.now_ms()
+    }
+
+    /// The live bytes under `key` in a locked shard; a lapsed entry is removed.
+    fn live(map: &mut HashMap<String, Stored>, key: &str, now: u64) -> Option<Bytes> {
+        match map.get(key) {
+            Some(s) if now < s.until_ms => Some(s.bytes.clone()),
+            Some(_) => {
+                map.remove(key);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Starts a background invalidation if one is due and none is running.
+    fn maybe_invalidate(&self) {
+        let inner = &self.inner;
+        let now = self.now();
+        if now
+            < inner
+                .last_run_ms
+                .load(Ordering::Acquire)
+                .saturating_add(inner.interval_ms)
+        {
+            return;
+        }
+        if inner
+            .running
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            inner.running.store(false, Ordering::Release);
+            return;
+        };
+        inner.last_run_ms.store(now, Ordering::Release);
+        inner.started.fetch_add(1, Ordering::SeqCst);
+        let store = self.clone();
+        runtime.spawn_blocking(move || store.invalidate(now));
+    }
+
+    /// Removes every entry whose TTL has passed at `now_ms`.
+    fn invalidate(&self, now_ms: u64) {
+        let inner = &self.inner;
+        let mut removed = 0;
+        for shard in &inner.entries {
+            let mut map = shard.lock();
+            let before = map.len();
+            map.retain(|_, s| now_ms < s.until_ms);
+            removed += (before - map.len()) as u64;
+        }
+        for shard in &inner.locks {
+            shard.lock().retain(|_, (_, until)| now_ms < *until);
+        }
+        inner.removed.fetch_add(removed, Ordering::SeqCst);
+        inner.running.store(false, Ordering::Release);
+        inner.runs.send_modify(|n| *n += 1);
+        tracing::debug!(removed, "memory store invalidation done");
+    }
+}
+
+impl Entries for MemoryStore {
+    fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        self.maybe_invalidate();
+        let found = Self::live(&mut self.shard(key).lock(), key, self.now());
+        ready(Ok(found)).boxed()
+    }
+
+    fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>> {
+        self.maybe_invalidate();
+        let until_ms = self.now().saturating_add(ttl_ms.max(1));
+        self.shard(key)
+            .lock()
+            .insert(key.to_owned(), Stored { bytes, until_ms });
+        ready(Ok(())).boxed()
+    }
+
+    fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
+        self.maybe_invalidate();
+        let mut map = self.shard(key).lock();
+        let was_live = Self::live(&mut map, key, self.now()).is_some();
+        map.remove(key);
+        ready(Ok(was_live)).boxed()
+    }
+
+    fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>> {
+        let mut map = self.shard(key).lock();
+        let equal = Self::live(&mut map, key, self.now()).is_some_and(|b| b == expected);
+        if equal {
+            map.remove(key);
+        }
+        ready(Ok(equal)).boxed()
+    }
+
+    fn replace_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: Bytes,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>> {
+        let now = self.now();
+        let mut map = self.shard(key).lock();
+        let equal = Self::live(&mut map, key, now).is_some_and(|b| b == expected);
+        if equal {
+            let until_ms = now.saturating_add(ttl_ms.max(1));
+            map.insert(key.to_owned(), Stored { bytes, until_ms });
+        }
+        ready(Ok(equal)).boxed()
+    }
+
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+}
+
+impl FlightLock for MemoryStore {
+    fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
+        let now = self.now();
+        let mut locks = self.inner.locks[self.index(key)].lock();
+        let free = locks.get(key).is_none_or(|(_, until)| now >= *until);
+        if free {
+            locks.insert(
+                key.to_owned(),
+                (owner.to_owned(), now.saturating_add(ttl_ms.max(1))),
+            );
+        }
+        ready(Ok(free)).boxed()
+    }
+
+    fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
+        let now = self.now();
+        let mut locks = self.inner.locks[self.index(key)].lock();
+        let held = locks
+            .get(key)
+            .is_some_and(|(o, until)| o == owner && now < *until);
+        if held {
+            locks.remove(key);
+        }
+        ready(Ok(held)).boxed()
+    }
+}
+
+impl Notifications for MemoryStore {
+    fn watch<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {
+        ready(self.inner.landings.watch(key)).boxed()
+    }
+
+    fn announce<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<()>> {
+        self.inner.landings.announce(key);
+        ready(Ok(())).boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ManualClock;
+
+    #[tokio::test]
+    async fn entries_lapse_with_their_ttl_and_locks_with_theirs() {
+        let clock = ManualClock::new(1_000);
+        let store = MemoryStore::new(Arc::new(clock.clone()), 60_000);
+        store.set("k", Bytes::from_static(b"v"), 100).await.unwrap();
+        assert!(store.try_lock("k", "a", 50).await.unwrap());
+        assert!(!store.try_lock("k", "b", 50).await.unwrap(), "held");
+        assert!(!store.release("k", "b").await.unwrap(), "owner-checked");
+        clock.set(1_050);
+        assert!(store.try_lock("k", "b", 50).await.unwrap(), "lapsed: taken over");
+        assert!(!store.release("k", "a").await.unwrap());
+        assert_eq!(store.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
+        clock.set(1_100);
+        assert_eq!(store.get("k").await.unwrap(), None, "the TTL passed");
+        assert!(store.is_empty());
+    }
+}

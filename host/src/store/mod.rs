@@ -1,0 +1,145 @@
+//! The stores a body performs I/O on, behind pure-I/O traits: none of them decides
+//! anything the contract governs, and none calls the guest.
+//!
+//! - [`Entries`]: envelopes (header + value bytes) under keys: read, write, conditional
+//!   write, delete. A store MAY drop an entry once the TTL it was written with passes
+//!   (Redis does, the memory store does): the TTL is an upper bound the guest computes.
+//! - [`FlightLock`]: the get-or-set's distributed lock: try-lock (`SET NX PX`) and an
+//!   owner-checked release.
+//! - [`Notifications`]: landings: announce that a key changed or a value landed, and
+//!   watch for it (followers wake on it; other processes drop their L1 copy).
+//!
+//! Backends: [`memory`] (the embedded default, one process) and [`redis`]; [`Stores`]
+//! is the one place a cache's three are composed. [`l1`] is the in-process tier.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+
+use crate::Result;
+
+pub(crate) mod l1;
+mod landing;
+pub mod memory;
+#[cfg(feature = "redis")]
+pub(crate) mod pubsub;
+#[cfg(feature = "redis")]
+pub mod redis;
+
+pub use landing::LandingWatch;
+pub(crate) use landing::Landings;
+
+/// Envelopes under string keys. Every method is one atomic step on the store.
+///
+/// Failures are [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) errors, with
+/// the backend's own error as the source.
+pub trait Entries: Send + Sync + fmt::Debug + 'static {
+    /// The bytes under `key`, as stored.
+    fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>>;
+
+    /// Reads `key` and applies a read's sliding touch on the server, atomically, in one
+    /// round trip, when the store can (Redis runs the guest's read-and-touch script);
+    /// `None` when it cannot, and the caller reads with [`get`](Self::get) and writes
+    /// the touch back with [`replace_if_equal`](Self::replace_if_equal).
+    fn read_and_touch<'a>(
+        &'a self,
+        key: &'a str,
+        now_ms: u64,
+    ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
+        let _ = (key, now_ms);
+        None
+    }
+
+    /// Writes `bytes` under `key`; the store MAY drop them after `ttl_ms`.
+    fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>>;
+
+    /// Removes `key`; says whether it was there.
+    fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>>;
+
+    /// Removes `key` only if it still holds exactly `expected`; says whether it did.
+    fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>>;
+
+    /// Replaces `key`'s bytes with `bytes` (TTL `ttl_ms`) only if it still holds exactly
+    /// `expected`; says whether it did.
+    fn replace_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: Bytes,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>>;
+
+    /// A short name for logs and tables: `memory`, `redis`.
+    fn name(&self) -> &'static str;
+}
+
+/// The get-or-set's distributed lock, one per entry key. Lock keys never meet entry keys.
+pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
+    /// Takes the lock of `key` for `owner` if nobody holds it (`SET NX PX`); says
+    /// whether it did.
+    fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>>;
+
+    /// Releases the lock of `key` if `owner` holds it; says whether it did.
+    fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>>;
+}
+
+/// What a store does with another process's announcement: the key it names.
+pub(crate) type ForeignHook = Arc<dyn Fn(String) + Send + Sync>;
+
+/// Landings: a key changed, or a loaded value landed, in some process sharing the store.
+pub trait Notifications: Send + Sync + fmt::Debug + 'static {
+    /// Registers interest in the next landing of `key` in any process sharing the
+    /// store. Register before trying the lock, so no landing is missed. Never fails:
+    /// without a channel the watch never fires and the caller's timer is the fallback.
+    fn watch<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch>;
+
+    /// Tells every process sharing the store that `key` landed or changed.
+    fn announce<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<()>>;
+
+    /// Calls `hook` with the key of every landing another process announces.
+    fn on_foreign(&self, hook: ForeignHook) {
+        let _ = hook;
+    }
+}
+
+/// A cache's three stores, composed once.
+#[derive(Clone, Debug)]
+pub(crate) struct Stores {
+    pub(crate) entries: Arc<dyn Entries>,
+    pub(crate) flight_lock: Arc<dyn FlightLock>,
+    pub(crate) notifications: Arc<dyn Notifications>,
+    /// The memory backend, when that is the one (for its invalidation figures).
+    #[cfg_attr(not(any(test, feature = "test-util")), allow(dead_code))]
+    pub(crate) memory: Option<memory::MemoryStore>,
+    /// The Redis backend, when that is the one (commands sent; the lock API's connection).
+    #[cfg(feature = "redis")]
+    pub(crate) redis: Option<redis::RedisStore>,
+}
+
+impl Stores {
+    /// The embedded default: everything in this process.
+    pub(crate) fn memory(store: memory::MemoryStore) -> Self {
+        Stores {
+            entries: Arc::new(store.clone()),
+            flight_lock: Arc::new(store.clone()),
+            notifications: Arc::new(store.clone()),
+            memory: Some(store),
+            #[cfg(feature = "redis")]
+            redis: None,
+        }
+    }
+
+    /// One Redis: entries, the flight lock and the landing channel.
+    #[cfg(feature = "redis")]
+    pub(crate) fn redis(store: redis::RedisStore) -> Self {
+        Stores {
+            entries: Arc::new(store.clone()),
+            flight_lock: Arc::new(store.clone()),
+            notifications: Arc::new(store.notifications().clone()),
+            memory: None,
+            redis: Some(store),
+        }
+    }
+}
