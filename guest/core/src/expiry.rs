@@ -1,4 +1,4 @@
-//! Expiration (SPEC section 3): planning at set time, checking on read.
+//! Expiration (contract §3): planning at set time, checking on read.
 //!
 //! An entry is expired when `now_ms >= expires_at_ms`. Absolute wins over sliding: a
 //! read or refresh moves a sliding entry's expiry to `now + sliding`, but never past its

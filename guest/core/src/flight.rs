@@ -1,4 +1,4 @@
-//! The single-flight state machine of a tiered get-or-set (SPEC section 5).
+//! The single-flight state machine of a tiered get-or-set (contract §5).
 //!
 //! One [`Flight`] is the life of one get-or-set in the process that leads it (the
 //! host's keyed flight registry makes every other caller of the same key in the process

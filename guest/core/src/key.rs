@@ -1,4 +1,4 @@
-//! What a key may be (SPEC section 2).
+//! What a key may be (contract §2).
 //!
 //! A key is required: non-empty and not only white space. It is never trimmed, so
 //! `"a"` and `" a"` are two keys. A cache MAY limit its length.

@@ -1,4 +1,4 @@
-//! The lock protocols (SPEC section 6): the in-memory lock table's transitions, the
+//! The lock protocols (contract §6): the in-memory lock table's transitions, the
 //! retry schedule, Redlock's quorum and validity arithmetic, the watchdog's timing, and
 //! fencing. Pure, like the rest of this crate; the host performs the I/O.
 

@@ -1,4 +1,4 @@
-//! The cache contract (SPEC sections 2-4), every rule a test, each run against both L2
+//! The cache contract (contract §2-§4), every rule a test, each run against both L2
 //! backends: the in-memory store and a real redis-server started for the test. Time is a
 //! manual clock throughout: no test waits for anything to expire.
 

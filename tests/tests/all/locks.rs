@@ -1,4 +1,4 @@
-//! Locks (SPEC section 6) against real redis-server processes: fencing, ownership,
+//! Locks (contract §6) against real redis-server processes: fencing, ownership,
 //! the watchdog, Redlock's quorum, the in-memory provider, and `corral lock`.
 
 use std::sync::Arc;

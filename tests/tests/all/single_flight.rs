@@ -1,4 +1,4 @@
-//! Tiered get-or-set with single flight (SPEC section 5), against the in-memory L2 and
+//! Tiered get-or-set with single flight (contract §5), against the in-memory L2 and
 //! real redis-server processes; the multi-process stampede spawns real OS processes.
 
 use std::io::{BufRead, BufReader, Write};
