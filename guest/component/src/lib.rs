@@ -97,6 +97,19 @@ fn arg_error(e: corral_core::ArgError) -> types::Error {
     })
 }
 
+fn read_outcome(outcome: policy::ReadOutcome) -> wit::ReadOutcome {
+    match outcome {
+        policy::ReadOutcome::Fresh(hit) => wit::ReadOutcome::Fresh(wit::Hit {
+            meta: meta_out(hit.meta),
+            value_offset: hit.value_offset as u32,
+            new_header: hit.new_header.map(|h| h.to_vec()),
+            store_ttl_ms: hit.store_ttl_ms,
+        }),
+        policy::ReadOutcome::Expired => wit::ReadOutcome::Expired,
+        policy::ReadOutcome::Corrupt(c) => wit::ReadOutcome::Corrupt(c.to_string()),
+    }
+}
+
 impl wit::Guest for Component {
     fn defaults() -> types::Settings {
         settings_out(corral_core::Settings::DEFAULT)
@@ -134,16 +147,19 @@ impl wit::Guest for Component {
     }
 
     fn read(head: Vec<u8>, total_len: u64, now_ms: u64, l: types::Limits) -> wit::ReadOutcome {
-        match policy::read(&head, total_len, now_ms, &limits(l)) {
-            policy::ReadOutcome::Fresh(hit) => wit::ReadOutcome::Fresh(wit::Hit {
-                meta: meta_out(hit.meta),
-                value_offset: hit.value_offset as u32,
-                new_header: hit.new_header.map(|h| h.to_vec()),
-                store_ttl_ms: hit.store_ttl_ms,
-            }),
-            policy::ReadOutcome::Expired => wit::ReadOutcome::Expired,
-            policy::ReadOutcome::Corrupt(c) => wit::ReadOutcome::Corrupt(c.to_string()),
-        }
+        read_outcome(policy::read(&head, total_len, now_ms, &limits(l)))
+    }
+
+    fn read_entry(
+        key: String,
+        head: Vec<u8>,
+        total_len: u64,
+        now_ms: u64,
+        l: types::Limits,
+    ) -> Result<wit::ReadOutcome, types::Error> {
+        policy::read_entry(&key, &head, total_len, now_ms, &limits(l))
+            .map(read_outcome)
+            .map_err(arg_error)
     }
 
     fn decode(head: Vec<u8>, total_len: u64, l: types::Limits) -> Result<wit::Decoded, types::Error> {

@@ -85,6 +85,22 @@ pub enum ReadOutcome {
     Corrupt(crate::Corruption),
 }
 
+/// Checks `key` as [`key::validate`] does, then reads its stored bytes as [`read`]
+/// does: a body's L2 hit costs one decision, not two.
+///
+/// # Errors
+/// An [`ArgError`] naming `key`.
+pub fn read_entry(
+    key: &str,
+    head: &[u8],
+    total_len: u64,
+    now_ms: u64,
+    limits: &Limits,
+) -> Result<ReadOutcome, ArgError> {
+    key::validate(key, limits)?;
+    Ok(read(head, total_len, now_ms, limits))
+}
+
 /// Reads stored bytes (`head` being at least their first [`HEADER_LEN`] bytes, or all of
 /// them) at `now_ms`, applying the sliding touch of a read.
 pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits) -> ReadOutcome {

@@ -68,7 +68,7 @@ impl Corral {
             return self.lead(key, &options, loader).await;
         }
         let now = self.inner.clock.now_ms();
-        if let Some(value) = self.inner.l1.get(key, now).await {
+        if let Some(value) = self.inner.l1.get(key, now) {
             Metrics::bump(&self.inner.metrics.l1_hits);
             return Ok(value);
         }
@@ -119,7 +119,7 @@ impl Corral {
         let mut waited = false;
         loop {
             let event = match action {
-                Action::ReadL2 => match self.l2_read(key, now).await {
+                Action::ReadL2 => match self.l2_read(key, now, super::read::Key::Checked).await {
                     Ok(Some((v, meta))) => {
                         value = Some(v);
                         Event::L2Hit(meta)
@@ -219,7 +219,7 @@ impl Corral {
                     }
                     let value = value.take().unwrap_or_default();
                     if let Some(until_ms) = finish.l1_until_ms {
-                        inner.l1.insert(key, value.clone(), until_ms).await;
+                        inner.l1.insert(key, value.clone(), until_ms);
                     }
                     return Ok(value);
                 }

@@ -29,6 +29,7 @@ mod typed;
 pub use builder::CorralBuilder;
 pub(crate) use builder::Overrides;
 use metrics::{Metrics, MetricsSnapshot};
+use read::Key;
 use registry::Registry;
 
 /// A tiered cache whose every decision is made by the Corral guest component.
@@ -82,11 +83,8 @@ impl fmt::Debug for Corral {
 /// Another process's set, removal or load of a key drops this process's L1 copy.
 pub(crate) fn l1_invalidation(l1: L1, metrics: Arc<Metrics>) -> crate::store::ForeignHook {
     Arc::new(move |key| {
-        let (l1, metrics) = (l1.clone(), metrics.clone());
-        tokio::spawn(async move {
-            l1.remove(&key).await;
-            Metrics::bump(&metrics.l1_invalidations);
-        });
+        l1.remove(&key);
+        Metrics::bump(&metrics.l1_invalidations);
     })
 }
 
@@ -107,13 +105,12 @@ impl Corral {
     pub async fn get(&self, key: &str) -> Result<Option<Bytes>> {
         let now = self.inner.clock.now_ms();
         // Only a valid key can be in L1: a hit needs no key check.
-        if let Some(value) = self.inner.l1.get(key, now).await {
+        if let Some(value) = self.inner.l1.get(key, now) {
             Metrics::bump(&self.inner.metrics.l1_hits);
             return Ok(Some(value));
         }
-        self.inner.policy.validate_key(key)?;
         let m = &self.inner.metrics;
-        match self.l2_read(key, now).await? {
+        match self.l2_read(key, now, Key::Unchecked).await? {
             Some((value, meta)) => {
                 Metrics::bump(&m.l2_hits);
                 self.fill_l1(key, &value, meta, now).await?;
@@ -161,9 +158,8 @@ impl Corral {
     /// # Errors
     /// As [`get`](Self::get).
     pub async fn refresh(&self, key: &str) -> Result<bool> {
-        self.inner.policy.validate_key(key)?;
         let now = self.inner.clock.now_ms();
-        Ok(self.l2_read(key, now).await?.is_some())
+        Ok(self.l2_read(key, now, Key::Unchecked).await?.is_some())
     }
 
     /// Removes `key` from both tiers. Says whether L2 held it; a missing entry is not
@@ -174,7 +170,7 @@ impl Corral {
     /// the store fails.
     pub async fn remove(&self, key: &str) -> Result<bool> {
         self.inner.policy.validate_key(key)?;
-        self.inner.l1.remove(key).await;
+        self.inner.l1.remove(key);
         let removed = self.l2_op(self.inner.stores.entries.delete(key)).await?;
         Metrics::bump(&self.inner.metrics.removes);
         self.announce_change(key);
@@ -288,8 +284,11 @@ impl Corral {
 
     /// Fills L1 with `value` until the guest's deadline for `meta`.
     pub(crate) async fn fill_l1(&self, key: &str, value: &Bytes, meta: WitMeta, now: u64) -> Result<()> {
+        if !self.inner.l1.is_on() {
+            return Ok(());
+        }
         let until = self.inner.policy.l1_deadline(meta, now, self.inner.l1_ttl_ms)?;
-        self.inner.l1.insert(key, value.clone(), until).await;
+        self.inner.l1.insert(key, value.clone(), until);
         Ok(())
     }
 }

@@ -48,9 +48,20 @@ impl SlidingKeys {
     }
 }
 
+/// Whether an L2 read still has to check its key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Key {
+    /// The caller checked it already.
+    Checked,
+    /// The read checks it, in the same guest call that judges the bytes (or, when no
+    /// bytes came back, in a call of its own): a bad key is an argument error whatever
+    /// the store did.
+    Unchecked,
+}
+
 impl Corral {
     /// Reads `key` at `now`. Returns the value and its (touched) metadata when fresh.
-    pub(crate) async fn l2_read(&self, key: &str, now: u64) -> Result<Option<(Bytes, WitMeta)>> {
+    pub(crate) async fn l2_read(&self, key: &str, now: u64, check: Key) -> Result<Option<(Bytes, WitMeta)>> {
         let inner = &*self.inner;
         let entries = &inner.stores.entries;
         let sliding = inner.sliding_keys.contains(key);
@@ -58,10 +69,20 @@ impl Corral {
             Some(touching) => touching,
             None => entries.get(key),
         };
-        let Some(stored) = self.l2_op(read).await? else {
-            return Ok(None);
+        let stored = match self.l2_op(read).await {
+            Ok(Some(stored)) => stored,
+            other => {
+                if check == Key::Unchecked {
+                    inner.policy.validate_key(key)?;
+                }
+                return other.map(|_| None);
+            }
         };
-        match inner.policy.read(&stored, now)? {
+        let outcome = match check {
+            Key::Checked => inner.policy.read(&stored, now)?,
+            Key::Unchecked => inner.policy.read_entry(key, &stored, now)?,
+        };
+        match outcome {
             ReadOutcome::Fresh(hit) => {
                 let value = stored.slice(hit.value_offset as usize..);
                 if let Some(header) = hit.new_header {

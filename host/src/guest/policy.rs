@@ -4,6 +4,7 @@
 //! `Store` each), so concurrent callers never share a `Store`. A trapped instance is
 //! dropped, never reused.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
@@ -45,6 +46,8 @@ pub struct Policy {
 struct Inner {
     loaded: &'static Loaded,
     slots: Mutex<Vec<Slot<PolicyState>>>,
+    /// Instances this handle had to create (for diagnostics: they are recycled).
+    created: std::sync::atomic::AtomicU64,
     limits: types::Limits,
     header_len: usize,
     scripts: Scripts,
@@ -108,6 +111,7 @@ impl Policy {
             inner: Arc::new(Inner {
                 loaded,
                 slots: Mutex::new(vec![slot]),
+                created: std::sync::atomic::AtomicU64::new(1),
                 limits,
                 header_len,
                 scripts: Scripts {
@@ -130,21 +134,41 @@ impl Policy {
         ticks: u64,
         f: impl FnOnce(&mut Slot<PolicyState>) -> wasmtime::Result<R>,
     ) -> Result<R> {
-        let idle = self.inner.slots.lock().pop();
-        let mut slot = match idle {
+        // Every policy instance is stateless, so any serves any handle: the calling
+        // thread keeps one of its own (no lock on the hot path), and the pool serves the
+        // rare call that finds it busy.
+        thread_local! {
+            static LOCAL: RefCell<Option<Slot<PolicyState>>> = const { RefCell::new(None) };
+        }
+        let local = LOCAL.with(|l| l.try_borrow_mut().ok().and_then(|mut l| l.take()));
+        let mut slot = match local.or_else(|| self.inner.slots.lock().pop()) {
             Some(slot) => slot,
-            None => instantiate(
-                self.inner.loaded,
-                &self.inner.loaded.policy_pre,
-                PolicyState::new(),
-            )?,
+            None => {
+                self.inner
+                    .created
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                instantiate(
+                    self.inner.loaded,
+                    &self.inner.loaded.policy_pre,
+                    PolicyState::new(),
+                )?
+            }
         };
         slot.store.set_epoch_deadline(ticks);
-        // A trapped instance is poisoned: it is dropped, not returned to the pool.
+        // A trapped instance is poisoned: it is dropped, not returned.
         let out = f(&mut slot).map_err(trap)?;
-        let mut slots = self.inner.slots.lock();
-        if slots.len() < MAX_IDLE {
-            slots.push(slot);
+        let slot = LOCAL.with(|l| match l.try_borrow_mut() {
+            Ok(mut l) if l.is_none() => {
+                *l = Some(slot);
+                None
+            }
+            _ => Some(slot),
+        });
+        if let Some(slot) = slot {
+            let mut slots = self.inner.slots.lock();
+            if slots.len() < MAX_IDLE {
+                slots.push(slot);
+            }
         }
         Ok(out)
     }
@@ -215,6 +239,23 @@ impl Policy {
                 .corral_cache_policy()
                 .call_read(&mut s.store, head, stored.len() as u64, now_ms, limits)
         })
+    }
+
+    /// Checks `key` and reads its stored bytes at `now_ms`, in one call.
+    pub(crate) fn read_entry(&self, key: &str, stored: &[u8], now_ms: u64) -> Result<ReadOutcome> {
+        let limits = self.inner.limits;
+        let head = &stored[..stored.len().min(self.inner.header_len)];
+        self.call(|s| {
+            s.guest.corral_cache_policy().call_read_entry(
+                &mut s.store,
+                key,
+                head,
+                stored.len() as u64,
+                now_ms,
+                limits,
+            )
+        })?
+        .map_err(from_wit)
     }
 
     /// Decodes stored bytes without judging them; corrupt bytes are an error.
@@ -384,10 +425,11 @@ impl Policy {
         &self.inner.scripts
     }
 
-    /// Idle instances in the pool (for diagnostics).
+    /// Instances this handle has created so far: calls reuse them (one per thread that
+    /// calls, plus the pool), so this stays small however many calls were made.
     #[cfg(any(test, feature = "test-util"))]
-    pub fn idle_instances(&self) -> usize {
-        self.inner.slots.lock().len()
+    pub fn instances_created(&self) -> u64 {
+        self.inner.created.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

@@ -284,9 +284,7 @@ async fn together(body: &Body, step: &Value, now: u64, loads: &Arc<AtomicUsize>)
         let task = match body {
             Body::Native { cache, .. } => {
                 let cache = cache.clone();
-                let o = LoadOptions::new()
-                    .entry(entry)
-                    .should_cache(move |_| cacheable);
+                let o = LoadOptions::new().entry(entry).should_cache(move |_| cacheable);
                 tokio::spawn(async move {
                     cache
                         .get_or_set(&key, o, || async move {

@@ -1,0 +1,199 @@
+//! L2 reads at Redis's own cost, side by side in one run: 64 concurrent callers on one
+//! connection, and one caller alone, reading a 64 B value through Corral (L1 off) and
+//! through a raw redis-rs `GET` on the same kind of connection. Besides throughput, it
+//! reads the server's own CPU time per operation from `INFO cpu`, so a read that costs
+//! Redis more than a `GET` (a Lua script) shows up even when the network hides it.
+//!
+//! `cargo bench -p corral-tests --bench l2_concurrent`. Prints a Markdown table for
+//! BENCHMARKS.md. Rounds alternate the contenders so drift in this VM hits them alike.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use corral::{Corral, EntryOptions};
+use corral_tests::RedisServer;
+use redis::aio::ConnectionManager;
+
+const CALLERS: usize = 64;
+const OPS_PER_CALLER: usize = 1_500;
+const SOLO_OPS: usize = 4_000;
+const ROUNDS: usize = 5;
+
+#[derive(Clone, Copy)]
+enum Reader {
+    Raw,
+    /// A raw `GET` on a connection set up as Corral sets up its own (timeouts on).
+    RawConfigured,
+    Corral(&'static str),
+}
+
+/// Server CPU seconds so far (user + sys, main thread included).
+async fn server_cpu(conn: &mut ConnectionManager) -> Result<f64> {
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(conn).await?;
+    let field = |name: &str| -> Result<f64> {
+        info.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .with_context(|| format!("no {name} in INFO cpu"))?
+            .trim()
+            .parse::<f64>()
+            .context("a number")
+    };
+    Ok(field("used_cpu_user:")? + field("used_cpu_sys:")?)
+}
+
+async fn read(reader: Reader, cache: &Corral, raw: &[ConnectionManager; 2]) {
+    match reader {
+        Reader::Raw | Reader::RawConfigured => {
+            let mut conn = raw[matches!(reader, Reader::RawConfigured) as usize].clone();
+            let v: Vec<u8> = redis::cmd("GET").arg("raw").query_async(&mut conn).await.unwrap();
+            assert_eq!(v.len(), 96);
+        }
+        Reader::Corral(key) => {
+            let v = cache.get(key).await.unwrap().expect("a hit");
+            assert_eq!(v.len(), 64);
+        }
+    }
+}
+
+/// (ops per second, server CPU µs per op) for `callers` tasks doing `ops` reads each.
+async fn measure(
+    reader: Reader,
+    callers: usize,
+    ops: usize,
+    cache: &Corral,
+    raw: &[ConnectionManager; 2],
+    probe: &mut ConnectionManager,
+) -> Result<(f64, f64)> {
+    let cpu0 = server_cpu(probe).await?;
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..callers)
+        .map(|_| {
+            let (cache, raw) = (cache.clone(), raw.clone());
+            tokio::spawn(async move {
+                for _ in 0..ops {
+                    read(reader, &cache, &raw).await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await?;
+    }
+    let elapsed = started.elapsed();
+    let cpu = server_cpu(probe).await? - cpu0;
+    let total = (callers * ops) as f64;
+    Ok((total / elapsed.as_secs_f64(), cpu * 1e6 / total))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<()> {
+    if std::env::args().any(|a| a == "--list") {
+        return Ok(()); // `cargo test --benches` lists benches; nothing to list here.
+    }
+    let server = RedisServer::start()?;
+    let cache = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
+    let hour = Duration::from_secs(3600);
+    cache
+        .set("relative", vec![7u8; 64], EntryOptions::new().relative(hour))
+        .await?;
+    cache
+        .set("sliding", vec![7u8; 64], EntryOptions::new().sliding(hour))
+        .await?;
+    let info = redis::IntoConnectionInfo::into_connection_info(server.url().as_str())?
+        .set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
+    let client = redis::Client::open(info)?;
+    let configured = redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_millis(500)))
+        .set_response_timeout(Some(Duration::from_secs(1)))
+        .set_number_of_retries(1);
+    let raw = [
+        client.get_connection_manager().await?,
+        client.get_connection_manager_with_config(configured).await?,
+    ];
+    let mut probe = client.get_connection_manager().await?;
+    redis::cmd("SET")
+        .arg("raw")
+        .arg(vec![7u8; 96])
+        .query_async::<()>(&mut probe.clone())
+        .await?;
+
+    let contenders = [
+        ("raw redis-rs `GET`", Reader::Raw),
+        (
+            "raw redis-rs `GET`, Corral's connection settings",
+            Reader::RawConfigured,
+        ),
+        ("Corral `get`, relative entry (`GET`)", Reader::Corral("relative")),
+        (
+            "Corral `get`, sliding entry (read-and-touch script)",
+            Reader::Corral("sliding"),
+        ),
+    ];
+    // CORRAL_BENCH_ONLY=<n> runs contender n alone, long, for a profiler.
+    if let Some(n) = std::env::var("CORRAL_BENCH_ONLY")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        let (tput, cpu) = measure(
+            contenders[n].1,
+            CALLERS,
+            OPS_PER_CALLER * 4,
+            &cache,
+            &raw,
+            &mut probe,
+        )
+        .await?;
+        println!(
+            "{}: {tput:.0} reads/s, {cpu:.2} µs Redis CPU per read",
+            contenders[n].0
+        );
+        return Ok(());
+    }
+    // Warm up every path (connections, the script cache, the sliding-key memory).
+    for (_, r) in contenders {
+        measure(r, 8, 200, &cache, &raw, &mut probe).await?;
+    }
+    // Per round, each contender's figures as ratios to the raw `GET` of the same round:
+    // drift in this VM moves a whole round, and the median of the ratios ignores it.
+    let mut results = vec![(Vec::new(), Vec::new(), Vec::new()); contenders.len()];
+    let mut ratios = vec![(Vec::new(), Vec::new(), Vec::new()); contenders.len()];
+    for round in 0..ROUNDS {
+        eprintln!("round {} of {ROUNDS}", round + 1);
+        for (i, (_, r)) in contenders.iter().enumerate() {
+            let (tput, cpu) = measure(*r, CALLERS, OPS_PER_CALLER, &cache, &raw, &mut probe).await?;
+            let (solo, _) = measure(*r, 1, SOLO_OPS, &cache, &raw, &mut probe).await?;
+            results[i].0.push(tput);
+            results[i].1.push(cpu);
+            results[i].2.push(1e6 / solo);
+        }
+        for i in 0..contenders.len() {
+            let base = (results[0].0[round], results[0].1[round], results[0].2[round]);
+            ratios[i].0.push(results[i].0[round] / base.0);
+            ratios[i].1.push(results[i].1[round] / base.1);
+            ratios[i].2.push(results[i].2[round] / base.2);
+        }
+    }
+    let ratios: Vec<(f64, f64, f64)> = ratios
+        .into_iter()
+        .map(|(t, c, s)| (median(t), median(c), median(s)))
+        .collect();
+    let summary: Vec<(f64, f64, f64)> = results
+        .into_iter()
+        .map(|(t, c, s)| (median(t), median(c), median(s)))
+        .collect();
+    println!(
+        "| what | {CALLERS} callers: reads/s | ratio | Redis CPU per read | ratio | 1 caller: µs per read | ratio |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for (((name, _), (tput, cpu, solo)), (rt, rc, rs)) in contenders.iter().zip(&summary).zip(&ratios) {
+        println!("| {name} | {tput:.0} | {rt:.2}x | {cpu:.2} µs | {rc:.2}x | {solo:.1} µs | {rs:.2}x |");
+    }
+    println!("\n(medians of {ROUNDS} rounds; ratios are medians of per-round ratios to the raw `GET`)");
+    assert_eq!(cache.metrics().l1_hits, 0, "every read went to L2");
+    Ok(())
+}
