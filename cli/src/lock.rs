@@ -1,79 +1,268 @@
-//! `corral lock`: run a command only while holding a lock.
+//! `corral lock`: a distributed flock(1). Takes a lease, runs the command in a process
+//! group of its own while holding it, and releases it on every way out.
+//!
+//! - The command's status is `corral`'s (128 + signal if a signal ended it).
+//! - SIGINT, SIGTERM and SIGHUP sent to `corral` go to the command's whole group; after
+//!   the grace period what is left gets SIGKILL; `corral` exits 128 + the signal.
+//! - Lock lost while the command runs: the group is stopped the same way; exit 76.
+//! - Lock held by another owner: 75. Redis unreachable, refusing the login or the
+//!   commands, or too few Redlock servers answering: 69, naming the cause.
+//! - A command that cannot be started: 127 (not found) or 126 (not executable).
+//!
+//! Whatever happens once the lock is held, its release (owner-checked, bounded by
+//! [`RELEASE_TIMEOUT`]) runs before `corral` exits.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use corral::locks::{LockOptions, RedisLocks};
+use corral::locks::{Lease, LockOptions, RedisLocks};
 use corral::{Error, ErrorKind};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 
-/// Exit status when the lock could not be had within --wait (EX_TEMPFAIL).
-pub const COULD_NOT_LOCK: u8 = 75;
-/// Exit status when the lock was lost while the command ran.
-pub const LOCK_LOST: u8 = 76;
+use crate::failure::{Cause, Failure, code};
+use crate::group::{self, Group};
+use crate::output::say;
+use crate::probe;
+use crate::redact::RedisUrl;
+use crate::signals::{self, Signals};
 
-pub async fn run(
-    urls: &[String],
-    prefix: &str,
-    key: &str,
-    options: LockOptions,
-    command: &[String],
-) -> corral::Result<ExitCode> {
-    if urls.is_empty() {
-        return Err(Error::from(ErrorKind::InvalidArgument)
-            .with_context("`lock` needs --redis URL (several for Redlock)"));
-    }
-    let locks = RedisLocks::connect_with(urls, prefix, corral::SystemClock)?;
-    let lease = match locks.acquire(key, options).await {
-        Ok(lease) => lease,
-        Err(e) if matches!(e.kind(), ErrorKind::Timeout | ErrorKind::Quorum) => {
-            eprintln!("corral lock: could not get lock {key:?}: {e}");
-            eprintln!("hint: another holder is running; pass --wait 30s to wait for it");
-            return Ok(ExitCode::from(COULD_NOT_LOCK));
-        }
-        Err(e) => return Err(e),
-    };
-    eprintln!(
-        "corral lock: holding {key:?} (fencing token {})",
-        lease.fencing_token()
-    );
-    let mut child = tokio::process::Command::new(&command[0])
-        .args(&command[1..])
-        .env("CORRAL_FENCING_TOKEN", lease.fencing_token().to_string())
-        .env("CORRAL_LOCK_KEY", key)
-        .spawn()
-        .map_err(|e| {
-            Error::from(ErrorKind::InvalidArgument)
-                .with_context(format!("could not start {:?}: {e}", command[0]))
-        })?;
-    tokio::select! {
-        status = child.wait() => {
-            let status = status.map_err(|e| Error::from(ErrorKind::Unavailable).with_context(format!("waiting for the command: {e}")))?;
-            if let Err(e) = lease.release().await {
-                eprintln!("corral lock: warning: {e}");
-            }
-            Ok(ExitCode::from(exit_status(status)))
-        }
-        () = lease.lost() => {
-            eprintln!("corral lock: lock {key:?} lost: stopping the command (SIGTERM)");
-            if let Some(pid) = child.id() {
-                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
-            }
-            if tokio::time::timeout(Duration::from_secs(5), child.wait()).await.is_err() {
-                eprintln!("corral lock: the command ignored SIGTERM for 5 s: SIGKILL");
-                let _ = child.kill().await;
-            }
-            Ok(ExitCode::from(LOCK_LOST))
+/// How long the release of the lock may take before `corral` gives up on it (the lock
+/// then expires with its TTL).
+pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long an acquire interrupted by a signal may take to finish its attempt in flight
+/// (the library's response timeout).
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What `corral lock` was asked to do.
+#[derive(Debug)]
+pub struct Request<'a> {
+    pub urls: &'a [RedisUrl],
+    pub prefix: &'a str,
+    pub key: &'a str,
+    /// A fixed lease of this TTL (else a watchdog lease).
+    pub ttl: Option<Duration>,
+    /// The watchdog lease's TTL (default 30 s).
+    pub watchdog: Option<Duration>,
+    /// How long to wait for the lock (0: one try).
+    pub wait: Duration,
+    /// How long the command may take to stop after a signal, before SIGKILL.
+    pub grace: Duration,
+    /// The program and its arguments.
+    pub command: &'a [String],
+}
+
+impl Request<'_> {
+    fn options(&self) -> LockOptions {
+        let options = LockOptions::new().wait(self.wait);
+        match (self.ttl, self.watchdog) {
+            (Some(ttl), _) => options.ttl(ttl),
+            (None, Some(ttl)) => options.watchdog(ttl),
+            (None, None) => options,
         }
     }
 }
 
-fn exit_status(status: std::process::ExitStatus) -> u8 {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(code), _) => code.clamp(0, 255) as u8,
-        (None, Some(sig)) => 128u8.saturating_add(sig as u8),
-        (None, None) => 1,
+/// How the command's run ended.
+enum Ending {
+    /// Its group is gone; the leader's status.
+    Exited(std::io::Result<std::process::ExitStatus>),
+    /// The lock was lost.
+    Lost,
+    /// `corral` received a signal.
+    Signalled(Signal),
+}
+
+/// Runs `corral lock`.
+pub async fn run(request: Request<'_>) -> Result<ExitCode, Failure> {
+    if request.urls.is_empty() {
+        return Err(
+            Failure::new(code::USAGE, "`lock` needs --redis URL (several for Redlock)")
+                .hint("e.g. `corral lock --key nightly --redis redis://127.0.0.1:6379 -- ./nightly.sh`"),
+        );
+    }
+    let mut signals = Signals::listen()
+        .map_err(|e| Failure::new(code::GENERIC, format!("could not catch signals: {e}")))?;
+    tracing::info!(key = request.key, wait = %humantime::format_duration(request.wait), "taking the lock");
+    let acquiring = acquire(&request);
+    tokio::pin!(acquiring);
+    let lease = tokio::select! {
+        acquired = &mut acquiring => acquired?,
+        signal = signals.next() => {
+            tracing::info!(%signal, "signal received while taking the lock; the command is not started");
+            settle(acquiring).await;
+            return Ok(ExitCode::from(signals::exit_code(signal)));
+        }
+    };
+    tracing::info!(
+        key = request.key,
+        fencing_token = lease.fencing_token(),
+        "holding the lock"
+    );
+    let outcome = supervise(&lease, &request, &mut signals).await;
+    release(lease).await;
+    outcome
+}
+
+/// Lets an acquire interrupted by a signal finish its attempt in flight (if it is
+/// waiting between attempts it is simply dropped at the bound), and releases what it
+/// took: a signal must not leave a lock behind that lives until its TTL.
+async fn settle(acquiring: impl Future<Output = Result<Lease, Failure>>) {
+    if let Ok(Ok(lease)) = tokio::time::timeout(SETTLE_TIMEOUT, acquiring).await {
+        release(lease).await;
+    }
+}
+
+/// Takes the lease, or says why not.
+async fn acquire(request: &Request<'_>) -> Result<Lease, Failure> {
+    let urls: Vec<&str> = request.urls.iter().map(RedisUrl::expose).collect();
+    let locks = RedisLocks::connect_with(&urls, request.prefix, corral::SystemClock)
+        .map_err(|e| Failure::from_error(&e, single(request.urls)))?;
+    match locks.acquire(request.key, request.options()).await {
+        Ok(lease) => Ok(lease),
+        Err(e) => Err(not_acquired(&e, request).await),
+    }
+}
+
+/// The one URL of a single-server lock.
+fn single(urls: &[RedisUrl]) -> Option<&RedisUrl> {
+    match urls {
+        [url] => Some(url),
+        _ => None,
+    }
+}
+
+/// Why the lease was not had: held by another owner (75), or the servers failed (69).
+async fn not_acquired(e: &Error, request: &Request<'_>) -> Failure {
+    match e.kind() {
+        ErrorKind::Timeout => {
+            let waited = match request.wait {
+                Duration::ZERO => String::new(),
+                wait => format!(" (waited {})", humantime::format_duration(wait)),
+            };
+            Failure::new(
+                code::TEMPFAIL,
+                format!("lock {:?} is held by another owner{waited}", request.key),
+            )
+            .hint("another run holds it: try again later, or pass a longer --wait to wait for it")
+        }
+        ErrorKind::Unavailable | ErrorKind::Quorum => unavailable(e, request).await,
+        _ => Failure::from_error(e, single(request.urls)),
+    }
+}
+
+/// The lock's servers failed. Names the cause from the error's words or, when they do
+/// not say, from asking each server.
+async fn unavailable(e: &Error, request: &Request<'_>) -> Failure {
+    let named = Cause::of_error(e) != Cause::Unknown;
+    let findings = if named {
+        Vec::new()
+    } else {
+        probe::servers(request.urls).await
+    };
+    let failure = match single(request.urls) {
+        Some(url) => {
+            let cause = match findings.iter().find_map(probe::Finding::cause) {
+                Some(cause) => cause,
+                None => Cause::of_error(e),
+            };
+            Failure::unavailable(e, &format!("Redis at {url}"), cause, &url.to_string())
+        }
+        None => {
+            let n = request.urls.len();
+            Failure::new(
+                code::UNAVAILABLE,
+                format!("cannot take lock {:?}: too few of its {n} Redis servers answered", request.key),
+            )
+            .because(e)
+            .because_sources(e)
+            .hint(format!(
+                "a lock needs a majority ({} of {n}): bring back the servers named above, each with its cause",
+                n / 2 + 1
+            ))
+        }
+    };
+    findings.iter().fold(failure, Failure::because)
+}
+
+/// Runs the command until its group is gone, the lock is lost or a signal comes.
+async fn supervise(lease: &Lease, request: &Request<'_>, signals: &mut Signals) -> Result<ExitCode, Failure> {
+    let env = [
+        ("CORRAL_FENCING_TOKEN", lease.fencing_token().to_string()),
+        ("CORRAL_LOCK_KEY", request.key.to_owned()),
+    ];
+    let mut group = Group::start(request.command, &env).map_err(|e| cannot_start(&request.command[0], &e))?;
+    let ending = tokio::select! {
+        status = group.finished() => Ending::Exited(status),
+        () = lease.lost() => Ending::Lost,
+        signal = signals.next() => Ending::Signalled(signal),
+    };
+    match ending {
+        Ending::Exited(Ok(status)) => Ok(ExitCode::from(group::exit_code(status))),
+        Ending::Exited(Err(e)) => Err(Failure::new(
+            code::GENERIC,
+            format!("lost track of the command (process group {}): {e}", group.pgid()),
+        )),
+        Ending::Lost => {
+            say!(
+                "corral lock: lock {:?} lost (expired or taken over): stopping the command (SIGTERM to its process group, SIGKILL after {})",
+                request.key,
+                humantime::format_duration(request.grace)
+            );
+            group.stop(Signal::SIGTERM, request.grace, signals).await;
+            Err(lost(request.key))
+        }
+        Ending::Signalled(signal) => {
+            tracing::info!(%signal, pgid = group.pgid().as_raw(), "passing the signal on to the command's process group");
+            group.stop(signal, request.grace, signals).await;
+            Ok(ExitCode::from(signals::exit_code(signal)))
+        }
+    }
+}
+
+fn lost(key: &str) -> Failure {
+    Failure::new(
+        code::LOCK_LOST,
+        format!("lock {key:?} was lost while the command ran; the command was stopped"),
+    )
+    .hint(
+        "another holder may have run meanwhile: check the resource (it should refuse the \
+             stale CORRAL_FENCING_TOKEN); a longer --watchdog TTL or --ttl survives longer pauses",
+    )
+}
+
+/// A command that could not be started: 127 when not found, 126 otherwise.
+fn cannot_start(program: &str, e: &std::io::Error) -> Failure {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        Failure::new(
+            code::NOT_FOUND,
+            format!("cannot run {program:?}: command not found"),
+        )
+        .because(e)
+        .hint("check the name, or give its path; the lock was released")
+    } else {
+        Failure::new(
+            code::CANNOT_EXECUTE,
+            format!("cannot run {program:?}: not executable"),
+        )
+        .because(e)
+        .hint("check its permissions (chmod +x) and its #! line; the lock was released")
+    }
+}
+
+/// Releases the lease, owner-checked, within [`RELEASE_TIMEOUT`]. A lease known lost is
+/// released too (if Redis only missed renewals, the lock may still be ours).
+async fn release(lease: Lease) {
+    let key = lease.key().to_owned();
+    let known_lost = lease.is_lost();
+    match tokio::time::timeout(RELEASE_TIMEOUT, lease.release()).await {
+        Ok(Ok(())) => tracing::info!(key, "released the lock"),
+        Ok(Err(e)) if known_lost => tracing::debug!(key, error = %e, "release of a lost lock"),
+        Ok(Err(e)) => say!(
+            "corral lock: warning: could not confirm the release of lock {key:?} ({e}); if it is still held, it expires with its TTL"
+        ),
+        Err(_) => say!(
+            "corral lock: warning: releasing lock {key:?} took more than {RELEASE_TIMEOUT:?}; if it is still held, it expires with its TTL"
+        ),
     }
 }

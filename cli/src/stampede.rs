@@ -1,11 +1,50 @@
-//! `corral stampede`: N concurrent get-or-set calls at one cold key.
+//! `corral stampede`: N concurrent get-or-set calls at one cold key, and the report of
+//! what they cost (loads, latency, Redis commands).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use comfy_table::Table;
-use corral::{Corral, EntryOptions};
+use corral::{Clock, Corral, EntryOptions};
+
+use crate::failure::{Failure, code};
+use crate::output::{out, say};
+
+/// What `corral stampede` was asked to do.
+#[derive(Debug)]
+pub struct Request {
+    pub callers: usize,
+    pub loader: Duration,
+    /// The key (default: a fresh one per run).
+    pub key: Option<String>,
+    /// One JSON object on stdout instead of tables.
+    pub json: bool,
+    /// Say "ready" on stderr once connected, then wait for a line on stdin.
+    pub wait_for_go: bool,
+}
+
+/// Runs `corral stampede` on `cache` and prints the report.
+pub async fn command(cache: &Corral, request: Request) -> Result<(), Failure> {
+    let key = request
+        .key
+        .unwrap_or_else(|| format!("stampede:{}", corral::SystemClock.now_ms()));
+    if request.wait_for_go {
+        // Connect (and subscribe) before the barrier, so the start is even.
+        cache.get(&format!("{key}:warmup")).await?;
+        say!("ready");
+        let mut line = String::new();
+        std::io::stdin()
+            .read_line(&mut line)
+            .map_err(|e| Failure::new(code::USAGE, format!("waiting for go on stdin: {e}")))?;
+    }
+    let report = run(cache, &key, request.callers, request.loader, !request.json).await;
+    if request.json {
+        out!("{}", report.json())
+    } else {
+        out!("{}", report.table())
+    }
+}
 
 /// What one stampede did in this process.
 pub struct Report {
@@ -52,7 +91,7 @@ pub async fn run(cache: &Corral, key: &str, callers: usize, loader: Duration, pr
             tick.tick().await;
             loop {
                 tick.tick().await;
-                eprintln!(
+                say!(
                     "  ... {}/{callers} callers answered",
                     done.load(Ordering::Relaxed)
                 );

@@ -53,6 +53,8 @@ pub struct Error {
     kind: ErrorKind,
     message: String,
     argument: Option<String>,
+    /// A loader that panicked: its flight is handed on, not shared.
+    panicked: bool,
     #[source]
     source: Option<Source>,
 }
@@ -66,6 +68,7 @@ impl Error {
             kind,
             message: message.into(),
             argument: None,
+            panicked: false,
             source: None,
         }
     }
@@ -94,6 +97,23 @@ impl Error {
         Error::new(ErrorKind::Loader, format!("the loader failed: {source}")).with_source(source)
     }
 
+    /// The loader panicked; `payload` is what it panicked with.
+    pub(crate) fn loader_panicked(payload: &(dyn std::any::Any + Send)) -> Self {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a non-string payload".to_owned());
+        let mut e = Error::new(ErrorKind::Loader, format!("the loader panicked: {what}"));
+        e.panicked = true;
+        e
+    }
+
+    /// Whether this is a loader's panic (its flight goes to a follower).
+    pub(crate) fn is_panic(&self) -> bool {
+        self.panicked
+    }
+
     /// A copy for the other callers of a flight: same kind, message and argument; the
     /// source is described, not shared (a `Box<dyn Error>` cannot be cloned).
     pub(crate) fn share(&self) -> Error {
@@ -101,6 +121,7 @@ impl Error {
             kind: self.kind,
             message: self.message.clone(),
             argument: self.argument.clone(),
+            panicked: self.panicked,
             source: None,
         }
     }

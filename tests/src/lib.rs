@@ -5,13 +5,17 @@
 //! install it. `REDIS_SERVER_BIN` picks another binary.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use corral::{Corral, ManualClock};
+
+pub mod proxy;
+
+pub use proxy::{ConnInfo, FaultProxy};
 
 /// A `redis-server` this process started, on a free loopback port. Dropping it stops it.
 #[derive(Debug)]
@@ -97,6 +101,11 @@ impl RedisServer {
     /// The port it listens on.
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// `127.0.0.1:PORT`, say for a [`FaultProxy`] in front of it.
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.port))
     }
 
     /// Kills the server (SIGKILL) and waits for it to die.
@@ -231,14 +240,19 @@ impl Fixture {
         Ok(Fixture { cache, clock, redis })
     }
 
+    /// The name `key`'s entry has in the store, valid key or not (contract §2.4).
+    pub fn name(&self, key: &str) -> String {
+        corral_core::names::name(self.cache.prefix(), key, corral_core::names::Kind::Entry)
+    }
+
     /// Writes raw bytes under `key`, bypassing the cache's encoding: straight into Redis
-    /// (under the prefix) for the Redis backend.
+    /// for the Redis backend.
     pub async fn plant(&self, key: &str, bytes: &[u8]) -> Result<()> {
         match &self.redis {
             Some(server) => {
                 let mut conn = server.connection().await?;
                 redis::cmd("SET")
-                    .arg(format!("{PREFIX}e:{key}"))
+                    .arg(self.name(key))
                     .arg(bytes)
                     .query_async::<()>(&mut conn)
                     .await?;
@@ -246,25 +260,31 @@ impl Fixture {
             None => {
                 self.cache
                     .entries()
-                    .set(key, bytes.to_vec().into(), 60_000)
+                    .set(&self.name(key), bytes.to_vec().into(), 60_000)
                     .await?
             }
         }
         Ok(())
     }
 
-    /// Whether the store still holds anything under `key` (expired or not).
+    /// Whether the store still holds an entry under `key`, expired or not (a removal's
+    /// tombstone is no entry: contract §5.12).
     pub async fn stored(&self, key: &str) -> Result<bool> {
         match &self.redis {
             Some(server) => {
                 let mut conn = server.connection().await?;
-                let n: u64 = redis::cmd("EXISTS")
-                    .arg(format!("{PREFIX}e:{key}"))
+                let held: Option<Vec<u8>> = redis::cmd("GET")
+                    .arg(self.name(key))
                     .query_async(&mut conn)
                     .await?;
-                Ok(n > 0)
+                Ok(held.is_some_and(|b| b != corral_core::envelope::TOMBSTONE))
             }
-            None => Ok(self.cache.entries().get(key).await?.is_some()),
+            None => Ok(self
+                .cache
+                .entries()
+                .get(&self.name(key))
+                .await?
+                .is_some_and(|b| b != corral_core::envelope::TOMBSTONE[..])),
         }
     }
 }

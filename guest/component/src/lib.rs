@@ -107,6 +107,7 @@ fn read_outcome(outcome: policy::ReadOutcome) -> wit::ReadOutcome {
         }),
         policy::ReadOutcome::Expired => wit::ReadOutcome::Expired,
         policy::ReadOutcome::Corrupt(c) => wit::ReadOutcome::Corrupt(c.to_string()),
+        policy::ReadOutcome::Removed => wit::ReadOutcome::Removed,
     }
 }
 
@@ -150,16 +151,23 @@ impl wit::Guest for Component {
         read_outcome(policy::read(&head, total_len, now_ms, &limits(l)))
     }
 
-    fn read_entry(
-        key: String,
-        head: Vec<u8>,
-        total_len: u64,
-        now_ms: u64,
-        l: types::Limits,
-    ) -> Result<wit::ReadOutcome, types::Error> {
-        policy::read_entry(&key, &head, total_len, now_ms, &limits(l))
-            .map(read_outcome)
-            .map_err(arg_error)
+    fn locate(prefix: String, key: String, l: types::Limits) -> Result<wit::StoreNames, types::Error> {
+        let n = corral_core::names::locate(&prefix, &key, &limits(l)).map_err(arg_error)?;
+        Ok(wit::StoreNames {
+            entry: n.entry,
+            flight_lock: n.flight_lock,
+            lock: n.lock,
+            fence: n.fence,
+        })
+    }
+
+    fn removal(lock_ttl_ms: u64) -> (Vec<u8>, u64) {
+        let (tombstone, ttl) = policy::removal(lock_ttl_ms);
+        (tombstone.to_vec(), ttl)
+    }
+
+    fn channel(prefix: String) -> String {
+        corral_core::names::channel(&prefix)
     }
 
     fn decode(head: Vec<u8>, total_len: u64, l: types::Limits) -> Result<wit::Decoded, types::Error> {
@@ -412,12 +420,20 @@ mod lock {
             core::sweepable(&held_in(entry), now_ms)
         }
 
+        fn sweep_interval_ms() -> u64 {
+            core::SWEEP_INTERVAL_MS
+        }
+
         fn next_try(attempt: u32, now_ms: u64, deadline_ms: u64) -> Option<u64> {
             core::next_try(attempt, now_ms, deadline_ms)
         }
 
         fn decide(acquired: u32, servers: u32, ttl_ms: u64, elapsed_ms: u64) -> Option<u64> {
             core::decide(acquired, servers, ttl_ms, elapsed_ms)
+        }
+
+        fn orphan_window_ms(ttl_ms: u64) -> u64 {
+            core::orphan_window_ms(ttl_ms)
         }
 
         fn has_quorum(count: u32, servers: u32) -> bool {

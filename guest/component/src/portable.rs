@@ -9,7 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use corral_core::flight::{Action, Event, Flight, Outcome};
 use corral_core::policy::{self, ReadOutcome};
-use corral_core::{EntryMeta, Limits, Settings, flight, key, lock};
+use corral_core::{EntryMeta, Limits, Settings, flight, lock, names};
 
 use super::bindings::corral::cache::flights::{self, Joined};
 use super::bindings::corral::cache::{l1, l2, loader, types};
@@ -21,8 +21,22 @@ use super::{Component, arg_error, options_in, settings_in};
 /// This instance's settings: the core's defaults until `configure`.
 static SETTINGS: Mutex<Settings> = Mutex::new(Settings::DEFAULT);
 
+/// The prefix this instance names its data under (contract §2.4).
+static PREFIX: Mutex<String> = Mutex::new(String::new());
+
 fn settings() -> Settings {
     *SETTINGS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The names of `key`'s data, once `key` passed the key rules.
+fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
+    let prefix = PREFIX.lock().unwrap_or_else(|e| e.into_inner());
+    let prefix = if prefix.is_empty() {
+        "corral:"
+    } else {
+        prefix.as_str()
+    };
+    names::locate(prefix, key, limits).map_err(arg_error)
 }
 
 fn now_ms() -> u64 {
@@ -31,11 +45,18 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// One L2 read at `now`: judged by the policy; a sliding touch is written back only
-/// over the very bytes read; expired and corrupt bytes are removed.
-fn l2_read(key: &str, now: u64, limits: &Limits) -> Result<Option<(Vec<u8>, EntryMeta)>, types::Error> {
-    let Some(stored) = l2::get(key)? else {
-        return Ok(None);
+/// One L2 read of the entry `name` at `now`: judged by the policy; a sliding touch is
+/// written back only over the very bytes read; expired and corrupt bytes are removed.
+fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Option<(Vec<u8>, EntryMeta)>, types::Error> {
+    let stored = match l2::get(name) {
+        Ok(Some(stored)) => stored,
+        Ok(None) => return Ok(None),
+        // Not bytes at all (another Redis type): a miss, removed (contract §4).
+        Err(types::Error::Corrupt(_)) => {
+            l2::delete(name)?;
+            return Ok(None);
+        }
+        Err(e) => return Err(e),
     };
     match policy::read(&stored, stored.len() as u64, now, limits) {
         ReadOutcome::Fresh(hit) => {
@@ -43,14 +64,15 @@ fn l2_read(key: &str, now: u64, limits: &Limits) -> Result<Option<(Vec<u8>, Entr
             if let Some(header) = hit.new_header {
                 let mut touched = header.to_vec();
                 touched.extend_from_slice(&value);
-                l2::replace_if_equal(key, &stored, &touched, hit.store_ttl_ms)?;
+                l2::replace_if_equal(name, &stored, &touched, hit.store_ttl_ms)?;
             }
             Ok(Some((value, hit.meta)))
         }
         ReadOutcome::Expired | ReadOutcome::Corrupt(_) => {
-            l2::delete_if_equal(key, &stored)?;
+            l2::delete_if_equal(name, &stored)?;
             Ok(None)
         }
+        ReadOutcome::Removed => Ok(None),
     }
 }
 
@@ -70,10 +92,11 @@ fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
 }
 
 impl wcache::Guest for Component {
-    fn configure(s: types::Settings) -> Result<(), types::Error> {
+    fn configure(s: types::Settings, prefix: String) -> Result<(), types::Error> {
         let s = settings_in(s);
         s.limits.check().map_err(arg_error)?;
         *SETTINGS.lock().unwrap_or_else(|e| e.into_inner()) = s;
+        *PREFIX.lock().unwrap_or_else(|e| e.into_inner()) = prefix;
         Ok(())
     }
 
@@ -83,8 +106,8 @@ impl wcache::Guest for Component {
             return Ok(Some(v));
         }
         let limits = settings().limits;
-        key::validate(&key, &limits).map_err(arg_error)?;
-        Ok(l2_read(&key, now, &limits)?.map(|(value, meta)| {
+        let names = locate(&key, &limits)?;
+        Ok(l2_read(&names.entry, now, &limits)?.map(|(value, meta)| {
             fill_l1(&key, &value, &meta, now);
             value
         }))
@@ -95,23 +118,29 @@ impl wcache::Guest for Component {
         let limits = settings().limits;
         let plan = policy::plan_set(&key, value.len() as u64, &options_in(options), now, &limits)
             .map_err(arg_error)?;
+        let names = locate(&key, &limits)?;
         let mut stored = plan.header.to_vec();
         stored.extend_from_slice(&value);
-        l2::set(&key, &stored, plan.store_ttl_ms)?;
+        l2::set(&names.entry, &stored, plan.store_ttl_ms)?;
         fill_l1(&key, &value, &plan.meta, now);
         Ok(())
     }
 
     fn refresh(key: String) -> Result<bool, types::Error> {
         let limits = settings().limits;
-        key::validate(&key, &limits).map_err(arg_error)?;
-        Ok(l2_read(&key, now_ms(), &limits)?.is_some())
+        let names = locate(&key, &limits)?;
+        Ok(l2_read(&names.entry, now_ms(), &limits)?.is_some())
     }
 
     fn remove(key: String) -> Result<bool, types::Error> {
-        key::validate(&key, &settings().limits).map_err(arg_error)?;
+        let settings = settings();
+        let names = locate(&key, &settings.limits)?;
         l1::delete(&key);
-        l2::delete(&key)
+        // A removal leaves a tombstone, as in every body (contract §5.12).
+        let held = l2_read(&names.entry, now_ms(), &settings.limits)?.is_some();
+        let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms);
+        l2::set(&names.entry, &tombstone, ttl_ms)?;
+        Ok(held)
     }
 
     fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
@@ -119,19 +148,20 @@ impl wcache::Guest for Component {
         if !bypass && let Some(v) = l1_hit(&key, now_ms()) {
             return Ok(v);
         }
-        let start = || {
-            Flight::start(
+        let fly_one = || {
+            let (flight, action) = Flight::start(
                 &key,
                 options_in(options),
                 settings.flight(bypass),
                 now_ms(),
                 &settings.limits,
             )
-            .map_err(arg_error)
+            .map_err(arg_error)?;
+            let names = locate(&key, &settings.limits)?;
+            fly(&key, &names, flight, action, &settings.limits)
         };
         if bypass {
-            let (flight, action) = start()?;
-            return fly(&key, flight, action, &settings.limits);
+            return fly_one();
         }
         // One flight per key in the process, whichever instance runs it: the host's
         // flight registry, the same one the native body uses (contract §5.14).
@@ -139,7 +169,7 @@ impl wcache::Guest for Component {
             Joined::Value(v) => Ok(v),
             Joined::Failed(e) => Err(e),
             Joined::Lead => {
-                let out = start().and_then(|(flight, action)| fly(&key, flight, action, &settings.limits));
+                let out = fly_one();
                 flights::finish(&key, out.as_ref().map(Vec::as_slice));
                 out
             }
@@ -147,14 +177,21 @@ impl wcache::Guest for Component {
     }
 }
 
-/// Runs one flight to its end, performing each action the machine asks for.
-fn fly(key: &str, mut flight: Flight, mut action: Action, limits: &Limits) -> Result<Vec<u8>, types::Error> {
+/// Runs one flight of `key` (its data at `names`) to its end, performing each action the
+/// machine asks for.
+fn fly(
+    key: &str,
+    names: &names::Names,
+    mut flight: Flight,
+    mut action: Action,
+    limits: &Limits,
+) -> Result<Vec<u8>, types::Error> {
     let mut value: Vec<u8> = Vec::new();
     let mut owner: Option<String> = None;
     let mut loader_error = String::new();
     loop {
         let event = match action {
-            Action::ReadL2 => match l2_read(key, now_ms(), limits) {
+            Action::ReadL2 => match l2_read(&names.entry, now_ms(), limits) {
                 Ok(Some((v, meta))) => {
                     value = v;
                     Event::L2Hit(meta)
@@ -162,7 +199,7 @@ fn fly(key: &str, mut flight: Flight, mut action: Action, limits: &Limits) -> Re
                 Ok(None) => Event::L2Miss,
                 Err(_) => Event::L2Failed,
             },
-            Action::TryLock { ttl_ms } => match l2::try_lock(key, ttl_ms) {
+            Action::TryLock { ttl_ms } => match l2::try_lock(&names.flight_lock, ttl_ms) {
                 Ok(Some(token)) => {
                     owner = Some(token);
                     Event::LockAcquired
@@ -189,7 +226,7 @@ fn fly(key: &str, mut flight: Flight, mut action: Action, limits: &Limits) -> Re
             Action::WriteL2 { header, store_ttl_ms } => {
                 let mut stored = header.to_vec();
                 stored.extend_from_slice(&value);
-                match l2::set(key, &stored, store_ttl_ms) {
+                match l2::set(&names.entry, &stored, store_ttl_ms) {
                     Ok(()) => Event::L2Written,
                     Err(_) => Event::L2WriteFailed,
                 }
@@ -201,7 +238,7 @@ fn fly(key: &str, mut flight: Flight, mut action: Action, limits: &Limits) -> Re
                 l1_until_ms,
             } => {
                 if release && let Some(owner) = owner.take() {
-                    let _ = l2::release_lock(key, &owner);
+                    let _ = l2::release_lock(&names.flight_lock, &owner);
                 }
                 if notify {
                     l2::announce_landing(key);

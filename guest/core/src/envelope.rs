@@ -27,6 +27,11 @@ pub const HEADER_LEN: usize = 32;
 pub const MAGIC: [u8; 3] = *b"CRL";
 /// The envelope version this build writes and reads.
 pub const VERSION: u8 = 1;
+/// What a removal leaves in a store: the magic and version 0, nothing else. A reader
+/// takes it for a miss and leaves it; a load's fill may not overwrite it unless it was
+/// there before the load began (fenced fills, contract §5.12). It lapses by its TTL.
+pub const TOMBSTONE: [u8; 4] = [b'C', b'R', b'L', 0];
+
 /// Where the expires-at field starts (the one a touch rewrites).
 pub const EXPIRES_AT_OFFSET: usize = 20;
 

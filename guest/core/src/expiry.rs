@@ -76,23 +76,17 @@ pub fn plan(options: &EntryOptions, now_ms: u64, limits: &Limits) -> Result<Entr
         ));
     }
     let absolute_ms = match relative_ms {
-        Some(rel) => Some(
-            now_ms
-                .checked_add(rel)
-                .ok_or_else(|| ArgError::new(Arg::Relative, "is too long: now plus it overflows"))?,
-        ),
-        None => absolute_ms,
+        Some(rel) => Some(within_reach(now_ms.saturating_add(rel), Arg::Relative)?),
+        None => absolute_ms
+            .map(|at| within_reach(at, Arg::Absolute))
+            .transpose()?,
     };
     let sliding_ms = match (absolute_ms, sliding_ms) {
         (None, None) => Some(limits.default_sliding_ms),
         (_, sliding) => sliding,
     };
     let slid_to = match sliding_ms {
-        Some(s) => Some(
-            now_ms
-                .checked_add(s)
-                .ok_or_else(|| ArgError::new(Arg::Sliding, "is too long: now plus it overflows"))?,
-        ),
+        Some(s) => Some(within_reach(now_ms.saturating_add(s), Arg::Sliding)?),
         None => None,
     };
     let expires_at_ms = match (absolute_ms, slid_to) {
@@ -108,6 +102,25 @@ pub fn plan(options: &EntryOptions, now_ms: u64, limits: &Limits) -> Result<Entr
     })
 }
 
+/// The latest expiry moment (Unix ms) an entry may have: 2^53 - 1, about the year
+/// 287,000. Every store keeps it exactly (Lua's doubles hold integers up to 2^53, and
+/// Redis takes it as a `PX`), so one rule holds on every backend: an expiry within it
+/// works everywhere, one past it is an argument error everywhere (contract §3.4).
+pub const LATEST_EXPIRY_MS: u64 = (1 << 53) - 1;
+
+/// `at` if no later than [`LATEST_EXPIRY_MS`], else an argument error naming `arg`.
+fn within_reach(at: u64, arg: Arg) -> Result<u64, ArgError> {
+    if at > LATEST_EXPIRY_MS {
+        return Err(ArgError::new(
+            arg,
+            format!(
+                "puts the expiry past the latest a store keeps ({LATEST_EXPIRY_MS} ms after the Unix epoch)"
+            ),
+        ));
+    }
+    Ok(at)
+}
+
 /// Checks `meta` at `now_ms`, applying the sliding touch of a read or refresh.
 pub fn check(meta: &EntryMeta, now_ms: u64) -> Freshness {
     if now_ms >= meta.expires_at_ms {
@@ -119,7 +132,7 @@ pub fn check(meta: &EntryMeta, now_ms: u64) -> Freshness {
             moved: false,
         };
     };
-    let slid_to = now_ms.saturating_add(sliding);
+    let slid_to = now_ms.saturating_add(sliding).min(LATEST_EXPIRY_MS);
     let target = meta.absolute_ms.map_or(slid_to, |a| a.min(slid_to));
     if target > meta.expires_at_ms {
         let meta = EntryMeta {
@@ -153,6 +166,32 @@ mod tests {
 
     const NOW: u64 = 1_700_000_000_000;
     const MIN: u64 = 60_000;
+
+    #[test]
+    fn an_expiry_past_the_latest_a_store_keeps_is_an_argument_error() {
+        let l = Limits::default();
+        let far = LATEST_EXPIRY_MS - NOW + 1;
+        assert_eq!(
+            plan(&opts(None, Some(far), None), NOW, &l).unwrap_err().arg,
+            Arg::Relative
+        );
+        assert_eq!(
+            plan(&opts(None, None, Some(far)), NOW, &l).unwrap_err().arg,
+            Arg::Sliding
+        );
+        assert_eq!(
+            plan(&opts(Some(LATEST_EXPIRY_MS + 1), None, None), NOW, &l)
+                .unwrap_err()
+                .arg,
+            Arg::Absolute
+        );
+        assert_eq!(
+            plan(&opts(None, Some(u64::MAX), None), NOW, &l).unwrap_err().arg,
+            Arg::Relative
+        );
+        let latest = plan(&opts(Some(LATEST_EXPIRY_MS), None, None), NOW, &l).unwrap();
+        assert_eq!(latest.expires_at_ms, LATEST_EXPIRY_MS);
+    }
 
     fn opts(absolute_ms: Option<u64>, relative_ms: Option<u64>, sliding_ms: Option<u64>) -> EntryOptions {
         EntryOptions {

@@ -12,6 +12,7 @@
 //!   metadata, then the value.
 //! - [`flight`]: the single-flight state machine of a tiered get-or-set.
 //! - [`lock`]: the lock protocols: lock table, retries, Redlock, watchdog, fencing.
+//! - [`names`]: where a key's data lives in a shared store (unambiguous, cluster-ready).
 //! - [`policy`]: the above composed into one decision per store operation.
 //! - [`script`]: the server-side Lua a Redis store runs to read and touch atomically;
 //!   it mirrors [`expiry::check`] and lives here so the rule has one home.
@@ -24,6 +25,7 @@ pub mod expiry;
 pub mod flight;
 pub mod key;
 pub mod lock;
+pub mod names;
 pub mod policy;
 pub mod script;
 

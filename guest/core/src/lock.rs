@@ -54,9 +54,14 @@ pub fn sweepable(entry: &Held, now_ms: u64) -> bool {
     now_ms >= entry.expires_at_ms
 }
 
+/// How often an in-memory lock table sweeps its expired entries (ms): no expired entry
+/// outlives one interval.
+pub const SWEEP_INTERVAL_MS: u64 = 1_000;
+
 /// When to try again after attempt `attempt` (0-based) failed at `now_ms`: the backoff
 /// schedule (50 ms doubling to 1 s), never past `deadline_ms`; `None` once the deadline
-/// has passed (give up).
+/// has passed (give up). Any one millisecond timeline serves; the host's lease code
+/// uses a monotonic one.
 pub fn next_try(attempt: u32, now_ms: u64, deadline_ms: u64) -> Option<u64> {
     (now_ms < deadline_ms).then(|| {
         now_ms
@@ -84,6 +89,10 @@ pub fn has_quorum(count: u32, servers: u32) -> bool {
 /// Redlock's decision: with `acquired` of `servers` locked after `elapsed_ms` of a
 /// `ttl_ms` lease, the lock is held for the returned validity (ms) only with a majority
 /// and a positive `ttl - elapsed - drift`. `None`: not held; release everywhere.
+///
+/// The validity runs from the end of the round (the last reply): `elapsed` is already
+/// taken off, so it is added to that moment, never to the moment the round was sent.
+/// The same holds for an extend.
 pub fn decide(acquired: u32, servers: u32, ttl_ms: u64, elapsed_ms: u64) -> Option<u64> {
     if servers == 0 || acquired < quorum(servers) {
         return None;
@@ -92,15 +101,26 @@ pub fn decide(acquired: u32, servers: u32, ttl_ms: u64, elapsed_ms: u64) -> Opti
     (validity > 0).then_some(validity)
 }
 
+/// How long after sending an acquire whose outcome is unknown (a server did not answer,
+/// or the caller gave up mid-flight) the host keeps trying to release it, owner-checked:
+/// the TTL. Past it the lock has lapsed on every server that ran the acquire on time;
+/// a server that ran it later still holds it for at most one TTL.
+pub fn orphan_window_ms(ttl_ms: u64) -> u64 {
+    ttl_ms
+}
+
 /// How long after a (re)confirmation a watchdog renews a lease of `ttl_ms`: TTL/3.
 pub fn renew_after_ms(ttl_ms: u64) -> u64 {
     (ttl_ms / 3).max(1)
 }
 
 /// The fencing token of a lease acquired on several servers: the largest per-server
-/// counter value. Any two majorities share a server, and every release raises each
-/// server's counter to the token it carried, so a later holder's token is larger
-/// whenever the earlier holder released (see the README on fencing under Redlock).
+/// counter value. Each counter is first raised to its server's clock in microseconds
+/// ([`crate::script::LOCK_ACQUIRE`]), so counters track time rather than acquire counts:
+/// a lost counter, or one that drifted behind, restarts above every earlier token. Any
+/// two majorities share a server, and every release raises each server's counter to
+/// the token it carried, so a later holder's token is larger whenever the earlier
+/// holder released (see the README on fencing under Redlock).
 pub fn fencing_token(per_server: &[u64]) -> u64 {
     per_server.iter().copied().max().unwrap_or(0)
 }
@@ -184,6 +204,12 @@ mod tests {
         );
         assert_eq!(decide(0, 0, 10_000, 0), None);
         assert_eq!(decide(1, 1, 200, 5), Some(200 - 5 - 4));
+    }
+
+    #[test]
+    fn an_unknown_acquire_is_released_for_up_to_its_ttl_and_tables_sweep_every_second() {
+        assert_eq!(orphan_window_ms(30_000), 30_000);
+        assert_eq!(SWEEP_INTERVAL_MS, 1_000);
     }
 
     #[test]

@@ -81,29 +81,28 @@ pub enum ReadOutcome {
     Fresh(Hit),
     /// Expired: a miss; remove it.
     Expired,
+    /// A removal's tombstone: a miss; leave it (it lapses by its TTL).
+    Removed,
     /// Not an envelope this version reads: a miss; remove it and count it.
     Corrupt(crate::Corruption),
 }
 
-/// Checks `key` as [`key::validate`] does, then reads its stored bytes as [`read`]
-/// does: a body's L2 hit costs one decision, not two.
-///
-/// # Errors
-/// An [`ArgError`] naming `key`.
-pub fn read_entry(
-    key: &str,
-    head: &[u8],
-    total_len: u64,
-    now_ms: u64,
-    limits: &Limits,
-) -> Result<ReadOutcome, ArgError> {
-    key::validate(key, limits)?;
-    Ok(read(head, total_len, now_ms, limits))
+/// What a removal writes, and for how long a store keeps it: the tombstone outlives any
+/// load that began before the removal and still holds its flight lock (`lock_ttl_ms`),
+/// so that load's fill is refused (contract §5.12).
+pub fn removal(lock_ttl_ms: u64) -> ([u8; 4], u64) {
+    (
+        envelope::TOMBSTONE,
+        lock_ttl_ms.max(1).saturating_add(expiry::STORE_TTL_GRACE_MS),
+    )
 }
 
 /// Reads stored bytes (`head` being at least their first [`HEADER_LEN`] bytes, or all of
 /// them) at `now_ms`, applying the sliding touch of a read.
 pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits) -> ReadOutcome {
+    if head == envelope::TOMBSTONE && total_len == envelope::TOMBSTONE.len() as u64 {
+        return ReadOutcome::Removed;
+    }
     let decoded = match envelope::decode_header(head, total_len, limits) {
         Ok(d) => d,
         Err(c) => return ReadOutcome::Corrupt(c),
@@ -124,6 +123,16 @@ mod tests {
     use super::*;
 
     const NOW: u64 = 1_700_000_000_000;
+
+    #[test]
+    fn a_tombstone_reads_as_removed_and_anything_like_it_as_corrupt() {
+        let l = Limits::default();
+        let (tomb, ttl) = removal(30_000);
+        assert_eq!(read(&tomb, 4, NOW, &l), ReadOutcome::Removed);
+        assert!(ttl > 30_000);
+        assert!(matches!(read(&tomb, 5, NOW, &l), ReadOutcome::Corrupt(_)));
+        assert!(matches!(read(b"CRL", 3, NOW, &l), ReadOutcome::Corrupt(_)));
+    }
 
     #[test]
     fn plan_set_checks_the_key_first() {

@@ -68,9 +68,22 @@ return 0
 
 /// Lock acquire with fencing. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
 /// `ARGV[1]`: the owner token, `ARGV[2]`: the TTL (ms). Takes the lock if free
-/// (`SET NX PX`) and returns the incremented counter (from 1), else 0.
+/// (`SET NX PX`), else returns 0. Taken: raises the counter to at least the server's
+/// `TIME` in microseconds (seconds and six digits of microseconds, as a string: Lua's
+/// number formatting would round it), then returns it incremented. So a counter that
+/// was lost (a restart without persistence, eviction, `DEL`) restarts above every
+/// earlier token, as long as the server's clock did not step back and the key saw
+/// fewer than one acquire per microsecond on average; counters of Redlock servers
+/// track their clocks, not their acquire counts. `TIME` in a script needs effects
+/// replication: the default since Redis 5.
 pub const LOCK_ACQUIRE: &str = r#"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local t = redis.call('TIME')
+  local floor = t[1] .. string.format('%06d', tonumber(t[2]))
+  local counter = redis.call('GET', KEYS[2])
+  if not counter or tonumber(counter) < tonumber(floor) then
+    redis.call('SET', KEYS[2], floor)
+  end
   return redis.call('INCR', KEYS[2])
 end
 return 0
@@ -79,11 +92,12 @@ return 0
 /// Owner-checked release. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
 /// `ARGV[1]`: the owner token, `ARGV[2]`: the fencing token the lease carried (0: none).
 /// Raises the counter to at least that token (so a later holder on any majority gets
-/// a larger one), then deletes the lock if the owner holds it: 1, else 0.
+/// a larger one; the token is stored as the string it came as, never a Lua number),
+/// then deletes the lock if the owner holds it: 1, else 0.
 pub const LOCK_RELEASE: &str = r#"
 local fence = tonumber(ARGV[2])
 if fence > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') < fence then
-  redis.call('SET', KEYS[2], fence)
+  redis.call('SET', KEYS[2], ARGV[2])
 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -104,6 +118,17 @@ return 0
 mod tests {
     use super::*;
     use crate::envelope::{EXPIRES_AT_OFFSET, MAGIC, VERSION};
+
+    #[test]
+    fn fence_counters_are_written_as_strings_and_floored_at_the_server_clock() {
+        // Lua formats numbers with 14 significant digits: a 16-digit token would come
+        // back rounded or in exponent form, and INCR would refuse it.
+        assert!(LOCK_ACQUIRE.contains("redis.call('SET', KEYS[2], floor)"));
+        assert!(LOCK_ACQUIRE.contains("string.format('%06d'"));
+        assert!(LOCK_RELEASE.contains("redis.call('SET', KEYS[2], ARGV[2])"));
+        let floor = LOCK_ACQUIRE.find("'TIME'").unwrap();
+        assert!(floor < LOCK_ACQUIRE.find("'INCR'").unwrap(), "floor, then INCR");
+    }
 
     #[test]
     fn the_script_agrees_with_the_envelope_layout() {

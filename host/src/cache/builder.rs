@@ -25,6 +25,9 @@ use crate::store::memory::MemoryStore;
 #[cfg(feature = "redis")]
 use crate::store::redis::{RedisOptions, RedisStore};
 
+/// The prefix of a cache without Redis options (its data is named all the same).
+pub(crate) const DEFAULT_PREFIX: &str = "corral:";
+
 /// Configures and builds a [`Corral`].
 #[derive(Debug)]
 #[must_use]
@@ -163,11 +166,20 @@ impl CorralBuilder {
         let l1 = L1::new(self.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
         let metrics = Arc::new(Metrics::default());
         let clock = self.clock;
+        #[cfg(feature = "redis")]
+        let prefix = self.redis.as_ref().map(|o| o.prefix.clone());
+        #[cfg(not(feature = "redis"))]
+        let prefix: Option<String> = None;
+        let prefix = prefix.unwrap_or_else(|| DEFAULT_PREFIX.to_owned());
         let stores = match () {
             #[cfg(feature = "redis")]
             () if self.redis.is_some() => {
                 let options = self.redis.as_ref().expect("checked");
-                Stores::redis(RedisStore::connect(options, policy.scripts())?)
+                Stores::redis(RedisStore::connect(
+                    options,
+                    policy.scripts(),
+                    policy.channel(&prefix)?,
+                )?)
             }
             () => Stores::memory(MemoryStore::new(clock.clone(), settings.invalidation_interval_ms)),
         };
@@ -191,6 +203,7 @@ impl CorralBuilder {
         Ok(Corral {
             inner: Arc::new(Inner {
                 policy,
+                prefix,
                 clock,
                 stores,
                 l1,

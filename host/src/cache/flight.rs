@@ -1,15 +1,18 @@
 //! The native driver of get-or-set: a loop that performs what the guest's flight
 //! machine asks (contract §5). It decides nothing; the guest does.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::FutureExt;
 use tokio::time::sleep;
 
 use super::Corral;
 use super::load::LoadOptions;
 use super::metrics::Metrics;
+use super::read::L2Read;
 use crate::guest::policy::wflight::{self, Action, Event, Outcome};
 use crate::{Error, Result};
 
@@ -75,10 +78,13 @@ impl Corral {
         match self.inner.registry.lead_or_follow(key).await {
             Ok(guard) => {
                 let result = self.lead(key, &options, loader).await;
-                guard.finish(match &result {
-                    Ok(value) => Ok(value.clone()),
-                    Err(e) => Err(Arc::new(e.share())),
-                });
+                match &result {
+                    // A panicking loader is this caller's failure, not the key's: the
+                    // flight goes to a follower at once (contract §5.11).
+                    Err(e) if e.is_panic() => drop(guard),
+                    Ok(value) => guard.finish(Ok(value.clone())),
+                    Err(e) => guard.finish(Err(Arc::new(e.share()))),
+                }
                 result
             }
             Err(outcome) => {
@@ -105,11 +111,14 @@ impl Corral {
         };
         let mut now = inner.clock.now_ms();
         let (state, mut action) = inner.policy.flight_start(key, &options.entry, config, now)?;
+        let names = self.locate(key)?;
         let mut held = HeldFlight {
             cache: self,
             key,
+            lock_name: &names.flight_lock,
             state,
             owner: None,
+            unanswered: false,
             done: false,
         };
         let mut loader = Some(loader);
@@ -117,33 +126,55 @@ impl Corral {
         let mut loader_error: Option<BoxError> = None;
         let mut landing = None;
         let mut waited = false;
+        // What the last L2 read found on a miss: the fill is fenced on it.
+        let mut fence: Option<Option<Bytes>> = None;
+        // This process's writes of the key, as of the last L2 step: L1 is fenced on it.
+        let mut l1_ticket = inner.l1.ticket(key);
         loop {
             let event = match action {
-                Action::ReadL2 => match self.l2_read(key, now, super::read::Key::Checked).await {
-                    Ok(Some((v, meta))) => {
-                        value = Some(v);
-                        Event::L2Hit(meta)
+                Action::ReadL2 => {
+                    l1_ticket = inner.l1.ticket(key);
+                    match self.l2_look(&names.entry, now).await {
+                        Ok(L2Read::Hit(v, meta)) => {
+                            value = Some(v);
+                            Event::L2Hit(meta)
+                        }
+                        Ok(L2Read::Miss { holds }) => {
+                            fence = Some(holds);
+                            Event::L2Miss
+                        }
+                        Err(e) => {
+                            tracing::warn!(key, error = %e, "L2 read failed during get-or-set");
+                            Event::L2Failed
+                        }
                     }
-                    Ok(None) => Event::L2Miss,
-                    Err(e) => {
-                        tracing::warn!(key, error = %e, "L2 read failed during get-or-set");
-                        Event::L2Failed
-                    }
-                },
+                }
                 Action::TryLock(ttl_ms) => {
                     // Listen before trying, so a landing right after the try is not missed.
                     let watch = inner.stores.notifications.watch(key).await;
                     let watching = watch.is_live();
                     landing = Some(watch);
-                    let owner = crate::lock_token();
-                    match inner.stores.flight_lock.try_lock(key, &owner, ttl_ms).await {
-                        Ok(true) => {
-                            held.owner = Some(owner);
-                            Event::LockAcquired
+                    // The token is known before it is sent (contract §5.13): should the
+                    // reply never come, or this future be dropped while waiting for it,
+                    // the lock is released, owner-checked, all the same.
+                    let owner = held.owner.insert(crate::lock_token()).clone();
+                    held.unanswered = true;
+                    let tried = inner
+                        .stores
+                        .flight_lock
+                        .try_lock(&names.flight_lock, &owner, ttl_ms)
+                        .await;
+                    held.unanswered = false;
+                    match tried {
+                        Ok(true) => Event::LockAcquired,
+                        Ok(false) => {
+                            held.owner = None;
+                            Event::LockBusy(watching)
                         }
-                        Ok(false) => Event::LockBusy(watching),
                         Err(e) => {
                             tracing::warn!(key, error = %e, "get-or-set lock unavailable");
+                            // The SET may have been applied with its reply lost.
+                            held.release_in_background();
                             Event::LockFailed
                         }
                     }
@@ -172,7 +203,13 @@ impl Corral {
                             "broken contract",
                         ));
                     };
-                    match load().await {
+                    let loaded = AssertUnwindSafe(async move { load().await }).catch_unwind().await;
+                    let loaded = match loaded {
+                        Ok(loaded) => loaded,
+                        // The flight is abandoned (its lock released by `held`).
+                        Err(panic) => return Err(Error::loader_panicked(&*panic)),
+                    };
+                    match loaded {
                         Ok(v) => {
                             let v: Bytes = v.into();
                             let loaded = wflight::Loaded {
@@ -189,9 +226,33 @@ impl Corral {
                     }
                 }
                 Action::WriteL2(write) => {
+                    l1_ticket = inner.l1.ticket(key);
                     let v = value.as_deref().unwrap_or_default();
-                    match self.l2_write(key, &write.header, v, write.store_ttl_ms).await {
-                        Ok(()) => Event::L2Written,
+                    let mut stored = Vec::with_capacity(write.header.len() + v.len());
+                    stored.extend_from_slice(&write.header);
+                    stored.extend_from_slice(v);
+                    let entries = &inner.stores.entries;
+                    // Fenced (contract §5.12): only over what the last read found, so a
+                    // set or removal since then wins over this load.
+                    let written = match fence.take() {
+                        Some(holds) => entries.set_if(&names.entry, holds, stored.into(), write.store_ttl_ms),
+                        None => {
+                            let name = names.entry.as_str();
+                            Box::pin(async move {
+                                entries
+                                    .set(name, stored.into(), write.store_ttl_ms)
+                                    .await
+                                    .map(|()| true)
+                            })
+                        }
+                    };
+                    match self.l2_op(written).await {
+                        Ok(true) => Event::L2Written,
+                        Ok(false) => {
+                            Metrics::bump(&inner.metrics.fills_refused);
+                            tracing::debug!(key, "fill refused: the key was written since the load began");
+                            Event::L2WriteFailed
+                        }
                         Err(e) => {
                             tracing::warn!(key, error = %e, "L2 write failed; the value is returned uncached");
                             Event::L2WriteFailed
@@ -202,7 +263,7 @@ impl Corral {
                     held.done = true;
                     if finish.release
                         && let Some(owner) = held.owner.take()
-                        && let Err(e) = inner.stores.flight_lock.release(key, &owner).await
+                        && let Err(e) = inner.stores.flight_lock.release(&names.flight_lock, &owner).await
                     {
                         tracing::warn!(key, error = %e, "lock release failed; the lock expires by its TTL");
                     }
@@ -218,8 +279,9 @@ impl Corral {
                         ));
                     }
                     let value = value.take().unwrap_or_default();
+                    // Fenced: not over a write this process made since the last L2 step.
                     if let Some(until_ms) = finish.l1_until_ms {
-                        inner.l1.insert(key, value.clone(), until_ms);
+                        inner.l1.fill(key, value.clone(), until_ms, l1_ticket);
                     }
                     return Ok(value);
                 }
@@ -250,13 +312,40 @@ impl Corral {
 
 /// A leader's flight in progress. Dropped before it finishes (the caller's future was
 /// dropped), it asks the guest whether the flight owes a lock release, and releases in
-/// the background.
+/// the background; a lock try whose answer never came is released the same way.
 struct HeldFlight<'a> {
     cache: &'a Corral,
     key: &'a str,
+    lock_name: &'a str,
     state: wflight::FlightState,
+    /// The token of the lock this flight holds or is trying to take.
     owner: Option<String>,
+    /// A try with `owner` was sent and its answer has not come back.
+    unanswered: bool,
     done: bool,
+}
+
+impl HeldFlight<'_> {
+    /// Releases `owner`'s lock (owner-checked) in the background, then tells waiting
+    /// processes, so one of them takes over at once.
+    fn release_in_background(&mut self) {
+        let Some(owner) = self.owner.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let stores = self.cache.inner.stores.clone();
+        let (key, name) = (self.key.to_owned(), self.lock_name.to_owned());
+        runtime.spawn(async move {
+            match stores.flight_lock.release(&name, &owner).await {
+                Ok(_) => {
+                    let _ = stores.notifications.announce(&key).await;
+                }
+                Err(e) => tracing::warn!(key, error = %e, "releasing an abandoned lock failed; it expires by its TTL"),
+            }
+        });
+    }
 }
 
 impl Drop for HeldFlight<'_> {
@@ -265,21 +354,8 @@ impl Drop for HeldFlight<'_> {
             return;
         }
         let owed = self.cache.inner.policy.flight_abandon(self.state).unwrap_or(true);
-        let Some(owner) = self.owner.take().filter(|_| owed) else {
-            return;
-        };
-        let stores = self.cache.inner.stores.clone();
-        let key = self.key.to_owned();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                match stores.flight_lock.release(&key, &owner).await {
-                    // Wake the waiting processes so one of them takes over at once.
-                    Ok(_) => {
-                        let _ = stores.notifications.announce(&key).await;
-                    }
-                    Err(e) => tracing::warn!(key, error = %e, "releasing an abandoned lock failed; it expires by its TTL"),
-                }
-            });
+        if owed || self.unanswered {
+            self.release_in_background();
         }
     }
 }

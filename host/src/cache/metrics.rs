@@ -17,6 +17,8 @@ pub(crate) struct Metrics {
     pub(crate) degraded: AtomicU64,
     pub(crate) l2_errors: AtomicU64,
     pub(crate) l1_invalidations: AtomicU64,
+    pub(crate) l1_flushes: AtomicU64,
+    pub(crate) fills_refused: AtomicU64,
 }
 
 impl Metrics {
@@ -40,6 +42,8 @@ impl Metrics {
             degraded: get(&self.degraded),
             l2_errors: get(&self.l2_errors),
             l1_invalidations: get(&self.l1_invalidations),
+            l1_flushes: get(&self.l1_flushes),
+            fills_refused: get(&self.fills_refused),
         }
     }
 }
@@ -74,11 +78,17 @@ pub struct MetricsSnapshot {
     pub l2_errors: u64,
     /// L1 entries dropped because another process wrote, removed or loaded the key.
     pub l1_invalidations: u64,
+    /// Times the whole L1 was dropped because the landing channel was (re)established
+    /// and announcements may have been missed.
+    pub l1_flushes: u64,
+    /// Loads whose L2 write was refused because the key was set or removed while they
+    /// ran (fenced fills): the caller got the value, the newer write stayed.
+    pub fills_refused: u64,
 }
 
 impl MetricsSnapshot {
     /// Name and value of every counter, in a stable order (for tables and JSON).
-    pub fn fields(&self) -> [(&'static str, u64); 13] {
+    pub fn fields(&self) -> [(&'static str, u64); 15] {
         [
             ("l1_hits", self.l1_hits),
             ("l2_hits", self.l2_hits),
@@ -93,6 +103,8 @@ impl MetricsSnapshot {
             ("degraded", self.degraded),
             ("l2_errors", self.l2_errors),
             ("l1_invalidations", self.l1_invalidations),
+            ("l1_flushes", self.l1_flushes),
+            ("fills_refused", self.fills_refused),
         ]
     }
 }

@@ -12,10 +12,10 @@ use bytes::Bytes;
 
 use crate::clock::Clock;
 use crate::guest::Policy;
-use crate::guest::policy::WitMeta;
+use crate::guest::policy::{ReadOutcome, StoreNames, WitMeta};
 use crate::options::{EntryOptions, Inspection};
 use crate::store::Stores;
-use crate::store::l1::L1;
+use crate::store::l1::{L1, Ticket};
 use crate::{Error, ErrorKind, Result};
 
 mod builder;
@@ -27,9 +27,8 @@ pub(crate) mod registry;
 mod typed;
 
 pub use builder::CorralBuilder;
-pub(crate) use builder::Overrides;
+pub(crate) use builder::{DEFAULT_PREFIX, Overrides};
 use metrics::{Metrics, MetricsSnapshot};
-use read::Key;
 use registry::Registry;
 
 /// A tiered cache whose every decision is made by the Corral guest component.
@@ -53,6 +52,8 @@ pub struct Corral {
 
 pub(crate) struct Inner {
     pub(crate) policy: Policy,
+    /// The prefix this cache's data is named under in the store.
+    pub(crate) prefix: String,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) stores: Stores,
     pub(crate) l1: L1,
@@ -80,11 +81,18 @@ impl fmt::Debug for Corral {
     }
 }
 
-/// Another process's set, removal or load of a key drops this process's L1 copy.
+/// Another process's set, removal or load of a key drops this process's L1 copy; a
+/// gap in the announcements drops all of L1.
 pub(crate) fn l1_invalidation(l1: L1, metrics: Arc<Metrics>) -> crate::store::ForeignHook {
-    Arc::new(move |key| {
-        l1.remove(&key);
-        Metrics::bump(&metrics.l1_invalidations);
+    Arc::new(move |key: Option<String>| match key {
+        Some(key) => {
+            l1.remove(&key);
+            Metrics::bump(&metrics.l1_invalidations);
+        }
+        None => {
+            l1.clear();
+            Metrics::bump(&metrics.l1_flushes);
+        }
     })
 }
 
@@ -109,11 +117,13 @@ impl Corral {
             Metrics::bump(&self.inner.metrics.l1_hits);
             return Ok(Some(value));
         }
+        let names = self.locate(key)?;
         let m = &self.inner.metrics;
-        match self.l2_read(key, now, Key::Unchecked).await? {
+        let ticket = self.inner.l1.ticket(key);
+        match self.l2_read(&names.entry, now).await? {
             Some((value, meta)) => {
                 Metrics::bump(&m.l2_hits);
-                self.fill_l1(key, &value, meta, now).await?;
+                self.fill_l1(key, &value, meta, now, Some(ticket)).await?;
                 Ok(Some(value))
             }
             None => {
@@ -132,11 +142,12 @@ impl Corral {
         let value = value.into();
         let now = self.inner.clock.now_ms();
         let plan = self.inner.policy.plan_set(key, value.len(), &options, now)?;
-        self.l2_write(key, &plan.header, &value, plan.store_ttl_ms)
+        let names = self.locate(key)?;
+        self.l2_write(&names.entry, &plan.header, &value, plan.store_ttl_ms)
             .await?;
         Metrics::bump(&self.inner.metrics.sets);
         self.announce_change(key);
-        self.fill_l1(key, &value, plan.meta, now).await
+        self.fill_l1(key, &value, plan.meta, now, None).await
     }
 
     /// Tells the other processes sharing the store that `key` changed, so they drop
@@ -158,8 +169,9 @@ impl Corral {
     /// # Errors
     /// As [`get`](Self::get).
     pub async fn refresh(&self, key: &str) -> Result<bool> {
+        let names = self.locate(key)?;
         let now = self.inner.clock.now_ms();
-        Ok(self.l2_read(key, now, Key::Unchecked).await?.is_some())
+        Ok(self.l2_read(&names.entry, now).await?.is_some())
     }
 
     /// Removes `key` from both tiers. Says whether L2 held it; a missing entry is not
@@ -169,9 +181,22 @@ impl Corral {
     /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
     /// the store fails.
     pub async fn remove(&self, key: &str) -> Result<bool> {
-        self.inner.policy.validate_key(key)?;
+        let names = self.locate(key)?;
         self.inner.l1.remove(key);
-        let removed = self.l2_op(self.inner.stores.entries.delete(key)).await?;
+        // A tombstone, not a delete: a load that began before this removal may not fill
+        // over it (contract §5.12).
+        let (tombstone, ttl_ms) = self.inner.policy.removal(self.inner.flight.lock_ttl_ms)?;
+        let entries = &self.inner.stores.entries;
+        let old = self
+            .l2_op(entries.swap(&names.entry, tombstone.into(), ttl_ms))
+            .await?;
+        let now = self.inner.clock.now_ms();
+        let removed = match old {
+            Some(old) => matches!(self.inner.policy.read(&old, now)?, ReadOutcome::Fresh(_)),
+            None => false,
+        };
+        // Again, after the store: a read that began before the removal fills nothing.
+        self.inner.l1.remove(key);
         Metrics::bump(&self.inner.metrics.removes);
         self.announce_change(key);
         Ok(removed)
@@ -183,12 +208,15 @@ impl Corral {
     /// [`ErrorKind::Corrupt`] when the stored bytes are not an envelope (they are left
     /// in place); otherwise as [`get`](Self::get).
     pub async fn inspect(&self, key: &str) -> Result<Option<Inspection>> {
-        self.inner.policy.validate_key(key)?;
-        let Some(stored) = self.l2_op(self.inner.stores.entries.get(key)).await? else {
+        let names = self.locate(key)?;
+        let Some(stored) = self.l2_op(self.inner.stores.entries.get(&names.entry)).await? else {
             return Ok(None);
         };
-        let (meta, _offset, value_len) = self.inner.policy.decode(&stored)?;
         let now = self.inner.clock.now_ms();
+        if let ReadOutcome::Removed = self.inner.policy.read(&stored, now)? {
+            return Ok(None);
+        }
+        let (meta, _offset, value_len) = self.inner.policy.decode(&stored)?;
         let fresh = !matches!(
             self.inner.policy.check(&meta, now)?,
             crate::guest::Freshness::Expired
@@ -225,10 +253,18 @@ impl Corral {
         &*self.inner.stores.entries
     }
 
-    /// The landing notifications (for tests that wait until a process listens).
+    /// The prefix this cache's data is named under.
+    pub fn prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    /// The name `key`'s entry has in the store (for tests that plant raw bytes).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for a bad key.
     #[cfg(any(test, feature = "test-util"))]
-    pub fn notifications(&self) -> &dyn crate::store::Notifications {
-        &*self.inner.stores.notifications
+    pub fn entry_name(&self, key: &str) -> Result<String> {
+        Ok(self.locate(key)?.entry)
     }
 
     /// The in-memory store, when that is the backend.
@@ -266,29 +302,50 @@ impl Corral {
     }
 
     pub(crate) async fn l2_op<T>(&self, op: impl Future<Output = Result<T>>) -> Result<T> {
-        let out = op.await;
-        if out.is_err() {
-            Metrics::bump(&self.inner.metrics.l2_errors);
-        }
-        out
+        op.await.map_err(|e| self.l2_failed(e))
     }
 
-    /// Writes `header` then `value` to L2.
-    pub(crate) async fn l2_write(&self, key: &str, header: &[u8], value: &[u8], ttl_ms: u64) -> Result<()> {
+    /// Counts a failed store operation.
+    pub(crate) fn l2_failed(&self, e: Error) -> Error {
+        Metrics::bump(&self.inner.metrics.l2_errors);
+        e
+    }
+
+    /// Checks `key` and names its data in the store (contract §2.4).
+    pub(crate) fn locate(&self, key: &str) -> Result<StoreNames> {
+        self.inner.policy.locate(&self.inner.prefix, key)
+    }
+
+    /// Writes `header` then `value` to the entry `name`.
+    pub(crate) async fn l2_write(&self, name: &str, header: &[u8], value: &[u8], ttl_ms: u64) -> Result<()> {
         let mut stored = Vec::with_capacity(header.len() + value.len());
         stored.extend_from_slice(header);
         stored.extend_from_slice(value);
-        self.l2_op(self.inner.stores.entries.set(key, stored.into(), ttl_ms))
+        self.l2_op(self.inner.stores.entries.set(name, stored.into(), ttl_ms))
             .await
     }
 
-    /// Fills L1 with `value` until the guest's deadline for `meta`.
-    pub(crate) async fn fill_l1(&self, key: &str, value: &Bytes, meta: WitMeta, now: u64) -> Result<()> {
+    /// Puts `value` in L1 until the guest's deadline for `meta`: a read's fill when it
+    /// holds the `ticket` taken before the read (refused if the key was written since),
+    /// a write's when it has none.
+    pub(crate) async fn fill_l1(
+        &self,
+        key: &str,
+        value: &Bytes,
+        meta: WitMeta,
+        now: u64,
+        ticket: Option<Ticket>,
+    ) -> Result<()> {
         if !self.inner.l1.is_on() {
             return Ok(());
         }
         let until = self.inner.policy.l1_deadline(meta, now, self.inner.l1_ttl_ms)?;
-        self.inner.l1.insert(key, value.clone(), until);
+        match ticket {
+            Some(ticket) => {
+                self.inner.l1.fill(key, value.clone(), until, ticket);
+            }
+            None => self.inner.l1.insert(key, value.clone(), until),
+        }
         Ok(())
     }
 }

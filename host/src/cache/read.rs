@@ -14,8 +14,8 @@ use bytes::Bytes;
 
 use super::Corral;
 use super::metrics::Metrics;
-use crate::Result;
 use crate::guest::policy::{ReadOutcome, WitMeta};
+use crate::{ErrorKind, Result};
 
 /// Keys last seen holding a sliding entry, bounded like L1.
 #[derive(Clone)]
@@ -48,64 +48,75 @@ impl SlidingKeys {
     }
 }
 
-/// Whether an L2 read still has to check its key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Key {
-    /// The caller checked it already.
-    Checked,
-    /// The read checks it, in the same guest call that judges the bytes (or, when no
-    /// bytes came back, in a call of its own): a bad key is an argument error whatever
-    /// the store did.
-    Unchecked,
+/// What one L2 read found.
+#[derive(Debug)]
+pub(crate) enum L2Read {
+    /// A fresh entry: its value and (touched) metadata.
+    Hit(Bytes, WitMeta),
+    /// Nothing fresh. `holds` is what the key holds now as far as this read knows
+    /// (nothing, or a removal's tombstone): a fill is fenced on it (contract §5.12).
+    Miss { holds: Option<Bytes> },
 }
 
 impl Corral {
-    /// Reads `key` at `now`. Returns the value and its (touched) metadata when fresh.
-    pub(crate) async fn l2_read(&self, key: &str, now: u64, check: Key) -> Result<Option<(Bytes, WitMeta)>> {
+    /// Reads the entry `name` at `now`. Returns the value and its (touched) metadata
+    /// when fresh.
+    pub(crate) async fn l2_read(&self, name: &str, now: u64) -> Result<Option<(Bytes, WitMeta)>> {
+        Ok(match self.l2_look(name, now).await? {
+            L2Read::Hit(value, meta) => Some((value, meta)),
+            L2Read::Miss { .. } => None,
+        })
+    }
+
+    /// Reads the entry `name` at `now`, saying on a miss what the key holds.
+    pub(crate) async fn l2_look(&self, name: &str, now: u64) -> Result<L2Read> {
         let inner = &*self.inner;
         let entries = &inner.stores.entries;
-        let sliding = inner.sliding_keys.contains(key);
-        let read = match sliding.then(|| entries.read_and_touch(key, now)).flatten() {
+        let sliding = inner.sliding_keys.contains(name);
+        let read = match sliding.then(|| entries.read_and_touch(name, now)).flatten() {
             Some(touching) => touching,
-            None => entries.get(key),
+            None => entries.get(name),
         };
-        let stored = match self.l2_op(read).await {
+        let nothing = L2Read::Miss { holds: None };
+        let stored = match read.await {
             Ok(Some(stored)) => stored,
-            other => {
-                if check == Key::Unchecked {
-                    inner.policy.validate_key(key)?;
-                }
-                return other.map(|_| None);
+            Ok(None) => return Ok(nothing),
+            Err(e) if e.kind() == ErrorKind::Corrupt => {
+                Metrics::bump(&inner.metrics.corrupt);
+                tracing::warn!(name, error = %e, "corrupt entry removed and treated as a miss");
+                self.l2_op(entries.delete_foreign(name)).await?;
+                return Ok(nothing);
             }
+            Err(e) => return Err(self.l2_failed(e)),
         };
-        let outcome = match check {
-            Key::Checked => inner.policy.read(&stored, now)?,
-            Key::Unchecked => inner.policy.read_entry(key, &stored, now)?,
+        // Removes what the read found, unless it changed meanwhile.
+        let remove = |stored: Bytes| async move {
+            let removed = self.l2_op(entries.delete_if_equal(name, stored.clone())).await?;
+            Ok::<_, crate::Error>(L2Read::Miss {
+                holds: (!removed).then_some(stored),
+            })
         };
-        match outcome {
+        match inner.policy.read(&stored, now)? {
             ReadOutcome::Fresh(hit) => {
                 let value = stored.slice(hit.value_offset as usize..);
                 if let Some(header) = hit.new_header {
                     let mut touched = Vec::with_capacity(stored.len());
                     touched.extend_from_slice(&header);
                     touched.extend_from_slice(&value);
-                    self.l2_op(entries.replace_if_equal(key, stored, touched.into(), hit.store_ttl_ms))
+                    self.l2_op(entries.replace_if_equal(name, stored, touched.into(), hit.store_ttl_ms))
                         .await?;
                 }
                 inner
                     .sliding_keys
-                    .note(key, sliding, hit.meta.sliding_ms.is_some());
-                Ok(Some((value, hit.meta)))
+                    .note(name, sliding, hit.meta.sliding_ms.is_some());
+                Ok(L2Read::Hit(value, hit.meta))
             }
-            ReadOutcome::Expired => {
-                self.l2_op(entries.delete_if_equal(key, stored)).await?;
-                Ok(None)
-            }
+            ReadOutcome::Removed => Ok(L2Read::Miss { holds: Some(stored) }),
+            ReadOutcome::Expired => remove(stored).await,
             ReadOutcome::Corrupt(reason) => {
                 Metrics::bump(&inner.metrics.corrupt);
-                tracing::warn!(key, %reason, "corrupt entry removed and treated as a miss");
-                self.l2_op(entries.delete_if_equal(key, stored)).await?;
-                Ok(None)
+                tracing::warn!(name, %reason, "corrupt entry removed and treated as a miss");
+                remove(stored).await
             }
         }
     }

@@ -18,6 +18,7 @@ pub(crate) fn from_wit(e: types::Error) -> Error {
 pub(crate) fn to_wit(e: &Error) -> types::Error {
     match e.kind() {
         ErrorKind::Unavailable | ErrorKind::Timeout => types::Error::Unavailable(e.to_string()),
+        ErrorKind::Corrupt => types::Error::Corrupt(e.to_string()),
         _ => types::Error::Other(e.to_string()),
     }
 }

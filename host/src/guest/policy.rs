@@ -83,7 +83,7 @@ pub(crate) use super::bindings::corral::lock::types::Held;
 pub(crate) use super::bindings::exports::corral::cache::flight as wflight;
 pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
-pub(crate) use wit::{Freshness as WitFreshness, Plan, ReadOutcome};
+pub(crate) use wit::{Freshness as WitFreshness, Plan, ReadOutcome, StoreNames};
 
 impl Policy {
     /// Loads the guest and checks `limits` with it.
@@ -241,21 +241,32 @@ impl Policy {
         })
     }
 
-    /// Checks `key` and reads its stored bytes at `now_ms`, in one call.
-    pub(crate) fn read_entry(&self, key: &str, stored: &[u8], now_ms: u64) -> Result<ReadOutcome> {
+    /// Checks `key` and names its data in a shared store under `prefix` (contract §2.4).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key`.
+    pub(crate) fn locate(&self, prefix: &str, key: &str) -> Result<StoreNames> {
         let limits = self.inner.limits;
-        let head = &stored[..stored.len().min(self.inner.header_len)];
         self.call(|s| {
-            s.guest.corral_cache_policy().call_read_entry(
-                &mut s.store,
-                key,
-                head,
-                stored.len() as u64,
-                now_ms,
-                limits,
-            )
+            s.guest
+                .corral_cache_policy()
+                .call_locate(&mut s.store, prefix, key, limits)
         })?
         .map_err(from_wit)
+    }
+
+    /// What a removal writes (a tombstone) and its store TTL.
+    pub(crate) fn removal(&self, lock_ttl_ms: u64) -> Result<(Vec<u8>, u64)> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_removal(&mut s.store, lock_ttl_ms)
+        })
+    }
+
+    /// The landing channel of `prefix`.
+    pub(crate) fn channel(&self, prefix: &str) -> Result<String> {
+        self.call(|s| s.guest.corral_cache_policy().call_channel(&mut s.store, prefix))
     }
 
     /// Decodes stored bytes without judging them; corrupt bytes are an error.
@@ -366,6 +377,20 @@ impl Policy {
             s.guest
                 .corral_lock_policy()
                 .call_sweepable(&mut s.store, entry, now_ms)
+        })
+    }
+
+    /// How often an in-memory lock table sweeps (ms).
+    pub(crate) fn lock_sweep_interval_ms(&self) -> Result<u64> {
+        self.call(|s| s.guest.corral_lock_policy().call_sweep_interval_ms(&mut s.store))
+    }
+
+    /// How long to keep releasing an acquire whose outcome is unknown (ms).
+    pub(crate) fn lock_orphan_window_ms(&self, ttl_ms: u64) -> Result<u64> {
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_orphan_window_ms(&mut s.store, ttl_ms)
         })
     }
 

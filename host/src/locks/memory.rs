@@ -1,10 +1,16 @@
 //! The in-memory lock provider (seed 001): atomic try-lock with takeover of expired
 //! locks, owner checks, and a background sweep of expired entries ("zombies") that
 //! never removes an entry renewed or taken over in the meantime. O(1) per operation.
+//!
+//! Every table sweeps by itself from its construction until its last clone is dropped,
+//! at the guest's interval (1 s) or [one of its own](MemoryLocks::with_sweep_interval):
+//! on a task of the Tokio runtime current at construction, or, made outside any
+//! runtime, on a thread of its own.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, RandomState};
+use std::sync::mpsc;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -29,6 +35,77 @@ struct Inner {
     clock: Arc<dyn Clock>,
     hasher: RandomState,
     shards: [Mutex<HashMap<String, Held>>; SHARDS],
+    /// The table's own sweeper: it goes with the table.
+    _sweeper: Sweeper,
+}
+
+/// A table's own sweeper. It holds the table only weakly; dropping it (with the table's
+/// last clone) stops it.
+enum Sweeper {
+    /// A task on the runtime current at construction: aborted on drop.
+    Task(tokio::task::AbortHandle),
+    /// A thread of its own (no runtime at construction): the closed channel stops it.
+    Thread {
+        /// Never sent on: dropping it disconnects the thread's receiver.
+        _stop: mpsc::Sender<()>,
+    },
+    /// None could start (a guest failure or no thread): the table is swept only on demand.
+    None,
+}
+
+impl Drop for Sweeper {
+    fn drop(&mut self) {
+        if let Sweeper::Task(task) = self {
+            task.abort();
+        }
+    }
+}
+
+impl Sweeper {
+    fn start(table: Weak<Inner>, every: Duration) -> Sweeper {
+        let sweep = move || {
+            let Some(inner) = table.upgrade() else {
+                return false;
+            };
+            match (MemoryLocks { inner }).sweep() {
+                Ok(n) if n > 0 => tracing::debug!(removed = n, "lock sweep"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "lock sweep failed"),
+            }
+            true
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let task = runtime.spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                tick.tick().await;
+                loop {
+                    tick.tick().await;
+                    if !sweep() {
+                        return;
+                    }
+                }
+            });
+            return Sweeper::Task(task.abort_handle());
+        }
+        let (stop, stopped) = mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("corral-lock-sweep".into())
+            .spawn(move || {
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
+                    if !sweep() {
+                        return;
+                    }
+                }
+            });
+        match thread {
+            Ok(_) => Sweeper::Thread { _stop: stop },
+            Err(e) => {
+                tracing::warn!(error = %e, "no lock sweep thread: expired locks stay until swept");
+                Sweeper::None
+            }
+        }
+    }
 }
 
 impl fmt::Debug for MemoryLocks {
@@ -40,7 +117,12 @@ impl fmt::Debug for MemoryLocks {
 }
 
 impl MemoryLocks {
-    /// A lock table on the system clock.
+    /// A lock table on the system clock, sweeping its expired entries every second.
+    ///
+    /// Made inside a Tokio runtime, the table sweeps on a task of that runtime (so it
+    /// stops sweeping if the runtime shuts down before the table is dropped); made
+    /// outside any runtime, on a thread of its own (`corral-lock-sweep`). Either stops
+    /// when the table's last clone is dropped.
     ///
     /// # Errors
     /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the guest cannot be loaded.
@@ -48,29 +130,55 @@ impl MemoryLocks {
         Self::with_clock(SystemClock)
     }
 
-    /// A lock table on `clock` (a [`ManualClock`](crate::ManualClock) in tests).
+    /// A lock table on `clock` (a [`ManualClock`](crate::ManualClock) in tests),
+    /// sweeping as [`new`](Self::new) does.
     ///
     /// # Errors
     /// As [`new`](Self::new).
     pub fn with_clock(clock: impl Clock) -> Result<Self> {
-        Ok(MemoryLocks {
-            inner: Arc::new(Inner {
-                policy: Policy::load(defaults()?.limits)?,
-                clock: Arc::new(clock),
-                hasher: RandomState::new(),
-                shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
-            }),
-        })
+        let policy = Policy::load(defaults()?.limits)?;
+        let every = Duration::from_millis(policy.lock_sweep_interval_ms()?);
+        Ok(Self::build(policy, Arc::new(clock), Some(every)))
     }
 
-    /// A table sharing a cache's guest handle, limits and clock ([`Corral::locks`](crate::Corral::locks)).
+    /// A lock table on `clock` that sweeps every `every` (real time) instead of the
+    /// guest's default: no expired entry stays longer than that.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument)
+    /// naming `sweep interval` when `every` is zero.
+    pub fn with_sweep_interval(clock: impl Clock, every: Duration) -> Result<Self> {
+        if every.is_zero() {
+            return Err(crate::Error::invalid_argument(
+                "sweep interval",
+                "must be a positive duration",
+            ));
+        }
+        let policy = Policy::load(defaults()?.limits)?;
+        Ok(Self::build(policy, Arc::new(clock), Some(every)))
+    }
+
+    /// A table sharing a cache's guest handle, limits and clock ([`Corral::locks`](crate::Corral::locks)),
+    /// sweeping at the guest's interval.
     pub(crate) fn from_parts(policy: Policy, clock: Arc<dyn Clock>) -> Self {
+        let every = match policy.lock_sweep_interval_ms() {
+            Ok(ms) => Some(Duration::from_millis(ms)),
+            Err(e) => {
+                tracing::warn!(error = %e, "no lock sweep interval: expired locks stay until swept");
+                None
+            }
+        };
+        Self::build(policy, clock, every)
+    }
+
+    fn build(policy: Policy, clock: Arc<dyn Clock>, every: Option<Duration>) -> Self {
         MemoryLocks {
-            inner: Arc::new(Inner {
+            inner: Arc::new_cyclic(|table| Inner {
                 policy,
                 clock,
                 hasher: RandomState::new(),
                 shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+                _sweeper: every.map_or(Sweeper::None, |every| Sweeper::start(table.clone(), every)),
             }),
         }
     }
@@ -186,7 +294,11 @@ impl MemoryLocks {
         removed
     }
 
-    /// Sweeps every `every` in the background until the table is dropped.
+    /// Sweeps every `every` on a task of the current runtime until the table is dropped:
+    /// an extra sweeper, beside the one every table runs from its construction.
+    ///
+    /// # Panics
+    /// Outside a Tokio runtime.
     pub fn spawn_sweeper(&self, every: Duration) -> tokio::task::JoinHandle<()> {
         let weak: Weak<Inner> = Arc::downgrade(&self.inner);
         tokio::spawn(async move {

@@ -1,29 +1,37 @@
 //! Leases on one Redis, or on several independent ones (Redlock).
 //!
 //! Acquire: `SET NX PX` with a random 128-bit owner token and `INCR` of the key's
-//! fencing counter, in one script per server, on all servers in parallel. The lease is
-//! held only with a majority within its validity (TTL minus elapsed minus drift), as
-//! the guest decides; otherwise it is released everywhere at once. Release and extend
-//! are owner-checked scripts. A lease taken without a TTL has a watchdog that renews
-//! it every TTL/3 while the holder lives; when a renewal finds the lock lost (or its
+//! fencing counter (first raised to the server's clock in microseconds), in one script
+//! per server, on all servers in parallel. The lease is held only with a majority
+//! within its validity (TTL minus elapsed minus drift, counted from the last reply), as
+//! the guest decides; otherwise it is released everywhere at once. The token is chosen
+//! before anything is sent, so an acquire whose reply never came, or whose caller gave
+//! up mid-flight, is released afterwards, owner-checked. Release and extend are
+//! owner-checked scripts. A lease taken without a TTL has a watchdog that renews it
+//! every TTL/3 while the holder lives; when a renewal finds the lock lost (or its
 //! validity runs out unconfirmed), the lease's lost signal fires.
+//!
+//! Lease timing (validity, the retry and renewal schedules, the lost signal) runs on
+//! Tokio's monotonic [`Instant`], never on the wall clock: a step of the system clock
+//! neither loses a held lease nor keeps a lapsed one.
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures::future::join_all;
+use parking_lot::Mutex;
 use redis::Script;
 use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::clock::{Clock, SystemClock};
 use crate::guest::Policy;
 use crate::guest::policy::defaults;
 use crate::options::duration_ms;
-use crate::store::redis::{Connection, RedisOptions};
+use crate::store::redis::{Connection, RedisOptions, redact};
 use crate::{Error, ErrorKind, Result};
 
 /// How a lease is taken.
@@ -95,7 +103,8 @@ impl Server {
     /// A server reached through an existing connection (a cache's).
     pub(crate) fn shared(options: &RedisOptions, conn: ConnectionManager) -> Self {
         Server {
-            url: options.url.clone(),
+            // Only ever shown to people (logs, errors, Debug): never with its password.
+            url: redact(&options.url),
             conn,
         }
     }
@@ -111,11 +120,13 @@ pub struct RedisLocks {
 struct Inner {
     servers: Vec<Server>,
     policy: Policy,
-    clock: Arc<dyn Clock>,
     prefix: String,
     acquire: Script,
     release: Script,
     extend: Script,
+    /// The origin of the millisecond timeline the guest's schedules are computed on:
+    /// monotonic.
+    origin: Instant,
 }
 
 impl fmt::Debug for RedisLocks {
@@ -132,13 +143,28 @@ impl fmt::Debug for RedisLocks {
 enum Reply {
     /// The script's integer answer.
     Value(u64),
-    /// The server failed or did not answer in time.
-    Down,
+    /// The server failed or did not answer in time: why, and whether the command may
+    /// have run there all the same (anything but a refused connection).
+    Down { cause: String, maybe_ran: bool },
+}
+
+impl Reply {
+    fn value(&self) -> Option<u64> {
+        match self {
+            Reply::Value(v) => Some(*v),
+            Reply::Down { .. } => None,
+        }
+    }
+}
+
+/// Whole milliseconds of `d`.
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl RedisLocks {
     /// Locks on the Redis servers at `urls` (one: a plain lease; several: Redlock),
-    /// keys under the prefix `corral:`, on the system clock. Connections are lazy.
+    /// keys under the prefix `corral:`. Connections are lazy.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for no URL or a bad one.
@@ -146,7 +172,11 @@ impl RedisLocks {
         Self::connect_with(urls, "corral:", SystemClock)
     }
 
-    /// As [`connect`](Self::connect), with a key prefix and a clock.
+    /// As [`connect`](Self::connect), with a key prefix and the cache's wall clock.
+    ///
+    /// Lease timing never reads `clock`: validity, the retry and renewal schedules and
+    /// the lost signal run on Tokio's monotonic clock (which a paused test runtime
+    /// controls), so a step of the wall clock changes nothing about a lease.
     ///
     /// # Errors
     /// As [`connect`](Self::connect).
@@ -166,11 +196,12 @@ impl RedisLocks {
         Ok(Self::from_parts(policy, Arc::new(clock), servers, prefix))
     }
 
-    /// Locks sharing a cache's guest handle, clock and Redis connection
-    /// ([`Corral::locks`](crate::Corral::locks)).
+    /// Locks sharing a cache's guest handle and Redis connection
+    /// ([`Corral::locks`](crate::Corral::locks)). The wall clock is not used: lease
+    /// timing is monotonic.
     pub(crate) fn from_parts(
         policy: Policy,
-        clock: Arc<dyn Clock>,
+        _wall_clock: Arc<dyn Clock>,
         servers: Vec<Server>,
         prefix: &str,
     ) -> Self {
@@ -182,10 +213,20 @@ impl RedisLocks {
                 extend: Script::new(&scripts.extend),
                 servers,
                 policy,
-                clock,
                 prefix: prefix.to_owned(),
+                origin: Instant::now(),
             }),
         }
+    }
+
+    /// `at` on the guest's millisecond timeline (monotonic, from this handle's origin).
+    fn mono_ms(&self, at: Instant) -> u64 {
+        ms(at.saturating_duration_since(self.inner.origin))
+    }
+
+    /// The instant `at_ms` on the guest's millisecond timeline names.
+    fn instant(&self, at_ms: u64) -> Instant {
+        self.inner.origin + Duration::from_millis(at_ms)
     }
 
     /// How many servers the locks span.
@@ -205,7 +246,14 @@ impl RedisLocks {
     /// Runs `script` on every server in parallel, each bounded by the connection's
     /// response timeout.
     async fn everywhere(&self, script: &Script, keys: &[String], args: &[&str]) -> Vec<Reply> {
-        let calls = self.inner.servers.iter().map(|server| {
+        let all: Vec<usize> = (0..self.inner.servers.len()).collect();
+        self.on(&all, script, keys, args).await
+    }
+
+    /// Runs `script` on the servers `which` (indices) in parallel; the replies in order.
+    async fn on(&self, which: &[usize], script: &Script, keys: &[String], args: &[&str]) -> Vec<Reply> {
+        let calls = which.iter().map(|&i| {
+            let server = &self.inner.servers[i];
             let mut invocation = script.prepare_invoke();
             for k in keys {
                 invocation.key(k);
@@ -220,7 +268,10 @@ impl RedisLocks {
                     Ok(v) => Reply::Value(v),
                     Err(e) => {
                         tracing::debug!(server = %server.url, error = %e, "lock command failed");
-                        Reply::Down
+                        Reply::Down {
+                            cause: e.to_string(),
+                            maybe_ran: !e.is_connection_refusal(),
+                        }
                     }
                 }
             }
@@ -228,11 +279,89 @@ impl RedisLocks {
         join_all(calls).await
     }
 
-    /// One attempt: the lease, or `Ok(None)` when another owner holds the lock, or an
-    /// [`ErrorKind::Quorum`] error when too few servers answered.
+    /// The error of a lock `what` too few servers answered: [`ErrorKind::Unavailable`]
+    /// with the cause on a single server, [`ErrorKind::Quorum`] under Redlock.
+    fn unanswered(&self, what: &str, replies: &[Reply]) -> Error {
+        let servers = &self.inner.servers;
+        let down: Vec<String> = servers
+            .iter()
+            .zip(replies)
+            .filter_map(|(server, reply)| match reply {
+                Reply::Down { cause, .. } => Some(format!("{}: {cause}", server.url)),
+                Reply::Value(_) => None,
+            })
+            .collect();
+        if servers.len() == 1 {
+            return Error::new(
+                ErrorKind::Unavailable,
+                format!("Redis did not answer the lock {what} ({})", down.join("; ")),
+            );
+        }
+        let answered = replies.iter().filter(|r| r.value().is_some()).count();
+        Error::new(
+            ErrorKind::Quorum,
+            format!(
+                "only {answered} of {} Redis servers answered the lock {what}; a lock needs a majority ({})",
+                servers.len(),
+                down.join("; ")
+            ),
+        )
+    }
+
+    /// Releases `token` on the servers `which`, owner-checked (raising their counters
+    /// to `fence`, "0": not at all), in the background: for an acquire or a release
+    /// whose outcome is unknown there. Each server is tried (on the guest's retry
+    /// schedule) until it answers or `until` passes. Without a current Tokio runtime
+    /// nothing runs: the lock then lapses by its TTL.
+    fn release_in_background(
+        &self,
+        which: Vec<usize>,
+        keys: [String; 2],
+        token: String,
+        fence: String,
+        until: Instant,
+    ) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!(key = %keys[0], "no runtime: a lock of unknown state is left to its TTL");
+            return;
+        };
+        let locks = self.clone();
+        runtime.spawn(async move {
+            let mut pending = which;
+            let mut attempt = 0;
+            loop {
+                let replies = locks
+                    .on(&pending, &locks.inner.release, &keys, &[&token, &fence])
+                    .await;
+                pending = pending
+                    .into_iter()
+                    .zip(replies)
+                    .filter_map(|(i, r)| r.value().is_none().then_some(i))
+                    .collect();
+                if pending.is_empty() {
+                    return;
+                }
+                let now = Instant::now();
+                let next = locks
+                    .inner
+                    .policy
+                    .lock_next_try(attempt, locks.mono_ms(now), locks.mono_ms(until));
+                let Ok(Some(at)) = next else {
+                    tracing::warn!(key = %keys[0], servers = pending.len(), "a lock could not be released on every server: its TTL ends it there");
+                    return;
+                };
+                attempt += 1;
+                tokio::time::sleep_until(locks.instant(at)).await;
+            }
+        });
+    }
+
+    /// One attempt: the lease, or `Ok(None)` when another owner holds the lock.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] for a bad key or a zero TTL; [`ErrorKind::Quorum`].
+    /// [`ErrorKind::InvalidArgument`] for a bad key or a zero TTL;
+    /// [`ErrorKind::Unavailable`] when the one server did not answer (the cause is in
+    /// the message); [`ErrorKind::Quorum`] when under a majority of several answered.
     pub async fn try_acquire(&self, key: &str, options: LockOptions) -> Result<Option<Lease>> {
         let (ttl_ms, watchdog) = options.lease();
         self.inner.policy.lock_check_request(key, ttl_ms)?;
@@ -240,20 +369,19 @@ impl RedisLocks {
     }
 
     /// Takes the lock of `key`, trying until `options.wait` runs out (50 ms doubling to
-    /// 1 s between tries, as the guest schedules).
+    /// 1 s between tries, as the guest schedules, on the monotonic clock).
     ///
     /// # Errors
-    /// [`ErrorKind::Timeout`] when another owner held it throughout; [`ErrorKind::Quorum`]
-    /// when, at the end, too few servers answered; [`ErrorKind::InvalidArgument`] for a
-    /// bad key or a zero TTL.
+    /// [`ErrorKind::Timeout`] when another owner held it throughout; at the end,
+    /// [`ErrorKind::Unavailable`] when the one server did not answer, or
+    /// [`ErrorKind::Quorum`] when too few of several did; [`ErrorKind::InvalidArgument`]
+    /// for a bad key or a zero TTL.
     pub async fn acquire(&self, key: &str, options: LockOptions) -> Result<Lease> {
         let (ttl_ms, watchdog) = options.lease();
         let policy = &self.inner.policy;
         policy.lock_check_request(key, ttl_ms)?;
         let deadline = self
-            .inner
-            .clock
-            .now_ms()
+            .mono_ms(Instant::now())
             .saturating_add(duration_ms(options.wait));
         let mut attempt = 0;
         loop {
@@ -267,64 +395,118 @@ impl RedisLocks {
                         options.wait
                     ),
                 ),
-                Err(e) if e.kind() == ErrorKind::Quorum => e,
+                Err(e) if matches!(e.kind(), ErrorKind::Quorum | ErrorKind::Unavailable) => e,
                 Err(e) => return Err(e),
             };
-            let now = self.inner.clock.now_ms();
+            let now = self.mono_ms(Instant::now());
             let Some(next) = policy.lock_next_try(attempt, now, deadline)? else {
                 return Err(last_error);
             };
             attempt += 1;
-            tokio::time::sleep(Duration::from_millis(next.saturating_sub(now))).await;
+            tokio::time::sleep_until(self.instant(next)).await;
         }
     }
 
     async fn attempt(&self, key: &str, ttl_ms: u64, watchdog: bool) -> Result<Option<Lease>> {
         let inner = &self.inner;
+        // The token exists before anything is sent: whatever becomes of the replies, or
+        // of this future, the attempt can be released, owner-checked.
         let token = crate::lock_token();
         let keys = [self.lock_key(key), self.fence_key(key)];
         let ttl_arg = ttl_ms.to_string();
-        let sent = inner.clock.now_ms();
+        let sent = Instant::now();
+        let window = Duration::from_millis(inner.policy.lock_orphan_window_ms(ttl_ms)?);
+        let unsettled = Unsettled {
+            locks: self,
+            keys: &keys,
+            token: &token,
+            until: sent + window,
+            settled: false,
+        };
         let replies = self.everywhere(&inner.acquire, &keys, &[&token, &ttl_arg]).await;
-        let elapsed = inner.clock.now_ms().saturating_sub(sent);
+        let received = Instant::now();
+        let elapsed = ms(received - sent);
         let counters: Vec<u64> = replies
             .iter()
-            .filter_map(|r| {
-                if let Reply::Value(v @ 1..) = r {
-                    Some(*v)
-                } else {
-                    None
-                }
-            })
+            .filter_map(|r| r.value().filter(|v| *v > 0))
             .collect();
-        let answered = replies.iter().filter(|r| matches!(r, Reply::Value(_))).count();
         let n = inner.servers.len() as u32;
         if let Some(validity) = inner
             .policy
             .lock_decide(counters.len() as u32, n, ttl_ms, elapsed)?
         {
             let fencing = inner.policy.lock_fencing_token(&counters)?;
+            unsettled.settle();
+            // The validity has the round's time taken off already: it runs from now.
+            let valid_until = received + Duration::from_millis(validity);
             return Ok(Some(Lease::start(
                 self.clone(),
                 key,
                 token,
                 ttl_ms,
                 fencing,
-                sent + validity,
+                valid_until,
                 watchdog,
             )));
         }
-        // Not held: undo the partial acquisition everywhere, at once.
-        if !counters.is_empty() {
-            self.everywhere(&inner.release, &keys, &[&token, "0"]).await;
+        // Not held: undo the partial acquisition at once where it is known to have
+        // happened, and in the background where it is not known (no reply, yet the
+        // command may have reached the server).
+        let set: Vec<usize> = (0..replies.len())
+            .filter(|&i| replies[i].value().is_some_and(|v| v > 0))
+            .collect();
+        let mut unknown: Vec<usize> = (0..replies.len())
+            .filter(|&i| matches!(replies[i], Reply::Down { maybe_ran: true, .. }))
+            .collect();
+        if !set.is_empty() {
+            let undone = self.on(&set, &inner.release, &keys, &[&token, "0"]).await;
+            unknown.extend(
+                set.iter()
+                    .zip(&undone)
+                    .filter_map(|(&i, r)| r.value().is_none().then_some(i)),
+            );
         }
-        if !inner.policy.lock_has_quorum(answered as u32, n)? {
-            return Err(Error::new(
-                ErrorKind::Quorum,
-                format!("only {answered} of {n} Redis servers answered; a lock needs a majority"),
-            ));
+        if !unknown.is_empty() {
+            self.release_in_background(unknown, keys.clone(), token.clone(), "0".into(), sent + window);
+        }
+        unsettled.settle();
+        let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
+        if !inner.policy.lock_has_quorum(answered, n)? {
+            return Err(self.unanswered("acquire", &replies));
         }
         Ok(None)
+    }
+}
+
+/// An acquire in flight: dropped before [`settle`](Unsettled::settle) (the caller gave
+/// up, or a step failed), it releases the attempt's token on every server in the
+/// background, owner-checked, until the orphan window ends.
+struct Unsettled<'a> {
+    locks: &'a RedisLocks,
+    keys: &'a [String; 2],
+    token: &'a str,
+    until: Instant,
+    settled: bool,
+}
+
+impl Unsettled<'_> {
+    fn settle(mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for Unsettled<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            let all = (0..self.locks.inner.servers.len()).collect();
+            self.locks.release_in_background(
+                all,
+                self.keys.clone(),
+                self.token.to_owned(),
+                "0".into(),
+                self.until,
+            );
+        }
     }
 }
 
@@ -344,7 +526,8 @@ struct LeaseShared {
     token: String,
     ttl_ms: u64,
     fencing: u64,
-    valid_until: AtomicU64,
+    /// Until when the lease is valid (monotonic): the last confirmation's validity.
+    valid_until: Mutex<Instant>,
     lost: watch::Sender<bool>,
 }
 
@@ -365,7 +548,7 @@ impl Lease {
         token: String,
         ttl_ms: u64,
         fencing: u64,
-        valid_until: u64,
+        valid_until: Instant,
         watchdog: bool,
     ) -> Lease {
         let shared = Arc::new(LeaseShared {
@@ -374,7 +557,7 @@ impl Lease {
             token,
             ttl_ms,
             fencing,
-            valid_until: AtomicU64::new(valid_until),
+            valid_until: Mutex::new(valid_until),
             lost: watch::channel(false).0,
         });
         // A lease with a TTL needs no task: its validity is a deadline, checked on demand.
@@ -396,6 +579,17 @@ impl Lease {
     /// The lock key.
     pub fn key(&self) -> &str {
         &self.shared.key
+    }
+
+    /// How much longer the lease is valid by its last confirmation (the acquire, an
+    /// [`extend`](Lease::extend) or a watchdog renewal): TTL minus the confirming
+    /// round's time minus the drift allowance, counted from that round's last reply on
+    /// the monotonic clock. Zero once lost.
+    pub fn valid_for(&self) -> Duration {
+        if *self.shared.lost.borrow() {
+            return Duration::ZERO;
+        }
+        self.shared.until_validity()
     }
 
     /// Whether the lock is known lost (or, for a lease with a TTL, its validity ran out).
@@ -427,10 +621,13 @@ impl Lease {
         }
     }
 
-    /// Resets the lock's TTL to `ttl` if this lease still holds it (on a majority).
+    /// Resets the lock's TTL to `ttl` if this lease still holds it (on a majority);
+    /// the validity then runs from this round's last reply.
     ///
     /// # Errors
-    /// [`ErrorKind::LockLost`] if it does not (the lost signal then fires).
+    /// [`ErrorKind::LockLost`] if it does not (the lost signal then fires);
+    /// [`ErrorKind::Unavailable`] (one server) or [`ErrorKind::Quorum`] (Redlock) when
+    /// too few servers answered.
     pub async fn extend(&self, ttl: Duration) -> Result<()> {
         extend(&self.shared, duration_ms(ttl)).await
     }
@@ -439,7 +636,8 @@ impl Lease {
     ///
     /// # Errors
     /// [`ErrorKind::LockLost`] if this lease no longer held it: another owner's lock is
-    /// left untouched.
+    /// left untouched. [`ErrorKind::Unavailable`] (one server) or [`ErrorKind::Quorum`]
+    /// (Redlock) when too few servers answered: the lock then lapses by its TTL.
     pub async fn release(mut self) -> Result<()> {
         self.released = true;
         if let Some(m) = self.monitor.take() {
@@ -469,13 +667,16 @@ impl Drop for Lease {
 }
 
 impl LeaseShared {
+    fn valid_until(&self) -> Instant {
+        *self.valid_until.lock()
+    }
+
     fn validity_passed(&self) -> bool {
-        self.locks.inner.clock.now_ms() >= self.valid_until.load(Ordering::SeqCst)
+        Instant::now() >= self.valid_until()
     }
 
     fn until_validity(&self) -> Duration {
-        let now = self.locks.inner.clock.now_ms();
-        Duration::from_millis(self.valid_until.load(Ordering::SeqCst).saturating_sub(now))
+        self.valid_until().saturating_duration_since(Instant::now())
     }
 }
 
@@ -492,38 +693,60 @@ async fn release(shared: &LeaseShared) -> Result<()> {
         .everywhere(&locks.inner.release, &keys, &[&shared.token, &fence])
         .await;
     let released = replies.iter().filter(|r| matches!(r, Reply::Value(1))).count() as u32;
+    let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
     shared.lost.send_replace(true);
     let n = locks.inner.servers.len() as u32;
-    if !locks.inner.policy.lock_has_quorum(released, n)? {
-        return Err(Error::new(
-            ErrorKind::LockLost,
-            format!(
-                "lock {:?} was not held by this lease (expired or taken over)",
-                shared.key
-            ),
-        ));
+    let policy = &locks.inner.policy;
+    // A server that did not answer may still hold the lock (or run a pending acquire or
+    // extend of it): it is released there in the background.
+    let unknown: Vec<usize> = (0..replies.len())
+        .filter(|&i| matches!(replies[i], Reply::Down { maybe_ran: true, .. }))
+        .collect();
+    if !unknown.is_empty() {
+        let window = Duration::from_millis(policy.lock_orphan_window_ms(shared.ttl_ms)?);
+        locks.release_in_background(
+            unknown,
+            keys.clone(),
+            shared.token.clone(),
+            fence.clone(),
+            Instant::now() + window,
+        );
     }
-    Ok(())
+    if policy.lock_has_quorum(released, n)? {
+        return Ok(());
+    }
+    if !policy.lock_has_quorum(answered, n)? {
+        return Err(locks.unanswered("release", &replies));
+    }
+    Err(Error::new(
+        ErrorKind::LockLost,
+        format!(
+            "lock {:?} was not held by this lease (expired or taken over)",
+            shared.key
+        ),
+    ))
 }
 
 async fn extend(shared: &LeaseShared, ttl_ms: u64) -> Result<()> {
     let locks = &shared.locks;
     let keys = [locks.lock_key(&shared.key)];
     let ttl_arg = ttl_ms.to_string();
-    let sent = locks.inner.clock.now_ms();
+    let sent = Instant::now();
     let replies = locks
         .everywhere(&locks.inner.extend, &keys, &[&shared.token, &ttl_arg])
         .await;
-    let elapsed = locks.inner.clock.now_ms().saturating_sub(sent);
+    let received = Instant::now();
+    let elapsed = ms(received - sent);
     let confirmed = replies.iter().filter(|r| matches!(r, Reply::Value(1))).count() as u32;
     let n = locks.inner.servers.len() as u32;
     match locks.inner.policy.lock_decide(confirmed, n, ttl_ms, elapsed)? {
         Some(validity) => {
-            shared.valid_until.store(sent + validity, Ordering::SeqCst);
+            // The round's time is already taken off: the validity runs from now.
+            *shared.valid_until.lock() = received + Duration::from_millis(validity);
             Ok(())
         }
         None => {
-            let answered = replies.iter().filter(|r| matches!(r, Reply::Value(_))).count() as u32;
+            let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
             if locks.inner.policy.lock_has_quorum(answered, n)? {
                 shared.lost.send_replace(true);
                 return Err(Error::new(
@@ -531,10 +754,7 @@ async fn extend(shared: &LeaseShared, ttl_ms: u64) -> Result<()> {
                     format!("lock {:?} is no longer held by this lease", shared.key),
                 ));
             }
-            Err(Error::new(
-                ErrorKind::Quorum,
-                format!("only {answered} of {n} Redis servers answered the extend"),
-            ))
+            Err(locks.unanswered("extend", &replies))
         }
     }
 }
@@ -543,26 +763,26 @@ async fn extend(shared: &LeaseShared, ttl_ms: u64) -> Result<()> {
 /// lives, and fires the lost signal when a renewal finds the lock gone or its validity
 /// runs out unconfirmed.
 async fn renew(shared: Arc<LeaseShared>) {
-    let clock = shared.locks.inner.clock.clone();
-    let policy = shared.locks.inner.policy.clone();
-    let sleep_until = |at: u64| tokio::time::sleep(Duration::from_millis(at.saturating_sub(clock.now_ms())));
+    let locks = shared.locks.clone();
+    let policy = locks.inner.policy.clone();
     let Ok(renew_after) = policy.lock_renew_after(shared.ttl_ms) else {
         shared.lost.send_replace(true);
         return;
     };
-    let mut next = clock.now_ms() + renew_after;
+    let renew_after = Duration::from_millis(renew_after);
+    let mut next = Instant::now() + renew_after;
     let mut attempt = 0;
     loop {
-        sleep_until(next).await;
-        let until = shared.valid_until.load(Ordering::SeqCst);
+        tokio::time::sleep_until(next).await;
+        let until = shared.valid_until();
         let renewed = tokio::select! {
             r = extend(&shared, shared.ttl_ms) => r,
-            () = sleep_until(until) => Err(Error::new(ErrorKind::Timeout, "renewal unanswered within validity")),
+            () = tokio::time::sleep_until(until) => Err(Error::new(ErrorKind::Timeout, "renewal unanswered within validity")),
         };
         match renewed {
             Ok(()) => {
                 attempt = 0;
-                next = clock.now_ms() + renew_after;
+                next = Instant::now() + renew_after;
             }
             Err(e) if e.kind() == ErrorKind::LockLost => {
                 tracing::warn!(key = %shared.key, "watchdog: lock lost");
@@ -570,11 +790,12 @@ async fn renew(shared: Arc<LeaseShared>) {
             }
             Err(e) => {
                 // Unconfirmed: retry on the backoff schedule until the validity runs out.
-                let now = clock.now_ms();
-                match policy.lock_next_try(attempt, now, shared.valid_until.load(Ordering::SeqCst)) {
+                let now = locks.mono_ms(Instant::now());
+                let until = locks.mono_ms(shared.valid_until());
+                match policy.lock_next_try(attempt, now, until) {
                     Ok(Some(at)) => {
                         attempt += 1;
-                        next = at;
+                        next = locks.instant(at);
                     }
                     _ => {
                         tracing::warn!(key = %shared.key, error = %e, "watchdog: lock lost (validity ran out)");

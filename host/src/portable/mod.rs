@@ -74,6 +74,7 @@ struct PortableInner {
     pre: &'static GuestPre<PortableState>,
     backend: Arc<Backend>,
     settings: types::Settings,
+    prefix: String,
     idle: Mutex<Vec<Slot<PortableState>>>,
 }
 
@@ -147,11 +148,17 @@ impl PortableBuilder {
         crate::require_runtime("the portable cache")?;
         let settings = self.overrides.settings()?;
         let policy = Policy::load(settings.limits)?;
+        #[cfg(feature = "redis")]
+        let prefix = self.redis.as_ref().map(|o| o.prefix.clone());
+        #[cfg(not(feature = "redis"))]
+        let prefix: Option<String> = None;
+        let prefix = prefix.unwrap_or_else(|| crate::cache::DEFAULT_PREFIX.to_owned());
         let stores = match () {
             #[cfg(feature = "redis")]
             () if self.redis.is_some() => Stores::redis(crate::store::redis::RedisStore::connect(
                 self.redis.as_ref().expect("checked"),
                 policy.scripts(),
+                policy.channel(&prefix)?,
             )?),
             () => Stores::memory(MemoryStore::new(
                 self.clock.clone(),
@@ -172,6 +179,7 @@ impl PortableBuilder {
                     table: Default::default(),
                 }),
                 settings,
+                prefix,
                 idle: Mutex::new(Vec::new()),
             }),
         };
@@ -191,7 +199,7 @@ impl PortableInner {
         let mut slot = instantiate(self.loaded, self.pre, PortableState::new(self.backend.clone()))?;
         slot.guest
             .corral_cache_cache()
-            .call_configure(&mut slot.store, self.settings)
+            .call_configure(&mut slot.store, self.settings, &self.prefix)
             .map_err(trap)?
             .map_err(from_wit)?;
         Ok(slot)

@@ -2,11 +2,22 @@
 //! carries the deadline the guest issued when it was filled (never past the entry's L2
 //! expiry, nor the L1 TTL); moka's own TTL is only an upper bound that keeps memory in
 //! check. A capacity of 0 turns L1 off.
+//!
+//! Fills are fenced too (contract §5.12): a reader takes a [`Ticket`] before it reads L2
+//! and fills L1 only if no set, removal or invalidation of the key happened in this
+//! process since. Writes bump a per-key epoch (striped: a collision only skips a fill)
+//! inside moka's per-key compute, so a fill and a write of one key never interleave.
 
+use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use moka::ops::compute::Op;
 use moka::sync::Cache;
+
+const STRIPES: usize = 1024;
 
 #[derive(Clone, Debug)]
 pub(crate) struct L1Entry {
@@ -15,15 +26,50 @@ pub(crate) struct L1Entry {
     pub(crate) until_ms: u64,
 }
 
+/// What a reader saw of a key's writes before it read L2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ticket {
+    all: u64,
+    key: u64,
+}
+
 #[derive(Clone, Debug)]
 pub(crate) struct L1 {
     cache: Option<Cache<String, L1Entry>>,
+    epochs: Arc<Epochs>,
+}
+
+#[derive(Debug)]
+struct Epochs {
+    hasher: RandomState,
+    /// Bumped by every clear.
+    all: AtomicU64,
+    /// Bumped by every write of a key hashing here.
+    stripes: Box<[AtomicU64]>,
+}
+
+impl Epochs {
+    fn stripe(&self, key: &str) -> &AtomicU64 {
+        &self.stripes[self.hasher.hash_one(key) as usize % STRIPES]
+    }
+
+    fn ticket(&self, key: &str) -> Ticket {
+        Ticket {
+            all: self.all.load(Ordering::Acquire),
+            key: self.stripe(key).load(Ordering::Acquire),
+        }
+    }
 }
 
 impl L1 {
     pub(crate) fn new(capacity: u64, ttl: Duration) -> Self {
         L1 {
             cache: (capacity > 0).then(|| Cache::builder().max_capacity(capacity).time_to_live(ttl).build()),
+            epochs: Arc::new(Epochs {
+                hasher: RandomState::new(),
+                all: AtomicU64::new(0),
+                stripes: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
+            }),
         }
     }
 
@@ -38,15 +84,88 @@ impl L1 {
         (now_ms < entry.until_ms).then_some(entry.value)
     }
 
-    pub(crate) fn insert(&self, key: &str, value: Bytes, until_ms: u64) {
-        if let Some(cache) = &self.cache {
-            cache.insert(key.to_owned(), L1Entry { value, until_ms });
-        }
+    /// Taken before reading L2 for a later [`fill`](Self::fill).
+    pub(crate) fn ticket(&self, key: &str) -> Ticket {
+        self.epochs.ticket(key)
     }
 
+    /// Fills `key` with what was read after `ticket`, unless the key was written in
+    /// this process since; says whether it filled.
+    pub(crate) fn fill(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket) -> bool {
+        let Some(cache) = &self.cache else {
+            return false;
+        };
+        let epochs = &self.epochs;
+        let outcome = cache.entry_by_ref(key).and_compute_with(|_| {
+            if epochs.ticket(key) == ticket {
+                Op::Put(L1Entry { value, until_ms })
+            } else {
+                Op::Nop
+            }
+        });
+        !matches!(
+            outcome,
+            moka::ops::compute::CompResult::StillNone(_) | moka::ops::compute::CompResult::Unchanged(_)
+        )
+    }
+
+    /// Writes `key` (a set in this process): newer than any fill in progress.
+    pub(crate) fn insert(&self, key: &str, value: Bytes, until_ms: u64) {
+        self.write(key, Some(L1Entry { value, until_ms }));
+    }
+
+    /// Drops `key` (a removal or another process's write): newer than any fill in progress.
     pub(crate) fn remove(&self, key: &str) {
+        self.write(key, None);
+    }
+
+    fn write(&self, key: &str, entry: Option<L1Entry>) {
+        let epochs = &self.epochs;
+        let Some(cache) = &self.cache else {
+            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
+            return;
+        };
+        cache.entry_by_ref(key).and_compute_with(|_| {
+            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
+            match entry {
+                Some(entry) => Op::Put(entry),
+                None => Op::Remove,
+            }
+        });
+    }
+
+    /// Drops every entry; fills in progress are refused.
+    pub(crate) fn clear(&self) {
+        self.epochs.all.fetch_add(1, Ordering::AcqRel);
         if let Some(cache) = &self.cache {
-            cache.invalidate(key);
+            cache.invalidate_all();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fill_never_replaces_a_write_made_after_its_ticket() {
+        let l1 = L1::new(100, Duration::from_secs(60));
+        let ticket = l1.ticket("k");
+        l1.insert("k", Bytes::from_static(b"newer"), u64::MAX);
+        assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket));
+        assert_eq!(l1.get("k", 0).as_deref(), Some(&b"newer"[..]));
+
+        let ticket = l1.ticket("k");
+        l1.remove("k");
+        assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket));
+        assert_eq!(l1.get("k", 0), None);
+
+        let ticket = l1.ticket("k");
+        l1.clear();
+        assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket));
+
+        let ticket = l1.ticket("k");
+        assert!(l1.fill("k", Bytes::from_static(b"fresh"), u64::MAX, ticket));
+        assert_eq!(l1.get("k", 0).as_deref(), Some(&b"fresh"[..]));
     }
 }

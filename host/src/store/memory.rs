@@ -215,6 +215,33 @@ impl Entries for MemoryStore {
         ready(Ok(())).boxed()
     }
 
+    fn swap<'a>(&'a self, name: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        self.maybe_invalidate();
+        let now = self.now();
+        let mut map = self.shard(name).lock();
+        let old = Self::live(&mut map, name, now);
+        let until_ms = now.saturating_add(ttl_ms.max(1));
+        map.insert(name.to_owned(), Stored { bytes, until_ms });
+        ready(Ok(old)).boxed()
+    }
+
+    fn set_if<'a>(
+        &'a self,
+        name: &'a str,
+        expected: Option<Bytes>,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>> {
+        let now = self.now();
+        let mut map = self.shard(name).lock();
+        let unchanged = Self::live(&mut map, name, now) == expected;
+        if unchanged {
+            let until_ms = now.saturating_add(ttl_ms.max(1));
+            map.insert(name.to_owned(), Stored { bytes, until_ms });
+        }
+        ready(Ok(unchanged)).boxed()
+    }
+
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
         self.maybe_invalidate();
         let mut map = self.shard(key).lock();

@@ -36,7 +36,8 @@ pub(crate) use landing::Landings;
 /// Failures are [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) errors, with
 /// the backend's own error as the source.
 pub trait Entries: Send + Sync + fmt::Debug + 'static {
-    /// The bytes under `key`, as stored.
+    /// The bytes under `key`, as stored. A value that is not bytes (a Redis hash, list,
+    /// ...) is an [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) error.
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>>;
 
     /// Reads `key` and applies a read's sliding touch on the server, atomically, in one
@@ -52,8 +53,32 @@ pub trait Entries: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// Removes `name` if it holds something other than bytes (a value of another Redis
+    /// type, which [`get`](Self::get) reports as
+    /// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt)); says whether it did. A store
+    /// that holds only bytes has nothing to remove.
+    fn delete_foreign<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool>> {
+        let _ = name;
+        Box::pin(std::future::ready(Ok(false)))
+    }
+
     /// Writes `bytes` under `key`; the store MAY drop them after `ttl_ms`.
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>>;
+
+    /// Writes `bytes` under `name` (TTL `ttl_ms`), as [`set`](Self::set) does, and returns
+    /// what was there, in one atomic step (a removal's tombstone).
+    fn swap<'a>(&'a self, name: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<Option<Bytes>>>;
+
+    /// A fenced fill (contract §5.12): writes `bytes` under `name` (TTL `ttl_ms`) only if
+    /// it still holds what a read found there: nothing (`expected` is `None`) or exactly
+    /// `expected`. Says whether it wrote: `false` means someone wrote since.
+    fn set_if<'a>(
+        &'a self,
+        name: &'a str,
+        expected: Option<Bytes>,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>>;
 
     /// Removes `key`; says whether it was there.
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>>;
@@ -85,8 +110,9 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>>;
 }
 
-/// What a store does with another process's announcement: the key it names.
-pub(crate) type ForeignHook = Arc<dyn Fn(String) + Send + Sync>;
+/// What a cache does with another process's announcement: the key it names, or `None`
+/// when anything may have changed (the channel was re-established after a gap).
+pub(crate) type ForeignHook = Arc<dyn Fn(Option<String>) + Send + Sync>;
 
 /// Landings: a key changed, or a loaded value landed, in some process sharing the store.
 pub trait Notifications: Send + Sync + fmt::Debug + 'static {
@@ -98,7 +124,8 @@ pub trait Notifications: Send + Sync + fmt::Debug + 'static {
     /// Tells every process sharing the store that `key` landed or changed.
     fn announce<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<()>>;
 
-    /// Calls `hook` with the key of every landing another process announces.
+    /// Calls `hook` with the key of every landing another process announces, and with
+    /// `None` whenever announcements may have been missed.
     fn on_foreign(&self, hook: ForeignHook) {
         let _ = hook;
     }

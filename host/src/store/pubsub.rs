@@ -1,100 +1,164 @@
-//! Landings over Redis pub/sub: announced on the channel `{prefix}landed` as
-//! `"{origin} {key}"`, where `origin` names the announcing process's store, so that
-//! waiters anywhere wake and other processes drop their L1 copy of the key.
+//! Landings over Redis pub/sub: announced on the prefix's channel (named by the guest,
+//! contract §2.4) as `"{origin} {key}"`, where `origin` names the announcing process's
+//! store, so that waiters anywhere wake and other processes drop their L1 copy.
 //!
-//! One subscription per store, opened on first need; when it drops, the next watch
-//! subscribes again.
+//! The subscription is kept by a background task of its own, never by a caller
+//! (contract §5.13): every step (connect, `SUBSCRIBE`, the health `PING`) has a
+//! deadline; a dropped, refused or silently dead connection (a `PING` unanswered within
+//! the response timeout) is replaced, with backoff, and every (re)subscription tells
+//! the cache to drop its whole L1, since it cannot know what it missed. A watch never
+//! waits for the subscription: without one it never fires and the caller's timer is
+//! the fallback.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
-use tokio::sync::Mutex as AsyncMutex;
 
-use super::redis::Connection;
+use super::redis::{Connection, RedisOptions};
 use super::{ForeignHook, LandingWatch, Landings, Notifications};
 use crate::{Error, Result};
+
+/// How often an idle subscription is checked with a `PING`.
+const HEALTH_EVERY: Duration = Duration::from_secs(1);
+/// The first wait before subscribing again; doubled per failure up to [`BACKOFF_MAX`].
+const BACKOFF_FIRST: Duration = Duration::from_millis(50);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// The landing channel of one prefix on one Redis. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct RedisNotifications {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
     conn: Connection,
-    channel: Arc<str>,
+    channel: String,
     /// This store's name on the channel, so it can tell its own messages apart.
-    origin: Arc<str>,
+    origin: String,
     landings: Landings,
-    /// Whether this process listens on the channel yet.
-    listening: Arc<AsyncMutex<bool>>,
-    on_foreign: Arc<OnceLock<ForeignHook>>,
+    /// Whether a subscription is live now.
+    live: AtomicBool,
+    /// Set once the first subscription attempt ended, either way.
+    first_attempt: tokio::sync::watch::Sender<bool>,
+    on_foreign: OnceLock<ForeignHook>,
     commands: Arc<AtomicU64>,
+    connect_timeout: Duration,
+    response_timeout: Duration,
 }
 
 impl fmt::Debug for RedisNotifications {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisNotifications")
-            .field("channel", &self.channel)
+            .field("channel", &self.shared.channel)
+            .field("live", &self.shared.live.load(Ordering::Relaxed))
             .finish_non_exhaustive()
     }
 }
 
 impl RedisNotifications {
-    pub(crate) fn new(conn: Connection, channel: String, commands: Arc<AtomicU64>) -> Self {
-        RedisNotifications {
+    /// Starts keeping a subscription to `channel` (in the background, on the caller's
+    /// Tokio runtime, until the last clone is dropped).
+    pub(crate) fn new(
+        conn: Connection,
+        options: &RedisOptions,
+        channel: String,
+        commands: Arc<AtomicU64>,
+    ) -> Self {
+        let shared = Arc::new(Shared {
             conn,
-            channel: channel.into(),
-            origin: crate::lock_token().into(),
+            channel,
+            origin: crate::lock_token(),
             landings: Landings::default(),
-            listening: Arc::new(AsyncMutex::new(false)),
-            on_foreign: Arc::new(OnceLock::new()),
+            live: AtomicBool::new(false),
+            first_attempt: tokio::sync::watch::channel(false).0,
+            on_foreign: OnceLock::new(),
             commands,
-        }
+            connect_timeout: options.connect_timeout,
+            response_timeout: options.response_timeout,
+        });
+        tokio::spawn(keep_subscribed(Arc::downgrade(&shared)));
+        RedisNotifications { shared }
     }
+}
 
-    /// Subscribes once per store; the listener task feeds the local waiters. Returns
-    /// false when Redis cannot be reached (callers then rely on their timers; the next
-    /// watch tries again).
-    async fn ensure_listening(&self) -> bool {
-        let mut listening = self.listening.lock().await;
-        if *listening {
-            return true;
-        }
-        self.commands.fetch_add(1, Ordering::Relaxed);
-        let subscribed = async {
-            let mut pubsub = self.conn.client.get_async_pubsub().await?;
-            pubsub.subscribe(&*self.channel).await?;
-            Ok::<_, redis::RedisError>(pubsub)
-        };
-        match subscribed.await {
-            Ok(pubsub) => {
-                let this = self.clone();
-                tokio::spawn(async move {
-                    let mut messages = pubsub.into_on_message();
-                    while let Some(msg) = messages.next().await {
-                        // "{origin} {key}": the key may hold spaces, the origin never does.
-                        let Ok(payload) = msg.get_payload::<String>() else {
-                            continue;
-                        };
-                        let Some((from, key)) = payload.split_once(' ') else {
-                            continue;
-                        };
-                        this.landings.announce(key);
-                        if from != &*this.origin
-                            && let Some(hook) = this.on_foreign.get()
-                        {
-                            hook(key.to_owned());
-                        }
-                    }
-                    // The connection dropped: subscribe again on the next watch.
-                    *this.listening.lock().await = false;
-                });
-                *listening = true;
-                true
+/// Subscribes, listens until the connection fails, and again, for as long as the
+/// notifications live.
+async fn keep_subscribed(weak: Weak<Shared>) {
+    let mut backoff = BACKOFF_FIRST;
+    loop {
+        let Some(shared) = weak.upgrade() else { return };
+        match subscribe(&shared).await {
+            Ok((sink, stream)) => {
+                backoff = BACKOFF_FIRST;
+                shared.live.store(true, Ordering::SeqCst);
+                shared.first_attempt.send_replace(true);
+                // Whatever was announced while unsubscribed is unknown: drop all of L1.
+                if let Some(hook) = shared.on_foreign.get() {
+                    hook(None);
+                }
+                drop(shared);
+                listen(&weak, sink, stream).await;
+                let Some(shared) = weak.upgrade() else { return };
+                shared.live.store(false, Ordering::SeqCst);
+                tracing::debug!(channel = %shared.channel, "landing channel lost; subscribing again");
             }
             Err(e) => {
-                tracing::debug!(error = %e, "landing channel unavailable; waiters fall back to timers");
-                false
+                shared.first_attempt.send_replace(true);
+                tracing::debug!(channel = %shared.channel, error = %e, "landing channel unavailable; waiters fall back to timers");
+                drop(shared);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+            }
+        }
+    }
+}
+
+async fn subscribe(shared: &Shared) -> Result<(redis::aio::PubSubSink, redis::aio::PubSubStream)> {
+    let timed_out = |what: &str| Error::new(crate::ErrorKind::Timeout, format!("redis {what} timed out"));
+    shared.commands.fetch_add(1, Ordering::Relaxed);
+    let mut pubsub = tokio::time::timeout(shared.connect_timeout, shared.conn.client.get_async_pubsub())
+        .await
+        .map_err(|_| timed_out("pub/sub connect"))?
+        .map_err(|e| Error::unavailable("redis pub/sub connect failed", e))?;
+    tokio::time::timeout(shared.response_timeout, pubsub.subscribe(&shared.channel))
+        .await
+        .map_err(|_| timed_out("SUBSCRIBE"))?
+        .map_err(|e| Error::unavailable("redis SUBSCRIBE failed", e))?;
+    Ok(pubsub.split())
+}
+
+/// Feeds the local waiters and the L1 hook until the stream ends or a health `PING`
+/// goes unanswered within the response timeout.
+async fn listen(weak: &Weak<Shared>, mut sink: redis::aio::PubSubSink, mut stream: redis::aio::PubSubStream) {
+    let mut health = tokio::time::interval(HEALTH_EVERY);
+    health.tick().await;
+    loop {
+        tokio::select! {
+            msg = stream.next() => {
+                let Some(msg) = msg else { return };
+                let Some(shared) = weak.upgrade() else { return };
+                // "{origin} {key}": the key may hold spaces, the origin never does.
+                let Ok(payload) = msg.get_payload::<String>() else { continue };
+                let Some((from, key)) = payload.split_once(' ') else { continue };
+                shared.landings.announce(key);
+                if from != shared.origin
+                    && let Some(hook) = shared.on_foreign.get()
+                {
+                    hook(Some(key.to_owned()));
+                }
+            }
+            _ = health.tick() => {
+                let Some(shared) = weak.upgrade() else { return };
+                let timeout = shared.response_timeout;
+                drop(shared);
+                match tokio::time::timeout(timeout, sink.ping::<String>()).await {
+                    Ok(Ok(_)) => {}
+                    _ => return,
+                }
             }
         }
     }
@@ -103,8 +167,16 @@ impl RedisNotifications {
 impl Notifications for RedisNotifications {
     fn watch<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {
         async move {
-            if self.ensure_listening().await {
-                self.landings.watch(key)
+            let shared = &self.shared;
+            // Only a cache's first moments wait for its first subscription, bounded by
+            // its own deadlines; later a missing subscription never holds a caller.
+            let mut first = shared.first_attempt.subscribe();
+            if !*first.borrow() {
+                let bound = shared.connect_timeout + shared.response_timeout;
+                let _ = tokio::time::timeout(bound, first.wait_for(|done| *done)).await;
+            }
+            if shared.live.load(Ordering::SeqCst) {
+                shared.landings.watch(key)
             } else {
                 LandingWatch::never()
             }
@@ -114,11 +186,12 @@ impl Notifications for RedisNotifications {
 
     fn announce<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<()>> {
         async move {
-            self.commands.fetch_add(1, Ordering::Relaxed);
-            let mut conn = self.conn.manager.clone();
+            let shared = &self.shared;
+            shared.commands.fetch_add(1, Ordering::Relaxed);
+            let mut conn = shared.conn.manager.clone();
             redis::cmd("PUBLISH")
-                .arg(&*self.channel)
-                .arg(format!("{} {key}", self.origin))
+                .arg(&shared.channel)
+                .arg(format!("{} {key}", shared.origin))
                 .query_async::<()>(&mut conn)
                 .await
                 .map_err(|e| Error::unavailable("redis PUBLISH failed", e))
@@ -127,10 +200,6 @@ impl Notifications for RedisNotifications {
     }
 
     fn on_foreign(&self, hook: ForeignHook) {
-        let _ = self.on_foreign.set(hook);
-        let this = self.clone();
-        tokio::spawn(async move {
-            this.ensure_listening().await;
-        });
+        let _ = self.shared.on_foreign.set(hook);
     }
 }

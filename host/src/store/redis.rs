@@ -1,10 +1,10 @@
 //! The Redis store, through the `redis` crate's `ConnectionManager` (reconnects by
 //! itself): entries, the flight lock, and (in [`super::pubsub`]) the landing channel.
 //!
-//! Every key is stored under the configured prefix, so applications and tenants sharing
-//! one Redis never see each other's entries or locks: entries live at `{prefix}e:{key}`,
-//! flight locks at `{prefix}l:{key}` (see docs/contract.md, "Key scheme"). A read is one
-//! `GET`, or for an entry known to slide one `EVALSHA` of the guest's read-and-touch Lua.
+//! It stores under exactly the names it is given: the guest names every key's data
+//! under the configured prefix (contract §2.4), so applications and tenants sharing one
+//! Redis never meet. A read is one `GET`, or for an entry known to slide one `EVALSHA`
+//! of the guest's read-and-touch Lua.
 
 use std::fmt;
 use std::sync::Arc;
@@ -21,20 +21,50 @@ use redis::{IntoConnectionInfo, Script};
 use super::pubsub::RedisNotifications;
 use super::{Entries, FlightLock};
 use crate::guest::policy::Scripts;
-use crate::{Error, Result};
+use crate::{Error, ErrorKind, Result};
 
-/// How to reach Redis.
-#[derive(Clone, Debug)]
+/// How to reach Redis. Its `Debug` output never shows a password.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct RedisOptions {
     /// `redis://host:port/db`.
     pub url: String,
-    /// Every key is stored as `prefix` + key.
+    /// The namespace every name is made under (contract §2.4): tenants sharing a Redis
+    /// give each other different prefixes.
     pub prefix: String,
     /// How long one connection attempt may take.
     pub connect_timeout: Duration,
     /// How long one command may take.
     pub response_timeout: Duration,
+}
+
+impl fmt::Debug for RedisOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisOptions")
+            .field("url", &redact(&self.url))
+            .field("prefix", &self.prefix)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("response_timeout", &self.response_timeout)
+            .finish()
+    }
+}
+
+/// `url` with the secret part of its user information replaced by `***`
+/// (`redis://user:***@host:6379`, `redis://***@host`), for anything a person may read:
+/// errors, logs, `Debug`.
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_owned();
+    };
+    let user = match rest[..at].split_once(':') {
+        Some((user, _secret)) => format!("{user}:***"),
+        None => "***".to_owned(),
+    };
+    format!("{scheme}://{user}{}", &rest[at..])
 }
 
 impl RedisOptions {
@@ -63,7 +93,10 @@ impl Connection {
     pub(crate) fn open(url: &str, connect_timeout: Duration, response_timeout: Duration) -> Result<Self> {
         let info = url
             .into_connection_info()
-            .map_err(|e| Error::invalid_argument("redis url", format!("is not a Redis URL: {e}")))?
+            .map_err(|e| {
+                let e = redact_in(&e.to_string(), url);
+                Error::invalid_argument("redis url", format!("{} is not a Redis URL: {e}", redact(url)))
+            })?
             .set_tcp_settings(TcpSettings::default().set_nodelay(true));
         crate::require_runtime("connecting to Redis")?;
         let client = redis::Client::open(info).map_err(unavailable("client"))?;
@@ -83,10 +116,10 @@ impl Connection {
 pub struct RedisStore {
     conn: ConnectionManager,
     options: RedisOptions,
-    prefix: Arc<str>,
     read_and_touch: Arc<Script>,
     delete_if_equal: Arc<Script>,
     replace_if_equal: Arc<Script>,
+    delete_foreign: Arc<Script>,
     grace_ms: u64,
     commands: Arc<AtomicU64>,
     notifications: RedisNotifications,
@@ -95,29 +128,59 @@ pub struct RedisStore {
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
-            .field("prefix", &self.prefix)
+            .field("prefix", &self.options.prefix)
             .finish_non_exhaustive()
     }
+}
+
+/// `text` with every occurrence of `url` (and of its password) redacted.
+fn redact_in(text: &str, url: &str) -> String {
+    let mut out = text.replace(url, &redact(url));
+    if let Ok(info) = url.into_connection_info()
+        && let Some(password) = info.redis_settings().password()
+        && !password.is_empty()
+    {
+        out = out.replace(password, "***");
+    }
+    out
 }
 
 fn unavailable(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
     move |e| Error::unavailable(format!("redis {what} failed"), e)
 }
 
+/// A read's failure: a value of another Redis type is corrupt data, not an outage.
+fn read_failed(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
+    move |e| {
+        if e.code() == Some("WRONGTYPE") || e.to_string().contains("WRONGTYPE") {
+            Error::new(
+                ErrorKind::Corrupt,
+                "holds a value of another Redis type, not a Corral entry",
+            )
+            .with_source(e)
+        } else {
+            Error::unavailable(format!("redis {what} failed"), e)
+        }
+    }
+}
+
+/// Deletes `KEYS[1]` only if it holds something other than a string: 1 if it did.
+const DELETE_FOREIGN: &str =
+    "if redis.call('TYPE', KEYS[1]).ok ~= 'string' then return redis.call('DEL', KEYS[1]) end return 0";
+
 impl RedisStore {
-    /// Connects to Redis (lazily) with the guest's scripts.
-    pub(crate) fn connect(options: &RedisOptions, scripts: &Scripts) -> Result<Self> {
+    /// Connects to Redis (lazily) with the guest's scripts; landings go on `channel`.
+    pub(crate) fn connect(options: &RedisOptions, scripts: &Scripts, channel: String) -> Result<Self> {
         let conn = Connection::open(&options.url, options.connect_timeout, options.response_timeout)?;
         let commands = Arc::new(AtomicU64::new(0));
-        let channel = format!("{}landed", options.prefix);
         Ok(RedisStore {
-            notifications: RedisNotifications::new(conn.clone(), channel, commands.clone()),
+            notifications: RedisNotifications::new(conn.clone(), options, channel, commands.clone()),
             conn: conn.manager,
             options: options.clone(),
-            prefix: options.prefix.as_str().into(),
             read_and_touch: Arc::new(Script::new(&scripts.read_and_touch)),
             delete_if_equal: Arc::new(Script::new(&scripts.delete_if_equal)),
             replace_if_equal: Arc::new(Script::new(&scripts.replace_if_equal)),
+            delete_foreign: Arc::new(Script::new(DELETE_FOREIGN)),
             grace_ms: scripts.grace_ms,
             commands,
         })
@@ -138,24 +201,6 @@ impl RedisStore {
         self.conn.clone()
     }
 
-    fn namespaced(&self, space: &str, key: &str) -> String {
-        let mut k = String::with_capacity(self.prefix.len() + space.len() + key.len());
-        k.push_str(&self.prefix);
-        k.push_str(space);
-        k.push_str(key);
-        k
-    }
-
-    /// The Redis key an entry is stored under: `{prefix}e:{key}`.
-    pub fn entry_key(&self, key: &str) -> String {
-        self.namespaced("e:", key)
-    }
-
-    /// The Redis key of an entry's get-or-set lock: `{prefix}l:{key}`.
-    pub fn lock_key(&self, key: &str) -> String {
-        self.namespaced("l:", key)
-    }
-
     fn count(&self, n: u64) {
         self.commands.fetch_add(n, Ordering::Relaxed);
     }
@@ -169,11 +214,6 @@ impl RedisStore {
     #[cfg(any(test, feature = "test-util"))]
     pub fn connection(&self) -> ConnectionManager {
         self.conn.clone()
-    }
-
-    /// The prefix every key is stored under.
-    pub fn prefix(&self) -> &str {
-        &self.prefix
     }
 }
 
@@ -189,12 +229,12 @@ impl Entries for RedisStore {
                 let mut conn = self.conn.clone();
                 let found: Option<Vec<u8>> = self
                     .read_and_touch
-                    .key(self.entry_key(key))
+                    .key(key)
                     .arg(now_ms)
                     .arg(self.grace_ms)
                     .invoke_async(&mut conn)
                     .await
-                    .map_err(unavailable("read-and-touch"))?;
+                    .map_err(read_failed("read-and-touch"))?;
                 Ok(found.map(Bytes::from))
             }
             .boxed(),
@@ -206,11 +246,85 @@ impl Entries for RedisStore {
             self.count(1);
             let mut conn = self.conn.clone();
             let found: Option<Vec<u8>> = redis::cmd("GET")
-                .arg(self.entry_key(key))
+                .arg(key)
                 .query_async(&mut conn)
                 .await
-                .map_err(unavailable("GET"))?;
+                .map_err(read_failed("GET"))?;
             Ok(found.map(Bytes::from))
+        }
+        .boxed()
+    }
+
+    fn swap<'a>(&'a self, name: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            let set = |conn: &mut ConnectionManager| {
+                let mut conn = conn.clone();
+                let bytes = bytes.clone();
+                async move {
+                    redis::cmd("SET")
+                        .arg(name)
+                        .arg(bytes.as_ref())
+                        .arg("PX")
+                        .arg(ttl_ms.max(1))
+                        .arg("GET")
+                        .query_async::<Option<Vec<u8>>>(&mut conn)
+                        .await
+                }
+            };
+            match set(&mut conn).await.map_err(read_failed("SET GET")) {
+                Ok(old) => Ok(old.map(Bytes::from)),
+                // A value of another type: it goes, and the write goes through.
+                Err(e) if e.kind() == ErrorKind::Corrupt => {
+                    self.delete_foreign(name).await?;
+                    set(&mut conn).await.map_err(unavailable("SET GET"))?;
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            }
+        }
+        .boxed()
+    }
+
+    fn set_if<'a>(
+        &'a self,
+        name: &'a str,
+        expected: Option<Bytes>,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>> {
+        async move {
+            let Some(expected) = expected else {
+                self.count(1);
+                let mut conn = self.conn.clone();
+                let written: Option<String> = redis::cmd("SET")
+                    .arg(name)
+                    .arg(bytes.as_ref())
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl_ms.max(1))
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(unavailable("SET NX"))?;
+                return Ok(written.is_some());
+            };
+            self.replace_if_equal(name, expected, bytes, ttl_ms).await
+        }
+        .boxed()
+    }
+
+    fn delete_foreign<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn.clone();
+            let n: u64 = self
+                .delete_foreign
+                .key(name)
+                .invoke_async(&mut conn)
+                .await
+                .map_err(unavailable("delete-foreign"))?;
+            Ok(n > 0)
         }
         .boxed()
     }
@@ -220,7 +334,7 @@ impl Entries for RedisStore {
             self.count(1);
             let mut conn = self.conn.clone();
             redis::cmd("SET")
-                .arg(self.entry_key(key))
+                .arg(key)
                 .arg(bytes.as_ref())
                 .arg("PX")
                 .arg(ttl_ms.max(1))
@@ -236,7 +350,7 @@ impl Entries for RedisStore {
             self.count(1);
             let mut conn = self.conn.clone();
             let n: u64 = redis::cmd("DEL")
-                .arg(self.entry_key(key))
+                .arg(key)
                 .query_async(&mut conn)
                 .await
                 .map_err(unavailable("DEL"))?;
@@ -251,7 +365,7 @@ impl Entries for RedisStore {
             let mut conn = self.conn.clone();
             let n: u64 = self
                 .delete_if_equal
-                .key(self.entry_key(key))
+                .key(key)
                 .arg(expected.as_ref())
                 .invoke_async(&mut conn)
                 .await
@@ -273,7 +387,7 @@ impl Entries for RedisStore {
             let mut conn = self.conn.clone();
             let n: u64 = self
                 .replace_if_equal
-                .key(self.entry_key(key))
+                .key(key)
                 .arg(expected.as_ref())
                 .arg(bytes.as_ref())
                 .arg(ttl_ms.max(1))
@@ -296,7 +410,7 @@ impl FlightLock for RedisStore {
             self.count(1);
             let mut conn = self.conn.clone();
             let ok: Option<String> = redis::cmd("SET")
-                .arg(self.lock_key(key))
+                .arg(key)
                 .arg(owner)
                 .arg("NX")
                 .arg("PX")
@@ -315,7 +429,7 @@ impl FlightLock for RedisStore {
             let mut conn = self.conn.clone();
             let n: u64 = self
                 .delete_if_equal
-                .key(self.lock_key(key))
+                .key(key)
                 .arg(owner)
                 .invoke_async(&mut conn)
                 .await
@@ -323,5 +437,23 @@ impl FlightLock for RedisStore {
             Ok(n > 0)
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redaction_hides_the_secret_and_keeps_the_rest() {
+        assert_eq!(
+            redact("redis://u:hunter2@127.0.0.1:6379/0"),
+            "redis://u:***@127.0.0.1:6379/0"
+        );
+        assert_eq!(redact("rediss://:hunter2@host"), "rediss://:***@host");
+        assert_eq!(redact("redis://hunter2@host"), "redis://***@host");
+        assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        let options = RedisOptions::new("redis://u:hunter2@127.0.0.1:1");
+        assert!(!format!("{options:?}").contains("hunter2"));
     }
 }

@@ -25,7 +25,7 @@ for (const [iface, fns] of Object.entries(calls)) {
 }
 const { instantiate } = await import(component);
 const cache = (await instantiate(null, imports))['corral:cache/cache@0.2.0'];
-cache.configure(settings);
+cache.configure(settings, 'corral:');
 parentPort.postMessage('ready');
 await once(parentPort, 'message');
 let result;

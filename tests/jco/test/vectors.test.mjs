@@ -346,7 +346,7 @@ async function runVector({ instantiate, url }, vector) {
   const host = newHost();
   const exports = await instantiate(null, { ...new WASIShim().getImportObject(), ...host.imports(MAIN) });
   const settings = settingsFor(exports['corral:cache/policy@0.2.0'].defaults(), vector.settings);
-  exports[CACHE].configure(settings);
+  exports[CACHE].configure(settings, 'corral:');
   const run = { host, exports, settings, url };
   const mismatches = [];
   let steps = 0;

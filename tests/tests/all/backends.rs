@@ -1,12 +1,12 @@
 //! What is particular to each backend: Redis's prefix, TTLs, server-side touch and
 //! outages; the memory store's background invalidation; the guest artefact itself.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use corral::guest::Freshness;
 use corral::{Clock, Corral, EntryOptions, ErrorKind};
-use corral_tests::{Backend, Fixture, PREFIX, RedisServer};
+use corral_tests::{Backend, Fixture, RedisServer};
 
 const SEC: Duration = Duration::from_secs(1);
 
@@ -26,10 +26,11 @@ fn the_guest_is_a_small_component() {
     );
 }
 
-async fn pttl(server: &RedisServer, key: &str) -> Result<i64> {
+async fn pttl(f: &Fixture, key: &str) -> Result<i64> {
+    let server = f.redis.as_ref().expect("redis");
     let mut conn = server.connection().await?;
     Ok(redis::cmd("PTTL")
-        .arg(format!("{PREFIX}e:{key}"))
+        .arg(f.cache.entry_name(key)?)
         .query_async(&mut conn)
         .await?)
 }
@@ -84,18 +85,17 @@ async fn keys_live_under_the_prefix_and_tenants_never_meet() -> Result<()> {
     let mut conn = server.connection().await?;
     let mut keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
     keys.sort();
-    assert_eq!(keys, ["a:e:k", "b:e:k"]);
+    assert_eq!(keys, ["{2:a:k}:e", "{2:b:k}:e"]);
     Ok(())
 }
 
 #[tokio::test]
 async fn the_redis_ttl_is_an_upper_bound_that_follows_the_touch() -> Result<()> {
     let f = Fixture::new(Backend::Redis)?;
-    let server = f.redis.as_ref().expect("redis");
     f.cache
         .set("k", "v", EntryOptions::new().sliding(60 * SEC))
         .await?;
-    let ttl = pttl(server, "k").await?;
+    let ttl = pttl(&f, "k").await?;
     assert!(
         (60_000..=61_000).contains(&ttl),
         "expiry plus at most the grace: {ttl}"
@@ -104,7 +104,7 @@ async fn the_redis_ttl_is_an_upper_bound_that_follows_the_touch() -> Result<()> 
     // moves with it (real time has hardly passed, so it must grow by about 40 s).
     f.clock.advance(40 * SEC);
     assert!(f.cache.get("k").await?.is_some());
-    let ttl = pttl(server, "k").await?;
+    let ttl = pttl(&f, "k").await?;
     assert!(
         (60_000..=61_000).contains(&ttl),
         "PEXPIRE'd with the touch: {ttl}"
@@ -115,7 +115,7 @@ async fn the_redis_ttl_is_an_upper_bound_that_follows_the_touch() -> Result<()> 
         .await?;
     f.clock.advance(10 * SEC);
     assert!(f.cache.get("r").await?.is_some());
-    assert!(pttl(server, "r").await? <= 31_000);
+    assert!(pttl(&f, "r").await? <= 31_000);
     Ok(())
 }
 
@@ -241,7 +241,10 @@ async fn concurrent_callers_share_the_guest_safely() -> Result<()> {
         }
         assert_eq!(f.cache.metrics().sets, 200, "{backend:?}");
         let created = f.cache.policy().instances_created();
-        assert!(created <= 8, "instances are reused, not made per call: {created} for 400 calls");
+        assert!(
+            created <= 8,
+            "instances are reused, not made per call: {created} for 400 calls"
+        );
     }
     Ok(())
 }
@@ -251,17 +254,12 @@ async fn a_write_in_one_process_drops_the_l1_copy_in_another() -> Result<()> {
     let server = RedisServer::start()?;
     let cache = || Corral::builder().redis(server.url()).build();
     let (a, b) = (cache()?, cache()?);
-    // Make sure b listens before a speaks (subscribing is otherwise in the background).
-    drop(b.notifications().watch("anything").await);
-    a.set("k", "one", EntryOptions::new()).await?;
-    assert_eq!(
-        b.get("k").await?.as_deref(),
-        Some(&b"one"[..]),
-        "b reads L2 and fills its L1"
-    );
-    assert_eq!(b.get("k").await?.as_deref(), Some(&b"one"[..]));
-    assert_eq!(b.metrics().l1_hits, 1);
-
+    // Make sure b listens before a speaks: its first subscription flushes its (empty) L1.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while b.metrics().l1_flushes < 1 {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "b never subscribed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     // Wait for b to act on a's announcement (over pub/sub), not for a guessed delay.
     let heard = |after: u64| {
         let b = b.clone();
@@ -274,6 +272,19 @@ async fn a_write_in_one_process_drops_the_l1_copy_in_another() -> Result<()> {
             .await
         }
     };
+    // b hears of a's set first: a fill that raced with that news would be refused (a
+    // fill never lands over a newer invalidation), which is right, but not this test.
+    let before = b.metrics().l1_invalidations;
+    a.set("k", "one", EntryOptions::new()).await?;
+    heard(before).await?;
+    assert_eq!(
+        b.get("k").await?.as_deref(),
+        Some(&b"one"[..]),
+        "b reads L2 and fills its L1"
+    );
+    assert_eq!(b.get("k").await?.as_deref(), Some(&b"one"[..]));
+    assert_eq!(b.metrics().l1_hits, 1);
+
     let before = b.metrics().l1_invalidations;
     a.set("k", "two", EntryOptions::new()).await?;
     heard(before).await?;
@@ -288,5 +299,108 @@ async fn a_write_in_one_process_drops_the_l1_copy_in_another() -> Result<()> {
     heard(before).await?;
     assert_eq!(b.get("k").await?, None, "a removal reaches b's L1 too");
     assert_eq!(a.metrics().l1_invalidations, 0, "a ignores its own announcements");
+    Ok(())
+}
+
+/// Two tenants whose prefixes nest (`corral:` and `corral:e:`) never meet: under the
+/// first round's scheme both wrote `corral:e:e:k`, so one read, removed and replaced
+/// the other's entry (contract §2.4).
+#[tokio::test]
+async fn tenants_whose_prefixes_nest_never_meet() -> Result<()> {
+    let server = RedisServer::start()?;
+    let tenant = |prefix: &str| {
+        let mut o = corral::RedisOptions::new(server.url());
+        o.prefix = prefix.into();
+        Corral::builder().redis_options(o).l1_capacity(0).build()
+    };
+    let (outer, inner) = (tenant("corral:")?, tenant("corral:e:")?);
+    outer.set("e:k", "outer's", EntryOptions::new()).await?;
+    assert_eq!(inner.get("k").await?, None, "inner sees nothing of outer's");
+    assert!(!inner.remove("k").await?, "and removes nothing of it");
+    inner.set("k", "inner's", EntryOptions::new()).await?;
+    assert_eq!(outer.get("e:k").await?.as_deref(), Some(&b"outer's"[..]));
+    assert_eq!(inner.get("k").await?.as_deref(), Some(&b"inner's"[..]));
+    Ok(())
+}
+
+/// The landing channel is kept by a task of its own: when its connection dies, a new
+/// subscription replaces it, and the whole L1 is dropped, since announcements made in
+/// between are lost (contract §5.13). Before, nothing resubscribed until the next
+/// get-or-set waited, and the L1 kept serving what another process had replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_landing_channel_is_replaced_and_l1_is_flushed() -> Result<()> {
+    let server = RedisServer::start()?;
+    let proxy = corral_tests::FaultProxy::start(server.addr())?;
+    let a = Corral::builder().redis(server.url()).build()?;
+    let b = Corral::builder().redis(proxy.url()).build()?;
+    let subscribed = |n: u64| {
+        let b = b.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while b.metrics().l1_flushes < n {
+                anyhow::ensure!(Instant::now() < deadline, "b never subscribed (#{n})");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Ok(())
+        }
+    };
+    subscribed(1).await?; // b listens
+    a.set("k", "one", EntryOptions::new()).await?;
+    assert_eq!(
+        b.get("k").await?.as_deref(),
+        Some(&b"one"[..]),
+        "b's L1 holds it now"
+    );
+
+    let dropped = Instant::now();
+    assert_eq!(proxy.drop_subscribers(), 1, "b's channel dies");
+    a.set("k", "two", EntryOptions::new()).await?; // an announcement b may never hear
+    subscribed(2).await?;
+    println!("resubscribed {:?} after the channel died", dropped.elapsed());
+    assert_eq!(
+        b.get("k").await?.as_deref(),
+        Some(&b"two"[..]),
+        "no stale L1 copy"
+    );
+    Ok(())
+}
+
+/// No secret is ever printed: a Redis URL's password appears in no error, no error
+/// source and no `Debug` output of the cache, its options or its locks (issue: before,
+/// `RedisOptions`' and `RedisLocks`' `Debug` showed it, and the lock log lines too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_password_is_never_printed() -> Result<()> {
+    let url = "redis://user:hunter2@127.0.0.1:1/0";
+    let mut shown = Vec::new();
+    let cache = Corral::builder().redis(url).build()?;
+    let err = cache.get("k").await.unwrap_err();
+    shown.push(format!(
+        "{err} {err:?} {cache:?} {:?}",
+        corral::RedisOptions::new(url)
+    ));
+    let mut source = std::error::Error::source(&err);
+    while let Some(s) = source {
+        shown.push(format!("{s} {s:?}"));
+        source = s.source();
+    }
+    let locks = corral::locks::RedisLocks::connect(&[url])?;
+    let err = locks
+        .try_acquire("k", corral::locks::LockOptions::new())
+        .await
+        .unwrap_err();
+    shown.push(format!("{err} {err:?} {locks:?}"));
+    let bad = Corral::builder()
+        .redis("redis://user:hunter2@[not a url")
+        .build()
+        .unwrap_err();
+    shown.push(format!("{bad} {bad:?}"));
+    for text in &shown {
+        assert!(!text.contains("hunter2"), "a password was printed: {text}");
+    }
+    assert!(
+        shown[0].contains("user:***@127.0.0.1:1"),
+        "the rest is kept: {}",
+        shown[0]
+    );
     Ok(())
 }

@@ -51,6 +51,8 @@ contract!(
     a_truncated_envelope_is_a_miss_removed_and_counted,
     an_unknown_envelope_version_is_a_miss_removed_and_counted,
     inspect_shows_the_stored_meta_without_touching,
+    one_expiry_rule_holds_on_every_store,
+    a_value_of_another_redis_type_is_a_corrupt_miss,
 );
 
 fn arg_error<T: std::fmt::Debug>(r: corral::Result<T>) -> (ErrorKind, String) {
@@ -380,7 +382,7 @@ async fn a_truncated_envelope_is_a_miss_removed_and_counted(b: Backend) -> Resul
     f.cache
         .set("good", "a value of some length", EntryOptions::new())
         .await?;
-    let whole = f.cache.entries().get("good").await?.expect("stored");
+    let whole = f.cache.entries().get(&f.name("good")).await?.expect("stored");
     corrupt_is_a_counted_miss(b, &whole[..whole.len() - 3]).await?;
     corrupt_is_a_counted_miss(b, &whole[..20]).await
 }
@@ -388,7 +390,13 @@ async fn a_truncated_envelope_is_a_miss_removed_and_counted(b: Backend) -> Resul
 async fn an_unknown_envelope_version_is_a_miss_removed_and_counted(b: Backend) -> Result<()> {
     let f = Fixture::new(b)?;
     f.cache.set("good", "v", EntryOptions::new()).await?;
-    let mut bytes = f.cache.entries().get("good").await?.expect("stored").to_vec();
+    let mut bytes = f
+        .cache
+        .entries()
+        .get(&f.name("good"))
+        .await?
+        .expect("stored")
+        .to_vec();
     bytes[3] = 9;
     corrupt_is_a_counted_miss(b, &bytes).await
 }
@@ -417,4 +425,73 @@ impl ClockNow for Fixture {
         use corral::Clock;
         self.clock.now_ms()
     }
+}
+
+/// A duration the guest accepts works on every store; one past the latest expiry a
+/// store keeps is an argument error on every store (contract §3.4). Before, a relative
+/// expiry of 2^62 ms worked in memory and failed on Redis as an outage.
+async fn one_expiry_rule_holds_on_every_store(b: Backend) -> Result<()> {
+    let f = Fixture::new(b)?;
+    let century = Duration::from_secs(100 * 365 * 24 * 3600);
+    f.cache
+        .set("long", "v", EntryOptions::new().relative(century))
+        .await?;
+    f.cache
+        .set("slides", "v", EntryOptions::new().sliding(century))
+        .await?;
+    f.clock.advance(century / 2);
+    assert_eq!(f.cache.get("long").await?.as_deref(), Some(&b"v"[..]));
+    assert_eq!(f.cache.get("slides").await?.as_deref(), Some(&b"v"[..]));
+    let beyond = Duration::from_millis(1 << 62);
+    assert_eq!(
+        arg_error(f.cache.set("k", "v", EntryOptions::new().relative(beyond)).await),
+        invalid("relative")
+    );
+    assert_eq!(
+        arg_error(f.cache.set("k", "v", EntryOptions::new().sliding(beyond)).await),
+        invalid("sliding")
+    );
+    assert!(!f.stored("k").await?, "nothing stored");
+    Ok(())
+}
+
+/// A key of another Redis type under the cache's prefix is a corrupt entry: a miss,
+/// removed and counted, and a get-or-set then loads and caches normally instead of
+/// degrading on every call (contract §4). The memory store holds only bytes: there the
+/// same bytes-level corruption is covered above.
+async fn a_value_of_another_redis_type_is_a_corrupt_miss(b: Backend) -> Result<()> {
+    let f = Fixture::new(b)?;
+    let Some(server) = f.redis.as_ref() else {
+        return Ok(());
+    };
+    let mut conn = server.connection().await?;
+    ::redis::cmd("HSET")
+        .arg(f.name("k"))
+        .arg("field")
+        .arg("value")
+        .query_async::<()>(&mut conn)
+        .await?;
+    assert_eq!(f.cache.get("k").await?, None, "a miss, not an outage");
+    assert_eq!(f.cache.metrics().corrupt, 1);
+    assert!(!f.stored("k").await?, "and removed");
+    ::redis::cmd("RPUSH")
+        .arg(f.name("k"))
+        .arg("item")
+        .query_async::<()>(&mut conn)
+        .await?;
+    let v = f
+        .cache
+        .get_or_set("k", EntryOptions::new(), || async {
+            Ok::<_, std::io::Error>("loaded")
+        })
+        .await?;
+    assert_eq!(v, "loaded");
+    let m = f.cache.metrics();
+    assert_eq!((m.corrupt, m.degraded, m.loads), (2, 0, 1));
+    assert_eq!(
+        f.cache.get("k").await?.as_deref(),
+        Some(&b"loaded"[..]),
+        "and cached"
+    );
+    Ok(())
 }

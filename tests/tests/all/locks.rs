@@ -347,10 +347,7 @@ async fn corral_lock_says_so_when_the_lock_is_busy() -> Result<()> {
         .await?;
     assert_eq!(out.status.code(), Some(75));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("could not get lock") && stderr.contains("--wait"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("held by another owner"), "{stderr}");
     held.release().await?;
     Ok(())
 }
@@ -372,12 +369,24 @@ async fn corral_lock_stops_the_command_when_the_lock_is_lost() -> Result<()> {
             "sleep",
             "30",
         ])
+        .env("CORRAL_LOG", "info")
         .stderr(std::process::Stdio::piped())
         .spawn()?;
-    // `corral lock` says when it holds the lock; then the server goes away.
+    // `corral lock` logs when it holds the lock; then the server goes away.
     let mut stderr = tokio::io::BufReader::new(child.stderr.take().context("piped")?).lines();
-    let first = stderr.next_line().await?.unwrap_or_default();
-    assert!(first.contains("holding \"cron\" (fencing token 1)"), "{first}");
+    let mut first = String::new();
+    while !first.contains("holding the lock") {
+        first = stderr
+            .next_line()
+            .await?
+            .context("corral lock ended before holding")?;
+    }
+    // Fencing tokens start at the server's clock in microseconds, not at 1.
+    let token = first
+        .split_once("fencing_token=")
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|t| t.parse::<u64>().ok());
+    assert!(token.is_some_and(|t| t > 0), "{first}");
     server.pause()?;
     let status = tokio::time::timeout(Duration::from_secs(10), child.wait()).await??;
     server.resume()?;
@@ -387,6 +396,323 @@ async fn corral_lock_stops_the_command_when_the_lock_is_lost() -> Result<()> {
         rest.push('\n');
     }
     assert_eq!(status.code(), Some(76), "{rest}");
-    assert!(rest.contains("lost: stopping the command"), "{rest}");
+    assert!(
+        rest.contains("lost (expired or taken over): stopping the command"),
+        "{rest}"
+    );
+    Ok(())
+}
+
+/// Polls `check` every 20 ms until it holds or `within` passes; says whether it held.
+async fn eventually<F, Fut>(within: Duration, mut check: F) -> Result<bool>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<bool>>,
+{
+    let until = Instant::now() + within;
+    loop {
+        if check().await? {
+            return Ok(true);
+        }
+        if Instant::now() >= until {
+            return Ok(false);
+        }
+        tokio::time::sleep(20 * MS).await;
+    }
+}
+
+/// The value of the lock key of `key` on `server` (`None`: not held there).
+async fn holder(server: &RedisServer, locks: &RedisLocks, key: &str) -> Result<Option<String>> {
+    let mut conn = server.connection().await?;
+    Ok(redis::cmd("GET")
+        .arg(locks.lock_key(key))
+        .query_async(&mut conn)
+        .await?)
+}
+
+/// The Redis key of the fencing counter of `key` on `server`: the one key there that is
+/// not the lock key (the test stores nothing else), whatever the naming scheme.
+async fn counter_key(server: &RedisServer, locks: &RedisLocks, key: &str) -> Result<String> {
+    let mut conn = server.connection().await?;
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
+    let lock = locks.lock_key(key);
+    let others: Vec<String> = keys.into_iter().filter(|k| *k != lock).collect();
+    anyhow::ensure!(others.len() == 1, "one counter key expected: {others:?}");
+    Ok(others[0].clone())
+}
+
+/// Opens every server's connection and loads the lock scripts there, so that a fault
+/// injected afterwards stalls an established connection (its response timeout, 1 s).
+async fn warm(locks: &RedisLocks) -> Result<()> {
+    let lease = locks
+        .acquire("warm-up", LockOptions::new().ttl(Duration::from_secs(1)))
+        .await?;
+    lease.release().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_won_with_a_stalled_minority_is_valid_for_ttl_minus_elapsed_minus_drift() -> Result<()> {
+    let _real_time = real_time().await;
+    let servers = (0..3).map(|_| RedisServer::start()).collect::<Result<Vec<_>>>()?;
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let locks = RedisLocks::connect(&urls)?;
+    warm(&locks).await?;
+    servers[2].pause()?;
+    let ttl = Duration::from_secs(3);
+    let began = Instant::now();
+    let lease = locks
+        .acquire("stalled", LockOptions::new().ttl(ttl).wait(Duration::ZERO))
+        .await;
+    let elapsed = began.elapsed();
+    let seen = lease.as_ref().ok().map(|l| (l.valid_for(), l.is_lost()));
+    servers[2].resume()?;
+    let lease = lease?;
+    let (left, lost) = seen.context("held")?;
+    let drift = Duration::from_millis(3_000 / 100 + 2);
+    println!("TTL {ttl:?}, one of 3 servers stalled: acquire took {elapsed:?}, validity left {left:?}");
+    assert!(
+        elapsed >= Duration::from_millis(900),
+        "the stalled server held the round for its response timeout: {elapsed:?}"
+    );
+    assert!(!lost, "a lease won in time is not lost at birth");
+    let expected = ttl - elapsed - drift;
+    assert!(
+        left + Duration::from_millis(100) >= expected && left <= ttl - drift,
+        "validity is TTL - elapsed - drift once, not twice: {left:?}, expected about {expected:?}"
+    );
+    lease.release().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wall_clock_step_neither_loses_a_held_lease_nor_keeps_a_lapsed_one() -> Result<()> {
+    use corral::Clock;
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let wall = ManualClock::starting_now();
+    let locks = RedisLocks::connect_with(&[server.url()], "corral:", wall.clone())?;
+    let fixed = locks
+        .acquire("fixed", LockOptions::new().ttl(Duration::from_secs(5)))
+        .await?;
+    let watched = locks
+        .acquire("watched", LockOptions::new().watchdog(300 * MS))
+        .await?;
+    wall.advance(Duration::from_secs(3_600));
+    assert!(
+        !fixed.is_lost(),
+        "an hour's step of the wall clock does not end a 5 s lease"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await; // the watchdog renews about 3 times
+    assert!(!watched.is_lost(), "the watchdog keeps renewing on its own clock");
+    assert!(!fixed.is_lost());
+    let left = fixed.valid_for();
+    assert!(
+        left > Duration::from_secs(3) && left < Duration::from_secs(5),
+        "{left:?}"
+    );
+    assert!(holder(&server, &locks, "watched").await?.is_some());
+    fixed.release().await?;
+    watched.release().await?;
+
+    // Stepping back: a 300 ms lease still lapses after 300 ms.
+    let short = locks.acquire("short", LockOptions::new().ttl(300 * MS)).await?;
+    wall.set(wall.now_ms() - 3_600_000);
+    tokio::time::sleep(400 * MS).await;
+    assert!(
+        short.is_lost(),
+        "a step back of the wall clock does not extend a lease past its validity"
+    );
+    tokio::time::timeout(Duration::from_secs(1), short.lost())
+        .await
+        .context("the lost signal fires at the monotonic deadline")?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_rise_after_a_restart_without_persistence_or_a_deleted_counter() -> Result<()> {
+    let _real_time = real_time().await;
+    let mut server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    let options = LockOptions::new().ttl(Duration::from_secs(10));
+    let first = locks.acquire("fenced", options).await?;
+    let t1 = first.fencing_token();
+    first.release().await?;
+    server.restart()?; // `--save ""`: it comes back empty
+    // The first command on the old connection may fail: acquire retries.
+    let second = locks.acquire("fenced", options).await?;
+    let t2 = second.fencing_token();
+    second.release().await?;
+    let key = counter_key(&server, &locks, "fenced").await?;
+    let mut conn = server.connection().await?;
+    let _: () = redis::cmd("DEL").arg(&key).query_async(&mut conn).await?;
+    let third = locks.acquire("fenced", options).await?;
+    let t3 = third.fencing_token();
+    third.release().await?;
+    println!("tokens: {t1}, after a restart {t2}, after the counter's deletion {t3}");
+    assert!(t2 > t1, "a restart without persistence: {t1} then {t2}");
+    assert!(t3 > t2, "a deleted counter: {t2} then {t3}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_tokens_rise_after_a_crashed_holder_and_a_lost_counter() -> Result<()> {
+    let _real_time = real_time().await;
+    let servers = (0..3).map(|_| RedisServer::start()).collect::<Result<Vec<_>>>()?;
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let locks = RedisLocks::connect(&urls)?;
+    let first = locks
+        .acquire("r", LockOptions::new().ttl(Duration::from_secs(5)))
+        .await?;
+    let t1 = first.fencing_token();
+    first.release().await?;
+    // Server 0's counter drifted ahead of the others (it saw acquires they missed).
+    let key = counter_key(&servers[0], &locks, "r").await?;
+    let mut conn = servers[0].connection().await?;
+    let value: u64 = redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg(value + 1_000)
+        .query_async(&mut conn)
+        .await?;
+    // A holder takes the lock, its token from server 0, and crashes without releasing.
+    let crashed = locks.acquire("r", LockOptions::new().ttl(300 * MS)).await?;
+    let t2 = crashed.fencing_token();
+    std::mem::forget(crashed);
+    tokio::time::sleep(400 * MS).await;
+    // Server 0 loses its counter.
+    let _: () = redis::cmd("DEL").arg(&key).query_async(&mut conn).await?;
+    let next = locks
+        .acquire("r", LockOptions::new().ttl(Duration::from_secs(5)))
+        .await?;
+    let t3 = next.fencing_token();
+    next.release().await?;
+    println!("Redlock tokens: {t1}, drifted {t2}, after the crash and the lost counter {t3}");
+    assert!(t2 > t1 && t3 > t2, "tokens only rise: {t1}, {t2}, {t3}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_whose_reply_times_out_leaves_no_lock_behind() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    warm(&locks).await?;
+    server.pause()?;
+    let options = LockOptions::new().ttl(Duration::from_secs(30));
+    let outcome = locks.try_acquire("orphan", options).await;
+    server.resume()?;
+    let e = outcome.expect_err("the only server was frozen");
+    println!("acquire against a frozen server: {e}");
+    // The frozen server ran the SET when it woke; the lease code releases it.
+    let gone = eventually(Duration::from_secs(5), || async {
+        Ok(holder(&server, &locks, "orphan").await?.is_none())
+    })
+    .await?;
+    assert!(gone, "the lock key is left held by a token nobody has");
+    let lease = locks.try_acquire("orphan", options).await?;
+    assert!(lease.is_some(), "the lock is free again");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_acquire_leaves_no_lock_behind() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    warm(&locks).await?;
+    server.pause()?;
+    let options = LockOptions::new().ttl(Duration::from_secs(30));
+    // The caller gives up mid-flight: its future is dropped with the SET sent.
+    let cancelled = tokio::time::timeout(200 * MS, locks.acquire("dropped", options)).await;
+    assert!(cancelled.is_err(), "still in flight when dropped");
+    server.resume()?;
+    let gone = eventually(Duration::from_secs(5), || async {
+        Ok(holder(&server, &locks, "dropped").await?.is_none())
+    })
+    .await?;
+    assert!(gone, "the lock key is left held by a dropped acquire");
+    let lease = locks.try_acquire("dropped", options).await?;
+    assert!(lease.is_some(), "the lock is free again");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_server_outage_is_unavailable_not_quorum() -> Result<()> {
+    let _real_time = real_time().await;
+    let mut server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    let lease = locks
+        .acquire("solo", LockOptions::new().ttl(Duration::from_secs(10)))
+        .await?;
+    server.kill();
+    let options = LockOptions::new().ttl(Duration::from_secs(10));
+    let e = locks.try_acquire("other", options).await.unwrap_err();
+    println!("try_acquire: {e}");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.to_string().contains(&server.url()), "names the server: {e}");
+    let e = locks.acquire("other", options.wait(300 * MS)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    let e = lease.extend(Duration::from_secs(10)).await.unwrap_err();
+    println!("extend: {e}");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    let e = lease.release().await.unwrap_err();
+    println!("release: {e}");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn memory_locks_sweep_expired_entries_by_themselves_until_dropped() -> Result<()> {
+    let clock = ManualClock::new(1_000_000);
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let tasks_before = metrics.num_alive_tasks();
+    let locks = MemoryLocks::with_sweep_interval(clock.clone(), 50 * MS)?;
+    for key in ["a", "b", "c"] {
+        assert!(locks.try_lock(key, "alice", Duration::from_secs(1))?);
+    }
+    assert!(locks.try_lock("live", "alice", Duration::from_secs(3_600))?);
+    clock.advance(Duration::from_secs(2));
+    let swept = eventually(Duration::from_secs(2), || async { Ok(locks.len() == 1) }).await?;
+    assert!(swept, "expired entries left after 2 s: {}", locks.len());
+    assert!(locks.is_locked_by("live", "alice")?, "a live lock stays");
+
+    // The sweeper lives as long as the table: a clone keeps it, the last drop stops it.
+    assert_eq!(metrics.num_alive_tasks(), tasks_before + 1, "one sweeper");
+    let twin = locks.clone();
+    drop(locks);
+    tokio::task::yield_now().await;
+    assert_eq!(metrics.num_alive_tasks(), tasks_before + 1, "a clone keeps it");
+    drop(twin);
+    let stopped = eventually(Duration::from_secs(2), || async {
+        Ok(metrics.num_alive_tasks() == tasks_before)
+    })
+    .await?;
+    assert!(stopped, "the sweeper outlived its table");
+    Ok(())
+}
+
+#[test]
+fn memory_locks_sweep_without_a_runtime_too() -> Result<()> {
+    let clock = ManualClock::new(1_000_000);
+    let locks = MemoryLocks::with_sweep_interval(clock.clone(), 50 * MS)?;
+    assert!(locks.try_lock("a", "alice", Duration::from_secs(1))?);
+    clock.advance(Duration::from_secs(2));
+    let until = Instant::now() + Duration::from_secs(2);
+    while !locks.is_empty() && Instant::now() < until {
+        std::thread::sleep(20 * MS);
+    }
+    assert_eq!(locks.len(), 0, "swept by the table's own thread");
+    Ok(())
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn the_default_memory_table_sweeps_within_its_interval() -> Result<()> {
+    let clock = ManualClock::new(1_000_000);
+    let locks = MemoryLocks::with_clock(clock.clone())?;
+    assert!(locks.try_lock("a", "alice", Duration::from_secs(1))?);
+    clock.advance(Duration::from_secs(2));
+    let swept = eventually(Duration::from_secs(3), || async { Ok(locks.is_empty()) }).await?;
+    assert!(swept, "the default table never swept its zombie");
     Ok(())
 }

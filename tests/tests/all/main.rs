@@ -3,5 +3,6 @@
 mod backends;
 mod contract;
 mod locks;
+mod proxy;
 mod single_flight;
 mod vectors;

@@ -224,8 +224,120 @@ async fn a_dropped_leader_hands_the_flight_over_and_leaks_nothing() -> Result<()
     assert_eq!(f.cache.flights_in_progress(), 0);
     let server = f.redis.as_ref().expect("redis");
     let mut conn = server.connection().await?;
-    let pttl: i64 = redis::cmd("PTTL").arg("test:l:k").query_async(&mut conn).await?;
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg("{5:test:k}:l")
+        .query_async(&mut conn)
+        .await?;
     assert_eq!(pttl, -2, "the lock key is gone");
+    Ok(())
+}
+
+/// A leader whose loader panics: its own caller gets the panic as an error, and the
+/// flight goes to a follower at once (no lock wait, no lock TTL), for both backends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_whose_loader_panics_hands_the_flight_over_at_once() -> Result<()> {
+    let _real_time = real_time().await;
+    for backend in [Backend::Redis, Backend::Memory, Backend::Redis, Backend::Memory] {
+        let f = Fixture::new(backend)?;
+        let (started, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        let panicked_at = Arc::new(parking_lot::Mutex::new(None::<Instant>));
+        let leader = {
+            let (cache, started, go, at) =
+                (f.cache.clone(), started.clone(), go.clone(), panicked_at.clone());
+            tokio::spawn(async move {
+                cache
+                    .get_or_set("k", relative(), || async move {
+                        started.notify_one();
+                        go.notified().await;
+                        *at.lock() = Some(Instant::now());
+                        if at.lock().is_some() {
+                            panic!("the database driver blew up");
+                        }
+                        Ok::<_, std::io::Error>("never")
+                    })
+                    .await
+            })
+        };
+        started.notified().await;
+        let mut followers = tokio::task::JoinSet::new();
+        for _ in 0..10 {
+            let cache = f.cache.clone();
+            followers.spawn(async move {
+                let v = cache
+                    .get_or_set("k", relative(), || async {
+                        Ok::<_, std::io::Error>("taken over")
+                    })
+                    .await;
+                (v, Instant::now())
+            });
+        }
+        while f.cache.followers_of("k") < 10 {
+            tokio::task::yield_now().await;
+        }
+        go.notify_one();
+        let err = leader.await?.expect_err("the panic reaches its caller");
+        assert_eq!(err.kind(), ErrorKind::Loader, "{err}");
+        assert!(
+            err.to_string().contains("panicked: the database driver blew up"),
+            "{err}"
+        );
+        let mut slowest = Duration::ZERO;
+        while let Some(r) = followers.join_next().await {
+            let (v, at) = r?;
+            assert_eq!(v?, "taken over", "{backend:?}");
+            let at_panic = panicked_at.lock().expect("it panicked");
+            slowest = slowest.max(at.duration_since(at_panic));
+        }
+        println!("{backend:?}: followers served {slowest:?} after the leader's panic");
+        let m = f.cache.metrics();
+        assert_eq!((m.loads, m.degraded, m.lock_timeouts), (2, 0, 0), "{backend:?}");
+        assert!(
+            slowest < Duration::from_secs(1),
+            "handed over at once, not after a lock wait: {slowest:?}"
+        );
+        assert_eq!(f.cache.flights_in_progress(), 0);
+    }
+    Ok(())
+}
+
+/// A load never overwrites a set or a removal made while it ran (fenced fills, contract
+/// §5.12): its caller gets what it loaded, the store keeps the newer write. Before, the
+/// load's plain `SET` won and brought the stale value back for everyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_never_overwrites_a_newer_set_or_remove() -> Result<()> {
+    for backend in [Backend::Memory, Backend::Redis] {
+        for newer in [Some("newer"), None] {
+            let f = Fixture::with(backend, |b| b.l1_capacity(0))?;
+            let (started, go) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+            let leader = {
+                let (cache, started, go) = (f.cache.clone(), started.clone(), go.clone());
+                tokio::spawn(async move {
+                    cache
+                        .get_or_set("k", relative(), || async move {
+                            started.notify_one();
+                            go.notified().await;
+                            Ok::<_, std::io::Error>("stale")
+                        })
+                        .await
+                })
+            };
+            started.notified().await; // the load read its source before the write below
+            match newer {
+                Some(v) => f.cache.set("k", v, EntryOptions::new().relative(MIN)).await?,
+                None => {
+                    f.cache.remove("k").await?;
+                }
+            }
+            go.notify_one();
+            assert_eq!(leader.await??, "stale", "the loader's caller gets what it loaded");
+            assert_eq!(
+                f.cache.get("k").await?.as_deref(),
+                newer.map(str::as_bytes),
+                "{backend:?}: the newer write stays"
+            );
+            assert_eq!(f.cache.metrics().fills_refused, 1, "{backend:?}");
+        }
+    }
     Ok(())
 }
 

@@ -1,0 +1,71 @@
+//! Where the CLI's words go. Results go to stdout through [`out!`], which reports a
+//! closed stdout (`corral demo | head -1`) as a quiet [`Failure`] instead of a panic.
+//! Everything for a person (errors, warnings, progress, logs, panics) goes to stderr
+//! through [`say!`] or the log writer, redacted ([`crate::redact`]) and never failing.
+
+use std::fmt;
+use std::io::{self, IsTerminal, Write};
+
+use crate::failure::Failure;
+
+/// Prints a line on stdout: `out!("{x}")?`. A closed stdout ends the command quietly.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::output::line(format_args!($($arg)*))
+    };
+}
+
+/// Prints a line on stderr, redacted. A closed stderr is ignored: there is no one to tell.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::output::say_line(format_args!($($arg)*))
+    };
+}
+
+pub(crate) use {out, say};
+
+/// Writes one line on stdout.
+pub fn line(args: fmt::Arguments<'_>) -> Result<(), Failure> {
+    let mut stdout = io::stdout().lock();
+    writeln!(stdout, "{args}")
+        .and_then(|()| stdout.flush())
+        .map_err(Failure::from_stdout)
+}
+
+/// Writes one redacted line on stderr, ignoring errors.
+pub fn say_line(args: fmt::Arguments<'_>) {
+    let text = args.to_string();
+    let _ = writeln!(io::stderr().lock(), "{}", crate::redact::redact(&text));
+}
+
+/// Sends the log (`CORRAL_LOG`, e.g. `debug` or `corral=trace`; default `warn`) to
+/// stderr, redacted, and makes a panic a redacted one-line report.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CORRAL_LOG").unwrap_or_else(|_| "warn".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(io::stderr().is_terminal())
+        .with_writer(|| RedactedStderr)
+        .init();
+    std::panic::set_hook(Box::new(|info| {
+        say!("corral: internal error, please report it with the command you ran: {info}");
+    }));
+}
+
+/// stderr, with every write redacted. The log formats a whole event before writing
+/// it, so a secret never straddles two writes.
+struct RedactedStderr;
+
+impl Write for RedactedStderr {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let text = String::from_utf8_lossy(buf);
+        let _ = io::stderr()
+            .lock()
+            .write_all(crate::redact::redact(&text).as_bytes());
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        io::stderr().flush()
+    }
+}

@@ -1,0 +1,180 @@
+//! The cache commands: what they print and how they exit (sysexits), `script`'s lines,
+//! and a stdout closed by its reader.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::Stdio;
+
+use crate::support::{closed_port, corral, run, run_command, text};
+
+#[test]
+fn demo_runs_on_the_embedded_default() {
+    let out = run(&["demo"], None);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("hit: s3cr3t"), "{stdout}");
+    assert!(stdout.contains("`key` must not be only white space"), "{stdout}");
+}
+
+#[test]
+fn script_runs_commands_on_one_embedded_cache() {
+    let out = run(
+        &["script"],
+        Some("set k hello --sliding 5m\nget k\ninspect k\nremove k\nget k\n"),
+    );
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines[0], "stored k");
+    assert_eq!(lines[1], "hello");
+    assert!(
+        stdout.contains("sliding expiration") && stdout.contains("5m"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("removed\n(no entry)"), "{stdout}");
+}
+
+#[test]
+fn a_bad_key_names_the_argument_and_exits_2() {
+    let out = run(&["get", "  "], None);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("invalid argument: `key` must not be only white space"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("hint:"), "{stderr}");
+}
+
+#[test]
+fn an_unreachable_redis_names_the_cause_says_what_to_do_and_exits_69() {
+    let url = format!("redis://127.0.0.1:{}", closed_port());
+    let out = run(&["--redis", &url, "get", "k"], None);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(
+        stderr.contains(&format!("cannot use Redis at {url}: connection refused")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("hint: nothing listens at"), "{stderr}");
+    assert!(stderr.contains("redis-server"), "{stderr}");
+}
+
+#[test]
+fn script_goes_on_after_a_failed_line_and_exits_with_the_worst_status() {
+    let out = run(
+        &["script"],
+        Some("set k v\nfrobnicate k\nget k\nget k --absent-flag\n"),
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert_eq!(stdout, "stored k\nv\n");
+    assert!(
+        stderr.contains("line 2: error: unrecognized subcommand 'frobnicate'"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("line 4: error: unexpected argument '--absent-flag'"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("error: 2 of 4 script lines failed"), "{stderr}");
+}
+
+#[test]
+fn script_on_an_unreachable_redis_exits_69() {
+    let url = format!("redis://127.0.0.1:{}", closed_port());
+    let out = run(&["--redis", &url, "script"], Some("get k\n"));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(stderr.contains("line 1: error: cannot use Redis at"), "{stderr}");
+    assert!(stderr.contains("connection refused"), "{stderr}");
+}
+
+#[test]
+fn script_refuses_redis_and_prefix_on_a_line_instead_of_ignoring_them() {
+    let input = "set k v\nget k --redis redis://127.0.0.1:1\nget k --prefix other:\nget k\n";
+    let out = run(&["script"], Some(input));
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert_eq!(stdout, "stored k\nv\n", "the refused lines printed nothing");
+    assert!(
+        stderr.contains("line 2: error: --redis cannot be given on a script line"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("line 3: error: --prefix cannot be given on a script line"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("pass --prefix to `corral script` itself"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn script_refuses_commands_that_do_not_work_on_a_line() {
+    let out = run(&["script"], Some("demo\nlock --key k -- true\n"));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("line 1: error: only set, get, refresh, remove and inspect"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("line 2: error: only set, get, refresh, remove and inspect"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_stdout_closed_from_the_start_ends_demo_quietly() {
+    // `corral demo | head -0`: the reader is gone before the first line is written.
+    let mut child = corral(&["demo"]).spawn().unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(141),
+        "128 + SIGPIPE, as a shell tool says it: {stderr}"
+    );
+    assert_eq!(stderr, "", "quietly: no panic, no message");
+}
+
+#[test]
+fn a_stdout_closed_after_the_first_line_ends_script_quietly() {
+    // `corral script | head -1`, with the second line written only once the reader left.
+    let mut command = corral(&["script"]);
+    command.stdin(Stdio::piped());
+    let mut child = command.spawn().unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    stdin.write_all(b"set k v\n").unwrap();
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    assert_eq!(first, "stored k\n");
+    drop(stdout);
+    stdin.write_all(b"get k\nget k\n").unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert_eq!(stderr, "", "quietly: no panic, no message");
+}
+
+#[test]
+fn demo_piped_into_head_prints_its_first_line_and_no_panic() {
+    let mut command = std::process::Command::new("sh");
+    command
+        .args(["-c", r#""$0" demo | head -1"#, env!("CARGO_BIN_EXE_corral")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let out = run_command(command, None);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        stdout,
+        "Corral demo, part 1: a stampede on the embedded default (in-memory L2).\n"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(stderr, "", "{stderr}");
+}

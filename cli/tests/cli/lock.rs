@@ -1,0 +1,436 @@
+//! `corral lock` as a distributed flock(1), against real redis-server processes: the
+//! command's process group, signals passed on to it, the lock released on every way
+//! out, and exit statuses that say what happened.
+//!
+//! Each command writes its pid (`$$`, its process group's id) to a marker file once it
+//! runs; the tests wait for that file, never for a guessed delay.
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::{Pid, getpgid};
+
+use crate::support::{
+    Running, TempDir, closed_port, command_group, eventually, group_gone, pid_in, redis_cmd, redis_server,
+    run, text,
+};
+
+/// A command that starts a grandchild in its own process group, writes its pid to
+/// `$1` and waits: `sh -c '...' sh MARKER`.
+const WITH_GRANDCHILD: &str = r#"sleep 1000 & echo $$ > "$1"; wait"#;
+
+/// `corral lock --key KEY --redis URL [extra...] -- sh -c SCRIPT sh MARKER`, in the
+/// background.
+fn lock_in_background(
+    url: &str,
+    key: &str,
+    extra: &[&str],
+    script: &str,
+    marker: &std::path::Path,
+) -> Running {
+    let marker = marker.to_str().unwrap();
+    let mut args = vec!["lock", "--key", key, "--redis", url];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--", "sh", "-c", script, "sh", marker]);
+    Running::spawn(&args)
+}
+
+/// Asserts that a second `corral lock` on `key` gets the lock at its first try.
+fn assert_lock_free(url: &str, key: &str) {
+    let out = run(
+        &["lock", "--key", key, "--wait", "0s", "--redis", url, "--", "true"],
+        None,
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the lock was left behind: {}",
+        text(&out.stderr)
+    );
+}
+
+/// Sends `signal` to `corral lock` running a command with a grandchild; asserts the
+/// whole group is gone, `corral` exited `code`, and the lock is free.
+fn assert_signal_passed_on(signal: Signal, code: i32) {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    let corral = lock_in_background(&server.url(), "job", &["--grace", "1s"], WITH_GRANDCHILD, &marker);
+    let pgid = command_group(&marker);
+    assert_ne!(
+        getpgid(Some(corral.pid())),
+        Ok(pgid),
+        "corral is not in the command's group"
+    );
+
+    corral.signal(signal);
+    let out = corral.finish();
+
+    assert_eq!(out.status.code(), Some(code), "{}", text(&out.stderr));
+    assert!(
+        group_gone(pgid),
+        "a process of the command's group survived {signal}"
+    );
+    assert_lock_free(&server.url(), "job");
+}
+
+#[test]
+fn sigterm_stops_the_command_group_releases_the_lock_and_exits_143() {
+    assert_signal_passed_on(Signal::SIGTERM, 143);
+}
+
+#[test]
+fn sigint_is_passed_on_to_the_command_group_and_exits_130() {
+    // A POSIX shell's background job ignores SIGINT: its sleep only goes by SIGKILL,
+    // after the grace period.
+    assert_signal_passed_on(Signal::SIGINT, 130);
+}
+
+#[test]
+fn sighup_is_passed_on_to_the_command_group_and_exits_129() {
+    assert_signal_passed_on(Signal::SIGHUP, 129);
+}
+
+#[test]
+fn a_group_that_ignores_the_signal_is_killed_after_the_grace_period() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    let stubborn = format!(r#"trap "" TERM; {WITH_GRANDCHILD}"#);
+    let corral = lock_in_background(&server.url(), "job", &["--grace", "1s"], &stubborn, &marker);
+    let pgid = command_group(&marker);
+
+    let sent = Instant::now();
+    corral.signal(Signal::SIGTERM);
+    let out = corral.finish();
+
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{stderr}");
+    assert!(
+        sent.elapsed() >= Duration::from_secs(1),
+        "SIGKILL came before the grace period ended"
+    );
+    assert!(stderr.contains("sending SIGKILL"), "{stderr}");
+    assert!(
+        group_gone(pgid),
+        "a process of the command's group survived SIGKILL"
+    );
+    assert_lock_free(&server.url(), "job");
+}
+
+#[test]
+fn a_lost_lock_stops_the_whole_group_grandchildren_included_and_exits_76() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    // The grandchild ignores SIGTERM, so only SIGKILL to the group stops it.
+    let script = r#"(trap "" TERM; exec sleep 1000) & echo $! > "$1.grandchild"; echo $$ > "$1"; wait"#;
+    let extra = ["--watchdog", "600ms", "--grace", "1s"];
+    let corral = lock_in_background(&server.url(), "job", &extra, script, &marker);
+    let pgid = command_group(&marker);
+    let grandchild = pid_in(&dir.path("pid.grandchild"));
+
+    // The lock vanishes: the watchdog's next renewal finds it gone.
+    let () = redis_cmd(&server.url(), &["FLUSHALL"]);
+    let out = corral.finish();
+
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(76), "{stderr}");
+    assert!(
+        stderr.contains(r#"lock "job" was lost while the command ran"#),
+        "{stderr}"
+    );
+    assert!(
+        group_gone(pgid),
+        "a process of the command's group survived the lost lock"
+    );
+    assert_eq!(
+        kill(grandchild, None),
+        Err(Errno::ESRCH),
+        "the grandchild survived"
+    );
+    assert_lock_free(&server.url(), "job");
+}
+
+#[test]
+fn the_lock_is_held_until_the_last_process_of_the_group_ends() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let (leader_marker, sleeper_marker) = (dir.path("leader"), dir.path("sleeper"));
+    // The command leaves a sleep behind in its group and exits at once.
+    let script = format!(
+        r#"sleep 1000 & echo $! > "{}"; echo $$ > "$1""#,
+        sleeper_marker.display()
+    );
+    let mut corral = lock_in_background(&server.url(), "job", &[], &script, &leader_marker);
+    let leader = pid_in(&leader_marker);
+    let sleeper = pid_in(&sleeper_marker);
+    assert_eq!(
+        getpgid(Some(sleeper)),
+        Ok(leader),
+        "the sleep is in the command's group"
+    );
+    eventually("the command's first process exits", || {
+        exited(leader).then_some(())
+    });
+
+    assert!(
+        corral.is_running(),
+        "corral left while a process of the command ran"
+    );
+    let out = run(
+        &["lock", "--key", "job", "--redis", &server.url(), "--", "true"],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
+
+    kill(sleeper, Signal::SIGTERM).unwrap();
+    let out = corral.finish();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the first process's status: {}",
+        text(&out.stderr)
+    );
+    assert!(group_gone(leader));
+    assert_lock_free(&server.url(), "job");
+}
+
+/// Whether `pid` has exited (gone, or a zombie waiting for its parent).
+fn exited(pid: Pid) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // "pid (comm) S ...": the state follows the last ')'.
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+#[test]
+fn a_command_that_is_not_found_exits_127_and_releases_the_lock() {
+    let server = redis_server();
+    let out = run(
+        &[
+            "lock",
+            "--key",
+            "job",
+            "--redis",
+            &server.url(),
+            "--",
+            "no-such-command-here",
+        ],
+        None,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(127), "{stderr}");
+    assert!(
+        stderr.contains(r#"cannot run "no-such-command-here": command not found"#),
+        "{stderr}"
+    );
+    assert_lock_free(&server.url(), "job");
+}
+
+#[test]
+fn a_command_that_is_not_executable_exits_126_and_releases_the_lock() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let script = dir.path("script.sh");
+    std::fs::write(&script, "#!/bin/sh\necho hello\n").unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = run(
+        &[
+            "lock",
+            "--key",
+            "job",
+            "--redis",
+            &server.url(),
+            "--",
+            script.to_str().unwrap(),
+        ],
+        None,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(126), "{stderr}");
+    assert!(stderr.contains("not executable"), "{stderr}");
+    assert_lock_free(&server.url(), "job");
+}
+
+#[test]
+fn a_lock_held_by_another_owner_exits_75() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    let holder = lock_in_background(&server.url(), "job", &[], WITH_GRANDCHILD, &marker);
+    pid_in(&marker);
+
+    let out = run(
+        &["lock", "--key", "job", "--redis", &server.url(), "--", "true"],
+        None,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{stderr}");
+    assert!(
+        stderr.contains(r#"error: lock "job" is held by another owner"#),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--wait"), "{stderr}");
+
+    let out = run(
+        &[
+            "lock",
+            "--key",
+            "job",
+            "--wait",
+            "200ms",
+            "--redis",
+            &server.url(),
+            "--",
+            "true",
+        ],
+        None,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{stderr}");
+    assert!(
+        stderr.contains("held by another owner (waited 200ms)"),
+        "{stderr}"
+    );
+
+    holder.signal(Signal::SIGTERM);
+    assert_eq!(holder.finish().status.code(), Some(143));
+}
+
+#[test]
+fn a_signal_while_waiting_for_the_lock_ends_the_wait_and_exits_128_plus_it() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    let holder = lock_in_background(&server.url(), "job", &[], WITH_GRANDCHILD, &marker);
+    command_group(&marker);
+    let started = dir.path("started");
+    let args = [
+        "lock",
+        "--key",
+        "job",
+        "--wait",
+        "20s",
+        "--redis",
+        &server.url(),
+        "--",
+        "touch",
+        started.to_str().unwrap(),
+    ];
+    let mut waiter = Running::spawn_with(&args, &[("CORRAL_LOG", "corral::lock=info")]);
+    waiter.wait_for_stderr("taking the lock");
+
+    let sent = Instant::now();
+    waiter.signal(Signal::SIGTERM);
+    let out = waiter.finish();
+
+    assert_eq!(out.status.code(), Some(143));
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "the wait did not end with the signal"
+    );
+    assert!(!started.exists(), "the command ran after the signal");
+    holder.signal(Signal::SIGTERM);
+    assert_eq!(holder.finish().status.code(), Some(143));
+    assert_lock_free(&server.url(), "job");
+}
+
+#[test]
+fn the_command_gets_the_token_and_its_status_is_corrals() {
+    let server = redis_server();
+    let url = server.url();
+    let lock = |script: &str| {
+        run(
+            &["lock", "--key", "job", "--redis", &url, "--", "sh", "-c", script],
+            None,
+        )
+        .status
+        .code()
+    };
+    let env_check = r#"test "$CORRAL_LOCK_KEY" = job && test "$CORRAL_FENCING_TOKEN" -gt 0"#;
+    assert_eq!(lock(env_check), Some(0));
+    assert_eq!(lock("exit 7"), Some(7));
+    assert_eq!(lock("kill -KILL $$"), Some(128 + 9));
+    assert_lock_free(&url, "job");
+}
+
+#[test]
+fn an_unreachable_redis_exits_69_naming_the_cause() {
+    let url = format!("redis://127.0.0.1:{}", closed_port());
+    let out = run(&["lock", "--key", "job", "--redis", &url, "--", "true"], None);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(
+        stderr.contains(&format!("error: cannot use Redis at {url}: connection refused")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("hint: nothing listens at"), "{stderr}");
+}
+
+#[test]
+fn redlock_without_a_majority_exits_69() {
+    let server = redis_server();
+    let (a, b) = (
+        format!("redis://127.0.0.1:{}", closed_port()),
+        format!("redis://127.0.0.1:{}", closed_port()),
+    );
+    let url = server.url();
+    let args = [
+        "lock", "--key", "job", "--redis", &url, "--redis", &a, "--redis", &b, "--", "true",
+    ];
+    let out = run(&args, None);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(
+        stderr.contains(r#"cannot take lock "job": too few of its 3 Redis servers answered"#),
+        "{stderr}"
+    );
+    assert!(stderr.to_lowercase().contains("connection refused"), "{stderr}");
+    assert!(stderr.contains("a lock needs a majority (2 of 3)"), "{stderr}");
+}
+
+#[test]
+fn a_refused_login_or_command_exits_69_naming_the_cause() {
+    let server = redis_server();
+    let admin = server.url();
+    let () = redis_cmd(
+        &admin,
+        &[
+            "ACL", "SETUSER", "noscript", "on", ">pw", "~*", "&*", "+@all", "-evalsha", "-eval",
+        ],
+    );
+    let () = redis_cmd(&admin, &["CONFIG", "SET", "requirepass", "sesame"]);
+    let port = server.port();
+
+    let wrong = format!("redis://127.0.0.1:{port}");
+    let out = run(&["lock", "--key", "job", "--redis", &wrong, "--", "true"], None);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(stderr.contains("authentication failed"), "{stderr}");
+    assert!(stderr.contains("requirepass or ACL users"), "{stderr}");
+
+    let forbidden = format!("redis://noscript:pw@127.0.0.1:{port}");
+    let out = run(
+        &["lock", "--key", "job", "--redis", &forbidden, "--", "true"],
+        None,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(stderr.contains("permission denied (ACL)"), "{stderr}");
+    assert!(stderr.contains("+@scripting"), "{stderr}");
+}
+
+#[test]
+fn lock_without_redis_is_a_usage_error() {
+    let out = run(&["lock", "--key", "job", "--", "true"], None);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("`lock` needs --redis URL"), "{stderr}");
+}
