@@ -18,15 +18,19 @@ use crate::locks::{Locks, MemoryLocks};
 #[cfg(feature = "redis")]
 use crate::locks::{RedisLocks, Server};
 use crate::options::duration_ms;
-use crate::store::Stores;
 use crate::store::l1::L1;
 use crate::store::memory::MemoryStore;
+use crate::store::{Entries, FlightLock, Notifications, Stores};
 
 #[cfg(feature = "redis")]
 use crate::store::redis::{RedisOptions, RedisStore};
 
 /// The prefix of a cache without Redis options (its data is named all the same).
 pub(crate) const DEFAULT_PREFIX: &str = "corral:";
+
+/// The longest one command to a store without a timeout of its own may take, as far as
+/// a get-or-set's deadlines go.
+const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Configures and builds a [`Corral`].
 #[derive(Debug)]
@@ -37,6 +41,8 @@ pub struct CorralBuilder {
     l1_capacity: u64,
     #[cfg(feature = "redis")]
     redis: Option<RedisOptions>,
+    custom: Option<Stores>,
+    custom_prefix: Option<String>,
 }
 
 /// The settings a caller named; the rest come from the guest's defaults.
@@ -77,6 +83,8 @@ impl Default for CorralBuilder {
             l1_capacity: 100_000,
             #[cfg(feature = "redis")]
             redis: None,
+            custom: None,
+            custom_prefix: None,
         }
     }
 }
@@ -99,6 +107,28 @@ impl CorralBuilder {
     #[cfg(feature = "redis")]
     pub fn redis_options(mut self, options: RedisOptions) -> Self {
         self.redis = Some(options);
+        self
+    }
+
+    /// Use your own stores (a simulated network, another database): entries, the
+    /// get-or-set lock and landing notifications, each behind its pure-I/O trait. The
+    /// data is named under `prefix` (contract §2.4).
+    pub fn stores(
+        mut self,
+        prefix: impl Into<String>,
+        entries: Arc<dyn Entries>,
+        flight_lock: Arc<dyn FlightLock>,
+        notifications: Arc<dyn Notifications>,
+    ) -> Self {
+        self.custom = Some(Stores {
+            entries,
+            flight_lock,
+            notifications,
+            memory: None,
+            #[cfg(feature = "redis")]
+            redis: None,
+        });
+        self.custom_prefix = Some(prefix.into());
         self
     }
 
@@ -170,23 +200,34 @@ impl CorralBuilder {
         let prefix = self.redis.as_ref().map(|o| o.prefix.clone());
         #[cfg(not(feature = "redis"))]
         let prefix: Option<String> = None;
-        let prefix = prefix.unwrap_or_else(|| DEFAULT_PREFIX.to_owned());
-        let stores = match () {
-            #[cfg(feature = "redis")]
-            () if self.redis.is_some() => {
-                let options = self.redis.as_ref().expect("checked");
-                Stores::redis(RedisStore::connect(
-                    options,
-                    policy.scripts(),
-                    policy.channel(&prefix)?,
-                )?)
-            }
-            () => Stores::memory(MemoryStore::new(clock.clone(), settings.invalidation_interval_ms)),
+        let prefix = self
+            .custom_prefix
+            .or(prefix)
+            .unwrap_or_else(|| DEFAULT_PREFIX.to_owned());
+        let stores = match self.custom {
+            Some(custom) => custom,
+            None => match () {
+                #[cfg(feature = "redis")]
+                () if self.redis.is_some() => {
+                    let options = self.redis.as_ref().expect("checked");
+                    Stores::redis(RedisStore::connect(
+                        options,
+                        policy.scripts(),
+                        policy.channel(&prefix)?,
+                    )?)
+                }
+                () => Stores::memory(MemoryStore::new(clock.clone(), settings.invalidation_interval_ms)),
+            },
         };
         // Another process's set, removal or load of a key drops our L1 copy.
         stores
             .notifications
             .on_foreign(l1_invalidation(l1.clone(), metrics.clone()));
+        #[cfg(feature = "redis")]
+        let store_timeout = self.redis.as_ref().map(|o| o.response_timeout);
+        #[cfg(not(feature = "redis"))]
+        let store_timeout: Option<Duration> = None;
+        let store_timeout = store_timeout.unwrap_or(DEFAULT_STORE_TIMEOUT);
         let locks = Locks {
             table: MemoryLocks::from_parts(policy.clone(), clock.clone()),
             #[cfg(feature = "redis")]
@@ -211,6 +252,7 @@ impl CorralBuilder {
                 flight: FlightSettings {
                     lock_wait_ms: settings.lock_wait_ms,
                     lock_ttl_ms: settings.lock_ttl_ms,
+                    store_timeout,
                 },
                 sliding_keys: super::read::SlidingKeys::new(self.l1_capacity),
                 registry: Registry::default(),

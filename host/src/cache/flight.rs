@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::FutureExt;
-use tokio::time::sleep;
+use tokio::time::{Instant, sleep, timeout_at};
 
 use super::Corral;
 use super::load::LoadOptions;
 use super::metrics::Metrics;
 use super::read::L2Read;
 use crate::guest::policy::wflight::{self, Action, Event, Outcome};
+use crate::store::LandingWatch;
 use crate::{Error, Result};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -121,6 +122,14 @@ impl Corral {
             unanswered: false,
             done: false,
         };
+        // Every store step has a deadline (contract §5.13): those before the load share
+        // the lock wait (at least one store timeout), those after it one store timeout.
+        // A step past its deadline failed, and the guest decides what follows.
+        let mut deadline = Instant::now()
+            + inner
+                .flight
+                .store_timeout
+                .max(Duration::from_millis(inner.flight.lock_wait_ms));
         let mut loader = Some(loader);
         let mut value: Option<Bytes> = None;
         let mut loader_error: Option<BoxError> = None;
@@ -134,7 +143,7 @@ impl Corral {
             let event = match action {
                 Action::ReadL2 => {
                     l1_ticket = inner.l1.ticket(key);
-                    match self.l2_look(&names.entry, now).await {
+                    match by(deadline, self.l2_look(&names.entry, now)).await {
                         Ok(L2Read::Hit(v, meta)) => {
                             value = Some(v);
                             Event::L2Hit(meta)
@@ -151,7 +160,9 @@ impl Corral {
                 }
                 Action::TryLock(ttl_ms) => {
                     // Listen before trying, so a landing right after the try is not missed.
-                    let watch = inner.stores.notifications.watch(key).await;
+                    let watch = timeout_at(deadline, inner.stores.notifications.watch(key))
+                        .await
+                        .unwrap_or_else(|_| LandingWatch::never());
                     let watching = watch.is_live();
                     landing = Some(watch);
                     // The token is known before it is sent (contract §5.13): should the
@@ -184,7 +195,8 @@ impl Corral {
                         waited = true;
                         Metrics::bump(&inner.metrics.lock_waits);
                     }
-                    let pause = Duration::from_millis(until_ms.saturating_sub(inner.clock.now_ms()));
+                    let pause = Duration::from_millis(until_ms.saturating_sub(inner.clock.now_ms()))
+                        .min(deadline.saturating_duration_since(Instant::now()));
                     match landing.as_mut() {
                         Some(watch) => tokio::select! {
                             () = watch.landed() => {}
@@ -204,6 +216,7 @@ impl Corral {
                         ));
                     };
                     let loaded = AssertUnwindSafe(async move { load().await }).catch_unwind().await;
+                    deadline = Instant::now() + inner.flight.store_timeout;
                     let loaded = match loaded {
                         Ok(loaded) => loaded,
                         // The flight is abandoned (its lock released by `held`).
@@ -246,7 +259,7 @@ impl Corral {
                             })
                         }
                     };
-                    match self.l2_op(written).await {
+                    match self.l2_op(by(deadline, written)).await {
                         Ok(true) => Event::L2Written,
                         Ok(false) => {
                             Metrics::bump(&inner.metrics.fills_refused);
@@ -263,12 +276,16 @@ impl Corral {
                     held.done = true;
                     if finish.release
                         && let Some(owner) = held.owner.take()
-                        && let Err(e) = inner.stores.flight_lock.release(&names.flight_lock, &owner).await
+                        && let Err(e) = by(
+                            deadline,
+                            inner.stores.flight_lock.release(&names.flight_lock, &owner),
+                        )
+                        .await
                     {
                         tracing::warn!(key, error = %e, "lock release failed; the lock expires by its TTL");
                     }
                     if finish.notify
-                        && let Err(e) = inner.stores.notifications.announce(key).await
+                        && let Err(e) = by(deadline, inner.stores.notifications.announce(key)).await
                     {
                         tracing::debug!(key, error = %e, "landing announcement failed; waiters fall back to polling");
                     }
@@ -308,6 +325,16 @@ impl Corral {
             }
         }
     }
+}
+
+/// Runs a store `step` until `deadline`; one still running then has failed.
+async fn by<T>(deadline: Instant, step: impl Future<Output = Result<T>>) -> Result<T> {
+    timeout_at(deadline, step).await.unwrap_or_else(|_| {
+        Err(Error::new(
+            crate::ErrorKind::Timeout,
+            "the get-or-set's deadline for store steps passed",
+        ))
+    })
 }
 
 /// A leader's flight in progress. Dropped before it finishes (the caller's future was

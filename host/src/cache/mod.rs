@@ -70,6 +70,8 @@ pub(crate) struct Inner {
 pub(crate) struct FlightSettings {
     pub(crate) lock_wait_ms: u64,
     pub(crate) lock_ttl_ms: u64,
+    /// The longest one store command may take (the Redis response timeout).
+    pub(crate) store_timeout: std::time::Duration,
 }
 
 impl fmt::Debug for Corral {

@@ -15,7 +15,7 @@ type Waiters = HashMap<String, (Arc<Notify>, usize)>;
 
 /// The waiters of this process, by key.
 #[derive(Clone, Default)]
-pub(crate) struct Landings {
+pub struct Landings {
     waiters: Arc<Mutex<Waiters>>,
 }
 
@@ -30,7 +30,7 @@ impl fmt::Debug for Landings {
 impl Landings {
     /// Registers interest in `key` now, so that an announcement made from now on is
     /// not missed, however late the returned watch is awaited.
-    pub(crate) fn watch(&self, key: &str) -> LandingWatch {
+    pub fn watch(&self, key: &str) -> LandingWatch {
         let notify = {
             let mut map = self.waiters.lock();
             let entry = map
@@ -49,7 +49,7 @@ impl Landings {
     }
 
     /// Wakes every watch of `key`.
-    pub(crate) fn announce(&self, key: &str) {
+    pub fn announce(&self, key: &str) {
         if let Some((notify, _)) = self.waiters.lock().get(key) {
             notify.notify_waiters();
         }
@@ -80,7 +80,7 @@ impl fmt::Debug for LandingWatch {
 impl LandingWatch {
     /// A watch that never fires (when no notification channel is available; the
     /// caller's timer is then the only wake-up).
-    pub(crate) fn never() -> Self {
+    pub fn never() -> Self {
         LandingWatch {
             notified: None,
             key: String::new(),

@@ -29,7 +29,7 @@ pub(crate) mod pubsub;
 pub mod redis;
 
 pub use landing::LandingWatch;
-pub(crate) use landing::Landings;
+pub use landing::Landings;
 
 /// Envelopes under string keys. Every method is one atomic step on the store.
 ///
@@ -112,7 +112,7 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
 
 /// What a cache does with another process's announcement: the key it names, or `None`
 /// when anything may have changed (the channel was re-established after a gap).
-pub(crate) type ForeignHook = Arc<dyn Fn(Option<String>) + Send + Sync>;
+pub type ForeignHook = Arc<dyn Fn(Option<String>) + Send + Sync>;
 
 /// Landings: a key changed, or a loaded value landed, in some process sharing the store.
 pub trait Notifications: Send + Sync + fmt::Debug + 'static {

@@ -8,12 +8,13 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use parking_lot::RwLock;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
@@ -100,12 +101,8 @@ impl Connection {
             .set_tcp_settings(TcpSettings::default().set_nodelay(true));
         crate::require_runtime("connecting to Redis")?;
         let client = redis::Client::open(info).map_err(unavailable("client"))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(connect_timeout))
-            .set_response_timeout(Some(response_timeout))
-            .set_number_of_retries(1);
         let manager = client
-            .get_connection_manager_lazy(config)
+            .get_connection_manager_lazy(manager_config(connect_timeout, response_timeout))
             .map_err(unavailable("connect"))?;
         Ok(Connection { client, manager })
     }
@@ -114,7 +111,12 @@ impl Connection {
 /// The Redis store. Cheap to clone.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    /// The command connection; replaced after consecutive timeouts (a half-open
+    /// connection never errors on its own: its replies just stop coming).
+    conn: Arc<RwLock<ConnectionManager>>,
+    client: redis::Client,
+    /// Commands that timed out in a row.
+    timeouts: Arc<AtomicU32>,
     options: RedisOptions,
     read_and_touch: Arc<Script>,
     delete_if_equal: Arc<Script>,
@@ -149,6 +151,30 @@ fn unavailable(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
     move |e| Error::unavailable(format!("redis {what} failed"), e)
 }
 
+/// Commands timing out in a row before the connection is replaced.
+const TIMEOUTS_BEFORE_RECONNECT: u32 = 2;
+
+/// The one way Corral configures a Redis connection: the options' connect and response
+/// timeouts, one retry.
+fn manager_config(connect_timeout: Duration, response_timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(connect_timeout))
+        .set_response_timeout(Some(response_timeout))
+        .set_number_of_retries(1)
+}
+
+/// How a command's result is noted by its store on the way out.
+trait Seen: Sized {
+    fn seen(self, store: &RedisStore) -> Self;
+}
+
+impl<T> Seen for redis::RedisResult<T> {
+    fn seen(self, store: &RedisStore) -> Self {
+        store.observe(matches!(&self, Err(e) if e.is_timeout()));
+        self
+    }
+}
+
 /// A read's failure: a value of another Redis type is corrupt data, not an outage.
 fn read_failed(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
     move |e| {
@@ -172,10 +198,16 @@ impl RedisStore {
     /// Connects to Redis (lazily) with the guest's scripts; landings go on `channel`.
     pub(crate) fn connect(options: &RedisOptions, scripts: &Scripts, channel: String) -> Result<Self> {
         let conn = Connection::open(&options.url, options.connect_timeout, options.response_timeout)?;
+        let conn = Connection {
+            client: conn.client.clone(),
+            manager: conn.manager,
+        };
         let commands = Arc::new(AtomicU64::new(0));
         Ok(RedisStore {
             notifications: RedisNotifications::new(conn.clone(), options, channel, commands.clone()),
-            conn: conn.manager,
+            conn: Arc::new(RwLock::new(conn.manager)),
+            client: conn.client,
+            timeouts: Arc::new(AtomicU32::new(0)),
             options: options.clone(),
             read_and_touch: Arc::new(Script::new(&scripts.read_and_touch)),
             delete_if_equal: Arc::new(Script::new(&scripts.delete_if_equal)),
@@ -198,7 +230,32 @@ impl RedisStore {
 
     /// The store's connection, for the lock API of the same cache.
     pub(crate) fn manager(&self) -> ConnectionManager {
-        self.conn.clone()
+        self.conn()
+    }
+
+    fn conn(&self) -> ConnectionManager {
+        self.conn.read().clone()
+    }
+
+    /// Notes how a command ended: after [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row
+    /// the connection is replaced (lazily: the next command connects).
+    fn observe(&self, timed_out: bool) {
+        if !timed_out {
+            self.timeouts.store(0, Ordering::Relaxed);
+            return;
+        }
+        if self.timeouts.fetch_add(1, Ordering::AcqRel) + 1 < TIMEOUTS_BEFORE_RECONNECT {
+            return;
+        }
+        self.timeouts.store(0, Ordering::Relaxed);
+        let config = manager_config(self.options.connect_timeout, self.options.response_timeout);
+        match self.client.get_connection_manager_lazy(config) {
+            Ok(fresh) => {
+                tracing::warn!("redis stopped answering: reconnecting");
+                *self.conn.write() = fresh;
+            }
+            Err(e) => tracing::warn!(error = %e, "redis stopped answering and a new connection failed"),
+        }
     }
 
     fn count(&self, n: u64) {
@@ -213,7 +270,7 @@ impl RedisStore {
     /// A connection to the same Redis, for callers that need raw access (tests, tools).
     #[cfg(any(test, feature = "test-util"))]
     pub fn connection(&self) -> ConnectionManager {
-        self.conn.clone()
+        self.conn()
     }
 }
 
@@ -226,7 +283,7 @@ impl Entries for RedisStore {
         Some(
             async move {
                 self.count(1);
-                let mut conn = self.conn.clone();
+                let mut conn = self.conn();
                 let found: Option<Vec<u8>> = self
                     .read_and_touch
                     .key(key)
@@ -234,6 +291,7 @@ impl Entries for RedisStore {
                     .arg(self.grace_ms)
                     .invoke_async(&mut conn)
                     .await
+                    .seen(self)
                     .map_err(read_failed("read-and-touch"))?;
                 Ok(found.map(Bytes::from))
             }
@@ -244,11 +302,12 @@ impl Entries for RedisStore {
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>> {
         async move {
             self.count(1);
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             let found: Option<Vec<u8>> = redis::cmd("GET")
                 .arg(key)
                 .query_async(&mut conn)
                 .await
+                .seen(self)
                 .map_err(read_failed("GET"))?;
             Ok(found.map(Bytes::from))
         }
@@ -258,7 +317,7 @@ impl Entries for RedisStore {
     fn swap<'a>(&'a self, name: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<Option<Bytes>>> {
         async move {
             self.count(1);
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             let set = |conn: &mut ConnectionManager| {
                 let mut conn = conn.clone();
                 let bytes = bytes.clone();
@@ -273,12 +332,12 @@ impl Entries for RedisStore {
                         .await
                 }
             };
-            match set(&mut conn).await.map_err(read_failed("SET GET")) {
+            match set(&mut conn).await.seen(self).map_err(read_failed("SET GET")) {
                 Ok(old) => Ok(old.map(Bytes::from)),
                 // A value of another type: it goes, and the write goes through.
                 Err(e) if e.kind() == ErrorKind::Corrupt => {
                     self.delete_foreign(name).await?;
-                    set(&mut conn).await.map_err(unavailable("SET GET"))?;
+                    set(&mut conn).await.seen(self).map_err(unavailable("SET GET"))?;
                     Ok(None)
                 }
                 Err(e) => Err(e),
@@ -297,7 +356,7 @@ impl Entries for RedisStore {
         async move {
             let Some(expected) = expected else {
                 self.count(1);
-                let mut conn = self.conn.clone();
+                let mut conn = self.conn();
                 let written: Option<String> = redis::cmd("SET")
                     .arg(name)
                     .arg(bytes.as_ref())
@@ -306,6 +365,7 @@ impl Entries for RedisStore {
                     .arg(ttl_ms.max(1))
                     .query_async(&mut conn)
                     .await
+                    .seen(self)
                     .map_err(unavailable("SET NX"))?;
                 return Ok(written.is_some());
             };
@@ -317,12 +377,13 @@ impl Entries for RedisStore {
     fn delete_foreign<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool>> {
         async move {
             self.count(1);
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             let n: u64 = self
                 .delete_foreign
                 .key(name)
                 .invoke_async(&mut conn)
                 .await
+                .seen(self)
                 .map_err(unavailable("delete-foreign"))?;
             Ok(n > 0)
         }
@@ -332,7 +393,7 @@ impl Entries for RedisStore {
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>> {
         async move {
             self.count(1);
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             redis::cmd("SET")
                 .arg(key)
                 .arg(bytes.as_ref())
@@ -340,6 +401,7 @@ impl Entries for RedisStore {
                 .arg(ttl_ms.max(1))
                 .query_async::<()>(&mut conn)
                 .await
+                .seen(self)
                 .map_err(unavailable("SET"))
         }
         .boxed()
@@ -348,11 +410,12 @@ impl Entries for RedisStore {
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
         async move {
             self.count(1);
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             let n: u64 = redis::cmd("DEL")
                 .arg(key)
                 .query_async(&mut conn)
                 .await
+                .seen(self)
                 .map_err(unavailable("DEL"))?;
             Ok(n > 0)
         }
@@ -362,13 +425,14 @@ impl Entries for RedisStore {
     fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>> {
         async move {
             self.count(1);
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             let n: u64 = self
                 .delete_if_equal
                 .key(key)
                 .arg(expected.as_ref())
                 .invoke_async(&mut conn)
                 .await
+                .seen(self)
                 .map_err(unavailable("delete-if-equal"))?;
             Ok(n > 0)
         }
@@ -384,7 +448,7 @@ impl Entries for RedisStore {
     ) -> BoxFuture<'a, Result<bool>> {
         async move {
             self.count(1);
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             let n: u64 = self
                 .replace_if_equal
                 .key(key)
@@ -393,6 +457,7 @@ impl Entries for RedisStore {
                 .arg(ttl_ms.max(1))
                 .invoke_async(&mut conn)
                 .await
+                .seen(self)
                 .map_err(unavailable("replace-if-equal"))?;
             Ok(n > 0)
         }
@@ -408,7 +473,7 @@ impl FlightLock for RedisStore {
     fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
         async move {
             self.count(1);
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             let ok: Option<String> = redis::cmd("SET")
                 .arg(key)
                 .arg(owner)
@@ -417,6 +482,7 @@ impl FlightLock for RedisStore {
                 .arg(ttl_ms.max(1))
                 .query_async(&mut conn)
                 .await
+                .seen(self)
                 .map_err(unavailable("SET NX"))?;
             Ok(ok.is_some())
         }
@@ -426,13 +492,14 @@ impl FlightLock for RedisStore {
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
         async move {
             self.count(1);
-            let mut conn = self.conn.clone();
+            let mut conn = self.conn();
             let n: u64 = self
                 .delete_if_equal
                 .key(key)
                 .arg(owner)
                 .invoke_async(&mut conn)
                 .await
+                .seen(self)
                 .map_err(unavailable("lock release"))?;
             Ok(n > 0)
         }

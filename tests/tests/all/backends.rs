@@ -404,3 +404,117 @@ async fn a_redis_password_is_never_printed() -> Result<()> {
     );
     Ok(())
 }
+
+/// After a half-open connection (the peer silently gone: replies just stop), later
+/// operations reconnect by themselves: two timeouts in a row replace the connection.
+/// Before, every command on the dead connection timed out until TCP gave up (minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_connection_heals_within_a_few_timeouts() -> Result<()> {
+    let server = RedisServer::start()?;
+    let proxy = corral_tests::FaultProxy::start(server.addr())?;
+    let mut options = corral::RedisOptions::new(proxy.url());
+    options.response_timeout = Duration::from_millis(200);
+    let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
+    cache.set("k", "v", EntryOptions::new()).await?;
+    let cut = proxy.half_open();
+    assert!(cut >= 1, "the command connection is cut off");
+    let began = Instant::now();
+    let mut failures = 0;
+    let healed = loop {
+        match cache.get("k").await {
+            Ok(v) => break v,
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+                failures += 1;
+                anyhow::ensure!(began.elapsed() < Duration::from_secs(10), "never healed: {e}");
+            }
+        }
+    };
+    println!(
+        "healed {:?} after the connection went half-open ({failures} failed calls)",
+        began.elapsed()
+    );
+    assert_eq!(healed.as_deref(), Some(&b"v"[..]));
+    assert!(
+        failures <= 3,
+        "{failures} calls failed before the connection was replaced"
+    );
+    Ok(())
+}
+
+/// After a Redis restart (empty, on the same port), operations succeed again without
+/// any manual step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_redis_is_reached_again() -> Result<()> {
+    let mut server = RedisServer::start()?;
+    let cache = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
+    cache.set("k", "v", EntryOptions::new()).await?;
+    server.restart()?;
+    let began = Instant::now();
+    loop {
+        match cache.set("k", "again", EntryOptions::new()).await {
+            Ok(()) => break,
+            Err(e) => anyhow::ensure!(
+                began.elapsed() < Duration::from_secs(10),
+                "never reconnected: {e}"
+            ),
+        }
+    }
+    println!("reached again {:?} after the restart", began.elapsed());
+    assert_eq!(cache.get("k").await?.as_deref(), Some(&b"again"[..]));
+    Ok(())
+}
+
+/// Every call ends by its documented deadline, also against a frozen Redis (SIGSTOP):
+/// get, set and remove within one store operation's bound (connect timeout + 2 x
+/// response timeout: the connection manager retries once), and a get-or-set within
+/// max(lock wait, store timeout) + loader + one store timeout, with the loader's value
+/// (degraded). Before, the first get-or-set of a process waited on
+/// the subscription's connect while holding a lock that every other flight queued on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_call_ends_by_its_deadline_against_a_frozen_redis() -> Result<()> {
+    let server = RedisServer::start()?;
+    let timeout = Duration::from_millis(300);
+    let mut options = corral::RedisOptions::new(server.url());
+    options.response_timeout = timeout;
+    options.connect_timeout = timeout;
+    let cache = Corral::builder()
+        .redis_options(options)
+        .lock_wait(Duration::from_millis(500))
+        .build()?;
+    server.pause()?;
+    let bound = |what: &str, took: Duration, limit: Duration| {
+        println!("{what}: {took:?} (deadline {limit:?})");
+        assert!(took <= limit, "{what} took {took:?}, past its deadline {limit:?}");
+    };
+    // One store operation each, and the margin of a busy 2-core machine.
+    let slack = Duration::from_millis(700);
+    let op = 3 * timeout;
+    let t = Instant::now();
+    assert_eq!(cache.get("k").await.unwrap_err().kind(), ErrorKind::Unavailable);
+    bound("get", t.elapsed(), op + slack);
+    let t = Instant::now();
+    assert!(cache.set("k", "v", EntryOptions::new()).await.is_err());
+    bound("set", t.elapsed(), op + slack);
+    let t = Instant::now();
+    assert!(cache.remove("k").await.is_err());
+    bound("remove", t.elapsed(), op + slack);
+    let t = Instant::now();
+    let mut callers = tokio::task::JoinSet::new();
+    for i in 0..8 {
+        let cache = cache.clone();
+        callers.spawn(async move {
+            cache
+                .get_or_set(&format!("k{i}"), EntryOptions::new(), || async {
+                    Ok::<_, std::io::Error>("loaded")
+                })
+                .await
+        });
+    }
+    while let Some(r) = callers.join_next().await {
+        assert_eq!(r??, "loaded");
+    }
+    bound("8 get-or-sets", t.elapsed(), Duration::from_millis(500) + 2 * timeout + slack);
+    server.resume()?;
+    Ok(())
+}
