@@ -80,34 +80,39 @@ fn locks(c: &mut Criterion) {
             })
         });
     }
-    // The same two scripts Corral runs (the fencing INCR needs Lua on acquire), raw.
-    let acquire = redis::Script::new(
-        "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return redis.call('INCR', KEYS[2]) end return 0",
+    // The very scripts Corral runs (corral-core's acquire with the fencing floor and
+    // INCR, and its release), raw, on Corral's connection settings.
+    let acquire = redis::Script::new(corral_core::script::LOCK_ACQUIRE);
+    let corral_release = redis::Script::new(corral_core::script::LOCK_RELEASE);
+    g.bench_function(
+        "raw EVALSHA acquire+INCR + EVALSHA release (Corral's scripts)",
+        |b| {
+            b.to_async(&rt).iter(|| {
+                let mut conn = raw_configured.clone();
+                let (acquire, release) = (&acquire, &corral_release);
+                async move {
+                    let token: u64 = acquire
+                        .key("raw-lock2")
+                        .key("raw-fence2")
+                        .arg("token-0123456789abcdef")
+                        .arg(10_000)
+                        .invoke_async(&mut conn)
+                        .await
+                        .unwrap();
+                    assert!(token > 0);
+                    let n: u64 = release
+                        .key("raw-lock2")
+                        .key("raw-fence2")
+                        .arg("token-0123456789abcdef")
+                        .arg("0")
+                        .invoke_async(&mut conn)
+                        .await
+                        .unwrap();
+                    assert_eq!(n, 1);
+                }
+            })
+        },
     );
-    g.bench_function("raw EVALSHA acquire+INCR + EVALSHA release", |b| {
-        b.to_async(&rt).iter(|| {
-            let mut conn = raw.clone();
-            let (acquire, release) = (&acquire, &release);
-            async move {
-                let token: u64 = acquire
-                    .key("raw-lock2")
-                    .key("raw-fence2")
-                    .arg("token-0123456789abcdef")
-                    .arg(10_000)
-                    .invoke_async(&mut conn)
-                    .await
-                    .unwrap();
-                assert!(token > 0);
-                let n: u64 = release
-                    .key("raw-lock2")
-                    .arg("token-0123456789abcdef")
-                    .invoke_async(&mut conn)
-                    .await
-                    .unwrap();
-                assert_eq!(n, 1);
-            }
-        })
-    });
     g.bench_function("corral lease, 1 server", |b| {
         b.to_async(&rt).iter(|| async {
             one.try_acquire("k", options)

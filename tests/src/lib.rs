@@ -173,7 +173,7 @@ pub fn corral_bin() -> std::path::PathBuf {
         .join("corral");
     assert!(
         bin.exists(),
-        "{} is missing: build it with `cargo build -p corral`",
+        "{} is missing: build it with `cargo build -p corral-cli`",
         bin.display()
     );
     bin

@@ -234,13 +234,19 @@ impl RedisLocks {
         self.inner.servers.len()
     }
 
-    /// The Redis key of the lock `key`: `{prefix}lock:{key}`.
-    pub fn lock_key(&self, key: &str) -> String {
-        format!("{}lock:{key}", self.inner.prefix)
+    /// The Redis key of the lock `key` (contract §2.4: `{<n>:<prefix><key>}:k`).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for a bad key.
+    pub fn lock_key(&self, key: &str) -> Result<String> {
+        Ok(self.names(key)?[0].clone())
     }
 
-    fn fence_key(&self, key: &str) -> String {
-        format!("{}fence:{key}", self.inner.prefix)
+    /// The lock's and its fencing counter's names: one hash slot, so every script that
+    /// touches both is single-slot on a Redis Cluster.
+    fn names(&self, key: &str) -> Result<[String; 2]> {
+        let n = self.inner.policy.locate(&self.inner.prefix, key)?;
+        Ok([n.lock, n.fence])
     }
 
     /// Runs `script` on every server in parallel, each bounded by the connection's
@@ -407,20 +413,27 @@ impl RedisLocks {
         }
     }
 
+    /// How long a release of an unsettled acquire keeps trying (asked only when needed:
+    /// the uncontended path makes no guest call for it).
+    fn orphan_window(&self, ttl_ms: u64) -> Duration {
+        let ms = self.inner.policy.lock_orphan_window_ms(ttl_ms).unwrap_or(ttl_ms);
+        Duration::from_millis(ms)
+    }
+
     async fn attempt(&self, key: &str, ttl_ms: u64, watchdog: bool) -> Result<Option<Lease>> {
         let inner = &self.inner;
         // The token exists before anything is sent: whatever becomes of the replies, or
         // of this future, the attempt can be released, owner-checked.
         let token = crate::lock_token();
-        let keys = [self.lock_key(key), self.fence_key(key)];
+        let keys = self.names(key)?;
         let ttl_arg = ttl_ms.to_string();
         let sent = Instant::now();
-        let window = Duration::from_millis(inner.policy.lock_orphan_window_ms(ttl_ms)?);
         let unsettled = Unsettled {
             locks: self,
             keys: &keys,
             token: &token,
-            until: sent + window,
+            sent,
+            ttl_ms,
             settled: false,
         };
         let replies = self.everywhere(&inner.acquire, &keys, &[&token, &ttl_arg]).await;
@@ -442,6 +455,7 @@ impl RedisLocks {
             return Ok(Some(Lease::start(
                 self.clone(),
                 key,
+                keys.clone(),
                 token,
                 ttl_ms,
                 fencing,
@@ -467,7 +481,8 @@ impl RedisLocks {
             );
         }
         if !unknown.is_empty() {
-            self.release_in_background(unknown, keys.clone(), token.clone(), "0".into(), sent + window);
+            let until = sent + self.orphan_window(ttl_ms);
+            self.release_in_background(unknown, keys.clone(), token.clone(), "0".into(), until);
         }
         unsettled.settle();
         let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
@@ -485,7 +500,8 @@ struct Unsettled<'a> {
     locks: &'a RedisLocks,
     keys: &'a [String; 2],
     token: &'a str,
-    until: Instant,
+    sent: Instant,
+    ttl_ms: u64,
     settled: bool,
 }
 
@@ -504,7 +520,7 @@ impl Drop for Unsettled<'_> {
                 self.keys.clone(),
                 self.token.to_owned(),
                 "0".into(),
-                self.until,
+                self.sent + self.locks.orphan_window(self.ttl_ms),
             );
         }
     }
@@ -523,6 +539,8 @@ pub struct Lease {
 struct LeaseShared {
     locks: RedisLocks,
     key: String,
+    /// The lock's and its fencing counter's names.
+    keys: [String; 2],
     token: String,
     ttl_ms: u64,
     fencing: u64,
@@ -545,6 +563,7 @@ impl Lease {
     fn start(
         locks: RedisLocks,
         key: &str,
+        keys: [String; 2],
         token: String,
         ttl_ms: u64,
         fencing: u64,
@@ -554,6 +573,7 @@ impl Lease {
         let shared = Arc::new(LeaseShared {
             locks,
             key: key.to_owned(),
+            keys,
             token,
             ttl_ms,
             fencing,
@@ -682,7 +702,7 @@ impl LeaseShared {
 
 async fn release(shared: &LeaseShared) -> Result<()> {
     let locks = &shared.locks;
-    let keys = [locks.lock_key(&shared.key), locks.fence_key(&shared.key)];
+    let keys = shared.keys.clone();
     // One server needs no counter raise: its counter already carries the token.
     let fence = if locks.inner.servers.len() > 1 {
         shared.fencing.to_string()
@@ -729,7 +749,7 @@ async fn release(shared: &LeaseShared) -> Result<()> {
 
 async fn extend(shared: &LeaseShared, ttl_ms: u64) -> Result<()> {
     let locks = &shared.locks;
-    let keys = [locks.lock_key(&shared.key)];
+    let keys = [shared.keys[0].clone()];
     let ttl_arg = ttl_ms.to_string();
     let sent = Instant::now();
     let replies = locks

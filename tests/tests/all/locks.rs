@@ -99,7 +99,7 @@ async fn an_expired_holder_cannot_release_or_extend_the_next_holders_lock() -> R
         .await?;
     assert!(b.fencing_token() > a.fencing_token());
     let mut conn = server.connection().await?;
-    let key = locks.lock_key("job");
+    let key = locks.lock_key("job")?;
     let owner_before: String = redis::cmd("GET").arg(&key).query_async(&mut conn).await?;
     let pttl_before: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await?;
 
@@ -132,7 +132,7 @@ async fn a_watchdog_keeps_a_short_lease_alive_and_release_leaves_nothing() -> Re
     assert!(!lease.is_lost());
     let mut conn = server.connection().await?;
     let pttl: i64 = redis::cmd("PTTL")
-        .arg(locks.lock_key("long-job"))
+        .arg(locks.lock_key("long-job")?)
         .query_async(&mut conn)
         .await?;
     assert!(
@@ -141,7 +141,7 @@ async fn a_watchdog_keeps_a_short_lease_alive_and_release_leaves_nothing() -> Re
     );
     lease.release().await?;
     let exists: u64 = redis::cmd("EXISTS")
-        .arg(locks.lock_key("long-job"))
+        .arg(locks.lock_key("long-job")?)
         .query_async(&mut conn)
         .await?;
     assert_eq!(exists, 0, "no key remains after release");
@@ -203,7 +203,7 @@ async fn redlock_holds_with_two_of_five_down_and_refuses_with_three() -> Result<
     for live in &servers[3..] {
         let mut conn = live.connection().await?;
         let exists: u64 = redis::cmd("EXISTS")
-            .arg(locks.lock_key("r"))
+            .arg(locks.lock_key("r")?)
             .query_async(&mut conn)
             .await?;
         assert_eq!(exists, 0, "no partial lock left on a live server");
@@ -425,7 +425,7 @@ where
 async fn holder(server: &RedisServer, locks: &RedisLocks, key: &str) -> Result<Option<String>> {
     let mut conn = server.connection().await?;
     Ok(redis::cmd("GET")
-        .arg(locks.lock_key(key))
+        .arg(locks.lock_key(key)?)
         .query_async(&mut conn)
         .await?)
 }
@@ -435,7 +435,7 @@ async fn holder(server: &RedisServer, locks: &RedisLocks, key: &str) -> Result<O
 async fn counter_key(server: &RedisServer, locks: &RedisLocks, key: &str) -> Result<String> {
     let mut conn = server.connection().await?;
     let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
-    let lock = locks.lock_key(key);
+    let lock = locks.lock_key(key)?;
     let others: Vec<String> = keys.into_iter().filter(|k| *k != lock).collect();
     anyhow::ensure!(others.len() == 1, "one counter key expected: {others:?}");
     Ok(others[0].clone())
@@ -714,5 +714,29 @@ async fn the_default_memory_table_sweeps_within_its_interval() -> Result<()> {
     clock.advance(Duration::from_secs(2));
     let swept = eventually(Duration::from_secs(3), || async { Ok(locks.is_empty()) }).await?;
     assert!(swept, "the default table never swept its zombie");
+    Ok(())
+}
+
+/// User locks are named like every other datum (contract §2.4): tenants whose prefixes
+/// nest never share a lock, and a lock and its fencing counter share one hash slot, so
+/// the acquire script is single-slot on a Redis Cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_locks_of_nested_tenants_never_meet() -> Result<()> {
+    let server = RedisServer::start()?;
+    let outer = RedisLocks::connect_with(&[server.url()], "corral:", corral::SystemClock)?;
+    let inner = RedisLocks::connect_with(&[server.url()], "corral:lock:", corral::SystemClock)?;
+    assert_eq!(outer.lock_key("job")?, "{7:corral:job}:k");
+    let options = LockOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Duration::ZERO);
+    // Under the first round's scheme both were `corral:lock:lock:job`.
+    let a = outer.try_acquire("lock:job", options).await?.expect("free");
+    let b = inner
+        .try_acquire("job", options)
+        .await?
+        .expect("another tenant's lock");
+    a.release().await?;
+    b.release().await?;
+    assert!(outer.lock_key(" ").is_err(), "a bad key is an argument error");
     Ok(())
 }
