@@ -258,7 +258,7 @@ impl RedisLocks {
 
     /// Runs `script` on the servers `which` (indices) in parallel; the replies in order.
     async fn on(&self, which: &[usize], script: &Script, keys: &[String], args: &[&str]) -> Vec<Reply> {
-        let calls = which.iter().map(|&i| {
+        let mut calls = which.iter().map(|&i| {
             let server = &self.inner.servers[i];
             let mut invocation = script.prepare_invoke();
             for k in keys {
@@ -282,6 +282,12 @@ impl RedisLocks {
                 }
             }
         });
+        // One server (the common case): awaited directly, with no fan-out machinery.
+        if which.len() == 1
+            && let Some(call) = calls.next()
+        {
+            return vec![call.await];
+        }
         join_all(calls).await
     }
 
