@@ -14,7 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use parking_lot::RwLock;
+use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
@@ -113,7 +113,7 @@ impl Connection {
 pub struct RedisStore {
     /// The command connection; replaced after consecutive timeouts (a half-open
     /// connection never errors on its own: its replies just stop coming).
-    conn: Arc<RwLock<ConnectionManager>>,
+    conn: Arc<ArcSwap<ConnectionManager>>,
     client: redis::Client,
     /// Commands that timed out in a row.
     timeouts: Arc<AtomicU32>,
@@ -205,7 +205,7 @@ impl RedisStore {
         let commands = Arc::new(AtomicU64::new(0));
         Ok(RedisStore {
             notifications: RedisNotifications::new(conn.clone(), options, channel, commands.clone()),
-            conn: Arc::new(RwLock::new(conn.manager)),
+            conn: Arc::new(ArcSwap::from_pointee(conn.manager)),
             client: conn.client,
             timeouts: Arc::new(AtomicU32::new(0)),
             options: options.clone(),
@@ -234,14 +234,17 @@ impl RedisStore {
     }
 
     fn conn(&self) -> ConnectionManager {
-        self.conn.read().clone()
+        ConnectionManager::clone(&self.conn.load())
     }
 
     /// Notes how a command ended: after [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row
     /// the connection is replaced (lazily: the next command connects).
     fn observe(&self, timed_out: bool) {
         if !timed_out {
-            self.timeouts.store(0, Ordering::Relaxed);
+            // Read first: the common case writes nothing every thread would contend on.
+            if self.timeouts.load(Ordering::Relaxed) != 0 {
+                self.timeouts.store(0, Ordering::Relaxed);
+            }
             return;
         }
         if self.timeouts.fetch_add(1, Ordering::AcqRel) + 1 < TIMEOUTS_BEFORE_RECONNECT {
@@ -252,7 +255,7 @@ impl RedisStore {
         match self.client.get_connection_manager_lazy(config) {
             Ok(fresh) => {
                 tracing::warn!("redis stopped answering: reconnecting");
-                *self.conn.write() = fresh;
+                self.conn.store(Arc::new(fresh));
             }
             Err(e) => tracing::warn!(error = %e, "redis stopped answering and a new connection failed"),
         }
