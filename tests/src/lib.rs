@@ -277,14 +277,14 @@ impl Fixture {
                     .arg(self.name(key))
                     .query_async(&mut conn)
                     .await?;
-                Ok(held.is_some_and(|b| b != corral_core::envelope::TOMBSTONE))
+                Ok(held.is_some_and(|b| !corral_core::envelope::is_tombstone(&b, b.len() as u64)))
             }
             None => Ok(self
                 .cache
                 .entries()
                 .get(&self.name(key))
                 .await?
-                .is_some_and(|b| b != corral_core::envelope::TOMBSTONE[..])),
+                .is_some_and(|b| !corral_core::envelope::is_tombstone(&b, b.len() as u64))),
         }
     }
 }

@@ -161,9 +161,8 @@ impl wit::Guest for Component {
         })
     }
 
-    fn removal(lock_ttl_ms: u64) -> (Vec<u8>, u64) {
-        let (tombstone, ttl) = policy::removal(lock_ttl_ms);
-        (tombstone.to_vec(), ttl)
+    fn removal(lock_ttl_ms: u64, nonce: Vec<u8>) -> (Vec<u8>, u64) {
+        policy::removal(lock_ttl_ms, &nonce)
     }
 
     fn channel(prefix: String) -> String {

@@ -39,6 +39,14 @@ fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
     names::locate(prefix, key, limits).map_err(arg_error)
 }
 
+/// A removal's nonce: random (std's hasher seeds come from `wasi:random`).
+fn removal_nonce() -> [u8; 8] {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new()
+        .hash_one(now_ms())
+        .to_be_bytes()
+}
+
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -138,7 +146,7 @@ impl wcache::Guest for Component {
         l1::delete(&key);
         // A removal leaves a tombstone, as in every body (contract §5.12).
         let held = l2_read(&names.entry, now_ms(), &settings.limits)?.is_some();
-        let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms);
+        let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
         l2::set(&names.entry, &tombstone, ttl_ms)?;
         Ok(held)
     }

@@ -27,10 +27,19 @@ pub const HEADER_LEN: usize = 32;
 pub const MAGIC: [u8; 3] = *b"CRL";
 /// The envelope version this build writes and reads.
 pub const VERSION: u8 = 1;
-/// What a removal leaves in a store: the magic and version 0, nothing else. A reader
-/// takes it for a miss and leaves it; a load's fill may not overwrite it unless it was
-/// there before the load began (fenced fills, contract §5.12). It lapses by its TTL.
+/// How a removal's tombstone starts: the magic and version 0. The rest is the removal's
+/// own nonce (at most [`TOMBSTONE_NONCE_MAX`] bytes), so that no two removals leave the
+/// same bytes: a load's fill may not overwrite a tombstone unless that very one was there
+/// before the load began (fenced fills, contract §5.12). A reader takes it for a miss and
+/// leaves it; it lapses by its TTL.
 pub const TOMBSTONE: [u8; 4] = [b'C', b'R', b'L', 0];
+/// The longest nonce a tombstone carries.
+pub const TOMBSTONE_NONCE_MAX: usize = 32;
+
+/// Whether stored bytes (`head` of `total_len`) are a removal's tombstone.
+pub fn is_tombstone(head: &[u8], total_len: u64) -> bool {
+    head.starts_with(&TOMBSTONE) && total_len <= (TOMBSTONE.len() + TOMBSTONE_NONCE_MAX) as u64
+}
 
 /// Where the expires-at field starts (the one a touch rewrites).
 pub const EXPIRES_AT_OFFSET: usize = 20;

@@ -87,12 +87,15 @@ pub enum ReadOutcome {
     Corrupt(crate::Corruption),
 }
 
-/// What a removal writes, and for how long a store keeps it: the tombstone outlives any
-/// load that began before the removal and still holds its flight lock (`lock_ttl_ms`),
-/// so that load's fill is refused (contract §5.12).
-pub fn removal(lock_ttl_ms: u64) -> ([u8; 4], u64) {
+/// What a removal writes, and for how long a store keeps it: a tombstone carrying the
+/// removal's `nonce` (the body's, random; cut to [`envelope::TOMBSTONE_NONCE_MAX`]
+/// bytes), which outlives any load that began before the removal and still holds its
+/// flight lock (`lock_ttl_ms`), so that load's fill is refused (contract §5.12).
+pub fn removal(lock_ttl_ms: u64, nonce: &[u8]) -> (Vec<u8>, u64) {
+    let mut tombstone = envelope::TOMBSTONE.to_vec();
+    tombstone.extend_from_slice(&nonce[..nonce.len().min(envelope::TOMBSTONE_NONCE_MAX)]);
     (
-        envelope::TOMBSTONE,
+        tombstone,
         lock_ttl_ms.max(1).saturating_add(expiry::STORE_TTL_GRACE_MS),
     )
 }
@@ -100,7 +103,7 @@ pub fn removal(lock_ttl_ms: u64) -> ([u8; 4], u64) {
 /// Reads stored bytes (`head` being at least their first [`HEADER_LEN`] bytes, or all of
 /// them) at `now_ms`, applying the sliding touch of a read.
 pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits) -> ReadOutcome {
-    if head == envelope::TOMBSTONE && total_len == envelope::TOMBSTONE.len() as u64 {
+    if envelope::is_tombstone(head, total_len) {
         return ReadOutcome::Removed;
     }
     let decoded = match envelope::decode_header(head, total_len, limits) {
@@ -127,10 +130,15 @@ mod tests {
     #[test]
     fn a_tombstone_reads_as_removed_and_anything_like_it_as_corrupt() {
         let l = Limits::default();
-        let (tomb, ttl) = removal(30_000);
-        assert_eq!(read(&tomb, 4, NOW, &l), ReadOutcome::Removed);
+        let (tomb, ttl) = removal(30_000, b"0123456789abcdef");
+        assert_eq!(read(&tomb, tomb.len() as u64, NOW, &l), ReadOutcome::Removed);
         assert!(ttl > 30_000);
-        assert!(matches!(read(&tomb, 5, NOW, &l), ReadOutcome::Corrupt(_)));
+        assert_ne!(
+            tomb,
+            removal(30_000, b"another removal").0,
+            "no two removals alike"
+        );
+        assert!(matches!(read(&tomb, 64, NOW, &l), ReadOutcome::Corrupt(_)));
         assert!(matches!(read(b"CRL", 3, NOW, &l), ReadOutcome::Corrupt(_)));
     }
 

@@ -13,7 +13,8 @@ use super::Corral;
 use super::load::LoadOptions;
 use super::metrics::Metrics;
 use super::read::L2Read;
-use crate::guest::policy::wflight::{self, Action, Event, Outcome};
+use super::registry::{LeaderGuard, Outcome};
+use crate::guest::policy::wflight::{self, Action, Event, Outcome as FlightOutcome};
 use crate::store::LandingWatch;
 use crate::{Error, Result};
 
@@ -69,7 +70,7 @@ impl Corral {
     {
         let options = options.into();
         if options.bypass {
-            return self.lead(key, &options, loader).await;
+            return self.lead(key, &options, loader, &mut None).await;
         }
         let now = self.inner.clock.now_ms();
         if let Some(value) = self.inner.l1.get(key, now) {
@@ -78,13 +79,12 @@ impl Corral {
         }
         match self.inner.registry.lead_or_follow(key).await {
             Ok(guard) => {
-                let result = self.lead(key, &options, loader).await;
-                match &result {
-                    // A panicking loader is this caller's failure, not the key's: the
-                    // flight goes to a follower at once (contract §5.11).
-                    Err(e) if e.is_panic() => drop(guard),
-                    Ok(value) => guard.finish(Ok(value.clone())),
-                    Err(e) => guard.finish(Err(Arc::new(e.share()))),
+                let mut guard = Some(guard);
+                let result = self.lead(key, &options, loader, &mut guard).await;
+                // The flight ended before its outcome was handed on (a bad argument, a
+                // guest failure): the followers get the same.
+                if let Some(guard) = guard {
+                    share(guard, &result);
                 }
                 result
             }
@@ -96,7 +96,15 @@ impl Corral {
     }
 
     /// One flight, led by this caller: the guest decides, this loop performs.
-    async fn lead<F, Fut, V, E>(&self, key: &str, options: &LoadOptions, loader: F) -> Result<Bytes>
+    /// `followers` is the flight's registry guard: its outcome is handed to the callers
+    /// waiting on it as soon as it is known, before the lock's release and announcement.
+    async fn lead<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: &LoadOptions,
+        loader: F,
+        followers: &mut Option<LeaderGuard<Outcome>>,
+    ) -> Result<Bytes>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = std::result::Result<V, E>>,
@@ -170,11 +178,14 @@ impl Corral {
                     // the lock is released, owner-checked, all the same.
                     let owner = held.owner.insert(crate::lock_token()).clone();
                     held.unanswered = true;
-                    let tried = inner
-                        .stores
-                        .flight_lock
-                        .try_lock(&names.flight_lock, &owner, ttl_ms)
-                        .await;
+                    let tried = by(
+                        deadline,
+                        inner
+                            .stores
+                            .flight_lock
+                            .try_lock(&names.flight_lock, &owner, ttl_ms),
+                    )
+                    .await;
                     held.unanswered = false;
                     match tried {
                         Ok(true) => Event::LockAcquired,
@@ -274,6 +285,16 @@ impl Corral {
                 }
                 Action::Finish(finish) => {
                     held.done = true;
+                    let result = match finish.outcome {
+                        FlightOutcome::LoaderFailed => Err(Error::loader(
+                            loader_error.take().unwrap_or_else(|| "loader failed".into()),
+                        )),
+                        _ => Ok(value.take().unwrap_or_default()),
+                    };
+                    // Followers get the outcome now, not after two more store round trips.
+                    if let Some(guard) = followers.take() {
+                        share(guard, &result);
+                    }
                     if finish.release
                         && let Some(owner) = held.owner.take()
                         && let Err(e) = by(
@@ -290,17 +311,11 @@ impl Corral {
                         tracing::debug!(key, error = %e, "landing announcement failed; waiters fall back to polling");
                     }
                     self.count_outcome(key, finish.outcome);
-                    if let Outcome::LoaderFailed = finish.outcome {
-                        return Err(Error::loader(
-                            loader_error.take().unwrap_or_else(|| "loader failed".into()),
-                        ));
-                    }
-                    let value = value.take().unwrap_or_default();
                     // Fenced: not over a write this process made since the last L2 step.
-                    if let Some(until_ms) = finish.l1_until_ms {
+                    if let (Ok(value), Some(until_ms)) = (&result, finish.l1_until_ms) {
                         inner.l1.fill(key, value.clone(), until_ms, l1_ticket);
                     }
-                    return Ok(value);
+                    return result;
                 }
             };
             now = inner.clock.now_ms();
@@ -310,12 +325,12 @@ impl Corral {
         }
     }
 
-    fn count_outcome(&self, key: &str, outcome: Outcome) {
+    fn count_outcome(&self, key: &str, outcome: FlightOutcome) {
         let m = &self.inner.metrics;
         match outcome {
-            Outcome::L2Hit(_) => Metrics::bump(&m.l2_hits),
-            Outcome::Loaded(_) | Outcome::LoaderFailed => Metrics::bump(&m.misses),
-            Outcome::Degraded(timed_out) => {
+            FlightOutcome::L2Hit(_) => Metrics::bump(&m.l2_hits),
+            FlightOutcome::Loaded(_) | FlightOutcome::LoaderFailed => Metrics::bump(&m.misses),
+            FlightOutcome::Degraded(timed_out) => {
                 Metrics::bump(&m.misses);
                 Metrics::bump(&m.degraded);
                 if timed_out {
@@ -324,6 +339,16 @@ impl Corral {
                 tracing::warn!(key, timed_out, "distributed lock unavailable: loaded uncached");
             }
         }
+    }
+}
+
+/// Hands a flight's `result` to its followers; a panicking loader is its caller's
+/// failure, not the key's: the flight goes to a follower at once (contract §5.11).
+fn share(guard: LeaderGuard<Outcome>, result: &Result<Bytes>) {
+    match result {
+        Err(e) if e.is_panic() => drop(guard),
+        Ok(value) => guard.finish(Ok(value.clone())),
+        Err(e) => guard.finish(Err(Arc::new(e.share()))),
     }
 }
 

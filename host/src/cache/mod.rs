@@ -83,6 +83,16 @@ impl fmt::Debug for Corral {
     }
 }
 
+/// How a value reaches L1, with the ticket taken before the L2 step it comes from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum L1Fill {
+    /// A read found it: no write of the key since may be overwritten.
+    Read(Ticket),
+    /// This process wrote it to L2: it replaces any older fill, unless the key was
+    /// written again since.
+    Write(Ticket),
+}
+
 /// Another process's set, removal or load of a key drops this process's L1 copy; a
 /// gap in the announcements drops all of L1.
 pub(crate) fn l1_invalidation(l1: L1, metrics: Arc<Metrics>) -> crate::store::ForeignHook {
@@ -125,7 +135,7 @@ impl Corral {
         match self.l2_read(&names.entry, now).await? {
             Some((value, meta)) => {
                 Metrics::bump(&m.l2_hits);
-                self.fill_l1(key, &value, meta, now, Some(ticket)).await?;
+                self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket)).await?;
                 Ok(Some(value))
             }
             None => {
@@ -145,11 +155,13 @@ impl Corral {
         let now = self.inner.clock.now_ms();
         let plan = self.inner.policy.plan_set(key, value.len(), &options, now)?;
         let names = self.locate(key)?;
+        let ticket = self.inner.l1.ticket(key);
         self.l2_write(&names.entry, &plan.header, &value, plan.store_ttl_ms)
             .await?;
         Metrics::bump(&self.inner.metrics.sets);
         self.announce_change(key);
-        self.fill_l1(key, &value, plan.meta, now, None).await
+        self.fill_l1(key, &value, plan.meta, now, L1Fill::Write(ticket))
+            .await
     }
 
     /// Tells the other processes sharing the store that `key` changed, so they drop
@@ -187,7 +199,8 @@ impl Corral {
         self.inner.l1.remove(key);
         // A tombstone, not a delete: a load that began before this removal may not fill
         // over it (contract §5.12).
-        let (tombstone, ttl_ms) = self.inner.policy.removal(self.inner.flight.lock_ttl_ms)?;
+        let nonce = rand::random::<u128>().to_be_bytes();
+        let (tombstone, ttl_ms) = self.inner.policy.removal(self.inner.flight.lock_ttl_ms, &nonce)?;
         let entries = &self.inner.stores.entries;
         let old = self
             .l2_op(entries.swap(&names.entry, tombstone.into(), ttl_ms))
@@ -327,26 +340,26 @@ impl Corral {
             .await
     }
 
-    /// Puts `value` in L1 until the guest's deadline for `meta`: a read's fill when it
-    /// holds the `ticket` taken before the read (refused if the key was written since),
-    /// a write's when it has none.
+    /// Puts `value` in L1 until the guest's deadline for `meta`, fenced by the ticket
+    /// taken before the L2 step it comes from (contract §5.12).
     pub(crate) async fn fill_l1(
         &self,
         key: &str,
         value: &Bytes,
         meta: WitMeta,
         now: u64,
-        ticket: Option<Ticket>,
+        how: L1Fill,
     ) -> Result<()> {
-        if !self.inner.l1.is_on() {
+        let l1 = &self.inner.l1;
+        if !l1.is_on() {
             return Ok(());
         }
         let until = self.inner.policy.l1_deadline(meta, now, self.inner.l1_ttl_ms)?;
-        match ticket {
-            Some(ticket) => {
-                self.inner.l1.fill(key, value.clone(), until, ticket);
+        match how {
+            L1Fill::Read(ticket) => {
+                l1.fill(key, value.clone(), until, ticket);
             }
-            None => self.inner.l1.insert(key, value.clone(), until),
+            L1Fill::Write(ticket) => l1.insert(key, value.clone(), until, ticket),
         }
         Ok(())
     }

@@ -4,6 +4,9 @@
 //! `Store` each), so concurrent callers never share a `Store`. A trapped instance is
 //! dropped, never reused.
 
+// Without the `redis` feature some of what serves Redis stores goes unused.
+#![cfg_attr(not(feature = "redis"), allow(dead_code, unused_variables))]
+
 use std::cell::RefCell;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -255,12 +258,12 @@ impl Policy {
         .map_err(from_wit)
     }
 
-    /// What a removal writes (a tombstone) and its store TTL.
-    pub(crate) fn removal(&self, lock_ttl_ms: u64) -> Result<(Vec<u8>, u64)> {
+    /// What a removal writes (a tombstone carrying `nonce`) and its store TTL.
+    pub(crate) fn removal(&self, lock_ttl_ms: u64, nonce: &[u8]) -> Result<(Vec<u8>, u64)> {
         self.call(|s| {
             s.guest
                 .corral_cache_policy()
-                .call_removal(&mut s.store, lock_ttl_ms)
+                .call_removal(&mut s.store, lock_ttl_ms, nonce)
         })
     }
 

@@ -462,10 +462,12 @@ impl RedisLocks {
                 self.clone(),
                 key,
                 keys.clone(),
-                token,
                 ttl_ms,
-                fencing,
-                valid_until,
+                Grant {
+                    token,
+                    fencing,
+                    valid_until,
+                },
                 watchdog,
             )));
         }
@@ -565,25 +567,31 @@ impl fmt::Debug for Lease {
     }
 }
 
+/// What a won acquire grants: the owner token, the fencing token, and until when the
+/// lease is valid.
+struct Grant {
+    token: String,
+    fencing: u64,
+    valid_until: Instant,
+}
+
 impl Lease {
     fn start(
         locks: RedisLocks,
         key: &str,
         keys: [String; 2],
-        token: String,
         ttl_ms: u64,
-        fencing: u64,
-        valid_until: Instant,
+        grant: Grant,
         watchdog: bool,
     ) -> Lease {
         let shared = Arc::new(LeaseShared {
             locks,
             key: key.to_owned(),
             keys,
-            token,
+            token: grant.token,
             ttl_ms,
-            fencing,
-            valid_until: Mutex::new(valid_until),
+            fencing: grant.fencing,
+            valid_until: Mutex::new(grant.valid_until),
             lost: watch::channel(false).0,
         });
         // A lease with a TTL needs no task: its validity is a deadline, checked on demand.

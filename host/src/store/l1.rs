@@ -109,9 +109,27 @@ impl L1 {
         )
     }
 
-    /// Writes `key` (a set in this process): newer than any fill in progress.
-    pub(crate) fn insert(&self, key: &str, value: Bytes, until_ms: u64) {
-        self.write(key, Some(L1Entry { value, until_ms }));
+    /// Writes `key` after a set in this process wrote L2, `ticket` taken before that
+    /// write: newer than any fill in progress (they are refused); but if the key was
+    /// written again in this process since the ticket (another set, an invalidation from
+    /// another process), this value may be older than that one, and the key is dropped
+    /// instead.
+    pub(crate) fn insert(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        let epochs = &self.epochs;
+        cache.entry_by_ref(key).and_compute_with(|_| {
+            // Only writes of this key count here: a whole-L1 flush says announcements may
+            // have been missed, and this value was just written to L2 by this process.
+            let unchanged = epochs.ticket(key).key == ticket.key;
+            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
+            if unchanged {
+                Op::Put(L1Entry { value, until_ms })
+            } else {
+                Op::Remove
+            }
+        });
     }
 
     /// Drops `key` (a removal or another process's write): newer than any fill in progress.
@@ -151,9 +169,16 @@ mod tests {
     fn a_fill_never_replaces_a_write_made_after_its_ticket() {
         let l1 = L1::new(100, Duration::from_secs(60));
         let ticket = l1.ticket("k");
-        l1.insert("k", Bytes::from_static(b"newer"), u64::MAX);
+        l1.insert("k", Bytes::from_static(b"newer"), u64::MAX, l1.ticket("k"));
         assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket));
         assert_eq!(l1.get("k", 0).as_deref(), Some(&b"newer"[..]));
+
+        // A set whose L2 write was overtaken in this process (another set, or another
+        // process's invalidation, came in between) does not install its older value.
+        let before_write = l1.ticket("k");
+        l1.remove("k");
+        l1.insert("k", Bytes::from_static(b"late set"), u64::MAX, before_write);
+        assert_eq!(l1.get("k", 0), None);
 
         let ticket = l1.ticket("k");
         l1.remove("k");

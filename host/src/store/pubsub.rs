@@ -18,7 +18,10 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 
-use super::redis::{Connection, RedisOptions};
+use arc_swap::ArcSwap;
+use redis::aio::ConnectionManager;
+
+use super::redis::RedisOptions;
 use super::{ForeignHook, LandingWatch, Landings, Notifications};
 use crate::{Error, Result};
 
@@ -35,7 +38,10 @@ pub(crate) struct RedisNotifications {
 }
 
 struct Shared {
-    conn: Connection,
+    /// For the subscription's own connection.
+    client: redis::Client,
+    /// The store's command connection (announcements go there; replaced when it hangs).
+    commands_conn: Arc<ArcSwap<ConnectionManager>>,
     channel: String,
     /// This store's name on the channel, so it can tell its own messages apart.
     origin: String,
@@ -63,13 +69,15 @@ impl RedisNotifications {
     /// Starts keeping a subscription to `channel` (in the background, on the caller's
     /// Tokio runtime, until the last clone is dropped).
     pub(crate) fn new(
-        conn: Connection,
+        client: redis::Client,
+        commands_conn: Arc<ArcSwap<ConnectionManager>>,
         options: &RedisOptions,
         channel: String,
         commands: Arc<AtomicU64>,
     ) -> Self {
         let shared = Arc::new(Shared {
-            conn,
+            client,
+            commands_conn,
             channel,
             origin: crate::lock_token(),
             landings: Landings::default(),
@@ -120,7 +128,7 @@ async fn keep_subscribed(weak: Weak<Shared>) {
 async fn subscribe(shared: &Shared) -> Result<(redis::aio::PubSubSink, redis::aio::PubSubStream)> {
     let timed_out = |what: &str| Error::new(crate::ErrorKind::Timeout, format!("redis {what} timed out"));
     shared.commands.fetch_add(1, Ordering::Relaxed);
-    let mut pubsub = tokio::time::timeout(shared.connect_timeout, shared.conn.client.get_async_pubsub())
+    let mut pubsub = tokio::time::timeout(shared.connect_timeout, shared.client.get_async_pubsub())
         .await
         .map_err(|_| timed_out("pub/sub connect"))?
         .map_err(|e| Error::unavailable("redis pub/sub connect failed", e))?;
@@ -188,7 +196,7 @@ impl Notifications for RedisNotifications {
         async move {
             let shared = &self.shared;
             shared.commands.fetch_add(1, Ordering::Relaxed);
-            let mut conn = shared.conn.manager.clone();
+            let mut conn = ConnectionManager::clone(&shared.commands_conn.load());
             redis::cmd("PUBLISH")
                 .arg(&shared.channel)
                 .arg(format!("{} {key}", shared.origin))

@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
@@ -198,14 +198,19 @@ impl RedisStore {
     /// Connects to Redis (lazily) with the guest's scripts; landings go on `channel`.
     pub(crate) fn connect(options: &RedisOptions, scripts: &Scripts, channel: String) -> Result<Self> {
         let conn = Connection::open(&options.url, options.connect_timeout, options.response_timeout)?;
-        let conn = Connection {
-            client: conn.client.clone(),
-            manager: conn.manager,
-        };
         let commands = Arc::new(AtomicU64::new(0));
+        // One command connection for entries, the flight lock and announcements, so a
+        // replacement after timeouts heals them all.
+        let manager = Arc::new(ArcSwap::from_pointee(conn.manager));
         Ok(RedisStore {
-            notifications: RedisNotifications::new(conn.clone(), options, channel, commands.clone()),
-            conn: Arc::new(ArcSwap::from_pointee(conn.manager)),
+            notifications: RedisNotifications::new(
+                conn.client.clone(),
+                manager.clone(),
+                options,
+                channel,
+                commands.clone(),
+            ),
+            conn: manager,
             client: conn.client,
             timeouts: Arc::new(AtomicU32::new(0)),
             options: options.clone(),

@@ -514,7 +514,11 @@ async fn every_call_ends_by_its_deadline_against_a_frozen_redis() -> Result<()> 
     while let Some(r) = callers.join_next().await {
         assert_eq!(r??, "loaded");
     }
-    bound("8 get-or-sets", t.elapsed(), Duration::from_millis(500) + 2 * timeout + slack);
+    bound(
+        "8 get-or-sets",
+        t.elapsed(),
+        Duration::from_millis(500) + 2 * timeout + slack,
+    );
     server.resume()?;
     Ok(())
 }

@@ -1,0 +1,151 @@
+//! What a run simulates: how many processes, what they do, which faults, how often.
+
+/// Fault rates, per mille unless said otherwise.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FaultRates {
+    /// A one-way trip is slow (50..400 ms).
+    pub delay_pm: u32,
+    /// The store applies a command, the reply is lost (error after the 1 s timeout).
+    pub reply_lost_pm: u32,
+    /// A notification is not delivered to one process.
+    pub notify_lost_pm: u32,
+    /// Per process and run: its connection goes down for 100..2000 ms.
+    pub down_pm: u32,
+    /// Per run: the store restarts empty once.
+    pub restart_pm: u32,
+    /// Per process and run: its wall clock is skewed (±300 ms), and, again, stepped
+    /// (±500..3000 ms at some moment).
+    pub clock_pm: u32,
+    /// Per load: slow (300..2500 ms, past the lock TTL at the top), failing, panicking.
+    pub loader_slow_pm: u32,
+    pub loader_fail_pm: u32,
+    pub loader_panic_pm: u32,
+}
+
+/// A deliberately broken store, to show the invariants catch what they claim to.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Broken {
+    /// `set_if` ignores `expected`: fenced fills become plain sets.
+    pub unfenced_set_if: bool,
+    /// Notifications are never delivered (and not recorded as faults), so L1 copies
+    /// outlive the invalidation window when L1's TTL is longer than it.
+    pub mute_notifications: bool,
+    /// `try_lock` always takes the lock (`SET` without `NX`): no single flight across
+    /// processes.
+    pub lock_without_nx: bool,
+}
+
+impl Broken {
+    /// A broken store by name: `unfenced`, `mute`, `no-nx`.
+    pub fn named(name: &str) -> Option<Broken> {
+        let mut b = Broken::default();
+        match name {
+            "unfenced" => b.unfenced_set_if = true,
+            "mute" => b.mute_notifications = true,
+            "no-nx" => b.lock_without_nx = true,
+            _ => return None,
+        }
+        Some(b)
+    }
+}
+
+/// One simulated system.
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    pub name: &'static str,
+    pub procs: usize,
+    /// Concurrent callers per process.
+    pub actors: usize,
+    pub ops_per_actor: usize,
+    /// Hot keys (`k0`..).
+    pub keys: usize,
+    /// Longest pause between two calls of an actor, ms.
+    pub think_ms: u64,
+    pub l1_ttl_ms: u64,
+    pub lock_ttl_ms: u64,
+    pub lock_wait_ms: u64,
+    pub faults: FaultRates,
+    pub broken: Broken,
+}
+
+impl Scenario {
+    fn base(name: &'static str) -> Self {
+        Scenario {
+            name,
+            procs: 4,
+            actors: 2,
+            ops_per_actor: 10,
+            keys: 2,
+            think_ms: 300,
+            l1_ttl_ms: 3_000,
+            lock_ttl_ms: 2_000,
+            lock_wait_ms: 1_500,
+            faults: FaultRates::default(),
+            broken: Broken::default(),
+        }
+    }
+
+    /// No faults: the baseline.
+    pub fn calm() -> Self {
+        Self::base("calm")
+    }
+
+    /// Network faults: delays, lost replies, connections down, lost notifications.
+    pub fn network() -> Self {
+        let mut s = Self::base("network");
+        s.faults = FaultRates {
+            delay_pm: 80,
+            reply_lost_pm: 30,
+            notify_lost_pm: 50,
+            down_pm: 250,
+            ..FaultRates::default()
+        };
+        s
+    }
+
+    /// Loaders slow, failing and panicking.
+    pub fn loaders() -> Self {
+        let mut s = Self::base("loaders");
+        s.faults = FaultRates {
+            loader_slow_pm: 250,
+            loader_fail_pm: 100,
+            loader_panic_pm: 80,
+            ..FaultRates::default()
+        };
+        s
+    }
+
+    /// Everything at once, store restarts and clock steps included.
+    pub fn chaos() -> Self {
+        let mut s = Self::base("chaos");
+        s.procs = 5;
+        s.faults = FaultRates {
+            delay_pm: 60,
+            reply_lost_pm: 25,
+            notify_lost_pm: 50,
+            down_pm: 200,
+            restart_pm: 250,
+            clock_pm: 300,
+            loader_slow_pm: 150,
+            loader_fail_pm: 60,
+            loader_panic_pm: 40,
+        };
+        s
+    }
+
+    /// The scenarios the suite and the binary cycle through, by seed.
+    pub fn all() -> Vec<Scenario> {
+        vec![Self::calm(), Self::network(), Self::loaders(), Self::chaos()]
+    }
+
+    /// A scenario by name (`calm`, `network`, `loaders`, `chaos`).
+    pub fn named(name: &str) -> Option<Scenario> {
+        Self::all().into_iter().find(|s| s.name == name)
+    }
+
+    /// The scenario seed `seed` runs when cycling through [`all`](Self::all).
+    pub fn for_seed(seed: u64) -> Scenario {
+        let all = Self::all();
+        all[(seed % all.len() as u64) as usize].clone()
+    }
+}

@@ -1,0 +1,899 @@
+//! The simulated world: one store with Redis's semantics for what Corral uses, the
+//! network between each process and it, the fault plan, the trace, and the records the
+//! invariants are checked against.
+//!
+//! Every store operation of a process goes through [`Conn`]: refused while the
+//! process's connection is down; otherwise the request travels (a delay), is applied
+//! atomically on the store at its arrival (virtual) time, and the reply travels back,
+//! delayed, or lost (the caller gets `Unavailable` after a timeout, though the store
+//! applied the command).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use corral::store::{Entries, FlightLock, ForeignHook, LandingWatch, Landings, Notifications};
+use corral::{Error, ErrorKind};
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+
+use crate::rng::Rng;
+use crate::scenario::Scenario;
+
+/// How long a caller waits for a reply that never comes (the client's response timeout).
+pub const REPLY_TIMEOUT_MS: u64 = 1_000;
+/// Longest normal one-way latency.
+pub const NET_MS: u64 = 3;
+/// Longest delayed one-way latency (a "delay" fault).
+pub const SLOW_NET_MS: u64 = 400;
+/// Longest a delivered notification takes after the store applied the publish.
+pub const DELIVERY_MS: u64 = 5;
+
+/// What a stored value is, as the invariants see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Tag {
+    /// An envelope holding this value (`w{n}` from a set, `load{n}` from a loader).
+    Value(String),
+    /// A removal's tombstone.
+    Tombstone,
+    /// Bytes that are neither.
+    Other,
+}
+
+/// Decodes stored bytes into a [`Tag`] (the envelope's value starts at byte 32).
+pub fn tag_of(bytes: &[u8]) -> Tag {
+    if bytes.len() < 32 && bytes.starts_with(b"CRL\0") {
+        Tag::Tombstone
+    } else if bytes.len() >= 32 && bytes.starts_with(b"CRL") {
+        Tag::Value(String::from_utf8_lossy(&bytes[32..]).into_owned())
+    } else {
+        Tag::Other
+    }
+}
+
+/// How a version of a key came to be in the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VersionKind {
+    /// A `set` (plain write) of a `w{n}` value.
+    Set(String),
+    /// A loader's value, written fenced (`set_if`) or plain (`set`: no fence known).
+    Load { value: String, fenced: bool },
+    /// A removal's tombstone (`swap`).
+    Remove,
+    /// A compare-and-delete of expired or corrupt bytes.
+    Cleanup,
+    /// The store restarted empty.
+    Restart,
+}
+
+/// One version of a key, in the store's order.
+#[derive(Clone, Debug)]
+pub struct Version {
+    pub order: u64,
+    pub t: u64,
+    pub kind: VersionKind,
+}
+
+#[derive(Clone, Debug)]
+struct Stored {
+    bytes: Bytes,
+    until: u64,
+    /// The virtual time this version was applied.
+    since: u64,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct HeldLock {
+    owner: String,
+    pub(crate) proc: usize,
+    until: u64,
+    pub(crate) since: u64,
+    /// The try that took it lost its reply: the flight did not know it held it.
+    pub(crate) reply_lost: bool,
+}
+
+/// A load in progress or done, as the loader saw it.
+#[derive(Clone, Debug)]
+pub struct LoadRec {
+    pub call: u64,
+    pub proc: usize,
+    pub key: String,
+    pub value: String,
+    pub start: u64,
+    pub end: Option<u64>,
+    /// Ran while its process held the key's flight lock (a try whose reply arrived).
+    pub locked: bool,
+    /// When that lock lapses (store time).
+    pub lock_until: u64,
+}
+
+/// A lost or undeliverable notification: `key` (or every key: `None`) for `proc` at `t`.
+#[derive(Clone, Debug)]
+pub struct Gap {
+    pub proc: usize,
+    pub key: Option<String>,
+    pub t: u64,
+}
+
+/// Everything the world holds, behind one lock (one thread runs the world anyway).
+#[derive(Debug)]
+pub struct State {
+    rng: Rng,
+    pub(crate) calm: bool,
+    pub trace: String,
+    entries: BTreeMap<String, Stored>,
+    pub(crate) locks: BTreeMap<String, HeldLock>,
+    order: u64,
+    seq: u64,
+    /// Per user key, every version in the store's order.
+    pub versions: BTreeMap<String, Vec<Version>>,
+    /// Per value, its first version's order.
+    pub value_order: BTreeMap<String, u64>,
+    /// Tombstones applied per (process, key), not yet claimed by a returning remove.
+    pending_swaps: BTreeMap<(usize, String), Vec<u64>>,
+    /// Per key, times a held flight lock was lost (lapsed and taken over, or wiped).
+    pub lock_losses: BTreeMap<String, Vec<u64>>,
+    /// Per (process, key): whether the last entry read failed.
+    pub(crate) last_read_failed: BTreeMap<(usize, String), bool>,
+    pub gaps: Vec<Gap>,
+    pub loads: Vec<LoadRec>,
+    pub faults: BTreeMap<&'static str, u64>,
+    pub violations: Vec<String>,
+    /// Known library issues the simulator found (counted, not failures): see the report.
+    pub known: BTreeMap<&'static str, u64>,
+    /// Anomalies a fault explains (counted, not failures).
+    pub excused: BTreeMap<&'static str, u64>,
+    /// Per process, the spans its connection is down.
+    pub(crate) down: Vec<Vec<(u64, u64)>>,
+    /// Store name (entry or lock) to user key.
+    names: BTreeMap<String, String>,
+}
+
+/// One process as the network sees it: its landing waiters and its L1 hook.
+#[derive(Default)]
+pub(crate) struct ProcNet {
+    pub(crate) landings: Landings,
+    pub(crate) hook: Mutex<Option<ForeignHook>>,
+}
+
+/// The shared world of one run.
+pub struct World {
+    pub(crate) start: tokio::time::Instant,
+    pub(crate) scenario: Scenario,
+    pub(crate) st: Mutex<State>,
+    pub(crate) procs: Vec<ProcNet>,
+}
+
+impl std::fmt::Debug for World {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("World").finish_non_exhaustive()
+    }
+}
+
+impl World {
+    pub(crate) fn new(scenario: Scenario, seed: u64, down: Vec<Vec<(u64, u64)>>) -> Arc<Self> {
+        let procs = (0..scenario.procs).map(|_| ProcNet::default()).collect();
+        Arc::new(World {
+            start: tokio::time::Instant::now(),
+            scenario,
+            st: Mutex::new(State {
+                rng: Rng::new(seed, 0x4E45),
+                calm: false,
+                trace: String::new(),
+                entries: BTreeMap::new(),
+                locks: BTreeMap::new(),
+                order: 0,
+                seq: 0,
+                versions: BTreeMap::new(),
+                value_order: BTreeMap::new(),
+                pending_swaps: BTreeMap::new(),
+                lock_losses: BTreeMap::new(),
+                last_read_failed: BTreeMap::new(),
+                gaps: Vec::new(),
+                loads: Vec::new(),
+                faults: BTreeMap::new(),
+                violations: Vec::new(),
+                excused: BTreeMap::new(),
+                known: BTreeMap::new(),
+                down,
+                names: BTreeMap::new(),
+            }),
+            procs,
+        })
+    }
+
+    /// Virtual milliseconds since the run began (the store's clock).
+    pub fn now(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    /// Appends a line to the trace, stamped with the virtual time.
+    pub fn log(&self, line: impl std::fmt::Display) {
+        let now = self.now();
+        let mut st = self.st.lock();
+        let _ = writeln!(st.trace, "{now:>6} {line}");
+    }
+
+    /// Teaches the world which store names belong to `key` (an entry name `{tag}:x`).
+    pub(crate) fn learn_name(&self, key: &str, entry_name: &str) {
+        let tag = entry_name.rsplit_once(':').map_or(entry_name, |(t, _)| t);
+        self.st.lock().names.insert(tag.to_owned(), key.to_owned());
+    }
+
+    /// The next unique number for a written or loaded value.
+    pub(crate) fn next_seq(&self) -> u64 {
+        let mut st = self.st.lock();
+        st.seq += 1;
+        st.seq
+    }
+
+    pub(crate) fn fault(&self, kind: &'static str) {
+        *self.st.lock().faults.entry(kind).or_default() += 1;
+    }
+
+    pub(crate) fn violation(&self, what: String) {
+        self.log(format_args!("VIOLATION {what}"));
+        self.st.lock().violations.push(what);
+    }
+
+    pub(crate) fn excuse(&self, kind: &'static str, what: impl std::fmt::Display) {
+        self.log(format_args!("excused {kind}: {what}"));
+        *self.st.lock().excused.entry(kind).or_default() += 1;
+    }
+
+    /// Whether `proc`'s connection is down at `t`.
+    pub(crate) fn is_down(&self, proc: usize, t: u64) -> bool {
+        let st = self.st.lock();
+        !st.calm && st.down[proc].iter().any(|&(a, b)| a <= t && t < b)
+    }
+
+    /// Turns every fault off (for the final convergence reads).
+    pub(crate) fn calm(&self) {
+        self.st.lock().calm = true;
+    }
+
+    /// The store restarts empty: entries, locks, subscriptions (every process then
+    /// resubscribes and drops its L1, as after any gap in the channel).
+    pub(crate) fn restart_store(&self) {
+        let now = self.now();
+        {
+            let mut st = self.st.lock();
+            st.entries.clear();
+            let locks = std::mem::take(&mut st.locks);
+            for (name, lock) in locks {
+                if now < lock.until {
+                    let key = st.key_of(&name);
+                    st.lock_losses.entry(key).or_default().push(now);
+                }
+            }
+            let keys: Vec<String> = st.versions.keys().cloned().collect();
+            for key in keys {
+                st.push_version(&key, now, VersionKind::Restart);
+            }
+            for p in 0..self.procs.len() {
+                st.gaps.push(Gap {
+                    proc: p,
+                    key: None,
+                    t: now,
+                });
+            }
+        }
+        self.fault("store-restart");
+        self.log("STORE RESTART (empty)");
+        for p in 0..self.procs.len() {
+            self.resubscribed(p);
+        }
+    }
+
+    /// `proc`'s channel came back after a gap: it drops its whole L1.
+    pub(crate) fn resubscribed(&self, proc: usize) {
+        let hook = self.procs[proc].hook.lock().clone();
+        if let Some(hook) = hook {
+            self.log(format_args!("p{proc} resubscribed: L1 dropped"));
+            hook(None);
+        }
+    }
+
+    /// Runs a load's bookkeeping at its start; returns the record's index.
+    pub(crate) fn load_started(&self, call: u64, proc: usize, key: &str, value: &str) -> usize {
+        let now = self.now();
+        let mut problems = Vec::new();
+        let mut excuses = Vec::new();
+        let index;
+        {
+            let mut st = self.st.lock();
+            let lock_name = st.names_of(key).map(|(_, l)| l);
+            let held = lock_name
+                .as_ref()
+                .and_then(|n| st.locks.get(n))
+                .filter(|l| now < l.until);
+            let locked = held.is_some_and(|l| l.proc == proc && !l.reply_lost);
+            let mut lock_until = 0;
+            if locked {
+                let since = held.map_or(0, |l| l.since);
+                lock_until = held.map_or(0, |l| l.until);
+                // Exclusive: no other process's locked load of the key still runs,
+                // unless the lock was lost (lapsed or wiped) since it began.
+                for other in st
+                    .loads
+                    .iter()
+                    .filter(|l| l.key == key && l.locked && l.end.is_none() && l.proc != proc)
+                {
+                    // Lost: lapsed (the loader outlived the lock TTL), or wiped by a restart.
+                    let lost = now >= other.lock_until
+                        || st
+                            .lock_losses
+                            .get(key)
+                            .is_some_and(|ts| ts.iter().any(|&t| t >= other.start));
+                    let what = format!(
+                        "p{proc} loads {key} while p{} still loads it (call {}, since {})",
+                        other.proc, other.call, other.start
+                    );
+                    if lost {
+                        excuses.push(("double-load-lock-lost", what))
+                    } else {
+                        problems.push(what)
+                    }
+                }
+                // Once per fill window: nothing fresh had landed before this flight took
+                // the lock (its double-check read would have found it), unless that
+                // read failed.
+                if let Some((entry, _)) = st.names_of(key)
+                    && let Some(stored) = st.entries.get(&entry)
+                    && now < stored.until
+                    && stored.since < since
+                    && let Tag::Value(v) = tag_of(&stored.bytes)
+                {
+                    let what = format!(
+                        "p{proc} loads {key} although {v} landed at {} before its lock ({since})",
+                        stored.since
+                    );
+                    if st
+                        .last_read_failed
+                        .get(&(proc, key.to_owned()))
+                        .copied()
+                        .unwrap_or(false)
+                    {
+                        excuses.push(("load-after-failed-read", what));
+                    } else {
+                        problems.push(what);
+                    }
+                }
+            }
+            st.loads.push(LoadRec {
+                call,
+                proc,
+                key: key.to_owned(),
+                value: value.to_owned(),
+                start: now,
+                end: None,
+                locked,
+                lock_until,
+            });
+            index = st.loads.len() - 1;
+            let _ = writeln!(
+                st.trace,
+                "{now:>6} p{proc} c{call} loader starts {value} ({})",
+                if locked { "locked" } else { "degraded" }
+            );
+        }
+        for p in problems {
+            self.violation(format!("single-flight: {p}"));
+        }
+        for (k, e) in excuses {
+            self.excuse(k, e);
+        }
+        index
+    }
+
+    pub(crate) fn load_ended(&self, index: usize) {
+        let now = self.now();
+        self.st.lock().loads[index].end = Some(now);
+    }
+
+    /// Claims the oldest tombstone `proc` applied to `key` (a returning `remove`).
+    pub(crate) fn claim_swap(&self, proc: usize, key: &str) -> Option<u64> {
+        let mut st = self.st.lock();
+        let pending = st.pending_swaps.get_mut(&(proc, key.to_owned()))?;
+        (!pending.is_empty()).then(|| pending.remove(0))
+    }
+
+    /// Draws `per_mille` from the network's generator (off when calm).
+    fn draw(&self, per_mille: u32) -> bool {
+        let mut st = self.st.lock();
+        !st.calm && st.rng.chance(per_mille)
+    }
+
+    fn latency(&self) -> (u64, bool) {
+        let slow = self.draw(self.scenario.faults.delay_pm);
+        let mut st = self.st.lock();
+        if slow {
+            (st.rng.range(50, SLOW_NET_MS), true)
+        } else {
+            (st.rng.range(0, NET_MS), false)
+        }
+    }
+}
+
+impl State {
+    fn key_of(&self, name: &str) -> String {
+        let tag = name.rsplit_once(':').map_or(name, |(t, _)| t);
+        self.names.get(tag).cloned().unwrap_or_else(|| name.to_owned())
+    }
+
+    /// The entry and flight-lock names of `key` (`{tag}:e`, `{tag}:l`).
+    fn names_of(&self, key: &str) -> Option<(String, String)> {
+        let tag = self.names.iter().find(|(_, k)| *k == key)?.0;
+        Some((format!("{tag}:e"), format!("{tag}:l")))
+    }
+
+    fn push_version(&mut self, key: &str, t: u64, kind: VersionKind) -> u64 {
+        self.order += 1;
+        let order = self.order;
+        if let VersionKind::Set(v) | VersionKind::Load { value: v, .. } = &kind {
+            self.value_order.entry(v.clone()).or_insert(order);
+        }
+        self.versions
+            .entry(key.to_owned())
+            .or_default()
+            .push(Version { order, t, kind });
+        order
+    }
+
+    fn live(&mut self, name: &str, now: u64) -> Option<Bytes> {
+        match self.entries.get(name) {
+            Some(s) if now < s.until => Some(s.bytes.clone()),
+            Some(_) => {
+                self.entries.remove(name);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Writes `bytes` under `name`, recording the version; `fenced` for a `set_if`.
+    fn write(&mut self, proc: usize, name: &str, bytes: Bytes, ttl: u64, now: u64, fenced: bool) {
+        let key = self.key_of(name);
+        let kind = match tag_of(&bytes) {
+            Tag::Value(v) if v.starts_with("load") => VersionKind::Load { value: v, fenced },
+            Tag::Value(v) => VersionKind::Set(v),
+            Tag::Tombstone => VersionKind::Remove,
+            Tag::Other => VersionKind::Cleanup,
+        };
+        let old = self.entries.get(name).filter(|s| now < s.until).cloned();
+        // Touches rewrite the same value: not a new version.
+        let same = old.as_ref().is_some_and(|o| tag_of(&o.bytes) == tag_of(&bytes));
+        let since = if same {
+            old.as_ref().map_or(now, |o| o.since)
+        } else {
+            now
+        };
+        self.entries.insert(
+            name.to_owned(),
+            Stored {
+                bytes,
+                until: now.saturating_add(ttl.max(1)),
+                since,
+            },
+        );
+        if same {
+            return;
+        }
+        let is_remove = kind == VersionKind::Remove;
+        let order = self.push_version(&key, now, kind);
+        if is_remove {
+            self.pending_swaps.entry((proc, key)).or_default().push(order);
+        }
+    }
+}
+
+/// One process's connection to the store: the store traits, over the simulated network.
+#[derive(Clone)]
+pub struct Conn {
+    pub(crate) world: Arc<World>,
+    pub(crate) proc: usize,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn").field("proc", &self.proc).finish()
+    }
+}
+
+fn unavailable(why: &str) -> Error {
+    Error::from(ErrorKind::Unavailable).with_context(format!("sim: {why}"))
+}
+
+type Applied<T> = (T, String);
+
+impl Conn {
+    /// One command: refused while down; else request delay, atomic apply at arrival,
+    /// reply delay or loss.
+    async fn call<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        name: &str,
+        apply: impl FnOnce(&mut State, u64, usize) -> Applied<T> + Send,
+    ) -> corral::Result<T> {
+        let w = &self.world;
+        let p = self.proc;
+        let key = w.st.lock().key_of(name);
+        if w.is_down(p, w.now()) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            w.fault("refused");
+            w.log(format_args!("p{p} {what} {key} -> refused (connection down)"));
+            return Err(unavailable("connection refused"));
+        }
+        let (there, slow) = w.latency();
+        if slow {
+            w.fault("delay");
+        }
+        tokio::time::sleep(Duration::from_millis(there)).await;
+        if w.is_down(p, w.now()) {
+            // Dropped on the way: never applied; the client times out.
+            w.fault("conn-drop");
+            w.log(format_args!(
+                "p{p} {what} {key} -> request lost (connection dropped)"
+            ));
+            tokio::time::sleep(Duration::from_millis(
+                REPLY_TIMEOUT_MS - there.min(REPLY_TIMEOUT_MS),
+            ))
+            .await;
+            return Err(unavailable("connection dropped"));
+        }
+        let now = w.now();
+        let (out, summary) = {
+            let mut st = w.st.lock();
+            apply(&mut st, now, p)
+        };
+        if w.draw(w.scenario.faults.reply_lost_pm) {
+            w.fault("reply-lost");
+            w.log(format_args!(
+                "p{p} {what} {key} applied ({summary}) -> reply lost"
+            ));
+            tokio::time::sleep(Duration::from_millis(REPLY_TIMEOUT_MS)).await;
+            return Err(unavailable("reply lost: timed out"));
+        }
+        let (back, slow) = w.latency();
+        if slow {
+            w.fault("delay");
+        }
+        w.log(format_args!(
+            "p{p} {what} {key} -> {summary} (sent -{there}, reply +{back})"
+        ));
+        tokio::time::sleep(Duration::from_millis(back)).await;
+        Ok(out)
+    }
+}
+
+impl Entries for Conn {
+    fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
+        let name = key.to_owned();
+        let this = self.clone();
+        async move {
+            // Failed until it returns: a read the flight abandons at its deadline failed.
+            {
+                let mut st = this.world.st.lock();
+                let k = st.key_of(&name);
+                st.last_read_failed.insert((this.proc, k), true);
+            }
+            let got = this
+                .call("get", &name, {
+                    let name = name.clone();
+                    move |st, now, _| {
+                        let b = st.live(&name, now);
+                        let s = b
+                            .as_ref()
+                            .map_or("nil".to_owned(), |b| format!("{:?}", tag_of(b)));
+                        (b, s)
+                    }
+                })
+                .await;
+            let mut st = this.world.st.lock();
+            let k = st.key_of(&name);
+            st.last_read_failed.insert((this.proc, k), got.is_err());
+            drop(st);
+            got
+        }
+        .boxed()
+    }
+
+    fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, corral::Result<()>> {
+        let name = key.to_owned();
+        self.call("set", key, move |st, now, p| {
+            let s = format!("{:?}", tag_of(&bytes));
+            st.write(p, &name, bytes, ttl_ms, now, false);
+            ((), format!("ok {s}"))
+        })
+        .boxed()
+    }
+
+    fn swap<'a>(
+        &'a self,
+        name: &'a str,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
+        let n = name.to_owned();
+        self.call("swap", name, move |st, now, p| {
+            let old = st.live(&n, now);
+            let s = old
+                .as_ref()
+                .map_or("nil".to_owned(), |b| format!("{:?}", tag_of(b)));
+            st.write(p, &n, bytes, ttl_ms, now, false);
+            (old, format!("was {s}"))
+        })
+        .boxed()
+    }
+
+    fn set_if<'a>(
+        &'a self,
+        name: &'a str,
+        expected: Option<Bytes>,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, corral::Result<bool>> {
+        let n = name.to_owned();
+        let broken = self.world.scenario.broken.unfenced_set_if;
+        self.call("set_if", name, move |st, now, p| {
+            let current = st.live(&n, now);
+            let unchanged = broken || current == expected;
+            let s = format!("{:?}", tag_of(&bytes));
+            if unchanged {
+                check_fill_over(st, &n, &bytes, now);
+                st.write(p, &n, bytes, ttl_ms, now, true);
+            }
+            (
+                unchanged,
+                format!("{} {s}", if unchanged { "written" } else { "refused" }),
+            )
+        })
+        .boxed()
+    }
+
+    fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<bool>> {
+        let n = key.to_owned();
+        self.call("delete", key, move |st, now, _| {
+            let was = st.live(&n, now).is_some();
+            if st.entries.remove(&n).is_some() {
+                let k = st.key_of(&n);
+                st.push_version(&k, now, VersionKind::Cleanup);
+            }
+            (was, format!("{was}"))
+        })
+        .boxed()
+    }
+
+    fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, corral::Result<bool>> {
+        let n = key.to_owned();
+        self.call("delete_if_equal", key, move |st, now, _| {
+            let equal = st.live(&n, now).is_some_and(|b| b == expected);
+            if equal {
+                st.entries.remove(&n);
+                let k = st.key_of(&n);
+                st.push_version(&k, now, VersionKind::Cleanup);
+            }
+            (equal, format!("{equal}"))
+        })
+        .boxed()
+    }
+
+    fn replace_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: Bytes,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, corral::Result<bool>> {
+        let n = key.to_owned();
+        self.call("replace_if_equal", key, move |st, now, p| {
+            let equal = st.live(&n, now).is_some_and(|b| b == expected);
+            if equal {
+                st.write(p, &n, bytes, ttl_ms, now, false);
+            }
+            (equal, format!("{equal}"))
+        })
+        .boxed()
+    }
+
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+}
+
+/// The fenced-fill invariant, at the store: a load's value never lands over a version
+/// a set or removal wrote after the load began.
+/// (Removals are unique, so a compare-and-set never mistakes a newer tombstone for the
+/// one its read found: the simulator found that bug when they were all alike.)
+fn check_fill_over(st: &mut State, name: &str, bytes: &Bytes, now: u64) {
+    let Tag::Value(value) = tag_of(bytes) else {
+        return;
+    };
+    if !value.starts_with("load") {
+        return;
+    }
+    let key = st.key_of(name);
+    let Some(started) = st.loads.iter().find(|l| l.value == value).map(|l| l.start) else {
+        return;
+    };
+    let Some(last) = st.versions.get(&key).and_then(|v| v.last()).cloned() else {
+        return;
+    };
+    let newer = matches!(last.kind, VersionKind::Set(_) | VersionKind::Remove) && last.t > started;
+    if newer && st.live(name, now).is_some() {
+        let what = format!(
+            "fenced-fill: {value} (load began {started}) overwrote {:?} written at {}",
+            last.kind, last.t
+        );
+        let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
+        st.violations.push(what);
+    }
+}
+
+impl FlightLock for Conn {
+    fn try_lock<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, corral::Result<bool>> {
+        let n = key.to_owned();
+        let owner = owner.to_owned();
+        let this = self.clone();
+        let no_nx = self.world.scenario.broken.lock_without_nx;
+        async move {
+            let tried = this
+                .call("try_lock", &n, {
+                    let n = n.clone();
+                    let owner = owner.clone();
+                    move |st, now, p| {
+                        let current = st.locks.get(&n).cloned();
+                        let free = no_nx || current.as_ref().is_none_or(|l| now >= l.until);
+                        if free {
+                            if current.as_ref().is_some_and(|l| now >= l.until) {
+                                // A lapsed lock taken over: its holder lost it.
+                                let k = st.key_of(&n);
+                                st.lock_losses.entry(k).or_default().push(now);
+                            }
+                            st.locks.insert(
+                                n,
+                                HeldLock {
+                                    owner,
+                                    proc: p,
+                                    until: now.saturating_add(ttl_ms.max(1)),
+                                    since: now,
+                                    // Until the reply reaches the flight (it may be
+                                    // lost, or the flight may give up waiting).
+                                    reply_lost: true,
+                                },
+                            );
+                        }
+                        (
+                            free,
+                            if free {
+                                "taken".to_owned()
+                            } else {
+                                "busy".to_owned()
+                            },
+                        )
+                    }
+                })
+                .await;
+            if let Ok(true) = tried {
+                // The flight knows it holds the lock. (A reply lost, or a flight that gave
+                // up waiting and dropped this future, leaves the lock unknown to it.)
+                let mut st = this.world.st.lock();
+                if let Some(l) = st.locks.get_mut(&n).filter(|l| l.owner == owner) {
+                    l.reply_lost = false;
+                }
+            }
+            tried
+        }
+        .boxed()
+    }
+
+    fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, corral::Result<bool>> {
+        let n = key.to_owned();
+        let owner = owner.to_owned();
+        self.call("release", key, move |st, now, _| {
+            let held = st
+                .locks
+                .get(&n)
+                .is_some_and(|l| l.owner == owner && now < l.until);
+            if held {
+                st.locks.remove(&n);
+            }
+            (held, format!("{held}"))
+        })
+        .boxed()
+    }
+}
+
+impl Notifications for Conn {
+    fn watch<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {
+        let w = &self.world;
+        let watch = if w.is_down(self.proc, w.now()) {
+            LandingWatch::never()
+        } else {
+            w.procs[self.proc].landings.watch(key)
+        };
+        futures::future::ready(watch).boxed()
+    }
+
+    fn announce<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<()>> {
+        let this = self.clone();
+        let key = key.to_owned();
+        async move {
+            let w = this.world.clone();
+            let origin = this.proc;
+            let deliver = {
+                let w = w.clone();
+                let key = key.clone();
+                move |st: &mut State, now: u64, _: usize| {
+                    // Redis delivers at the moment it applies the PUBLISH.
+                    for p in 0..w.procs.len() {
+                        let mute = w.scenario.broken.mute_notifications;
+                        let lost = mute || (!st.calm && st.rng.chance(w.scenario.faults.notify_lost_pm));
+                        if lost {
+                            if !mute {
+                                *st.faults.entry("notify-lost").or_default() += 1;
+                                st.gaps.push(Gap {
+                                    proc: p,
+                                    key: Some(key.clone()),
+                                    t: now,
+                                });
+                                let _ = writeln!(st.trace, "{now:>6} p{p} notification {key} lost");
+                            }
+                            continue;
+                        }
+                        let delay = st.rng.range(0, DELIVERY_MS);
+                        let (w, key) = (w.clone(), key.clone());
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_millis(delay)).await;
+                            let now = w.now();
+                            if w.is_down(p, now) {
+                                w.st.lock().gaps.push(Gap {
+                                    proc: p,
+                                    key: Some(key.clone()),
+                                    t: now,
+                                });
+                                return;
+                            }
+                            w.procs[p].landings.announce(&key);
+                            if p != origin {
+                                let hook = w.procs[p].hook.lock().clone();
+                                if let Some(hook) = hook {
+                                    hook(Some(key.clone()));
+                                }
+                            }
+                        });
+                    }
+                    ((), "delivered".to_owned())
+                }
+            };
+            let published = this.call("publish", &key, deliver).await;
+            if published.is_err() {
+                // Refused or dropped before the store: nobody heard it. (A lost reply
+                // was delivered all the same; recording a gap then is conservative.)
+                let now = w.now();
+                let mut st = w.st.lock();
+                for p in 0..w.procs.len() {
+                    st.gaps.push(Gap {
+                        proc: p,
+                        key: Some(key.clone()),
+                        t: now,
+                    });
+                }
+            }
+            published
+        }
+        .boxed()
+    }
+
+    fn on_foreign(&self, hook: ForeignHook) {
+        *self.world.procs[self.proc].hook.lock() = Some(hook);
+    }
+}
