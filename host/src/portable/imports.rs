@@ -203,14 +203,17 @@ impl l2::Host for &mut PortableState {
     }
 
     fn try_lock(&mut self, key: String, ttl_ms: u64) -> Result<Option<String>, types::Error> {
-        let b = &self.backend;
+        let b = self.backend.clone();
+        // The token is the call's before it is sent (contract §5.13): should the reply be
+        // lost, the end of the call releases it, owner-checked.
         let owner = crate::lock_token();
+        self.call.locks.insert(key.clone(), owner.clone());
         let taken = b
             .runtime
             .block_on(b.stores.flight_lock.try_lock(&key, &owner, ttl_ms))
             .map_err(|e| to_wit(&e))?;
-        if taken {
-            self.call.locks.insert(key, owner.clone());
+        if !taken {
+            self.call.locks.remove(&key);
         }
         Ok(taken.then_some(owner))
     }
