@@ -128,6 +128,7 @@ impl Corral {
             state,
             owner: None,
             unanswered: false,
+            releasing: false,
             done: false,
         };
         // Every store step has a deadline (contract §5.13): those before the load share
@@ -284,7 +285,6 @@ impl Corral {
                     }
                 }
                 Action::Finish(finish) => {
-                    held.done = true;
                     let result = match finish.outcome {
                         FlightOutcome::LoaderFailed => Err(Error::loader(
                             loader_error.take().unwrap_or_else(|| "loader failed".into()),
@@ -295,16 +295,30 @@ impl Corral {
                     if let Some(guard) = followers.take() {
                         share(guard, &result);
                     }
+                    // The release has a deadline of its own (the steps before may have
+                    // spent theirs); until it is confirmed the lock stays owed, so a caller
+                    // that goes away now, or a release that fails, releases it in the
+                    // background instead of leaving it to its TTL.
+                    let closing = Instant::now() + inner.flight.store_timeout;
+                    held.releasing = finish.release;
                     if finish.release
-                        && let Some(owner) = held.owner.take()
-                        && let Err(e) = by(
-                            deadline,
+                        && let Some(owner) = held.owner.clone()
+                    {
+                        let released = by(
+                            closing,
                             inner.stores.flight_lock.release(&names.flight_lock, &owner),
                         )
-                        .await
-                    {
-                        tracing::warn!(key, error = %e, "lock release failed; the lock expires by its TTL");
+                        .await;
+                        match released {
+                            Ok(_) => held.owner = None,
+                            Err(e) => {
+                                tracing::warn!(key, error = %e, "lock release failed; retried in the background");
+                                held.release_in_background();
+                            }
+                        }
                     }
+                    held.done = true;
+                    let deadline = closing;
                     if finish.notify
                         && let Err(e) = by(deadline, inner.stores.notifications.announce(key)).await
                     {
@@ -342,11 +356,12 @@ impl Corral {
     }
 }
 
-/// Hands a flight's `result` to its followers; a panicking loader is its caller's
-/// failure, not the key's: the flight goes to a follower at once (contract §5.11).
+/// Hands a flight's `result` to its followers; a panicking loader, or a bad argument, is
+/// its caller's failure, not the key's: the flight goes to a follower at once (§5.11).
 fn share(guard: LeaderGuard<Outcome>, result: &Result<Bytes>) {
     match result {
-        Err(e) if e.is_panic() => drop(guard),
+        // A bad argument is this caller's too: its followers may have asked well.
+        Err(e) if e.is_panic() || e.kind() == crate::ErrorKind::InvalidArgument => drop(guard),
         Ok(value) => guard.finish(Ok(value.clone())),
         Err(e) => guard.finish(Err(Arc::new(e.share()))),
     }
@@ -374,6 +389,8 @@ struct HeldFlight<'a> {
     owner: Option<String>,
     /// A try with `owner` was sent and its answer has not come back.
     unanswered: bool,
+    /// The flight finished and owes the release now under way.
+    releasing: bool,
     done: bool,
 }
 
@@ -406,7 +423,7 @@ impl Drop for HeldFlight<'_> {
             return;
         }
         let owed = self.cache.inner.policy.flight_abandon(self.state).unwrap_or(true);
-        if owed || self.unanswered {
+        if owed || self.unanswered || self.releasing {
             self.release_in_background();
         }
     }

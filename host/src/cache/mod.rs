@@ -155,9 +155,17 @@ impl Corral {
         let now = self.inner.clock.now_ms();
         let plan = self.inner.policy.plan_set(key, value.len(), &options, now)?;
         let names = self.locate(key)?;
+        // This process stops serving the old value before the store changes, and other
+        // processes hear of the change even if the write's reply never comes.
+        self.inner.l1.remove(key);
         let ticket = self.inner.l1.ticket(key);
-        self.l2_write(&names.entry, &plan.header, &value, plan.store_ttl_ms)
-            .await?;
+        if let Err(e) = self
+            .l2_write(&names.entry, &plan.header, &value, plan.store_ttl_ms)
+            .await
+        {
+            self.announce_change(key);
+            return Err(e);
+        }
         Metrics::bump(&self.inner.metrics.sets);
         self.announce_change(key);
         self.fill_l1(key, &value, plan.meta, now, L1Fill::Write(ticket))
@@ -168,8 +176,11 @@ impl Corral {
     /// their L1 copy; in the background (a lost announcement costs only staleness up to
     /// the L1 deadline).
     fn announce_change(&self, key: &str) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let (notifications, key) = (self.inner.stores.notifications.clone(), key.to_owned());
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             if let Err(e) = notifications.announce(&key).await {
                 tracing::debug!(key, error = %e, "change announcement failed");
             }

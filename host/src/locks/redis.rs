@@ -673,11 +673,14 @@ impl Lease {
     /// left untouched. [`ErrorKind::Unavailable`] (one server) or [`ErrorKind::Quorum`]
     /// (Redlock) when too few servers answered: the lock then lapses by its TTL.
     pub async fn release(mut self) -> Result<()> {
-        self.released = true;
         if let Some(m) = self.monitor.take() {
             m.abort();
         }
-        release(&self.shared).await
+        // Marked released only once the release ran: a caller that drops this future
+        // midway leaves the lease to `Drop`, which releases it in the background.
+        let out = release(&self.shared).await;
+        self.released = true;
+        out
     }
 }
 

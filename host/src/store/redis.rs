@@ -54,6 +54,7 @@ impl fmt::Debug for RedisOptions {
 /// (`redis://user:***@host:6379`, `redis://***@host`), for anything a person may read:
 /// errors, logs, `Debug`.
 pub fn redact(url: &str) -> String {
+    let url = &redact_query(url);
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
@@ -133,6 +134,24 @@ impl fmt::Debug for RedisStore {
             .field("prefix", &self.options.prefix)
             .finish_non_exhaustive()
     }
+}
+
+/// `url` with the values of `pass=` and `password=` query parameters (a unix socket's
+/// password: `redis+unix:///run/redis.sock?pass=...`) replaced by `***`.
+fn redact_query(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let params: Vec<String> = query
+        .split('&')
+        .map(|p| match p.split_once('=') {
+            Some((name, _)) if name.eq_ignore_ascii_case("pass") || name.eq_ignore_ascii_case("password") => {
+                format!("{name}=***")
+            }
+            _ => p.to_owned(),
+        })
+        .collect();
+    format!("{base}?{}", params.join("&"))
 }
 
 /// `text` with every occurrence of `url` (and of its password) redacted.
@@ -528,6 +547,10 @@ mod tests {
         assert_eq!(redact("rediss://:hunter2@host"), "rediss://:***@host");
         assert_eq!(redact("redis://hunter2@host"), "redis://***@host");
         assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(
+            redact("redis+unix:///run/redis.sock?db=1&pass=hunter2"),
+            "redis+unix:///run/redis.sock?db=1&pass=***"
+        );
         let options = RedisOptions::new("redis://u:hunter2@127.0.0.1:1");
         assert!(!format!("{options:?}").contains("hunter2"));
     }
