@@ -417,11 +417,12 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Corral, op: Op) {
                     .map(|r| r.map(|b| (Res::Done(b), None))),
                 Op::GetOrSet(_, plan) => {
                     let options = LoadOptions::new().entry(EntryOptions::new().relative(VALUE_TTL));
+                    let began = w.now();
                     let loader = {
                         let (w, key, loaded) = (w.clone(), key.clone(), loaded.clone());
                         move || async move {
                             let value = format!("load{}", w.next_seq());
-                            let index = w.load_started(id, proc, &key, &value);
+                            let index = w.load_started(id, proc, &key, &value, began);
                             let _end = EndGuard(w.clone(), index);
                             *loaded.lock() = Some((value.clone(), plan.clone()));
                             let ms = match plan {

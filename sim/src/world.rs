@@ -297,8 +297,10 @@ impl World {
         }
     }
 
-    /// Runs a load's bookkeeping at its start; returns the record's index.
-    pub(crate) fn load_started(&self, call: u64, proc: usize, key: &str, value: &str) -> usize {
+    /// Runs a load's bookkeeping at its start; returns the record's index. `began` is
+    /// when its call began: a lock its process took before that belongs to another
+    /// flight of the process (one that handed its outcome on and is still releasing).
+    pub(crate) fn load_started(&self, call: u64, proc: usize, key: &str, value: &str, began: u64) -> usize {
         let now = self.now();
         let mut problems = Vec::new();
         let mut excuses = Vec::new();
@@ -310,7 +312,7 @@ impl World {
                 .as_ref()
                 .and_then(|n| st.locks.get(n))
                 .filter(|l| now < l.until);
-            let locked = held.is_some_and(|l| l.proc == proc && !l.reply_lost);
+            let locked = held.is_some_and(|l| l.proc == proc && !l.reply_lost && l.since >= began);
             let mut lock_until = 0;
             if locked {
                 let since = held.map_or(0, |l| l.since);
