@@ -165,6 +165,11 @@ impl wit::Guest for Component {
         policy::removal(lock_ttl_ms, &nonce)
     }
 
+    fn locate_entry(prefix: String, key: String, l: types::Limits) -> Result<String, types::Error> {
+        corral_core::names::locate_one(&prefix, &key, corral_core::names::Kind::Entry, &limits(l))
+            .map_err(arg_error)
+    }
+
     fn channel(prefix: String) -> String {
         corral_core::names::channel(&prefix)
     }

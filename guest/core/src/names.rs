@@ -70,6 +70,16 @@ pub fn locate(prefix: &str, key: &str, limits: &Limits) -> Result<Names, ArgErro
     })
 }
 
+/// The name of one kind of `key`'s data under `prefix`, once `key` passed the key rules
+/// (one name where [`locate`] gives all four: a read needs only its entry's).
+///
+/// # Errors
+/// An [`ArgError`] naming `key`.
+pub fn locate_one(prefix: &str, key: &str, kind: Kind, limits: &Limits) -> Result<String, ArgError> {
+    key::validate(key, limits)?;
+    Ok(name(prefix, key, kind))
+}
+
 /// The name of one kind of `key`'s data under `prefix` (no key rules applied).
 pub fn name(prefix: &str, key: &str, kind: Kind) -> String {
     format!("{}:{}", tag(prefix, key), kind.letter())

@@ -129,10 +129,10 @@ impl Corral {
             Metrics::bump(&self.inner.metrics.l1_hits);
             return Ok(Some(value));
         }
-        let names = self.locate(key)?;
+        let entry = self.entry_of(key)?;
         let m = &self.inner.metrics;
         let ticket = self.inner.l1.ticket(key);
-        match self.l2_read(&names.entry, now).await? {
+        match self.l2_read(&entry, now).await? {
             Some((value, meta)) => {
                 Metrics::bump(&m.l2_hits);
                 self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket)).await?;
@@ -154,13 +154,13 @@ impl Corral {
         let value = value.into();
         let now = self.inner.clock.now_ms();
         let plan = self.inner.policy.plan_set(key, value.len(), &options, now)?;
-        let names = self.locate(key)?;
+        let entry = self.entry_of(key)?;
         // This process stops serving the old value before the store changes, and other
         // processes hear of the change even if the write's reply never comes.
         self.inner.l1.remove(key);
         let ticket = self.inner.l1.ticket(key);
         if let Err(e) = self
-            .l2_write(&names.entry, &plan.header, &value, plan.store_ttl_ms)
+            .l2_write(&entry, &plan.header, &value, plan.store_ttl_ms)
             .await
         {
             self.announce_change(key);
@@ -194,9 +194,9 @@ impl Corral {
     /// # Errors
     /// As [`get`](Self::get).
     pub async fn refresh(&self, key: &str) -> Result<bool> {
-        let names = self.locate(key)?;
+        let entry = self.entry_of(key)?;
         let now = self.inner.clock.now_ms();
-        Ok(self.l2_read(&names.entry, now).await?.is_some())
+        Ok(self.l2_read(&entry, now).await?.is_some())
     }
 
     /// Removes `key` from both tiers. Says whether L2 held it; a missing entry is not
@@ -206,16 +206,14 @@ impl Corral {
     /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
     /// the store fails.
     pub async fn remove(&self, key: &str) -> Result<bool> {
-        let names = self.locate(key)?;
+        let entry = self.entry_of(key)?;
         self.inner.l1.remove(key);
         // A tombstone, not a delete: a load that began before this removal may not fill
         // over it (contract §5.12).
         let nonce = rand::random::<u128>().to_be_bytes();
         let (tombstone, ttl_ms) = self.inner.policy.removal(self.inner.flight.lock_ttl_ms, &nonce)?;
         let entries = &self.inner.stores.entries;
-        let old = self
-            .l2_op(entries.swap(&names.entry, tombstone.into(), ttl_ms))
-            .await?;
+        let old = self.l2_op(entries.swap(&entry, tombstone.into(), ttl_ms)).await?;
         let now = self.inner.clock.now_ms();
         let removed = match old {
             Some(old) => matches!(self.inner.policy.read(&old, now)?, ReadOutcome::Fresh(_)),
@@ -234,8 +232,8 @@ impl Corral {
     /// [`ErrorKind::Corrupt`] when the stored bytes are not an envelope (they are left
     /// in place); otherwise as [`get`](Self::get).
     pub async fn inspect(&self, key: &str) -> Result<Option<Inspection>> {
-        let names = self.locate(key)?;
-        let Some(stored) = self.l2_op(self.inner.stores.entries.get(&names.entry)).await? else {
+        let entry = self.entry_of(key)?;
+        let Some(stored) = self.l2_op(self.inner.stores.entries.get(&entry)).await? else {
             return Ok(None);
         };
         let now = self.inner.clock.now_ms();
@@ -290,7 +288,7 @@ impl Corral {
     /// [`ErrorKind::InvalidArgument`] for a bad key.
     #[cfg(any(test, feature = "test-util"))]
     pub fn entry_name(&self, key: &str) -> Result<String> {
-        Ok(self.locate(key)?.entry)
+        self.entry_of(key)
     }
 
     /// The in-memory store, when that is the backend.
@@ -340,6 +338,11 @@ impl Corral {
     /// Checks `key` and names its data in the store (contract §2.4).
     pub(crate) fn locate(&self, key: &str) -> Result<StoreNames> {
         self.inner.policy.locate(&self.inner.prefix, key)
+    }
+
+    /// Checks `key` and names its entry in the store.
+    pub(crate) fn entry_of(&self, key: &str) -> Result<String> {
+        self.inner.policy.locate_entry(&self.inner.prefix, key)
     }
 
     /// Writes `header` then `value` to the entry `name`.

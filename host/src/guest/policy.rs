@@ -267,6 +267,17 @@ impl Policy {
         })
     }
 
+    /// Checks `key` and names its entry under `prefix` (one name, not four).
+    pub(crate) fn locate_entry(&self, prefix: &str, key: &str) -> Result<String> {
+        let limits = self.inner.limits;
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_locate_entry(&mut s.store, prefix, key, limits)
+        })?
+        .map_err(from_wit)
+    }
+
     /// The landing channel of `prefix`.
     pub(crate) fn channel(&self, prefix: &str) -> Result<String> {
         self.call(|s| s.guest.corral_cache_policy().call_channel(&mut s.store, prefix))
