@@ -16,9 +16,6 @@ pub struct Totals {
     pub metrics_degraded: u64,
     pub faults: BTreeMap<&'static str, u64>,
     pub excused: BTreeMap<&'static str, u64>,
-    pub known: BTreeMap<&'static str, u64>,
-    /// The first seed showing each known issue.
-    pub known_first: BTreeMap<&'static str, u64>,
     pub violations: u64,
     /// The failing runs (seed, scenario, first violation).
     pub failing: Vec<(u64, &'static str, String)>,
@@ -43,10 +40,6 @@ impl Totals {
         }
         for (k, n) in &o.excused {
             *self.excused.entry(k).or_default() += n;
-        }
-        for (k, n) in &o.known {
-            *self.known.entry(k).or_default() += n;
-            self.known_first.entry(k).or_insert(o.seed);
         }
         self.violations += o.violations.len() as u64;
         if let Some(first) = o.violations.first() {
@@ -75,12 +68,6 @@ impl Totals {
         rows.push(("anomalies a fault explains".into(), excused));
         for (k, n) in &self.excused {
             rows.push((format!("  {k}"), *n));
-        }
-        for (k, n) in &self.known {
-            rows.push((
-                format!("known issue {k} (first seed {})", self.known_first[k]),
-                *n,
-            ));
         }
         rows.push(("invariant violations".into(), self.violations));
         rows.push(("failing seeds".into(), self.failing.len() as u64));

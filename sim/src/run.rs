@@ -62,8 +62,6 @@ pub struct Outcome {
     pub faults: BTreeMap<&'static str, u64>,
     /// Anomalies a fault explains, by kind.
     pub excused: BTreeMap<&'static str, u64>,
-    /// Known library issues found, by kind (not failures).
-    pub known: BTreeMap<&'static str, u64>,
     pub violations: Vec<String>,
     pub trace: String,
 }
@@ -366,7 +364,6 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         metrics_degraded,
         faults: st.faults.clone(),
         excused: st.excused.clone(),
-        known: st.known.clone(),
         violations: st.violations.clone(),
         trace: st.trace.clone(),
     }

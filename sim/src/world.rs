@@ -142,8 +142,6 @@ pub struct State {
     pub loads: Vec<LoadRec>,
     pub faults: BTreeMap<&'static str, u64>,
     pub violations: Vec<String>,
-    /// Known library issues the simulator found (counted, not failures): see the report.
-    pub known: BTreeMap<&'static str, u64>,
     /// Anomalies a fault explains (counted, not failures).
     pub excused: BTreeMap<&'static str, u64>,
     /// Per process, the spans its connection is down.
@@ -197,7 +195,6 @@ impl World {
                 faults: BTreeMap::new(),
                 violations: Vec::new(),
                 excused: BTreeMap::new(),
-                known: BTreeMap::new(),
                 down,
                 names: BTreeMap::new(),
             }),

@@ -19,11 +19,10 @@ use crate::locks::{Locks, MemoryLocks};
 use crate::locks::{RedisLocks, Server};
 use crate::options::duration_ms;
 use crate::store::l1::L1;
-use crate::store::memory::MemoryStore;
 use crate::store::{Entries, FlightLock, Notifications, Stores};
 
 #[cfg(feature = "redis")]
-use crate::store::redis::{RedisOptions, RedisStore};
+use crate::store::redis::RedisOptions;
 
 /// The prefix of a cache without Redis options (its data is named all the same).
 pub(crate) const DEFAULT_PREFIX: &str = "corral:";
@@ -196,28 +195,18 @@ impl CorralBuilder {
         let l1 = L1::new(self.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
         let metrics = Arc::new(Metrics::default());
         let clock = self.clock;
-        #[cfg(feature = "redis")]
-        let prefix = self.redis.as_ref().map(|o| o.prefix.clone());
-        #[cfg(not(feature = "redis"))]
-        let prefix: Option<String> = None;
-        let prefix = self
-            .custom_prefix
-            .or(prefix)
-            .unwrap_or_else(|| DEFAULT_PREFIX.to_owned());
-        let stores = match self.custom {
-            Some(custom) => custom,
-            None => match () {
+        let (prefix, stores) = match self.custom {
+            Some(custom) => (
+                self.custom_prefix.unwrap_or_else(|| DEFAULT_PREFIX.to_owned()),
+                custom,
+            ),
+            None => Stores::open(
                 #[cfg(feature = "redis")]
-                () if self.redis.is_some() => {
-                    let options = self.redis.as_ref().expect("checked");
-                    Stores::redis(RedisStore::connect(
-                        options,
-                        policy.scripts(),
-                        policy.channel(&prefix)?,
-                    )?)
-                }
-                () => Stores::memory(MemoryStore::new(clock.clone(), settings.invalidation_interval_ms)),
-            },
+                self.redis.as_ref(),
+                &policy,
+                clock.clone(),
+                settings.invalidation_interval_ms,
+            )?,
         };
         // Another process's set, removal or load of a key drops our L1 copy.
         stores

@@ -27,7 +27,6 @@ use crate::guest::convert::{from_wit, options_in};
 use crate::guest::engine::{Loaded, PORTABLE_BUDGET_TICKS, Slot, instantiate, loaded, trap};
 use crate::options::{EntryOptions, duration_ms};
 use crate::store::Stores;
-use crate::store::memory::MemoryStore;
 use crate::{Error, Result};
 
 mod imports;
@@ -151,23 +150,13 @@ impl PortableBuilder {
         crate::require_runtime("the portable cache")?;
         let settings = self.overrides.settings()?;
         let policy = Policy::load(settings.limits)?;
-        #[cfg(feature = "redis")]
-        let prefix = self.redis.as_ref().map(|o| o.prefix.clone());
-        #[cfg(not(feature = "redis"))]
-        let prefix: Option<String> = None;
-        let prefix = prefix.unwrap_or_else(|| crate::cache::DEFAULT_PREFIX.to_owned());
-        let stores = match () {
+        let (prefix, stores) = Stores::open(
             #[cfg(feature = "redis")]
-            () if self.redis.is_some() => Stores::redis(crate::store::redis::RedisStore::connect(
-                self.redis.as_ref().expect("checked"),
-                policy.scripts(),
-                policy.channel(&prefix)?,
-            )?),
-            () => Stores::memory(MemoryStore::new(
-                self.clock.clone(),
-                settings.invalidation_interval_ms,
-            )),
-        };
+            self.redis.as_ref(),
+            &policy,
+            self.clock.clone(),
+            settings.invalidation_interval_ms,
+        )?;
         let loaded = loaded()?;
         let cache = PortableCache {
             inner: Arc::new(PortableInner {

@@ -146,6 +146,25 @@ pub(crate) struct Stores {
 }
 
 impl Stores {
+    /// The stores of a cache: Redis with `redis`'s options, else the embedded default;
+    /// and the prefix its data is named under.
+    pub(crate) fn open(
+        #[cfg(feature = "redis")] redis: Option<&redis::RedisOptions>,
+        policy: &crate::guest::Policy,
+        clock: Arc<dyn crate::Clock>,
+        invalidation_interval_ms: u64,
+    ) -> crate::Result<(String, Stores)> {
+        #[cfg(feature = "redis")]
+        if let Some(options) = redis {
+            let channel = policy.channel(&options.prefix)?;
+            let store = redis::RedisStore::connect(options, policy.scripts(), channel)?;
+            return Ok((options.prefix.clone(), Stores::redis(store)));
+        }
+        let _ = policy;
+        let store = memory::MemoryStore::new(clock, invalidation_interval_ms);
+        Ok((crate::cache::DEFAULT_PREFIX.to_owned(), Stores::memory(store)))
+    }
+
     /// The embedded default: everything in this process.
     pub(crate) fn memory(store: memory::MemoryStore) -> Self {
         Stores {
