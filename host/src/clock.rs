@@ -11,6 +11,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
     /// Now, in milliseconds since the Unix epoch.
     fn now_ms(&self) -> u64;
+
+    /// Whether this clock runs in real time, as a store's own TTLs do (the system clock
+    /// does). Only then may a store keep a sliding entry's expiry moment in its TTL
+    /// (contract §3.1); otherwise the moment lives in the envelope, where this clock
+    /// judges it. The default, `false`, is right for any clock.
+    fn is_real_time(&self) -> bool {
+        false
+    }
 }
 
 /// The system's wall clock.
@@ -22,6 +30,10 @@ impl Clock for SystemClock {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64)
+    }
+
+    fn is_real_time(&self) -> bool {
+        true
     }
 }
 

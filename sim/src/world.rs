@@ -600,6 +600,19 @@ impl Entries for Conn {
         .boxed()
     }
 
+    fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<u64>>> {
+        let name = key.to_owned();
+        self.call("pttl", key, move |st, now, _| {
+            let left = st
+                .entries
+                .get(&name)
+                .filter(|s| now < s.until)
+                .map(|s| s.until - now);
+            (left, format!("{left:?}"))
+        })
+        .boxed()
+    }
+
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, corral::Result<()>> {
         let name = key.to_owned();
         self.call("set", key, move |st, now, p| {

@@ -129,10 +129,7 @@ async fn main() -> Result<()> {
             Reader::RawConfigured,
         ),
         ("Corral `get`, relative entry (`GET`)", Reader::Corral("relative")),
-        (
-            "Corral `get`, sliding entry (read-and-touch script)",
-            Reader::Corral("sliding"),
-        ),
+        ("Corral `get`, sliding entry (`GETEX`)", Reader::Corral("sliding")),
     ];
     // CORRAL_BENCH_ONLY=<n> runs contender n alone, long, for a profiler.
     if let Some(n) = std::env::var("CORRAL_BENCH_ONLY")

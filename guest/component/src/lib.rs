@@ -35,6 +35,7 @@ fn limits(l: types::Limits) -> Limits {
         max_key_bytes: l.max_key_bytes,
         max_value_bytes: l.max_value_bytes,
         default_sliding_ms: l.default_sliding_ms,
+        sliding_in_store: l.sliding_in_store,
     }
 }
 
@@ -43,6 +44,7 @@ fn limits_out(l: Limits) -> types::Limits {
         max_key_bytes: l.max_key_bytes,
         max_value_bytes: l.max_value_bytes,
         default_sliding_ms: l.default_sliding_ms,
+        sliding_in_store: l.sliding_in_store,
     }
 }
 
@@ -102,12 +104,20 @@ fn read_outcome(outcome: policy::ReadOutcome) -> wit::ReadOutcome {
         policy::ReadOutcome::Fresh(hit) => wit::ReadOutcome::Fresh(wit::Hit {
             meta: meta_out(hit.meta),
             value_offset: hit.value_offset as u32,
-            new_header: hit.new_header.map(|h| h.to_vec()),
+            touch: hit.touch.map(|t| match t {
+                policy::Touch::Rewrite(header) => wit::Touch::Rewrite(header.to_vec()),
+                policy::Touch::Expire => wit::Touch::Expire,
+            }),
             store_ttl_ms: hit.store_ttl_ms,
+            next_read: match hit.next_read {
+                policy::NextRead::Get => wit::NextRead::Get,
+                policy::NextRead::Script => wit::NextRead::Script,
+                policy::NextRead::Expiring(ms) => wit::NextRead::Expiring(ms),
+            },
         }),
         policy::ReadOutcome::Expired => wit::ReadOutcome::Expired,
         policy::ReadOutcome::Corrupt(c) => wit::ReadOutcome::Corrupt(c.to_string()),
-        policy::ReadOutcome::Removed => wit::ReadOutcome::Removed,
+        policy::ReadOutcome::Removed { rearm } => wit::ReadOutcome::Removed(rearm),
     }
 }
 
@@ -147,8 +157,14 @@ impl wit::Guest for Component {
         }
     }
 
-    fn read(head: Vec<u8>, total_len: u64, now_ms: u64, l: types::Limits) -> wit::ReadOutcome {
-        read_outcome(policy::read(&head, total_len, now_ms, &limits(l)))
+    fn read(
+        head: Vec<u8>,
+        total_len: u64,
+        now_ms: u64,
+        l: types::Limits,
+        slid_ms: Option<u64>,
+    ) -> wit::ReadOutcome {
+        read_outcome(policy::read(&head, total_len, now_ms, &limits(l), slid_ms))
     }
 
     fn locate(prefix: String, key: String, l: types::Limits) -> Result<wit::StoreNames, types::Error> {
@@ -181,11 +197,12 @@ impl wit::Guest for Component {
             meta: meta_out(d.meta),
             value_offset: d.value_offset as u32,
             value_len: d.value_len as u32,
+            kept_by_store: d.keeper == envelope::Keeper::Store,
         })
     }
 
     fn encode_header(meta: types::EntryMeta, value_len: u64) -> Vec<u8> {
-        envelope::encode_header(&meta_in(meta), value_len).to_vec()
+        envelope::encode_header(&meta_in(meta), value_len, envelope::Keeper::Envelope).to_vec()
     }
 
     fn header_len() -> u32 {

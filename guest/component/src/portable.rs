@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use corral_core::flight::{Action, Event, Flight, Outcome};
-use corral_core::policy::{self, ReadOutcome};
+use corral_core::policy::{self, ReadOutcome, Touch};
 use corral_core::{EntryMeta, Limits, Settings, flight, lock, names};
 
 use super::bindings::corral::cache::flights::{self, Joined};
@@ -66,13 +66,20 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Option<(Vec<u8>, Ent
         }
         Err(e) => return Err(e),
     };
-    match policy::read(&stored, stored.len() as u64, now, limits) {
+    match policy::read(&stored, stored.len() as u64, now, limits, None) {
         ReadOutcome::Fresh(hit) => {
             let value = stored[hit.value_offset..].to_vec();
-            if let Some(header) = hit.new_header {
-                let mut touched = header.to_vec();
-                touched.extend_from_slice(&value);
-                l2::replace_if_equal(name, &stored, &touched, hit.store_ttl_ms)?;
+            match hit.touch {
+                Some(Touch::Rewrite(header)) => {
+                    let mut touched = header.to_vec();
+                    touched.extend_from_slice(&value);
+                    l2::replace_if_equal(name, &stored, &touched, hit.store_ttl_ms)?;
+                }
+                // The same bytes with a new TTL: the store slides the moment it keeps.
+                Some(Touch::Expire) => {
+                    l2::replace_if_equal(name, &stored, &stored, hit.store_ttl_ms)?;
+                }
+                None => {}
             }
             Ok(Some((value, hit.meta)))
         }
@@ -80,7 +87,7 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Option<(Vec<u8>, Ent
             l2::delete_if_equal(name, &stored)?;
             Ok(None)
         }
-        ReadOutcome::Removed => Ok(None),
+        ReadOutcome::Removed { .. } => Ok(None),
     }
 }
 

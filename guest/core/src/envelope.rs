@@ -4,17 +4,24 @@
 //! ```text
 //! offset  size  field
 //!      0     3  magic "CRL"
-//!      3     1  version (1)
+//!      3     1  version: 1, or 2 for a sliding entry whose store keeps the moment
 //!      4     8  absolute expiration, Unix ms, big-endian; 0 = none
 //!     12     8  sliding interval, ms, big-endian; 0 = none
-//!     20     8  expires at, Unix ms, big-endian
+//!     20     8  expires at, Unix ms, big-endian (as written; see below)
 //!     28     4  value length, big-endian
 //!     32     -  value bytes
 //! ```
 //!
 //! Zero is free to mean "none" because [`crate::expiry::plan`] never produces a zero
-//! duration or an absolute point at the epoch. The fixed layout is what lets the Redis
-//! read script ([`crate::script::READ_AND_TOUCH`]) touch the expiry in place.
+//! duration or an absolute point at the epoch.
+//!
+//! Where a sliding entry's current expiry moment lives is the entry's own business
+//! ([`Keeper`]): in a version-1 envelope it is the expires-at field, and a read that
+//! slides it rewrites that field (the Redis read script,
+//! [`crate::script::READ_AND_TOUCH`], does it in place); in a version-2 envelope it is
+//! the store's TTL, which a read slides without touching the bytes (`GETEX`), and the
+//! expires-at field only says when the entry would have expired unread. Every reader
+//! follows what the entry says, so processes on either kind of clock share a store.
 //!
 //! Decoding never panics: anything that is not a version-1 envelope within the limits
 //! decodes to a [`Corruption`].
@@ -25,8 +32,20 @@ use crate::{Corruption, EntryMeta, Limits};
 pub const HEADER_LEN: usize = 32;
 /// The first bytes of every envelope.
 pub const MAGIC: [u8; 3] = *b"CRL";
-/// The envelope version this build writes and reads.
+/// The envelope version whose header keeps a sliding entry's expiry moment.
 pub const VERSION: u8 = 1;
+/// The envelope version of a sliding entry whose store keeps its expiry moment in
+/// its TTL. The layout is the same.
+pub const STORE_KEPT_VERSION: u8 = 2;
+
+/// Where a sliding entry's current expiry moment lives (contract §3.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Keeper {
+    /// In the envelope's expires-at field; the store's TTL is only an upper bound.
+    Envelope,
+    /// In the store's TTL: while the store holds the entry, it has not slid out.
+    Store,
+}
 /// How a removal's tombstone starts: the magic and version 0. The rest is the removal's
 /// own nonce (at most [`TOMBSTONE_NONCE_MAX`] bytes), so that no two removals leave the
 /// same bytes: a load's fill may not overwrite a tombstone unless that very one was there
@@ -49,10 +68,13 @@ pub const EXPIRES_AT_OFFSET: usize = 20;
 /// # Panics
 /// Never for values within [`Limits`]; a `value_len` over `u32::MAX` is clamped, and a
 /// reader then sees the envelope as corrupt rather than misreading it.
-pub fn encode_header(meta: &EntryMeta, value_len: u64) -> [u8; HEADER_LEN] {
+pub fn encode_header(meta: &EntryMeta, value_len: u64, keeper: Keeper) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[..3].copy_from_slice(&MAGIC);
-    h[3] = VERSION;
+    h[3] = match keeper {
+        Keeper::Store if meta.sliding_ms.is_some() => STORE_KEPT_VERSION,
+        _ => VERSION,
+    };
     h[4..12].copy_from_slice(&meta.absolute_ms.unwrap_or(0).to_be_bytes());
     h[12..20].copy_from_slice(&meta.sliding_ms.unwrap_or(0).to_be_bytes());
     h[20..28].copy_from_slice(&meta.expires_at_ms.to_be_bytes());
@@ -62,9 +84,9 @@ pub fn encode_header(meta: &EntryMeta, value_len: u64) -> [u8; HEADER_LEN] {
 }
 
 /// The whole envelope: header and value.
-pub fn encode(meta: &EntryMeta, value: &[u8]) -> Vec<u8> {
+pub fn encode(meta: &EntryMeta, value: &[u8], keeper: Keeper) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + value.len());
-    out.extend_from_slice(&encode_header(meta, value.len() as u64));
+    out.extend_from_slice(&encode_header(meta, value.len() as u64, keeper));
     out.extend_from_slice(value);
     out
 }
@@ -78,6 +100,8 @@ pub struct Decoded {
     pub value_offset: usize,
     /// How long the value is.
     pub value_len: usize,
+    /// Where its expiry moment lives.
+    pub keeper: Keeper,
 }
 
 /// Decodes the header in `head` (the first bytes of an envelope of `total_len` bytes).
@@ -96,9 +120,11 @@ pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Dec
     if head[..3] != MAGIC {
         return Err(Corruption::Foreign);
     }
-    if head[3] != VERSION {
-        return Err(Corruption::UnknownVersion(head[3]));
-    }
+    let keeper = match head[3] {
+        VERSION => Keeper::Envelope,
+        STORE_KEPT_VERSION => Keeper::Store,
+        other => return Err(Corruption::UnknownVersion(other)),
+    };
     if head.len() < HEADER_LEN || total_len < header_len {
         return Err(Corruption::Truncated {
             expected: header_len,
@@ -142,10 +168,16 @@ pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Dec
     if meta.absolute_ms.is_some_and(|a| expires_at_ms > a) {
         return Err(Corruption::Inconsistent("expires after its absolute expiration"));
     }
+    if keeper == Keeper::Store && meta.sliding_ms.is_none() {
+        return Err(Corruption::Inconsistent(
+            "its store keeps the expiry, but it does not slide",
+        ));
+    }
     Ok(Decoded {
         meta,
         value_offset: HEADER_LEN,
         value_len: value_len as usize,
+        keeper,
     })
 }
 
@@ -175,28 +207,51 @@ mod tests {
 
     #[test]
     fn an_envelope_round_trips() {
-        let bytes = encode(&META, b"hello");
+        let bytes = encode(&META, b"hello", Keeper::Envelope);
         assert_eq!(bytes.len(), HEADER_LEN + 5);
         assert_eq!(&bytes[..4], b"CRL\x01");
         assert_eq!(decode(&bytes, &limits()), Ok((META, &b"hello"[..])));
     }
 
     #[test]
+    fn a_sliding_entry_whose_store_keeps_the_moment_says_so() {
+        let bytes = encode(&META, b"v", Keeper::Store);
+        assert_eq!(&bytes[..4], b"CRL\x02");
+        let d = decode_header(&bytes, bytes.len() as u64, &limits()).unwrap();
+        assert_eq!((d.meta, d.keeper), (META, Keeper::Store));
+        // Only a sliding entry has a moment to keep: others are version 1 either way.
+        let fixed = EntryMeta {
+            sliding_ms: None,
+            ..META
+        };
+        assert_eq!(
+            encode(&fixed, b"v", Keeper::Store),
+            encode(&fixed, b"v", Keeper::Envelope)
+        );
+        let mut forged = encode(&fixed, b"v", Keeper::Envelope);
+        forged[3] = STORE_KEPT_VERSION;
+        assert!(matches!(
+            decode(&forged, &limits()),
+            Err(Corruption::Inconsistent(_))
+        ));
+    }
+
+    #[test]
     fn an_empty_value_is_a_value() {
-        let bytes = encode(&META, b"");
+        let bytes = encode(&META, b"", Keeper::Envelope);
         assert_eq!(decode(&bytes, &limits()), Ok((META, &b""[..])));
     }
 
     #[test]
     fn the_header_alone_decodes_given_the_total_length() {
-        let bytes = encode(&META, &[7; 100]);
+        let bytes = encode(&META, &[7; 100], Keeper::Envelope);
         let d = decode_header(&bytes[..HEADER_LEN], bytes.len() as u64, &limits()).unwrap();
         assert_eq!((d.meta, d.value_offset, d.value_len), (META, HEADER_LEN, 100));
     }
 
     #[test]
     fn a_truncated_envelope_is_corrupt() {
-        let bytes = encode(&META, b"hello");
+        let bytes = encode(&META, b"hello", Keeper::Envelope);
         for cut in [0, 2, 3, 10, HEADER_LEN, HEADER_LEN + 4] {
             let err = decode(&bytes[..cut], &limits()).unwrap_err();
             assert!(matches!(err, Corruption::Truncated { .. }), "cut at {cut}: {err}");
@@ -205,7 +260,7 @@ mod tests {
 
     #[test]
     fn trailing_bytes_are_corrupt() {
-        let mut bytes = encode(&META, b"hello");
+        let mut bytes = encode(&META, b"hello", Keeper::Envelope);
         bytes.push(0);
         assert!(matches!(
             decode(&bytes, &limits()),
@@ -226,9 +281,9 @@ mod tests {
 
     #[test]
     fn an_unknown_version_is_corrupt() {
-        let mut bytes = encode(&META, b"x");
-        bytes[3] = 2;
-        assert_eq!(decode(&bytes, &limits()), Err(Corruption::UnknownVersion(2)));
+        let mut bytes = encode(&META, b"x", Keeper::Envelope);
+        bytes[3] = 3;
+        assert_eq!(decode(&bytes, &limits()), Err(Corruption::UnknownVersion(3)));
     }
 
     #[test]
@@ -237,7 +292,7 @@ mod tests {
             max_value_bytes: 4,
             ..limits()
         };
-        let bytes = encode(&META, b"hello");
+        let bytes = encode(&META, b"hello", Keeper::Envelope);
         assert_eq!(
             decode(&bytes, &small),
             Err(Corruption::Oversized { len: 5, max: 4 })
@@ -252,7 +307,7 @@ mod tests {
             expires_at_ms: 5,
         };
         assert!(matches!(
-            decode(&encode(&none, b""), &limits()),
+            decode(&encode(&none, b"", Keeper::Envelope), &limits()),
             Err(Corruption::Inconsistent(_))
         ));
         let past_absolute = EntryMeta {
@@ -261,14 +316,14 @@ mod tests {
             expires_at_ms: 6,
         };
         assert!(matches!(
-            decode(&encode(&past_absolute, b""), &limits()),
+            decode(&encode(&past_absolute, b"", Keeper::Envelope), &limits()),
             Err(Corruption::Inconsistent(_))
         ));
     }
 
     #[test]
     fn the_expires_at_field_is_where_the_script_writes() {
-        let bytes = encode(&META, b"v");
+        let bytes = encode(&META, b"v", Keeper::Envelope);
         let field = &bytes[EXPIRES_AT_OFFSET..EXPIRES_AT_OFFSET + 8];
         assert_eq!(field, 1_500u64.to_be_bytes());
     }
@@ -290,7 +345,7 @@ mod tests {
     proptest! {
         #[test]
         fn every_valid_entry_round_trips(meta in any_meta(), value in proptest::collection::vec(any::<u8>(), 0..300)) {
-            let bytes = encode(&meta, &value);
+            let bytes = encode(&meta, &value, Keeper::Envelope);
             prop_assert_eq!(decode(&bytes, &limits()), Ok((meta, &value[..])));
         }
 
@@ -298,13 +353,14 @@ mod tests {
         fn no_input_panics_and_only_envelopes_decode(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
             if let Ok((meta, value)) = decode(&bytes, &limits()) {
                 // Whatever decodes re-encodes to the very same bytes.
-                prop_assert_eq!(encode(&meta, value), bytes);
+                let keeper = decode_header(&bytes, bytes.len() as u64, &limits()).unwrap().keeper;
+                prop_assert_eq!(encode(&meta, value, keeper), bytes);
             }
         }
 
         #[test]
         fn any_truncation_of_an_envelope_is_corrupt(meta in any_meta(), value in proptest::collection::vec(any::<u8>(), 1..100), cut in 0usize..132) {
-            let bytes = encode(&meta, &value);
+            let bytes = encode(&meta, &value, Keeper::Envelope);
             let cut = cut.min(bytes.len() - 1);
             prop_assert!(decode(&bytes[..cut], &limits()).is_err());
         }

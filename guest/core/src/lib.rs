@@ -41,6 +41,12 @@ pub struct Limits {
     pub max_value_bytes: u32,
     /// The sliding expiration an entry gets when its options name no expiration.
     pub default_sliding_ms: u64,
+    /// Whether the store's own TTLs run on this cache's clock (Redis on the system clock,
+    /// the memory store on any), so that a sliding entry's expiry moment may live in the
+    /// store's TTL and a read slides it in one command (`GETEX`, contract §3.1). When
+    /// false (a manual clock over Redis), the moment lives in the envelope. Readers
+    /// follow what each entry says, whatever this is.
+    pub sliding_in_store: bool,
 }
 
 impl Limits {
@@ -76,11 +82,7 @@ impl Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            max_key_bytes: Self::DEFAULT_MAX_KEY_BYTES,
-            max_value_bytes: Self::DEFAULT_MAX_VALUE_BYTES,
-            default_sliding_ms: Self::DEFAULT_SLIDING_MS,
-        }
+        Settings::DEFAULT.limits
     }
 }
 
@@ -109,6 +111,7 @@ impl Settings {
             max_key_bytes: Limits::DEFAULT_MAX_KEY_BYTES,
             max_value_bytes: Limits::DEFAULT_MAX_VALUE_BYTES,
             default_sliding_ms: Limits::DEFAULT_SLIDING_MS,
+            sliding_in_store: false,
         },
         l1_ttl_ms: 5 * 60_000,
         lock_wait_ms: 5_000,

@@ -4,7 +4,7 @@
 //! [`envelope`](crate::envelope) into the shape the WIT `policy` interface exports, so
 //! that a host crosses the wasm boundary once per store operation.
 
-use crate::envelope::{self, HEADER_LEN};
+use crate::envelope::{self, HEADER_LEN, Keeper};
 use crate::expiry::{self, EntryMeta, EntryOptions, Freshness};
 use crate::{Arg, ArgError, Limits, key};
 
@@ -15,7 +15,8 @@ pub struct Plan {
     pub meta: EntryMeta,
     /// The envelope header to put in front of the value.
     pub header: [u8; HEADER_LEN],
-    /// An upper bound for the store's own TTL.
+    /// The store's own TTL: an upper bound, or, for a sliding entry whose store keeps
+    /// its expiry moment, exactly that moment.
     pub store_ttl_ms: u64,
 }
 
@@ -54,11 +55,31 @@ pub fn plan_value(
         ));
     }
     let meta = expiry::plan(options, now_ms, limits)?;
+    let keeper = keeper(&meta, limits);
     Ok(Plan {
         meta,
-        header: envelope::encode_header(&meta, value_len),
-        store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
+        header: envelope::encode_header(&meta, value_len, keeper),
+        store_ttl_ms: store_ttl(&meta, keeper, now_ms),
     })
+}
+
+/// Where a new entry's expiry moment will live: in the store's TTL when the entry
+/// slides and the store's TTLs run on the cache's clock (contract §3.1).
+fn keeper(meta: &EntryMeta, limits: &Limits) -> Keeper {
+    if limits.sliding_in_store && meta.sliding_ms.is_some() {
+        Keeper::Store
+    } else {
+        Keeper::Envelope
+    }
+}
+
+/// The store TTL of an entry with `meta` at `now_ms`: the moment itself when the store
+/// keeps it, else an upper bound with a grace for clocks that differ slightly.
+fn store_ttl(meta: &EntryMeta, keeper: Keeper, now_ms: u64) -> u64 {
+    match keeper {
+        Keeper::Store => meta.expires_at_ms.saturating_sub(now_ms).max(1),
+        Keeper::Envelope => expiry::store_ttl_ms(meta, now_ms),
+    }
 }
 
 /// An entry a read found fresh.
@@ -68,10 +89,36 @@ pub struct Hit {
     pub meta: EntryMeta,
     /// Where the value starts.
     pub value_offset: usize,
-    /// The header to write back when the touch moved the expiry.
-    pub new_header: Option<[u8; HEADER_LEN]>,
-    /// The store TTL upper bound that goes with `meta`.
+    /// What the reader must still do for the read's touch to last, if anything.
+    pub touch: Option<Touch>,
+    /// The store TTL that goes with `meta` (what a touch sets).
     pub store_ttl_ms: u64,
+    /// How the next read of this key should read it.
+    pub next_read: NextRead,
+}
+
+/// What a reader writes back after a read, always only over the very bytes it read
+/// (compare-and-replace), so that it never overwrites a newer value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Touch {
+    /// Put this header in place of the old one, with the hit's store TTL: the read slid
+    /// an expiry moment the envelope keeps.
+    Rewrite([u8; HEADER_LEN]),
+    /// Keep the bytes and set their store TTL to the hit's: the read slid a moment the
+    /// store keeps, or undoes what a read that slid by a stale guess did.
+    Expire,
+}
+
+/// How a reader reads a key next time, judging by what it held this time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NextRead {
+    /// A plain read (`GET`): the entry does not slide.
+    Get,
+    /// The store's read-and-touch script: the envelope keeps a sliding moment.
+    Script,
+    /// A read that sets the TTL to this many ms in the same step (`GETEX PX`): the
+    /// store keeps a sliding moment with this interval.
+    Expiring(u64),
 }
 
 /// What a read of stored bytes found.
@@ -81,8 +128,13 @@ pub enum ReadOutcome {
     Fresh(Hit),
     /// Expired: a miss; remove it.
     Expired,
-    /// A removal's tombstone: a miss; leave it (it lapses by its TTL).
-    Removed,
+    /// A removal's tombstone: a miss; leave it (it lapses by its TTL). `rearm` says
+    /// the read set its TTL by a guess (`GETEX`): the reader must give it back the TTL
+    /// of a removal, so it still refuses the fills it was written to refuse.
+    Removed {
+        /// Whether to give the tombstone the TTL of a removal again.
+        rearm: bool,
+    },
     /// Not an envelope this version reads: a miss; remove it and count it.
     Corrupt(crate::Corruption),
 }
@@ -101,23 +153,65 @@ pub fn removal(lock_ttl_ms: u64, nonce: &[u8]) -> (Vec<u8>, u64) {
 }
 
 /// Reads stored bytes (`head` being at least their first [`HEADER_LEN`] bytes, or all of
-/// them) at `now_ms`, applying the sliding touch of a read.
-pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits) -> ReadOutcome {
+/// them) at `now_ms`, applying the sliding touch of a read. `slid_ms` is the TTL the
+/// read itself set, when it was a [`NextRead::Expiring`] read.
+pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: Option<u64>) -> ReadOutcome {
     if envelope::is_tombstone(head, total_len) {
-        return ReadOutcome::Removed;
+        return ReadOutcome::Removed {
+            rearm: slid_ms.is_some(),
+        };
     }
     let decoded = match envelope::decode_header(head, total_len, limits) {
         Ok(d) => d,
         Err(c) => return ReadOutcome::Corrupt(c),
     };
-    match expiry::check(&decoded.meta, now_ms) {
-        Freshness::Expired => ReadOutcome::Expired,
-        Freshness::Fresh { meta, moved } => ReadOutcome::Fresh(Hit {
-            meta,
-            value_offset: decoded.value_offset,
-            new_header: moved.then(|| envelope::encode_header(&meta, decoded.value_len as u64)),
-            store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
-        }),
+    let value_offset = decoded.value_offset;
+    match decoded.keeper {
+        Keeper::Envelope => match expiry::check(&decoded.meta, now_ms) {
+            Freshness::Expired => ReadOutcome::Expired,
+            Freshness::Fresh { meta, moved } => {
+                let touch = if moved {
+                    let header = envelope::encode_header(&meta, decoded.value_len as u64, Keeper::Envelope);
+                    Some(Touch::Rewrite(header))
+                } else {
+                    // A guess set this entry's TTL: give it its own back.
+                    slid_ms.map(|_| Touch::Expire)
+                };
+                ReadOutcome::Fresh(Hit {
+                    meta,
+                    value_offset,
+                    touch,
+                    store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
+                    next_read: if meta.sliding_ms.is_some() {
+                        NextRead::Script
+                    } else {
+                        NextRead::Get
+                    },
+                })
+            }
+        },
+        // The store holds it, so it has not slid out; only its absolute point can have
+        // passed. The read slides it to now + sliding, never past the absolute point.
+        Keeper::Store => {
+            let meta = decoded.meta;
+            if meta.absolute_ms.is_some_and(|a| now_ms >= a) {
+                return ReadOutcome::Expired;
+            }
+            let sliding = meta.sliding_ms.unwrap_or(limits.default_sliding_ms);
+            let slid_to = now_ms.saturating_add(sliding).min(expiry::LATEST_EXPIRY_MS);
+            let meta = EntryMeta {
+                expires_at_ms: meta.absolute_ms.map_or(slid_to, |a| a.min(slid_to)),
+                ..meta
+            };
+            let ttl = store_ttl(&meta, Keeper::Store, now_ms);
+            ReadOutcome::Fresh(Hit {
+                meta,
+                value_offset,
+                touch: (slid_ms != Some(ttl)).then_some(Touch::Expire),
+                store_ttl_ms: ttl,
+                next_read: NextRead::Expiring(sliding),
+            })
+        }
     }
 }
 
@@ -131,15 +225,18 @@ mod tests {
     fn a_tombstone_reads_as_removed_and_anything_like_it_as_corrupt() {
         let l = Limits::default();
         let (tomb, ttl) = removal(30_000, b"0123456789abcdef");
-        assert_eq!(read(&tomb, tomb.len() as u64, NOW, &l), ReadOutcome::Removed);
+        assert_eq!(
+            read(&tomb, tomb.len() as u64, NOW, &l, None),
+            ReadOutcome::Removed { rearm: false }
+        );
         assert!(ttl > 30_000);
         assert_ne!(
             tomb,
             removal(30_000, b"another removal").0,
             "no two removals alike"
         );
-        assert!(matches!(read(&tomb, 64, NOW, &l), ReadOutcome::Corrupt(_)));
-        assert!(matches!(read(b"CRL", 3, NOW, &l), ReadOutcome::Corrupt(_)));
+        assert!(matches!(read(&tomb, 64, NOW, &l, None), ReadOutcome::Corrupt(_)));
+        assert!(matches!(read(b"CRL", 3, NOW, &l, None), ReadOutcome::Corrupt(_)));
     }
 
     #[test]
@@ -169,13 +266,15 @@ mod tests {
         let plan = plan_set("k", 3, &opts, NOW, &Limits::default()).unwrap();
         let mut bytes = plan.header.to_vec();
         bytes.extend_from_slice(b"abc");
-        let ReadOutcome::Fresh(hit) = read(&bytes, bytes.len() as u64, NOW + 999, &Limits::default()) else {
+        let ReadOutcome::Fresh(hit) = read(&bytes, bytes.len() as u64, NOW + 999, &Limits::default(), None)
+        else {
             panic!("expected fresh")
         };
         assert_eq!(&bytes[hit.value_offset..], b"abc");
-        assert_eq!(hit.new_header, None, "no sliding, no touch");
+        assert_eq!(hit.touch, None, "no sliding, no touch");
+        assert_eq!(hit.next_read, NextRead::Get);
         assert_eq!(
-            read(&bytes, bytes.len() as u64, NOW + 1_000, &Limits::default()),
+            read(&bytes, bytes.len() as u64, NOW + 1_000, &Limits::default(), None),
             ReadOutcome::Expired
         );
     }
@@ -189,16 +288,117 @@ mod tests {
         let plan = plan_set("k", 1, &opts, NOW, &Limits::default()).unwrap();
         let mut bytes = plan.header.to_vec();
         bytes.push(b'x');
-        let ReadOutcome::Fresh(hit) = read(&bytes, 2 + 31, NOW + 500, &Limits::default()) else {
+        let ReadOutcome::Fresh(hit) = read(&bytes, 2 + 31, NOW + 500, &Limits::default(), None) else {
             panic!("expected fresh")
         };
         assert_eq!(hit.meta.expires_at_ms, NOW + 1_500);
-        let header = hit.new_header.expect("moved");
+        assert_eq!(hit.next_read, NextRead::Script);
+        let Some(Touch::Rewrite(header)) = hit.touch else {
+            panic!("expected a rewrite, got {:?}", hit.touch)
+        };
         assert_eq!(
             envelope::decode_header(&header, 33, &Limits::default())
                 .unwrap()
                 .meta,
             hit.meta
+        );
+    }
+
+    fn stored(plan: &Plan, value: &[u8]) -> Vec<u8> {
+        let mut bytes = plan.header.to_vec();
+        bytes.extend_from_slice(value);
+        bytes
+    }
+
+    fn in_store() -> Limits {
+        Limits {
+            sliding_in_store: true,
+            ..Limits::default()
+        }
+    }
+
+    #[test]
+    fn a_store_that_keeps_the_moment_gets_it_exactly_and_slides_it_in_one_step() {
+        let l = in_store();
+        let opts = EntryOptions {
+            sliding_ms: Some(1_000),
+            ..Default::default()
+        };
+        let plan = plan_set("k", 1, &opts, NOW, &l).unwrap();
+        assert_eq!(plan.header[3], envelope::STORE_KEPT_VERSION);
+        assert_eq!(plan.store_ttl_ms, 1_000, "the moment itself, no grace");
+        let bytes = stored(&plan, b"x");
+        // Read plainly: the reader still owes the slide.
+        let ReadOutcome::Fresh(hit) = read(&bytes, 33, NOW + 900, &l, None) else {
+            panic!("fresh")
+        };
+        assert_eq!(hit.touch, Some(Touch::Expire));
+        assert_eq!(hit.store_ttl_ms, 1_000);
+        assert_eq!(hit.meta.expires_at_ms, NOW + 1_900);
+        assert_eq!(hit.next_read, NextRead::Expiring(1_000));
+        // Read with GETEX PX 1000: nothing left to do. Long past the written
+        // expires-at, the store's holding it is what counts.
+        let ReadOutcome::Fresh(hit) = read(&bytes, 33, NOW + 5_000, &l, Some(1_000)) else {
+            panic!("fresh")
+        };
+        assert_eq!(hit.touch, None);
+        assert_eq!(hit.meta.expires_at_ms, NOW + 6_000);
+        // Whatever the reader's own setting: the entry says who keeps the moment.
+        let ReadOutcome::Fresh(hit) = read(&bytes, 33, NOW + 5_000, &Limits::default(), Some(1_000)) else {
+            panic!("fresh")
+        };
+        assert_eq!(hit.touch, None);
+    }
+
+    #[test]
+    fn a_store_kept_slide_never_passes_the_absolute_point() {
+        let l = in_store();
+        let opts = EntryOptions {
+            sliding_ms: Some(1_000),
+            absolute_ms: Some(NOW + 1_500),
+            ..Default::default()
+        };
+        let plan = plan_set("k", 1, &opts, NOW, &l).unwrap();
+        let bytes = stored(&plan, b"x");
+        let ReadOutcome::Fresh(hit) = read(&bytes, 33, NOW + 1_000, &l, Some(1_000)) else {
+            panic!("fresh")
+        };
+        assert_eq!(hit.meta.expires_at_ms, NOW + 1_500);
+        assert_eq!(
+            (hit.touch, hit.store_ttl_ms),
+            (Some(Touch::Expire), 500),
+            "cut back to the point"
+        );
+        assert_eq!(
+            read(&bytes, 33, NOW + 1_500, &l, Some(1_000)),
+            ReadOutcome::Expired
+        );
+    }
+
+    #[test]
+    fn a_read_that_slid_by_a_stale_guess_gives_the_entry_its_own_ttl_back() {
+        let l = in_store();
+        let fixed = EntryOptions {
+            relative_ms: Some(60_000),
+            ..Default::default()
+        };
+        let plan = plan_set("k", 1, &fixed, NOW, &l).unwrap();
+        assert_eq!(
+            plan.header[3],
+            envelope::VERSION,
+            "only sliding entries are kept by the store"
+        );
+        let bytes = stored(&plan, b"x");
+        let ReadOutcome::Fresh(hit) = read(&bytes, 33, NOW + 10_000, &l, Some(1_000)) else {
+            panic!("fresh")
+        };
+        assert_eq!(hit.touch, Some(Touch::Expire));
+        assert_eq!(hit.store_ttl_ms, 50_000 + expiry::STORE_TTL_GRACE_MS);
+        assert_eq!(hit.next_read, NextRead::Get);
+        let (tomb, _) = removal(30_000, b"n");
+        assert_eq!(
+            read(&tomb, tomb.len() as u64, NOW, &l, Some(1_000)),
+            ReadOutcome::Removed { rearm: true }
         );
     }
 
@@ -209,7 +409,8 @@ mod tests {
                 b"garbage-garbage-garbage-garbage-garbage",
                 39,
                 NOW,
-                &Limits::default()
+                &Limits::default(),
+                None
             ),
             ReadOutcome::Corrupt(_)
         ));

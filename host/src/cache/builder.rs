@@ -182,6 +182,13 @@ impl CorralBuilder {
         self
     }
 
+    fn uses_redis(&self) -> bool {
+        #[cfg(feature = "redis")]
+        return self.redis.is_some();
+        #[cfg(not(feature = "redis"))]
+        false
+    }
+
     /// Loads the guest, checks the settings and connects the stores. Redis is connected
     /// lazily: an unreachable server is reported by the operations that need it.
     ///
@@ -190,7 +197,10 @@ impl CorralBuilder {
     /// or a bad Redis URL; [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the guest
     /// component cannot be loaded.
     pub fn build(self) -> Result<Corral> {
-        let settings = self.overrides.settings()?;
+        let mut settings = self.overrides.settings()?;
+        // A custom store's TTL clock is its own business: its envelopes keep the moment.
+        settings.limits.sliding_in_store =
+            self.custom.is_none() && Stores::keep_sliding(self.uses_redis(), &*self.clock);
         let policy = Policy::load(settings.limits)?;
         let l1 = L1::new(self.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
         let metrics = Arc::new(Metrics::default());
@@ -243,7 +253,7 @@ impl CorralBuilder {
                     lock_ttl_ms: settings.lock_ttl_ms,
                     store_timeout,
                 },
-                sliding_keys: super::read::SlidingKeys::new(self.l1_capacity),
+                read_hints: super::read::ReadHints::new(self.l1_capacity),
                 registry: Registry::default(),
                 metrics,
                 locks,

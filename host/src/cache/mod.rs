@@ -59,8 +59,8 @@ pub(crate) struct Inner {
     pub(crate) l1: L1,
     pub(crate) l1_ttl_ms: u64,
     pub(crate) flight: FlightSettings,
-    /// Keys last seen sliding: their reads touch on the server in one round trip.
-    pub(crate) sliding_keys: read::SlidingKeys,
+    /// How each key read lately is to be read next (`GET`, `GETEX` or the script).
+    pub(crate) read_hints: read::ReadHints,
     pub(crate) registry: Registry<registry::Outcome>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) locks: crate::locks::Locks,
@@ -216,7 +216,7 @@ impl Corral {
         let old = self.l2_op(entries.swap(&entry, tombstone.into(), ttl_ms)).await?;
         let now = self.inner.clock.now_ms();
         let removed = match old {
-            Some(old) => matches!(self.inner.policy.read(&old, now)?, ReadOutcome::Fresh(_)),
+            Some(old) => matches!(self.inner.policy.read(&old, now, None)?, ReadOutcome::Fresh(_)),
             None => false,
         };
         // Again, after the store: a read that began before the removal fills nothing.
@@ -237,14 +237,21 @@ impl Corral {
             return Ok(None);
         };
         let now = self.inner.clock.now_ms();
-        if let ReadOutcome::Removed = self.inner.policy.read(&stored, now)? {
-            return Ok(None);
+        let fresh = match self.inner.policy.read(&stored, now, None)? {
+            ReadOutcome::Removed { .. } => return Ok(None),
+            ReadOutcome::Fresh(_) => true,
+            ReadOutcome::Expired | ReadOutcome::Corrupt(_) => false,
+        };
+        let decoded = self.inner.policy.decode(&stored)?;
+        let mut meta = decoded.meta;
+        if decoded.kept_by_store {
+            // The envelope says when it would have expired unread; the store knows when
+            // it will (contract §3.1).
+            if let Some(ttl_ms) = self.l2_op(self.inner.stores.entries.ttl_ms(&entry)).await? {
+                meta.expires_at_ms = now.saturating_add(ttl_ms);
+            }
         }
-        let (meta, _offset, value_len) = self.inner.policy.decode(&stored)?;
-        let fresh = !matches!(
-            self.inner.policy.check(&meta, now)?,
-            crate::guest::Freshness::Expired
-        );
+        let value_len = decoded.value_len;
         Ok(Some(Inspection {
             meta,
             value_len,

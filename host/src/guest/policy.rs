@@ -86,7 +86,7 @@ pub(crate) use super::bindings::corral::lock::types::Held;
 pub(crate) use super::bindings::exports::corral::cache::flight as wflight;
 pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
-pub(crate) use wit::{Freshness as WitFreshness, Plan, ReadOutcome, StoreNames};
+pub(crate) use wit::{Freshness as WitFreshness, NextRead, Plan, ReadOutcome, StoreNames, Touch};
 
 impl Policy {
     /// Loads the guest and checks `limits` with it.
@@ -233,14 +233,20 @@ impl Policy {
         .map_err(from_wit)
     }
 
-    /// Reads stored bytes at `now_ms`: fresh (with the touch to write back), expired, or corrupt.
-    pub(crate) fn read(&self, stored: &[u8], now_ms: u64) -> Result<ReadOutcome> {
+    /// Reads stored bytes at `now_ms`: fresh (with the touch to write back), expired,
+    /// removed or corrupt. `slid_ms` is the TTL the read set, if it was a `GETEX`.
+    pub(crate) fn read(&self, stored: &[u8], now_ms: u64, slid_ms: Option<u64>) -> Result<ReadOutcome> {
         let limits = self.inner.limits;
         let head = &stored[..stored.len().min(self.inner.header_len)];
         self.call(|s| {
-            s.guest
-                .corral_cache_policy()
-                .call_read(&mut s.store, head, stored.len() as u64, now_ms, limits)
+            s.guest.corral_cache_policy().call_read(
+                &mut s.store,
+                head,
+                stored.len() as u64,
+                now_ms,
+                limits,
+                slid_ms,
+            )
         })
     }
 
@@ -284,7 +290,7 @@ impl Policy {
     }
 
     /// Decodes stored bytes without judging them; corrupt bytes are an error.
-    pub(crate) fn decode(&self, stored: &[u8]) -> Result<(EntryMeta, usize, usize)> {
+    pub(crate) fn decode(&self, stored: &[u8]) -> Result<Decoded> {
         let limits = self.inner.limits;
         let head = &stored[..stored.len().min(self.inner.header_len)];
         let d = self
@@ -294,7 +300,11 @@ impl Policy {
                     .call_decode(&mut s.store, head, stored.len() as u64, limits)
             })?
             .map_err(from_wit)?;
-        Ok((meta_out(d.meta), d.value_offset as usize, d.value_len as usize))
+        Ok(Decoded {
+            meta: meta_out(d.meta),
+            value_len: d.value_len as usize,
+            kept_by_store: d.kept_by_store,
+        })
     }
 
     /// Starts a get-or-set flight: judges key and options, returns the first action.
@@ -470,6 +480,17 @@ impl Policy {
     pub fn instances_created(&self) -> u64 {
         self.inner.created.load(std::sync::atomic::Ordering::Relaxed)
     }
+}
+
+/// An envelope decoded without judging it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Decoded {
+    /// Its metadata as written.
+    pub(crate) meta: EntryMeta,
+    /// How long its value is.
+    pub(crate) value_len: usize,
+    /// Whether the store's TTL, not `meta`, keeps its current expiry moment.
+    pub(crate) kept_by_store: bool,
 }
 
 /// An entry checked at a moment (see [`Policy::check`]).

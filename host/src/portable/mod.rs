@@ -148,7 +148,12 @@ impl PortableBuilder {
     /// [`ErrorKind::Guest`] if the component cannot be loaded.
     pub fn build(self) -> Result<PortableCache> {
         crate::require_runtime("the portable cache")?;
-        let settings = self.overrides.settings()?;
+        let mut settings = self.overrides.settings()?;
+        #[cfg(feature = "redis")]
+        let redis = self.redis.is_some();
+        #[cfg(not(feature = "redis"))]
+        let redis = false;
+        settings.limits.sliding_in_store = Stores::keep_sliding(redis, &*self.clock);
         let policy = Policy::load(settings.limits)?;
         let (prefix, stores) = Stores::open(
             #[cfg(feature = "redis")]

@@ -206,6 +206,30 @@ impl Entries for MemoryStore {
         ready(Ok(found)).boxed()
     }
 
+    fn get_and_expire<'a>(
+        &'a self,
+        key: &'a str,
+        ttl_ms: u64,
+    ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
+        self.maybe_invalidate();
+        let now = self.now();
+        let mut map = self.shard(key).lock();
+        let found = Self::live(&mut map, key, now);
+        if let Some(stored) = map.get_mut(key) {
+            stored.until_ms = now.saturating_add(ttl_ms.max(1));
+        }
+        Some(ready(Ok(found)).boxed())
+    }
+
+    fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<u64>>> {
+        let now = self.now();
+        let mut map = self.shard(key).lock();
+        let left = Self::live(&mut map, key, now)
+            .and_then(|_| map.get(key))
+            .map(|stored| stored.until_ms - now);
+        ready(Ok(left)).boxed()
+    }
+
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>> {
         self.maybe_invalidate();
         let until_ms = self.now().saturating_add(ttl_ms.max(1));

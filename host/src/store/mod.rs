@@ -53,6 +53,23 @@ pub trait Entries: Send + Sync + fmt::Debug + 'static {
         None
     }
 
+    /// Reads `key` and sets its TTL to `ttl_ms` in the same atomic step (`GETEX PX`), so
+    /// a read slides an expiry moment the store keeps in one command; `None` when the
+    /// store cannot, and the caller reads with [`get`](Self::get) and slides the TTL
+    /// with [`replace_if_equal`](Self::replace_if_equal) over the same bytes.
+    fn get_and_expire<'a>(
+        &'a self,
+        key: &'a str,
+        ttl_ms: u64,
+    ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
+        let _ = (key, ttl_ms);
+        None
+    }
+
+    /// How long `key` has left before the store drops it, in ms: `None` when it is
+    /// missing or never expires.
+    fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<u64>>>;
+
     /// Removes `name` if it holds something other than bytes (a value of another Redis
     /// type, which [`get`](Self::get) reports as
     /// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt)); says whether it did. A store
@@ -146,6 +163,13 @@ pub(crate) struct Stores {
 }
 
 impl Stores {
+    /// Whether the stores [`open`](Self::open) gives keep a sliding entry's expiry moment
+    /// in their TTLs (contract §3.1): the memory store's TTLs run on the cache's own
+    /// clock, whatever it is; Redis's run in real time, so only with a clock that does.
+    pub(crate) fn keep_sliding(redis: bool, clock: &dyn crate::Clock) -> bool {
+        !redis || clock.is_real_time()
+    }
+
     /// The stores of a cache: Redis with `redis`'s options, else the embedded default;
     /// and the prefix its data is named under.
     pub(crate) fn open(

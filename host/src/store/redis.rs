@@ -326,6 +326,45 @@ impl Entries for RedisStore {
         )
     }
 
+    fn get_and_expire<'a>(
+        &'a self,
+        key: &'a str,
+        ttl_ms: u64,
+    ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
+        Some(
+            async move {
+                self.count(1);
+                let mut conn = self.conn();
+                let found: Option<Vec<u8>> = redis::cmd("GETEX")
+                    .arg(key)
+                    .arg("PX")
+                    .arg(ttl_ms.max(1))
+                    .query_async(&mut conn)
+                    .await
+                    .seen(self)
+                    .map_err(read_failed("GETEX"))?;
+                Ok(found.map(Bytes::from))
+            }
+            .boxed(),
+        )
+    }
+
+    fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<u64>>> {
+        async move {
+            self.count(1);
+            let mut conn = self.conn();
+            // -2: missing; -1: no expiry.
+            let left: i64 = redis::cmd("PTTL")
+                .arg(key)
+                .query_async(&mut conn)
+                .await
+                .seen(self)
+                .map_err(unavailable("PTTL"))?;
+            Ok(u64::try_from(left).ok())
+        }
+        .boxed()
+    }
+
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>> {
         async move {
             self.count(1);

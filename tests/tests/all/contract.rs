@@ -412,7 +412,10 @@ async fn inspect_shows_the_stored_meta_without_touching(b: Backend) -> Result<()
     assert_eq!((i.value_len, i.fresh), (5, true));
     assert_eq!(i.meta.expires_at_ms, start + 60_000, "inspect does not slide");
     f.clock.advance(30 * SEC);
-    assert!(!f.cache.inspect("k").await?.expect("still stored").fresh);
+    // A store that keeps the moment has dropped it by now; any other still holds it,
+    // but not fresh.
+    let i = f.cache.inspect("k").await?;
+    assert!(i.as_ref().is_none_or(|i| !i.fresh), "{i:?}");
     Ok(())
 }
 

@@ -5,4 +5,5 @@ mod contract;
 mod locks;
 mod proxy;
 mod single_flight;
+mod sliding;
 mod vectors;

@@ -1,0 +1,182 @@
+//! Sliding entries on a store that keeps their expiry moment in its own TTL (contract
+//! §3.1): a read slides them with one `GETEX`, no script, and every reader, on either
+//! kind of clock, follows what each entry says.
+//!
+//! These run on the system clock against a real redis-server; instead of waiting for
+//! time to pass they move the store's TTL (`PEXPIRE`) and check that a read puts it
+//! back where the contract says.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use corral::{Corral, EntryOptions, ManualClock};
+use corral_tests::RedisServer;
+
+const MIN: Duration = Duration::from_secs(60);
+
+/// How many times the server ran `command` so far.
+async fn calls(server: &RedisServer, command: &str) -> Result<u64> {
+    let mut conn = server.connection().await?;
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await?;
+    let prefix = format!("cmdstat_{command}:calls=");
+    Ok(info
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map(|rest| rest.split(',').next().unwrap_or("0").parse())
+        .transpose()
+        .context("calls is a number")?
+        .unwrap_or(0))
+}
+
+async fn raw(server: &RedisServer, args: &[&str]) -> Result<redis::Value> {
+    let mut conn = server.connection().await?;
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    Ok(cmd.query_async(&mut conn).await?)
+}
+
+async fn pttl(server: &RedisServer, name: &str) -> Result<i64> {
+    let mut conn = server.connection().await?;
+    Ok(redis::cmd("PTTL").arg(name).query_async(&mut conn).await?)
+}
+
+/// A cache on the system clock with no L1, so every read goes to Redis.
+fn cache(server: &RedisServer) -> Result<Corral> {
+    Ok(Corral::builder().redis(server.url()).l1_capacity(0).build()?)
+}
+
+#[tokio::test]
+async fn a_sliding_read_on_the_system_clock_is_one_getex_and_no_script() -> Result<()> {
+    let server = RedisServer::start()?;
+    let cache = cache(&server)?;
+    cache.set("k", "v", EntryOptions::new().sliding(MIN)).await?;
+    let name = cache.entry_name("k")?;
+    let stored: Vec<u8> = redis::cmd("GET")
+        .arg(&name)
+        .query_async(&mut server.connection().await?)
+        .await?;
+    assert_eq!(&stored[..4], b"CRL\x02", "the store keeps the moment");
+    assert!(
+        pttl(&server, &name).await? > 59_000,
+        "set with the sliding interval, no grace"
+    );
+
+    // As if 59.5 s had passed unread.
+    raw(&server, &["PEXPIRE", &name, "500"]).await?;
+    assert!(cache.refresh("k").await?);
+    assert!(pttl(&server, &name).await? > 59_000, "the first read slid it");
+
+    let (getex, scripts) = (calls(&server, "getex").await?, calls(&server, "evalsha").await?);
+    for _ in 0..10 {
+        raw(&server, &["PEXPIRE", &name, "500"]).await?;
+        assert_eq!(cache.get("k").await?.as_deref(), Some(&b"v"[..]));
+        assert!(pttl(&server, &name).await? > 59_000, "every read slides it");
+    }
+    assert_eq!(calls(&server, "getex").await? - getex, 10, "one GETEX per read");
+    assert_eq!(calls(&server, "evalsha").await? - scripts, 0, "and no script");
+    let after: Vec<u8> = redis::cmd("GET")
+        .arg(&name)
+        .query_async(&mut server.connection().await?)
+        .await?;
+    assert_eq!(after, stored, "sliding never rewrites the bytes");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_store_kept_slide_stops_at_the_absolute_point() -> Result<()> {
+    let server = RedisServer::start()?;
+    let cache = cache(&server)?;
+    let options = EntryOptions::new().relative(Duration::from_secs(5)).sliding(MIN);
+    cache.set("k", "v", options).await?;
+    let name = cache.entry_name("k")?;
+    let ttl = pttl(&server, &name).await?;
+    assert!((1..=5_000).contains(&ttl), "capped at the absolute point: {ttl}");
+    for _ in 0..2 {
+        assert!(cache.refresh("k").await?);
+        let ttl = pttl(&server, &name).await?;
+        assert!((1..=5_000).contains(&ttl), "a read never slides past it: {ttl}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_read_that_guessed_wrong_puts_the_ttl_right() -> Result<()> {
+    let server = RedisServer::start()?;
+    let reader = cache(&server)?;
+    let writer = cache(&server)?;
+    writer
+        .set(
+            "k",
+            "sliding",
+            EntryOptions::new().sliding(Duration::from_secs(2)),
+        )
+        .await?;
+    assert!(reader.refresh("k").await?, "the reader learns k slides by 2 s");
+    let name = reader.entry_name("k")?;
+
+    // Another process puts an entry of another kind there: the reader's next read
+    // still slides by the old guess, and must undo it.
+    writer
+        .set("k", "fixed", EntryOptions::new().relative(MIN * 60))
+        .await?;
+    assert_eq!(reader.get("k").await?.as_deref(), Some(&b"fixed"[..]));
+    let ttl = pttl(&server, &name).await?;
+    assert!(
+        ttl > 3_500_000,
+        "the hour-long entry keeps its hour, not 2 s: {ttl}"
+    );
+
+    // A removal's tombstone read by the guess gets a removal's TTL back, so it still
+    // refuses the fills of loads that began before it (contract §5.12).
+    writer
+        .set(
+            "k",
+            "sliding",
+            EntryOptions::new().sliding(Duration::from_secs(1)),
+        )
+        .await?;
+    assert!(reader.refresh("k").await?);
+    assert!(writer.remove("k").await?);
+    assert_eq!(reader.get("k").await?, None);
+    let ttl = pttl(&server, &name).await?;
+    assert!(ttl > 20_000, "the tombstone outlives the flight lock: {ttl} ms");
+    Ok(())
+}
+
+#[tokio::test]
+async fn processes_on_either_clock_share_a_store() -> Result<()> {
+    let server = RedisServer::start()?;
+    let real = cache(&server)?;
+    let manual = Corral::builder()
+        .redis(server.url())
+        .clock(ManualClock::starting_now())
+        .l1_capacity(0)
+        .build()?;
+
+    // Written on the system clock: the store keeps the moment, and a reader on a manual
+    // clock slides the store's TTL too.
+    real.set("a", "1", EntryOptions::new().sliding(MIN)).await?;
+    let a = real.entry_name("a")?;
+    raw(&server, &["PEXPIRE", &a, "500"]).await?;
+    assert_eq!(manual.get("a").await?.as_deref(), Some(&b"1"[..]));
+    assert!(pttl(&server, &a).await? > 59_000);
+
+    // Written on a manual clock: the envelope keeps the moment; a reader on the system
+    // clock slides it there (the script), never by GETEX.
+    manual.set("b", "2", EntryOptions::new().sliding(MIN)).await?;
+    let b = manual.entry_name("b")?;
+    let stored: Vec<u8> = redis::cmd("GET")
+        .arg(&b)
+        .query_async(&mut server.connection().await?)
+        .await?;
+    assert_eq!(&stored[..4], b"CRL\x01");
+    for _ in 0..3 {
+        assert_eq!(real.get("b").await?.as_deref(), Some(&b"2"[..]));
+    }
+    Ok(())
+}
