@@ -17,13 +17,15 @@ use redis::aio::ConnectionManager;
 const CALLERS: usize = 64;
 const OPS_PER_CALLER: usize = 1_500;
 const SOLO_OPS: usize = 4_000;
-const ROUNDS: usize = 5;
+const ROUNDS: usize = 7;
 
 #[derive(Clone, Copy)]
 enum Reader {
     Raw,
     /// A raw `GET` on a connection set up as Corral sets up its own (timeouts on).
     RawConfigured,
+    /// A raw `GETEX PX`: what a sliding read costs Redis at the least.
+    RawGetex,
     Corral(&'static str),
 }
 
@@ -46,6 +48,17 @@ async fn read(reader: Reader, cache: &Corral, raw: &[ConnectionManager; 2]) {
         Reader::Raw | Reader::RawConfigured => {
             let mut conn = raw[matches!(reader, Reader::RawConfigured) as usize].clone();
             let v: Vec<u8> = redis::cmd("GET").arg("raw").query_async(&mut conn).await.unwrap();
+            assert_eq!(v.len(), 96);
+        }
+        Reader::RawGetex => {
+            let mut conn = raw[0].clone();
+            let v: Vec<u8> = redis::cmd("GETEX")
+                .arg("raw")
+                .arg("PX")
+                .arg(3_600_000)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
             assert_eq!(v.len(), 96);
         }
         Reader::Corral(key) => {
@@ -90,12 +103,43 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// On a machine with two or more cores, puts the server on the last core and this
+/// process (every thread) on the others, so that client and server stop trading one
+/// core back and forth. With `CORRAL_BENCH_PIN=1` only: on this 2-core VM it steadies
+/// the figures but leaves the client one core, which makes every contender client-bound.
+fn pin_apart(server: &RedisServer) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores < 2 || !std::env::var("CORRAL_BENCH_PIN").is_ok_and(|v| v == "1") {
+        return;
+    }
+    let Some(pid) = server.pid() else { return };
+    let last = (cores - 1).to_string();
+    let rest = if cores == 2 {
+        "0".to_owned()
+    } else {
+        format!("0-{}", cores - 2)
+    };
+    let me = std::process::id().to_string();
+    for (cpus, pid) in [(last.as_str(), pid.to_string()), (rest.as_str(), me)] {
+        let pinned = std::process::Command::new("taskset")
+            .args(["-a", "-p", "-c", cpus, &pid])
+            .stdout(std::process::Stdio::null())
+            .status();
+        if !pinned.is_ok_and(|s| s.success()) {
+            eprintln!("(taskset is missing or failed: the client and the server share the cores)");
+            return;
+        }
+    }
+    eprintln!("redis-server on core {last}, this bench on core(s) {rest}");
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     if std::env::args().any(|a| a == "--list") {
         return Ok(()); // `cargo test --benches` lists benches; nothing to list here.
     }
     let server = RedisServer::start()?;
+    pin_apart(&server);
     let cache = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
     let hour = Duration::from_secs(3600);
     cache
@@ -128,6 +172,7 @@ async fn main() -> Result<()> {
             "raw redis-rs `GET`, Corral's connection settings",
             Reader::RawConfigured,
         ),
+        ("raw redis-rs `GETEX PX`", Reader::RawGetex),
         ("Corral `get`, relative entry (`GET`)", Reader::Corral("relative")),
         ("Corral `get`, sliding entry (`GETEX`)", Reader::Corral("sliding")),
     ];

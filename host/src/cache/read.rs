@@ -12,6 +12,8 @@
 //! same way. Expired and corrupt bytes are removed, again only if unchanged.
 
 use std::fmt;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 
@@ -20,37 +22,77 @@ use super::metrics::Metrics;
 use crate::guest::policy::{NextRead, ReadOutcome, Touch, WitMeta};
 use crate::{ErrorKind, Result};
 
-/// How each key was last found to need reading, bounded like L1. A key not here (or
-/// found not to slide) is read with a plain `GET`.
-#[derive(Clone)]
-pub(crate) struct ReadHints(moka::sync::Cache<String, NextRead>);
+/// How each key was last found to need reading: a lossy, lock-free table of guesses.
+///
+/// A guess only picks the command; the guest judges what the command returned and asks
+/// to put right whatever a wrong guess did (§3.5). So the table may forget and may
+/// confuse two keys whose hashes share a slot: either costs one more command, never a
+/// wrong answer. In return a lookup is a hash and two atomic loads, with no lock and no
+/// allocation, on every L2 read.
+pub(crate) struct ReadHints {
+    /// Per slot: the key's hash (0: empty) and the guess, packed by [`pack`].
+    slots: Box<[(AtomicU64, AtomicU64)]>,
+}
 
 impl fmt::Debug for ReadHints {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReadHints")
-            .field("keys", &self.0.entry_count())
+            .field("slots", &self.slots.len())
             .finish()
     }
 }
 
+/// The guess in a slot: the kind in the top two bits, a `GETEX` TTL (below 2^53) in the rest.
+fn pack(next: NextRead) -> u64 {
+    match next {
+        NextRead::Get => 0,
+        NextRead::Script => 1 << 62,
+        NextRead::Expiring(ms) => (2 << 62) | (ms & ((1 << 62) - 1)),
+    }
+}
+
+fn unpack(packed: u64) -> NextRead {
+    match packed >> 62 {
+        1 => NextRead::Script,
+        2 => NextRead::Expiring(packed & ((1 << 62) - 1)),
+        _ => NextRead::Get,
+    }
+}
+
 impl ReadHints {
+    /// A table for about `capacity` keys (as many as L1 holds), between 1,024 and
+    /// 65,536 slots: at most 1 MiB.
     pub(crate) fn new(capacity: u64) -> Self {
-        ReadHints(moka::sync::Cache::new(capacity.max(1_000)))
+        let slots = capacity.clamp(1 << 10, 1 << 16).next_power_of_two() as usize;
+        ReadHints {
+            slots: (0..slots)
+                .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
+                .collect(),
+        }
+    }
+
+    fn slot(&self, key: &str) -> (u64, &(AtomicU64, AtomicU64)) {
+        let mut h = DefaultHasher::new();
+        key.hash(&mut h);
+        let hash = h.finish() | 1; // never 0, which marks an empty slot
+        (hash, &self.slots[(hash as usize) & (self.slots.len() - 1)])
     }
 
     fn get(&self, key: &str) -> Option<NextRead> {
-        self.0.get(key)
+        let (hash, (tag, guess)) = self.slot(key);
+        (tag.load(Ordering::Relaxed) == hash).then(|| unpack(guess.load(Ordering::Relaxed)))
     }
 
-    /// Records how the guest says `key` is to be read next, given the hint this read
-    /// used.
+    /// Records how the guest says `key` is to be read next, given the guess this read used.
     fn note(&self, key: &str, used: Option<NextRead>, next: NextRead) {
-        match next {
-            NextRead::Get if used.is_some() => self.0.invalidate(key),
-            NextRead::Get => {}
-            next if used != Some(next) => self.0.insert(key.to_owned(), next),
-            _ => {}
+        if used == Some(next) || (used.is_none() && next == NextRead::Get) {
+            return;
         }
+        let (hash, (tag, guess)) = self.slot(key);
+        // Two stores, not one step: a reader between them takes a wrong guess, which
+        // costs it one command.
+        guess.store(pack(next), Ordering::Relaxed);
+        tag.store(hash, Ordering::Relaxed);
     }
 }
 
@@ -147,5 +189,46 @@ impl Corral {
                 remove(stored).await
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guess_is_kept_until_another_replaces_it() {
+        let hints = ReadHints::new(0);
+        assert_eq!(hints.get("k"), None);
+        hints.note("k", None, NextRead::Get);
+        assert_eq!(hints.get("k"), None, "a plain GET is the default: nothing kept");
+        for next in [
+            NextRead::Expiring(1_200_000),
+            NextRead::Script,
+            NextRead::Expiring((1 << 53) - 1),
+        ] {
+            hints.note("k", hints.get("k"), next);
+            assert_eq!(hints.get("k"), Some(next));
+        }
+        hints.note("k", hints.get("k"), NextRead::Get);
+        assert_eq!(hints.get("k"), Some(NextRead::Get));
+    }
+
+    #[test]
+    fn keys_sharing_a_slot_push_each_other_out_and_nothing_worse() {
+        let hints = ReadHints::new(0);
+        let keys: Vec<String> = (0..5_000).map(|i| format!("key-{i}")).collect();
+        for (i, k) in keys.iter().enumerate() {
+            hints.note(k, None, NextRead::Expiring(i as u64 + 1));
+        }
+        // 5,000 keys in 1,024 slots: most guesses are gone, the rest are right.
+        let right = keys
+            .iter()
+            .enumerate()
+            .filter(|(i, k)| hints.get(k) == Some(NextRead::Expiring(*i as u64 + 1)))
+            .count();
+        let remembered = keys.iter().filter(|k| hints.get(k).is_some()).count();
+        assert_eq!(right, remembered, "a slot answers only for the key it holds");
+        assert!((500..=1_024).contains(&right), "{right}");
     }
 }
