@@ -38,6 +38,8 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 pub struct Request<'a> {
     pub urls: &'a [RedisUrl],
+    /// A Redis Cluster's seed nodes, instead of `urls`.
+    pub cluster: &'a [RedisUrl],
     pub prefix: &'a str,
     pub key: &'a str,
     /// A fixed lease of this TTL (else a watchdog lease).
@@ -75,11 +77,12 @@ enum Ending {
 
 /// Runs `corral lock`.
 pub async fn run(request: Request<'_>) -> Result<ExitCode, Failure> {
-    if request.urls.is_empty() {
-        return Err(
-            Failure::new(code::USAGE, "`lock` needs --redis URL (several for Redlock)")
-                .hint("e.g. `corral lock --key nightly --redis redis://127.0.0.1:6379 -- ./nightly.sh`"),
-        );
+    if request.urls.is_empty() && request.cluster.is_empty() {
+        return Err(Failure::new(
+            code::USAGE,
+            "`lock` needs --redis URL (several for Redlock) or --redis-cluster URL",
+        )
+        .hint("e.g. `corral lock --key nightly --redis redis://127.0.0.1:6379 -- ./nightly.sh`"));
     }
     let mut signals = Signals::listen()
         .map_err(|e| Failure::new(code::GENERIC, format!("could not catch signals: {e}")))?;
@@ -116,19 +119,35 @@ async fn settle(acquiring: impl Future<Output = Result<Lease, Failure>>) {
 /// Takes the lease, or says why not.
 async fn acquire(request: &Request<'_>) -> Result<Lease, Failure> {
     let urls: Vec<&str> = request.urls.iter().map(RedisUrl::expose).collect();
-    let locks = RedisLocks::connect_with(&urls, request.prefix, corral::SystemClock)
-        .map_err(|e| Failure::from_error(&e, single(request.urls)))?;
+    let nodes: Vec<&str> = request.cluster.iter().map(RedisUrl::expose).collect();
+    let locks = if nodes.is_empty() {
+        RedisLocks::connect_with(&urls, request.prefix, corral::SystemClock)
+    } else {
+        RedisLocks::connect_cluster(&nodes, request.prefix)
+    }
+    .map_err(|e| Failure::from_error(&e, single(request.named())))?;
     match locks.acquire(request.key, request.options()).await {
         Ok(lease) => Ok(lease),
         Err(e) => Err(not_acquired(&e, request).await),
     }
 }
 
-/// The one URL of a single-server lock.
+/// The one URL of a single-server lock (or the first node of a cluster's).
 fn single(urls: &[RedisUrl]) -> Option<&RedisUrl> {
     match urls {
         [url] => Some(url),
         _ => None,
+    }
+}
+
+impl Request<'_> {
+    /// The URLs failures name: the servers, or the cluster's first seed node.
+    fn named(&self) -> &[RedisUrl] {
+        if self.urls.is_empty() {
+            &self.cluster[..self.cluster.len().min(1)]
+        } else {
+            self.urls
+        }
     }
 }
 
@@ -147,7 +166,7 @@ async fn not_acquired(e: &Error, request: &Request<'_>) -> Failure {
             .hint("another run holds it: try again later, or pass a longer --wait to wait for it")
         }
         ErrorKind::Unavailable | ErrorKind::Quorum => unavailable(e, request).await,
-        _ => Failure::from_error(e, single(request.urls)),
+        _ => Failure::from_error(e, single(request.named())),
     }
 }
 
@@ -158,9 +177,9 @@ async fn unavailable(e: &Error, request: &Request<'_>) -> Failure {
     let findings = if named {
         Vec::new()
     } else {
-        probe::servers(request.urls).await
+        probe::servers(request.named()).await
     };
-    let failure = match single(request.urls) {
+    let failure = match single(request.named()) {
         Some(url) => {
             let cause = match findings.iter().find_map(probe::Finding::cause) {
                 Some(cause) => cause,
@@ -169,7 +188,7 @@ async fn unavailable(e: &Error, request: &Request<'_>) -> Failure {
             Failure::unavailable(e, &format!("Redis at {url}"), cause, &url.to_string())
         }
         None => {
-            let n = request.urls.len();
+            let n = request.named().len();
             Failure::new(
                 code::UNAVAILABLE,
                 format!("cannot take lock {:?}: too few of its {n} Redis servers answered", request.key),

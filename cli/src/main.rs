@@ -45,6 +45,19 @@ pub struct Cli {
         value_parser = RedisUrl::parse
     )]
     redis: Vec<RedisUrl>,
+    /// Use the Redis Cluster that has this node as L2 (and for `lock`); give it several
+    /// times (or comma-separated) to name more seed nodes. Any reachable node will do.
+    #[arg(
+        long,
+        global = true,
+        env = "CORRAL_REDIS_CLUSTER",
+        hide_env_values = true,
+        value_name = "URL",
+        value_delimiter = ',',
+        value_parser = RedisUrl::parse,
+        conflicts_with = "redis"
+    )]
+    redis_cluster: Vec<RedisUrl>,
     /// Store every key under this prefix in Redis.
     #[arg(long, global = true, default_value = "corral:")]
     prefix: String,
@@ -173,6 +186,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
         } => {
             let request = lock::Request {
                 urls: &cli.redis,
+                cluster: &cli.redis_cluster,
                 prefix: &cli.prefix,
                 key,
                 ttl: *ttl,
@@ -204,14 +218,21 @@ async fn run_cache(cli: &Cli) -> Result<(), Failure> {
         Command::Stampede { lock_wait, .. } => Corral::builder().lock_wait(*lock_wait),
         _ => Corral::builder(),
     };
-    let builder = match redis {
-        Some(url) => {
+    let builder = match (redis, cli.redis_cluster.as_slice()) {
+        (Some(url), _) => {
             let mut options = corral::RedisOptions::new(url.expose());
             options.prefix = cli.prefix.clone();
             builder.redis_options(options)
         }
-        None => builder,
+        (None, []) => builder,
+        (None, nodes) => {
+            let mut options = corral::RedisOptions::cluster(nodes.iter().map(|n| n.expose().to_owned()));
+            options.prefix = cli.prefix.clone();
+            builder.redis_options(options)
+        }
     };
+    // A cluster's failures name its first seed node.
+    let redis = redis.or(cli.redis_cluster.first());
     let cache = builder.build().map_err(|e| Failure::from_error(&e, redis))?;
     match &cli.command {
         Command::Script => script::run(&cache, redis).await,

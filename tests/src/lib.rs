@@ -13,8 +13,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use corral::{Corral, ManualClock};
 
+pub mod cluster;
 pub mod proxy;
 
+pub use cluster::RedisCluster;
 pub use proxy::{ConnInfo, FaultProxy};
 
 /// A `redis-server` this process started, on a free loopback port. Dropping it stops it.
@@ -22,6 +24,24 @@ pub use proxy::{ConnInfo, FaultProxy};
 pub struct RedisServer {
     port: u16,
     child: Option<Child>,
+    /// The arguments it was started with beyond the defaults (kept for a restart).
+    extra: Vec<String>,
+}
+
+/// Makes the process `cmd` starts die with the thread that starts it: a server of a
+/// cluster shared by a whole test binary (started from a thread that lives as long as
+/// the process) is never left behind when the binary exits.
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and only calls
+    // prctl, which is async-signal-safe and touches no memory of the parent's.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
 }
 
 fn free_port() -> Result<u16> {
@@ -50,10 +70,28 @@ impl RedisServer {
 
     /// Starts a server on `port` and waits until it is ready.
     pub fn start_on(port: u16) -> Result<Self> {
+        Self::start_with(port, &[])
+    }
+
+    /// Starts a server on `port` with `extra` arguments (a cluster node's, say) and
+    /// waits until it is ready.
+    pub fn start_with(port: u16, extra: &[String]) -> Result<Self> {
         let bin = server_bin();
-        let mut child = Command::new(&bin)
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(["--loglevel", "notice", "--protected-mode", "no"])
+        let mut cmd = Command::new(&bin);
+        cmd.args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(["--loglevel", "notice", "--protected-mode", "no"])
+        .args(extra);
+        die_with_parent(&mut cmd);
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -79,6 +117,7 @@ impl RedisServer {
             Ok(Ok(())) => Ok(RedisServer {
                 port,
                 child: Some(child),
+                extra: extra.to_vec(),
             }),
             Ok(Err(line)) => {
                 let _ = child.kill();
@@ -124,7 +163,7 @@ impl RedisServer {
     /// Starts the server again on the same port.
     pub fn restart(&mut self) -> Result<()> {
         self.kill();
-        let fresh = Self::start_on(self.port)?;
+        let fresh = Self::start_with(self.port, &self.extra)?;
         *self = fresh;
         Ok(())
     }
@@ -203,6 +242,9 @@ pub enum Backend {
     Memory,
     /// A real redis-server started for the fixture.
     Redis,
+    /// The test binary's shared Redis Cluster (3 masters, 3 replicas), under a prefix
+    /// of the fixture's own.
+    Cluster,
 }
 
 /// The prefix fixtures store Redis keys under.
@@ -240,6 +282,13 @@ impl Fixture {
                 options.prefix = PREFIX.into();
                 (builder.redis_options(options), Some(server))
             }
+            Backend::Cluster => {
+                static TENANTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let tenant = TENANTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mut options = corral::RedisOptions::cluster(RedisCluster::shared()?);
+                options.prefix = format!("{PREFIX}{tenant}:");
+                (builder.redis_options(options), None)
+            }
         };
         let cache = configure(builder).build()?;
         Ok(Fixture { cache, clock, redis })
@@ -251,15 +300,14 @@ impl Fixture {
     }
 
     /// Writes raw bytes under `key`, bypassing the cache's encoding: straight into Redis
-    /// for the Redis backend.
+    /// for the Redis backends.
     pub async fn plant(&self, key: &str, bytes: &[u8]) -> Result<()> {
-        match &self.redis {
-            Some(server) => {
-                let mut conn = server.connection().await?;
+        match self.cache.redis_store() {
+            Some(store) => {
                 redis::cmd("SET")
                     .arg(self.name(key))
                     .arg(bytes)
-                    .query_async::<()>(&mut conn)
+                    .query_async::<()>(&mut store.connection())
                     .await?;
             }
             None => {
@@ -272,24 +320,30 @@ impl Fixture {
         Ok(())
     }
 
+    /// A raw connection to the fixture's Redis or cluster (through the cache's own link).
+    pub fn raw(&self) -> Option<corral::store::link::Link> {
+        self.cache
+            .redis_store()
+            .map(corral::store::redis::RedisStore::connection)
+    }
+
     /// Whether the store still holds an entry under `key`, expired or not (a removal's
     /// tombstone is no entry: contract §5.12).
     pub async fn stored(&self, key: &str) -> Result<bool> {
-        match &self.redis {
-            Some(server) => {
-                let mut conn = server.connection().await?;
-                let held: Option<Vec<u8>> = redis::cmd("GET")
+        let held: Option<Vec<u8>> = match self.raw() {
+            Some(mut conn) => {
+                redis::cmd("GET")
                     .arg(self.name(key))
                     .query_async(&mut conn)
-                    .await?;
-                Ok(held.is_some_and(|b| !corral_core::envelope::is_tombstone(&b, b.len() as u64)))
+                    .await?
             }
-            None => Ok(self
+            None => self
                 .cache
                 .entries()
                 .get(&self.name(key))
                 .await?
-                .is_some_and(|b| !corral_core::envelope::is_tombstone(&b, b.len() as u64))),
-        }
+                .map(|b| b.to_vec()),
+        };
+        Ok(held.is_some_and(|b| !corral_core::envelope::is_tombstone(&b, b.len() as u64)))
     }
 }

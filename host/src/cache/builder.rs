@@ -102,6 +102,18 @@ impl CorralBuilder {
         self.redis_options(RedisOptions::new(url))
     }
 
+    /// Use a Redis Cluster as L2, reached through its seed nodes (`redis://host:port`
+    /// each; one reachable node is enough), keys under the prefix `corral:`. Every key's
+    /// data shares one hash slot, so no command is ever refused with `CROSSSLOT`.
+    #[cfg(feature = "redis")]
+    pub fn redis_cluster<I, S>(self, nodes: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.redis_options(RedisOptions::cluster(nodes))
+    }
+
     /// Use Redis as L2 with these options.
     #[cfg(feature = "redis")]
     pub fn redis_options(mut self, options: RedisOptions) -> Self {
@@ -231,7 +243,7 @@ impl CorralBuilder {
             table: MemoryLocks::from_parts(policy.clone(), clock.clone()),
             #[cfg(feature = "redis")]
             redis: stores.redis.as_ref().map(|store| {
-                let server = Server::shared(store.options(), store.manager());
+                let server = Server::shared(store.options(), store.link());
                 RedisLocks::from_parts(
                     policy.clone(),
                     clock.clone(),

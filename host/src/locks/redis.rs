@@ -22,7 +22,6 @@ use std::time::Duration;
 use futures::future::join_all;
 use parking_lot::Mutex;
 use redis::Script;
-use redis::aio::ConnectionManager;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -31,7 +30,8 @@ use crate::clock::{Clock, SystemClock};
 use crate::guest::Policy;
 use crate::guest::policy::defaults;
 use crate::options::duration_ms;
-use crate::store::redis::{Connection, RedisOptions, redact};
+use crate::store::link::{Connection, Link};
+use crate::store::redis::{RedisOptions, redact};
 use crate::{Error, ErrorKind, Result};
 
 /// How a lease is taken.
@@ -87,21 +87,22 @@ impl LockOptions {
     }
 }
 
-/// One server of a lock: its URL (for logs) and its connection.
+/// One server of a lock (one Redis, or one Redis Cluster): its URL (for logs) and its
+/// command link.
 pub(crate) struct Server {
     url: String,
-    conn: ConnectionManager,
+    conn: Link,
 }
 
 impl Server {
     /// Connects (lazily) the one way Corral connects to Redis.
     pub(crate) fn open(options: &RedisOptions) -> Result<Self> {
-        let conn = Connection::open(&options.url, options.connect_timeout, options.response_timeout)?;
-        Ok(Server::shared(options, conn.manager))
+        let link = Connection::open(options)?.link()?;
+        Ok(Server::shared(options, link))
     }
 
-    /// A server reached through an existing connection (a cache's).
-    pub(crate) fn shared(options: &RedisOptions, conn: ConnectionManager) -> Self {
+    /// A server reached through an existing link (a cache's).
+    pub(crate) fn shared(options: &RedisOptions, conn: Link) -> Self {
         Server {
             // Only ever shown to people (logs, errors, Debug): never with its password.
             url: redact(&options.url),
@@ -194,6 +195,30 @@ impl RedisLocks {
             servers.push(Server::open(&options)?);
         }
         Ok(Self::from_parts(policy, Arc::new(clock), servers, prefix))
+    }
+
+    /// Locks on one Redis Cluster reached through its seed nodes: a single-server lease
+    /// per key, on the master of the key's slot (the lock and its fencing counter share
+    /// the slot). What a failover does to a held lease: see the README.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for no node or a bad URL.
+    pub fn connect_cluster<S: AsRef<str>>(nodes: &[S], prefix: &str) -> Result<Self> {
+        if nodes.is_empty() {
+            return Err(Error::invalid_argument(
+                "redis cluster node",
+                "must be given at least once",
+            ));
+        }
+        let policy = Policy::load(defaults()?.limits)?;
+        let options = RedisOptions::cluster(nodes.iter().map(|n| n.as_ref().to_owned()));
+        let server = Server::open(&options)?;
+        Ok(Self::from_parts(
+            policy,
+            Arc::new(SystemClock),
+            vec![server],
+            prefix,
+        ))
     }
 
     /// Locks sharing a cache's guest handle and Redis connection

@@ -22,6 +22,8 @@ use crate::Result;
 
 pub(crate) mod l1;
 mod landing;
+#[cfg(feature = "redis")]
+pub mod link;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub(crate) mod pubsub;

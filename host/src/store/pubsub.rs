@@ -9,6 +9,10 @@
 //! the cache to drop its whole L1, since it cannot know what it missed. A watch never
 //! waits for the subscription: without one it never fires and the caller's timer is
 //! the fallback.
+//!
+//! On a Redis Cluster the channel is classic pub/sub, which the cluster broadcasts to
+//! every node, so the subscription may sit on any node: it starts on the first seed node
+//! and, when that node fails, moves to the next that answers.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,8 +23,8 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 
 use arc_swap::ArcSwap;
-use redis::aio::ConnectionManager;
 
+use super::link::{Link, pubsub_on};
 use super::redis::RedisOptions;
 use super::{ForeignHook, LandingWatch, Landings, Notifications};
 use crate::{Error, Result};
@@ -38,10 +42,12 @@ pub(crate) struct RedisNotifications {
 }
 
 struct Shared {
-    /// For the subscription's own connection.
-    client: redis::Client,
-    /// The store's command connection (announcements go there; replaced when it hangs).
-    commands_conn: Arc<ArcSwap<ConnectionManager>>,
+    /// For the subscription's own connection: the server, or each seed node of a cluster.
+    clients: Vec<redis::Client>,
+    /// Which of `clients` to try first: the one that last answered.
+    current: std::sync::atomic::AtomicUsize,
+    /// The store's command link (announcements go there; replaced when it hangs).
+    commands_conn: Arc<ArcSwap<Link>>,
     channel: String,
     /// This store's name on the channel, so it can tell its own messages apart.
     origin: String,
@@ -69,14 +75,15 @@ impl RedisNotifications {
     /// Starts keeping a subscription to `channel` (in the background, on the caller's
     /// Tokio runtime, until the last clone is dropped).
     pub(crate) fn new(
-        client: redis::Client,
-        commands_conn: Arc<ArcSwap<ConnectionManager>>,
+        clients: Vec<redis::Client>,
+        commands_conn: Arc<ArcSwap<Link>>,
         options: &RedisOptions,
         channel: String,
         commands: Arc<AtomicU64>,
     ) -> Self {
         let shared = Arc::new(Shared {
-            client,
+            clients,
+            current: std::sync::atomic::AtomicUsize::new(0),
             commands_conn,
             channel,
             origin: crate::lock_token(),
@@ -112,6 +119,8 @@ async fn keep_subscribed(weak: Weak<Shared>) {
                 listen(&weak, sink, stream).await;
                 let Some(shared) = weak.upgrade() else { return };
                 shared.live.store(false, Ordering::SeqCst);
+                // Its node may be gone (a cluster has others): try it last.
+                shared.current.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(channel = %shared.channel, "landing channel lost; subscribing again");
             }
             Err(e) => {
@@ -128,10 +137,9 @@ async fn keep_subscribed(weak: Weak<Shared>) {
 async fn subscribe(shared: &Shared) -> Result<(redis::aio::PubSubSink, redis::aio::PubSubStream)> {
     let timed_out = |what: &str| Error::new(crate::ErrorKind::Timeout, format!("redis {what} timed out"));
     shared.commands.fetch_add(1, Ordering::Relaxed);
-    let mut pubsub = tokio::time::timeout(shared.connect_timeout, shared.client.get_async_pubsub())
-        .await
-        .map_err(|_| timed_out("pub/sub connect"))?
-        .map_err(|e| Error::unavailable("redis pub/sub connect failed", e))?;
+    let first = shared.current.load(Ordering::Relaxed);
+    let (at, mut pubsub) = pubsub_on(&shared.clients, first, shared.connect_timeout).await?;
+    shared.current.store(at, Ordering::Relaxed);
     tokio::time::timeout(shared.response_timeout, pubsub.subscribe(&shared.channel))
         .await
         .map_err(|_| timed_out("SUBSCRIBE"))?
@@ -196,7 +204,7 @@ impl Notifications for RedisNotifications {
         async move {
             let shared = &self.shared;
             shared.commands.fetch_add(1, Ordering::Relaxed);
-            let mut conn = ConnectionManager::clone(&shared.commands_conn.load());
+            let mut conn = Link::clone(&shared.commands_conn.load());
             redis::cmd("PUBLISH")
                 .arg(&shared.channel)
                 .arg(format!("{} {key}", shared.origin))

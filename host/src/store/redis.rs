@@ -1,10 +1,11 @@
-//! The Redis store, through the `redis` crate's `ConnectionManager` (reconnects by
-//! itself): entries, the flight lock, and (in [`super::pubsub`]) the landing channel.
+//! The Redis store, on one server or a Redis Cluster (through a [`Link`]): entries, the
+//! flight lock, and (in [`super::pubsub`]) the landing channel.
 //!
 //! It stores under exactly the names it is given: the guest names every key's data
 //! under the configured prefix (contract §2.4), so applications and tenants sharing one
-//! Redis never meet. A read is one `GET`, or for an entry known to slide one `EVALSHA`
-//! of the guest's read-and-touch Lua.
+//! Redis never meet, and every command names keys of one cluster slot. A read is one
+//! `GET`, `GETEX`, or for an envelope that keeps a sliding moment one `EVALSHA` of the
+//! guest's read-and-touch Lua (contract §3.5).
 
 use std::fmt;
 use std::sync::Arc;
@@ -15,10 +16,9 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::io::tcp::TcpSettings;
 use redis::{IntoConnectionInfo, Script};
 
+use super::link::{Connection, Link};
 use super::pubsub::RedisNotifications;
 use super::{Entries, FlightLock};
 use crate::guest::policy::Scripts;
@@ -28,8 +28,11 @@ use crate::{Error, ErrorKind, Result};
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct RedisOptions {
-    /// `redis://host:port/db`.
+    /// `redis://host:port/db`: the server; for a cluster, the first of its nodes.
     pub url: String,
+    /// A Redis Cluster's seed nodes (`redis://host:port` each), or empty for one server.
+    /// Any reachable node will do: the client learns the rest from it.
+    pub cluster_nodes: Vec<String>,
     /// The namespace every name is made under (contract §2.4): tenants sharing a Redis
     /// give each other different prefixes.
     pub prefix: String,
@@ -43,6 +46,10 @@ impl fmt::Debug for RedisOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisOptions")
             .field("url", &redact(&self.url))
+            .field(
+                "cluster_nodes",
+                &self.cluster_nodes.iter().map(|u| redact(u)).collect::<Vec<_>>(),
+            )
             .field("prefix", &self.prefix)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
@@ -74,38 +81,25 @@ impl RedisOptions {
     pub fn new(url: impl Into<String>) -> Self {
         RedisOptions {
             url: url.into(),
+            cluster_nodes: Vec::new(),
             prefix: "corral:".into(),
             connect_timeout: Duration::from_millis(500),
             response_timeout: Duration::from_secs(1),
         }
     }
-}
 
-/// A connection to one Redis, set up the one way Corral sets up every connection:
-/// `TCP_NODELAY`, the options' connect and response timeouts, one retry.
-#[derive(Clone)]
-pub(crate) struct Connection {
-    pub(crate) client: redis::Client,
-    pub(crate) manager: ConnectionManager,
-}
-
-impl Connection {
-    /// Connects lazily: an unreachable server is reported by the first command, and the
-    /// manager keeps reconnecting.
-    pub(crate) fn open(url: &str, connect_timeout: Duration, response_timeout: Duration) -> Result<Self> {
-        let info = url
-            .into_connection_info()
-            .map_err(|e| {
-                let e = redact_in(&e.to_string(), url);
-                Error::invalid_argument("redis url", format!("{} is not a Redis URL: {e}", redact(url)))
-            })?
-            .set_tcp_settings(TcpSettings::default().set_nodelay(true));
-        crate::require_runtime("connecting to Redis")?;
-        let client = redis::Client::open(info).map_err(unavailable("client"))?;
-        let manager = client
-            .get_connection_manager_lazy(manager_config(connect_timeout, response_timeout))
-            .map_err(unavailable("connect"))?;
-        Ok(Connection { client, manager })
+    /// Options for a Redis Cluster reached through `nodes` (seed nodes; one reachable
+    /// node is enough), with the default prefix and timeouts.
+    pub fn cluster<I, S>(nodes: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let nodes: Vec<String> = nodes.into_iter().map(Into::into).collect();
+        RedisOptions {
+            cluster_nodes: nodes.clone(),
+            ..RedisOptions::new(nodes.first().cloned().unwrap_or_default())
+        }
     }
 }
 
@@ -114,8 +108,8 @@ impl Connection {
 pub struct RedisStore {
     /// The command connection; replaced after consecutive timeouts (a half-open
     /// connection never errors on its own: its replies just stop coming).
-    conn: Arc<ArcSwap<ConnectionManager>>,
-    client: redis::Client,
+    conn: Arc<ArcSwap<Link>>,
+    connection: Connection,
     /// Commands that timed out in a row.
     timeouts: Arc<AtomicU32>,
     options: RedisOptions,
@@ -155,7 +149,7 @@ fn redact_query(url: &str) -> String {
 }
 
 /// `text` with every occurrence of `url` (and of its password) redacted.
-fn redact_in(text: &str, url: &str) -> String {
+pub(crate) fn redact_in(text: &str, url: &str) -> String {
     let mut out = text.replace(url, &redact(url));
     if let Ok(info) = url.into_connection_info()
         && let Some(password) = info.redis_settings().password()
@@ -172,15 +166,6 @@ fn unavailable(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
 
 /// Commands timing out in a row before the connection is replaced.
 const TIMEOUTS_BEFORE_RECONNECT: u32 = 2;
-
-/// The one way Corral configures a Redis connection: the options' connect and response
-/// timeouts, one retry.
-fn manager_config(connect_timeout: Duration, response_timeout: Duration) -> ConnectionManagerConfig {
-    ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(connect_timeout))
-        .set_response_timeout(Some(response_timeout))
-        .set_number_of_retries(1)
-}
 
 /// How a command's result is noted by its store on the way out.
 trait Seen: Sized {
@@ -216,21 +201,21 @@ const DELETE_FOREIGN: &str =
 impl RedisStore {
     /// Connects to Redis (lazily) with the guest's scripts; landings go on `channel`.
     pub(crate) fn connect(options: &RedisOptions, scripts: &Scripts, channel: String) -> Result<Self> {
-        let conn = Connection::open(&options.url, options.connect_timeout, options.response_timeout)?;
+        let connection = Connection::open(options)?;
         let commands = Arc::new(AtomicU64::new(0));
-        // One command connection for entries, the flight lock and announcements, so a
+        // One command link for entries, the flight lock and announcements, so a
         // replacement after timeouts heals them all.
-        let manager = Arc::new(ArcSwap::from_pointee(conn.manager));
+        let link = Arc::new(ArcSwap::from_pointee(connection.link()?));
         Ok(RedisStore {
             notifications: RedisNotifications::new(
-                conn.client.clone(),
-                manager.clone(),
+                connection.subscribers(),
+                link.clone(),
                 options,
                 channel,
                 commands.clone(),
             ),
-            conn: manager,
-            client: conn.client,
+            conn: link,
+            connection,
             timeouts: Arc::new(AtomicU32::new(0)),
             options: options.clone(),
             read_and_touch: Arc::new(Script::new(&scripts.read_and_touch)),
@@ -252,13 +237,18 @@ impl RedisStore {
         &self.options
     }
 
-    /// The store's connection, for the lock API of the same cache.
-    pub(crate) fn manager(&self) -> ConnectionManager {
+    /// The store's command link, for the lock API of the same cache.
+    pub(crate) fn link(&self) -> Link {
         self.conn()
     }
 
-    fn conn(&self) -> ConnectionManager {
-        ConnectionManager::clone(&self.conn.load())
+    /// Whether the store is a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.connection.is_cluster()
+    }
+
+    fn conn(&self) -> Link {
+        Link::clone(&self.conn.load())
     }
 
     /// Notes how a command ended: after [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row
@@ -275,8 +265,7 @@ impl RedisStore {
             return;
         }
         self.timeouts.store(0, Ordering::Relaxed);
-        let config = manager_config(self.options.connect_timeout, self.options.response_timeout);
-        match self.client.get_connection_manager_lazy(config) {
+        match self.connection.link() {
             Ok(fresh) => {
                 tracing::warn!("redis stopped answering: reconnecting");
                 self.conn.store(Arc::new(fresh));
@@ -296,7 +285,7 @@ impl RedisStore {
 
     /// A connection to the same Redis, for callers that need raw access (tests, tools).
     #[cfg(any(test, feature = "test-util"))]
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> Link {
         self.conn()
     }
 }
@@ -384,7 +373,7 @@ impl Entries for RedisStore {
         async move {
             self.count(1);
             let mut conn = self.conn();
-            let set = |conn: &mut ConnectionManager| {
+            let set = |conn: &mut Link| {
                 let mut conn = conn.clone();
                 let bytes = bytes.clone();
                 async move {

@@ -22,6 +22,11 @@ macro_rules! contract {
             $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                async fn $name() -> anyhow::Result<()> { super::$name(corral_tests::Backend::Redis).await } )*
         }
+        /// The same on a real Redis Cluster (3 masters, 3 replicas), one tenant each.
+        mod cluster {
+            $( #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+               async fn $name() -> anyhow::Result<()> { super::$name(corral_tests::Backend::Cluster).await } )*
+        }
     };
 }
 
@@ -464,10 +469,9 @@ async fn one_expiry_rule_holds_on_every_store(b: Backend) -> Result<()> {
 /// same bytes-level corruption is covered above.
 async fn a_value_of_another_redis_type_is_a_corrupt_miss(b: Backend) -> Result<()> {
     let f = Fixture::new(b)?;
-    let Some(server) = f.redis.as_ref() else {
+    let Some(mut conn) = f.raw() else {
         return Ok(());
     };
-    let mut conn = server.connection().await?;
     ::redis::cmd("HSET")
         .arg(f.name("k"))
         .arg("field")

@@ -81,6 +81,27 @@ async fn four_processes_share_one_load_without_a_polling_storm() -> Result<()> {
     let _real_time = real_time().await;
     let server = RedisServer::start()?;
     let before = commands_processed(&server).await?;
+    let (loads, client_commands) = four_processes(&["--redis", &server.url()]).await?;
+    let server_commands = commands_processed(&server).await? - before - 1;
+    println!(
+        "4 x 250 callers: {loads} loader call(s), {client_commands} cache commands, {server_commands} server-side"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_processes_share_one_load_on_a_cluster() -> Result<()> {
+    let _real_time = real_time().await;
+    let nodes = corral_tests::RedisCluster::shared()?.join(",");
+    let prefix = format!("four-processes-{}:", std::process::id());
+    let (loads, client_commands) = four_processes(&["--redis-cluster", &nodes, "--prefix", &prefix]).await?;
+    println!("4 x 250 callers on a cluster: {loads} loader call(s), {client_commands} cache commands");
+    Ok(())
+}
+
+/// Four `corral stampede` processes of 250 callers each on one cold key, started at
+/// once over the Redis that `redis_args` name: one load in all, a few commands each.
+async fn four_processes(redis_args: &[&str]) -> Result<(u64, u64)> {
     let mut children = Vec::new();
     for _ in 0..4 {
         let child = Command::new(corral_bin())
@@ -93,7 +114,8 @@ async fn four_processes_share_one_load_without_a_polling_storm() -> Result<()> {
                 "--key",
                 "shared",
             ])
-            .args(["--redis", &server.url(), "--json", "--wait-for-go"])
+            .args(redis_args)
+            .args(["--json", "--wait-for-go"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -122,16 +144,12 @@ async fn four_processes_share_one_load_without_a_polling_storm() -> Result<()> {
         assert_eq!(report["callers"], 250);
         assert_eq!(report["errors"], 0);
     }
-    let server_commands = commands_processed(&server).await? - before - 1;
-    println!(
-        "4 x 250 callers: {loads} loader call(s), {client_commands} cache commands, {server_commands} server-side"
-    );
     assert_eq!(loads, 1, "one loader call across four processes");
     assert!(
         client_commands <= 30,
         "a few commands per process, not a polling storm: {client_commands}"
     );
-    Ok(())
+    Ok((loads, client_commands))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

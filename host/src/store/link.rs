@@ -1,0 +1,203 @@
+//! How Corral reaches Redis: one server, or a Redis Cluster through its seed nodes, set
+//! up the one way Corral sets up every connection (`TCP_NODELAY`, the options' connect
+//! and response timeouts, one retry).
+//!
+//! A [`Link`] is the command connection either way, and speaks `ConnectionLike`, so the
+//! store, the announcements and the lock leases issue the same commands and scripts over
+//! both. On a cluster every command Corral sends names keys of one slot only (an entry,
+//! its flight lock, its user lock and its fence counter share one hash tag, contract
+//! §2.4), so the cluster client routes each to one master and none is refused with
+//! `CROSSSLOT`. The landing channel is classic pub/sub, which a cluster broadcasts to
+//! every node: a subscription to any one node hears every announcement
+//! ([`Connection::subscribers`]).
+
+use std::time::Duration;
+
+use futures::FutureExt;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::io::tcp::TcpSettings;
+use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, Value};
+
+use super::redis::{RedisOptions, redact, redact_in};
+use crate::{Error, Result};
+
+/// A command connection to one Redis server or to a Redis Cluster. Cheap to clone;
+/// clones share the connection.
+#[derive(Clone)]
+pub enum Link {
+    /// One server, through a `ConnectionManager` (it reconnects by itself).
+    Server(ConnectionManager),
+    /// A cluster, through the cluster client (it follows slot moves and failovers).
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Link::Server(_) => "Link::Server",
+            Link::Cluster(_) => "Link::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for Link {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Link::Server(c) => c.req_packed_command(cmd),
+            Link::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Link::Server(c) => c.req_packed_commands(cmd, offset, count),
+            Link::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Link::Server(c) => c.get_db(),
+            Link::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// What a link is opened from: a client per reachable server.
+#[derive(Clone)]
+enum Reach {
+    Server(redis::Client),
+    Cluster {
+        client: Box<ClusterClient>,
+        /// One client per seed node, for subscriptions.
+        nodes: Vec<redis::Client>,
+    },
+}
+
+/// A way to Redis: its clients, and a command link opened lazily (an unreachable
+/// server is reported by the first command, and the link keeps reconnecting).
+#[derive(Clone)]
+pub(crate) struct Connection {
+    reach: Reach,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+}
+
+fn info(url: &str) -> Result<ConnectionInfo> {
+    Ok(url
+        .into_connection_info()
+        .map_err(|e| {
+            let e = redact_in(&e.to_string(), url);
+            Error::invalid_argument("redis url", format!("{} is not a Redis URL: {e}", redact(url)))
+        })?
+        .set_tcp_settings(TcpSettings::default().set_nodelay(true)))
+}
+
+fn failed(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
+    move |e| Error::unavailable(format!("redis {what} failed"), e)
+}
+
+impl Connection {
+    /// The way to what `options` name: its cluster nodes when it names some, else its URL.
+    pub(crate) fn open(options: &RedisOptions) -> Result<Self> {
+        crate::require_runtime("connecting to Redis")?;
+        let reach = if options.cluster_nodes.is_empty() {
+            Reach::Server(redis::Client::open(info(&options.url)?).map_err(failed("client"))?)
+        } else {
+            let infos = options
+                .cluster_nodes
+                .iter()
+                .map(|url| info(url))
+                .collect::<Result<Vec<_>>>()?;
+            let nodes = infos
+                .iter()
+                .map(|i| redis::Client::open(i.clone()).map_err(failed("client")))
+                .collect::<Result<Vec<_>>>()?;
+            let client = ClusterClient::builder(infos)
+                .connection_timeout(options.connect_timeout)
+                .response_timeout(options.response_timeout)
+                .retries(1)
+                .tcp_settings(TcpSettings::default().set_nodelay(true))
+                .build()
+                .map_err(failed("cluster client"))?;
+            Reach::Cluster {
+                client: Box::new(client),
+                nodes,
+            }
+        };
+        Ok(Connection {
+            reach,
+            connect_timeout: options.connect_timeout,
+            response_timeout: options.response_timeout,
+        })
+    }
+
+    /// A new command link, connecting lazily.
+    pub(crate) fn link(&self) -> Result<Link> {
+        match &self.reach {
+            Reach::Server(client) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.connect_timeout))
+                    .set_response_timeout(Some(self.response_timeout))
+                    .set_number_of_retries(1);
+                client
+                    .get_connection_manager_lazy(config)
+                    .map(Link::Server)
+                    .map_err(failed("connect"))
+            }
+            Reach::Cluster { client, .. } => {
+                let config = redis::cluster::ClusterConfig::new()
+                    .set_connection_timeout(self.connect_timeout)
+                    .set_response_timeout(self.response_timeout);
+                Ok(Link::Cluster(
+                    client.get_pending_async_connection_with_config(config),
+                ))
+            }
+        }
+    }
+
+    /// Clients a subscription may use, in the order to try them: the server, or every
+    /// seed node of the cluster (classic pub/sub reaches every node of a cluster).
+    pub(crate) fn subscribers(&self) -> Vec<redis::Client> {
+        match &self.reach {
+            Reach::Server(client) => vec![client.clone()],
+            Reach::Cluster { nodes, .. } => nodes.clone(),
+        }
+    }
+
+    /// Whether this is a cluster.
+    pub(crate) fn is_cluster(&self) -> bool {
+        matches!(self.reach, Reach::Cluster { .. })
+    }
+}
+
+/// Subscribes `pubsub` through the first of `clients` that answers within `timeout`,
+/// starting at `first` (so a dead node is not tried first again).
+pub(crate) async fn pubsub_on(
+    clients: &[redis::Client],
+    first: usize,
+    timeout: Duration,
+) -> Result<(usize, redis::aio::PubSub)> {
+    let mut last = None;
+    for i in 0..clients.len() {
+        let at = first.wrapping_add(i) % clients.len();
+        match tokio::time::timeout(timeout, clients[at].get_async_pubsub().boxed()).await {
+            Ok(Ok(pubsub)) => return Ok((at, pubsub)),
+            Ok(Err(e)) => last = Some(Error::unavailable("redis pub/sub connect failed", e)),
+            Err(_) => {
+                last = Some(Error::new(
+                    crate::ErrorKind::Timeout,
+                    "redis pub/sub connect timed out",
+                ));
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| Error::new(crate::ErrorKind::Unavailable, "no Redis node to subscribe to")))
+}
