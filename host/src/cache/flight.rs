@@ -210,7 +210,10 @@ impl Corral {
                     let pause = Duration::from_millis(until_ms.saturating_sub(inner.clock.now_ms()))
                         .min(deadline.saturating_duration_since(Instant::now()));
                     match landing.as_mut() {
+                        // Biased: no random draw (a landing and the timer at the same
+                        // moment end the wait alike).
                         Some(watch) => tokio::select! {
+                            biased;
                             () = watch.landed() => {}
                             () = sleep(pause) => {}
                         },

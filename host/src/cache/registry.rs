@@ -7,6 +7,10 @@
 //!
 //! The native body shares `Result<Bytes, Arc<Error>>`; the portable body shares what the
 //! component's `flights.finish` passed. Same registry, same rules.
+//!
+//! Followers wait on a oneshot channel each, kept in join order, and are handed the
+//! outcome in that order: no wake-up depends on a random draw, so a simulation with
+//! several followers per flight replays byte for byte.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -14,7 +18,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use tokio::sync::watch;
+use tokio::sync::oneshot;
 
 use crate::Error;
 
@@ -30,11 +34,20 @@ pub(crate) enum Shared<T> {
     Gone,
 }
 
-type Slot<T> = watch::Sender<Option<Shared<T>>>;
+/// One live flight: its leader's mark, and its followers in join order.
+struct Flight<T> {
+    id: u64,
+    followers: Vec<oneshot::Sender<Shared<T>>>,
+}
+
+struct Flights<T> {
+    by_key: HashMap<String, Flight<T>>,
+    next_id: u64,
+}
 
 /// The flights of one cache, by key. Cheap to clone; clones share the map.
 pub(crate) struct Registry<T> {
-    flights: Arc<Mutex<HashMap<String, Arc<Slot<T>>>>>,
+    flights: Arc<Mutex<Flights<T>>>,
 }
 
 impl<T> Clone for Registry<T> {
@@ -48,7 +61,10 @@ impl<T> Clone for Registry<T> {
 impl<T> Default for Registry<T> {
     fn default() -> Self {
         Registry {
-            flights: Arc::default(),
+            flights: Arc::new(Mutex::new(Flights {
+                by_key: HashMap::new(),
+                next_id: 0,
+            })),
         }
     }
 }
@@ -64,21 +80,32 @@ pub(crate) enum Join<T> {
     /// No flight ran: this caller leads one.
     Leader(LeaderGuard<T>),
     /// A flight runs: wait for it with [`follow`].
-    Follower(watch::Receiver<Option<Shared<T>>>),
+    Follower(oneshot::Receiver<Shared<T>>),
 }
 
 impl<T: Clone> Registry<T> {
     pub(crate) fn join(&self, key: &str) -> Join<T> {
         let mut flights = self.flights.lock();
-        if let Some(slot) = flights.get(key) {
-            return Join::Follower(slot.subscribe());
+        if let Some(flight) = flights.by_key.get_mut(key) {
+            let (tx, rx) = oneshot::channel();
+            // Followers that gave up leave their sender behind: drop those first.
+            flight.followers.retain(|f| !f.is_closed());
+            flight.followers.push(tx);
+            return Join::Follower(rx);
         }
-        let slot = Arc::new(watch::channel(None).0);
-        flights.insert(key.to_owned(), slot.clone());
+        flights.next_id += 1;
+        let id = flights.next_id;
+        flights.by_key.insert(
+            key.to_owned(),
+            Flight {
+                id,
+                followers: Vec::new(),
+            },
+        );
         Join::Leader(LeaderGuard {
             registry: self.clone(),
             key: key.to_owned(),
-            slot,
+            id,
             done: false,
         })
     }
@@ -101,7 +128,7 @@ impl<T: Clone> Registry<T> {
 impl<T> Registry<T> {
     /// Flights in progress.
     pub(crate) fn len(&self) -> usize {
-        self.flights.lock().len()
+        self.flights.lock().by_key.len()
     }
 
     /// Callers waiting on the flight of `key`.
@@ -109,8 +136,9 @@ impl<T> Registry<T> {
     pub(crate) fn followers(&self, key: &str) -> usize {
         self.flights
             .lock()
+            .by_key
             .get(key)
-            .map_or(0, |slot| slot.receiver_count())
+            .map_or(0, |f| f.followers.iter().filter(|tx| !tx.is_closed()).count())
     }
 }
 
@@ -120,7 +148,9 @@ impl<T> Registry<T> {
 pub(crate) struct LeaderGuard<T> {
     registry: Registry<T>,
     key: String,
-    slot: Arc<Slot<T>>,
+    /// Which flight of the key this is (the map's entry is this leader's own only if
+    /// its id matches).
+    id: u64,
     done: bool,
 }
 
@@ -130,38 +160,44 @@ impl<T> fmt::Debug for LeaderGuard<T> {
     }
 }
 
-impl<T> LeaderGuard<T> {
+impl<T: Clone> LeaderGuard<T> {
     pub(crate) fn finish(mut self, outcome: T) {
-        self.close(Shared::Done(outcome));
+        for tx in self.close() {
+            let _ = tx.send(Shared::Done(outcome.clone()));
+        }
     }
+}
 
-    fn close(&mut self, result: Shared<T>) {
+impl<T> LeaderGuard<T> {
+    /// Takes the flight out of the map (once, and only if it is this leader's own);
+    /// its followers, in join order.
+    fn close(&mut self) -> Vec<oneshot::Sender<Shared<T>>> {
         if self.done {
-            return;
+            return Vec::new();
         }
         self.done = true;
-        {
-            let mut flights = self.registry.flights.lock();
-            if flights.get(&self.key).is_some_and(|s| Arc::ptr_eq(s, &self.slot)) {
-                flights.remove(&self.key);
-            }
+        let mut flights = self.registry.flights.lock();
+        match flights.by_key.get(&self.key) {
+            Some(f) if f.id == self.id => flights
+                .by_key
+                .remove(&self.key)
+                .map_or_else(Vec::new, |f| f.followers),
+            _ => Vec::new(),
         }
-        self.slot.send_replace(Some(result));
     }
 }
 
 impl<T> Drop for LeaderGuard<T> {
     fn drop(&mut self) {
-        self.close(Shared::Gone);
+        for tx in self.close() {
+            let _ = tx.send(Shared::Gone);
+        }
     }
 }
 
 /// Waits for the leader's outcome; a leader that vanished without one counts as gone.
-pub(crate) async fn follow<T: Clone>(mut rx: watch::Receiver<Option<Shared<T>>>) -> Shared<T> {
-    match rx.wait_for(Option::is_some).await {
-        Ok(shared) => shared.clone().unwrap_or(Shared::Gone),
-        Err(_) => Shared::Gone,
-    }
+pub(crate) async fn follow<T>(rx: oneshot::Receiver<Shared<T>>) -> Shared<T> {
+    rx.await.unwrap_or(Shared::Gone)
 }
 
 #[cfg(test)]

@@ -232,6 +232,7 @@ impl l2::Host for &mut PortableState {
         b.runtime.block_on(async {
             let mut watch = b.stores.notifications.watch(&key).await;
             tokio::select! {
+                biased;
                 () = watch.landed() => {}
                 () = tokio::time::sleep(pause) => {}
             }

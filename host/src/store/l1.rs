@@ -7,8 +7,11 @@
 //! and fills L1 only if no set, removal or invalidation of the key happened in this
 //! process since. Writes bump a per-key epoch (striped: a collision only skips a fill)
 //! inside moka's per-key compute, so a fill and a write of one key never interleave.
+//! The stripes are picked by a fixed-key hasher: which keys share one is the same in
+//! every process and every run (a simulation replays byte for byte); a shared stripe
+//! still only skips a fill, never serves a wrong value.
 
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -41,7 +44,8 @@ pub(crate) struct L1 {
 
 #[derive(Debug)]
 struct Epochs {
-    hasher: RandomState,
+    /// SipHash with fixed keys: deterministic stripes.
+    hasher: BuildHasherDefault<DefaultHasher>,
     /// Bumped by every clear.
     all: AtomicU64,
     /// Bumped by every write of a key hashing here.
@@ -66,7 +70,7 @@ impl L1 {
         L1 {
             cache: (capacity > 0).then(|| Cache::builder().max_capacity(capacity).time_to_live(ttl).build()),
             epochs: Arc::new(Epochs {
-                hasher: RandomState::new(),
+                hasher: BuildHasherDefault::default(),
                 all: AtomicU64::new(0),
                 stripes: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
             }),
