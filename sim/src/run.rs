@@ -128,9 +128,16 @@ struct Plan {
     restart: Option<u64>,
     skew: Vec<i64>,
     steps: Vec<(usize, u64, i64)>,
+    /// Per process, the spans it is paused.
+    paused: Vec<Vec<(u64, u64)>>,
+    /// A process that crashes, and when.
+    crash: Option<(usize, u64)>,
 }
 
-const HORIZON_MS: u64 = 4_000;
+const HORIZON_MS: u64 = 3_000;
+/// A pause lasts this long: past the flight lock's TTL and a lease's at the top.
+const PAUSE_MIN_MS: u64 = 300;
+const PAUSE_MAX_MS: u64 = 4_000;
 
 fn plan(s: &Scenario, seed: u64) -> Plan {
     let mut r = Rng::new(seed, 1);
@@ -152,11 +159,25 @@ fn plan(s: &Scenario, seed: u64) -> Plan {
         }
     }
     let restart = r.chance(f.restart_pm).then(|| r.range(0, HORIZON_MS));
+    // Drawn after the others, so adding them changed no earlier plan.
+    let mut paused = vec![Vec::new(); s.procs];
+    for spans in paused.iter_mut() {
+        if r.chance(f.pause_pm) {
+            let a = r.range(0, HORIZON_MS);
+            spans.push((a, a + r.range(PAUSE_MIN_MS, PAUSE_MAX_MS)));
+        }
+    }
+    // One process at most crashes: the others must carry on.
+    let crash = r
+        .chance(f.crash_pm)
+        .then(|| (r.range(0, s.procs as u64 - 1) as usize, r.range(0, HORIZON_MS)));
     Plan {
         down,
         restart,
         skew,
         steps,
+        paused,
+        crash,
     }
 }
 
@@ -205,12 +226,14 @@ struct Ctx {
     calls: Mutex<Vec<CallRec>>,
     acked: Mutex<Vec<Acked>>,
     next_call: Mutex<u64>,
+    /// Per process, its tasks (actors and their calls): a crash aborts them all.
+    tasks: Vec<Mutex<Vec<tokio::task::AbortHandle>>>,
 }
 
 async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     crate::quiet_loader_panics();
     let plan = plan(&scenario, seed);
-    let world = World::new(scenario.clone(), seed, plan.down.clone());
+    let world = World::new(scenario.clone(), seed, plan.down.clone(), plan.paused.clone());
     world.log(format_args!(
         "seed {seed} scenario {} procs {}",
         scenario.name, scenario.procs
@@ -264,6 +287,12 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             w.restart_store();
         });
     }
+    for (p, spans) in plan.paused.iter().enumerate() {
+        for &(a, b) in spans {
+            world.fault("process-pause");
+            world.log(format_args!("plan: p{p} paused {a}..{b}"));
+        }
+    }
     for &(p, at, by) in &plan.steps {
         world.fault("clock-step");
         world.log(format_args!("plan: p{p} clock steps {by} ms at {at}"));
@@ -280,29 +309,54 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         calls: Mutex::new(Vec::new()),
         acked: Mutex::new(Vec::new()),
         next_call: Mutex::new(0),
+        tasks: (0..scenario.procs).map(|_| Mutex::new(Vec::new())).collect(),
     });
+    if let Some((p, at)) = plan.crash {
+        world.log(format_args!("plan: p{p} crashes at {at}"));
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(at)).await;
+            // Dead first (what its dropped futures spawn sends nothing), then dropped.
+            ctx.world.crash(p);
+            let tasks = std::mem::take(&mut *ctx.tasks[p].lock());
+            let live = tasks.iter().filter(|t| !t.is_finished()).count();
+            ctx.world
+                .log(format_args!("p{p} CRASHED: {live} tasks dropped mid-flight"));
+            for t in tasks {
+                t.abort();
+            }
+        });
+    }
     let mut actors = Vec::new();
     for (p, cache) in caches.iter().enumerate() {
         for a in 0..scenario.actors {
             let ops = workload(&scenario, seed, p, a);
-            let (ctx, cache) = (ctx.clone(), cache.clone());
-            actors.push(tokio::spawn(async move {
+            let (ctx2, cache) = (ctx.clone(), cache.clone());
+            let actor = tokio::spawn(async move {
                 for (think, op) in ops {
                     tokio::time::sleep(Duration::from_millis(think)).await;
-                    call(&ctx, p, &cache, op).await;
+                    ctx2.world.gate(p).await;
+                    call(&ctx2, p, &cache, op).await;
                 }
-            }));
+            });
+            ctx.tasks[p].lock().push(actor.abort_handle());
+            actors.push((p, actor));
         }
     }
-    for a in actors {
-        if a.await.is_err() {
-            world.violation("an actor panicked".to_owned());
+    for (p, a) in actors {
+        match a.await {
+            Ok(()) => {}
+            Err(e) if e.is_cancelled() && world.is_crashed(p) => {}
+            Err(_) => world.violation(format!("an actor of p{p} panicked")),
         }
     }
     tokio::time::sleep(Duration::from_millis(QUIESCE_MS)).await;
 
     // After quiesce: no flight left anywhere.
     for (p, cache) in caches.iter().enumerate() {
+        if world.is_crashed(p) {
+            continue;
+        }
         let n = cache.flights_in_progress();
         if n != 0 {
             world.violation(format!("quiesce: p{p} has {n} flights in progress"));
@@ -314,6 +368,9 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     for k in 0..scenario.keys {
         let key = format!("k{k}");
         for (p, cache) in caches.iter().enumerate() {
+            if world.is_crashed(p) {
+                continue;
+            }
             let name = cache.entry_name(&key).expect("a valid key");
             let stored = cache.entries().get(&name).await.ok().flatten();
             let want = match stored.as_deref().map(tag_of) {
@@ -430,6 +487,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Corral, op: Op) {
                                 }
                             };
                             tokio::time::sleep(Duration::from_millis(ms)).await;
+                            w.gate(proc).await;
                             match plan {
                                 LoaderPlan::Fail(_) => {
                                     w.fault("loader-fail");
@@ -462,10 +520,13 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Corral, op: Op) {
             }
         })
     };
+    ctx.tasks[proc].lock().push(task.abort_handle());
     let (res, written) = match task.await {
         Ok(r) => r,
         Err(_) => (Res::Panicked, None),
     };
+    // The caller sees the result when its process runs.
+    w.gate(proc).await;
     let t_end = w.now();
     w.log(format_args!(
         "p{proc} c{id} {name} {key} -> {res:?} [{t_inv}..{t_end}]"
@@ -583,7 +644,16 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             // (The simulator found two library bugs here, now fixed: a `set` whose reply
             // came late filled its own L1 over newer writes, and a caller joining a flight
             // in its tail got an old value while the leader released and announced.)
-            if gap && lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back {
+            // The reader was paused while the announcement should have reached it: it
+            // hears it when it resumes, and serves its L1 copy until then.
+            let paused = plan.paused[c.proc].iter().any(|&(x, y)| {
+                x <= a.t_ack + NOTIFY_WINDOW_MS
+                    && y + 2 * SLOW_NET_MS >= a.t_ack
+                    && c.t_inv <= y + NOTIFY_WINDOW_MS
+            });
+            if paused {
+                w.excuse("stale-after-pause", what);
+            } else if gap && lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back {
                 w.excuse("stale-after-lost-notification", what);
             } else {
                 w.violation(format!("stale read: {what}"));

@@ -20,6 +20,12 @@ pub struct FaultRates {
     pub loader_slow_pm: u32,
     pub loader_fail_pm: u32,
     pub loader_panic_pm: u32,
+    /// Per process and run: it is paused (none of its tasks runs) for 300..4000 ms,
+    /// past the flight lock's TTL and a lease's at the top, then resumes.
+    pub pause_pm: u32,
+    /// Per run: one process crashes (its tasks are dropped mid-flight, its locks left to
+    /// expire; it sends and hears nothing more).
+    pub crash_pm: u32,
 }
 
 /// A deliberately broken store, to show the invariants catch what they claim to.
@@ -73,10 +79,10 @@ impl Scenario {
         Scenario {
             name,
             procs: 4,
-            actors: 2,
-            ops_per_actor: 10,
-            keys: 2,
-            think_ms: 300,
+            actors: 4,
+            ops_per_actor: 8,
+            keys: 3,
+            think_ms: 500,
             l1_ttl_ms: 3_000,
             lock_ttl_ms: 2_000,
             lock_wait_ms: 1_500,
@@ -129,16 +135,36 @@ impl Scenario {
             loader_slow_pm: 150,
             loader_fail_pm: 60,
             loader_panic_pm: 40,
+            pause_pm: 100,
+            crash_pm: 150,
+        };
+        s
+    }
+
+    /// Processes paused past the lock TTLs and resumed, and crashing mid-flight.
+    pub fn process() -> Self {
+        let mut s = Self::base("process");
+        s.faults = FaultRates {
+            delay_pm: 30,
+            pause_pm: 300,
+            crash_pm: 400,
+            ..FaultRates::default()
         };
         s
     }
 
     /// The scenarios the suite and the binary cycle through, by seed.
     pub fn all() -> Vec<Scenario> {
-        vec![Self::calm(), Self::network(), Self::loaders(), Self::chaos()]
+        vec![
+            Self::calm(),
+            Self::network(),
+            Self::loaders(),
+            Self::chaos(),
+            Self::process(),
+        ]
     }
 
-    /// A scenario by name (`calm`, `network`, `loaders`, `chaos`).
+    /// A scenario by name (`calm`, `network`, `loaders`, `chaos`, `process`).
     pub fn named(name: &str) -> Option<Scenario> {
         Self::all().into_iter().find(|s| s.name == name)
     }

@@ -146,6 +146,10 @@ pub struct State {
     pub excused: BTreeMap<&'static str, u64>,
     /// Per process, the spans its connection is down.
     pub(crate) down: Vec<Vec<(u64, u64)>>,
+    /// Per process, the spans it is paused (none of its tasks gets past a gate).
+    pub(crate) paused: Vec<Vec<(u64, u64)>>,
+    /// Per process, when it crashed.
+    pub(crate) crashed: Vec<Option<u64>>,
     /// Store name (entry or lock) to user key.
     names: BTreeMap<String, String>,
 }
@@ -172,8 +176,14 @@ impl std::fmt::Debug for World {
 }
 
 impl World {
-    pub(crate) fn new(scenario: Scenario, seed: u64, down: Vec<Vec<(u64, u64)>>) -> Arc<Self> {
+    pub(crate) fn new(
+        scenario: Scenario,
+        seed: u64,
+        down: Vec<Vec<(u64, u64)>>,
+        paused: Vec<Vec<(u64, u64)>>,
+    ) -> Arc<Self> {
         let procs = (0..scenario.procs).map(|_| ProcNet::default()).collect();
+        let crashed = vec![None; scenario.procs];
         Arc::new(World {
             start: tokio::time::Instant::now(),
             scenario,
@@ -196,6 +206,8 @@ impl World {
                 violations: Vec::new(),
                 excused: BTreeMap::new(),
                 down,
+                paused,
+                crashed,
                 names: BTreeMap::new(),
             }),
             procs,
@@ -247,6 +259,45 @@ impl World {
         !st.calm && st.down[proc].iter().any(|&(a, b)| a <= t && t < b)
     }
 
+    /// Waits while `proc` is paused: every store command, reply, delivery, loader and
+    /// call of a paused process waits here, so none of its tasks makes progress the
+    /// rest of the world can see until it resumes.
+    pub(crate) async fn gate(&self, proc: usize) {
+        loop {
+            let now = self.now();
+            let until = {
+                let st = self.st.lock();
+                st.paused[proc]
+                    .iter()
+                    .find(|&&(a, b)| a <= now && now < b)
+                    .map(|&(_, b)| b)
+            };
+            match until {
+                Some(b) => tokio::time::sleep(Duration::from_millis(b - now)).await,
+                None => return,
+            }
+        }
+    }
+
+    /// Whether `proc` was paused at some moment in `from..=to`.
+    pub(crate) fn paused_within(&self, proc: usize, from: u64, to: u64) -> bool {
+        self.st.lock().paused[proc]
+            .iter()
+            .any(|&(a, b)| a <= to && from < b)
+    }
+
+    /// Whether `proc` has crashed.
+    pub(crate) fn is_crashed(&self, proc: usize) -> bool {
+        self.st.lock().crashed[proc].is_some()
+    }
+
+    /// Marks `proc` crashed: from now on it sends nothing and hears nothing.
+    pub(crate) fn crash(&self, proc: usize) {
+        let now = self.now();
+        self.st.lock().crashed[proc] = Some(now);
+        self.fault("process-crash");
+    }
+
     /// Turns every fault off (for the final convergence reads).
     pub(crate) fn calm(&self) {
         self.st.lock().calm = true;
@@ -254,7 +305,7 @@ impl World {
 
     /// The store restarts empty: entries, locks, subscriptions (every process then
     /// resubscribes and drops its L1, as after any gap in the channel).
-    pub(crate) fn restart_store(&self) {
+    pub(crate) fn restart_store(self: &Arc<Self>) {
         let now = self.now();
         {
             let mut st = self.st.lock();
@@ -285,8 +336,21 @@ impl World {
         }
     }
 
-    /// `proc`'s channel came back after a gap: it drops its whole L1.
-    pub(crate) fn resubscribed(&self, proc: usize) {
+    /// `proc`'s channel came back after a gap: it drops its whole L1 (once it runs: a
+    /// paused process when it resumes; a crashed one never).
+    pub(crate) fn resubscribed(self: &Arc<Self>, proc: usize) {
+        if self.is_crashed(proc) {
+            return;
+        }
+        let now = self.now();
+        if self.paused_within(proc, now, now) {
+            let w = self.clone();
+            tokio::spawn(async move {
+                w.gate(proc).await;
+                w.resubscribed(proc);
+            });
+            return;
+        }
         let hook = self.procs[proc].hook.lock().clone();
         if let Some(hook) = hook {
             self.log(format_args!("p{proc} resubscribed: L1 dropped"));
@@ -520,6 +584,12 @@ impl Conn {
         let w = &self.world;
         let p = self.proc;
         let key = w.st.lock().key_of(name);
+        w.gate(p).await;
+        if w.is_crashed(p) {
+            // A dead process sends nothing (the library's background tasks outlive it here).
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            return Err(unavailable("process crashed"));
+        }
         if w.is_down(p, w.now()) {
             tokio::time::sleep(Duration::from_millis(1)).await;
             w.fault("refused");
@@ -564,6 +634,8 @@ impl Conn {
             "p{p} {what} {key} -> {summary} (sent -{there}, reply +{back})"
         ));
         tokio::time::sleep(Duration::from_millis(back)).await;
+        // A reply reaching a paused process is read when it resumes.
+        w.gate(p).await;
         Ok(out)
     }
 }
@@ -866,12 +938,20 @@ impl Notifications for Conn {
                         tokio::spawn(async move {
                             tokio::time::sleep(Duration::from_millis(delay)).await;
                             let now = w.now();
+                            if w.is_crashed(p) {
+                                return;
+                            }
                             if w.is_down(p, now) {
                                 w.st.lock().gaps.push(Gap {
                                     proc: p,
                                     key: Some(key.clone()),
                                     t: now,
                                 });
+                                return;
+                            }
+                            // A paused process reads its socket when it resumes.
+                            w.gate(p).await;
+                            if w.is_crashed(p) {
                                 return;
                             }
                             w.procs[p].landings.announce(&key);

@@ -6,6 +6,8 @@ use std::time::Instant;
 use corral_sim::{Broken, Scenario, Totals, run_seed};
 
 const SEEDS: u64 = 2_000;
+/// Seeds run twice and compared byte for byte.
+const REPLAYED: u64 = 150;
 
 #[test]
 fn two_thousand_seeds_hold_every_invariant() {
@@ -41,20 +43,26 @@ fn two_thousand_seeds_hold_every_invariant() {
 }
 
 #[test]
-fn a_seed_replays_byte_for_byte() {
-    for seed in 0..40 {
-        // One hot key: L1's write epochs are striped by a randomly keyed hasher, so two
-        // keys share a stripe in about one process in 1,024 and a fill may then be
-        // skipped in one run and not the other (see README, "Determinism").
-        let mut scenario = Scenario::for_seed(seed);
-        scenario.keys = 1;
+fn seeds_replay_byte_for_byte_with_several_followers_and_keys() {
+    // Four callers per process on three hot keys: flights with several followers, keys
+    // sharing L1 stripes or not, pauses and crashes; every run of a seed traces alike.
+    for seed in 0..REPLAYED {
+        let scenario = Scenario::for_seed(seed);
+        assert!(scenario.actors >= 4 && scenario.keys >= 3);
         let a = run_seed(&scenario, seed);
         let b = run_seed(&scenario, seed);
-        assert!(
-            a.trace == b.trace,
-            "seed {seed} ({}) traced otherwise the second time",
-            scenario.name
-        );
+        if a.trace != b.trace {
+            let (x, y) = a
+                .trace
+                .lines()
+                .zip(b.trace.lines())
+                .find(|(x, y)| x != y)
+                .unwrap_or(("", ""));
+            panic!(
+                "seed {seed} ({}) traced otherwise the second time:\n  first:  {x}\n  second: {y}",
+                scenario.name
+            );
+        }
         assert!(a.trace.lines().count() > 50, "a trace worth comparing");
     }
 }

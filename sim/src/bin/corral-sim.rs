@@ -15,6 +15,7 @@ struct Args {
     single: Option<u64>,
     procs: Option<usize>,
     keys: Option<usize>,
+    callers: Option<usize>,
     scenario: Option<String>,
     trace: bool,
     twice: bool,
@@ -28,6 +29,7 @@ fn parse() -> Result<Args, String> {
         single: None,
         procs: None,
         keys: None,
+        callers: None,
         scenario: None,
         trace: false,
         twice: false,
@@ -42,6 +44,13 @@ fn parse() -> Result<Args, String> {
             "--seed" => a.single = Some(value("--seed")?.parse().map_err(|e| format!("--seed: {e}"))?),
             "--procs" => a.procs = Some(value("--procs")?.parse().map_err(|e| format!("--procs: {e}"))?),
             "--keys" => a.keys = Some(value("--keys")?.parse().map_err(|e| format!("--keys: {e}"))?),
+            "--callers" => {
+                a.callers = Some(
+                    value("--callers")?
+                        .parse()
+                        .map_err(|e| format!("--callers: {e}"))?,
+                )
+            }
             "--scenario" => a.scenario = Some(value("--scenario")?),
             "--trace" => a.trace = true,
             "--twice" => a.twice = true,
@@ -84,6 +93,9 @@ fn main() -> ExitCode {
         }
         if let Some(k) = args.keys {
             s.keys = k.max(1);
+        }
+        if let Some(c) = args.callers {
+            s.actors = c.max(1);
         }
         if let Some(p) = args.procs {
             s.procs = p;
