@@ -62,10 +62,29 @@ fn field<'a>(text: &'a str, name: &str) -> Option<&'a str> {
         .map(str::trim)
 }
 
+/// Removes the node directories of clusters whose test process is gone (a shared
+/// cluster's outlive it: its servers die with the process, its files do not).
+fn remove_stale_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("corral-cluster-")) else {
+            continue;
+        };
+        let pid = rest.split('-').next().unwrap_or_default();
+        if !pid.is_empty() && !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 impl RedisCluster {
     /// Starts `masters` masters with `replicas` replicas each, joins them, and waits
     /// until every node reports the cluster ok and every replica is in sync.
     pub fn start(masters: usize, replicas: usize) -> Result<Self> {
+        remove_stale_dirs();
         let dir = std::env::temp_dir().join(format!(
             "corral-cluster-{}-{}",
             std::process::id(),

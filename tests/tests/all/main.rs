@@ -1,6 +1,7 @@
 //! Corral's integration tests: one binary of modules (as wasmtime's crates/wasi/tests/all).
 
 mod backends;
+mod cluster;
 mod contract;
 mod locks;
 mod proxy;
