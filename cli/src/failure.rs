@@ -85,7 +85,9 @@ impl Failure {
     /// an `io::Error` often does).
     pub fn because(mut self, cause: impl fmt::Display) -> Self {
         let cause = cause.to_string();
-        if self.causes.last() != Some(&cause) {
+        // An error's own message already ends with its root cause: say it once.
+        let said = self.message.as_deref().is_some_and(|m| m.ends_with(cause.as_str()));
+        if self.causes.last() != Some(&cause) && !said {
             self.causes.push(cause);
         }
         self

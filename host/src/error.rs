@@ -4,6 +4,7 @@
 #![cfg_attr(not(feature = "redis"), allow(dead_code, unused_variables))]
 
 use std::fmt;
+use std::sync::Arc;
 
 /// What kind of failure an [`Error`] is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -48,18 +49,42 @@ type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// An error of a Corral operation: a [`kind`](Error::kind), a message, and the cause.
 ///
-/// Store errors never leak a Redis type: the Redis error is only the
-/// [`source`](std::error::Error::source).
-#[derive(Debug, thiserror::Error)]
-#[error("{kind}: {message}")]
+/// Its `Display` is `kind: message`, followed by the root cause when the message does not
+/// already say it (`store unavailable: redis SET failed: Connection refused (os error
+/// 111)`). Store errors never leak a Redis type: the Redis error is only the
+/// [`source`](std::error::Error::source). A loader's error is the source of the error
+/// every caller of its flight gets, the leader and each coalesced follower alike, so
+/// each can downcast it ([`Error::loader_error`]).
+#[derive(Debug)]
 pub struct Error {
     kind: ErrorKind,
     message: String,
     argument: Option<String>,
     /// A loader that panicked: its flight is handed on, not shared.
     panicked: bool,
-    #[source]
-    source: Option<Source>,
+    /// Shared, not copied, by the callers of one flight.
+    source: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind, self.message)?;
+        if let Some(root) = self.root_cause() {
+            let root = root.to_string();
+            if !self.message.contains(&root) {
+                write!(f, ": {root}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
 }
 
 /// `Result<T, corral::Error>`.
@@ -92,12 +117,50 @@ impl Error {
     }
 
     pub(crate) fn with_source(mut self, source: impl Into<Source>) -> Self {
-        self.source = Some(source.into());
+        self.source = Some(Arc::from(source.into()));
         self
     }
 
+    /// The loader's own error: its message is the loader's, said once.
     pub(crate) fn loader(source: Source) -> Self {
-        Error::new(ErrorKind::Loader, format!("the loader failed: {source}")).with_source(source)
+        Error::new(ErrorKind::Loader, source.to_string()).with_source(source)
+    }
+
+    /// The deepest error in the chain of sources, if any.
+    fn root_cause(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        let mut cause = std::error::Error::source(self)?;
+        while let Some(deeper) = cause.source() {
+            cause = deeper;
+        }
+        Some(cause)
+    }
+
+    /// The loader's error as the loader returned it, if this is a get-or-set's
+    /// [`ErrorKind::Loader`] error whose loader failed with an `E`: the same for the
+    /// caller that ran the loader and for every caller coalesced on its flight.
+    ///
+    /// ```
+    /// # async fn demo(cache: corral::Corral) {
+    /// #[derive(Debug)]
+    /// struct NotFound;
+    /// impl std::fmt::Display for NotFound {
+    ///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result { f.write_str("no such user") }
+    /// }
+    /// impl std::error::Error for NotFound {}
+    ///
+    /// let got = cache
+    ///     .get_or_set("user:42", corral::EntryOptions::new(), || async { Err::<String, _>(NotFound) })
+    ///     .await;
+    /// let e = got.unwrap_err();
+    /// assert!(e.loader_error::<NotFound>().is_some()); // a 404, not a 500
+    /// assert_eq!(e.to_string(), "loader failed: no such user");
+    /// # }
+    /// ```
+    pub fn loader_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
+        if self.kind != ErrorKind::Loader {
+            return None;
+        }
+        self.source.as_deref()?.downcast_ref::<E>()
     }
 
     /// The loader panicked; `payload` is what it panicked with.
@@ -117,22 +180,20 @@ impl Error {
         self.panicked
     }
 
-    /// A copy for the other callers of a flight: same kind, message and argument; the
-    /// source is described, not shared (a `Box<dyn Error>` cannot be cloned).
+    /// A copy for another caller of a flight: the same kind, message, argument and
+    /// source (the very same loader error, shared).
     pub(crate) fn share(&self) -> Error {
         Error {
             kind: self.kind,
             message: self.message.clone(),
             argument: self.argument.clone(),
             panicked: self.panicked,
-            source: None,
+            source: self.source.clone(),
         }
     }
 
-    pub(crate) fn from_shared(shared: std::sync::Arc<Error>) -> Self {
-        let mut e = shared.share();
-        e.source = Some(Box::new(SharedError(shared)));
-        e
+    pub(crate) fn from_shared(shared: Arc<Error>) -> Self {
+        shared.share()
     }
 
     /// Replaces the message with `context` (the kind, argument and source stay).
@@ -161,18 +222,23 @@ impl Error {
     }
 }
 
-/// The leader's error, as seen by a caller coalesced on its flight.
-#[derive(Debug)]
-struct SharedError(std::sync::Arc<Error>);
 
-impl fmt::Display for SharedError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "the flight's leader failed: {}", self.0)
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl std::error::Error for SharedError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        std::error::Error::source(&*self.0)
+    #[test]
+    fn display_names_the_root_cause_once() {
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused");
+        let e = Error::unavailable("redis SET failed", refused);
+        assert_eq!(e.to_string(), "store unavailable: redis SET failed: Connection refused");
+        let e = Error::loader(Box::new(std::io::Error::other("database down")));
+        assert_eq!(e.to_string(), "loader failed: database down");
+        assert!(e.loader_error::<std::io::Error>().is_some());
+        let shared = Arc::new(e);
+        let follower = Error::from_shared(shared.clone());
+        assert_eq!(follower.to_string(), shared.to_string());
+        assert!(follower.loader_error::<std::io::Error>().is_some(), "followers downcast too");
+        assert!(Error::new(ErrorKind::Timeout, "x").loader_error::<std::io::Error>().is_none());
     }
 }

@@ -9,7 +9,7 @@ pub(crate) fn from_wit(e: types::Error) -> Error {
         types::Error::InvalidArgument(a) => Error::invalid_argument(a.name, a.reason),
         types::Error::Unavailable(m) => Error::new(ErrorKind::Unavailable, m),
         types::Error::Corrupt(m) => Error::new(ErrorKind::Corrupt, m),
-        types::Error::LoaderFailed(m) => Error::new(ErrorKind::Loader, format!("the loader failed: {m}")),
+        types::Error::LoaderFailed(m) => Error::new(ErrorKind::Loader, m),
         types::Error::Other(m) => Error::new(ErrorKind::Guest, m),
     }
 }

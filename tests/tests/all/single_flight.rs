@@ -152,6 +152,18 @@ async fn four_processes(redis_args: &[&str]) -> Result<(u64, u64)> {
     Ok((loads, client_commands))
 }
 
+/// A loader's own error type, as a service would map to a 404.
+#[derive(Debug)]
+struct NotFound(u64);
+
+impl std::fmt::Display for NotFound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "user {} not found", self.0)
+    }
+}
+
+impl std::error::Error for NotFound {}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loader_error_reaches_every_coalesced_caller_and_nothing_is_cached() -> Result<()> {
     let f = Fixture::new(Backend::Redis)?;
@@ -162,7 +174,7 @@ async fn a_loader_error_reaches_every_coalesced_caller_and_nothing_is_cached() -
             cache
                 .get_or_set("k", relative(), || async {
                     tokio::time::sleep(Duration::from_millis(100)).await;
-                    Err::<Vec<u8>, _>(std::io::Error::other("database down"))
+                    Err::<Vec<u8>, _>(NotFound(42))
                 })
                 .await
         });
@@ -170,12 +182,14 @@ async fn a_loader_error_reaches_every_coalesced_caller_and_nothing_is_cached() -
     while let Some(r) = tasks.join_next().await {
         let e = r?.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Loader);
-        assert!(
-            format!("{e:#}").contains("database down") || std::error::Error::source(&e).is_some(),
-            "{e}"
-        );
+        // Leader and followers alike: the loader's own error, to map to a 404.
+        assert_eq!(e.loader_error::<NotFound>().map(|n| n.0), Some(42), "{e:?}");
+        let source = std::error::Error::source(&e).expect("the loader's error is the source");
+        assert!(source.downcast_ref::<NotFound>().is_some());
+        assert_eq!(e.to_string(), "loader failed: user 42 not found", "said once");
     }
     assert_eq!(f.cache.metrics().loads, 1);
+    assert_eq!(f.cache.metrics().coalesced, 49);
     assert_eq!(f.cache.get("k").await?, None, "nothing cached");
     let v = f
         .cache
