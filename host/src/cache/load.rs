@@ -34,6 +34,22 @@ impl LoadOptions {
         Self::default()
     }
 
+    /// Cache loaded values for `after` from the load: `LoadOptions::relative(d)` is
+    /// `LoadOptions::new().entry(EntryOptions::new().relative(d))`.
+    pub fn relative(after: std::time::Duration) -> Self {
+        Self::new().entry(EntryOptions::new().relative(after))
+    }
+
+    /// Cache loaded values until `idle` passes without a read.
+    pub fn sliding(idle: std::time::Duration) -> Self {
+        Self::new().entry(EntryOptions::new().sliding(idle))
+    }
+
+    /// Cache loaded values until `at`.
+    pub fn absolute(at: std::time::SystemTime) -> Self {
+        Self::new().entry(EntryOptions::new().absolute(at))
+    }
+
     /// How the loaded entry expires.
     pub fn entry(mut self, entry: EntryOptions) -> Self {
         self.entry = entry;
@@ -63,5 +79,20 @@ impl LoadOptions {
 impl From<EntryOptions> for LoadOptions {
     fn from(entry: EntryOptions) -> Self {
         LoadOptions::new().entry(entry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn the_shortcuts_are_the_long_forms() {
+        let d = Duration::from_secs(30);
+        assert_eq!(LoadOptions::relative(d).entry, EntryOptions::new().relative(d));
+        assert_eq!(LoadOptions::sliding(d).entry, EntryOptions::new().sliding(d));
+        assert!(!LoadOptions::relative(d).should_cache(|_| false).accepts(b"x"));
     }
 }
