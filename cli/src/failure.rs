@@ -86,7 +86,10 @@ impl Failure {
     pub fn because(mut self, cause: impl fmt::Display) -> Self {
         let cause = cause.to_string();
         // An error's own message already ends with its root cause: say it once.
-        let said = self.message.as_deref().is_some_and(|m| m.ends_with(cause.as_str()));
+        let said = self
+            .message
+            .as_deref()
+            .is_some_and(|m| m.ends_with(cause.as_str()));
         if self.causes.last() != Some(&cause) && !said {
             self.causes.push(cause);
         }

@@ -222,7 +222,6 @@ impl Error {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,14 +230,24 @@ mod tests {
     fn display_names_the_root_cause_once() {
         let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused");
         let e = Error::unavailable("redis SET failed", refused);
-        assert_eq!(e.to_string(), "store unavailable: redis SET failed: Connection refused");
+        assert_eq!(
+            e.to_string(),
+            "store unavailable: redis SET failed: Connection refused"
+        );
         let e = Error::loader(Box::new(std::io::Error::other("database down")));
         assert_eq!(e.to_string(), "loader failed: database down");
         assert!(e.loader_error::<std::io::Error>().is_some());
         let shared = Arc::new(e);
         let follower = Error::from_shared(shared.clone());
         assert_eq!(follower.to_string(), shared.to_string());
-        assert!(follower.loader_error::<std::io::Error>().is_some(), "followers downcast too");
-        assert!(Error::new(ErrorKind::Timeout, "x").loader_error::<std::io::Error>().is_none());
+        assert!(
+            follower.loader_error::<std::io::Error>().is_some(),
+            "followers downcast too"
+        );
+        assert!(
+            Error::new(ErrorKind::Timeout, "x")
+                .loader_error::<std::io::Error>()
+                .is_none()
+        );
     }
 }
