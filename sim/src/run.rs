@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use corral::locks::RedisLocks;
 use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions};
 use parking_lot::Mutex;
 
@@ -77,7 +78,7 @@ impl Outcome {
 }
 
 #[derive(Clone, Debug)]
-enum LoaderPlan {
+pub(crate) enum LoaderPlan {
     Ok(u64),
     Slow(u64),
     Fail(u64),
@@ -93,7 +94,7 @@ enum Op {
 }
 
 #[derive(Clone, Debug, PartialEq)]
-enum Res {
+pub(crate) enum Res {
     Value(Option<String>),
     Done(bool),
     Failed(ErrorKind),
@@ -102,16 +103,16 @@ enum Res {
 }
 
 #[derive(Clone, Debug)]
-struct CallRec {
-    id: u64,
-    proc: usize,
-    op: &'static str,
-    key: String,
-    t_inv: u64,
-    t_end: u64,
-    res: Res,
+pub(crate) struct CallRec {
+    pub(crate) id: u64,
+    pub(crate) proc: usize,
+    pub(crate) op: &'static str,
+    pub(crate) key: String,
+    pub(crate) t_inv: u64,
+    pub(crate) t_end: u64,
+    pub(crate) res: Res,
     /// The value this call's own loader produced, and what it was told to do.
-    loaded: Option<(String, LoaderPlan)>,
+    pub(crate) loaded: Option<(String, LoaderPlan)>,
 }
 
 /// A write a caller saw succeed: its key, when it returned, its order in the store.
@@ -221,13 +222,22 @@ pub fn run_seed(scenario: &Scenario, seed: u64) -> Outcome {
     rt.block_on(simulate(scenario.clone(), seed))
 }
 
-struct Ctx {
-    world: Arc<World>,
-    calls: Mutex<Vec<CallRec>>,
+pub(crate) struct Ctx {
+    pub(crate) world: Arc<World>,
+    pub(crate) calls: Mutex<Vec<CallRec>>,
     acked: Mutex<Vec<Acked>>,
     next_call: Mutex<u64>,
     /// Per process, its tasks (actors and their calls): a crash aborts them all.
-    tasks: Vec<Mutex<Vec<tokio::task::AbortHandle>>>,
+    pub(crate) tasks: Vec<Mutex<Vec<tokio::task::AbortHandle>>>,
+}
+
+impl Ctx {
+    /// The next call's number.
+    pub(crate) fn next_id(&self) -> u64 {
+        let mut n = self.next_call.lock();
+        *n += 1;
+        *n
+    }
 }
 
 async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
@@ -239,6 +249,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         scenario.name, scenario.procs
     ));
     let mut caches = Vec::new();
+    let mut lockers = Vec::new();
     let mut skews = Vec::new();
     for p in 0..scenario.procs {
         let conn = Arc::new(Conn {
@@ -265,6 +276,16 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             let key = format!("k{k}");
             world.learn_name(&key, &cache.entry_name(&key).expect("a valid key"));
         }
+        let server: Arc<dyn corral::locks::LeaseServer> = Arc::new(Conn {
+            world: world.clone(),
+            proc: p,
+        });
+        let locks = RedisLocks::over(vec![server], "sim:").expect("leases over the simulated store");
+        for k in 0..scenario.lock_keys {
+            let key = format!("lock{k}");
+            world.learn_name(&key, &locks.lock_key(&key).expect("a valid key"));
+        }
+        lockers.push(locks);
         caches.push(cache);
         skews.push(skew);
     }
@@ -342,6 +363,19 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             ctx.tasks[p].lock().push(actor.abort_handle());
             actors.push((p, actor));
         }
+        for l in 0..scenario.lockers {
+            let sessions = crate::locks::sessions(&scenario, seed, p, l);
+            let (ctx2, locks) = (ctx.clone(), lockers[p].clone());
+            let actor = tokio::spawn(async move {
+                for s in sessions {
+                    tokio::time::sleep(Duration::from_millis(s.think())).await;
+                    ctx2.world.gate(p).await;
+                    crate::locks::session(&ctx2, p, &locks, s).await;
+                }
+            });
+            ctx.tasks[p].lock().push(actor.abort_handle());
+            actors.push((p, actor));
+        }
     }
     for (p, a) in actors {
         match a.await {
@@ -351,6 +385,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         }
     }
     tokio::time::sleep(Duration::from_millis(QUIESCE_MS)).await;
+    crate::locks::check_no_lock_left(&world);
 
     // After quiesce: no flight left anywhere.
     for (p, cache) in caches.iter().enumerate() {
@@ -392,6 +427,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     }
 
     check_history(&ctx, &scenario, &plan);
+    crate::locks::check_orphans(&world);
 
     let metrics_degraded = caches.iter().map(|c| c.metrics().degraded).sum();
     let calls = ctx.calls.lock().len() as u64;
@@ -434,11 +470,7 @@ fn show(v: &Option<Bytes>) -> Option<String> {
 /// library is caught at the join and is a violation).
 async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Corral, op: Op) {
     let w = ctx.world.clone();
-    let id = {
-        let mut n = ctx.next_call.lock();
-        *n += 1;
-        *n
-    };
+    let id = ctx.next_id();
     let t_inv = w.now();
     let loaded: Arc<Mutex<Option<(String, LoaderPlan)>>> = Arc::default();
     let (name, key) = match &op {
@@ -568,13 +600,15 @@ impl Drop for EndGuard {
 }
 
 /// Per call: bounded, typed errors, no escaped panic, a loader's outcome reaches its caller.
-fn check_call(w: &World, c: &CallRec) {
+pub(crate) fn check_call(w: &World, c: &CallRec) {
     let who = format!("p{} c{} {} {}", c.proc, c.id, c.op, c.key);
     match (&c.res, c.op) {
         (Res::TimedOut, _) => w.violation(format!("deadline: {who} ran past {CALL_BOUND_MS} ms")),
         (Res::Panicked, _) => w.violation(format!("panic escaped: {who}")),
         (Res::Failed(ErrorKind::Unavailable), "get" | "set" | "remove") => {}
         (Res::Failed(ErrorKind::Loader), "get_or_set") => {}
+        // Held past the wait, no answer, or lost before the release.
+        (Res::Failed(ErrorKind::Timeout | ErrorKind::Unavailable | ErrorKind::LockLost), "lock") => {}
         (Res::Failed(kind), _) => w.violation(format!("error kind: {who} failed with {kind:?}")),
         _ => {}
     }
@@ -599,9 +633,9 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
     let w = &ctx.world;
     let calls = ctx.calls.lock();
     let acked = ctx.acked.lock();
-    let (value_order, gaps) = {
+    let (value_order, gaps, pauses) = {
         let st = w.st.lock();
-        (st.value_order.clone(), st.gaps.clone())
+        (st.value_order.clone(), st.gaps.clone(), st.paused.clone())
     };
     for c in calls.iter() {
         let Res::Value(Some(v)) = &c.res else {
@@ -646,7 +680,7 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             // in its tail got an old value while the leader released and announced.)
             // The reader was paused while the announcement should have reached it: it
             // hears it when it resumes, and serves its L1 copy until then.
-            let paused = plan.paused[c.proc].iter().any(|&(x, y)| {
+            let paused = pauses[c.proc].iter().any(|&(x, y)| {
                 x <= a.t_ack + NOTIFY_WINDOW_MS
                     && y + 2 * SLOW_NET_MS >= a.t_ack
                     && c.t_inv <= y + NOTIFY_WINDOW_MS

@@ -26,6 +26,9 @@ pub struct FaultRates {
     /// Per run: one process crashes (its tasks are dropped mid-flight, its locks left to
     /// expire; it sends and hears nothing more).
     pub crash_pm: u32,
+    /// Per use of the fenced resource: the holder's process pauses right after it
+    /// checked its lease (300..4000 ms), the moment no lease can see.
+    pub pause_holder_pm: u32,
 }
 
 /// A deliberately broken store, to show the invariants catch what they claim to.
@@ -39,16 +42,20 @@ pub struct Broken {
     /// `try_lock` always takes the lock (`SET` without `NX`): no single flight across
     /// processes.
     pub lock_without_nx: bool,
+    /// Lease fencing counters are not raised to the store's clock: after a restart they
+    /// start again from 1, below tokens granted before.
+    pub unfloored_fences: bool,
 }
 
 impl Broken {
-    /// A broken store by name: `unfenced`, `mute`, `no-nx`.
+    /// A broken store by name: `unfenced`, `mute`, `no-nx`, `no-floor`.
     pub fn named(name: &str) -> Option<Broken> {
         let mut b = Broken::default();
         match name {
             "unfenced" => b.unfenced_set_if = true,
             "mute" => b.mute_notifications = true,
             "no-nx" => b.lock_without_nx = true,
+            "no-floor" => b.unfloored_fences = true,
             _ => return None,
         }
         Some(b)
@@ -70,6 +77,12 @@ pub struct Scenario {
     pub l1_ttl_ms: u64,
     pub lock_ttl_ms: u64,
     pub lock_wait_ms: u64,
+    /// Lease holders per process, their sessions each, the lock keys (`lock0`..), and
+    /// the leases' TTL (a watchdog lease's too).
+    pub lockers: usize,
+    pub lock_sessions: usize,
+    pub lock_keys: usize,
+    pub lease_ttl_ms: u64,
     pub faults: FaultRates,
     pub broken: Broken,
 }
@@ -86,6 +99,10 @@ impl Scenario {
             l1_ttl_ms: 3_000,
             lock_ttl_ms: 2_000,
             lock_wait_ms: 1_500,
+            lockers: 1,
+            lock_sessions: 3,
+            lock_keys: 2,
+            lease_ttl_ms: 1_200,
             faults: FaultRates::default(),
             broken: Broken::default(),
         }
@@ -137,6 +154,7 @@ impl Scenario {
             loader_panic_pm: 40,
             pause_pm: 100,
             crash_pm: 150,
+            pause_holder_pm: 100,
         };
         s
     }
@@ -148,6 +166,7 @@ impl Scenario {
             delay_pm: 30,
             pause_pm: 300,
             crash_pm: 400,
+            pause_holder_pm: 250,
             ..FaultRates::default()
         };
         s

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use corral::locks::{LeaseServer, LockScript, Unanswered};
 use corral::store::{Entries, FlightLock, ForeignHook, LandingWatch, Landings, Notifications};
 use corral::{Error, ErrorKind};
 use futures::FutureExt;
@@ -87,12 +88,30 @@ struct Stored {
 
 #[derive(Clone, Debug)]
 pub(crate) struct HeldLock {
-    owner: String,
+    pub(crate) owner: String,
     pub(crate) proc: usize,
-    until: u64,
+    pub(crate) until: u64,
     pub(crate) since: u64,
     /// The try that took it lost its reply: the flight did not know it held it.
     pub(crate) reply_lost: bool,
+}
+
+/// A lock the store granted (a get-or-set flight lock, or a lease), for the checks that
+/// every grant is released by its owner or left to a crashed process, and that fencing
+/// tokens only rise.
+#[derive(Clone, Debug)]
+pub struct Grant {
+    /// The lock's store name, and the user key.
+    pub name: String,
+    pub key: String,
+    pub proc: usize,
+    pub owner: String,
+    /// When the store applied it.
+    pub t: u64,
+    /// Its reply reached the caller.
+    pub acknowledged: bool,
+    /// A lease's fencing token (0 for a flight lock).
+    pub fencing: u64,
 }
 
 /// A load in progress or done, as the loader saw it.
@@ -152,6 +171,16 @@ pub struct State {
     pub(crate) crashed: Vec<Option<u64>>,
     /// Store name (entry or lock) to user key.
     names: BTreeMap<String, String>,
+    /// Every lock the store granted, in its order.
+    pub grants: Vec<Grant>,
+    /// Owner tokens a release was sent for (or tried: refused, lost, whatever came of it).
+    pub release_attempts: std::collections::BTreeSet<String>,
+    /// Lease fencing counters, by store name (gone with a restart, as without persistence).
+    fences: BTreeMap<String, u64>,
+    /// When the store restarted.
+    pub restarts: Vec<u64>,
+    /// The fenced resource: per lock key, the highest token it accepted.
+    pub resource: BTreeMap<String, u64>,
 }
 
 /// One process as the network sees it: its landing waiters and its L1 hook.
@@ -209,6 +238,11 @@ impl World {
                 paused,
                 crashed,
                 names: BTreeMap::new(),
+                grants: Vec::new(),
+                release_attempts: Default::default(),
+                fences: BTreeMap::new(),
+                restarts: Vec::new(),
+                resource: BTreeMap::new(),
             }),
             procs,
         })
@@ -286,6 +320,24 @@ impl World {
             .any(|&(a, b)| a <= to && from < b)
     }
 
+    /// With `per_mille`, pauses `proc` from now for 300..4000 ms (a pause at a moment
+    /// the workload picks); says whether it did.
+    pub(crate) fn maybe_pause(&self, proc: usize, per_mille: u32) -> bool {
+        let now = self.now();
+        let span = {
+            let mut st = self.st.lock();
+            if st.calm || !st.rng.chance(per_mille) {
+                return false;
+            }
+            let d = st.rng.range(300, 4_000);
+            st.paused[proc].push((now, now + d));
+            d
+        };
+        self.fault("process-pause");
+        self.log(format_args!("p{proc} PAUSED for {span} ms"));
+        true
+    }
+
     /// Whether `proc` has crashed.
     pub(crate) fn is_crashed(&self, proc: usize) -> bool {
         self.st.lock().crashed[proc].is_some()
@@ -310,6 +362,8 @@ impl World {
         {
             let mut st = self.st.lock();
             st.entries.clear();
+            st.fences.clear();
+            st.restarts.push(now);
             let locks = std::mem::take(&mut st.locks);
             for (name, lock) in locks {
                 if now < lock.until {
@@ -470,7 +524,7 @@ impl World {
         !st.calm && st.rng.chance(per_mille)
     }
 
-    fn latency(&self) -> (u64, bool) {
+    pub(crate) fn latency(&self) -> (u64, bool) {
         let slow = self.draw(self.scenario.faults.delay_pm);
         let mut st = self.st.lock();
         if slow {
@@ -482,6 +536,18 @@ impl World {
 }
 
 impl State {
+    /// The grant to `owner` reached its caller.
+    fn acknowledge(&mut self, owner: &str) {
+        if let Some(g) = self.grants.iter_mut().rev().find(|g| g.owner == owner) {
+            g.acknowledged = true;
+        }
+    }
+
+    /// The live lock `name`, if any.
+    pub(crate) fn live_lock(&self, name: &str, now: u64) -> Option<&HeldLock> {
+        self.locks.get(name).filter(|l| now < l.until)
+    }
+
     fn key_of(&self, name: &str) -> String {
         let tag = name.rsplit_once(':').map_or(name, |(t, _)| t);
         self.names.get(tag).cloned().unwrap_or_else(|| name.to_owned())
@@ -588,13 +654,13 @@ impl Conn {
         if w.is_crashed(p) {
             // A dead process sends nothing (the library's background tasks outlive it here).
             tokio::time::sleep(Duration::from_millis(1)).await;
-            return Err(unavailable("process crashed"));
+            return Err(unavailable(CRASHED));
         }
         if w.is_down(p, w.now()) {
             tokio::time::sleep(Duration::from_millis(1)).await;
             w.fault("refused");
             w.log(format_args!("p{p} {what} {key} -> refused (connection down)"));
-            return Err(unavailable("connection refused"));
+            return Err(unavailable(REFUSED));
         }
         let (there, slow) = w.latency();
         if slow {
@@ -842,6 +908,16 @@ impl FlightLock for Conn {
                                 let k = st.key_of(&n);
                                 st.lock_losses.entry(k).or_default().push(now);
                             }
+                            let key = st.key_of(&n);
+                            st.grants.push(Grant {
+                                name: n.clone(),
+                                key,
+                                proc: p,
+                                owner: owner.clone(),
+                                t: now,
+                                acknowledged: false,
+                                fencing: 0,
+                            });
                             st.locks.insert(
                                 n,
                                 HeldLock {
@@ -873,6 +949,7 @@ impl FlightLock for Conn {
                 if let Some(l) = st.locks.get_mut(&n).filter(|l| l.owner == owner) {
                     l.reply_lost = false;
                 }
+                st.acknowledge(&owner);
             }
             tried
         }
@@ -882,6 +959,7 @@ impl FlightLock for Conn {
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, corral::Result<bool>> {
         let n = key.to_owned();
         let owner = owner.to_owned();
+        self.world.st.lock().release_attempts.insert(owner.clone());
         self.call("release", key, move |st, now, _| {
             let held = st
                 .locks
@@ -987,5 +1065,140 @@ impl Notifications for Conn {
 
     fn on_foreign(&self, hook: ForeignHook) {
         *self.world.procs[self.proc].hook.lock() = Some(hook);
+    }
+}
+
+/// A failed command as a lease sees it: refused (never sent: it did not run), else
+/// unknown (a timeout: it may have run).
+fn unanswered(e: Error) -> Unanswered {
+    let cause = e.to_string();
+    let maybe_ran = !(cause.contains(REFUSED) || cause.contains(CRASHED));
+    Unanswered { cause, maybe_ran }
+}
+
+const REFUSED: &str = "connection refused";
+const CRASHED: &str = "process crashed";
+
+/// The store's clock as Redis's `TIME` gives it to a script: microseconds since the Unix
+/// epoch (the simulated epoch starts at [`crate::run::EPOCH_MS`]).
+fn store_time_us(now: u64) -> u64 {
+    (crate::run::EPOCH_MS + now) * 1_000
+}
+
+/// The lease scripts (`corral-core`'s `script::LOCK_*`), as a Redis runs them: each one
+/// atomic step on the store, at the moment the request arrives.
+impl LeaseServer for Conn {
+    fn run<'a>(
+        &'a self,
+        script: LockScript,
+        keys: &'a [String],
+        args: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<u64, Unanswered>> {
+        let lock = keys.first().cloned().unwrap_or_default();
+        let fence = keys.get(1).cloned().unwrap_or_default();
+        let owner = args.first().map(|a| (*a).to_owned()).unwrap_or_default();
+        let number = args.get(1).and_then(|a| a.parse::<u64>().ok()).unwrap_or(0);
+        let no_floor = self.world.scenario.broken.unfloored_fences;
+        match script {
+            LockScript::Acquire => {
+                let this = self.clone();
+                let name = lock.clone();
+                async move {
+                    let got = this
+                        .call("acquire", &name, {
+                            let owner = owner.clone();
+                            move |st, now, p| {
+                                if st.live_lock(&lock, now).is_some() {
+                                    return (0, "busy".to_owned());
+                                }
+                                // SET NX PX, then the counter raised to TIME (µs) and INCR.
+                                let floor = if no_floor { 0 } else { store_time_us(now) };
+                                let counter = st.fences.get(&fence).copied().unwrap_or(0).max(floor) + 1;
+                                st.fences.insert(fence, counter);
+                                let key = st.key_of(&lock);
+                                let regressed = st
+                                    .grants
+                                    .iter()
+                                    .filter(|g| g.key == key && g.fencing > 0)
+                                    .map(|g| g.fencing)
+                                    .max()
+                                    .filter(|&m| m >= counter);
+                                if let Some(m) = regressed {
+                                    let what = format!(
+                                        "fencing: p{p} got token {counter} for {key} after {m} was granted"
+                                    );
+                                    let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
+                                    st.violations.push(what);
+                                }
+                                st.grants.push(Grant {
+                                    name: lock.clone(),
+                                    key,
+                                    proc: p,
+                                    owner: owner.clone(),
+                                    t: now,
+                                    acknowledged: false,
+                                    fencing: counter,
+                                });
+                                st.locks.insert(
+                                    lock,
+                                    HeldLock {
+                                        owner,
+                                        proc: p,
+                                        until: now.saturating_add(number.max(1)),
+                                        since: now,
+                                        reply_lost: true,
+                                    },
+                                );
+                                (counter, format!("taken, token {counter}"))
+                            }
+                        })
+                        .await;
+                    if let Ok(v) = got
+                        && v > 0
+                    {
+                        this.world.st.lock().acknowledge(&owner);
+                    }
+                    got.map_err(unanswered)
+                }
+                .boxed()
+            }
+            LockScript::Release => {
+                self.world.st.lock().release_attempts.insert(owner.clone());
+                let (this, name) = (self.clone(), lock.clone());
+                async move {
+                    this.call("unlock", &name, move |st, now, _| {
+                        if number > 0 && st.fences.get(&fence).copied().unwrap_or(0) < number {
+                            st.fences.insert(fence, number);
+                        }
+                        let held = st.live_lock(&lock, now).is_some_and(|l| l.owner == owner);
+                        if held {
+                            st.locks.remove(&lock);
+                        }
+                        (u64::from(held), format!("{held}"))
+                    })
+                    .await
+                    .map_err(unanswered)
+                }
+                .boxed()
+            }
+            LockScript::Extend => {
+                let (this, name) = (self.clone(), lock.clone());
+                async move {
+                    this.call("extend", &name, move |st, now, _| {
+                        let held = match st.locks.get_mut(&lock) {
+                            Some(l) if now < l.until && l.owner == owner => {
+                                l.until = now.saturating_add(number.max(1));
+                                true
+                            }
+                            _ => false,
+                        };
+                        (u64::from(held), format!("{held}"))
+                    })
+                    .await
+                    .map_err(unanswered)
+                }
+                .boxed()
+            }
+        }
     }
 }

@@ -19,6 +19,51 @@ pub(crate) use redis::Server;
 pub use redis::{Lease, LockOptions, RedisLocks};
 pub use semaphore::{KeyPermit, KeyedSemaphore};
 
+/// Which of the guest's lock scripts (`corral-core`'s `script::LOCK_*`) a lease runs on
+/// one server.
+#[cfg(feature = "redis")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockScript {
+    /// `LOCK_ACQUIRE`. `keys`: the lock, its fencing counter; `args`: the owner token,
+    /// the TTL in ms. Takes the lock if free (`SET NX PX`), raises the counter to at
+    /// least the server's clock in microseconds and increments it: the new counter, or
+    /// 0 when another owner holds the lock.
+    Acquire,
+    /// `LOCK_RELEASE`. `keys`: the lock, its fencing counter; `args`: the owner token,
+    /// a fencing token the counter is first raised to (`0`: none). Deletes the lock if
+    /// the owner holds it: 1, else 0.
+    Release,
+    /// `LOCK_EXTEND`. `keys`: the lock; `args`: the owner token, the new TTL in ms. Resets
+    /// the TTL if the owner holds the lock: 1, else 0.
+    Extend,
+}
+
+/// A server for [`RedisLocks`] that is not a Redis: a simulated store, another database.
+/// It runs each of the guest's lock scripts with its semantics, atomically, and answers
+/// the script's integer; [`RedisLocks::over`] takes one per server.
+#[cfg(feature = "redis")]
+pub trait LeaseServer: Send + Sync + std::fmt::Debug + 'static {
+    /// Runs `script` with `keys` (Redis's `KEYS`) and `args` (its `ARGV`).
+    fn run<'a>(
+        &'a self,
+        script: LockScript,
+        keys: &'a [String],
+        args: &'a [&'a str],
+    ) -> futures::future::BoxFuture<'a, std::result::Result<u64, Unanswered>>;
+}
+
+/// A [`LeaseServer`] that did not answer.
+#[cfg(feature = "redis")]
+#[derive(Clone, Debug)]
+pub struct Unanswered {
+    /// Why, for errors and logs.
+    pub cause: String,
+    /// Whether the command may have run all the same (a timeout, a lost reply): an
+    /// acquire's or a release's token is then released there again in the background,
+    /// owner-checked. `false` only when it certainly did not (a refused connection).
+    pub maybe_ran: bool,
+}
+
 /// The lock APIs of one cache: an in-process lock table, and leases on the cache's
 /// Redis when it has one. Cheap to clone.
 #[derive(Clone, Debug)]

@@ -19,7 +19,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::join_all;
+use futures::future::{Either, join_all};
 use parking_lot::Mutex;
 use redis::Script;
 use tokio::sync::watch;
@@ -29,6 +29,7 @@ use tokio::time::Instant;
 use crate::clock::{Clock, SystemClock};
 use crate::guest::Policy;
 use crate::guest::policy::defaults;
+use crate::locks::{LeaseServer, LockScript};
 use crate::options::duration_ms;
 use crate::store::link::{Connection, Link};
 use crate::store::redis::{RedisOptions, redact};
@@ -91,7 +92,15 @@ impl LockOptions {
 /// command link.
 pub(crate) struct Server {
     url: String,
-    conn: Link,
+    conn: Conn,
+}
+
+/// How a server is reached.
+enum Conn {
+    /// A Redis (or a Redis Cluster): it runs the scripts as Lua.
+    Redis(Link),
+    /// A server that is not a Redis ([`RedisLocks::over`]).
+    Custom(Arc<dyn LeaseServer>),
 }
 
 impl Server {
@@ -106,7 +115,7 @@ impl Server {
         Server {
             // Only ever shown to people (logs, errors, Debug): never with its password.
             url: redact(&options.url),
-            conn,
+            conn: Conn::Redis(conn),
         }
     }
 }
@@ -221,6 +230,31 @@ impl RedisLocks {
         ))
     }
 
+    /// Leases on servers that are not Redis (a simulated store, another database), one
+    /// [`LeaseServer`] each (several: Redlock), keys under `prefix`: the same protocol,
+    /// decisions and timing as on Redis.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for no server; [`ErrorKind::Guest`] if the guest
+    /// cannot be loaded.
+    pub fn over(servers: Vec<Arc<dyn LeaseServer>>, prefix: &str) -> Result<Self> {
+        if servers.is_empty() {
+            return Err(Error::invalid_argument(
+                "lease server",
+                "must be given at least once",
+            ));
+        }
+        let policy = Policy::load(defaults()?.limits)?;
+        let servers = servers
+            .into_iter()
+            .map(|server| Server {
+                url: format!("{server:?}"),
+                conn: Conn::Custom(server),
+            })
+            .collect();
+        Ok(Self::from_parts(policy, Arc::new(SystemClock), servers, prefix))
+    }
+
     /// Locks sharing a cache's guest handle and Redis connection
     /// ([`Corral::locks`](crate::Corral::locks)). The wall clock is not used: lease
     /// timing is monotonic.
@@ -285,6 +319,12 @@ impl RedisLocks {
     async fn on(&self, which: &[usize], script: &Script, keys: &[String], args: &[&str]) -> Vec<Reply> {
         let mut calls = which.iter().map(|&i| {
             let server = &self.inner.servers[i];
+            let mut conn = match &server.conn {
+                Conn::Redis(link) => link.clone(),
+                Conn::Custom(custom) => {
+                    return Either::Right(self.custom(server, custom, script, keys, args));
+                }
+            };
             let mut invocation = script.prepare_invoke();
             for k in keys {
                 invocation.key(k);
@@ -292,8 +332,7 @@ impl RedisLocks {
             for a in args {
                 invocation.arg(*a);
             }
-            let mut conn = server.conn.clone();
-            async move {
+            Either::Left(async move {
                 // The connection's response timeout bounds each server's answer.
                 match invocation.invoke_async::<u64>(&mut conn).await {
                     Ok(v) => Reply::Value(v),
@@ -305,7 +344,7 @@ impl RedisLocks {
                         }
                     }
                 }
-            }
+            })
         });
         // One server (the common case): awaited directly, with no fan-out machinery.
         if which.len() == 1
@@ -314,6 +353,35 @@ impl RedisLocks {
             return vec![call.await];
         }
         join_all(calls).await
+    }
+
+    /// Runs `script` on a server that is not a Redis ([`LeaseServer`]).
+    async fn custom<'a>(
+        &'a self,
+        server: &'a Server,
+        custom: &'a Arc<dyn LeaseServer>,
+        script: &'a Script,
+        keys: &'a [String],
+        args: &'a [&'a str],
+    ) -> Reply {
+        let inner = &self.inner;
+        let which = if std::ptr::eq(script, &inner.acquire) {
+            LockScript::Acquire
+        } else if std::ptr::eq(script, &inner.release) {
+            LockScript::Release
+        } else {
+            LockScript::Extend
+        };
+        match custom.run(which, keys, args).await {
+            Ok(v) => Reply::Value(v),
+            Err(e) => {
+                tracing::debug!(server = %server.url, error = %e.cause, "lock command failed");
+                Reply::Down {
+                    cause: e.cause,
+                    maybe_ran: e.maybe_ran,
+                }
+            }
+        }
     }
 
     /// The error of a lock `what` too few servers answered: [`ErrorKind::Unavailable`]
@@ -674,6 +742,7 @@ impl Lease {
             // Until the validity the guest gave (an extend may move it), or a change.
             let wait = self.shared.until_validity();
             tokio::select! {
+                biased;
                 _ = rx.changed() => {}
                 () = tokio::time::sleep(wait) => {}
             }
@@ -837,7 +906,9 @@ async fn renew(shared: Arc<LeaseShared>) {
     loop {
         tokio::time::sleep_until(next).await;
         let until = shared.valid_until();
+        // Biased (no random draw): a reply and the validity's end at one moment, the reply.
         let renewed = tokio::select! {
+            biased;
             r = extend(&shared, shared.ttl_ms) => r,
             () = tokio::time::sleep_until(until) => Err(Error::new(ErrorKind::Timeout, "renewal unanswered within validity")),
         };
