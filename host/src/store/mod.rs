@@ -20,6 +20,8 @@ use futures::future::BoxFuture;
 
 use crate::Result;
 
+#[cfg(feature = "redis")]
+mod breaker;
 pub(crate) mod l1;
 mod landing;
 #[cfg(feature = "redis")]

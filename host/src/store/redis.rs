@@ -18,6 +18,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use redis::{IntoConnectionInfo, Script};
 
+use super::breaker::{Breaker, is_connection_failure};
 use super::link::{Connection, Link};
 use super::pubsub::RedisNotifications;
 use super::{Entries, FlightLock};
@@ -40,6 +41,13 @@ pub struct RedisOptions {
     pub connect_timeout: Duration,
     /// How long one command may take.
     pub response_timeout: Duration,
+    /// After this many failures of the connection in a row, calls fail at once (a
+    /// get-or-set loads uncached) until a probe succeeds; 0 turns the breaker off.
+    /// Default 3.
+    pub breaker_threshold: u32,
+    /// How long the breaker stays open before it lets one call through as a probe.
+    /// Default 1 s.
+    pub breaker_cool_down: Duration,
 }
 
 impl fmt::Debug for RedisOptions {
@@ -53,6 +61,8 @@ impl fmt::Debug for RedisOptions {
             .field("prefix", &self.prefix)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
+            .field("breaker_threshold", &self.breaker_threshold)
+            .field("breaker_cool_down", &self.breaker_cool_down)
             .finish()
     }
 }
@@ -85,6 +95,8 @@ impl RedisOptions {
             prefix: "corral:".into(),
             connect_timeout: Duration::from_millis(500),
             response_timeout: Duration::from_secs(1),
+            breaker_threshold: 3,
+            breaker_cool_down: Duration::from_secs(1),
         }
     }
 
@@ -112,6 +124,8 @@ pub struct RedisStore {
     connection: Connection,
     /// Commands that timed out in a row.
     timeouts: Arc<AtomicU32>,
+    /// Fails calls fast while Redis keeps failing.
+    breaker: Arc<Breaker>,
     options: RedisOptions,
     read_and_touch: Arc<Script>,
     delete_if_equal: Arc<Script>,
@@ -175,6 +189,9 @@ trait Seen: Sized {
 impl<T> Seen for redis::RedisResult<T> {
     fn seen(self, store: &RedisStore) -> Self {
         store.observe(matches!(&self, Err(e) if e.is_timeout()));
+        store
+            .breaker
+            .record(matches!(&self, Err(e) if is_connection_failure(e)));
         self
     }
 }
@@ -217,6 +234,7 @@ impl RedisStore {
             conn: link,
             connection,
             timeouts: Arc::new(AtomicU32::new(0)),
+            breaker: Arc::new(Breaker::new(options.breaker_threshold, options.breaker_cool_down)),
             options: options.clone(),
             read_and_touch: Arc::new(Script::new(&scripts.read_and_touch)),
             delete_if_equal: Arc::new(Script::new(&scripts.delete_if_equal)),
@@ -237,9 +255,17 @@ impl RedisStore {
         &self.options
     }
 
-    /// The store's command link, for the lock API of the same cache.
+    /// The store's command link, for the lock API of the same cache (no breaker: a
+    /// lease's own deadlines bound its calls).
     pub(crate) fn link(&self) -> Link {
-        self.conn()
+        Link::clone(&self.conn.load())
+    }
+
+    /// Whether the breaker is open now, how often it opened, and how many calls it
+    /// refused at once.
+    pub fn breaker(&self) -> (bool, u64, u64) {
+        let (opened, refused) = self.breaker.figures();
+        (self.breaker.is_open(), opened, refused)
     }
 
     /// Whether the store is a Redis Cluster.
@@ -247,8 +273,10 @@ impl RedisStore {
         self.connection.is_cluster()
     }
 
-    fn conn(&self) -> Link {
-        Link::clone(&self.conn.load())
+    /// The command link for one command, unless the breaker refuses it.
+    fn conn(&self) -> Result<Link> {
+        self.breaker.admit()?;
+        Ok(Link::clone(&self.conn.load()))
     }
 
     /// Notes how a command ended: after [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row
@@ -286,7 +314,7 @@ impl RedisStore {
     /// A connection to the same Redis, for callers that need raw access (tests, tools).
     #[cfg(any(test, feature = "test-util"))]
     pub fn connection(&self) -> Link {
-        self.conn()
+        self.link()
     }
 }
 
@@ -298,8 +326,8 @@ impl Entries for RedisStore {
     ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
         Some(
             async move {
+                let mut conn = self.conn()?;
                 self.count(1);
-                let mut conn = self.conn();
                 let found: Option<Vec<u8>> = self
                     .read_and_touch
                     .key(key)
@@ -322,8 +350,8 @@ impl Entries for RedisStore {
     ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
         Some(
             async move {
+                let mut conn = self.conn()?;
                 self.count(1);
-                let mut conn = self.conn();
                 let found: Option<Vec<u8>> = redis::cmd("GETEX")
                     .arg(key)
                     .arg("PX")
@@ -340,8 +368,8 @@ impl Entries for RedisStore {
 
     fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<u64>>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             // -2: missing; -1: no expiry.
             let left: i64 = redis::cmd("PTTL")
                 .arg(key)
@@ -356,8 +384,8 @@ impl Entries for RedisStore {
 
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             let found: Option<Vec<u8>> = redis::cmd("GET")
                 .arg(key)
                 .query_async(&mut conn)
@@ -371,8 +399,8 @@ impl Entries for RedisStore {
 
     fn swap<'a>(&'a self, name: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<Option<Bytes>>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             let set = |conn: &mut Link| {
                 let mut conn = conn.clone();
                 let bytes = bytes.clone();
@@ -410,8 +438,8 @@ impl Entries for RedisStore {
     ) -> BoxFuture<'a, Result<bool>> {
         async move {
             let Some(expected) = expected else {
+                let mut conn = self.conn()?;
                 self.count(1);
-                let mut conn = self.conn();
                 let written: Option<String> = redis::cmd("SET")
                     .arg(name)
                     .arg(bytes.as_ref())
@@ -431,8 +459,8 @@ impl Entries for RedisStore {
 
     fn delete_foreign<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             let n: u64 = self
                 .delete_foreign
                 .key(name)
@@ -447,8 +475,8 @@ impl Entries for RedisStore {
 
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             redis::cmd("SET")
                 .arg(key)
                 .arg(bytes.as_ref())
@@ -464,8 +492,8 @@ impl Entries for RedisStore {
 
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             let n: u64 = redis::cmd("DEL")
                 .arg(key)
                 .query_async(&mut conn)
@@ -479,8 +507,8 @@ impl Entries for RedisStore {
 
     fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             let n: u64 = self
                 .delete_if_equal
                 .key(key)
@@ -502,8 +530,8 @@ impl Entries for RedisStore {
         ttl_ms: u64,
     ) -> BoxFuture<'a, Result<bool>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             let n: u64 = self
                 .replace_if_equal
                 .key(key)
@@ -527,8 +555,8 @@ impl Entries for RedisStore {
 impl FlightLock for RedisStore {
     fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             let ok: Option<String> = redis::cmd("SET")
                 .arg(key)
                 .arg(owner)
@@ -546,8 +574,8 @@ impl FlightLock for RedisStore {
 
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
         async move {
+            let mut conn = self.conn()?;
             self.count(1);
-            let mut conn = self.conn();
             let n: u64 = self
                 .delete_if_equal
                 .key(key)

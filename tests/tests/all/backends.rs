@@ -154,6 +154,63 @@ async fn a_dead_redis_is_a_typed_retryable_error_and_recovery_follows() -> Resul
     Ok(())
 }
 
+/// A frozen Redis opens the breaker after three failed calls: later calls are refused at
+/// once without a command sent (a get-or-set loads, uncached), until a probe after the
+/// cool-down finds Redis back and closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_redis_opens_the_breaker_and_a_probe_closes_it() -> Result<()> {
+    let server = RedisServer::start()?;
+    let mut options = corral::RedisOptions::new(server.url());
+    options.response_timeout = Duration::from_millis(200);
+    options.breaker_cool_down = Duration::from_secs(2);
+    let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
+    cache.set("k", "v", EntryOptions::new()).await?;
+    let store = cache.redis_store().expect("redis");
+    server.pause()?;
+    let started = Instant::now();
+    for i in 0..3 {
+        let e = cache.get("k").await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unavailable, "call {i}: {e}");
+    }
+    let tripped = started.elapsed();
+    assert!(store.breaker().0, "open after three failures");
+    let sent = store.commands_sent();
+    let started = Instant::now();
+    for i in 0..50 {
+        let v = cache
+            .get_or_set(&format!("miss-{i}"), EntryOptions::new(), || async {
+                Ok::<_, std::io::Error>("from the database")
+            })
+            .await?;
+        assert_eq!(v, "from the database");
+    }
+    let e = cache.set("k", "v2", EntryOptions::new()).await.unwrap_err();
+    assert!(e.to_string().contains("circuit open"), "{e}");
+    let fast = started.elapsed();
+    // (The landing channel's own resubscription runs on its own connection, counted
+    // in `commands_sent`; the cache's calls were all refused before sending.)
+    let _ = sent;
+    assert_eq!(cache.metrics().degraded, 50, "each miss loaded, uncached");
+    let (_, opened, refused) = store.breaker();
+    assert_eq!(opened, 1);
+    assert!(refused >= 51, "each miss's L2 read, and the set: {refused}");
+    println!("breaker: 3 calls took {tripped:?} to open it; 50 misses + 1 set then took {fast:?}");
+
+    server.resume()?;
+    let mut closed = false;
+    for _ in 0..60 {
+        if cache.set("k", "v3", EntryOptions::new()).await.is_ok() {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(closed, "a probe after the cool-down closes it");
+    assert!(!store.breaker().0);
+    assert_eq!(cache.get("k").await?.as_deref(), Some(&b"v3"[..]));
+    Ok(())
+}
+
 #[test]
 fn building_with_redis_outside_a_runtime_is_an_error_not_a_panic() {
     let e = Corral::builder()

@@ -1,0 +1,184 @@
+//! A circuit breaker for one store: after a few failures in a row (the store unreachable
+//! or not answering), calls fail at once with [`ErrorKind::Unavailable`] instead of each
+//! paying a connect or response timeout; after a cool-down one call goes through as a
+//! probe, and its success closes the breaker again.
+//!
+//! A get-or-set then degrades at once (it loads, uncached) during an outage, and `get`,
+//! `set`, `remove` fail fast; none waits out timeouts that cannot succeed. Only failures
+//! of the connection count (a timeout, a refused or dropped connection, a cluster that is
+//! down), never an answer the store gave (a wrong type, a missing script). Lock-free:
+//! every command asks it, so it costs two atomic loads when closed.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::{Error, ErrorKind, Result};
+
+/// The breaker of one store. Cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub(crate) struct Breaker {
+    /// Failures in a row while closed.
+    failures: AtomicU32,
+    /// 0 while closed; else the moment (ms after `origin`, at least 1) it may probe.
+    open_until_ms: AtomicU64,
+    /// Whether a probe is out.
+    probing: AtomicBool,
+    /// How often it opened.
+    opened: AtomicU64,
+    /// Calls it refused at once.
+    refused: AtomicU64,
+    threshold: u32,
+    cool_down: Duration,
+    origin: Instant,
+}
+
+impl Breaker {
+    /// Opens after `threshold` failures in a row (0: never) and probes after `cool_down`.
+    pub(crate) fn new(threshold: u32, cool_down: Duration) -> Self {
+        Breaker {
+            failures: AtomicU32::new(0),
+            open_until_ms: AtomicU64::new(0),
+            probing: AtomicBool::new(false),
+            opened: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            threshold,
+            cool_down,
+            origin: Instant::now(),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Lets a call through, or refuses it at once while open (one probe per cool-down
+    /// goes through).
+    pub(crate) fn admit(&self) -> Result<()> {
+        let until = self.open_until_ms.load(Ordering::Acquire);
+        if until == 0 {
+            return Ok(());
+        }
+        let now = self.now_ms();
+        if now >= until
+            && self
+                .probing
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            return Ok(());
+        }
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "Redis is failing (circuit open after {} failures in a row): not tried; the next probe in {} ms",
+                self.threshold,
+                until.saturating_sub(now)
+            ),
+        ))
+    }
+
+    /// Notes how an admitted call ended: `failed` for a failure of the connection.
+    pub(crate) fn record(&self, failed: bool) {
+        if !failed {
+            if self.failures.load(Ordering::Relaxed) != 0 {
+                self.failures.store(0, Ordering::Relaxed);
+            }
+            if self.open_until_ms.load(Ordering::Acquire) != 0 {
+                self.open_until_ms.store(0, Ordering::Release);
+                self.probing.store(false, Ordering::Release);
+                tracing::info!("Redis answers again: circuit closed");
+            }
+            return;
+        }
+        if self.threshold == 0 {
+            return;
+        }
+        let open = self.open_until_ms.load(Ordering::Acquire) != 0;
+        let n = self.failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
+        if open || n >= self.threshold {
+            let until =
+                (self.now_ms() + u64::try_from(self.cool_down.as_millis()).unwrap_or(u64::MAX)).max(1);
+            self.open_until_ms.store(until, Ordering::Release);
+            self.probing.store(false, Ordering::Release);
+            if !open {
+                self.opened.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    failures = n,
+                    cool_down_ms = self.cool_down.as_millis() as u64,
+                    "Redis is failing: circuit open, calls fail fast (get-or-set loads uncached) until a probe succeeds"
+                );
+            }
+        }
+    }
+
+    /// Whether it is open now.
+    pub(crate) fn is_open(&self) -> bool {
+        self.open_until_ms.load(Ordering::Acquire) != 0
+    }
+
+    /// How often it opened, and how many calls it refused at once.
+    pub(crate) fn figures(&self) -> (u64, u64) {
+        (
+            self.opened.load(Ordering::Relaxed),
+            self.refused.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// Whether `e` is a failure of the connection (not an answer the server gave).
+pub(crate) fn is_connection_failure(e: &redis::RedisError) -> bool {
+    e.is_timeout()
+        || e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_cluster_error()
+        || matches!(e.code(), Some("CLUSTERDOWN" | "LOADING" | "MASTERDOWN"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn it_opens_after_the_threshold_probes_after_the_cool_down_and_closes_on_success() {
+        let b = Breaker::new(3, Duration::from_secs(1));
+        for _ in 0..2 {
+            b.admit().unwrap();
+            b.record(true);
+        }
+        assert!(!b.is_open(), "two failures: still closed");
+        b.admit().unwrap();
+        b.record(false);
+        b.record(true);
+        b.record(true);
+        assert!(!b.is_open(), "a success resets the count");
+        b.record(true);
+        assert!(b.is_open(), "three in a row: open");
+        let e = b.admit().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unavailable);
+        assert!(e.to_string().contains("circuit open"), "{e}");
+        tokio::time::advance(Duration::from_millis(1_000)).await;
+        b.admit().expect("one probe after the cool-down");
+        assert!(b.admit().is_err(), "only one");
+        b.record(true);
+        assert!(b.admit().is_err(), "a failed probe opens it again");
+        tokio::time::advance(Duration::from_millis(1_000)).await;
+        b.admit().expect("the next probe");
+        b.record(false);
+        assert!(!b.is_open());
+        b.admit().expect("closed");
+        assert_eq!(b.figures(), (1, 3));
+    }
+
+    #[test]
+    fn a_threshold_of_zero_never_opens() {
+        let b = Breaker::new(0, Duration::from_secs(1));
+        for _ in 0..100 {
+            b.record(true);
+        }
+        assert!(b.admit().is_ok());
+    }
+}
