@@ -42,6 +42,9 @@ pub struct CorralBuilder {
     redis: Option<RedisOptions>,
     custom: Option<Stores>,
     custom_prefix: Option<String>,
+    /// `Some(false)`: sliding entries keep their moment in the envelope even where the
+    /// store could keep it.
+    sliding_in_store: Option<bool>,
 }
 
 /// The settings a caller named; the rest come from the guest's defaults.
@@ -84,6 +87,7 @@ impl Default for CorralBuilder {
             redis: None,
             custom: None,
             custom_prefix: None,
+            sliding_in_store: None,
         }
     }
 }
@@ -140,6 +144,16 @@ impl CorralBuilder {
             redis: None,
         });
         self.custom_prefix = Some(prefix.into());
+        self
+    }
+
+    /// Whether new sliding entries may keep their expiry moment in the store's TTL, so a
+    /// read slides them with one `GETEX` (default: yes, where the store's TTLs run on
+    /// this cache's clock; contract §3.2). Turn it off while processes of a Corral
+    /// before version-2 envelopes still share the store: they take a version-2 entry
+    /// for a corrupt one. Readers always read both.
+    pub fn sliding_in_store(mut self, allowed: bool) -> Self {
+        self.sliding_in_store = Some(allowed);
         self
     }
 
@@ -211,8 +225,9 @@ impl CorralBuilder {
     pub fn build(self) -> Result<Corral> {
         let mut settings = self.overrides.settings()?;
         // A custom store's TTL clock is its own business: its envelopes keep the moment.
-        settings.limits.sliding_in_store =
-            self.custom.is_none() && Stores::keep_sliding(self.uses_redis(), &*self.clock);
+        settings.limits.sliding_in_store = self.sliding_in_store != Some(false)
+            && self.custom.is_none()
+            && Stores::keep_sliding(self.uses_redis(), &*self.clock);
         let policy = Policy::load(settings.limits)?;
         let l1 = L1::new(self.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
         let metrics = Arc::new(Metrics::default());
@@ -252,6 +267,7 @@ impl CorralBuilder {
                 )
             }),
         };
+        let (_, removal_ttl_ms) = policy.removal(settings.lock_ttl_ms, b"")?;
         Ok(Corral {
             inner: Arc::new(Inner {
                 policy,
@@ -265,7 +281,7 @@ impl CorralBuilder {
                     lock_ttl_ms: settings.lock_ttl_ms,
                     store_timeout,
                 },
-                read_hints: super::read::ReadHints::new(self.l1_capacity),
+                read_hints: super::read::ReadHints::new(self.l1_capacity, removal_ttl_ms),
                 registry: Registry::default(),
                 metrics,
                 locks,

@@ -247,8 +247,10 @@ impl Corral {
         if decoded.kept_by_store {
             // The envelope says when it would have expired unread; the store knows when
             // it will (contract §3.1).
-            if let Some(ttl_ms) = self.l2_op(self.inner.stores.entries.ttl_ms(&entry)).await? {
-                meta.expires_at_ms = now.saturating_add(ttl_ms);
+            match self.l2_op(self.inner.stores.entries.ttl_ms(&entry)).await? {
+                Some(ttl_ms) => meta.expires_at_ms = now.saturating_add(ttl_ms),
+                // Gone between the two reads: slid out or removed.
+                None => return Ok(None),
             }
         }
         let value_len = decoded.value_len;

@@ -32,6 +32,11 @@ use crate::{ErrorKind, Result};
 pub(crate) struct ReadHints {
     /// Per slot: the key's hash (0: empty) and the guess, packed by [`pack`].
     slots: Box<[(AtomicU64, AtomicU64)]>,
+    /// The shortest TTL a `GETEX` may set: a removal's. A guess may meet a removal's
+    /// tombstone, and must not cut its life below the flight lock's TTL (contract
+    /// §5.12) even if the fix-up that follows never runs. Keys that slide by less are
+    /// read with a plain `GET`.
+    floor_ms: u64,
 }
 
 impl fmt::Debug for ReadHints {
@@ -62,13 +67,19 @@ fn unpack(packed: u64) -> NextRead {
 impl ReadHints {
     /// A table for about `capacity` keys (as many as L1 holds), between 1,024 and
     /// 65,536 slots: at most 1 MiB.
-    pub(crate) fn new(capacity: u64) -> Self {
+    pub(crate) fn new(capacity: u64, floor_ms: u64) -> Self {
         let slots = capacity.clamp(1 << 10, 1 << 16).next_power_of_two() as usize;
         ReadHints {
             slots: (0..slots)
                 .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
                 .collect(),
+            floor_ms,
         }
+    }
+
+    /// The TTL a removal's tombstone gets.
+    pub(crate) fn removal_ttl_ms(&self) -> u64 {
+        self.floor_ms
     }
 
     fn slot(&self, key: &str) -> (u64, &(AtomicU64, AtomicU64)) {
@@ -85,6 +96,10 @@ impl ReadHints {
 
     /// Records how the guest says `key` is to be read next, given the guess this read used.
     fn note(&self, key: &str, used: Option<NextRead>, next: NextRead) {
+        let next = match next {
+            NextRead::Expiring(ms) if ms < self.floor_ms => NextRead::Get,
+            next => next,
+        };
         if used == Some(next) || (used.is_none() && next == NextRead::Get) {
             return;
         }
@@ -107,6 +122,23 @@ pub(crate) enum L2Read {
 }
 
 impl Corral {
+    /// Writes what a read owes (`bytes` in place of `stored`, TTL `ttl_ms`, only if the
+    /// key still holds `stored`) in a task of its own, and waits for it: a caller that
+    /// gives up (a deadline, a dropped future) does not cancel it, so a TTL a guess set
+    /// is always put right while the store answers.
+    async fn owe(&self, name: &str, stored: Bytes, bytes: Bytes, ttl_ms: u64) -> Result<()> {
+        let (cache, name) = (self.clone(), name.to_owned());
+        let fix = tokio::spawn(async move {
+            let entries = &cache.inner.stores.entries;
+            cache
+                .l2_op(entries.replace_if_equal(&name, stored, bytes, ttl_ms))
+                .await
+                .map(drop)
+        });
+        fix.await
+            .map_err(|e| crate::Error::guest("a read's write-back task failed", e))?
+    }
+
     /// Reads the entry `name` at `now`. Returns the value and its (touched) metadata
     /// when fresh.
     pub(crate) async fn l2_read(&self, name: &str, now: u64) -> Result<Option<(Bytes, WitMeta)>> {
@@ -161,13 +193,9 @@ impl Corral {
                         let mut touched = Vec::with_capacity(stored.len());
                         touched.extend_from_slice(&header);
                         touched.extend_from_slice(&value);
-                        self.l2_op(entries.replace_if_equal(name, stored, touched.into(), ttl))
-                            .await?;
+                        self.owe(name, stored, touched.into(), ttl).await?;
                     }
-                    Some(Touch::Expire) => {
-                        self.l2_op(entries.replace_if_equal(name, stored.clone(), stored, ttl))
-                            .await?;
-                    }
+                    Some(Touch::Expire) => self.owe(name, stored.clone(), stored, ttl).await?,
                     None => {}
                 }
                 inner.read_hints.note(name, hint, hit.next_read);
@@ -176,10 +204,10 @@ impl Corral {
             ReadOutcome::Removed(rearm) => {
                 if rearm {
                     // The guess gave the tombstone a sliding TTL: give it a removal's.
-                    let (_, ttl) = inner.policy.removal(inner.flight.lock_ttl_ms, b"")?;
-                    self.l2_op(entries.replace_if_equal(name, stored.clone(), stored.clone(), ttl))
-                        .await?;
+                    let ttl = inner.read_hints.removal_ttl_ms();
+                    self.owe(name, stored.clone(), stored.clone(), ttl).await?;
                 }
+                inner.read_hints.note(name, hint, NextRead::Get);
                 Ok(L2Read::Miss { holds: Some(stored) })
             }
             ReadOutcome::Expired => remove(stored).await,
@@ -198,7 +226,7 @@ mod tests {
 
     #[test]
     fn a_guess_is_kept_until_another_replaces_it() {
-        let hints = ReadHints::new(0);
+        let hints = ReadHints::new(0, 0);
         assert_eq!(hints.get("k"), None);
         hints.note("k", None, NextRead::Get);
         assert_eq!(hints.get("k"), None, "a plain GET is the default: nothing kept");
@@ -216,7 +244,7 @@ mod tests {
 
     #[test]
     fn keys_sharing_a_slot_push_each_other_out_and_nothing_worse() {
-        let hints = ReadHints::new(0);
+        let hints = ReadHints::new(0, 0);
         let keys: Vec<String> = (0..5_000).map(|i| format!("key-{i}")).collect();
         for (i, k) in keys.iter().enumerate() {
             hints.note(k, None, NextRead::Expiring(i as u64 + 1));

@@ -110,13 +110,9 @@ async fn a_read_that_guessed_wrong_puts_the_ttl_right() -> Result<()> {
     let reader = cache(&server)?;
     let writer = cache(&server)?;
     writer
-        .set(
-            "k",
-            "sliding",
-            EntryOptions::new().sliding(Duration::from_secs(2)),
-        )
+        .set("k", "sliding", EntryOptions::new().sliding(MIN))
         .await?;
-    assert!(reader.refresh("k").await?, "the reader learns k slides by 2 s");
+    assert!(reader.refresh("k").await?, "the reader learns k slides by 60 s");
     let name = reader.entry_name("k")?;
 
     // Another process puts an entry of another kind there: the reader's next read
@@ -124,27 +120,61 @@ async fn a_read_that_guessed_wrong_puts_the_ttl_right() -> Result<()> {
     writer
         .set("k", "fixed", EntryOptions::new().relative(MIN * 60))
         .await?;
+    let getex = calls(&server, "getex").await?;
     assert_eq!(reader.get("k").await?.as_deref(), Some(&b"fixed"[..]));
+    assert_eq!(
+        calls(&server, "getex").await? - getex,
+        1,
+        "read by the stale guess"
+    );
     let ttl = pttl(&server, &name).await?;
     assert!(
         ttl > 3_500_000,
-        "the hour-long entry keeps its hour, not 2 s: {ttl}"
+        "the hour-long entry keeps its hour, not 60 s: {ttl}"
     );
 
-    // A removal's tombstone read by the guess gets a removal's TTL back, so it still
-    // refuses the fills of loads that began before it (contract §5.12).
+    // A removal's tombstone read by the guess gets a removal's TTL back (the flight
+    // lock's 30 s and a second of grace), so it refuses exactly the fills it was written
+    // to refuse (contract §5.12), no longer.
     writer
-        .set(
-            "k",
-            "sliding",
-            EntryOptions::new().sliding(Duration::from_secs(1)),
-        )
+        .set("k", "sliding", EntryOptions::new().sliding(MIN * 10))
         .await?;
     assert!(reader.refresh("k").await?);
     assert!(writer.remove("k").await?);
     assert_eq!(reader.get("k").await?, None);
     let ttl = pttl(&server, &name).await?;
-    assert!(ttl > 20_000, "the tombstone outlives the flight lock: {ttl} ms");
+    assert!(
+        (20_000..=31_000).contains(&ttl),
+        "a removal's TTL again, not 10 min: {ttl} ms"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_guess_never_cuts_a_tombstone_short() -> Result<()> {
+    // A key that slides by less than a removal's TTL is never read with GETEX: a stale
+    // guess could otherwise leave a tombstone with a second to live if its fix-up never
+    // ran (the process died, the store failed), and a load that began before the
+    // removal could then fill over it.
+    let server = RedisServer::start()?;
+    let reader = cache(&server)?;
+    let writer = cache(&server)?;
+    writer
+        .set("k", "v", EntryOptions::new().sliding(Duration::from_secs(1)))
+        .await?;
+    let getex = calls(&server, "getex").await?;
+    for _ in 0..3 {
+        assert!(reader.refresh("k").await?);
+    }
+    assert_eq!(
+        calls(&server, "getex").await? - getex,
+        0,
+        "GET and a compare-and-expire"
+    );
+    assert!(writer.remove("k").await?);
+    assert_eq!(reader.get("k").await?, None);
+    let ttl = pttl(&server, &reader.entry_name("k")?).await?;
+    assert!(ttl > 20_000, "the tombstone keeps a removal's TTL: {ttl} ms");
     Ok(())
 }
 
@@ -175,8 +205,30 @@ async fn processes_on_either_clock_share_a_store() -> Result<()> {
         .query_async(&mut server.connection().await?)
         .await?;
     assert_eq!(&stored[..4], b"CRL\x01");
+    let (getex, scripts) = (calls(&server, "getex").await?, calls(&server, "evalsha").await?);
     for _ in 0..3 {
         assert_eq!(real.get("b").await?.as_deref(), Some(&b"2"[..]));
     }
+    assert_eq!(calls(&server, "getex").await?, getex, "never by GETEX");
+    assert!(calls(&server, "evalsha").await? > scripts, "but by the script");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_cache_told_not_to_keeps_the_moment_in_the_envelope() -> Result<()> {
+    // For a rolling upgrade: processes that predate version-2 envelopes take them for
+    // corrupt entries, so the new ones write version 1 until the old ones are gone.
+    let server = RedisServer::start()?;
+    let cache = Corral::builder()
+        .redis(server.url())
+        .sliding_in_store(false)
+        .l1_capacity(0)
+        .build()?;
+    cache.set("k", "v", EntryOptions::new().sliding(MIN)).await?;
+    let stored: Vec<u8> = redis::cmd("GET")
+        .arg(cache.entry_name("k")?)
+        .query_async(&mut server.connection().await?)
+        .await?;
+    assert_eq!(&stored[..4], b"CRL\x01");
     Ok(())
 }
