@@ -46,16 +46,15 @@ pub struct Cli {
     )]
     redis: Vec<RedisUrl>,
     /// Use the Redis Cluster that has this node as L2 (and for `lock`); give it several
-    /// times (or comma-separated) to name more seed nodes. Any reachable node will do.
+    /// times to name more seed nodes. Any reachable node will do. Takes precedence over
+    /// --redis (and CORRAL_REDIS).
     #[arg(
         long,
         global = true,
         env = "CORRAL_REDIS_CLUSTER",
         hide_env_values = true,
         value_name = "URL",
-        value_delimiter = ',',
-        value_parser = RedisUrl::parse,
-        conflicts_with = "redis"
+        value_parser = RedisUrl::parse
     )]
     redis_cluster: Vec<RedisUrl>,
     /// Store every key under this prefix in Redis.
@@ -185,7 +184,11 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             command,
         } => {
             let request = lock::Request {
-                urls: &cli.redis,
+                urls: if cli.redis_cluster.is_empty() {
+                    &cli.redis
+                } else {
+                    &[]
+                },
                 cluster: &cli.redis_cluster,
                 prefix: &cli.prefix,
                 key,
@@ -204,7 +207,12 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
 
 /// The commands that work on a cache: the embedded one, or one on `--redis`.
 async fn run_cache(cli: &Cli) -> Result<(), Failure> {
-    let redis = match cli.redis.as_slice() {
+    let standalone = if cli.redis_cluster.is_empty() {
+        cli.redis.as_slice()
+    } else {
+        &[]
+    };
+    let redis = match standalone {
         [] => None,
         [url] => Some(url),
         _ => {

@@ -69,7 +69,7 @@ async fn main() -> Result<()> {
         return Ok(());
     }
     eprintln!("starting a 3+3 cluster");
-    let cluster = RedisCluster::start(3, 1)?;
+    let cluster = RedisCluster::start(3, 1, Duration::from_secs(5))?;
     let cache = Corral::builder()
         .redis_cluster(cluster.urls())
         .l1_capacity(0)

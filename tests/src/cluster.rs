@@ -16,8 +16,9 @@ use anyhow::{Context, Result, bail};
 
 use crate::RedisServer;
 
-/// How long a node may be unreachable before its replica takes over.
-pub const NODE_TIMEOUT_MS: u64 = 1_000;
+/// How long a node of the shared cluster may be unreachable before its replica takes
+/// over: long, so that a loaded machine never fails one over by mistake.
+pub const SHARED_NODE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A Redis Cluster this process started. Dropping it stops every node.
 #[derive(Debug)]
@@ -81,9 +82,10 @@ fn remove_stale_dirs() {
 }
 
 impl RedisCluster {
-    /// Starts `masters` masters with `replicas` replicas each, joins them, and waits
-    /// until every node reports the cluster ok and every replica is in sync.
-    pub fn start(masters: usize, replicas: usize) -> Result<Self> {
+    /// Starts `masters` masters with `replicas` replicas each (a node unreachable for
+    /// `node_timeout` is failed over), joins them, and waits until every node reports
+    /// the cluster ok and every replica is in sync.
+    pub fn start(masters: usize, replicas: usize, node_timeout: Duration) -> Result<Self> {
         remove_stale_dirs();
         let dir = std::env::temp_dir().join(format!(
             "corral-cluster-{}-{}",
@@ -102,7 +104,7 @@ impl RedisCluster {
                     "--cluster-config-file",
                     &dir.join(format!("nodes-{port}.conf")).display().to_string(),
                     "--cluster-node-timeout",
-                    &NODE_TIMEOUT_MS.to_string(),
+                    &node_timeout.as_millis().to_string(),
                     "--dir",
                     &dir.display().to_string(),
                 ]
@@ -151,7 +153,7 @@ impl RedisCluster {
         SHARED
             .get_or_init(|| {
                 let (tx, rx) = std::sync::mpsc::channel();
-                std::thread::spawn(move || match RedisCluster::start(3, 1) {
+                std::thread::spawn(move || match RedisCluster::start(3, 1, SHARED_NODE_TIMEOUT) {
                     Ok(cluster) => {
                         let _ = tx.send(Ok(cluster.urls()));
                         // Lives as long as the process; its servers die with this thread.

@@ -35,10 +35,17 @@ pub struct RedisServer {
 fn die_with_parent(cmd: &mut Command) {
     use std::os::unix::process::CommandExt;
     // SAFETY: the closure runs in the child between fork and exec and only calls
-    // prctl, which is async-signal-safe and touches no memory of the parent's.
+    // prctl, getppid and _exit, which are async-signal-safe and touch no memory of the
+    // parent's.
+    let parent = std::process::id();
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            // The parent may have died between the fork and the prctl: then no signal
+            // will ever come, so go now.
+            if libc::getppid() != parent as libc::pid_t {
+                libc::_exit(1);
+            }
             Ok(())
         });
     }

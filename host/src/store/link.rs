@@ -123,7 +123,11 @@ impl Connection {
             let client = ClusterClient::builder(infos)
                 .connection_timeout(options.connect_timeout)
                 .response_timeout(options.response_timeout)
-                .retries(1)
+                // No command is sent twice: a resent `SET NX` or lock script whose first
+                // try landed would report the lock busy while holding it. So a MOVED or
+                // ASK redirect fails the command once (the slot map is rebuilt for the
+                // next one) instead of being followed.
+                .retries(0)
                 .tcp_settings(TcpSettings::default().set_nodelay(true))
                 .build()
                 .map_err(failed("cluster client"))?;
@@ -178,9 +182,58 @@ impl Connection {
     }
 }
 
+/// Clients for every node a cluster knows now (masters and replicas), asked through
+/// `link` (`CLUSTER SLOTS`, within `timeout`): where a subscription goes when no seed
+/// node answers. Empty for one server or when the cluster does not answer.
+pub(crate) async fn cluster_nodes(link: &Link, timeout: Duration) -> Vec<redis::Client> {
+    let Link::Cluster(conn) = link else {
+        return Vec::new();
+    };
+    let mut conn = conn.clone();
+    let slots = tokio::time::timeout(
+        timeout,
+        redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async::<Vec<Vec<Value>>>(&mut conn),
+    )
+    .await;
+    let Ok(Ok(slots)) = slots else {
+        return Vec::new();
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    for range in slots {
+        for node in range.iter().skip(2) {
+            if let Value::Array(node) = node
+                && let (Some(Value::BulkString(host)), Some(Value::Int(port))) = (node.first(), node.get(1))
+            {
+                seen.insert((String::from_utf8_lossy(host).into_owned(), *port));
+            }
+        }
+    }
+    seen.into_iter()
+        .filter_map(|(host, port)| redis::Client::open(format!("redis://{host}:{port}")).ok())
+        .collect()
+}
+
 /// Subscribes `pubsub` through the first of `clients` that answers within `timeout`,
-/// starting at `first` (so a dead node is not tried first again).
+/// starting at `first` (so a dead node is not tried first again), all tries together
+/// within twice `timeout`.
 pub(crate) async fn pubsub_on(
+    clients: &[redis::Client],
+    first: usize,
+    timeout: Duration,
+) -> Result<(usize, redis::aio::PubSub)> {
+    tokio::time::timeout(2 * timeout, try_each(clients, first, timeout))
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::new(
+                crate::ErrorKind::Timeout,
+                "no Redis node took a pub/sub connection in time",
+            ))
+        })
+}
+
+async fn try_each(
     clients: &[redis::Client],
     first: usize,
     timeout: Duration,

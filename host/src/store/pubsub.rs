@@ -24,7 +24,7 @@ use futures::{FutureExt, StreamExt};
 
 use arc_swap::ArcSwap;
 
-use super::link::{Link, pubsub_on};
+use super::link::{Link, cluster_nodes, pubsub_on};
 use super::redis::RedisOptions;
 use super::{ForeignHook, LandingWatch, Landings, Notifications};
 use crate::{Error, Result};
@@ -138,8 +138,22 @@ async fn subscribe(shared: &Shared) -> Result<(redis::aio::PubSubSink, redis::ai
     let timed_out = |what: &str| Error::new(crate::ErrorKind::Timeout, format!("redis {what} timed out"));
     shared.commands.fetch_add(1, Ordering::Relaxed);
     let first = shared.current.load(Ordering::Relaxed);
-    let (at, mut pubsub) = pubsub_on(&shared.clients, first, shared.connect_timeout).await?;
-    shared.current.store(at, Ordering::Relaxed);
+    let mut pubsub = match pubsub_on(&shared.clients, first, shared.connect_timeout).await {
+        Ok((at, pubsub)) => {
+            shared.current.store(at, Ordering::Relaxed);
+            pubsub
+        }
+        // No seed node answers: a cluster may have others (replicas promoted, nodes
+        // added since the seeds were written down).
+        Err(e) => {
+            let link = Link::clone(&shared.commands_conn.load());
+            let nodes = cluster_nodes(&link, shared.response_timeout).await;
+            if nodes.is_empty() {
+                return Err(e);
+            }
+            pubsub_on(&nodes, 0, shared.connect_timeout).await?.1
+        }
+    };
     tokio::time::timeout(shared.response_timeout, pubsub.subscribe(&shared.channel))
         .await
         .map_err(|_| timed_out("SUBSCRIBE"))?

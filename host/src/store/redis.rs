@@ -292,6 +292,12 @@ impl RedisStore {
         if self.timeouts.fetch_add(1, Ordering::AcqRel) + 1 < TIMEOUTS_BEFORE_RECONNECT {
             return;
         }
+        if self.connection.is_cluster() {
+            // The cluster client reconnects each node by itself; a new link would drop
+            // the healthy nodes' connections too.
+            self.timeouts.store(0, Ordering::Relaxed);
+            return;
+        }
         self.timeouts.store(0, Ordering::Relaxed);
         match self.connection.link() {
             Ok(fresh) => {

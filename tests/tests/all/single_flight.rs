@@ -92,9 +92,14 @@ async fn four_processes_share_one_load_without_a_polling_storm() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_processes_share_one_load_on_a_cluster() -> Result<()> {
     let _real_time = real_time().await;
-    let nodes = corral_tests::RedisCluster::shared()?.join(",");
+    let nodes = corral_tests::RedisCluster::shared()?;
     let prefix = format!("four-processes-{}:", std::process::id());
-    let (loads, client_commands) = four_processes(&["--redis-cluster", &nodes, "--prefix", &prefix]).await?;
+    let mut args: Vec<&str> = nodes
+        .iter()
+        .flat_map(|n| ["--redis-cluster", n.as_str()])
+        .collect();
+    args.extend(["--prefix", &prefix]);
+    let (loads, client_commands) = four_processes(&args).await?;
     println!("4 x 250 callers on a cluster: {loads} loader call(s), {client_commands} cache commands");
     Ok(())
 }
