@@ -3,6 +3,7 @@
 //! and the real guest over a simulated store and network, on virtual time, with faults
 //! and workloads drawn from one seed. See `README.md` ("Simulation").
 
+pub(crate) mod body;
 pub(crate) mod locks;
 pub mod report;
 pub mod rng;

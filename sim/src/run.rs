@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use corral::locks::RedisLocks;
-use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions};
+use corral::portable::PortableCache;
+use corral::{Clock, Corral, EntryOptions, ErrorKind};
+
+use crate::body::{Body, Finish, Load, wait_for};
 use parking_lot::Mutex;
 
 use crate::rng::Rng;
@@ -48,7 +51,8 @@ pub struct Outcome {
     pub seed: u64,
     pub procs: usize,
     pub keys: usize,
-    /// ` --broken NAME` when the store was deliberately broken, else empty.
+    /// ` --broken NAME` when the store was deliberately broken, ` --portable` for the
+    /// portable body, else empty.
     pub broken: String,
     pub scenario: &'static str,
     /// Calls made by the workload.
@@ -261,12 +265,13 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             world.fault("clock-skew");
             world.log(format_args!("p{p} clock skewed {} ms", plan.skew[p]));
         }
-        let cache = Corral::builder()
-            .clock(SimClock {
-                start: world.start,
-                skew: skew.clone(),
-            })
-            .stores("sim:", conn.clone(), conn.clone(), conn)
+        let clock = SimClock {
+            start: world.start,
+            skew: skew.clone(),
+        };
+        let native = Corral::builder()
+            .clock(clock.clone())
+            .stores("sim:", conn.clone(), conn.clone(), conn.clone())
             .l1_ttl(Duration::from_millis(scenario.l1_ttl_ms))
             .lock_ttl(Duration::from_millis(scenario.lock_ttl_ms))
             .lock_wait(Duration::from_millis(scenario.lock_wait_ms))
@@ -274,8 +279,25 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             .expect("a simulated process");
         for k in 0..scenario.keys {
             let key = format!("k{k}");
-            world.learn_name(&key, &cache.entry_name(&key).expect("a valid key"));
+            world.learn_name(&key, &native.entry_name(&key).expect("a valid key"));
         }
+        let cache = if scenario.portable {
+            let portable = PortableCache::builder()
+                .clock(clock)
+                .stores("sim:", conn.clone(), conn.clone(), conn)
+                .l1_ttl(Duration::from_millis(scenario.l1_ttl_ms))
+                .lock_ttl(Duration::from_millis(scenario.lock_ttl_ms))
+                .lock_wait(Duration::from_millis(scenario.lock_wait_ms))
+                .lockstep()
+                .build()
+                .expect("a simulated portable process");
+            // The portable body hears no other process's announcements (its L1 is not
+            // invalidated by them, contract §5.12): the native cache's hook goes.
+            *world.procs[p].hook.lock() = None;
+            Body::Portable(portable)
+        } else {
+            Body::Native(native)
+        };
         let server: Arc<dyn corral::locks::LeaseServer> = Arc::new(Conn {
             world: world.clone(),
             proc: p,
@@ -406,8 +428,8 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             if world.is_crashed(p) {
                 continue;
             }
-            let name = cache.entry_name(&key).expect("a valid key");
-            let stored = cache.entries().get(&name).await.ok().flatten();
+            let name = world.entry_name(&key);
+            let stored = cache.raw(&name).await;
             let want = match stored.as_deref().map(tag_of) {
                 Some(Tag::Value(v)) => Some(v),
                 _ => None,
@@ -429,7 +451,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     check_history(&ctx, &scenario, &plan);
     crate::locks::check_orphans(&world);
 
-    let metrics_degraded = caches.iter().map(|c| c.metrics().degraded).sum();
+    let metrics_degraded = caches.iter().map(|c| c.degraded()).sum();
     let calls = ctx.calls.lock().len() as u64;
     let mut longest_ms = BTreeMap::new();
     for c in ctx.calls.lock().iter() {
@@ -438,15 +460,22 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     }
     let st = world.st.lock();
     let b = scenario.broken;
-    let broken = match (b.unfenced_set_if, b.mute_notifications, b.lock_without_nx) {
-        (true, _, _) => " --broken unfenced",
-        (_, true, _) => " --broken mute",
-        (_, _, true) => " --broken no-nx",
+    let broken = match (
+        b.unfenced_set_if,
+        b.mute_notifications,
+        b.lock_without_nx,
+        b.unfloored_fences,
+    ) {
+        (true, ..) => " --broken unfenced",
+        (_, true, ..) => " --broken mute",
+        (_, _, true, _) => " --broken no-nx",
+        (.., true) => " --broken no-floor",
         _ => "",
     };
+    let broken = format!("{broken}{}", if scenario.portable { " --portable" } else { "" });
     Outcome {
         seed,
-        broken: broken.to_owned(),
+        broken,
         procs: scenario.procs,
         keys: scenario.keys,
         scenario: scenario.name,
@@ -468,7 +497,7 @@ fn show(v: &Option<Bytes>) -> Option<String> {
 
 /// One call of the workload, bounded, in a task of its own (a panic that escapes the
 /// library is caught at the join and is a violation).
-async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Corral, op: Op) {
+async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     let w = ctx.world.clone();
     let id = ctx.next_id();
     let t_inv = w.now();
@@ -502,40 +531,47 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Corral, op: Op) {
                     .await
                     .map(|r| r.map(|b| (Res::Done(b), None))),
                 Op::GetOrSet(_, plan) => {
-                    let options = LoadOptions::new().entry(EntryOptions::new().relative(VALUE_TTL));
+                    let entry = EntryOptions::new().relative(VALUE_TTL);
                     let began = w.now();
-                    let loader = {
+                    let ms = match plan {
+                        LoaderPlan::Ok(ms)
+                        | LoaderPlan::Fail(ms)
+                        | LoaderPlan::Panic(ms)
+                        | LoaderPlan::Slow(ms) => ms,
+                    };
+                    let start = {
                         let (w, key, loaded) = (w.clone(), key.clone(), loaded.clone());
-                        move || async move {
+                        move || -> Finish {
                             let value = format!("load{}", w.next_seq());
                             let index = w.load_started(id, proc, &key, &value, began);
-                            let _end = EndGuard(w.clone(), index);
+                            let end = EndGuard(w.clone(), index);
                             *loaded.lock() = Some((value.clone(), plan.clone()));
-                            let ms = match plan {
-                                LoaderPlan::Ok(ms) | LoaderPlan::Fail(ms) | LoaderPlan::Panic(ms) => ms,
-                                LoaderPlan::Slow(ms) => {
-                                    w.fault("loader-slow");
-                                    ms
-                                }
-                            };
-                            tokio::time::sleep(Duration::from_millis(ms)).await;
-                            w.gate(proc).await;
-                            match plan {
-                                LoaderPlan::Fail(_) => {
-                                    w.fault("loader-fail");
-                                    w.log(format_args!("p{proc} c{id} loader fails"));
-                                    Err(std::io::Error::other("sim: loader failed"))
-                                }
-                                LoaderPlan::Panic(_) => {
-                                    w.fault("loader-panic");
-                                    w.log(format_args!("p{proc} c{id} loader panics"));
-                                    panic!("sim: loader panic");
-                                }
-                                _ => Ok(Bytes::from(value)),
+                            if let LoaderPlan::Slow(_) = plan {
+                                w.fault("loader-slow");
                             }
+                            Box::new(move || {
+                                let _end = end;
+                                match plan {
+                                    LoaderPlan::Fail(_) => {
+                                        w.fault("loader-fail");
+                                        w.log(format_args!("p{proc} c{id} loader fails"));
+                                        Err("sim: loader failed".to_owned())
+                                    }
+                                    LoaderPlan::Panic(_) => {
+                                        w.fault("loader-panic");
+                                        w.log(format_args!("p{proc} c{id} loader panics"));
+                                        panic!("sim: loader panic");
+                                    }
+                                    _ => Ok(Bytes::from(value)),
+                                }
+                            })
                         }
                     };
-                    tokio::time::timeout(bound, cache.get_or_set(&key, options, loader))
+                    let load = Load {
+                        wait: Arc::new(wait_for(w.clone(), proc, ms)),
+                        start: Box::new(start),
+                    };
+                    tokio::time::timeout(bound, cache.get_or_set(&key, entry, load))
                         .await
                         .map(|r| {
                             r.map(|v| (Res::Value(Some(String::from_utf8_lossy(&v).into_owned())), None))
@@ -665,11 +701,24 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             if lag <= NOTIFY_WINDOW_MS {
                 continue;
             }
-            let gap = gaps.iter().any(|g| {
+            let covering = gaps.iter().filter(|g| {
                 g.proc == c.proc
                     && g.key.as_ref().is_none_or(|k| *k == c.key)
                     && g.t + 2 * SLOW_NET_MS >= a.t_ack
                     && g.t <= c.t_inv
+            });
+            // A notification lost on its way: the copy lives until the L1 TTL. One the
+            // process could not hear (its connection down, the store restarted): until it
+            // resubscribes and drops its L1 (when it runs, if it was paused then).
+            let resumed = |t: u64| {
+                pauses[c.proc]
+                    .iter()
+                    .find(|&&(x, y)| x <= t && t < y)
+                    .map_or(t, |&(_, y)| y)
+            };
+            let gap = covering.into_iter().any(|g| match g.healed {
+                None => lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back,
+                Some(h) => c.t_inv <= resumed(h) + NOTIFY_WINDOW_MS,
             });
             let what = format!(
                 "p{} c{} {} {} at {} served {v} (order {served}), but {} (order {}) was acknowledged at {} ({lag} ms before)",
@@ -687,7 +736,11 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             });
             if paused {
                 w.excuse("stale-after-pause", what);
-            } else if gap && lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back {
+            } else if s.portable && lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back {
+                // The portable body's L1 hears no other process's writes, and its fills
+                // are not fenced (open points of contract §5.12): up to its L1 TTL.
+                w.excuse("stale-portable-l1", what);
+            } else if gap {
                 w.excuse("stale-after-lost-notification", what);
             } else {
                 w.violation(format!("stale read: {what}"));

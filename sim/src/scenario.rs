@@ -85,6 +85,9 @@ pub struct Scenario {
     pub lease_ttl_ms: u64,
     pub faults: FaultRates,
     pub broken: Broken,
+    /// The processes run the component's own `cache` export (the portable body) in
+    /// wasmtime instead of the native `Corral`.
+    pub portable: bool,
 }
 
 impl Scenario {
@@ -105,6 +108,7 @@ impl Scenario {
             lease_ttl_ms: 1_200,
             faults: FaultRates::default(),
             broken: Broken::default(),
+            portable: false,
         }
     }
 
@@ -186,6 +190,14 @@ impl Scenario {
     /// A scenario by name (`calm`, `network`, `loaders`, `chaos`, `process`).
     pub fn named(name: &str) -> Option<Scenario> {
         Self::all().into_iter().find(|s| s.name == name)
+    }
+
+    /// This scenario run by the portable body (the component's `cache` export): its lease
+    /// holders stay out (the leases are the native lock API's).
+    pub fn portable(mut self) -> Self {
+        self.portable = true;
+        self.lockers = 0;
+        self
     }
 
     /// The scenario seed `seed` runs when cycling through [`all`](Self::all).

@@ -8,6 +8,10 @@ use corral_sim::{Broken, Scenario, Totals, run_seed};
 const SEEDS: u64 = 2_000;
 /// Seeds run twice and compared byte for byte.
 const REPLAYED: u64 = 150;
+/// Seeds the portable body runs (the component's own `cache` export, in wasmtime), and
+/// how many of them run twice.
+const PORTABLE_SEEDS: u64 = 60;
+const PORTABLE_REPLAYED: u64 = 10;
 
 /// Runs every `stride`-th seed of `0..SEEDS` from `first`; panics with the first failure.
 fn hold_every_invariant(first: u64, stride: u64) {
@@ -121,4 +125,43 @@ fn fence_counters_not_floored_at_the_store_clock_regress_after_a_restart() {
     let (seed, what) = first_failing(broken).expect("caught within 200 seeds");
     println!("unfloored fences: seed {seed} ({} seeds): {what}", seed + 1);
     assert!(what.starts_with("fencing"), "{what}");
+}
+
+#[test]
+fn the_portable_body_holds_its_invariants_and_replays() {
+    let started = Instant::now();
+    let mut totals = Totals::default();
+    let mut first_failure = None;
+    for seed in 0..PORTABLE_SEEDS {
+        let scenario = Scenario::for_seed(seed).portable();
+        let outcome = run_seed(&scenario, seed);
+        if !outcome.violations.is_empty() && first_failure.is_none() {
+            first_failure = Some(outcome.clone());
+        }
+        if seed < PORTABLE_REPLAYED {
+            let again = run_seed(&scenario, seed);
+            assert!(
+                again.trace == outcome.trace,
+                "portable seed {seed} ({}) traced otherwise the second time",
+                scenario.name
+            );
+        }
+        totals.add(&outcome);
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!("{}", totals.table());
+    println!("{PORTABLE_SEEDS} portable seeds in {secs:.1} s");
+    if let Some(o) = first_failure {
+        panic!(
+            "{} failing portable seeds; first: seed {} ({}):\n  {}\nreplay: {}\n{}",
+            totals.failing.len(),
+            o.seed,
+            o.scenario,
+            o.violations.join("\n  "),
+            o.replay_command(),
+            o.trace
+        );
+    }
+    assert!(totals.ops > PORTABLE_SEEDS * 40, "the workload ran");
+    assert!(totals.locked_loads > 0, "loads ran under the flight lock");
 }

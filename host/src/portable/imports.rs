@@ -2,15 +2,24 @@
 //! lock `table`), as wasmtime's wasi-keyvalue does it: a shared [`Backend`], a per-call
 //! [`CallState`], and one `add_to_linker`.
 //!
-//! Imports block on the stores: a portable call runs on a blocking thread. A call whose
-//! caller went away traps at its next loader return (contract §5.11), and every flight
-//! it led is handed on when the call ends.
+//! Imports block on the stores: a portable call runs on a blocking thread, or, in
+//! lockstep ([`super::PortableBuilder::lockstep`]), on a thread whose every store step
+//! the caller's task performs while that thread waits. A call whose caller went away
+//! traps at its next loader call or return (contract §5.11), and every flight it led is
+//! handed on when the call ends. A loader that panics traps its call the same way; the
+//! caller gets the panic as a loader error.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
 
 use parking_lot::Mutex;
 use wasmtime::component::{HasData, Linker, ResourceTable};
@@ -55,6 +64,75 @@ pub(crate) struct CallState {
     pub(crate) leading: HashMap<String, LeaderGuard<WitOutcome>>,
     /// The flight locks this call holds (key, owner token), until it releases them.
     pub(crate) locks: HashMap<String, String>,
+    /// In lockstep: where this call's store steps are performed.
+    pub(crate) lockstep: Option<Lockstep>,
+    /// The loader panicked: what its caller gets (the call traps).
+    pub(crate) panicked: Option<crate::Error>,
+}
+
+/// A store step a lockstep call hands to its caller's task.
+pub(crate) type Step = BoxFuture<'static, ()>;
+
+/// A lockstep call's link to its caller's task, which performs each step it is sent and
+/// waits for the next while the call's thread computes: one of the two runs at a time.
+#[derive(Clone, Debug)]
+pub(crate) struct Lockstep {
+    steps: mpsc::Sender<Step>,
+}
+
+/// Waits for what the other side of a lockstep sends: spinning for up to `spin`, then
+/// blocking. The caller's task spins a little (the call usually computes for
+/// microseconds, about what a thread takes to wake up); a call's thread does not (its
+/// caller's step may wait on other tasks for long, and many calls may be waiting).
+pub(crate) fn recv_soon<T>(rx: &mpsc::Receiver<T>, spin: Duration) -> Result<T, mpsc::RecvError> {
+    let start = std::time::Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Ok(v),
+            Err(mpsc::TryRecvError::Disconnected) => return Err(mpsc::RecvError),
+            Err(mpsc::TryRecvError::Empty) if start.elapsed() < spin => std::hint::spin_loop(),
+            Err(mpsc::TryRecvError::Empty) => return rx.recv(),
+        }
+    }
+}
+
+thread_local! {
+    /// The lockstep link of the call running on this thread (for its loader).
+    static CURRENT: RefCell<Option<Lockstep>> = const { RefCell::new(None) };
+}
+
+impl Lockstep {
+    pub(crate) fn new(steps: mpsc::Sender<Step>) -> Self {
+        Lockstep { steps }
+    }
+
+    /// Runs `step` on the caller's task and waits for its output; `None` when the caller
+    /// went away.
+    pub(crate) fn run<T: Send + 'static>(&self, step: impl Future<Output = T> + Send + 'static) -> Option<T> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let step = async move {
+            let _ = tx.send(step.await);
+        };
+        self.steps.send(step.boxed()).ok()?;
+        rx.recv().ok()
+    }
+
+    /// Makes this the link of the call on this thread while `f` runs.
+    pub(crate) fn enter<R>(&self, f: impl FnOnce() -> R) -> R {
+        let previous = CURRENT.with(|c| c.replace(Some(self.clone())));
+        let out = f();
+        CURRENT.with(|c| *c.borrow_mut() = previous);
+        out
+    }
+}
+
+/// Inside a lockstep call (its loader, on the call's thread): runs `step` on the
+/// caller's task and waits for it. `None` outside a lockstep call, or when the caller
+/// went away.
+#[cfg_attr(not(any(test, feature = "test-util")), allow(dead_code))]
+pub fn in_caller<T: Send + 'static>(step: impl Future<Output = T> + Send + 'static) -> Option<T> {
+    let link = CURRENT.with(|c| c.borrow().clone())?;
+    link.run(step)
 }
 
 impl Backend {
@@ -63,15 +141,34 @@ impl Backend {
     /// over need not wait out the lock's TTL; then the flights it led are handed on.
     pub(crate) fn end_call(&self, call: CallState) {
         for (key, owner) in &call.locks {
-            let released = self.runtime.block_on(async {
-                self.stores.flight_lock.release(key, owner).await?;
-                self.stores.notifications.announce(key).await
+            let stores = self.stores.clone();
+            let (key, owner) = (key.clone(), owner.clone());
+            let released = self.io(call.lockstep.as_ref(), async move {
+                stores.flight_lock.release(&key, &owner).await?;
+                stores.notifications.announce(&key).await
             });
-            if let Err(e) = released {
-                tracing::warn!(key, error = %e, "releasing an abandoned flight lock failed; it expires by its TTL");
+            match released {
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "releasing an abandoned flight lock failed; it expires by its TTL");
+                }
+                None => tracing::warn!("the caller went away: an abandoned flight lock expires by its TTL"),
             }
         }
         drop(call);
+    }
+
+    /// Performs one store step: on the caller's task in lockstep, else blocking this
+    /// thread on the runtime. `None`: the (lockstep) caller went away.
+    fn io<T: Send + 'static>(
+        &self,
+        lockstep: Option<&Lockstep>,
+        step: impl Future<Output = T> + Send + 'static,
+    ) -> Option<T> {
+        match lockstep {
+            Some(link) => link.run(step),
+            None => Some(self.runtime.block_on(step)),
+        }
     }
 }
 
@@ -89,7 +186,36 @@ impl fmt::Debug for PortableState {
     }
 }
 
+/// What an import answers when its lockstep caller went away.
+fn gone() -> types::Error {
+    to_wit(&crate::Error::new(
+        crate::ErrorKind::Unavailable,
+        "the caller went away",
+    ))
+}
+
 impl PortableState {
+    /// Performs one store step of this call (see [`Backend::io`]); a caller gone marks
+    /// the call cancelled.
+    fn io<T: Send + 'static>(&mut self, step: impl Future<Output = T> + Send + 'static) -> Option<T> {
+        let out = self.backend.io(self.call.lockstep.as_ref(), step);
+        if out.is_none() {
+            self.call.cancelled.store(true, Ordering::SeqCst);
+        }
+        out
+    }
+
+    /// As [`io`](Self::io), for a step whose result is a store result.
+    fn store<T: Send + 'static>(
+        &mut self,
+        step: impl Future<Output = crate::Result<T>> + Send + 'static,
+    ) -> Result<T, types::Error> {
+        match self.io(step) {
+            Some(out) => out.map_err(|e| to_wit(&e)),
+            None => Err(gone()),
+        }
+    }
+
     /// An instance's data: the guest reads `backend.clock` as `wasi:clocks/wall-clock`.
     pub(crate) fn new(backend: Arc<Backend>) -> Self {
         let mut wasi = WasiCtx::builder();
@@ -157,32 +283,24 @@ impl l1::Host for &mut PortableState {
 
 impl l2::Host for &mut PortableState {
     fn get(&mut self, key: String) -> Result<Option<Vec<u8>>, types::Error> {
-        let b = &self.backend;
-        b.runtime
-            .block_on(b.stores.entries.get(&key))
+        let b = self.backend.clone();
+        self.store(async move { b.stores.entries.get(&key).await })
             .map(|v| v.map(|b| b.to_vec()))
-            .map_err(|e| to_wit(&e))
     }
 
     fn set(&mut self, key: String, value: Vec<u8>, ttl_ms: u64) -> Result<(), types::Error> {
-        let b = &self.backend;
-        b.runtime
-            .block_on(b.stores.entries.set(&key, value.into(), ttl_ms))
-            .map_err(|e| to_wit(&e))
+        let b = self.backend.clone();
+        self.store(async move { b.stores.entries.set(&key, value.into(), ttl_ms).await })
     }
 
     fn delete(&mut self, key: String) -> Result<bool, types::Error> {
-        let b = &self.backend;
-        b.runtime
-            .block_on(b.stores.entries.delete(&key))
-            .map_err(|e| to_wit(&e))
+        let b = self.backend.clone();
+        self.store(async move { b.stores.entries.delete(&key).await })
     }
 
     fn delete_if_equal(&mut self, key: String, expected: Vec<u8>) -> Result<bool, types::Error> {
-        let b = &self.backend;
-        b.runtime
-            .block_on(b.stores.entries.delete_if_equal(&key, expected.into()))
-            .map_err(|e| to_wit(&e))
+        let b = self.backend.clone();
+        self.store(async move { b.stores.entries.delete_if_equal(&key, expected.into()).await })
     }
 
     fn replace_if_equal(
@@ -192,14 +310,13 @@ impl l2::Host for &mut PortableState {
         value: Vec<u8>,
         ttl_ms: u64,
     ) -> Result<bool, types::Error> {
-        let b = &self.backend;
-        b.runtime
-            .block_on(
-                b.stores
-                    .entries
-                    .replace_if_equal(&key, expected.into(), value.into(), ttl_ms),
-            )
-            .map_err(|e| to_wit(&e))
+        let b = self.backend.clone();
+        self.store(async move {
+            b.stores
+                .entries
+                .replace_if_equal(&key, expected.into(), value.into(), ttl_ms)
+                .await
+        })
     }
 
     fn try_lock(&mut self, key: String, ttl_ms: u64) -> Result<Option<String>, types::Error> {
@@ -208,10 +325,10 @@ impl l2::Host for &mut PortableState {
         // lost, the end of the call releases it, owner-checked.
         let owner = crate::lock_token();
         self.call.locks.insert(key.clone(), owner.clone());
-        let taken = b
-            .runtime
-            .block_on(b.stores.flight_lock.try_lock(&key, &owner, ttl_ms))
-            .map_err(|e| to_wit(&e))?;
+        let taken = {
+            let (key, owner) = (key.clone(), owner.clone());
+            self.store(async move { b.stores.flight_lock.try_lock(&key, &owner, ttl_ms).await })?
+        };
         if !taken {
             self.call.locks.remove(&key);
         }
@@ -220,16 +337,14 @@ impl l2::Host for &mut PortableState {
 
     fn release_lock(&mut self, key: String, owner: String) -> Result<bool, types::Error> {
         self.call.locks.remove(&key);
-        let b = &self.backend;
-        b.runtime
-            .block_on(b.stores.flight_lock.release(&key, &owner))
-            .map_err(|e| to_wit(&e))
+        let b = self.backend.clone();
+        self.store(async move { b.stores.flight_lock.release(&key, &owner).await })
     }
 
     fn wait_landing(&mut self, key: String, until_ms: u64) {
-        let b = &self.backend;
+        let b = self.backend.clone();
         let pause = Duration::from_millis(until_ms.saturating_sub(b.clock.now_ms()));
-        b.runtime.block_on(async {
+        self.io(async move {
             let mut watch = b.stores.notifications.watch(&key).await;
             tokio::select! {
                 biased;
@@ -240,21 +355,26 @@ impl l2::Host for &mut PortableState {
     }
 
     fn announce_landing(&mut self, key: String) {
-        let b = &self.backend;
-        let _ = b.runtime.block_on(b.stores.notifications.announce(&key));
+        let b = self.backend.clone();
+        let _ = self.io(async move { b.stores.notifications.announce(&key).await });
     }
 }
 
 impl flights::Host for &mut PortableState {
     fn join(&mut self, key: String) -> Joined {
         let b = self.backend.clone();
-        match b.runtime.block_on(b.registry.lead_or_follow(&key)) {
-            Ok(guard) => {
+        let joined = {
+            let key = key.clone();
+            self.io(async move { b.registry.lead_or_follow(&key).await })
+        };
+        match joined {
+            Some(Ok(guard)) => {
                 self.call.leading.insert(key, guard);
                 Joined::Lead
             }
-            Err(Ok(value)) => Joined::Value(value),
-            Err(Err(e)) => Joined::Failed(e),
+            Some(Err(Ok(value))) => Joined::Value(value),
+            Some(Err(Err(e))) => Joined::Failed(e),
+            None => Joined::Failed(gone()),
         }
     }
 
@@ -267,8 +387,27 @@ impl flights::Host for &mut PortableState {
 
 impl loader::Host for &mut PortableState {
     fn load(&mut self, key: String) -> wasmtime::Result<Result<Vec<u8>, String>> {
+        if self.call.cancelled.load(Ordering::SeqCst) {
+            return Err(wasmtime::format_err!("the caller went away before the load"));
+        }
+        let lockstep = self.call.lockstep.clone();
         let out = match self.call.loader.as_mut() {
-            Some(load) => load(&key),
+            Some(load) => {
+                let run = AssertUnwindSafe(|| load(&key));
+                let out = match &lockstep {
+                    Some(link) => link.enter(|| std::panic::catch_unwind(run)),
+                    None => std::panic::catch_unwind(run),
+                };
+                match out {
+                    Ok(out) => out,
+                    Err(panic) => {
+                        // The call traps: its flights go to a follower, its locks are
+                        // released, and its caller gets the panic (contract §5.11).
+                        self.call.panicked = Some(crate::Error::loader_panicked(&*panic));
+                        return Err(wasmtime::format_err!("the loader panicked"));
+                    }
+                }
+            }
             None => Err("no loader was given".into()),
         };
         if self.call.cancelled.load(Ordering::SeqCst) {

@@ -4,7 +4,9 @@
 //! which this module injects from the cache's [`Clock`]. This path is for portability
 //! (the same `.wasm` runs in jco, or composed into a wasm platform), not speed: each
 //! call takes an instance from a pool and runs on a blocking thread; concurrent calls
-//! run on separate instances and coalesce through the shared flight registry.
+//! run on separate instances and coalesce through the shared flight registry. In
+//! lockstep ([`PortableBuilder::lockstep`], for simulations) a call's thread and its
+//! caller's task take turns, so a seed replays byte for byte.
 
 // Without the `redis` feature some of what serves Redis stores goes unused.
 #![cfg_attr(not(feature = "redis"), allow(dead_code, unused_variables))]
@@ -26,12 +28,14 @@ use crate::guest::bindings::corral::cache::types;
 use crate::guest::convert::{from_wit, options_in};
 use crate::guest::engine::{Loaded, PORTABLE_BUDGET_TICKS, Slot, instantiate, loaded, trap};
 use crate::options::{EntryOptions, duration_ms};
-use crate::store::Stores;
+use crate::store::{Entries, FlightLock, Notifications, Stores};
 use crate::{Error, Result};
 
 mod imports;
 
-use imports::{Backend, CallState, PortableState};
+#[cfg(any(test, feature = "test-util"))]
+pub use imports::in_caller;
+use imports::{Backend, CallState, Lockstep, PortableState};
 
 /// How many idle instances a portable cache keeps.
 const MAX_IDLE: usize = 16;
@@ -72,6 +76,8 @@ pub struct PortableCache {
 }
 
 struct PortableInner {
+    /// Calls run in lockstep with their caller's task (see [`PortableBuilder::lockstep`]).
+    lockstep: bool,
     loaded: &'static Loaded,
     pre: &'static GuestPre<PortableState>,
     backend: Arc<Backend>,
@@ -96,6 +102,9 @@ pub struct PortableBuilder {
     #[cfg(feature = "redis")]
     redis: Option<crate::store::redis::RedisOptions>,
     overrides: Overrides,
+    /// Stores of the caller's own, and their prefix.
+    custom: Option<(String, Stores)>,
+    lockstep: bool,
 }
 
 impl Default for PortableBuilder {
@@ -105,6 +114,8 @@ impl Default for PortableBuilder {
             #[cfg(feature = "redis")]
             redis: None,
             overrides: Overrides::default(),
+            custom: None,
+            lockstep: false,
         }
     }
 }
@@ -120,6 +131,60 @@ impl PortableBuilder {
     #[cfg(feature = "redis")]
     pub fn redis_options(mut self, options: crate::store::redis::RedisOptions) -> Self {
         self.redis = Some(options);
+        self
+    }
+
+    /// Your own stores as the imports' (a simulated network, another database), as
+    /// [`CorralBuilder::stores`](crate::CorralBuilder::stores) takes them; the data is
+    /// named under `prefix`.
+    pub fn stores(
+        mut self,
+        prefix: impl Into<String>,
+        entries: Arc<dyn Entries>,
+        flight_lock: Arc<dyn FlightLock>,
+        notifications: Arc<dyn Notifications>,
+    ) -> Self {
+        let stores = Stores {
+            entries,
+            flight_lock,
+            notifications,
+            memory: None,
+            #[cfg(feature = "redis")]
+            redis: None,
+        };
+        self.custom = Some((prefix.into(), stores));
+        self
+    }
+
+    /// Runs each call in lockstep with its caller's task, for deterministic simulation
+    /// on a current-thread runtime with paused time: the call computes on a thread of its
+    /// own while the caller's task waits (blocking its runtime thread), and the caller's
+    /// task performs each store step the call asks for while the call waits. One of the
+    /// two runs at a time, so nothing depends on how threads are scheduled; a loader can
+    /// await on the caller's runtime through [`in_caller`]. A call whose caller goes
+    /// away does no more I/O (its locks lapse by their TTL).
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn lockstep(mut self) -> Self {
+        self.lockstep = true;
+        self
+    }
+
+    /// The longest an entry is served from L1 without asking L2 (default 5 minutes).
+    pub fn l1_ttl(mut self, ttl: Duration) -> Self {
+        self.overrides.l1_ttl_ms = Some(duration_ms(ttl));
+        self
+    }
+
+    /// How long a get-or-set waits for another process's load before loading uncached
+    /// (default 5 s).
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.overrides.lock_wait_ms = Some(duration_ms(wait));
+        self
+    }
+
+    /// The TTL of the get-or-set lock (default 30 s).
+    pub fn lock_ttl(mut self, ttl: Duration) -> Self {
+        self.overrides.lock_ttl_ms = Some(duration_ms(ttl));
         self
     }
 
@@ -153,18 +218,23 @@ impl PortableBuilder {
         let redis = self.redis.is_some();
         #[cfg(not(feature = "redis"))]
         let redis = false;
-        settings.limits.sliding_in_store = Stores::keep_sliding(redis, &*self.clock);
+        // A custom store's TTL clock is its own business: its envelopes keep the moment.
+        settings.limits.sliding_in_store = self.custom.is_none() && Stores::keep_sliding(redis, &*self.clock);
         let policy = Policy::load(settings.limits)?;
-        let (prefix, stores) = Stores::open(
-            #[cfg(feature = "redis")]
-            self.redis.as_ref(),
-            &policy,
-            self.clock.clone(),
-            settings.invalidation_interval_ms,
-        )?;
+        let (prefix, stores) = match self.custom {
+            Some(custom) => custom,
+            None => Stores::open(
+                #[cfg(feature = "redis")]
+                self.redis.as_ref(),
+                &policy,
+                self.clock.clone(),
+                settings.invalidation_interval_ms,
+            )?,
+        };
         let loaded = loaded()?;
         let cache = PortableCache {
             inner: Arc::new(PortableInner {
+                lockstep: self.lockstep,
                 loaded,
                 pre: portable_pre(loaded)?,
                 backend: Arc::new(Backend {
@@ -203,6 +273,43 @@ impl PortableInner {
     }
 }
 
+/// Runs `run` on a thread of its own in lockstep with this task: this task waits
+/// (blocking its thread) while the call computes, and performs each store step the call
+/// sends while the call waits for it.
+async fn lockstep<R: Send + 'static>(
+    mut call: CallState,
+    run: impl FnOnce(CallState) -> Result<R> + Send + 'static,
+) -> Result<R> {
+    let (steps, next) = std::sync::mpsc::channel();
+    let (done, outcome) = std::sync::mpsc::sync_channel(1);
+    call.lockstep = Some(Lockstep::new(steps));
+    // The call's thread reads this runtime's clock (paused, in a simulation).
+    let runtime = tokio::runtime::Handle::current();
+    let thread = std::thread::Builder::new()
+        .name("corral-portable-lockstep".into())
+        .spawn(move || {
+            let _context = runtime.enter();
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(call)));
+            let _ = done.send(out);
+        });
+    if let Err(e) = thread {
+        return Err(Error::guest("the portable call's thread failed to start", e));
+    }
+    // Until the call has dropped its link (it ended), perform its steps one by one.
+    let spin = Duration::from_micros(50);
+    while let Ok(step) = imports::recv_soon(&next, spin) {
+        step.await;
+    }
+    match imports::recv_soon(&outcome, spin) {
+        Ok(Ok(out)) => out,
+        Ok(Err(panic)) => Err(Error::guest(
+            "the portable call's thread failed",
+            Error::loader_panicked(&*panic).to_string(),
+        )),
+        Err(e) => Err(Error::guest("the portable call's thread failed", e)),
+    }
+}
+
 /// Marks a call cancelled when its caller's future is dropped before it returned.
 struct CancelOnDrop(Arc<std::sync::atomic::AtomicBool>, bool);
 
@@ -232,6 +339,12 @@ impl PortableCache {
         self.inner.backend.registry.followers(key)
     }
 
+    /// Get-or-set flights in progress in this process: 0 whenever none runs.
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn flights_in_progress(&self) -> usize {
+        self.inner.backend.registry.len()
+    }
+
     /// Runs `f` on an instance, on a blocking thread (the imports block on I/O), with
     /// `call` as its per-call state. The flights the call led are handed on when it
     /// ends; a trapped instance is dropped, never reused.
@@ -245,13 +358,14 @@ impl PortableCache {
         let mut cancel = CancelOnDrop(call.cancelled.clone(), false);
         let inner = self.inner.clone();
         call.cancelled = cancel.0.clone();
-        let out = tokio::task::spawn_blocking(move || {
+        let run = move |call: CallState| -> Result<R> {
             let mut slot = inner.instance()?;
             slot.store.set_epoch_deadline(PORTABLE_BUDGET_TICKS);
             slot.store.data_mut().call = call;
             let out = f(&mut slot);
             // Whatever the call held or led and did not finish is handed on now.
-            let ended = std::mem::take(&mut slot.store.data_mut().call);
+            let mut ended = std::mem::take(&mut slot.store.data_mut().call);
+            let panicked = ended.panicked.take();
             inner.backend.end_call(ended);
             if out.is_ok() {
                 let mut idle = inner.idle.lock();
@@ -259,10 +373,19 @@ impl PortableCache {
                     idle.push(slot);
                 }
             }
+            // A loader's panic trapped the call: its caller gets the panic.
+            if let Some(panic) = panicked {
+                return Err(panic);
+            }
             out.map_err(trap)?.map_err(from_wit)
-        })
-        .await
-        .map_err(|e| Error::guest("the portable call's thread failed", e))?;
+        };
+        let out = if self.inner.lockstep {
+            lockstep(call, run).await
+        } else {
+            tokio::task::spawn_blocking(move || run(call))
+                .await
+                .map_err(|e| Error::guest("the portable call's thread failed", e))?
+        };
         cancel.1 = true;
         out
     }

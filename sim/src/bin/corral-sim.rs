@@ -19,6 +19,7 @@ struct Args {
     scenario: Option<String>,
     trace: bool,
     twice: bool,
+    portable: bool,
     broken: Option<String>,
 }
 
@@ -33,6 +34,7 @@ fn parse() -> Result<Args, String> {
         scenario: None,
         trace: false,
         twice: false,
+        portable: false,
         broken: None,
     };
     let mut it = std::env::args().skip(1);
@@ -54,12 +56,13 @@ fn parse() -> Result<Args, String> {
             "--scenario" => a.scenario = Some(value("--scenario")?),
             "--trace" => a.trace = true,
             "--twice" => a.twice = true,
+            "--portable" => a.portable = true,
             "--broken" => a.broken = Some(value("--broken")?),
             "-h" | "--help" => {
                 return Err(
-                    "usage: corral-sim [--seeds N] [--from S0] [--seed S] [--procs P] [--keys K] \
-                            [--scenario calm|network|loaders|chaos] [--broken unfenced|mute|no-nx] \
-                            [--trace] [--twice]"
+                    "usage: corral-sim [--seeds N] [--from S0] [--seed S] [--procs P] [--keys K] [--callers C] \
+                            [--scenario calm|network|loaders|chaos|process] \
+                            [--broken unfenced|mute|no-nx|no-floor] [--portable] [--trace] [--twice]"
                         .into(),
                 );
             }
@@ -90,6 +93,9 @@ fn main() -> ExitCode {
                 eprintln!("unknown broken store {b}");
                 std::process::exit(2)
             });
+        }
+        if args.portable {
+            s = s.portable();
         }
         if let Some(k) = args.keys {
             s.keys = k.max(1);

@@ -1,0 +1,125 @@
+//! The body a simulated process runs: the native [`Corral`], or the component's own
+//! `cache` export in wasmtime ([`PortableCache`], in lockstep with its caller's task).
+//! Both get the same workload; a loader is written once, as a plan, and run the way
+//! each body calls loaders (an async closure, or a blocking one whose waits run on the
+//! caller's runtime).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use corral::portable::PortableCache;
+use corral::{Corral, EntryOptions, LoadOptions};
+
+/// One process's cache.
+#[derive(Clone, Debug)]
+pub(crate) enum Body {
+    Native(Corral),
+    Portable(PortableCache),
+}
+
+/// How a loader ends, once its wait is over: its value, or its error (or a panic).
+pub(crate) type Finish = Box<dyn FnOnce() -> Result<Bytes, String> + Send>;
+
+/// A loader's wait.
+pub(crate) type Wait = Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
+/// A loader, as both bodies can run it: `start` is called when it begins (it returns
+/// what it will produce, or an error or a panic after its wait), `wait` is its time.
+pub(crate) struct Load {
+    pub(crate) wait: Wait,
+    pub(crate) start: Box<dyn FnOnce() -> Finish + Send>,
+}
+
+impl Body {
+    pub(crate) async fn get(&self, key: &str) -> corral::Result<Option<Bytes>> {
+        match self {
+            Body::Native(c) => c.get(key).await,
+            Body::Portable(c) => c.get(key).await,
+        }
+    }
+
+    pub(crate) async fn set(&self, key: &str, value: String, options: EntryOptions) -> corral::Result<()> {
+        match self {
+            Body::Native(c) => c.set(key, value, options).await,
+            Body::Portable(c) => c.set(key, value.into_bytes(), options).await,
+        }
+    }
+
+    pub(crate) async fn remove(&self, key: &str) -> corral::Result<bool> {
+        match self {
+            Body::Native(c) => c.remove(key).await,
+            Body::Portable(c) => c.remove(key).await,
+        }
+    }
+
+    pub(crate) async fn get_or_set(
+        &self,
+        key: &str,
+        entry: EntryOptions,
+        load: Load,
+    ) -> corral::Result<Bytes> {
+        match self {
+            Body::Native(c) => {
+                let loader = move || async move {
+                    let finish = (load.start)();
+                    (load.wait)().await;
+                    finish().map_err(std::io::Error::other)
+                };
+                c.get_or_set(key, LoadOptions::new().entry(entry), loader).await
+            }
+            Body::Portable(c) => {
+                let mut load = Some(load);
+                let loader = move |_: &str| -> Result<Vec<u8>, String> {
+                    let Some(load) = load.take() else {
+                        return Err("sim: a second load".into());
+                    };
+                    let finish = (load.start)();
+                    // The wait runs on the caller's (paused) runtime.
+                    corral::portable::in_caller((load.wait)());
+                    finish().map(|b| b.to_vec())
+                };
+                c.get_or_set(key, entry, false, loader, |_| true).await
+            }
+        }
+    }
+
+    /// The raw bytes under a store name.
+    pub(crate) async fn raw(&self, name: &str) -> Option<Bytes> {
+        match self {
+            Body::Native(c) => c.entries().get(name).await.ok().flatten(),
+            Body::Portable(c) => c.entries().get(name).await.ok().flatten(),
+        }
+    }
+
+    pub(crate) fn flights_in_progress(&self) -> usize {
+        match self {
+            Body::Native(c) => c.flights_in_progress(),
+            Body::Portable(c) => c.flights_in_progress(),
+        }
+    }
+
+    /// Degraded loads the body counted (the portable body keeps no metrics).
+    pub(crate) fn degraded(&self) -> u64 {
+        match self {
+            Body::Native(c) => c.metrics().degraded,
+            Body::Portable(_) => 0,
+        }
+    }
+}
+
+/// How long a loader waits: its time, then its process's gate (a paused process's
+/// loader returns when it resumes).
+pub(crate) fn wait_for(
+    world: Arc<crate::world::World>,
+    proc: usize,
+    ms: u64,
+) -> impl Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync {
+    move || {
+        let w = world.clone();
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            w.gate(proc).await;
+        })
+    }
+}
