@@ -1,7 +1,9 @@
-//! `corral-sim --seeds N --procs P [--seed S] [--scenario NAME] [--trace] [--twice]`
+//! `corral-sim [--seeds N] [--from S0] [--seed S] [--scenario NAME] [--procs P] [--keys K]
+//! [--callers C] [--portable] [--broken NAME] [--trace] [--twice] [--stop]`
 //!
 //! Runs N seeds (cycling through the scenarios unless one is named), or one seed, and
-//! ends with a table. A failing seed prints its replay command and its trace.
+//! ends with a table. A failing seed prints its replay command and its trace; `--stop`
+//! ends the run there.
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -20,6 +22,7 @@ struct Args {
     trace: bool,
     twice: bool,
     portable: bool,
+    stop: bool,
     broken: Option<String>,
 }
 
@@ -35,6 +38,7 @@ fn parse() -> Result<Args, String> {
         trace: false,
         twice: false,
         portable: false,
+        stop: false,
         broken: None,
     };
     let mut it = std::env::args().skip(1);
@@ -57,12 +61,13 @@ fn parse() -> Result<Args, String> {
             "--trace" => a.trace = true,
             "--twice" => a.twice = true,
             "--portable" => a.portable = true,
+            "--stop" => a.stop = true,
             "--broken" => a.broken = Some(value("--broken")?),
             "-h" | "--help" => {
                 return Err(
                     "usage: corral-sim [--seeds N] [--from S0] [--seed S] [--procs P] [--keys K] [--callers C] \
                             [--scenario calm|network|loaders|chaos|process] \
-                            [--broken unfenced|mute|no-nx|no-floor] [--portable] [--trace] [--twice]"
+                            [--broken unfenced|mute|no-nx|no-floor] [--portable] [--trace] [--twice] [--stop]"
                         .into(),
                 );
             }
@@ -149,6 +154,10 @@ fn main() -> ExitCode {
             if !args.trace && failed_traces < 3 {
                 failed_traces += 1;
                 eprint!("{}", outcome.trace);
+            }
+            if args.stop {
+                eprintln!("stopped at the first failing seed: {seed} ({} seeds run)", i + 1);
+                break;
             }
         }
         if seeds.len() > 1 && (i + 1) % 50 == 0 {
