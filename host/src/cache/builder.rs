@@ -265,6 +265,7 @@ impl CorralBuilder {
                     vec![server],
                     &store.options().prefix,
                 )
+                .woken_by(stores.notifications.clone())
             }),
         };
         let (_, removal_ttl_ms) = policy.removal(settings.lock_ttl_ms, b"")?;

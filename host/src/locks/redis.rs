@@ -31,7 +31,9 @@ use crate::guest::Policy;
 use crate::guest::policy::defaults;
 use crate::locks::{LeaseServer, LockScript};
 use crate::options::duration_ms;
+use crate::store::Notifications;
 use crate::store::link::{Connection, Link};
+use crate::store::pubsub::RedisNotifications;
 use crate::store::redis::{RedisOptions, redact};
 use crate::{Error, ErrorKind, Result};
 
@@ -137,6 +139,9 @@ struct Inner {
     /// The origin of the millisecond timeline the guest's schedules are computed on:
     /// monotonic.
     origin: Instant,
+    /// Where releases are announced and waiters wake (the landing channel of the
+    /// prefix); `None` for Redlock and custom servers, whose waiters poll.
+    landings: Option<Arc<dyn Notifications>>,
 }
 
 impl fmt::Debug for RedisLocks {
@@ -198,6 +203,10 @@ impl RedisLocks {
             ));
         }
         let policy = Policy::load(defaults()?.limits)?;
+        if let [url] = urls {
+            let _ = clock;
+            return Self::single(&RedisOptions::new(url.as_ref()), prefix, policy);
+        }
         let mut servers = Vec::with_capacity(urls.len());
         for url in urls {
             let options = RedisOptions::new(url.as_ref());
@@ -221,13 +230,7 @@ impl RedisLocks {
         }
         let policy = Policy::load(defaults()?.limits)?;
         let options = RedisOptions::cluster(nodes.iter().map(|n| n.as_ref().to_owned()));
-        let server = Server::open(&options)?;
-        Ok(Self::from_parts(
-            policy,
-            Arc::new(SystemClock),
-            vec![server],
-            prefix,
-        ))
+        Self::single(&options, prefix, policy)
     }
 
     /// Leases on servers that are not Redis (a simulated store, another database), one
@@ -274,8 +277,38 @@ impl RedisLocks {
                 policy,
                 prefix: prefix.to_owned(),
                 origin: Instant::now(),
+                landings: None,
             }),
         }
+    }
+
+    /// These locks, announcing each release on `landings` and waking their waiters on
+    /// it (the timer of the backoff stays as the fallback).
+    pub(crate) fn woken_by(mut self, landings: Arc<dyn Notifications>) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.landings = Some(landings);
+        }
+        self
+    }
+
+    /// One server's lease (`options`, prefix `prefix`) whose waiters wake on releases:
+    /// a subscription of its own to the prefix's landing channel.
+    fn single(options: &RedisOptions, prefix: &str, policy: Policy) -> Result<Self> {
+        let connection = Connection::open(options)?;
+        let link = connection.link()?;
+        let channel = policy.channel(prefix)?;
+        let landings = RedisNotifications::new(
+            connection.subscribers(),
+            Arc::new(arc_swap::ArcSwap::from_pointee(link.clone())),
+            options,
+            channel,
+            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        );
+        let server = Server::shared(options, link);
+        Ok(
+            Self::from_parts(policy, Arc::new(SystemClock), vec![server], prefix)
+                .woken_by(Arc::new(landings)),
+        )
     }
 
     /// `at` on the guest's millisecond timeline (monotonic, from this handle's origin).
@@ -489,7 +522,17 @@ impl RedisLocks {
             .mono_ms(Instant::now())
             .saturating_add(duration_ms(options.wait));
         let mut attempt = 0;
+        let lock_name = match &self.inner.landings {
+            Some(_) => Some(self.names(key)?[0].clone()),
+            None => None,
+        };
         loop {
+            // Registered before the try, so a release between the try and the wait
+            // is not missed.
+            let mut landing = match (&self.inner.landings, &lock_name) {
+                (Some(landings), Some(name)) => Some(landings.watch(name).await),
+                _ => None,
+            };
             let outcome = self.attempt(key, ttl_ms, watchdog).await;
             let last_error = match outcome {
                 Ok(Some(lease)) => return Ok(lease),
@@ -508,7 +551,16 @@ impl RedisLocks {
                 return Err(last_error);
             };
             attempt += 1;
-            tokio::time::sleep_until(self.instant(next)).await;
+            // Woken by the holder's release, or by the backoff's timer if the release's
+            // announcement never comes.
+            match &mut landing {
+                Some(landing) => tokio::select! {
+                    biased;
+                    () = landing.landed() => {}
+                    () = tokio::time::sleep_until(self.instant(next)) => {}
+                },
+                None => tokio::time::sleep_until(self.instant(next)).await,
+            }
         }
     }
 
@@ -844,6 +896,15 @@ async fn release(shared: &LeaseShared) -> Result<()> {
         );
     }
     if policy.lock_has_quorum(released, n)? {
+        if let Some(landings) = locks.inner.landings.clone() {
+            // Waiters wake now, not at their next backoff step.
+            let name = keys[0].clone();
+            tokio::spawn(async move {
+                if let Err(e) = landings.announce(&name).await {
+                    tracing::debug!(key = %name, error = %e, "a release could not be announced: waiters poll");
+                }
+            });
+        }
         return Ok(());
     }
     if !policy.lock_has_quorum(answered, n)? {
