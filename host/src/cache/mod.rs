@@ -7,6 +7,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -163,26 +164,56 @@ impl Corral {
             .l2_write(&entry, &plan.header, &value, plan.store_ttl_ms)
             .await
         {
-            self.announce_change(key);
+            // The write may have landed all the same.
+            self.announce_in_background(key);
             return Err(e);
         }
         Metrics::bump(&self.inner.metrics.sets);
-        self.announce_change(key);
+        self.announce_change(key).await;
         self.fill_l1(key, &value, plan.meta, now, L1Fill::Write(ticket))
             .await
     }
 
     /// Tells the other processes sharing the store that `key` changed, so they drop
-    /// their L1 copy; in the background (a lost announcement costs only staleness up to
-    /// the L1 deadline).
-    fn announce_change(&self, key: &str) {
+    /// their L1 copy, and returns once the announcement is published (within the
+    /// store's timeout): when `set` or `remove` returns, every process subscribed then
+    /// has been told. An announcement that fails is retried in the background.
+    async fn announce_change(&self, key: &str) {
+        let bound = self.inner.flight.store_timeout;
+        let published = tokio::time::timeout(bound, self.inner.stores.notifications.announce(key)).await;
+        if !matches!(published, Ok(Ok(()))) {
+            self.announce_in_background(key);
+        }
+    }
+
+    /// Announces that `key` changed from a task of its own, retrying with backoff (50 ms
+    /// doubling to 2 s) for as long as another process may still serve an older copy
+    /// from its L1 (the L1 TTL): an announcement that could not reach Redis is made
+    /// when Redis answers again.
+    fn announce_in_background(&self, key: &str) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let (notifications, key) = (self.inner.stores.notifications.clone(), key.to_owned());
+        let (bound, give_up_after) = (
+            self.inner.flight.store_timeout,
+            Duration::from_millis(self.inner.l1_ttl_ms),
+        );
         runtime.spawn(async move {
-            if let Err(e) = notifications.announce(&key).await {
-                tracing::debug!(key, error = %e, "change announcement failed");
+            let started = tokio::time::Instant::now();
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                match tokio::time::timeout(bound, notifications.announce(&key)).await {
+                    Ok(Ok(())) => return,
+                    Ok(Err(e)) => tracing::debug!(key, error = %e, "change announcement failed; retrying"),
+                    Err(_) => tracing::debug!(key, "change announcement timed out; retrying"),
+                }
+                if started.elapsed() + backoff > give_up_after {
+                    tracing::warn!(key, "a change could not be announced within the L1 TTL: other processes' copies have lapsed by now");
+                    return;
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
             }
         });
     }
@@ -222,7 +253,7 @@ impl Corral {
         // Again, after the store: a read that began before the removal fills nothing.
         self.inner.l1.remove(key);
         Metrics::bump(&self.inner.metrics.removes);
-        self.announce_change(key);
+        self.announce_change(key).await;
         Ok(removed)
     }
 

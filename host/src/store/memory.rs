@@ -80,8 +80,10 @@ impl fmt::Debug for MemoryStore {
 }
 
 impl MemoryStore {
-    /// A store on `clock` that sweeps expired entries at most every `interval_ms`.
-    pub(crate) fn new(clock: Arc<dyn Clock>, interval_ms: u64) -> Self {
+    /// A store on `clock` that sweeps expired entries at most every `interval_ms`: the
+    /// embedded default's, for composing with other stores
+    /// ([`CorralBuilder::stores`](crate::CorralBuilder::stores)).
+    pub fn new(clock: Arc<dyn Clock>, interval_ms: u64) -> Self {
         let now = clock.now_ms();
         MemoryStore {
             inner: Arc::new(Inner {

@@ -579,3 +579,62 @@ async fn every_call_ends_by_its_deadline_against_a_frozen_redis() -> Result<()> 
     server.resume()?;
     Ok(())
 }
+
+/// Landings that fail their first `fails` announcements, then pass them on.
+#[derive(Debug)]
+struct Flaky {
+    inner: corral::store::memory::MemoryStore,
+    fails: std::sync::atomic::AtomicUsize,
+    announced: tokio::sync::Notify,
+}
+
+impl corral::store::Notifications for Flaky {
+    fn watch<'a>(&'a self, key: &'a str) -> futures::future::BoxFuture<'a, corral::store::LandingWatch> {
+        self.inner.watch(key)
+    }
+
+    fn announce<'a>(&'a self, key: &'a str) -> futures::future::BoxFuture<'a, corral::Result<()>> {
+        use futures::FutureExt;
+        use std::sync::atomic::Ordering;
+        async move {
+            if self
+                .fails
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return Err(corral::Error::from(ErrorKind::Unavailable).with_context("store unreachable"));
+            }
+            self.inner.announce(key).await?;
+            self.announced.notify_one();
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn on_foreign(&self, hook: corral::store::ForeignHook) {
+        self.inner.on_foreign(hook);
+    }
+}
+
+/// A change announcement that could not be published is made again once the store
+/// answers (so other processes do not serve the old value until their L1 deadline).
+#[tokio::test]
+async fn an_announcement_that_failed_is_retried_until_it_is_published() -> Result<()> {
+    use std::sync::Arc;
+    let store = corral::store::memory::MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
+    let flaky = Arc::new(Flaky {
+        inner: store.clone(),
+        fails: std::sync::atomic::AtomicUsize::new(3),
+        announced: tokio::sync::Notify::new(),
+    });
+    let cache = Corral::builder()
+        .stores("t:", Arc::new(store.clone()), Arc::new(store), flaky.clone())
+        .build()?;
+    let published = flaky.announced.notified();
+    cache.set("k", "v", EntryOptions::new()).await?;
+    tokio::time::timeout(Duration::from_secs(5), published)
+        .await
+        .expect("published after three failures (50, 100, 200 ms of backoff)");
+    assert_eq!(flaky.fails.load(std::sync::atomic::Ordering::SeqCst), 0);
+    Ok(())
+}
