@@ -51,6 +51,8 @@ pub struct Outcome {
     pub seed: u64,
     pub procs: usize,
     pub keys: usize,
+    /// Callers per process (when not the scenario's own).
+    pub callers: Option<usize>,
     /// ` --broken NAME` when the store was deliberately broken, ` --portable` for the
     /// portable body, else empty.
     pub broken: String,
@@ -75,8 +77,13 @@ impl Outcome {
     /// The command that replays this run.
     pub fn replay_command(&self) -> String {
         format!(
-            "cargo run -p corral-sim --release -- --seed {} --scenario {} --procs {} --keys {}{} --trace",
-            self.seed, self.scenario, self.procs, self.keys, self.broken
+            "cargo run -p corral-sim --release -- --seed {} --scenario {} --procs {} --keys {}{}{} --trace",
+            self.seed,
+            self.scenario,
+            self.procs,
+            self.keys,
+            self.callers.map_or(String::new(), |c| format!(" --callers {c}")),
+            self.broken
         )
     }
 }
@@ -478,6 +485,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         broken,
         procs: scenario.procs,
         keys: scenario.keys,
+        callers: (scenario.actors != Scenario::for_seed(seed).actors).then_some(scenario.actors),
         scenario: scenario.name,
         ops: calls,
         longest_ms,
