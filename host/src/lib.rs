@@ -45,6 +45,7 @@ pub mod locks;
 mod options;
 pub mod portable;
 pub mod store;
+mod throttle;
 
 pub use cache::load::LoadOptions;
 pub use cache::metrics::MetricsSnapshot;

@@ -55,6 +55,7 @@ fn settings_in(s: types::Settings) -> corral_core::Settings {
         lock_wait_ms: s.lock_wait_ms,
         lock_ttl_ms: s.lock_ttl_ms,
         invalidation_interval_ms: s.invalidation_interval_ms,
+        degraded_l1_ttl_ms: s.degraded_l1_ttl_ms,
     }
 }
 
@@ -65,6 +66,7 @@ fn settings_out(s: corral_core::Settings) -> types::Settings {
         lock_wait_ms: s.lock_wait_ms,
         lock_ttl_ms: s.lock_ttl_ms,
         invalidation_interval_ms: s.invalidation_interval_ms,
+        degraded_l1_ttl_ms: s.degraded_l1_ttl_ms,
     }
 }
 
@@ -248,6 +250,7 @@ mod flight {
             lock_wait_ms: c.lock_wait_ms,
             lock_ttl_ms: c.lock_ttl_ms,
             l1_ttl_ms: c.l1_ttl_ms,
+            degraded_l1_ttl_ms: c.degraded_l1_ttl_ms,
             bypass: c.bypass,
         }
     }
@@ -257,6 +260,7 @@ mod flight {
             lock_wait_ms: c.lock_wait_ms,
             lock_ttl_ms: c.lock_ttl_ms,
             l1_ttl_ms: c.l1_ttl_ms,
+            degraded_l1_ttl_ms: c.degraded_l1_ttl_ms,
             bypass: c.bypass,
         }
     }

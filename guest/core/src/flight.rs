@@ -25,6 +25,8 @@ pub struct FlightConfig {
     pub lock_ttl_ms: u64,
     /// The longest an entry is served from L1 without asking L2.
     pub l1_ttl_ms: u64,
+    /// How long a degraded load's value is served from L1 (0: not at all).
+    pub degraded_l1_ttl_ms: u64,
     /// Skip both locks: load, write the tiers if cacheable, return.
     pub bypass: bool,
 }
@@ -281,12 +283,21 @@ impl Flight {
             (P::Loading, E::Loaded { len, cacheable }) => {
                 let degraded = !self.locked && !self.config.bypass;
                 if degraded {
+                    // Kept in this process's L1 only, briefly, and only what would have
+                    // been cached: an outage does not send every caller to the loader.
+                    let l1 = (cacheable && self.config.degraded_l1_ttl_ms > 0)
+                        .then(|| policy::plan_value(len, &self.options, now_ms, limits).ok())
+                        .flatten()
+                        .map(|plan| {
+                            let ttl = self.config.degraded_l1_ttl_ms.min(self.config.l1_ttl_ms);
+                            l1_deadline(&plan.meta, now_ms, ttl)
+                        });
                     return self.finish(
                         Outcome::Degraded {
                             timed_out: self.timed_out,
                         },
                         false,
-                        None,
+                        l1,
                     );
                 }
                 if !cacheable {
@@ -665,7 +676,13 @@ mod tests {
         let (a, f) = w.drive(relative(60_000), config);
         assert_eq!(
             finish(&a),
-            (Outcome::Degraded { timed_out: true }, false, false, None)
+            (
+                Outcome::Degraded { timed_out: true },
+                false,
+                false,
+                Some(w.now + 1_000)
+            ),
+            "kept in L1 for the degraded second, never in L2"
         );
         assert_eq!(w.loads, 1, "the caller still gets a value");
         assert_eq!(
@@ -750,9 +767,29 @@ mod tests {
         let (a, _) = w.drive(relative(60_000), FlightConfig::default());
         assert_eq!(
             finish(&a),
-            (Outcome::Degraded { timed_out: false }, false, false, None)
+            (
+                Outcome::Degraded { timed_out: false },
+                false,
+                false,
+                Some(NOW + 1_500)
+            )
         );
         assert_eq!((w.loads, w.now), (1, NOW + 500), "no waiting on a dead store");
+        assert_eq!(w.l2, None, "not cached in L2");
+        // Off: not even L1.
+        let mut w = World::new();
+        w.redis_up = false;
+        let off = FlightConfig {
+            degraded_l1_ttl_ms: 0,
+            ..Default::default()
+        };
+        let (a, _) = w.drive(relative(60_000), off);
+        assert_eq!(finish(&a).3, None);
+        // Never past the entry's own expiry.
+        let mut w = World::new();
+        w.redis_up = false;
+        let (a, _) = w.drive(relative(300), FlightConfig::default());
+        assert_eq!(finish(&a).3, Some(NOW + 500 + 300));
     }
 
     #[test]

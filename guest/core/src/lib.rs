@@ -102,6 +102,10 @@ pub struct Settings {
     pub lock_ttl_ms: u64,
     /// How often a store that does not expire entries by itself sweeps them (default 30 s).
     pub invalidation_interval_ms: u64,
+    /// How long a degraded get-or-set's value (loaded without the lock, not written to
+    /// L2) is served from this process's L1 (default 1 s; 0: not at all), so an outage
+    /// does not send every caller to the loader (contract §5.8).
+    pub degraded_l1_ttl_ms: u64,
 }
 
 impl Settings {
@@ -117,6 +121,7 @@ impl Settings {
         lock_wait_ms: 5_000,
         lock_ttl_ms: 30_000,
         invalidation_interval_ms: 30_000,
+        degraded_l1_ttl_ms: 1_000,
     };
 
     /// The flight configuration these settings give a get-or-set.
@@ -125,6 +130,7 @@ impl Settings {
             lock_wait_ms: self.lock_wait_ms,
             lock_ttl_ms: self.lock_ttl_ms,
             l1_ttl_ms: self.l1_ttl_ms,
+            degraded_l1_ttl_ms: self.degraded_l1_ttl_ms,
             bypass,
         }
     }

@@ -57,6 +57,7 @@ pub(crate) struct Overrides {
     pub(crate) lock_wait_ms: Option<u64>,
     pub(crate) lock_ttl_ms: Option<u64>,
     pub(crate) invalidation_interval_ms: Option<u64>,
+    pub(crate) degraded_l1_ttl_ms: Option<u64>,
 }
 
 impl Overrides {
@@ -73,6 +74,7 @@ impl Overrides {
         s.invalidation_interval_ms = self
             .invalidation_interval_ms
             .unwrap_or(s.invalidation_interval_ms);
+        s.degraded_l1_ttl_ms = self.degraded_l1_ttl_ms.unwrap_or(s.degraded_l1_ttl_ms);
         Ok(s)
     }
 }
@@ -154,6 +156,15 @@ impl CorralBuilder {
     /// for a corrupt one. Readers always read both.
     pub fn sliding_in_store(mut self, allowed: bool) -> Self {
         self.sliding_in_store = Some(allowed);
+        self
+    }
+
+    /// How long a degraded get-or-set's value (loaded without the lock while the store
+    /// or the lock failed; never written to L2) is served from this process's L1
+    /// (default 1 s; zero: not at all), so an outage does not send every caller to the
+    /// loader.
+    pub fn degraded_l1_ttl(mut self, ttl: Duration) -> Self {
+        self.overrides.degraded_l1_ttl_ms = Some(duration_ms(ttl));
         self
     }
 
@@ -280,6 +291,7 @@ impl CorralBuilder {
                 flight: FlightSettings {
                     lock_wait_ms: settings.lock_wait_ms,
                     lock_ttl_ms: settings.lock_ttl_ms,
+                    degraded_l1_ttl_ms: settings.degraded_l1_ttl_ms,
                     store_timeout,
                 },
                 read_hints: super::read::ReadHints::new(self.l1_capacity, removal_ttl_ms),

@@ -116,6 +116,7 @@ impl Corral {
             lock_wait_ms: inner.flight.lock_wait_ms,
             lock_ttl_ms: inner.flight.lock_ttl_ms,
             l1_ttl_ms: inner.l1_ttl_ms,
+            degraded_l1_ttl_ms: inner.flight.degraded_l1_ttl_ms,
             bypass: options.bypass,
         };
         let mut now = inner.clock.now_ms();
@@ -162,7 +163,7 @@ impl Corral {
                             Event::L2Miss
                         }
                         Err(e) => {
-                            tracing::warn!(key, error = %e, "L2 read failed during get-or-set");
+                            crate::throttle::warn_every!(10, key, error = %e, "L2 read failed during get-or-set");
                             Event::L2Failed
                         }
                     }
@@ -195,7 +196,7 @@ impl Corral {
                             Event::LockBusy(watching)
                         }
                         Err(e) => {
-                            tracing::warn!(key, error = %e, "get-or-set lock unavailable");
+                            crate::throttle::warn_every!(10, key, error = %e, "get-or-set lock unavailable");
                             // The SET may have been applied with its reply lost.
                             held.release_in_background();
                             Event::LockFailed
@@ -282,7 +283,7 @@ impl Corral {
                             Event::L2WriteFailed
                         }
                         Err(e) => {
-                            tracing::warn!(key, error = %e, "L2 write failed; the value is returned uncached");
+                            crate::throttle::warn_every!(10, key, error = %e, "L2 write failed; the value is returned uncached");
                             Event::L2WriteFailed
                         }
                     }
@@ -315,7 +316,7 @@ impl Corral {
                         match released {
                             Ok(_) => held.owner = None,
                             Err(e) => {
-                                tracing::warn!(key, error = %e, "lock release failed; retried in the background");
+                                crate::throttle::warn_every!(10, key, error = %e, "lock release failed; retried in the background");
                                 held.release_in_background();
                             }
                         }
@@ -353,7 +354,12 @@ impl Corral {
                 if timed_out {
                     Metrics::bump(&m.lock_timeouts);
                 }
-                tracing::warn!(key, timed_out, "distributed lock unavailable: loaded uncached");
+                crate::throttle::warn_every!(
+                    10,
+                    key,
+                    timed_out,
+                    "distributed lock unavailable: loaded uncached"
+                );
             }
         }
     }
@@ -414,7 +420,7 @@ impl HeldFlight<'_> {
                 Ok(_) => {
                     let _ = stores.notifications.announce(&key).await;
                 }
-                Err(e) => tracing::warn!(key, error = %e, "releasing an abandoned lock failed; it expires by its TTL"),
+                Err(e) => crate::throttle::warn_every!(10, key, error = %e, "releasing an abandoned lock failed; it expires by its TTL"),
             }
         });
     }

@@ -71,6 +71,8 @@ pub(crate) struct Inner {
 pub(crate) struct FlightSettings {
     pub(crate) lock_wait_ms: u64,
     pub(crate) lock_ttl_ms: u64,
+    /// How long a degraded load is served from L1.
+    pub(crate) degraded_l1_ttl_ms: u64,
     /// The longest one store command may take (the Redis response timeout).
     pub(crate) store_timeout: std::time::Duration,
 }

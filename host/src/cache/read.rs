@@ -171,7 +171,7 @@ impl Corral {
             Ok(None) => return Ok(nothing),
             Err(e) if e.kind() == ErrorKind::Corrupt => {
                 Metrics::bump(&inner.metrics.corrupt);
-                tracing::warn!(name, error = %e, "corrupt entry removed and treated as a miss");
+                crate::throttle::warn_every!(10, name, error = %e, "corrupt entry removed and treated as a miss");
                 self.l2_op(entries.delete_foreign(name)).await?;
                 return Ok(nothing);
             }
@@ -213,7 +213,7 @@ impl Corral {
             ReadOutcome::Expired => remove(stored).await,
             ReadOutcome::Corrupt(reason) => {
                 Metrics::bump(&inner.metrics.corrupt);
-                tracing::warn!(name, %reason, "corrupt entry removed and treated as a miss");
+                crate::throttle::warn_every!(10, name, %reason, "corrupt entry removed and treated as a miss");
                 remove(stored).await
             }
         }

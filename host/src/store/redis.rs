@@ -301,10 +301,12 @@ impl RedisStore {
         self.timeouts.store(0, Ordering::Relaxed);
         match self.connection.link() {
             Ok(fresh) => {
-                tracing::warn!("redis stopped answering: reconnecting");
+                crate::throttle::warn_every!(10, "redis stopped answering: reconnecting");
                 self.conn.store(Arc::new(fresh));
             }
-            Err(e) => tracing::warn!(error = %e, "redis stopped answering and a new connection failed"),
+            Err(e) => {
+                crate::throttle::warn_every!(10, error = %e, "redis stopped answering and a new connection failed")
+            }
         }
     }
 

@@ -400,6 +400,28 @@ async fn with_redis_down_the_caller_gets_the_loaders_value() -> Result<()> {
     let m = f.cache.metrics();
     assert_eq!((m.loads, m.degraded), (1, 1));
     assert_eq!(f.cache.flights_in_progress(), 0);
+
+    // The degraded value is kept in this process's L1 for the degraded second: the next
+    // callers do not go to the source again; after it, they do.
+    let loads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let again = || {
+        let loads = loads.clone();
+        f.cache.get_or_set("k", relative(), move || async move {
+            loads.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>("again from the source")
+        })
+    };
+    for _ in 0..10 {
+        assert_eq!(again().await?, "fresh from the source");
+    }
+    assert_eq!(
+        loads.load(Ordering::SeqCst),
+        0,
+        "served from L1 while Redis is down"
+    );
+    f.clock.advance(Duration::from_millis(1_001));
+    assert_eq!(again().await?, "again from the source");
+    assert_eq!(loads.load(Ordering::SeqCst), 1, "the degraded second is over");
     Ok(())
 }
 

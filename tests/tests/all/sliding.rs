@@ -62,20 +62,20 @@ async fn a_sliding_read_on_the_system_clock_is_one_getex_and_no_script() -> Resu
         .await?;
     assert_eq!(&stored[..4], b"CRL\x02", "the store keeps the moment");
     assert!(
-        pttl(&server, &name).await? > 59_000,
+        pttl(&server, &name).await? > 50_000,
         "set with the sliding interval, no grace"
     );
 
     // As if 59.5 s had passed unread.
     raw(&server, &["PEXPIRE", &name, "500"]).await?;
     assert!(cache.refresh("k").await?);
-    assert!(pttl(&server, &name).await? > 59_000, "the first read slid it");
+    assert!(pttl(&server, &name).await? > 50_000, "the first read slid it");
 
     let (getex, scripts) = (calls(&server, "getex").await?, calls(&server, "evalsha").await?);
     for _ in 0..10 {
         raw(&server, &["PEXPIRE", &name, "500"]).await?;
         assert_eq!(cache.get("k").await?.as_deref(), Some(&b"v"[..]));
-        assert!(pttl(&server, &name).await? > 59_000, "every read slides it");
+        assert!(pttl(&server, &name).await? > 50_000, "every read slides it");
     }
     assert_eq!(calls(&server, "getex").await? - getex, 10, "one GETEX per read");
     assert_eq!(calls(&server, "evalsha").await? - scripts, 0, "and no script");
@@ -194,7 +194,7 @@ async fn processes_on_either_clock_share_a_store() -> Result<()> {
     let a = real.entry_name("a")?;
     raw(&server, &["PEXPIRE", &a, "500"]).await?;
     assert_eq!(manual.get("a").await?.as_deref(), Some(&b"1"[..]));
-    assert!(pttl(&server, &a).await? > 59_000);
+    assert!(pttl(&server, &a).await? > 50_000);
 
     // Written on a manual clock: the envelope keeps the moment; a reader on the system
     // clock slides it there (the script), never by GETEX.
