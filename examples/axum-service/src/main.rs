@@ -1,0 +1,268 @@
+//! Corral in a web service: an axum app whose instances share one Redis.
+//!
+//! - `GET /users/{id}`: the user, through `get_or_set_json` in front of a slow database
+//!   (200 ms a query). However many requests miss at once, on however many instances,
+//!   the database sees one query.
+//! - `PUT /users/{id}` with `{"name": ".."}`: writes the database, then removes the cached
+//!   copy (invalidate on write). Every instance serves the new row from then on.
+//! - `POST /report`: one instance at a time, under a Redis lease with a fencing token.
+//! - `GET /stats`: database queries and the cache's counters; `GET /health`.
+//!
+//! ```sh
+//! redis-server --port 6379 --save '' &
+//! cargo run -p axum-service -- --redis redis://127.0.0.1:6379 --port 3000 &
+//! cargo run -p axum-service -- --redis redis://127.0.0.1:6379 --port 3001 &
+//! curl -X PUT localhost:3000/users/42 -H 'content-type: application/json' -d '{"name":"Ada"}'
+//! curl localhost:3001/users/42
+//! ```
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Parser;
+use corral::locks::LockOptions;
+use corral::{Corral, ErrorKind, LoadOptions};
+use serde::{Deserialize, Serialize};
+
+/// How long a user stays cached (a `PUT` removes it sooner).
+const USER_TTL: Duration = Duration::from_secs(300);
+/// How long `POST /report` waits for another instance's report to finish.
+const REPORT_WAIT: Duration = Duration::from_secs(5);
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// The Redis every instance shares; without it, an in-process store (one instance).
+    #[arg(long, env = "CORRAL_REDIS")]
+    redis: Option<String>,
+    /// The port to listen on (0: any free one; the line `listening on ...` says which).
+    #[arg(long, default_value_t = 3000)]
+    port: u16,
+    /// Where the "database" keeps its rows (shared by the instances of one machine).
+    #[arg(long, default_value_os_t = std::env::temp_dir().join("corral-axum-service"))]
+    data: PathBuf,
+}
+
+/// What every handler gets: cheap to clone (a `Corral` is an `Arc` inside).
+#[derive(Clone, Debug)]
+struct App {
+    cache: Corral,
+    db: Arc<Database>,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    tracing_subscriber::fmt().with_writer(io::stderr).init();
+
+    let mut builder = Corral::builder();
+    if let Some(url) = &args.redis {
+        builder = builder.redis(url);
+    }
+    let app = App {
+        cache: builder.build()?,
+        db: Arc::new(Database::open(args.data)?),
+    };
+    let router = Router::new()
+        .route("/users/{id}", get(get_user).put(put_user))
+        .route("/report", post(make_report))
+        .route("/stats", get(stats))
+        .route("/health", get(|| async { "ok" }))
+        .with_state(app);
+
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
+
+/// `GET /users/{id}`: from the cache, or from the database once for every caller that
+/// misses at the same time, in this process and in every other one.
+async fn get_user(State(app): State<App>, Path(id): Path<u64>) -> Result<Json<User>, ApiError> {
+    let user = app
+        .cache
+        .get_or_set_json(&user_key(id), LoadOptions::relative(USER_TTL), || app.db.user(id))
+        .await?;
+    Ok(Json(user))
+}
+
+/// `PUT /users/{id}`: the database first, then the cache. `remove` returns once the
+/// change is announced: the other instances drop their in-process copy as the
+/// announcement reaches them (milliseconds), and the next read anywhere loads the new
+/// row. Should `remove` fail (a 503), the row is written but the old value may be
+/// served until it expires: the client retries the PUT, which is idempotent.
+async fn put_user(
+    State(app): State<App>,
+    Path(id): Path<u64>,
+    Json(change): Json<UserChange>,
+) -> Result<Json<User>, ApiError> {
+    let user = User {
+        id,
+        name: change.name,
+    };
+    app.db.save(&user).await.map_err(ApiError::internal)?;
+    app.cache.remove(&user_key(id)).await?;
+    Ok(Json(user))
+}
+
+/// `POST /report`: one report at a time across every instance. The lease's fencing
+/// token goes to the resource, which refuses a token older than the last it saw (a
+/// paused holder whose lease lapsed cannot overwrite a newer report).
+async fn make_report(State(app): State<App>) -> Result<String, ApiError> {
+    let Some(locks) = app.cache.locks().redis() else {
+        return fail(StatusCode::SERVICE_UNAVAILABLE, "reports need --redis");
+    };
+    let options = LockOptions::new().wait(REPORT_WAIT);
+    let lease = match locks.acquire("report", options).await {
+        Ok(lease) => lease,
+        Err(e) if e.kind() == ErrorKind::Timeout => {
+            return fail(StatusCode::CONFLICT, "another report is being made");
+        }
+        Err(e) => return Err(e.into()), // Redis unreachable: 503
+    };
+    let token = lease.fencing_token();
+    tokio::select! {
+        written = app.db.write_report(token) => written.map_err(ApiError::internal)?,
+        () = lease.lost() => return fail(StatusCode::SERVICE_UNAVAILABLE, "lost the report's lock"),
+    }
+    if let Err(e) = lease.release().await {
+        tracing::warn!("report lock not released (it lapses by its TTL): {e}");
+    }
+    Ok(format!("report written with fencing token {token}\n"))
+}
+
+/// `GET /stats`: what the database was asked, and what the cache did.
+async fn stats(State(app): State<App>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({
+        "db_reads": app.db.reads.load(Ordering::Relaxed),
+        "cache": app.cache.metrics(),
+    }))
+}
+
+fn user_key(id: u64) -> String {
+    format!("user:{id}")
+}
+
+/// An error as an HTTP response.
+#[derive(Debug)]
+struct ApiError(StatusCode, String);
+
+fn fail<T>(status: StatusCode, message: &str) -> Result<T, ApiError> {
+    Err(ApiError(status, message.to_owned()))
+}
+
+impl ApiError {
+    fn internal(e: impl std::fmt::Display) -> Self {
+        ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+    }
+}
+
+/// Corral's errors by kind; a loader's own error is there to downcast, for the caller
+/// that ran the loader and for every caller that waited on it alike.
+impl From<corral::Error> for ApiError {
+    fn from(e: corral::Error) -> Self {
+        let status = match e.kind() {
+            _ if e.loader_error::<NotFound>().is_some() => StatusCode::NOT_FOUND,
+            ErrorKind::InvalidArgument => StatusCode::BAD_REQUEST, // a bad key or value
+            ErrorKind::Loader => StatusCode::BAD_GATEWAY,          // the database failed
+            _ if e.is_retryable() => StatusCode::SERVICE_UNAVAILABLE, // Unavailable, Timeout, Quorum
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        // Display names the root cause: "store unavailable: redis GET failed: Connection refused".
+        ApiError(status, e.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, self.1).into_response()
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct User {
+    id: u64,
+    name: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct UserChange {
+    name: String,
+}
+
+/// The database's answer for a user it does not have: a 404.
+#[derive(Debug, thiserror::Error)]
+#[error("no user {0}")]
+struct NotFound(u64);
+
+/// The stand-in for a real database: a row per file in a directory the instances
+/// share, and 200 ms per query.
+#[derive(Debug)]
+struct Database {
+    dir: PathBuf,
+    reads: AtomicU64,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl Database {
+    fn open(dir: PathBuf) -> io::Result<Self> {
+        std::fs::create_dir_all(&dir)?;
+        Ok(Database {
+            dir,
+            reads: AtomicU64::new(0),
+        })
+    }
+
+    /// A slow query: the user, or `NotFound`.
+    async fn user(&self, id: u64) -> Result<User, BoxError> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let path = self.dir.join(format!("{id}.json"));
+        match tokio::task::spawn_blocking(move || std::fs::read(path)).await? {
+            Ok(row) => Ok(serde_json::from_slice(&row)?),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(NotFound(id).into()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn save(&self, user: &User) -> io::Result<()> {
+        let row = serde_json::to_vec(user)?;
+        let path = self.dir.join(format!("{}.json", user.id));
+        let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+        tokio::task::spawn_blocking(move || {
+            std::fs::write(&tmp, row)?;
+            std::fs::rename(&tmp, &path) // readers see the old row or the new one, whole
+        })
+        .await?
+    }
+
+    /// 300 ms of work, then the report, unless a report under a newer fencing token
+    /// was written meanwhile (a real database checks the token in the write's
+    /// transaction).
+    async fn write_report(&self, token: u64) -> io::Result<()> {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let path = self.dir.join("report.token");
+        tokio::task::spawn_blocking(move || {
+            let last: u64 = std::fs::read_to_string(&path).map_or(0, |s| s.parse().unwrap_or(0));
+            if token < last {
+                return Err(io::Error::other(format!(
+                    "token {token} refused: {last} wrote since"
+                )));
+            }
+            std::fs::write(&path, token.to_string())
+        })
+        .await?
+    }
+}
