@@ -329,6 +329,7 @@ mod flight {
             wit::Event::Loaded(l) => Event::Loaded {
                 len: l.len,
                 cacheable: l.cacheable,
+                expiry: l.expiry.map(options_in),
             },
             wit::Event::LoadFailed => Event::LoadFailed,
             wit::Event::L2Written => Event::L2Written,

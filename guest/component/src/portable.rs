@@ -231,7 +231,11 @@ fn fly(
                     let cacheable = loader::should_cache(key, &v);
                     let len = v.len() as u64;
                     value = v;
-                    Event::Loaded { len, cacheable }
+                    Event::Loaded {
+                        len,
+                        cacheable,
+                        expiry: None,
+                    }
                 }
                 Err(e) => {
                     loader_error = e;

@@ -109,6 +109,9 @@ pub enum Event {
         len: u64,
         /// Whether the caller's predicate accepts caching it.
         cacheable: bool,
+        /// This value's own expiry, replacing the flight's options for its write (a
+        /// typed `None` cached briefly); `None`: the flight's options.
+        expiry: Option<EntryOptions>,
     },
     /// The loader failed.
     LoadFailed,
@@ -280,13 +283,21 @@ impl Flight {
                 self.phase = P::Loading;
                 Action::Load
             }
-            (P::Loading, E::Loaded { len, cacheable }) => {
+            (
+                P::Loading,
+                E::Loaded {
+                    len,
+                    cacheable,
+                    expiry,
+                },
+            ) => {
+                let options = expiry.unwrap_or(self.options);
                 let degraded = !self.locked && !self.config.bypass;
                 if degraded {
                     // Kept in this process's L1 only, briefly, and only what would have
                     // been cached: an outage does not send every caller to the loader.
                     let l1 = (cacheable && self.config.degraded_l1_ttl_ms > 0)
-                        .then(|| policy::plan_value(len, &self.options, now_ms, limits).ok())
+                        .then(|| policy::plan_value(len, &options, now_ms, limits).ok())
                         .flatten()
                         .map(|plan| {
                             let ttl = self.config.degraded_l1_ttl_ms.min(self.config.l1_ttl_ms);
@@ -303,7 +314,7 @@ impl Flight {
                 if !cacheable {
                     return self.finish(Outcome::Loaded { cached: false }, self.locked, None);
                 }
-                match policy::plan_value(len, &self.options, now_ms, limits) {
+                match policy::plan_value(len, &options, now_ms, limits) {
                     Ok(plan) => {
                         self.planned = Some(plan.meta);
                         self.phase = P::Writing;
@@ -501,6 +512,7 @@ mod tests {
                             Ok(len) => Event::Loaded {
                                 len,
                                 cacheable: self.cacheable,
+                                expiry: None,
                             },
                             Err(()) => Event::LoadFailed,
                         }
@@ -802,7 +814,8 @@ mod tests {
             finish(&f.handle(
                 Event::Loaded {
                     len: 1,
-                    cacheable: true
+                    cacheable: true,
+                    expiry: None,
                 },
                 NOW,
                 &limits

@@ -241,9 +241,11 @@ impl Corral {
                     match loaded {
                         Ok(v) => {
                             let v: Bytes = v.into();
+                            let (cacheable, expiry) = options.verdict(&v);
                             let loaded = wflight::Loaded {
                                 len: v.len() as u64,
-                                cacheable: options.accepts(&v),
+                                cacheable,
+                                expiry: expiry.as_ref().map(crate::guest::convert::options_in),
                             };
                             value = Some(v);
                             Event::Loaded(loaded)

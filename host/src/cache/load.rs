@@ -16,6 +16,10 @@ pub struct LoadOptions {
     pub(crate) entry: EntryOptions,
     should_cache: Option<Predicate>,
     pub(crate) bypass: bool,
+    /// How long a typed `None` is cached; `None`: not at all.
+    none_ttl: Option<std::time::Duration>,
+    /// Set by the typed API: a loaded JSON `null` is a `None`.
+    pub(crate) typed: bool,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -24,6 +28,7 @@ impl fmt::Debug for LoadOptions {
             .field("entry", &self.entry)
             .field("should_cache", &self.should_cache.is_some())
             .field("bypass", &self.bypass)
+            .field("none_ttl", &self.none_ttl)
             .finish()
     }
 }
@@ -64,11 +69,43 @@ impl LoadOptions {
         self
     }
 
+    /// Adds `predicate` to the one already set: both must accept.
+    pub(crate) fn and_should_cache(
+        mut self,
+        predicate: impl Fn(&[u8]) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.should_cache = Some(match self.should_cache.take() {
+            Some(first) => Arc::new(move |v: &[u8]| first(v) && predicate(v)),
+            None => Arc::new(predicate),
+        });
+        self
+    }
+
     /// Skip L1, the flight registry and the lock: call the loader, write the tiers if
     /// `should_cache` accepts, return. For forced refreshes.
     pub fn bypass(mut self, bypass: bool) -> Self {
         self.bypass = bypass;
         self
+    }
+
+    /// Negative caching for the typed get-or-set: a loaded `None` (JSON `null`), which is
+    /// not cached unless asked, is cached for `ttl` (its own expiry, whatever the
+    /// entry's options say), so a missing row is not asked for on every call.
+    pub fn cache_none_for(mut self, ttl: std::time::Duration) -> Self {
+        self.none_ttl = Some(ttl);
+        self
+    }
+
+    /// Whether a loaded `value` may be cached, and with which expiry if not the
+    /// entry's: a typed `None` only when negative caching was asked for, with its TTL.
+    pub(crate) fn verdict(&self, value: &[u8]) -> (bool, Option<EntryOptions>) {
+        if self.typed && value == b"null" {
+            return match self.none_ttl {
+                Some(ttl) => (true, Some(EntryOptions::new().relative(ttl))),
+                None => (false, None),
+            };
+        }
+        (self.accepts(value), None)
     }
 
     pub(crate) fn accepts(&self, value: &[u8]) -> bool {

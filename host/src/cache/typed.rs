@@ -1,5 +1,8 @@
 //! Typed values: a serde JSON codec layered on the byte API.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -47,6 +50,10 @@ impl Corral {
 
     /// [`get_or_set`](Corral::get_or_set) with a typed loader; values travel as JSON.
     ///
+    /// A loaded `None` (anything that is JSON `null`) is returned but not cached, unless
+    /// the options ask for negative caching ([`LoadOptions::cache_none_for`]), which
+    /// caches it for its own, usually short, TTL.
+    ///
     /// ```no_run
     /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
     /// #[derive(serde::Serialize, serde::Deserialize)]
@@ -74,9 +81,53 @@ impl Corral {
         Fut: Future<Output = std::result::Result<T, E>>,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     {
+        self.get_or_set_json_if(key, options, |_: &T| true, loader).await
+    }
+
+    /// [`get_or_set_json`](Corral::get_or_set_json), caching a loaded value only when
+    /// `should_cache` accepts it (it sees the value, not its bytes); a rejected value is
+    /// still returned to the caller and its coalesced followers.
+    ///
+    /// ```no_run
+    /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct Page { partial: bool }
+    /// let page: Page = cache
+    ///     .get_or_set_json_if("page:1", corral::LoadOptions::relative(std::time::Duration::from_secs(60)),
+    ///         |p: &Page| !p.partial,
+    ///         || async { Ok::<_, std::io::Error>(Page { partial: true }) })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`get_or_set_json`](Corral::get_or_set_json).
+    pub async fn get_or_set_json_if<T, P, F, Fut, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        should_cache: P,
+        loader: F,
+    ) -> Result<T>
+    where
+        T: Serialize + DeserializeOwned,
+        P: Fn(&T) -> bool + Send + Sync + 'static,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<T, E>>,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    {
+        // The typed verdict, taken where the value is at hand, for the byte-level
+        // predicate the driver asks once the value is encoded.
+        let verdict = Arc::new(AtomicBool::new(true));
+        let mut options = options.into();
+        options.typed = true;
+        let options = {
+            let verdict = verdict.clone();
+            options.and_should_cache(move |_| verdict.load(Ordering::Acquire))
+        };
         let bytes = self
             .get_or_set(key, options, || async move {
                 let value = loader().await.map_err(Into::into)?;
+                verdict.store(should_cache(&value), Ordering::Release);
                 serde_json::to_vec(&value)
                     .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
             })

@@ -565,3 +565,70 @@ async fn typed_values_travel_as_json() -> Result<()> {
     assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
     Ok(())
 }
+
+/// A typed `None` is returned but not cached, unless negative caching is asked for, and
+/// then for its own TTL; a typed `should_cache` sees the value, not its bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_typed_none_is_cached_only_when_asked_and_for_its_own_ttl() -> Result<()> {
+    for backend in [Backend::Memory, Backend::Redis] {
+        let f = Fixture::new(backend)?;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let find = |options: corral::LoadOptions| {
+            let calls = calls.clone();
+            f.cache.get_or_set_json("user:7", options, move || async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Ok::<Option<String>, std::io::Error>(None)
+            })
+        };
+        let hour = corral::LoadOptions::relative(Duration::from_secs(3600));
+        assert_eq!(find(hour.clone()).await?, None);
+        assert_eq!(find(hour.clone()).await?, None);
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            2,
+            "{backend:?}: None is not cached by default"
+        );
+        assert!(!f.stored("user:7").await?);
+
+        let negative = hour.cache_none_for(Duration::from_secs(10));
+        assert_eq!(find(negative.clone()).await?, None);
+        assert_eq!(find(negative.clone()).await?, None);
+        assert_eq!(calls.load(Ordering::SeqCst), 3, "{backend:?}: cached when asked");
+        let meta = f.cache.inspect("user:7").await?.expect("stored").meta;
+        assert!(
+            meta.expires_at_ms <= f.cache.clock().now_ms() + 10_000,
+            "{backend:?}: for its own 10 s, not the hour"
+        );
+        f.clock.advance(Duration::from_secs(11));
+        assert_eq!(find(negative).await?, None);
+        assert_eq!(calls.load(Ordering::SeqCst), 4, "{backend:?}: and no longer");
+
+        // A typed predicate sees the value.
+        let v: Vec<u32> = f
+            .cache
+            .get_or_set_json_if(
+                "list",
+                corral::LoadOptions::new(),
+                |v: &Vec<u32>| !v.is_empty(),
+                || async { Ok::<_, std::io::Error>(Vec::new()) },
+            )
+            .await?;
+        assert!(v.is_empty());
+        assert!(
+            !f.stored("list").await?,
+            "{backend:?}: an empty list was not cached"
+        );
+        let v: Vec<u32> = f
+            .cache
+            .get_or_set_json_if(
+                "list",
+                corral::LoadOptions::new(),
+                |v: &Vec<u32>| !v.is_empty(),
+                || async { Ok::<_, std::io::Error>(vec![1, 2]) },
+            )
+            .await?;
+        assert_eq!(v, [1, 2]);
+        assert!(f.stored("list").await?, "{backend:?}: a full one was");
+    }
+    Ok(())
+}
