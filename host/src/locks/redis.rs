@@ -44,6 +44,7 @@ pub struct LockOptions {
     ttl: Option<Duration>,
     wait: Duration,
     watchdog_ttl: Duration,
+    fair: bool,
 }
 
 impl Default for LockOptions {
@@ -52,6 +53,7 @@ impl Default for LockOptions {
             ttl: None,
             wait: Duration::from_secs(5),
             watchdog_ttl: Duration::from_secs(30),
+            fair: false,
         }
     }
 }
@@ -86,6 +88,15 @@ impl LockOptions {
     /// How long to keep trying (50 ms doubling to 1 s between tries); zero: one try.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = wait;
+        self
+    }
+
+    /// First come, first served within this process: callers of this `RedisLocks` that
+    /// ask for the same key queue in the order they asked, and only the head of the
+    /// queue tries Redis (until its lease is released or dropped). Across processes the
+    /// first try after a release wins, as without it. Default: off.
+    pub fn fair(mut self, fair: bool) -> Self {
+        self.fair = fair;
         self
     }
 }
@@ -142,6 +153,9 @@ struct Inner {
     /// Where releases are announced and waiters wake (the landing channel of the
     /// prefix); `None` for Redlock and custom servers, whose waiters poll.
     landings: Option<Arc<dyn Notifications>>,
+    /// This process's queue per key, for fair leases (the entry goes with the last
+    /// waiter).
+    queues: Mutex<std::collections::HashMap<String, std::sync::Weak<tokio::sync::Mutex<()>>>>,
 }
 
 impl fmt::Debug for RedisLocks {
@@ -278,6 +292,7 @@ impl RedisLocks {
                 prefix: prefix.to_owned(),
                 origin: Instant::now(),
                 landings: None,
+                queues: Mutex::new(std::collections::HashMap::new()),
             }),
         }
     }
@@ -521,6 +536,24 @@ impl RedisLocks {
         let deadline = self
             .mono_ms(Instant::now())
             .saturating_add(duration_ms(options.wait));
+        let turn = if options.fair {
+            let queue = self.queue(key);
+            let waited = tokio::time::timeout_at(self.instant(deadline), queue.lock_owned()).await;
+            match waited {
+                Ok(turn) => Some(turn),
+                Err(_) => {
+                    return Err(Error::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "lock {key:?} is held by another owner (waited {:?} in this process's queue)",
+                            options.wait
+                        ),
+                    ));
+                }
+            }
+        } else {
+            None
+        };
         let mut attempt = 0;
         let lock_name = match &self.inner.landings {
             Some(_) => Some(self.names(key)?[0].clone()),
@@ -535,7 +568,10 @@ impl RedisLocks {
             };
             let outcome = self.attempt(key, ttl_ms, watchdog).await;
             let last_error = match outcome {
-                Ok(Some(lease)) => return Ok(lease),
+                Ok(Some(mut lease)) => {
+                    lease._turn = turn;
+                    return Ok(lease);
+                }
                 Ok(None) => Error::new(
                     ErrorKind::Timeout,
                     format!(
@@ -562,6 +598,18 @@ impl RedisLocks {
                 None => tokio::time::sleep_until(self.instant(next)).await,
             }
         }
+    }
+
+    /// This process's queue for `key` (fair leases).
+    fn queue(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut queues = self.inner.queues.lock();
+        queues.retain(|_, q| q.strong_count() > 0);
+        if let Some(q) = queues.get(key).and_then(std::sync::Weak::upgrade) {
+            return q;
+        }
+        let q = Arc::new(tokio::sync::Mutex::new(()));
+        queues.insert(key.to_owned(), Arc::downgrade(&q));
+        q
     }
 
     /// How long a release of an unsettled acquire keeps trying (asked only when needed:
@@ -687,6 +735,9 @@ pub struct Lease {
     monitor: Option<JoinHandle<()>>,
     watchdog: bool,
     released: bool,
+    /// A fair lease's place at the head of this process's queue for the key: the next
+    /// in line goes when it drops (after the release).
+    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
 struct LeaseShared {
@@ -746,6 +797,7 @@ impl Lease {
             monitor,
             watchdog,
             released: false,
+            _turn: None,
         }
     }
 

@@ -782,3 +782,49 @@ async fn queued_waiters_wake_on_the_release_not_by_polling() -> Result<()> {
     }
     Ok(())
 }
+
+/// Fair leases: callers in one process get the lock in the order they asked, even
+/// when a later caller would try sooner. Redlock over two servers has no landing
+/// channel, so waiters poll with a growing backoff: an early waiter has backed off to
+/// about a second when a late one arrives trying every 50 ms. Unfair, the late one wins
+/// the lock after the release; fair, it queues behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fair_waiters_in_one_process_are_served_first_come_first_served() -> Result<()> {
+    let _real_time = real_time().await;
+    let (a, b) = (RedisServer::start()?, RedisServer::start()?);
+    let locks = RedisLocks::connect(&[a.url(), b.url()])?;
+    for fair in [false, true] {
+        let options = LockOptions::new()
+            .ttl(Duration::from_secs(10))
+            .wait(Duration::from_secs(20))
+            .fair(fair);
+        let holder = locks.acquire("queue", options).await?;
+        let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let waiter = |name: &'static str| {
+            let (locks, order) = (locks.clone(), order.clone());
+            tokio::spawn(async move {
+                let lease = locks.acquire("queue", options).await?;
+                order.lock().push(name);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                lease.release().await?;
+                anyhow::Ok(())
+            })
+        };
+        let early = waiter("early");
+        // The early waiter backs off (50, 100, 200, 400, 800 ms...) meanwhile.
+        tokio::time::sleep(Duration::from_millis(1_600)).await;
+        let late = waiter("late");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        holder.release().await?;
+        early.await??;
+        late.await??;
+        let order = order.lock().clone();
+        println!("fair = {fair}: {order:?}");
+        if fair {
+            assert_eq!(order, ["early", "late"], "first come, first served");
+        } else {
+            assert_eq!(order, ["late", "early"], "without it, the quicker try wins");
+        }
+    }
+    Ok(())
+}
