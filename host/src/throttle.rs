@@ -59,6 +59,18 @@ impl Throttle {
     }
 }
 
+/// `tracing::warn!` at most once per `$secs` seconds at this call site, with the count
+/// of the lines held back in the field `suppressed`.
+macro_rules! warn_every {
+    ($secs:expr, $($arg:tt)+) => {{
+        static THROTTLE: $crate::throttle::Throttle = $crate::throttle::Throttle::every_secs($secs);
+        if let Some(suppressed) = THROTTLE.allow() {
+            tracing::warn!(suppressed, $($arg)+);
+        }
+    }};
+}
+pub(crate) use warn_every;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,15 +88,3 @@ mod tests {
         assert_eq!(t2.allow(), Some(500), "the next says how many were held back");
     }
 }
-
-/// `tracing::warn!` at most once per `$secs` seconds at this call site, with the count
-/// of the lines held back in the field `suppressed`.
-macro_rules! warn_every {
-    ($secs:expr, $($arg:tt)+) => {{
-        static THROTTLE: $crate::throttle::Throttle = $crate::throttle::Throttle::every_secs($secs);
-        if let Some(suppressed) = THROTTLE.allow() {
-            tracing::warn!(suppressed, $($arg)+);
-        }
-    }};
-}
-pub(crate) use warn_every;
