@@ -62,6 +62,9 @@ pub(crate) struct Inner {
     pub(crate) flight: FlightSettings,
     /// How each key read lately is to be read next (`GET`, `GETEX` or the script).
     pub(crate) read_hints: read::ReadHints,
+    /// Typed values decoded from the bytes L1 holds, reused while L1 holds those very
+    /// bytes (see [`Corral::get_or_set_json_shared`]).
+    pub(crate) decoded: typed::Decoded,
     pub(crate) registry: Registry<registry::Outcome>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) locks: crate::locks::Locks,

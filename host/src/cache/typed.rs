@@ -1,7 +1,12 @@
 //! Typed values: a serde JSON codec layered on the byte API.
 
+use std::any::Any;
+use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -10,6 +15,43 @@ use super::Corral;
 use super::load::LoadOptions;
 use crate::options::EntryOptions;
 use crate::{Error, ErrorKind, Result};
+
+/// Decoded typed values, each with the very bytes it was decoded from: a value is
+/// reused only while L1 hands out those same bytes (the same allocation, kept alive
+/// here, so it cannot be another value's), so it is never staler than L1 itself.
+#[derive(Clone)]
+pub(crate) struct Decoded(Option<moka::sync::Cache<String, (Bytes, Arc<dyn Any + Send + Sync>)>>);
+
+impl fmt::Debug for Decoded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Decoded")
+    }
+}
+
+impl Decoded {
+    /// As large as L1 (none when L1 is off), for at most the L1 TTL.
+    pub(crate) fn new(capacity: u64, ttl_ms: u64) -> Self {
+        Decoded((capacity > 0).then(|| {
+            moka::sync::Cache::builder()
+                .max_capacity(capacity)
+                .time_to_live(Duration::from_millis(ttl_ms.max(1)))
+                .build()
+        }))
+    }
+
+    fn get<T: Send + Sync + 'static>(&self, key: &str, bytes: &Bytes) -> Option<Arc<T>> {
+        let (held, value) = self.0.as_ref()?.get(key)?;
+        (held.as_ptr() == bytes.as_ptr() && held.len() == bytes.len())
+            .then(|| value.downcast::<T>().ok())
+            .flatten()
+    }
+
+    fn put<T: Send + Sync + 'static>(&self, key: &str, bytes: Bytes, value: Arc<T>) {
+        if let Some(cache) = &self.0 {
+            cache.insert(key.to_owned(), (bytes, value));
+        }
+    }
+}
 
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
     serde_json::to_vec(value).map_err(|e| {
@@ -133,5 +175,40 @@ impl Corral {
             })
             .await?;
         decode(key, &bytes)
+    }
+
+    /// [`get_or_set_json`](Corral::get_or_set_json), sharing the decoded value: an L1
+    /// hit returns the value decoded the last time, without parsing JSON again, for as
+    /// long as L1 holds the very bytes it came from.
+    ///
+    /// # Errors
+    /// As [`get_or_set_json`](Corral::get_or_set_json).
+    pub async fn get_or_set_json_shared<T, F, Fut, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        loader: F,
+    ) -> Result<Arc<T>>
+    where
+        T: Serialize + DeserializeOwned + Send + Sync + 'static,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<T, E>>,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    {
+        let mut options = options.into();
+        options.typed = true;
+        let bytes = self
+            .get_or_set(key, options, || async move {
+                let value = loader().await.map_err(Into::into)?;
+                serde_json::to_vec(&value)
+                    .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+            })
+            .await?;
+        if let Some(value) = self.inner.decoded.get::<T>(key, &bytes) {
+            return Ok(value);
+        }
+        let value = Arc::new(decode::<T>(key, &bytes)?);
+        self.inner.decoded.put(key, bytes, value.clone());
+        Ok(value)
     }
 }

@@ -632,3 +632,49 @@ async fn a_typed_none_is_cached_only_when_asked_and_for_its_own_ttl() -> Result<
     }
     Ok(())
 }
+
+/// Counts how often it is parsed from JSON.
+static PARSED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[derive(serde::Serialize, Debug, PartialEq)]
+struct Profile {
+    name: String,
+}
+
+impl<'de> serde::Deserialize<'de> for Profile {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        struct Raw {
+            name: String,
+        }
+        PARSED.fetch_add(1, Ordering::SeqCst);
+        Raw::deserialize(d).map(|r| Profile { name: r.name })
+    }
+}
+
+/// Typed L1 hits reuse the decoded value instead of parsing JSON again, while L1 holds
+/// the same bytes; a new value is parsed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typed_l1_hits_reuse_the_decoded_value() -> Result<()> {
+    let f = Fixture::new(Backend::Memory)?;
+    let load = |name: &'static str| {
+        f.cache
+            .get_or_set_json_shared("profile", relative(), move || async move {
+                Ok::<_, std::io::Error>(Profile { name: name.into() })
+            })
+    };
+    let first = load("Ada").await?;
+    for _ in 0..100 {
+        let again = load("never loaded").await?;
+        assert!(Arc::ptr_eq(&first, &again), "the same decoded value");
+    }
+    assert_eq!(PARSED.load(Ordering::SeqCst), 1, "parsed once for 101 reads");
+    f.cache
+        .set_json("profile", &Profile { name: "Grace".into() }, EntryOptions::new())
+        .await?;
+    let changed = load("never loaded").await?;
+    assert_eq!(changed.name, "Grace", "a new value, not the old decoded one");
+    assert_eq!(load("never loaded").await?.name, "Grace");
+    assert_eq!(PARSED.load(Ordering::SeqCst), 2, "and parsed once");
+    Ok(())
+}
