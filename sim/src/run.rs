@@ -522,7 +522,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     let bound = Duration::from_millis(CALL_BOUND_MS);
     let task = {
         let (cache, w, loaded, key) = (cache.clone(), w.clone(), loaded.clone(), key.clone());
-        tokio::spawn(async move {
+        tokio::spawn(crate::world::CALL.scope(id, async move {
             let res = match op {
                 Op::Get(_) => tokio::time::timeout(bound, cache.get(&key))
                     .await
@@ -594,7 +594,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                 }
                 Ok(Ok(r)) => r,
             }
-        })
+        }))
     };
     ctx.tasks[proc].lock().push(task.abort_handle());
     let (res, written) = match task.await {

@@ -24,6 +24,11 @@ use parking_lot::Mutex;
 use crate::rng::Rng;
 use crate::scenario::Scenario;
 
+tokio::task_local! {
+    /// The workload call a task runs (its store commands are that call's).
+    pub(crate) static CALL: u64;
+}
+
 /// How long a caller waits for a reply that never comes (the client's response timeout).
 pub const REPLY_TIMEOUT_MS: u64 = 1_000;
 /// Longest normal one-way latency.
@@ -160,7 +165,8 @@ pub struct State {
     /// Per key, times a held flight lock was lost (lapsed and taken over, or wiped).
     pub lock_losses: BTreeMap<String, Vec<u64>>,
     /// Per (process, key): whether the last entry read failed.
-    pub(crate) last_read_failed: BTreeMap<(usize, String), bool>,
+    /// Per (call, key): whether the call's last entry read failed.
+    pub(crate) last_read_failed: BTreeMap<(u64, String), bool>,
     pub gaps: Vec<Gap>,
     pub loads: Vec<LoadRec>,
     pub faults: BTreeMap<&'static str, u64>,
@@ -480,7 +486,7 @@ impl World {
                     );
                     if st
                         .last_read_failed
-                        .get(&(proc, key.to_owned()))
+                        .get(&(call, key.to_owned()))
                         .copied()
                         .unwrap_or(false)
                     {
@@ -720,12 +726,15 @@ impl Entries for Conn {
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
         let name = key.to_owned();
         let this = self.clone();
+        // The call this read is part of (the task it runs in): another call's read of
+        // the key in the same process says nothing about this one's.
+        let call = CALL.try_with(|c| *c).ok();
         async move {
             // Failed until it returns: a read the flight abandons at its deadline failed.
-            {
+            if let Some(call) = call {
                 let mut st = this.world.st.lock();
                 let k = st.key_of(&name);
-                st.last_read_failed.insert((this.proc, k), true);
+                st.last_read_failed.insert((call, k), true);
             }
             let got = this
                 .call("get", &name, {
@@ -739,10 +748,11 @@ impl Entries for Conn {
                     }
                 })
                 .await;
-            let mut st = this.world.st.lock();
-            let k = st.key_of(&name);
-            st.last_read_failed.insert((this.proc, k), got.is_err());
-            drop(st);
+            if let Some(call) = call {
+                let mut st = this.world.st.lock();
+                let k = st.key_of(&name);
+                st.last_read_failed.insert((call, k), got.is_err());
+            }
             got
         }
         .boxed()

@@ -7,10 +7,10 @@ use corral_sim::{Broken, Scenario, Totals, run_seed};
 
 const SEEDS: u64 = 2_000;
 /// Seeds run twice and compared byte for byte.
-const REPLAYED: u64 = 150;
+const REPLAYED: u64 = 100;
 /// Seeds the portable body runs (the component's own `cache` export, in wasmtime), and
 /// how many of them run twice.
-const PORTABLE_SEEDS: u64 = 60;
+const PORTABLE_SEEDS: u64 = 50;
 const PORTABLE_REPLAYED: u64 = 10;
 
 /// Runs every `stride`-th seed of `0..SEEDS` from `first`; panics with the first failure.
