@@ -328,8 +328,11 @@ async fn a_leader_whose_loader_panics_hands_the_flight_over_at_once() -> Result<
         println!("{backend:?}: followers served {slowest:?} after the leader's panic");
         let m = f.cache.metrics();
         assert_eq!((m.loads, m.degraded, m.lock_timeouts), (2, 0, 0), "{backend:?}");
+        // Typically 2-5 ms; the bound only separates "handed over" from a lock wait
+        // (5 s) or the lock's TTL (30 s), with room for a machine under load, where the
+        // new leader may meet the old one's lock before its background release lands.
         assert!(
-            slowest < Duration::from_secs(1),
+            slowest < Duration::from_millis(2_500),
             "handed over at once, not after a lock wait: {slowest:?}"
         );
         assert_eq!(f.cache.flights_in_progress(), 0);
