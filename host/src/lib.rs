@@ -47,7 +47,7 @@ pub mod portable;
 pub mod store;
 mod throttle;
 
-pub use cache::load::LoadOptions;
+pub use cache::load::{LoadOptions, Served};
 pub use cache::metrics::MetricsSnapshot;
 pub use cache::{Corral, CorralBuilder};
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -14,6 +14,7 @@ pub struct EntryOptions {
     pub(crate) absolute_ms: Option<u64>,
     pub(crate) relative_ms: Option<u64>,
     pub(crate) sliding_ms: Option<u64>,
+    pub(crate) max_stale_ms: Option<u64>,
 }
 
 pub(crate) fn duration_ms(d: Duration) -> u64 {
@@ -49,6 +50,15 @@ impl EntryOptions {
         self.sliding_ms = Some(duration_ms(idle));
         self
     }
+
+    /// Fail-safe: once expired, keep a stale copy for `max_stale` more, which a
+    /// get-or-set serves when its reload fails, times out or cannot get the lock
+    /// (contract §6b.1). A plain [`get`](crate::Corral::get) never returns it;
+    /// [`get_stale`](crate::Corral::get_stale) does. Must be positive.
+    pub fn fail_safe(mut self, max_stale: Duration) -> Self {
+        self.max_stale_ms = Some(duration_ms(max_stale));
+        self
+    }
 }
 
 /// The expiry metadata an entry carries.
@@ -59,8 +69,10 @@ pub struct EntryMeta {
     pub absolute_ms: Option<u64>,
     /// The sliding interval, in milliseconds, if any.
     pub sliding_ms: Option<u64>,
-    /// When the entry expires, in Unix epoch milliseconds.
+    /// When the entry expires (stops being fresh), in Unix epoch milliseconds.
     pub expires_at_ms: u64,
+    /// How long past its expiry a stale copy is kept for fail-safe, in ms, if at all.
+    pub stale_ms: Option<u64>,
 }
 
 /// An entry as stored, for inspection: its metadata and size, judged at one moment.

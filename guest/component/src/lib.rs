@@ -56,6 +56,8 @@ fn settings_in(s: types::Settings) -> corral_core::Settings {
         lock_ttl_ms: s.lock_ttl_ms,
         invalidation_interval_ms: s.invalidation_interval_ms,
         degraded_l1_ttl_ms: s.degraded_l1_ttl_ms,
+        fail_safe_throttle_ms: s.fail_safe_throttle_ms,
+        hard_timeout_ms: s.hard_timeout_ms,
     }
 }
 
@@ -67,6 +69,8 @@ fn settings_out(s: corral_core::Settings) -> types::Settings {
         lock_ttl_ms: s.lock_ttl_ms,
         invalidation_interval_ms: s.invalidation_interval_ms,
         degraded_l1_ttl_ms: s.degraded_l1_ttl_ms,
+        fail_safe_throttle_ms: s.fail_safe_throttle_ms,
+        hard_timeout_ms: s.hard_timeout_ms,
     }
 }
 
@@ -75,6 +79,7 @@ fn meta_in(m: types::EntryMeta) -> corral_core::EntryMeta {
         absolute_ms: m.absolute_ms,
         sliding_ms: m.sliding_ms,
         expires_at_ms: m.expires_at_ms,
+        stale_ms: m.stale_ms,
     }
 }
 
@@ -83,6 +88,7 @@ fn meta_out(m: corral_core::EntryMeta) -> types::EntryMeta {
         absolute_ms: m.absolute_ms,
         sliding_ms: m.sliding_ms,
         expires_at_ms: m.expires_at_ms,
+        stale_ms: m.stale_ms,
     }
 }
 
@@ -91,6 +97,7 @@ fn options_in(o: types::EntryOptions) -> corral_core::EntryOptions {
         absolute_ms: o.absolute_ms,
         relative_ms: o.relative_ms,
         sliding_ms: o.sliding_ms,
+        max_stale_ms: o.max_stale_ms,
     }
 }
 
@@ -101,22 +108,27 @@ fn arg_error(e: corral_core::ArgError) -> types::Error {
     })
 }
 
+fn hit_out(hit: policy::Hit) -> wit::Hit {
+    wit::Hit {
+        meta: meta_out(hit.meta),
+        value_offset: hit.value_offset as u32,
+        touch: hit.touch.map(|t| match t {
+            policy::Touch::Rewrite(header) => wit::Touch::Rewrite(header.to_vec()),
+            policy::Touch::Expire => wit::Touch::Expire,
+        }),
+        store_ttl_ms: hit.store_ttl_ms,
+        next_read: match hit.next_read {
+            policy::NextRead::Get => wit::NextRead::Get,
+            policy::NextRead::Script => wit::NextRead::Script,
+            policy::NextRead::Expiring(ms) => wit::NextRead::Expiring(ms),
+        },
+    }
+}
+
 fn read_outcome(outcome: policy::ReadOutcome) -> wit::ReadOutcome {
     match outcome {
-        policy::ReadOutcome::Fresh(hit) => wit::ReadOutcome::Fresh(wit::Hit {
-            meta: meta_out(hit.meta),
-            value_offset: hit.value_offset as u32,
-            touch: hit.touch.map(|t| match t {
-                policy::Touch::Rewrite(header) => wit::Touch::Rewrite(header.to_vec()),
-                policy::Touch::Expire => wit::Touch::Expire,
-            }),
-            store_ttl_ms: hit.store_ttl_ms,
-            next_read: match hit.next_read {
-                policy::NextRead::Get => wit::NextRead::Get,
-                policy::NextRead::Script => wit::NextRead::Script,
-                policy::NextRead::Expiring(ms) => wit::NextRead::Expiring(ms),
-            },
-        }),
+        policy::ReadOutcome::Fresh(hit) => wit::ReadOutcome::Fresh(hit_out(hit)),
+        policy::ReadOutcome::Stale(hit) => wit::ReadOutcome::Stale(hit_out(hit)),
         policy::ReadOutcome::Expired => wit::ReadOutcome::Expired,
         policy::ReadOutcome::Corrupt(c) => wit::ReadOutcome::Corrupt(c.to_string()),
         policy::ReadOutcome::Removed { rearm } => wit::ReadOutcome::Removed(rearm),
@@ -155,7 +167,24 @@ impl wit::Guest for Component {
     fn check(meta: types::EntryMeta, now_ms: u64) -> wit::Freshness {
         match expiry::check(&meta_in(meta), now_ms) {
             expiry::Freshness::Fresh { meta, moved } => wit::Freshness::Fresh((meta_out(meta), moved)),
+            expiry::Freshness::Stale => wit::Freshness::Stale,
             expiry::Freshness::Expired => wit::Freshness::Expired,
+        }
+    }
+
+    fn expire(head: Vec<u8>, total_len: u64, now_ms: u64, l: types::Limits) -> wit::ExpirePlan {
+        match policy::expire(&head, total_len, now_ms, &limits(l)) {
+            policy::Expire::Nothing => wit::ExpirePlan::Nothing,
+            policy::Expire::Rewrite {
+                header,
+                store_ttl_ms,
+                value_offset,
+            } => wit::ExpirePlan::Rewrite(wit::ExpireRewrite {
+                header: header.to_vec(),
+                store_ttl_ms,
+                value_offset: value_offset as u32,
+            }),
+            policy::Expire::Remove => wit::ExpirePlan::Remove,
         }
     }
 
@@ -208,7 +237,7 @@ impl wit::Guest for Component {
     }
 
     fn header_len() -> u32 {
-        envelope::HEADER_LEN as u32
+        envelope::MAX_HEADER_LEN as u32
     }
 
     fn redis_read_script() -> String {
@@ -242,6 +271,7 @@ mod flight {
             absolute_ms: o.absolute_ms,
             relative_ms: o.relative_ms,
             sliding_ms: o.sliding_ms,
+            max_stale_ms: o.max_stale_ms,
         }
     }
 
@@ -251,6 +281,8 @@ mod flight {
             lock_ttl_ms: c.lock_ttl_ms,
             l1_ttl_ms: c.l1_ttl_ms,
             degraded_l1_ttl_ms: c.degraded_l1_ttl_ms,
+            fail_safe_throttle_ms: c.fail_safe_throttle_ms,
+            hard_timeout_ms: c.hard_timeout_ms,
             bypass: c.bypass,
         }
     }
@@ -261,6 +293,8 @@ mod flight {
             lock_ttl_ms: c.lock_ttl_ms,
             l1_ttl_ms: c.l1_ttl_ms,
             degraded_l1_ttl_ms: c.degraded_l1_ttl_ms,
+            fail_safe_throttle_ms: c.fail_safe_throttle_ms,
+            hard_timeout_ms: c.hard_timeout_ms,
             bypass: c.bypass,
         }
     }
@@ -300,6 +334,8 @@ mod flight {
             waited: s.waited,
             timed_out: s.timed_out,
             planned: s.planned.map(meta_in),
+            stale: s.stale.map(meta_in),
+            load_until_ms: s.load_until_ms,
         }
     }
 
@@ -314,6 +350,8 @@ mod flight {
             waited: f.waited,
             timed_out: f.timed_out,
             planned: f.planned.map(meta_out),
+            stale: f.stale.map(meta_out),
+            load_until_ms: f.load_until_ms,
         }
     }
 
@@ -321,6 +359,7 @@ mod flight {
         match e {
             wit::Event::L2Hit(meta) => Event::L2Hit(meta_in(meta)),
             wit::Event::L2Miss => Event::L2Miss,
+            wit::Event::L2Stale(meta) => Event::L2Stale(meta_in(meta)),
             wit::Event::L2Failed => Event::L2Failed,
             wit::Event::LockAcquired => Event::LockAcquired,
             wit::Event::LockBusy(watching) => Event::LockBusy { watching },
@@ -332,6 +371,7 @@ mod flight {
                 expiry: l.expiry.map(options_in),
             },
             wit::Event::LoadFailed => Event::LoadFailed,
+            wit::Event::LoadTimedOut => Event::LoadTimedOut,
             wit::Event::L2Written => Event::L2Written,
             wit::Event::L2WriteFailed => Event::L2WriteFailed,
         }
@@ -342,7 +382,7 @@ mod flight {
             Action::ReadL2 => wit::Action::ReadL2,
             Action::TryLock { ttl_ms } => wit::Action::TryLock(ttl_ms),
             Action::Wait { until_ms } => wit::Action::Wait(until_ms),
-            Action::Load => wit::Action::Load,
+            Action::Load { until_ms } => wit::Action::Load(until_ms),
             Action::WriteL2 { header, store_ttl_ms } => wit::Action::WriteL2(wit::Write {
                 header: header.to_vec(),
                 store_ttl_ms,
@@ -358,6 +398,13 @@ mod flight {
                     Outcome::Loaded { cached } => wit::Outcome::Loaded(cached),
                     Outcome::Degraded { timed_out } => wit::Outcome::Degraded(timed_out),
                     Outcome::LoaderFailed => wit::Outcome::LoaderFailed,
+                    Outcome::Stale(cause) => wit::Outcome::Stale(match cause {
+                        core::StaleCause::LoaderFailed => wit::StaleCause::LoaderFailed,
+                        core::StaleCause::LoadTimedOut => wit::StaleCause::LoadTimedOut,
+                        core::StaleCause::LockTimedOut => wit::StaleCause::LockTimedOut,
+                        core::StaleCause::StoreFailed => wit::StaleCause::StoreFailed,
+                    }),
+                    Outcome::TimedOut => wit::Outcome::TimedOut,
                 },
                 release,
                 notify,

@@ -53,20 +53,47 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// What an L2 read found.
+enum Found {
+    /// A fresh entry: its value and metadata.
+    Fresh(Vec<u8>, EntryMeta),
+    /// A stale copy (fail-safe): its value and metadata.
+    Stale(Vec<u8>, EntryMeta),
+    /// Nothing servable.
+    Nothing,
+}
+
+impl Found {
+    /// The fresh value, if any: what a plain read returns.
+    fn fresh(self) -> Option<(Vec<u8>, EntryMeta)> {
+        match self {
+            Found::Fresh(value, meta) => Some((value, meta)),
+            Found::Stale(..) | Found::Nothing => None,
+        }
+    }
+}
+
 /// One L2 read of the entry `name` at `now`: judged by the policy; a sliding touch is
-/// written back only over the very bytes read; expired and corrupt bytes are removed.
-fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Option<(Vec<u8>, EntryMeta)>, types::Error> {
+/// written back only over the very bytes read; expired and corrupt bytes are removed; a
+/// stale copy is left in place.
+fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error> {
     let stored = match l2::get(name) {
         Ok(Some(stored)) => stored,
-        Ok(None) => return Ok(None),
+        Ok(None) => return Ok(Found::Nothing),
         // Not bytes at all (another Redis type): a miss, removed (contract §4).
         Err(types::Error::Corrupt(_)) => {
             l2::delete(name)?;
-            return Ok(None);
+            return Ok(Found::Nothing);
         }
         Err(e) => return Err(e),
     };
     match policy::read(&stored, stored.len() as u64, now, limits, None) {
+        ReadOutcome::Stale(hit) => {
+            if let Some(Touch::Expire) = hit.touch {
+                l2::replace_if_equal(name, &stored, &stored, hit.store_ttl_ms)?;
+            }
+            Ok(Found::Stale(stored[hit.value_offset..].to_vec(), hit.meta))
+        }
         ReadOutcome::Fresh(hit) => {
             let value = stored[hit.value_offset..].to_vec();
             match hit.touch {
@@ -81,18 +108,22 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Option<(Vec<u8>, Ent
                 }
                 None => {}
             }
-            Ok(Some((value, hit.meta)))
+            Ok(Found::Fresh(value, hit.meta))
         }
         ReadOutcome::Expired | ReadOutcome::Corrupt(_) => {
             l2::delete_if_equal(name, &stored)?;
-            Ok(None)
+            Ok(Found::Nothing)
         }
-        ReadOutcome::Removed { .. } => Ok(None),
+        ReadOutcome::Removed { .. } => Ok(Found::Nothing),
     }
 }
 
-fn l1_hit(key: &str, now: u64) -> Option<Vec<u8>> {
-    l1::get(key).filter(|e| now < e.until_ms).map(|e| e.value)
+/// The value L1 may serve for `key` at `now`: a stale copy fail-safe re-armed only when
+/// `stale_ok` (a get-or-set; a plain read never returns one).
+fn l1_hit(key: &str, now: u64, stale_ok: bool) -> Option<Vec<u8>> {
+    l1::get(key)
+        .filter(|e| now < e.until_ms && (stale_ok || !e.stale))
+        .map(|e| e.value)
 }
 
 fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
@@ -102,6 +133,7 @@ fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
         &l1::L1Entry {
             value: value.to_vec(),
             until_ms,
+            stale: false,
         },
     );
 }
@@ -117,12 +149,12 @@ impl wcache::Guest for Component {
 
     fn get(key: String) -> Result<Option<Vec<u8>>, types::Error> {
         let now = now_ms();
-        if let Some(v) = l1_hit(&key, now) {
+        if let Some(v) = l1_hit(&key, now, false) {
             return Ok(Some(v));
         }
         let limits = settings().limits;
         let names = locate(&key, &limits)?;
-        Ok(l2_read(&names.entry, now, &limits)?.map(|(value, meta)| {
+        Ok(l2_read(&names.entry, now, &limits)?.fresh().map(|(value, meta)| {
             fill_l1(&key, &value, &meta, now);
             value
         }))
@@ -144,7 +176,7 @@ impl wcache::Guest for Component {
     fn refresh(key: String) -> Result<bool, types::Error> {
         let limits = settings().limits;
         let names = locate(&key, &limits)?;
-        Ok(l2_read(&names.entry, now_ms(), &limits)?.is_some())
+        Ok(l2_read(&names.entry, now_ms(), &limits)?.fresh().is_some())
     }
 
     fn remove(key: String) -> Result<bool, types::Error> {
@@ -152,15 +184,42 @@ impl wcache::Guest for Component {
         let names = locate(&key, &settings.limits)?;
         l1::delete(&key);
         // A removal leaves a tombstone, as in every body (contract §5.12).
-        let held = l2_read(&names.entry, now_ms(), &settings.limits)?.is_some();
+        let held = l2_read(&names.entry, now_ms(), &settings.limits)?.fresh().is_some();
         let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
         l2::set(&names.entry, &tombstone, ttl_ms)?;
         Ok(held)
     }
 
+    fn expire(key: String) -> Result<bool, types::Error> {
+        let settings = settings();
+        let names = locate(&key, &settings.limits)?;
+        l1::delete(&key);
+        let Some(stored) = l2::get(&names.entry)? else {
+            return Ok(false);
+        };
+        match policy::expire(&stored, stored.len() as u64, now_ms(), &settings.limits) {
+            policy::Expire::Nothing => Ok(false),
+            policy::Expire::Rewrite {
+                header,
+                store_ttl_ms,
+                value_offset,
+            } => {
+                let mut expired = header.to_vec();
+                expired.extend_from_slice(&stored[value_offset..]);
+                l2::replace_if_equal(&names.entry, &stored, &expired, store_ttl_ms)?;
+                Ok(true)
+            }
+            policy::Expire::Remove => {
+                let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
+                l2::set(&names.entry, &tombstone, ttl_ms)?;
+                Ok(true)
+            }
+        }
+    }
+
     fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
         let settings = settings();
-        if !bypass && let Some(v) = l1_hit(&key, now_ms()) {
+        if !bypass && let Some(v) = l1_hit(&key, now_ms(), true) {
             return Ok(v);
         }
         let fly_one = || {
@@ -202,16 +261,22 @@ fn fly(
     limits: &Limits,
 ) -> Result<Vec<u8>, types::Error> {
     let mut value: Vec<u8> = Vec::new();
+    // The stale copy the last read found (fail-safe).
+    let mut stale: Vec<u8> = Vec::new();
     let mut owner: Option<String> = None;
     let mut loader_error = String::new();
     loop {
         let event = match action {
             Action::ReadL2 => match l2_read(&names.entry, now_ms(), limits) {
-                Ok(Some((v, meta))) => {
+                Ok(Found::Fresh(v, meta)) => {
                     value = v;
                     Event::L2Hit(meta)
                 }
-                Ok(None) => Event::L2Miss,
+                Ok(Found::Stale(v, meta)) => {
+                    stale = v;
+                    Event::L2Stale(meta)
+                }
+                Ok(Found::Nothing) => Event::L2Miss,
                 Err(_) => Event::L2Failed,
             },
             Action::TryLock { ttl_ms } => match l2::try_lock(&names.flight_lock, ttl_ms) {
@@ -226,7 +291,9 @@ fn fly(
                 l2::wait_landing(key, until_ms);
                 Event::Woken
             }
-            Action::Load => match loader::load(key) {
+            // The loader import cannot be stopped from here: it answers when it does,
+            // and the machine judges an answer past the hard timeout a timeout.
+            Action::Load { .. } => match loader::load(key) {
                 Ok(v) => {
                     let cacheable = loader::should_cache(key, &v);
                     let len = v.len() as u64;
@@ -262,8 +329,16 @@ fn fly(
                 if notify {
                     l2::announce_landing(key);
                 }
-                if let Outcome::LoaderFailed = outcome {
-                    return Err(types::Error::LoaderFailed(loader_error));
+                let stale_served = matches!(outcome, Outcome::Stale(_));
+                match outcome {
+                    Outcome::LoaderFailed => return Err(types::Error::LoaderFailed(loader_error)),
+                    Outcome::TimedOut => {
+                        return Err(types::Error::Timeout(
+                            "the loader ran past the get-or-set's hard timeout".to_string(),
+                        ));
+                    }
+                    Outcome::Stale(_) => value = std::mem::take(&mut stale),
+                    _ => {}
                 }
                 if let Some(until_ms) = l1_until_ms {
                     l1::set(
@@ -271,6 +346,7 @@ fn fly(
                         &l1::L1Entry {
                             value: value.clone(),
                             until_ms,
+                            stale: stale_served,
                         },
                     );
                 }

@@ -9,8 +9,14 @@
 //!     12     8  sliding interval, ms, big-endian; 0 = none
 //!     20     8  expires at, Unix ms, big-endian (as written; see below)
 //!     28     4  value length, big-endian
-//!     32     -  value bytes
+//!     32     -  value bytes (versions 1 and 2)
+//!     32     8  version 3 only: the stale window, ms, big-endian (never 0)
+//!     40     -  value bytes (version 3)
 //! ```
+//!
+//! Version 3 is an entry with a fail-safe stale window (contract §6b.1): its envelope
+//! keeps its expiry moment (as version 1 does), and the store keeps it until the window
+//! ends. Entries without one are written as before, so older readers still read them.
 //!
 //! Zero is free to mean "none" because [`crate::expiry::plan`] never produces a zero
 //! duration or an absolute point at the epoch.
@@ -28,8 +34,10 @@
 
 use crate::{Corruption, EntryMeta, Limits};
 
-/// The header's length; the value starts here.
+/// The length of a version-1 or -2 header; their value starts here.
 pub const HEADER_LEN: usize = 32;
+/// The longest header (version 3): what a reader must see to decode any entry.
+pub const MAX_HEADER_LEN: usize = 40;
 /// The first bytes of every envelope.
 pub const MAGIC: [u8; 3] = *b"CRL";
 /// The envelope version whose header keeps a sliding entry's expiry moment.
@@ -37,6 +45,36 @@ pub const VERSION: u8 = 1;
 /// The envelope version of a sliding entry whose store keeps its expiry moment in
 /// its TTL. The layout is the same.
 pub const STORE_KEPT_VERSION: u8 = 2;
+/// The envelope version of an entry with a fail-safe stale window.
+pub const STALE_VERSION: u8 = 3;
+
+/// An encoded header: 32 or 40 bytes, kept inline (no allocation per write).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    bytes: [u8; MAX_HEADER_LEN],
+    len: u8,
+}
+
+impl Header {
+    /// The header's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+}
+
+impl std::ops::Deref for Header {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl std::fmt::Debug for Header {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Header({:02x?})", self.as_bytes())
+    }
+}
 
 /// Where a sliding entry's current expiry moment lives (contract §3.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,11 +106,12 @@ pub const EXPIRES_AT_OFFSET: usize = 20;
 /// # Panics
 /// Never for values within [`Limits`]; a `value_len` over `u32::MAX` is clamped, and a
 /// reader then sees the envelope as corrupt rather than misreading it.
-pub fn encode_header(meta: &EntryMeta, value_len: u64, keeper: Keeper) -> [u8; HEADER_LEN] {
-    let mut h = [0u8; HEADER_LEN];
+pub fn encode_header(meta: &EntryMeta, value_len: u64, keeper: Keeper) -> Header {
+    let mut h = [0u8; MAX_HEADER_LEN];
     h[..3].copy_from_slice(&MAGIC);
-    h[3] = match keeper {
-        Keeper::Store if meta.sliding_ms.is_some() => STORE_KEPT_VERSION,
+    h[3] = match (meta.stale_ms, keeper) {
+        (Some(_), _) => STALE_VERSION,
+        (None, Keeper::Store) if meta.sliding_ms.is_some() => STORE_KEPT_VERSION,
         _ => VERSION,
     };
     h[4..12].copy_from_slice(&meta.absolute_ms.unwrap_or(0).to_be_bytes());
@@ -80,7 +119,15 @@ pub fn encode_header(meta: &EntryMeta, value_len: u64, keeper: Keeper) -> [u8; H
     h[20..28].copy_from_slice(&meta.expires_at_ms.to_be_bytes());
     let len = u32::try_from(value_len).unwrap_or(u32::MAX);
     h[28..32].copy_from_slice(&len.to_be_bytes());
-    h
+    let mut header_len = HEADER_LEN;
+    if let Some(stale) = meta.stale_ms {
+        h[32..40].copy_from_slice(&stale.to_be_bytes());
+        header_len = MAX_HEADER_LEN;
+    }
+    Header {
+        bytes: h,
+        len: header_len as u8,
+    }
 }
 
 /// The whole envelope: header and value.
@@ -120,12 +167,13 @@ pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Dec
     if head[..3] != MAGIC {
         return Err(Corruption::Foreign);
     }
-    let keeper = match head[3] {
-        VERSION => Keeper::Envelope,
-        STORE_KEPT_VERSION => Keeper::Store,
+    let (keeper, header_len) = match head[3] {
+        VERSION => (Keeper::Envelope, header_len),
+        STORE_KEPT_VERSION => (Keeper::Store, header_len),
+        STALE_VERSION => (Keeper::Envelope, MAX_HEADER_LEN as u64),
         other => return Err(Corruption::UnknownVersion(other)),
     };
-    if head.len() < HEADER_LEN || total_len < header_len {
+    if (head.len() as u64) < header_len || total_len < header_len {
         return Err(Corruption::Truncated {
             expected: header_len,
             actual: total_len.min(head.len() as u64),
@@ -155,10 +203,19 @@ pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Dec
             actual: total_len,
         });
     }
+    let stale_ms = if header_len > HEADER_LEN as u64 {
+        match u64_at(32) {
+            0 => return Err(Corruption::Inconsistent("a stale window of 0 ms")),
+            stale => Some(stale),
+        }
+    } else {
+        None
+    };
     let meta = EntryMeta {
         absolute_ms: (absolute != 0).then_some(absolute),
         sliding_ms: (sliding != 0).then_some(sliding),
         expires_at_ms,
+        stale_ms,
     };
     if meta.absolute_ms.is_none() && meta.sliding_ms.is_none() {
         return Err(Corruption::Inconsistent(
@@ -175,7 +232,7 @@ pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Dec
     }
     Ok(Decoded {
         meta,
-        value_offset: HEADER_LEN,
+        value_offset: header_len as usize,
         value_len: value_len as usize,
         keeper,
     })
@@ -199,6 +256,7 @@ mod tests {
         absolute_ms: Some(2_000),
         sliding_ms: Some(500),
         expires_at_ms: 1_500,
+        stale_ms: None,
     };
 
     fn limits() -> Limits {
@@ -282,8 +340,34 @@ mod tests {
     #[test]
     fn an_unknown_version_is_corrupt() {
         let mut bytes = encode(&META, b"x", Keeper::Envelope);
-        bytes[3] = 3;
-        assert_eq!(decode(&bytes, &limits()), Err(Corruption::UnknownVersion(3)));
+        bytes[3] = 4;
+        assert_eq!(decode(&bytes, &limits()), Err(Corruption::UnknownVersion(4)));
+    }
+
+    #[test]
+    fn an_entry_with_a_stale_window_is_version_3_with_a_40_byte_header() {
+        let meta = EntryMeta {
+            stale_ms: Some(9_000),
+            ..META
+        };
+        for keeper in [Keeper::Envelope, Keeper::Store] {
+            let bytes = encode(&meta, b"hello", keeper);
+            assert_eq!((&bytes[..4], bytes.len()), (&b"CRL\x03"[..], MAX_HEADER_LEN + 5));
+            let d = decode_header(&bytes[..MAX_HEADER_LEN], bytes.len() as u64, &limits()).unwrap();
+            assert_eq!((d.meta, d.value_offset, d.keeper), (meta, MAX_HEADER_LEN, Keeper::Envelope));
+            assert_eq!(decode(&bytes, &limits()), Ok((meta, &b"hello"[..])));
+        }
+        // Without its window's bytes, or with a window of 0, it is corrupt.
+        let bytes = encode(&meta, b"", Keeper::Envelope);
+        assert!(matches!(
+            decode_header(&bytes[..HEADER_LEN], bytes.len() as u64, &limits()),
+            Err(Corruption::Truncated { .. })
+        ));
+        let mut zero = bytes.clone();
+        zero[32..40].fill(0);
+        assert!(matches!(decode(&zero, &limits()), Err(Corruption::Inconsistent(_))));
+        // Entries without one are written as before.
+        assert_eq!(encode(&META, b"v", Keeper::Envelope)[3], VERSION);
     }
 
     #[test]
@@ -305,6 +389,7 @@ mod tests {
             absolute_ms: None,
             sliding_ms: None,
             expires_at_ms: 5,
+            stale_ms: None,
         };
         assert!(matches!(
             decode(&encode(&none, b"", Keeper::Envelope), &limits()),
@@ -314,6 +399,7 @@ mod tests {
             absolute_ms: Some(5),
             sliding_ms: None,
             expires_at_ms: 6,
+            stale_ms: None,
         };
         assert!(matches!(
             decode(&encode(&past_absolute, b"", Keeper::Envelope), &limits()),
@@ -339,6 +425,7 @@ mod tests {
                 absolute_ms: a,
                 sliding_ms: s,
                 expires_at_ms: a.map_or(e, |a| a.min(e)),
+                stale_ms: None,
             })
     }
 

@@ -18,6 +18,10 @@ pub enum Arg {
     Limits,
     /// A lock's TTL.
     Ttl,
+    /// How long a stale copy is kept for fail-safe.
+    MaxStale,
+    /// A loader timeout.
+    Timeout,
 }
 
 impl Arg {
@@ -31,6 +35,8 @@ impl Arg {
             Arg::Sliding => "sliding",
             Arg::Limits => "limits",
             Arg::Ttl => "ttl",
+            Arg::MaxStale => "max_stale",
+            Arg::Timeout => "timeout",
         }
     }
 }

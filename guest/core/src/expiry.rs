@@ -3,6 +3,10 @@
 //! An entry is expired when `now_ms >= expires_at_ms`. Absolute wins over sliding: a
 //! read or refresh moves a sliding entry's expiry to `now + sliding`, but never past its
 //! absolute point and never backwards. An entry without a sliding expiration never moves.
+//!
+//! Fail-safe (contract §6b.1): an entry set with a `max_stale` outlives its freshness.
+//! From `expires_at_ms` it is stale: never returned as fresh, never slid, but kept until
+//! `expires_at_ms + stale_ms` so that a get-or-set whose loader fails can serve it.
 
 use crate::{Arg, ArgError, Limits};
 
@@ -16,6 +20,9 @@ pub struct EntryOptions {
     pub relative_ms: Option<u64>,
     /// Expire this long after the last read or refresh.
     pub sliding_ms: Option<u64>,
+    /// Fail-safe: keep a stale copy this long past the expiry, to serve when a reload
+    /// fails (contract §6b.1). `None`: gone at its expiry.
+    pub max_stale_ms: Option<u64>,
 }
 
 /// The expiry metadata an entry carries with it in every tier.
@@ -25,8 +32,17 @@ pub struct EntryMeta {
     pub absolute_ms: Option<u64>,
     /// The sliding interval, if any.
     pub sliding_ms: Option<u64>,
-    /// When the entry expires.
+    /// When the entry expires (stops being fresh).
     pub expires_at_ms: u64,
+    /// How long past `expires_at_ms` a stale copy is kept for fail-safe; `None`: not.
+    pub stale_ms: Option<u64>,
+}
+
+impl EntryMeta {
+    /// When the entry is gone for good: its expiry, plus its stale window if any.
+    pub fn gone_at_ms(&self) -> u64 {
+        self.expires_at_ms.saturating_add(self.stale_ms.unwrap_or(0))
+    }
 }
 
 /// An entry checked at a moment.
@@ -39,6 +55,9 @@ pub enum Freshness {
         /// Whether the touch moved the expiry.
         moved: bool,
     },
+    /// Past its expiry but within its stale window: never returned as fresh, never
+    /// slid; a get-or-set may serve it when its reload fails (fail-safe).
+    Stale,
     /// Expired: never return it.
     Expired,
 }
@@ -54,7 +73,11 @@ pub fn plan(options: &EntryOptions, now_ms: u64, limits: &Limits) -> Result<Entr
         absolute_ms,
         relative_ms,
         sliding_ms,
+        max_stale_ms,
     } = *options;
+    if max_stale_ms == Some(0) {
+        return Err(ArgError::new(Arg::MaxStale, "must be a positive duration"));
+    }
     if absolute_ms.is_some() && relative_ms.is_some() {
         return Err(ArgError::new(
             Arg::Relative,
@@ -95,10 +118,17 @@ pub fn plan(options: &EntryOptions, now_ms: u64, limits: &Limits) -> Result<Entr
         (None, Some(s)) => s,
         (None, None) => unreachable!("a default sliding expiration is always set"),
     };
+    // The stale window must end within reach too (a read slides no further than
+    // that: see `check`).
+    let latest = absolute_ms.unwrap_or(expires_at_ms).max(expires_at_ms);
+    if let Some(stale) = max_stale_ms {
+        within_reach(latest.saturating_add(stale), Arg::MaxStale)?;
+    }
     Ok(EntryMeta {
         absolute_ms,
         sliding_ms,
         expires_at_ms,
+        stale_ms: max_stale_ms,
     })
 }
 
@@ -123,8 +153,11 @@ fn within_reach(at: u64, arg: Arg) -> Result<u64, ArgError> {
 
 /// Checks `meta` at `now_ms`, applying the sliding touch of a read or refresh.
 pub fn check(meta: &EntryMeta, now_ms: u64) -> Freshness {
-    if now_ms >= meta.expires_at_ms {
+    if now_ms >= meta.gone_at_ms() {
         return Freshness::Expired;
+    }
+    if now_ms >= meta.expires_at_ms {
+        return Freshness::Stale;
     }
     let Some(sliding) = meta.sliding_ms else {
         return Freshness::Fresh {
@@ -132,7 +165,8 @@ pub fn check(meta: &EntryMeta, now_ms: u64) -> Freshness {
             moved: false,
         };
     };
-    let slid_to = now_ms.saturating_add(sliding).min(LATEST_EXPIRY_MS);
+    let latest = LATEST_EXPIRY_MS.saturating_sub(meta.stale_ms.unwrap_or(0));
+    let slid_to = now_ms.saturating_add(sliding).min(latest);
     let target = meta.absolute_ms.map_or(slid_to, |a| a.min(slid_to));
     if target > meta.expires_at_ms {
         let meta = EntryMeta {
@@ -152,9 +186,10 @@ pub fn check(meta: &EntryMeta, now_ms: u64) -> Freshness {
 /// entry before its metadata says so (clocks of host and store may differ slightly).
 pub const STORE_TTL_GRACE_MS: u64 = 1_000;
 
-/// The upper bound for a store's own TTL for an entry with `meta` at `now_ms`.
+/// The upper bound for a store's own TTL for an entry with `meta` at `now_ms`: until it
+/// is gone (past its stale window, if it has one), plus the grace.
 pub fn store_ttl_ms(meta: &EntryMeta, now_ms: u64) -> u64 {
-    meta.expires_at_ms
+    meta.gone_at_ms()
         .saturating_sub(now_ms)
         .saturating_add(STORE_TTL_GRACE_MS)
 }
@@ -198,6 +233,7 @@ mod tests {
             absolute_ms,
             relative_ms,
             sliding_ms,
+            max_stale_ms: None,
         }
     }
 
@@ -208,7 +244,7 @@ mod tests {
     fn fresh(f: Freshness) -> (EntryMeta, bool) {
         match f {
             Freshness::Fresh { meta, moved } => (meta, moved),
-            Freshness::Expired => panic!("expected fresh"),
+            Freshness::Stale | Freshness::Expired => panic!("expected fresh"),
         }
     }
 
@@ -238,7 +274,8 @@ mod tests {
             EntryMeta {
                 absolute_ms: Some(NOW + MIN),
                 sliding_ms: None,
-                expires_at_ms: NOW + MIN
+                expires_at_ms: NOW + MIN,
+                stale_ms: None,
             }
         );
     }
@@ -251,7 +288,8 @@ mod tests {
             EntryMeta {
                 absolute_ms: Some(NOW + MIN),
                 sliding_ms: None,
-                expires_at_ms: NOW + MIN
+                expires_at_ms: NOW + MIN,
+                stale_ms: None,
             }
         );
     }
@@ -357,6 +395,7 @@ mod tests {
             absolute_ms: None,
             sliding_ms: Some(MIN),
             expires_at_ms: NOW + 10 * MIN,
+            stale_ms: None,
         };
         assert_eq!(fresh(check(&meta, NOW)), (meta, false));
     }
@@ -366,6 +405,38 @@ mod tests {
         let meta = plan_now(opts(None, Some(MIN), None)).unwrap();
         assert_eq!(store_ttl_ms(&meta, NOW), MIN + STORE_TTL_GRACE_MS);
         assert_eq!(store_ttl_ms(&meta, NOW + 2 * MIN), STORE_TTL_GRACE_MS);
+    }
+
+    #[test]
+    fn an_entry_with_a_stale_window_is_stale_then_gone_and_never_slides_back() {
+        let o = EntryOptions {
+            max_stale_ms: Some(5 * MIN),
+            ..opts(None, None, Some(MIN))
+        };
+        let meta = plan_now(o).unwrap();
+        assert_eq!((meta.expires_at_ms, meta.stale_ms), (NOW + MIN, Some(5 * MIN)));
+        assert!(matches!(check(&meta, NOW + MIN - 1), Freshness::Fresh { .. }));
+        // Past its expiry: stale, and a read does not slide it back to fresh.
+        assert_eq!(check(&meta, NOW + MIN), Freshness::Stale);
+        assert_eq!(check(&meta, NOW + 6 * MIN - 1), Freshness::Stale);
+        assert_eq!(check(&meta, NOW + 6 * MIN), Freshness::Expired);
+        // The store keeps it until the window ends.
+        assert_eq!(store_ttl_ms(&meta, NOW), 6 * MIN + STORE_TTL_GRACE_MS);
+    }
+
+    #[test]
+    fn a_stale_window_must_be_positive_and_end_within_reach() {
+        let l = Limits::default();
+        let zero = EntryOptions {
+            max_stale_ms: Some(0),
+            ..opts(None, Some(MIN), None)
+        };
+        assert_eq!(plan(&zero, NOW, &l).unwrap_err().arg, Arg::MaxStale);
+        let far = EntryOptions {
+            max_stale_ms: Some(LATEST_EXPIRY_MS),
+            ..opts(None, Some(MIN), None)
+        };
+        assert_eq!(plan(&far, NOW, &l).unwrap_err().arg, Arg::MaxStale);
     }
 
     fn any_options() -> impl Strategy<Value = EntryOptions> {
@@ -401,7 +472,7 @@ mod tests {
             for step in steps {
                 now += step;
                 match check(&meta, now) {
-                    Freshness::Expired => {
+                    Freshness::Stale | Freshness::Expired => {
                         prop_assert!(now >= meta.expires_at_ms);
                         break;
                     }

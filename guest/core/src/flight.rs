@@ -12,7 +12,7 @@
 //! so a simulated-time harness drives every path deterministically (see the tests).
 //! The state is a plain value, so any instance of the component can step any flight.
 
-use crate::envelope::HEADER_LEN;
+use crate::envelope::Header;
 use crate::expiry::{self, EntryMeta, EntryOptions};
 use crate::{ArgError, Limits, key, policy};
 
@@ -27,6 +27,12 @@ pub struct FlightConfig {
     pub l1_ttl_ms: u64,
     /// How long a degraded load's value is served from L1 (0: not at all).
     pub degraded_l1_ttl_ms: u64,
+    /// Fail-safe: how long a stale copy served in place of a failed reload is served
+    /// from L1 before the loader is tried again (contract §6b.1).
+    pub fail_safe_throttle_ms: u64,
+    /// The hard loader timeout: a load running longer ends the flight (with the stale
+    /// copy if there is one, else a timeout). `None`: no limit.
+    pub hard_timeout_ms: Option<u64>,
     /// Skip both locks: load, write the tiers if cacheable, return.
     pub bypass: bool,
 }
@@ -87,6 +93,9 @@ pub enum Event {
     L2Hit(EntryMeta),
     /// A read of L2 found nothing fresh (missing, expired or corrupt).
     L2Miss,
+    /// A read of L2 found a stale copy (past its expiry, within its stale window): a
+    /// miss, but one fail-safe may serve if the reload fails.
+    L2Stale(EntryMeta),
     /// A read of L2 failed (store unavailable).
     L2Failed,
     /// The distributed lock is ours.
@@ -115,6 +124,9 @@ pub enum Event {
     },
     /// The loader failed.
     LoadFailed,
+    /// The loader ran past the hard timeout (`Action::Load`'s `until_ms`) and was
+    /// stopped.
+    LoadTimedOut,
     /// The L2 write succeeded.
     L2Written,
     /// The L2 write failed.
@@ -143,6 +155,25 @@ pub enum Outcome {
     /// The loader failed; nothing was cached. Its error goes to the caller and to every
     /// caller coalesced on this flight.
     LoaderFailed,
+    /// The reload failed in a way fail-safe covers, and a stale copy existed: it is
+    /// served to every caller of the flight, and from L1 for the throttle.
+    Stale(StaleCause),
+    /// The loader ran past the hard timeout and there was no stale copy: a timeout
+    /// error for every caller; nothing cached.
+    TimedOut,
+}
+
+/// Why a flight served a stale copy (contract §6b.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StaleCause {
+    /// The loader failed.
+    LoaderFailed,
+    /// The loader ran past the hard timeout.
+    LoadTimedOut,
+    /// The distributed lock was held past the lock wait.
+    LockTimedOut,
+    /// The store failed (the lock could not be tried, or a read failed).
+    StoreFailed,
 }
 
 /// What the host does next.
@@ -163,13 +194,19 @@ pub enum Action {
         /// When to stop waiting.
         until_ms: u64,
     },
-    /// Call the loader once and report [`Event::Loaded`] or [`Event::LoadFailed`].
-    Load,
+    /// Call the loader once and report [`Event::Loaded`] or [`Event::LoadFailed`]; if
+    /// `until_ms` is set and the loader is still running then, stop it and report
+    /// [`Event::LoadTimedOut`] (a body that cannot stop it reports what it returned:
+    /// the machine judges a late answer as a timeout all the same).
+    Load {
+        /// The hard timeout's moment, if any.
+        until_ms: Option<u64>,
+    },
     /// Write the header followed by the value to L2 with this TTL, then report
     /// [`Event::L2Written`] or [`Event::L2WriteFailed`].
     WriteL2 {
         /// The envelope header.
-        header: [u8; HEADER_LEN],
+        header: Header,
         /// The store TTL upper bound.
         store_ttl_ms: u64,
     },
@@ -209,6 +246,10 @@ pub struct Flight {
     pub timed_out: bool,
     /// The planned entry, once loaded and cacheable.
     pub planned: Option<EntryMeta>,
+    /// The stale copy a read found, if any: fail-safe serves it should the reload fail.
+    pub stale: Option<EntryMeta>,
+    /// When the running load's hard timeout falls, if it has one.
+    pub load_until_ms: Option<u64>,
 }
 
 impl Flight {
@@ -236,10 +277,12 @@ impl Flight {
             waited: false,
             timed_out: false,
             planned: None,
+            stale: None,
+            load_until_ms: None,
         };
         if config.bypass {
-            flight.phase = Phase::Loading;
-            return Ok((flight, Action::Load));
+            let action = flight.load(now_ms);
+            return Ok((flight, action));
         }
         Ok((flight, Action::ReadL2))
     }
@@ -251,6 +294,20 @@ impl Flight {
     pub fn handle(&mut self, event: Event, now_ms: u64, limits: &Limits) -> Action {
         use Event as E;
         use Phase as P;
+        // A stale copy is a miss that fail-safe remembers.
+        let event = match (self.phase, event) {
+            (P::Reading | P::DoubleChecking | P::Waiting, E::L2Stale(meta)) => {
+                self.stale = Some(meta);
+                E::L2Miss
+            }
+            // A load that answered past its hard timeout timed out all the same.
+            (P::Loading, E::Loaded { .. } | E::LoadFailed)
+                if self.load_until_ms.is_some_and(|until| now_ms >= until) =>
+            {
+                E::LoadTimedOut
+            }
+            _ => event,
+        };
         match (self.phase, event) {
             (P::Reading | P::DoubleChecking | P::Waiting, E::L2Hit(meta)) => {
                 let after_wait = self.waited;
@@ -262,27 +319,24 @@ impl Flight {
                 )
             }
             (P::Reading, E::L2Miss) => self.try_lock(),
-            (P::Reading | P::Waiting, E::L2Failed) => self.degrade(),
+            (P::Reading | P::Waiting, E::L2Failed) => self.degrade(StaleCause::StoreFailed, now_ms),
             (P::Locking, E::LockAcquired) => {
                 self.locked = true;
                 self.phase = P::DoubleChecking;
                 Action::ReadL2
             }
             (P::Locking, E::LockBusy { watching }) => self.wait(now_ms, watching),
-            (P::Locking, E::LockFailed) => self.degrade(),
+            (P::Locking, E::LockFailed) => self.degrade(StaleCause::StoreFailed, now_ms),
             (P::Waiting, E::Woken) => Action::ReadL2,
             (P::Waiting, E::L2Miss) => {
                 if now_ms >= self.deadline_ms {
                     self.timed_out = true;
-                    self.degrade()
+                    self.degrade(StaleCause::LockTimedOut, now_ms)
                 } else {
                     self.try_lock()
                 }
             }
-            (P::DoubleChecking, E::L2Miss | E::L2Failed) => {
-                self.phase = P::Loading;
-                Action::Load
-            }
+            (P::DoubleChecking, E::L2Miss | E::L2Failed) => self.load(now_ms),
             (
                 P::Loading,
                 E::Loaded {
@@ -328,7 +382,14 @@ impl Flight {
                     Err(_) => self.finish(Outcome::Loaded { cached: false }, self.locked, None),
                 }
             }
-            (P::Loading, E::LoadFailed) => self.finish(Outcome::LoaderFailed, self.locked, None),
+            (P::Loading, E::LoadFailed) => match self.serve_stale(StaleCause::LoaderFailed, now_ms) {
+                Some(served) => served,
+                None => self.finish(Outcome::LoaderFailed, self.locked, None),
+            },
+            (P::Loading, E::LoadTimedOut) => match self.serve_stale(StaleCause::LoadTimedOut, now_ms) {
+                Some(served) => served,
+                None => self.finish(Outcome::TimedOut, self.locked, None),
+            },
             (P::Writing, E::L2Written) => {
                 let l1 = self
                     .planned
@@ -344,7 +405,8 @@ impl Flight {
                 if self.phase == P::Done {
                     return self.finish(Outcome::Degraded { timed_out: false }, false, None);
                 }
-                self.degrade()
+                self.locked = false;
+                self.load(now_ms)
             }
         }
     }
@@ -381,10 +443,36 @@ impl Flight {
         Action::Wait { until_ms }
     }
 
-    fn degrade(&mut self) -> Action {
+    /// The lock cannot be had (`cause`): serve the stale copy if there is one, else
+    /// load uncached for this process.
+    fn degrade(&mut self, cause: StaleCause, now_ms: u64) -> Action {
+        if let Some(served) = self.serve_stale(cause, now_ms) {
+            return served;
+        }
         self.locked = false;
+        self.load(now_ms)
+    }
+
+    fn load(&mut self, now_ms: u64) -> Action {
         self.phase = Phase::Loading;
-        Action::Load
+        let until_ms = self
+            .config
+            .hard_timeout_ms
+            .map(|t| now_ms.saturating_add(t.max(1)));
+        self.load_until_ms = until_ms;
+        Action::Load { until_ms }
+    }
+
+    /// Fail-safe (contract §6b.1): ends the flight with the stale copy, if one is known
+    /// and still within its window, re-armed in L1 for the throttle (never past its
+    /// window) so the loader is not hammered; the lock, if held, is released.
+    fn serve_stale(&mut self, cause: StaleCause, now_ms: u64) -> Option<Action> {
+        let stale = self.stale.filter(|m| now_ms < m.gone_at_ms())?;
+        let until = now_ms
+            .saturating_add(self.config.fail_safe_throttle_ms)
+            .min(stale.gone_at_ms());
+        let l1 = (until > now_ms).then_some(until);
+        Some(self.finish(Outcome::Stale(cause), self.locked, l1))
     }
 
     fn finish(&mut self, outcome: Outcome, release: bool, l1_until_ms: Option<u64>) -> Action {
@@ -450,6 +538,7 @@ mod tests {
                     absolute_ms: Some(at + 60_000),
                     sliding_ms: None,
                     expires_at_ms: at + 60_000,
+                    stale_ms: None,
                 });
                 self.lock_holder = None;
                 self.lands_at = None;
@@ -505,7 +594,7 @@ mod tests {
                         };
                         Event::Woken
                     }
-                    Action::Load => {
+                    Action::Load { .. } => {
                         self.loads += 1;
                         self.now += 500;
                         match self.loader {
@@ -551,6 +640,127 @@ mod tests {
         }
     }
 
+    fn stale_meta(world_now: u64) -> EntryMeta {
+        EntryMeta {
+            absolute_ms: Some(world_now - 1),
+            sliding_ms: None,
+            expires_at_ms: world_now - 1,
+            stale_ms: Some(60_000),
+        }
+    }
+
+    /// Drives a flight by hand: each event at `NOW + at`.
+    fn run(config: FlightConfig, events: &[(u64, Event)]) -> (Flight, Vec<Action>) {
+        let limits = Limits::default();
+        let (mut f, first) = Flight::start("k", relative(60_000), config, NOW, &limits).unwrap();
+        let mut actions = vec![first];
+        for (at, e) in events {
+            actions.push(f.handle(*e, NOW + at, &limits));
+        }
+        (f, actions)
+    }
+
+    #[test]
+    fn a_failed_reload_serves_the_stale_copy_and_rearms_it_in_l1_for_the_throttle() {
+        let config = FlightConfig::default();
+        let stale = stale_meta(NOW);
+        let (_, actions) = run(
+            config,
+            &[
+                (0, Event::L2Stale(stale)),
+                (0, Event::LockAcquired),
+                (0, Event::L2Stale(stale)),
+                (10, Event::LoadFailed),
+            ],
+        );
+        assert_eq!(actions[3], Action::Load { until_ms: None });
+        let (outcome, release, notify, l1) = finish(&actions[4]);
+        assert_eq!(outcome, Outcome::Stale(StaleCause::LoaderFailed));
+        assert!(release && notify, "the lock is released and waiters told");
+        assert_eq!(l1, Some(NOW + 10 + config.fail_safe_throttle_ms));
+    }
+
+    #[test]
+    fn without_a_stale_copy_a_failed_reload_is_the_loaders_error() {
+        let (_, actions) = run(
+            FlightConfig::default(),
+            &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss), (10, Event::LoadFailed)],
+        );
+        assert_eq!(finish(&actions[4]).0, Outcome::LoaderFailed);
+    }
+
+    #[test]
+    fn a_lock_held_past_the_wait_or_a_failed_store_serves_the_stale_copy_not_an_uncached_load() {
+        let config = FlightConfig::default();
+        let stale = stale_meta(NOW);
+        let wait = config.lock_wait_ms;
+        let (_, actions) = run(
+            config,
+            &[
+                (0, Event::L2Stale(stale)),
+                (0, Event::LockBusy { watching: true }),
+                (wait, Event::Woken),
+                (wait, Event::L2Stale(stale)),
+            ],
+        );
+        assert_eq!(finish(&actions[4]).0, Outcome::Stale(StaleCause::LockTimedOut));
+        let (_, actions) = run(config, &[(0, Event::L2Stale(stale)), (0, Event::LockFailed)]);
+        let (outcome, release, _, _) = finish(&actions[2]);
+        assert_eq!((outcome, release), (Outcome::Stale(StaleCause::StoreFailed), false));
+    }
+
+    #[test]
+    fn a_stale_copy_whose_window_ended_meanwhile_is_not_served() {
+        let stale = EntryMeta {
+            stale_ms: Some(100),
+            ..stale_meta(NOW)
+        };
+        let (_, actions) = run(
+            FlightConfig::default(),
+            &[(0, Event::L2Stale(stale)), (0, Event::LockAcquired), (0, Event::L2Miss), (500, Event::LoadFailed)],
+        );
+        assert_eq!(finish(&actions[4]).0, Outcome::LoaderFailed);
+    }
+
+    #[test]
+    fn a_load_past_the_hard_timeout_is_a_timeout_or_the_stale_copy() {
+        let config = FlightConfig {
+            hard_timeout_ms: Some(1_000),
+            ..FlightConfig::default()
+        };
+        let loaded = Event::Loaded {
+            len: 1,
+            cacheable: true,
+            expiry: None,
+        };
+        let (_, actions) = run(
+            config,
+            &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss), (1_000, Event::LoadTimedOut)],
+        );
+        assert_eq!(actions[3], Action::Load { until_ms: Some(NOW + 1_000) });
+        let (outcome, release, _, l1) = finish(&actions[4]);
+        assert_eq!((outcome, release, l1), (Outcome::TimedOut, true, None));
+        // A body that could not stop the loader reports its late answer: a timeout still.
+        let (_, actions) = run(
+            config,
+            &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss), (1_000, loaded)],
+        );
+        assert_eq!(finish(&actions[4]).0, Outcome::TimedOut);
+        // Just in time: loaded and written.
+        let (_, actions) = run(
+            config,
+            &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss), (999, loaded)],
+        );
+        assert!(matches!(actions[4], Action::WriteL2 { .. }));
+        // With a stale copy: served instead.
+        let stale = stale_meta(NOW);
+        let (_, actions) = run(
+            config,
+            &[(0, Event::L2Stale(stale)), (0, Event::LockAcquired), (0, Event::L2Stale(stale)), (1_000, Event::LoadTimedOut)],
+        );
+        assert_eq!(finish(&actions[4]).0, Outcome::Stale(StaleCause::LoadTimedOut));
+    }
+
     #[test]
     fn backoff_doubles_from_50_ms_to_at_most_1_s() {
         let waits: Vec<u64> = (0..8).map(backoff_ms).collect();
@@ -564,6 +774,7 @@ mod tests {
             absolute_ms: Some(NOW + 10_000),
             sliding_ms: None,
             expires_at_ms: NOW + 10_000,
+            stale_ms: None,
         };
         assert_eq!(l1_deadline(&meta, NOW, 300_000), NOW + 10_000);
         assert_eq!(l1_deadline(&meta, NOW, 2_000), NOW + 2_000);
@@ -571,6 +782,7 @@ mod tests {
             absolute_ms: None,
             sliding_ms: Some(60_000),
             expires_at_ms: NOW + 60_000,
+            stale_ms: None,
         };
         assert_eq!(
             l1_deadline(&sliding, NOW, 300_000),
@@ -602,6 +814,7 @@ mod tests {
             absolute_ms: Some(NOW + 60_000),
             sliding_ms: None,
             expires_at_ms: NOW + 60_000,
+            stale_ms: None,
         });
         let (a, _) = w.drive(relative(60_000), FlightConfig::default());
         assert_eq!(
@@ -656,6 +869,7 @@ mod tests {
             absolute_ms: None,
             sliding_ms: Some(10_000),
             expires_at_ms: NOW + 10_000,
+            stale_ms: None,
         };
         let (outcome, release, _, l1) = finish(&f.handle(Event::L2Hit(meta), NOW, &limits));
         assert_eq!(
@@ -769,7 +983,7 @@ mod tests {
             Action::ReadL2,
             "double-check as leader"
         );
-        assert_eq!(f.handle(Event::L2Miss, NOW + 50, &limits), Action::Load);
+        assert_eq!(f.handle(Event::L2Miss, NOW + 50, &limits), Action::Load { until_ms: None });
     }
 
     #[test]
@@ -809,7 +1023,7 @@ mod tests {
         let limits = Limits::default();
         let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
         f.handle(Event::L2Miss, NOW, &limits);
-        assert_eq!(f.handle(Event::LockFailed, NOW, &limits), Action::Load);
+        assert_eq!(f.handle(Event::LockFailed, NOW, &limits), Action::Load { until_ms: None });
         assert_eq!(
             finish(&f.handle(
                 Event::Loaded {
@@ -867,6 +1081,7 @@ mod tests {
             absolute_ms: None,
             sliding_ms: Some(1_000),
             expires_at_ms: NOW + 1_000,
+            stale_ms: None,
         });
         w.lock_holder = Some("other");
         let (a, _) = w.drive(
@@ -903,7 +1118,7 @@ mod tests {
     fn out_of_order_events_never_panic_and_end_in_a_load() {
         let limits = Limits::default();
         let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
-        assert_eq!(f.handle(Event::L2Written, NOW, &limits), Action::Load);
+        assert_eq!(f.handle(Event::L2Written, NOW, &limits), Action::Load { until_ms: None });
         let mut done = f;
         done.phase = Phase::Done;
         assert!(matches!(

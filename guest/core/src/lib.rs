@@ -106,6 +106,11 @@ pub struct Settings {
     /// L2) is served from this process's L1 (default 1 s; 0: not at all), so an outage
     /// does not send every caller to the loader (contract §5.8).
     pub degraded_l1_ttl_ms: u64,
+    /// Fail-safe: how long a stale copy served in place of a failed reload is served
+    /// from L1 before the loader is tried again (default 10 s; contract §6b.1).
+    pub fail_safe_throttle_ms: u64,
+    /// The hard loader timeout of a get-or-set (default none; contract §6b.2).
+    pub hard_timeout_ms: Option<u64>,
 }
 
 impl Settings {
@@ -122,6 +127,8 @@ impl Settings {
         lock_ttl_ms: 30_000,
         invalidation_interval_ms: 30_000,
         degraded_l1_ttl_ms: 1_000,
+        fail_safe_throttle_ms: 10_000,
+        hard_timeout_ms: None,
     };
 
     /// The flight configuration these settings give a get-or-set.
@@ -131,6 +138,8 @@ impl Settings {
             lock_ttl_ms: self.lock_ttl_ms,
             l1_ttl_ms: self.l1_ttl_ms,
             degraded_l1_ttl_ms: self.degraded_l1_ttl_ms,
+            fail_safe_throttle_ms: self.fail_safe_throttle_ms,
+            hard_timeout_ms: self.hard_timeout_ms,
             bypass,
         }
     }

@@ -4,7 +4,7 @@
 //! [`envelope`](crate::envelope) into the shape the WIT `policy` interface exports, so
 //! that a host crosses the wasm boundary once per store operation.
 
-use crate::envelope::{self, HEADER_LEN, Keeper};
+use crate::envelope::{self, Header, Keeper};
 use crate::expiry::{self, EntryMeta, EntryOptions, Freshness};
 use crate::{Arg, ArgError, Limits, key};
 
@@ -14,7 +14,7 @@ pub struct Plan {
     /// The entry's metadata.
     pub meta: EntryMeta,
     /// The envelope header to put in front of the value.
-    pub header: [u8; HEADER_LEN],
+    pub header: Header,
     /// The store's own TTL: an upper bound, or, for a sliding entry whose store keeps
     /// its expiry moment, exactly that moment.
     pub store_ttl_ms: u64,
@@ -65,8 +65,10 @@ pub fn plan_value(
 
 /// Where a new entry's expiry moment will live: in the store's TTL when the entry
 /// slides and the store's TTLs run on the cache's clock (contract §3.1).
+/// An entry with a stale window keeps its moment in the envelope: the store keeps the
+/// bytes until the window ends.
 fn keeper(meta: &EntryMeta, limits: &Limits) -> Keeper {
-    if limits.sliding_in_store && meta.sliding_ms.is_some() {
+    if limits.sliding_in_store && meta.sliding_ms.is_some() && meta.stale_ms.is_none() {
         Keeper::Store
     } else {
         Keeper::Envelope
@@ -103,7 +105,7 @@ pub struct Hit {
 pub enum Touch {
     /// Put this header in place of the old one, with the hit's store TTL: the read slid
     /// an expiry moment the envelope keeps.
-    Rewrite([u8; HEADER_LEN]),
+    Rewrite(Header),
     /// Keep the bytes and set their store TTL to the hit's: the read slid a moment the
     /// store keeps, or undoes what a read that slid by a stale guess did.
     Expire,
@@ -126,6 +128,10 @@ pub enum NextRead {
 pub enum ReadOutcome {
     /// Fresh: return the value.
     Fresh(Hit),
+    /// Past its expiry, within its stale window (fail-safe): a miss that a get-or-set
+    /// may still serve if its reload fails; leave it in place (after its `touch`, which
+    /// only ever undoes a read that set its TTL by a stale guess).
+    Stale(Hit),
     /// Expired: a miss; remove it.
     Expired,
     /// A removal's tombstone: a miss; leave it (it lapses by its TTL). `rearm` says
@@ -137,6 +143,56 @@ pub enum ReadOutcome {
     },
     /// Not an envelope this version reads: a miss; remove it and count it.
     Corrupt(crate::Corruption),
+}
+
+/// What a soft invalidation (`expire`, contract §6b.4) of stored bytes does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Expire {
+    /// Nothing to do: missing, removed, expired, corrupt or already stale.
+    Nothing,
+    /// The entry keeps a stale window: put this header in place of the old one (only
+    /// over the very bytes read), with this store TTL. It is stale from now on.
+    Rewrite {
+        /// The new header: expiring now.
+        header: Header,
+        /// The store TTL: until its stale window ends.
+        store_ttl_ms: u64,
+        /// Where the value starts in the bytes read (it follows the new header).
+        value_offset: usize,
+    },
+    /// The entry has no stale window: remove it, as a removal does.
+    Remove,
+}
+
+/// Soft invalidation of stored bytes at `now_ms`: a fresh entry with a stale window
+/// becomes stale now (kept for fail-safe until its window ends); one without is removed.
+pub fn expire(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits) -> Expire {
+    if envelope::is_tombstone(head, total_len) {
+        return Expire::Nothing;
+    }
+    let Ok(decoded) = envelope::decode_header(head, total_len, limits) else {
+        return Expire::Nothing;
+    };
+    let meta = decoded.meta;
+    let fresh = match decoded.keeper {
+        Keeper::Envelope => matches!(expiry::check(&meta, now_ms), Freshness::Fresh { .. }),
+        Keeper::Store => !meta.absolute_ms.is_some_and(|a| now_ms >= a),
+    };
+    if !fresh {
+        return Expire::Nothing;
+    }
+    if meta.stale_ms.is_none() {
+        return Expire::Remove;
+    }
+    let meta = EntryMeta {
+        expires_at_ms: now_ms,
+        ..meta
+    };
+    Expire::Rewrite {
+        header: envelope::encode_header(&meta, decoded.value_len as u64, Keeper::Envelope),
+        store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
+        value_offset: decoded.value_offset,
+    }
 }
 
 /// What a removal writes, and for how long a store keeps it: a tombstone carrying the
@@ -169,6 +225,13 @@ pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: 
     match decoded.keeper {
         Keeper::Envelope => match expiry::check(&decoded.meta, now_ms) {
             Freshness::Expired => ReadOutcome::Expired,
+            Freshness::Stale => ReadOutcome::Stale(Hit {
+                meta: decoded.meta,
+                value_offset,
+                touch: slid_ms.map(|_| Touch::Expire),
+                store_ttl_ms: expiry::store_ttl_ms(&decoded.meta, now_ms),
+                next_read: NextRead::Get,
+            }),
             Freshness::Fresh { meta, moved } => {
                 let touch = if moved {
                     let header = envelope::encode_header(&meta, decoded.value_len as u64, Keeper::Envelope);
@@ -182,7 +245,9 @@ pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: 
                     value_offset,
                     touch,
                     store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
-                    next_read: if meta.sliding_ms.is_some() {
+                    // The script slides version-1 envelopes in place; an entry with a
+                    // stale window is read plainly and its touch written back.
+                    next_read: if meta.sliding_ms.is_some() && meta.stale_ms.is_none() {
                         NextRead::Script
                     } else {
                         NextRead::Get
@@ -237,6 +302,68 @@ mod tests {
         );
         assert!(matches!(read(&tomb, 64, NOW, &l, None), ReadOutcome::Corrupt(_)));
         assert!(matches!(read(b"CRL", 3, NOW, &l, None), ReadOutcome::Corrupt(_)));
+    }
+
+    fn fail_safe(relative_ms: u64, max_stale_ms: u64) -> EntryOptions {
+        EntryOptions {
+            relative_ms: Some(relative_ms),
+            max_stale_ms: Some(max_stale_ms),
+            ..EntryOptions::default()
+        }
+    }
+
+    fn stored_with(options: &EntryOptions, value: &[u8]) -> Vec<u8> {
+        let plan = plan_set("k", value.len() as u64, options, NOW, &Limits::default()).unwrap();
+        [plan.header.as_bytes(), value].concat()
+    }
+
+    #[test]
+    fn a_stale_copy_reads_as_stale_until_its_window_ends() {
+        let l = Limits::default();
+        let bytes = stored_with(&fail_safe(1_000, 5_000), b"v");
+        let len = bytes.len() as u64;
+        assert!(matches!(read(&bytes, len, NOW + 999, &l, None), ReadOutcome::Fresh(_)));
+        match read(&bytes, len, NOW + 1_000, &l, None) {
+            ReadOutcome::Stale(hit) => {
+                assert_eq!(&bytes[hit.value_offset..], b"v");
+                assert_eq!(hit.touch, None);
+                assert_eq!(hit.store_ttl_ms, 5_000 + expiry::STORE_TTL_GRACE_MS);
+            }
+            other => panic!("expected stale, got {other:?}"),
+        }
+        assert_eq!(read(&bytes, len, NOW + 6_000, &l, None), ReadOutcome::Expired);
+    }
+
+    #[test]
+    fn expire_makes_a_fail_safe_entry_stale_now_and_removes_any_other() {
+        let l = Limits::default();
+        let bytes = stored_with(&fail_safe(60_000, 5_000), b"v");
+        let len = bytes.len() as u64;
+        let Expire::Rewrite {
+            header,
+            store_ttl_ms,
+            value_offset,
+        } = expire(&bytes, len, NOW + 10, &l)
+        else {
+            panic!("expected a rewrite");
+        };
+        assert_eq!(store_ttl_ms, 5_000 + expiry::STORE_TTL_GRACE_MS);
+        let after = [header.as_bytes(), &bytes[value_offset..]].concat();
+        assert_eq!(after.len(), bytes.len());
+        assert!(matches!(read(&after, len, NOW + 10, &l, None), ReadOutcome::Stale(_)));
+        // Already stale: nothing more to do.
+        assert_eq!(expire(&after, len, NOW + 10, &l), Expire::Nothing);
+        let plain = stored_with(&fail_safe(60_000, 1), b"v");
+        let plain_opts = EntryOptions {
+            max_stale_ms: None,
+            ..fail_safe(60_000, 1)
+        };
+        let plain_bytes = stored_with(&plain_opts, b"v");
+        assert_eq!(expire(&plain_bytes, plain_bytes.len() as u64, NOW, &l), Expire::Remove);
+        assert!(matches!(expire(&plain, plain.len() as u64, NOW, &l), Expire::Rewrite { .. }));
+        let (tomb, _) = removal(30_000, b"n");
+        assert_eq!(expire(&tomb, tomb.len() as u64, NOW, &l), Expire::Nothing);
+        assert_eq!(expire(b"junk", 4, NOW, &l), Expire::Nothing);
     }
 
     #[test]

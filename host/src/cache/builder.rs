@@ -58,6 +58,8 @@ pub(crate) struct Overrides {
     pub(crate) lock_ttl_ms: Option<u64>,
     pub(crate) invalidation_interval_ms: Option<u64>,
     pub(crate) degraded_l1_ttl_ms: Option<u64>,
+    pub(crate) fail_safe_throttle_ms: Option<u64>,
+    pub(crate) hard_timeout_ms: Option<u64>,
 }
 
 impl Overrides {
@@ -75,6 +77,10 @@ impl Overrides {
             .invalidation_interval_ms
             .unwrap_or(s.invalidation_interval_ms);
         s.degraded_l1_ttl_ms = self.degraded_l1_ttl_ms.unwrap_or(s.degraded_l1_ttl_ms);
+        s.fail_safe_throttle_ms = self
+            .fail_safe_throttle_ms
+            .unwrap_or(s.fail_safe_throttle_ms);
+        s.hard_timeout_ms = self.hard_timeout_ms.or(s.hard_timeout_ms);
         Ok(s)
     }
 }
@@ -168,6 +174,24 @@ impl CorralBuilder {
         self
     }
 
+    /// Fail-safe: how long a stale copy served in place of a failed reload is then
+    /// served from this process's L1 before the loader is tried again (default 10 s),
+    /// so a failing source is not hammered (contract §6b.1).
+    pub fn fail_safe_throttle(mut self, throttle: Duration) -> Self {
+        self.overrides.fail_safe_throttle_ms = Some(duration_ms(throttle));
+        self
+    }
+
+    /// The hard loader timeout every get-or-set gets unless its options name one
+    /// ([`LoadOptions::hard_timeout`](crate::LoadOptions::hard_timeout)); default: none.
+    /// A loader still running then is stopped (its future dropped), and the callers get
+    /// the stale copy if there is one (fail-safe), else
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout).
+    pub fn hard_timeout(mut self, timeout: Duration) -> Self {
+        self.overrides.hard_timeout_ms = Some(duration_ms(timeout).max(1));
+        self
+    }
+
     /// The sliding expiration of entries whose options name none (default 20 minutes).
     pub fn default_sliding(mut self, idle: Duration) -> Self {
         self.overrides.default_sliding_ms = Some(duration_ms(idle));
@@ -241,7 +265,6 @@ impl CorralBuilder {
             && Stores::keep_sliding(self.uses_redis(), &*self.clock);
         let policy = Policy::load(settings.limits)?;
         let l1 = L1::new(self.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
-        let metrics = Arc::new(Metrics::default());
         let clock = self.clock;
         let (prefix, stores) = match self.custom {
             Some(custom) => (
@@ -256,6 +279,8 @@ impl CorralBuilder {
                 settings.invalidation_interval_ms,
             )?,
         };
+        // Counted, and exported to the `metrics` recorder in force now, under the prefix.
+        let metrics = Arc::new(Metrics::new(&prefix));
         // Another process's set, removal or load of a key drops our L1 copy.
         stores
             .notifications
@@ -292,6 +317,8 @@ impl CorralBuilder {
                     lock_wait_ms: settings.lock_wait_ms,
                     lock_ttl_ms: settings.lock_ttl_ms,
                     degraded_l1_ttl_ms: settings.degraded_l1_ttl_ms,
+                    fail_safe_throttle_ms: settings.fail_safe_throttle_ms,
+                    hard_timeout_ms: settings.hard_timeout_ms,
                     store_timeout,
                 },
                 read_hints: super::read::ReadHints::new(self.l1_capacity, removal_ttl_ms),

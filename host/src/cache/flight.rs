@@ -8,13 +8,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::FutureExt;
 use tokio::time::{Instant, sleep, timeout_at};
+use tracing::Instrument;
 
 use super::Corral;
-use super::load::LoadOptions;
+use super::load::{LoadOptions, Served};
 use super::metrics::Metrics;
 use super::read::L2Read;
 use super::registry::{LeaderGuard, Outcome};
-use crate::guest::policy::wflight::{self, Action, Event, Outcome as FlightOutcome};
+use crate::guest::policy::wflight::{self, Action, Event, Outcome as FlightOutcome, StaleCause};
 use crate::store::LandingWatch;
 use crate::{Error, Result};
 
@@ -68,19 +69,49 @@ impl Corral {
         V: Into<Bytes>,
         E: Into<BoxError>,
     {
+        self.get_or_set_served(key, options, loader)
+            .await
+            .map(|served| served.value)
+    }
+
+    /// As [`get_or_set`](Self::get_or_set), saying whether the value is a stale copy
+    /// fail-safe served in place of a failed reload (contract §6b.1; see
+    /// [`LoadOptions::fail_safe`]).
+    ///
+    /// # Errors
+    /// As [`get_or_set`](Self::get_or_set); with a hard timeout and no stale copy,
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout).
+    pub async fn get_or_set_served<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        loader: F,
+    ) -> Result<Served>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<V, E>>,
+        V: Into<Bytes>,
+        E: Into<BoxError>,
+    {
         let options = options.into();
         if options.bypass {
-            return self.lead(key, &options, loader, &mut None).await;
+            return self
+                .lead(key, &options, loader, &mut None)
+                .instrument(self.flight_span(key))
+                .await;
         }
         let now = self.inner.clock.now_ms();
-        if let Some(value) = self.inner.l1.get(key, now) {
+        if let Some((value, stale)) = self.inner.l1.get_served(key, now) {
             Metrics::bump(&self.inner.metrics.l1_hits);
-            return Ok(value);
+            return Ok(Served { value, stale });
         }
         match self.inner.registry.lead_or_follow(key).await {
             Ok(guard) => {
                 let mut guard = Some(guard);
-                let result = self.lead(key, &options, loader, &mut guard).await;
+                let result = self
+                    .lead(key, &options, loader, &mut guard)
+                    .instrument(self.flight_span(key))
+                    .await;
                 // The flight ended before its outcome was handed on (a bad argument, a
                 // guest failure): the followers get the same.
                 if let Some(guard) = guard {
@@ -104,7 +135,7 @@ impl Corral {
         options: &LoadOptions,
         loader: F,
         followers: &mut Option<LeaderGuard<Outcome>>,
-    ) -> Result<Bytes>
+    ) -> Result<Served>
     where
         F: FnOnce() -> Fut,
         Fut: Future<Output = std::result::Result<V, E>>,
@@ -117,6 +148,8 @@ impl Corral {
             lock_ttl_ms: inner.flight.lock_ttl_ms,
             l1_ttl_ms: inner.l1_ttl_ms,
             degraded_l1_ttl_ms: inner.flight.degraded_l1_ttl_ms,
+            fail_safe_throttle_ms: inner.flight.fail_safe_throttle_ms,
+            hard_timeout_ms: options.hard_timeout_ms.or(inner.flight.hard_timeout_ms),
             bypass: options.bypass,
         };
         let mut now = inner.clock.now_ms();
@@ -142,6 +175,8 @@ impl Corral {
                 .max(Duration::from_millis(inner.flight.lock_wait_ms));
         let mut loader = Some(loader);
         let mut value: Option<Bytes> = None;
+        // The stale copy the last read found (fail-safe).
+        let mut stale: Option<Bytes> = None;
         let mut loader_error: Option<BoxError> = None;
         let mut landing = None;
         let mut waited = false;
@@ -150,6 +185,7 @@ impl Corral {
         // This process's writes of the key, as of the last L2 step: L1 is fenced on it.
         let mut l1_ticket = inner.l1.ticket(key);
         loop {
+            trace_action(&action);
             let event = match action {
                 Action::ReadL2 => {
                     l1_ticket = inner.l1.ticket(key);
@@ -161,6 +197,11 @@ impl Corral {
                         Ok(L2Read::Miss { holds }) => {
                             fence = Some(holds);
                             Event::L2Miss
+                        }
+                        Ok(L2Read::Stale { value: copy, meta, holds }) => {
+                            stale = Some(copy);
+                            fence = Some(Some(holds));
+                            Event::L2Stale(meta)
                         }
                         Err(e) => {
                             crate::throttle::warn_every!(10, key, error = %e, "L2 read failed during get-or-set");
@@ -223,7 +264,7 @@ impl Corral {
                     landing = None;
                     Event::Woken
                 }
-                Action::Load => {
+                Action::Load(until_ms) => {
                     Metrics::bump(&inner.metrics.loads);
                     let Some(load) = loader.take() else {
                         return Err(Error::guest(
@@ -231,15 +272,25 @@ impl Corral {
                             "broken contract",
                         ));
                     };
-                    let loaded = AssertUnwindSafe(async move { load().await }).catch_unwind().await;
-                    deadline = Instant::now() + inner.flight.store_timeout;
-                    let loaded = match loaded {
-                        Ok(loaded) => loaded,
-                        // The flight is abandoned (its lock released by `held`).
-                        Err(panic) => return Err(Error::loader_panicked(&*panic)),
+                    let began = std::time::Instant::now();
+                    let running = AssertUnwindSafe(async move { load().await }).catch_unwind();
+                    // The hard timeout (contract §6b.2): a loader still running at the
+                    // guest's moment is dropped. The guest also judges the answer's time
+                    // by the cache's clock, so a late answer times out alike.
+                    let loaded = match until_ms {
+                        Some(until) => {
+                            let left = until.saturating_sub(inner.clock.now_ms());
+                            tokio::time::timeout(Duration::from_millis(left), running).await.ok()
+                        }
+                        None => Some(running.await),
                     };
+                    inner.metrics.load_duration.record(began.elapsed());
+                    deadline = Instant::now() + inner.flight.store_timeout;
                     match loaded {
-                        Ok(v) => {
+                        None => Event::LoadTimedOut,
+                        // The flight is abandoned (its lock released by `held`).
+                        Some(Err(panic)) => return Err(Error::loader_panicked(&*panic)),
+                        Some(Ok(Ok(v))) => {
                             let v: Bytes = v.into();
                             let (cacheable, expiry) = options.verdict(&v);
                             let loaded = wflight::Loaded {
@@ -250,7 +301,7 @@ impl Corral {
                             value = Some(v);
                             Event::Loaded(loaded)
                         }
-                        Err(e) => {
+                        Some(Ok(Err(e))) => {
                             loader_error = Some(e.into());
                             Event::LoadFailed
                         }
@@ -291,11 +342,23 @@ impl Corral {
                     }
                 }
                 Action::Finish(finish) => {
+                    record_outcome(&finish.outcome);
                     let result = match finish.outcome {
                         FlightOutcome::LoaderFailed => Err(Error::loader(
                             loader_error.take().unwrap_or_else(|| "loader failed".into()),
                         )),
-                        _ => Ok(value.take().unwrap_or_default()),
+                        FlightOutcome::TimedOut => Err(Error::new(
+                            crate::ErrorKind::Timeout,
+                            "the loader ran past the get-or-set's hard timeout (nothing was cached)",
+                        )),
+                        FlightOutcome::Stale(_) => Ok(Served {
+                            value: stale.take().unwrap_or_default(),
+                            stale: true,
+                        }),
+                        _ => Ok(Served {
+                            value: value.take().unwrap_or_default(),
+                            stale: false,
+                        }),
                     };
                     // Followers get the outcome now, not after two more store round trips.
                     if let Some(guard) = followers.take() {
@@ -332,8 +395,12 @@ impl Corral {
                     }
                     self.count_outcome(key, finish.outcome);
                     // Fenced: not over a write this process made since the last L2 step.
-                    if let (Ok(value), Some(until_ms)) = (&result, finish.l1_until_ms) {
-                        inner.l1.fill(key, value.clone(), until_ms, l1_ticket);
+                    if let (Ok(served), Some(until_ms)) = (&result, finish.l1_until_ms) {
+                        if served.stale {
+                            inner.l1.fill_stale(key, served.value.clone(), until_ms, l1_ticket);
+                        } else {
+                            inner.l1.fill(key, served.value.clone(), until_ms, l1_ticket);
+                        }
                     }
                     return result;
                 }
@@ -363,13 +430,86 @@ impl Corral {
                     "distributed lock unavailable: loaded uncached"
                 );
             }
+            FlightOutcome::Stale(cause) => {
+                Metrics::bump(&m.misses);
+                Metrics::bump(&m.stale_served);
+                match cause {
+                    StaleCause::LoadTimedOut => Metrics::bump(&m.hard_timeouts),
+                    StaleCause::LockTimedOut => Metrics::bump(&m.lock_timeouts),
+                    StaleCause::LoaderFailed | StaleCause::StoreFailed => {}
+                }
+                crate::throttle::warn_every!(10, key, ?cause, "reload failed: served the stale copy (fail-safe)");
+            }
+            FlightOutcome::TimedOut => {
+                Metrics::bump(&m.misses);
+                Metrics::bump(&m.hard_timeouts);
+            }
         }
     }
 }
 
+impl Corral {
+    /// The span of one flight (the get-or-set driven by this caller): the guest's
+    /// decisions are logged in it, and its `outcome` recorded at the finish.
+    fn flight_span(&self, key: &str) -> tracing::Span {
+        let prefix = &self.inner.prefix;
+        tracing::debug_span!("corral.flight", key = %key, prefix = %prefix, outcome = tracing::field::Empty)
+    }
+}
+
+/// Logs what the guest decided the flight does next (in the flight's span). Variants are
+/// matched by name only, so a change of their payloads does not touch this.
+// `Load { .. }` matches the variant with or without a payload.
+#[allow(clippy::unneeded_struct_pattern)]
+fn trace_action(action: &Action) {
+    match action {
+        Action::ReadL2 => tracing::debug!(action = "read_l2", "flight action"),
+        Action::TryLock(ttl_ms) => tracing::debug!(action = "try_lock", ttl_ms, "flight action"),
+        Action::Wait(until_ms) => tracing::debug!(action = "wait", until_ms, "flight action"),
+        Action::Load { .. } => tracing::debug!(action = "load", detail = ?action, "flight action"),
+        Action::WriteL2(write) => {
+            tracing::debug!(
+                action = "write_l2",
+                store_ttl_ms = write.store_ttl_ms,
+                "flight action"
+            );
+        }
+        Action::Finish(finish) => tracing::debug!(
+            action = "finish",
+            outcome = ?finish.outcome,
+            release = finish.release,
+            notify = finish.notify,
+            l1_until_ms = ?finish.l1_until_ms,
+            "flight action"
+        ),
+        #[allow(unreachable_patterns)]
+        other => tracing::debug!(action = ?other, "flight action"),
+    }
+}
+
+/// Records the flight's outcome on its span, in snake case (`loaded`, `l2_hit`,
+/// `loader_failed`, ...: the name of the guest's outcome variant).
+fn record_outcome(outcome: &FlightOutcome) {
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    let debug = format!("{outcome:?}");
+    let variant = debug.split('(').next().unwrap_or_default();
+    let variant = variant.rsplit("::").next().unwrap_or_default();
+    let mut name = String::with_capacity(variant.len() + 4);
+    for (i, c) in variant.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            name.push('_');
+        }
+        name.push(c.to_ascii_lowercase());
+    }
+    span.record("outcome", name.as_str());
+}
+
 /// Hands a flight's `result` to its followers; a panicking loader, or a bad argument, is
 /// its caller's failure, not the key's: the flight goes to a follower at once (§5.11).
-fn share(guard: LeaderGuard<Outcome>, result: &Result<Bytes>) {
+fn share(guard: LeaderGuard<Outcome>, result: &Result<Served>) {
     match result {
         // A bad argument is this caller's too: its followers may have asked well.
         Err(e) if e.is_panic() || e.kind() == crate::ErrorKind::InvalidArgument => drop(guard),

@@ -7,6 +7,20 @@ use crate::options::EntryOptions;
 
 type Predicate = Arc<dyn Fn(&[u8]) -> bool + Send + Sync>;
 
+/// A value as a cache served it, saying whether it was a stale copy kept for fail-safe
+/// (contract §6b.1): see [`Corral::get_stale`](crate::Corral::get_stale) and
+/// [`Corral::get_or_set_served`](crate::Corral::get_or_set_served).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Served {
+    /// The value.
+    pub value: bytes::Bytes,
+    /// Whether it is a stale copy: past its expiry, served because a reload failed,
+    /// timed out or could not get the lock (or, for `get_stale`, because nothing fresh
+    /// was there).
+    pub stale: bool,
+}
+
 /// How a [`get_or_set`](crate::Corral::get_or_set) caches what its loader returns.
 ///
 /// `EntryOptions` converts into `LoadOptions` (cache everything, no bypass).
@@ -20,6 +34,8 @@ pub struct LoadOptions {
     none_ttl: Option<std::time::Duration>,
     /// Set by the typed API: a loaded JSON `null` is a `None`.
     pub(crate) typed: bool,
+    /// The hard loader timeout, if this call names one (else the cache's default).
+    pub(crate) hard_timeout_ms: Option<u64>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -29,6 +45,7 @@ impl fmt::Debug for LoadOptions {
             .field("should_cache", &self.should_cache.is_some())
             .field("bypass", &self.bypass)
             .field("none_ttl", &self.none_ttl)
+            .field("hard_timeout_ms", &self.hard_timeout_ms)
             .finish()
     }
 }
@@ -78,6 +95,27 @@ impl LoadOptions {
             Some(first) => Arc::new(move |v: &[u8]| first(v) && predicate(v)),
             None => Arc::new(predicate),
         });
+        self
+    }
+
+    /// Fail-safe (contract §6b.1): keep each loaded entry's stale copy for `max_stale`
+    /// past its expiry, and when a later reload fails, runs past its hard timeout or
+    /// cannot get the lock, serve that copy instead of the error (to every caller of the
+    /// flight; then from L1 for the cache's
+    /// [`fail_safe_throttle`](crate::CorralBuilder::fail_safe_throttle)). Shorthand for
+    /// `entry(entry_options.fail_safe(max_stale))`.
+    pub fn fail_safe(mut self, max_stale: std::time::Duration) -> Self {
+        self.entry = self.entry.fail_safe(max_stale);
+        self
+    }
+
+    /// The hard loader timeout of this call (contract §6b.2): a loader still running
+    /// `timeout` after it started is stopped (its future dropped); the callers get the
+    /// stale copy if fail-safe has one, else
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout). Nothing is cached. Overrides
+    /// the cache's [`hard_timeout`](crate::CorralBuilder::hard_timeout).
+    pub fn hard_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.hard_timeout_ms = Some(crate::options::duration_ms(timeout).max(1));
         self
     }
 

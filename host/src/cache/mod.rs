@@ -13,7 +13,8 @@ use bytes::Bytes;
 
 use crate::clock::Clock;
 use crate::guest::Policy;
-use crate::guest::policy::{ReadOutcome, StoreNames, WitMeta};
+use crate::guest::policy::{ExpirePlan, ReadOutcome, StoreNames, WitMeta};
+use load::Served;
 use crate::options::{EntryOptions, Inspection};
 use crate::store::Stores;
 use crate::store::l1::{L1, Ticket};
@@ -76,6 +77,10 @@ pub(crate) struct FlightSettings {
     pub(crate) lock_ttl_ms: u64,
     /// How long a degraded load is served from L1.
     pub(crate) degraded_l1_ttl_ms: u64,
+    /// How long a stale copy served by fail-safe is served from L1.
+    pub(crate) fail_safe_throttle_ms: u64,
+    /// The default hard loader timeout.
+    pub(crate) hard_timeout_ms: Option<u64>,
     /// The longest one store command may take (the Redis response timeout).
     pub(crate) store_timeout: std::time::Duration,
 }
@@ -262,6 +267,69 @@ impl Corral {
         Ok(removed)
     }
 
+    /// Soft invalidation (contract §6b.4): `key` stops being fresh now, in every
+    /// process, but an entry set with [`fail_safe`](crate::EntryOptions::fail_safe)
+    /// keeps its stale copy, which a get-or-set whose reload fails still serves. An
+    /// entry without a stale window is removed, as [`remove`](Self::remove) does.
+    /// Announced to the other processes like a removal. Says whether L2 held a fresh
+    /// entry.
+    ///
+    /// # Errors
+    /// As [`remove`](Self::remove).
+    pub async fn expire(&self, key: &str) -> Result<bool> {
+        let entry = self.entry_of(key)?;
+        self.inner.l1.remove(key);
+        let entries = &self.inner.stores.entries;
+        let Some(stored) = self.l2_op(entries.get(&entry)).await? else {
+            return Ok(false);
+        };
+        let now = self.inner.clock.now_ms();
+        let expired = match self.inner.policy.expire(&stored, now)? {
+            ExpirePlan::Nothing => false,
+            ExpirePlan::Remove => return self.remove(key).await,
+            ExpirePlan::Rewrite(plan) => {
+                let mut bytes = Vec::with_capacity(stored.len());
+                bytes.extend_from_slice(&plan.header);
+                bytes.extend_from_slice(&stored[plan.value_offset as usize..]);
+                // Only over the very bytes read: a newer write wins.
+                self.l2_op(entries.replace_if_equal(&entry, stored, bytes.into(), plan.store_ttl_ms))
+                    .await?
+            }
+        };
+        self.inner.l1.remove(key);
+        Metrics::bump(&self.inner.metrics.expires);
+        self.announce_change(key).await;
+        Ok(expired)
+    }
+
+    /// The value under `key`, fresh or, failing that, a stale copy kept for fail-safe
+    /// (contract §6b.1), saying which. [`get`](Self::get) returns fresh values only.
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub async fn get_stale(&self, key: &str) -> Result<Option<Served>> {
+        let entry = self.entry_of(key)?;
+        let now = self.inner.clock.now_ms();
+        if let Some((value, stale)) = self.inner.l1.get_served(key, now) {
+            Metrics::bump(&self.inner.metrics.l1_hits);
+            return Ok(Some(Served { value, stale }));
+        }
+        Ok(match self.l2_look(&entry, now).await? {
+            read::L2Read::Hit(value, _) => {
+                Metrics::bump(&self.inner.metrics.l2_hits);
+                Some(Served { value, stale: false })
+            }
+            read::L2Read::Stale { value, .. } => {
+                Metrics::bump(&self.inner.metrics.stale_served);
+                Some(Served { value, stale: true })
+            }
+            read::L2Read::Miss { .. } => {
+                Metrics::bump(&self.inner.metrics.misses);
+                None
+            }
+        })
+    }
+
     /// The entry under `key` as stored in L2, decoded, without touching it.
     ///
     /// # Errors
@@ -276,7 +344,7 @@ impl Corral {
         let fresh = match self.inner.policy.read(&stored, now, None)? {
             ReadOutcome::Removed { .. } => return Ok(None),
             ReadOutcome::Fresh(_) => true,
-            ReadOutcome::Expired | ReadOutcome::Corrupt(_) => false,
+            ReadOutcome::Stale(_) | ReadOutcome::Expired | ReadOutcome::Corrupt(_) => false,
         };
         let decoded = self.inner.policy.decode(&stored)?;
         let mut meta = decoded.meta;

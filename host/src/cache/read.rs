@@ -119,6 +119,13 @@ pub(crate) enum L2Read {
     /// Nothing fresh. `holds` is what the key holds now as far as this read knows
     /// (nothing, or a removal's tombstone): a fill is fenced on it (contract §5.12).
     Miss { holds: Option<Bytes> },
+    /// A stale copy (fail-safe, contract §6b.1): its value and metadata; `holds` is
+    /// the bytes read, which the key still holds (a fill is fenced on them).
+    Stale {
+        value: Bytes,
+        meta: WitMeta,
+        holds: Bytes,
+    },
 }
 
 impl Corral {
@@ -144,7 +151,7 @@ impl Corral {
     pub(crate) async fn l2_read(&self, name: &str, now: u64) -> Result<Option<(Bytes, WitMeta)>> {
         Ok(match self.l2_look(name, now).await? {
             L2Read::Hit(value, meta) => Some((value, meta)),
-            L2Read::Miss { .. } => None,
+            L2Read::Miss { .. } | L2Read::Stale { .. } => None,
         })
     }
 
@@ -200,6 +207,18 @@ impl Corral {
                 }
                 inner.read_hints.note(name, hint, hit.next_read);
                 Ok(L2Read::Hit(value, hit.meta))
+            }
+            ReadOutcome::Stale(hit) => {
+                if let Some(Touch::Expire) = hit.touch {
+                    // A guess set its TTL: give it back the TTL of its stale window.
+                    self.owe(name, stored.clone(), stored.clone(), hit.store_ttl_ms).await?;
+                }
+                inner.read_hints.note(name, hint, hit.next_read);
+                Ok(L2Read::Stale {
+                    value: stored.slice(hit.value_offset as usize..),
+                    meta: hit.meta,
+                    holds: stored,
+                })
             }
             ReadOutcome::Removed(rearm) => {
                 if rearm {

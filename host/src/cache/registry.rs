@@ -5,7 +5,7 @@
 //! join again, and one of them leads. An entry leaves the map when its leader finishes
 //! or goes away, so the map holds only live flights.
 //!
-//! The native body shares `Result<Bytes, Arc<Error>>`; the portable body shares what the
+//! The native body shares `Result<Served, Arc<Error>>`; the portable body shares what the
 //! component's `flights.finish` passed. Same registry, same rules.
 //!
 //! Followers wait on a oneshot channel each, kept in join order, and are handed the
@@ -16,14 +16,13 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use crate::Error;
 
 /// What the native body's followers get.
-pub(crate) type Outcome = std::result::Result<Bytes, Arc<Error>>;
+pub(crate) type Outcome = std::result::Result<super::load::Served, Arc<Error>>;
 
 /// What a follower's wait ends with.
 #[derive(Clone, Debug)]

@@ -10,6 +10,7 @@ pub(crate) fn from_wit(e: types::Error) -> Error {
         types::Error::Unavailable(m) => Error::new(ErrorKind::Unavailable, m),
         types::Error::Corrupt(m) => Error::new(ErrorKind::Corrupt, m),
         types::Error::LoaderFailed(m) => Error::new(ErrorKind::Loader, m),
+        types::Error::Timeout(m) => Error::new(ErrorKind::Timeout, m),
         types::Error::Other(m) => Error::new(ErrorKind::Guest, m),
     }
 }
@@ -28,6 +29,7 @@ pub(crate) fn options_in(o: &EntryOptions) -> types::EntryOptions {
         absolute_ms: o.absolute_ms,
         relative_ms: o.relative_ms,
         sliding_ms: o.sliding_ms,
+        max_stale_ms: o.max_stale_ms,
     }
 }
 
@@ -36,6 +38,7 @@ pub(crate) fn meta_in(m: &EntryMeta) -> types::EntryMeta {
         absolute_ms: m.absolute_ms,
         sliding_ms: m.sliding_ms,
         expires_at_ms: m.expires_at_ms,
+        stale_ms: m.stale_ms,
     }
 }
 
@@ -44,5 +47,6 @@ pub(crate) fn meta_out(m: types::EntryMeta) -> EntryMeta {
         absolute_ms: m.absolute_ms,
         sliding_ms: m.sliding_ms,
         expires_at_ms: m.expires_at_ms,
+        stale_ms: m.stale_ms,
     }
 }

@@ -86,7 +86,9 @@ pub(crate) use super::bindings::corral::lock::types::Held;
 pub(crate) use super::bindings::exports::corral::cache::flight as wflight;
 pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
-pub(crate) use wit::{Freshness as WitFreshness, NextRead, Plan, ReadOutcome, StoreNames, Touch};
+pub(crate) use wit::{
+    ExpirePlan, Freshness as WitFreshness, NextRead, Plan, ReadOutcome, StoreNames, Touch,
+};
 
 impl Policy {
     /// Loads the guest and checks `limits` with it.
@@ -207,7 +209,19 @@ impl Policy {
                 meta: meta_out(meta),
                 moved,
             },
+            WitFreshness::Stale => Freshness::Stale,
             WitFreshness::Expired => Freshness::Expired,
+        })
+    }
+
+    /// Soft invalidation of stored bytes at `now_ms` (contract §6b.4).
+    pub(crate) fn expire(&self, stored: &[u8], now_ms: u64) -> Result<ExpirePlan> {
+        let limits = self.inner.limits;
+        let head = &stored[..stored.len().min(self.inner.header_len)];
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_expire(&mut s.store, head, stored.len() as u64, now_ms, limits)
         })
     }
 
@@ -504,6 +518,8 @@ pub enum Freshness {
         /// Whether the touch moved the expiry.
         moved: bool,
     },
+    /// Past its expiry, within its fail-safe stale window.
+    Stale,
     /// Expired.
     Expired,
 }

@@ -206,6 +206,18 @@ impl PortableBuilder {
         self
     }
 
+    /// As [`CorralBuilder::hard_timeout`](crate::CorralBuilder::hard_timeout).
+    pub fn hard_timeout(mut self, timeout: Duration) -> Self {
+        self.overrides.hard_timeout_ms = Some(duration_ms(timeout).max(1));
+        self
+    }
+
+    /// As [`CorralBuilder::fail_safe_throttle`](crate::CorralBuilder::fail_safe_throttle).
+    pub fn fail_safe_throttle(mut self, throttle: Duration) -> Self {
+        self.overrides.fail_safe_throttle_ms = Some(duration_ms(throttle));
+        self
+    }
+
     /// Instantiates the component with its imports; call inside a Tokio runtime.
     ///
     /// # Errors
@@ -443,6 +455,16 @@ impl PortableCache {
     pub async fn remove(&self, key: &str) -> Result<bool> {
         let key = key.to_owned();
         self.call(move |s| s.guest.corral_cache_cache().call_remove(&mut s.store, &key))
+            .await
+    }
+
+    /// Soft invalidation in the component.
+    ///
+    /// # Errors
+    /// As [`Corral::expire`](crate::Corral::expire).
+    pub async fn expire(&self, key: &str) -> Result<bool> {
+        let key = key.to_owned();
+        self.call(move |s| s.guest.corral_cache_cache().call_expire(&mut s.store, &key))
             .await
     }
 

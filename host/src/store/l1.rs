@@ -27,6 +27,8 @@ pub(crate) struct L1Entry {
     pub(crate) value: Bytes,
     /// Served until this moment (Unix ms), as issued by the guest.
     pub(crate) until_ms: u64,
+    /// A stale copy served by fail-safe for the throttle (contract §6b.1).
+    pub(crate) stale: bool,
 }
 
 /// What a reader saw of a key's writes before it read L2.
@@ -83,9 +85,17 @@ impl L1 {
     }
 
     /// The value of `key` if the deadline the guest issued has not passed at `now_ms`.
+    /// A stale copy fail-safe re-armed is not returned: only a get-or-set serves one
+    /// ([`get_served`](Self::get_served)).
     pub(crate) fn get(&self, key: &str, now_ms: u64) -> Option<Bytes> {
         let entry = self.cache.as_ref()?.get(key)?;
-        (now_ms < entry.until_ms).then_some(entry.value)
+        (now_ms < entry.until_ms && !entry.stale).then_some(entry.value)
+    }
+
+    /// As [`get`](Self::get), saying whether the value is a stale copy fail-safe served.
+    pub(crate) fn get_served(&self, key: &str, now_ms: u64) -> Option<(Bytes, bool)> {
+        let entry = self.cache.as_ref()?.get(key)?;
+        (now_ms < entry.until_ms).then_some((entry.value, entry.stale))
     }
 
     /// Taken before reading L2 for a later [`fill`](Self::fill).
@@ -96,13 +106,26 @@ impl L1 {
     /// Fills `key` with what was read after `ticket`, unless the key was written in
     /// this process since; says whether it filled.
     pub(crate) fn fill(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket) -> bool {
+        self.fill_entry(key, value, until_ms, false, ticket)
+    }
+
+    /// As [`fill`](Self::fill), with a stale copy fail-safe serves for the throttle.
+    pub(crate) fn fill_stale(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket) -> bool {
+        self.fill_entry(key, value, until_ms, true, ticket)
+    }
+
+    fn fill_entry(&self, key: &str, value: Bytes, until_ms: u64, stale: bool, ticket: Ticket) -> bool {
         let Some(cache) = &self.cache else {
             return false;
         };
         let epochs = &self.epochs;
         let outcome = cache.entry_by_ref(key).and_compute_with(|_| {
             if epochs.ticket(key) == ticket {
-                Op::Put(L1Entry { value, until_ms })
+                Op::Put(L1Entry {
+                    value,
+                    until_ms,
+                    stale,
+                })
             } else {
                 Op::Nop
             }
@@ -129,7 +152,11 @@ impl L1 {
             let unchanged = epochs.ticket(key).key == ticket.key;
             epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
             if unchanged {
-                Op::Put(L1Entry { value, until_ms })
+                Op::Put(L1Entry {
+                    value,
+                    until_ms,
+                    stale: false,
+                })
             } else {
                 Op::Remove
             }

@@ -168,13 +168,19 @@ function newHost() {
 /** The vector's `settings` over the component's defaults (`policy.defaults`). */
 function settingsFor(defaults, settings = {}) {
   const names = { max_key_bytes: ['maxKeyBytes', Number], max_value_bytes: ['maxValueBytes', Number], default_sliding_ms: ['defaultSlidingMs', BigInt] };
+  const top = { hard_timeout_ms: 'hardTimeoutMs', fail_safe_throttle_ms: 'failSafeThrottleMs' };
   const limits = { ...defaults.limits };
+  const out = { ...defaults };
   for (const [name, value] of Object.entries(settings)) {
+    if (name in top) {
+      out[top[name]] = BigInt(value);
+      continue;
+    }
     if (!(name in names)) throw new Error(`unknown setting ${name}`);
     const [field, type] = names[name];
     limits[field] = type(value);
   }
-  return { ...defaults, limits };
+  return { ...out, limits };
 }
 
 /** Runs one component call: `{ok}`, `{err}` (its error result) or `{trap}` (anything else thrown). */
@@ -206,6 +212,7 @@ function options(step, now) {
     relativeMs: o.relative_ms === undefined ? undefined : BigInt(o.relative_ms),
     slidingMs: o.sliding_ms === undefined ? undefined : BigInt(o.sliding_ms),
     absoluteMs: o.absolute_in_ms === undefined ? undefined : now + BigInt(o.absolute_in_ms),
+    maxStaleMs: o.max_stale_ms === undefined ? undefined : BigInt(o.max_stale_ms),
   };
 }
 
@@ -321,11 +328,14 @@ const ops = {
   get: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].get(step.key)), text) }),
   refresh: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].refresh(step.key))) }),
   remove: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].remove(step.key))) }),
+  expire: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].expire(step.key))) }),
   get_or_set: ({ host, exports }, step) => {
     let loads = 0;
     host.state.script = {
       load: () => {
         loads += 1;
+        // A slow loader: the clock moves this much while it runs.
+        host.state.now += BigInt(step.loader.takes_ms ?? 0);
         return scripted(step.loader);
       },
       shouldCache: () => step.should_cache ?? true,

@@ -7,4 +7,5 @@ mod locks;
 mod proxy;
 mod single_flight;
 mod sliding;
+mod telemetry;
 mod vectors;

@@ -58,6 +58,8 @@ impl Body {
         let sliding = setting(settings, "default_sliding_ms").map(Duration::from_millis);
         let key_bytes = setting(settings, "max_key_bytes").map(|n| n as u32);
         let value_bytes = setting(settings, "max_value_bytes").map(|n| n as u32);
+        let hard_timeout = setting(settings, "hard_timeout_ms").map(Duration::from_millis);
+        let throttle = setting(settings, "fail_safe_throttle_ms").map(Duration::from_millis);
         if portable {
             let mut b = PortableCache::builder().clock(clock.clone());
             if let Some(s) = sliding {
@@ -68,6 +70,12 @@ impl Body {
             }
             if let Some(n) = value_bytes {
                 b = b.max_value_bytes(n);
+            }
+            if let Some(t) = hard_timeout {
+                b = b.hard_timeout(t);
+            }
+            if let Some(t) = throttle {
+                b = b.fail_safe_throttle(t);
             }
             if let Some(o) = redis {
                 b = b.redis_options(o);
@@ -83,6 +91,12 @@ impl Body {
         }
         if let Some(n) = value_bytes {
             b = b.max_value_bytes(n);
+        }
+        if let Some(t) = hard_timeout {
+            b = b.hard_timeout(t);
+        }
+        if let Some(t) = throttle {
+            b = b.fail_safe_throttle(t);
         }
         if let Some(o) = redis {
             b = b.redis_options(o);
@@ -105,6 +119,9 @@ fn options(step: &Value, now: u64) -> EntryOptions {
     }
     if let Some(offset) = o.get("absolute_in_ms").and_then(Value::as_i64) {
         options = options.absolute_at_ms(now.saturating_add_signed(offset));
+    }
+    if let Some(ms) = o.get("max_stale_ms").and_then(Value::as_u64) {
+        options = options.fail_safe(Duration::from_millis(ms));
     }
     options
 }
@@ -131,6 +148,7 @@ fn error(e: &corral::Error) -> Value {
         ErrorKind::Loader => "loader",
         ErrorKind::Unavailable => "unavailable",
         ErrorKind::Corrupt => "corrupt",
+        ErrorKind::Timeout => "timeout",
         _ => "other",
     };
     match e.argument() {
@@ -168,6 +186,8 @@ async fn run_step(
         ("refresh", Body::Portable(p)) => outcome(p.refresh(key).await),
         ("remove", Body::Native { cache, .. }) => outcome(cache.remove(key).await),
         ("remove", Body::Portable(p)) => outcome(p.remove(key).await),
+        ("expire", Body::Native { cache, .. }) => outcome(cache.expire(key).await),
+        ("expire", Body::Portable(p)) => outcome(p.expire(key).await),
         ("get_or_set", body) => {
             let loaded: std::result::Result<Vec<u8>, String> = match step["loader"].get("value") {
                 Some(v) => Ok(v.as_str().unwrap_or_default().as_bytes().to_vec()),
@@ -175,7 +195,10 @@ async fn run_step(
             };
             let cacheable = step["should_cache"].as_bool().unwrap_or(true);
             let bypass = step["bypass"].as_bool().unwrap_or(false);
+            // A slow loader: the clock moves this much while it runs.
+            let takes = Duration::from_millis(step["loader"]["takes_ms"].as_u64().unwrap_or(0));
             let counter = loads.clone();
+            let clock = clock.clone();
             let r = match body {
                 Body::Native { cache, .. } => {
                     let o = LoadOptions::new()
@@ -185,6 +208,7 @@ async fn run_step(
                     cache
                         .get_or_set(key, o, || async move {
                             counter.fetch_add(1, Ordering::SeqCst);
+                            clock.advance(takes);
                             loaded.map_err(std::io::Error::other)
                         })
                         .await
@@ -192,6 +216,7 @@ async fn run_step(
                 Body::Portable(p) => {
                     let load = move |_: &str| {
                         counter.fetch_add(1, Ordering::SeqCst);
+                        clock.advance(takes);
                         loaded.clone()
                     };
                     p.get_or_set(key, options(step, now), bypass, load, move |_| cacheable)
@@ -446,7 +471,7 @@ macro_rules! vector_files {
     };
 }
 
-vector_files!(coalescing, errors, expiry, get_or_set, keys, locks);
+vector_files!(coalescing, errors, expiry, freshness, get_or_set, keys, locks);
 
 /// As wasmtime's `assert_test_exists`: a vector file without tests fails here.
 #[test]
