@@ -58,6 +58,8 @@ fn settings_in(s: types::Settings) -> corral_core::Settings {
         degraded_l1_ttl_ms: s.degraded_l1_ttl_ms,
         fail_safe_throttle_ms: s.fail_safe_throttle_ms,
         hard_timeout_ms: s.hard_timeout_ms,
+        soft_timeout_ms: s.soft_timeout_ms,
+        eager_refresh_permille: s.eager_refresh_permille,
     }
 }
 
@@ -71,6 +73,8 @@ fn settings_out(s: corral_core::Settings) -> types::Settings {
         degraded_l1_ttl_ms: s.degraded_l1_ttl_ms,
         fail_safe_throttle_ms: s.fail_safe_throttle_ms,
         hard_timeout_ms: s.hard_timeout_ms,
+        soft_timeout_ms: s.soft_timeout_ms,
+        eager_refresh_permille: s.eager_refresh_permille,
     }
 }
 
@@ -283,6 +287,9 @@ mod flight {
             degraded_l1_ttl_ms: c.degraded_l1_ttl_ms,
             fail_safe_throttle_ms: c.fail_safe_throttle_ms,
             hard_timeout_ms: c.hard_timeout_ms,
+            soft_timeout_ms: c.soft_timeout_ms,
+            eager_refresh_permille: c.eager_refresh_permille,
+            refresh: c.refresh,
             bypass: c.bypass,
         }
     }
@@ -295,6 +302,9 @@ mod flight {
             degraded_l1_ttl_ms: c.degraded_l1_ttl_ms,
             fail_safe_throttle_ms: c.fail_safe_throttle_ms,
             hard_timeout_ms: c.hard_timeout_ms,
+            soft_timeout_ms: c.soft_timeout_ms,
+            eager_refresh_permille: c.eager_refresh_permille,
+            refresh: c.refresh,
             bypass: c.bypass,
         }
     }
@@ -336,6 +346,7 @@ mod flight {
             planned: s.planned.map(meta_in),
             stale: s.stale.map(meta_in),
             load_until_ms: s.load_until_ms,
+            answered: s.answered,
         }
     }
 
@@ -352,6 +363,7 @@ mod flight {
             planned: f.planned.map(meta_out),
             stale: f.stale.map(meta_out),
             load_until_ms: f.load_until_ms,
+            answered: f.answered,
         }
     }
 
@@ -372,6 +384,7 @@ mod flight {
             },
             wit::Event::LoadFailed => Event::LoadFailed,
             wit::Event::LoadTimedOut => Event::LoadTimedOut,
+            wit::Event::LoadSlow => Event::LoadSlow,
             wit::Event::L2Written => Event::L2Written,
             wit::Event::L2WriteFailed => Event::L2WriteFailed,
         }
@@ -382,7 +395,14 @@ mod flight {
             Action::ReadL2 => wit::Action::ReadL2,
             Action::TryLock { ttl_ms } => wit::Action::TryLock(ttl_ms),
             Action::Wait { until_ms } => wit::Action::Wait(until_ms),
-            Action::Load { until_ms } => wit::Action::Load(until_ms),
+            Action::Load {
+                until_ms,
+                soft_until_ms,
+            } => wit::Action::Load(wit::LoadRequest {
+                until_ms,
+                soft_until_ms,
+            }),
+            Action::AnswerStale => wit::Action::AnswerStale,
             Action::WriteL2 { header, store_ttl_ms } => wit::Action::WriteL2(wit::Write {
                 header: header.to_vec(),
                 store_ttl_ms,
@@ -392,6 +412,7 @@ mod flight {
                 release,
                 notify,
                 l1_until_ms,
+                refresh_at_ms,
             } => wit::Action::Finish(wit::Finish {
                 outcome: match outcome {
                     Outcome::L2Hit { after_wait } => wit::Outcome::L2Hit(after_wait),
@@ -405,10 +426,12 @@ mod flight {
                         core::StaleCause::StoreFailed => wit::StaleCause::StoreFailed,
                     }),
                     Outcome::TimedOut => wit::Outcome::TimedOut,
+                    Outcome::Skipped => wit::Outcome::Skipped,
                 },
                 release,
                 notify,
                 l1_until_ms,
+                refresh_at_ms,
             }),
         }
     }

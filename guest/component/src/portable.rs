@@ -121,9 +121,28 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error>
 /// The value L1 may serve for `key` at `now`: a stale copy fail-safe re-armed only when
 /// `stale_ok` (a get-or-set; a plain read never returns one).
 fn l1_hit(key: &str, now: u64, stale_ok: bool) -> Option<Vec<u8>> {
-    l1::get(key)
-        .filter(|e| now < e.until_ms && (stale_ok || !e.stale))
-        .map(|e| e.value)
+    l1_entry(key, now, stale_ok).map(|e| e.value)
+}
+
+fn l1_entry(key: &str, now: u64, stale_ok: bool) -> Option<l1::L1Entry> {
+    l1::get(key).filter(|e| now < e.until_ms && (stale_ok || !e.stale))
+}
+
+/// Eager refresh (contract §6b.3) in a synchronous body: the refresh flight runs here,
+/// after the hit, before the call returns (a component call cannot leave work behind);
+/// its decisions are the same: the lock without waiting, a failure changes nothing.
+fn refresh(key: &str, options: types::EntryOptions, settings: &Settings) {
+    let config = flight::FlightConfig {
+        refresh: true,
+        ..settings.flight(false)
+    };
+    let Ok((flight, action)) = Flight::start(key, options_in(options), config, now_ms(), &settings.limits)
+    else {
+        return;
+    };
+    if let Ok(names) = locate(key, &settings.limits) {
+        let _ = fly(key, &names, flight, action, &settings.limits, &mut false);
+    }
 }
 
 fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
@@ -134,6 +153,7 @@ fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
             value: value.to_vec(),
             until_ms,
             stale: false,
+            refresh_at_ms: None,
         },
     );
 }
@@ -219,10 +239,23 @@ impl wcache::Guest for Component {
 
     fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
         let settings = settings();
-        if !bypass && let Some(v) = l1_hit(&key, now_ms(), true) {
-            return Ok(v);
+        let now = now_ms();
+        if !bypass && let Some(entry) = l1_entry(&key, now, true) {
+            if entry.refresh_at_ms.is_some_and(|at| now >= at) {
+                // Disarmed first: this copy starts no other refresh.
+                l1::set(
+                    &key,
+                    &l1::L1Entry {
+                        refresh_at_ms: None,
+                        ..entry.clone()
+                    },
+                );
+                refresh(&key, options, &settings);
+            }
+            return Ok(entry.value);
         }
-        let fly_one = || {
+        let mut refresh_due = false;
+        let mut fly_one = || {
             let (flight, action) = Flight::start(
                 &key,
                 options_in(options),
@@ -232,7 +265,7 @@ impl wcache::Guest for Component {
             )
             .map_err(arg_error)?;
             let names = locate(&key, &settings.limits)?;
-            fly(&key, &names, flight, action, &settings.limits)
+            fly(&key, &names, flight, action, &settings.limits, &mut refresh_due)
         };
         if bypass {
             return fly_one();
@@ -245,6 +278,9 @@ impl wcache::Guest for Component {
             Joined::Lead => {
                 let out = fly_one();
                 flights::finish(&key, out.as_ref().map(Vec::as_slice));
+                if refresh_due {
+                    refresh(&key, options, &settings);
+                }
                 out
             }
         }
@@ -259,6 +295,7 @@ fn fly(
     mut flight: Flight,
     mut action: Action,
     limits: &Limits,
+    refresh_due: &mut bool,
 ) -> Result<Vec<u8>, types::Error> {
     let mut value: Vec<u8> = Vec::new();
     // The stale copy the last read found (fail-safe).
@@ -293,6 +330,12 @@ fn fly(
             }
             // The loader import cannot be stopped from here: it answers when it does,
             // and the machine judges an answer past the hard timeout a timeout.
+            // It never reports `load-slow`, so it is never asked to answer early.
+            Action::AnswerStale => {
+                return Err(types::Error::Other(
+                    "the flight asked for an early answer it was never offered".to_string(),
+                ));
+            }
             Action::Load { .. } => match loader::load(key) {
                 Ok(v) => {
                     let cacheable = loader::should_cache(key, &v);
@@ -322,6 +365,7 @@ fn fly(
                 release,
                 notify,
                 l1_until_ms,
+                refresh_at_ms,
             } => {
                 if release && let Some(owner) = owner.take() {
                     let _ = l2::release_lock(&names.flight_lock, &owner);
@@ -330,6 +374,9 @@ fn fly(
                     l2::announce_landing(key);
                 }
                 let stale_served = matches!(outcome, Outcome::Stale(_));
+                let now = now_ms();
+                *refresh_due = matches!(outcome, Outcome::L2Hit { .. })
+                    && refresh_at_ms.is_some_and(|at| now >= at);
                 match outcome {
                     Outcome::LoaderFailed => return Err(types::Error::LoaderFailed(loader_error)),
                     Outcome::TimedOut => {
@@ -347,6 +394,7 @@ fn fly(
                             value: value.clone(),
                             until_ms,
                             stale: stale_served,
+                            refresh_at_ms: refresh_at_ms.filter(|_| !*refresh_due),
                         },
                     );
                 }

@@ -22,6 +22,8 @@ pub enum Arg {
     MaxStale,
     /// A loader timeout.
     Timeout,
+    /// The eager refresh fraction.
+    EagerRefresh,
 }
 
 impl Arg {
@@ -37,6 +39,7 @@ impl Arg {
             Arg::Ttl => "ttl",
             Arg::MaxStale => "max_stale",
             Arg::Timeout => "timeout",
+            Arg::EagerRefresh => "eager_refresh",
         }
     }
 }

@@ -33,6 +33,18 @@ pub struct FlightConfig {
     /// The hard loader timeout: a load running longer ends the flight (with the stale
     /// copy if there is one, else a timeout). `None`: no limit.
     pub hard_timeout_ms: Option<u64>,
+    /// The soft loader timeout (contract §6b.2): when a stale copy exists and the load
+    /// runs longer, the callers get the stale copy and the load goes on in the
+    /// background, still filling the tiers. `None`: no soft timeout.
+    pub soft_timeout_ms: Option<u64>,
+    /// Eager refresh (contract §6b.3): once this many thousandths of an entry's
+    /// freshness (its `relative` duration) have passed, a hit returns it and starts one
+    /// background refresh. `None`: never.
+    pub eager_refresh_permille: Option<u32>,
+    /// This flight is such a background refresh: it takes the lock without waiting
+    /// (another process is refreshing if it is held), and a failure leaves the current
+    /// value in place.
+    pub refresh: bool,
     /// Skip both locks: load, write the tiers if cacheable, return.
     pub bypass: bool,
 }
@@ -65,6 +77,18 @@ pub fn l1_deadline(meta: &EntryMeta, now_ms: u64, l1_ttl_ms: u64) -> u64 {
         until = until.min(now_ms.saturating_add((s / 2).max(1)));
     }
     until
+}
+
+/// When an eager refresh of an entry with `meta` falls due (contract §6b.3): after
+/// `permille` thousandths of its freshness, counted as the caller's `relative` duration
+/// ending at the entry's absolute point. `None` (never) without eager refresh, for
+/// options without a relative duration, or for an entry without an absolute point.
+pub fn refresh_at(meta: &EntryMeta, options: &EntryOptions, permille: Option<u32>) -> Option<u64> {
+    let permille = u64::from(permille?.min(1000));
+    let duration = options.relative_ms?;
+    let end = meta.absolute_ms?;
+    let left = duration / 1000 * (1000 - permille) + duration % 1000 * (1000 - permille) / 1000;
+    Some(end.saturating_sub(left))
 }
 
 /// Where a flight stands.
@@ -127,6 +151,9 @@ pub enum Event {
     /// The loader ran past the hard timeout (`Action::Load`'s `until_ms`) and was
     /// stopped.
     LoadTimedOut,
+    /// The loader is still running at the soft timeout (`Action::Load`'s
+    /// `soft_until_ms`); it goes on.
+    LoadSlow,
     /// The L2 write succeeded.
     L2Written,
     /// The L2 write failed.
@@ -161,6 +188,9 @@ pub enum Outcome {
     /// The loader ran past the hard timeout and there was no stale copy: a timeout
     /// error for every caller; nothing cached.
     TimedOut,
+    /// A background refresh found the lock held (another process refreshes) or the
+    /// store failing: it did nothing.
+    Skipped,
 }
 
 /// Why a flight served a stale copy (contract §6b.1).
@@ -201,7 +231,14 @@ pub enum Action {
     Load {
         /// The hard timeout's moment, if any.
         until_ms: Option<u64>,
+        /// The soft timeout's moment, if any (only when a stale copy exists): if the
+        /// loader still runs then, report [`Event::LoadSlow`] and keep it running.
+        soft_until_ms: Option<u64>,
     },
+    /// Soft timeout: hand the stale copy to every caller now, keep the load running in
+    /// the background, and report its result as usual; the flight's finish then fills
+    /// the tiers for later callers.
+    AnswerStale,
     /// Write the header followed by the value to L2 with this TTL, then report
     /// [`Event::L2Written`] or [`Event::L2WriteFailed`].
     WriteL2 {
@@ -221,6 +258,9 @@ pub enum Action {
         notify: bool,
         /// Fill L1 with the value, servable until this moment.
         l1_until_ms: Option<u64>,
+        /// When an eager refresh of the value falls due (contract §6b.3), if ever: a hit
+        /// at or after it starts one background refresh.
+        refresh_at_ms: Option<u64>,
     },
 }
 
@@ -250,6 +290,8 @@ pub struct Flight {
     pub stale: Option<EntryMeta>,
     /// When the running load's hard timeout falls, if it has one.
     pub load_until_ms: Option<u64>,
+    /// Whether the callers already got the stale copy (soft timeout).
+    pub answered: bool,
 }
 
 impl Flight {
@@ -267,6 +309,14 @@ impl Flight {
     ) -> Result<(Flight, Action), ArgError> {
         key::validate(key, limits)?;
         expiry::plan(&options, now_ms, limits)?;
+        if let Some(p) = config.eager_refresh_permille
+            && !(1..1000).contains(&p)
+        {
+            return Err(ArgError::new(
+                crate::Arg::EagerRefresh,
+                format!("must be a fraction strictly between 0 and 1 of the freshness, not {p}/1000"),
+            ));
+        }
         let mut flight = Flight {
             phase: Phase::Reading,
             options,
@@ -279,7 +329,13 @@ impl Flight {
             planned: None,
             stale: None,
             load_until_ms: None,
+            answered: false,
         };
+        if config.refresh {
+            // Due already (the hit said so): straight to the lock, without waiting.
+            let action = flight.try_lock();
+            return Ok((flight, action));
+        }
         if config.bypass {
             let action = flight.load(now_ms);
             return Ok((flight, action));
@@ -308,14 +364,45 @@ impl Flight {
             }
             _ => event,
         };
+        if self.config.refresh {
+            match (self.phase, event) {
+                // Another process refreshes, or the store fails: nothing to do.
+                (P::Locking, E::LockBusy { .. } | E::LockFailed) => {
+                    return self.finish(Outcome::Skipped, false, None);
+                }
+                // Refreshed meanwhile by someone else: serve that, release.
+                (P::DoubleChecking, E::L2Hit(meta))
+                    if refresh_at(&meta, &self.options, self.config.eager_refresh_permille)
+                        .is_none_or(|at| now_ms < at) =>
+                {
+                    return self.finish(
+                        Outcome::L2Hit { after_wait: false },
+                        self.locked,
+                        Some(l1_deadline(&meta, now_ms, self.config.l1_ttl_ms)),
+                    );
+                }
+                (P::DoubleChecking, E::L2Hit(_)) => return self.load(now_ms),
+                // A failed refresh leaves the current value in place.
+                (P::Loading, E::LoadFailed | E::LoadTimedOut) => {
+                    return self.finish(Outcome::LoaderFailed, self.locked, None);
+                }
+                _ => {}
+            }
+        }
         match (self.phase, event) {
+            (P::Loading, E::LoadSlow) if self.stale.is_some() && !self.answered => {
+                self.answered = true;
+                Action::AnswerStale
+            }
             (P::Reading | P::DoubleChecking | P::Waiting, E::L2Hit(meta)) => {
                 let after_wait = self.waited;
                 // A double-check hit holds the lock: release it.
-                self.finish(
+                let refresh = refresh_at(&meta, &self.options, self.config.eager_refresh_permille);
+                self.finish_at(
                     Outcome::L2Hit { after_wait },
                     self.locked,
                     Some(l1_deadline(&meta, now_ms, self.config.l1_ttl_ms)),
+                    refresh,
                 )
             }
             (P::Reading, E::L2Miss) => self.try_lock(),
@@ -394,7 +481,10 @@ impl Flight {
                 let l1 = self
                     .planned
                     .map(|m| l1_deadline(&m, now_ms, self.config.l1_ttl_ms));
-                self.finish(Outcome::Loaded { cached: true }, self.locked, l1)
+                let refresh = self
+                    .planned
+                    .and_then(|m| refresh_at(&m, &self.options, self.config.eager_refresh_permille));
+                self.finish_at(Outcome::Loaded { cached: true }, self.locked, l1, refresh)
             }
             // L2 first, then L1: a failed L2 write leaves L1 alone.
             (P::Writing, E::L2WriteFailed) => {
@@ -460,7 +550,18 @@ impl Flight {
             .hard_timeout_ms
             .map(|t| now_ms.saturating_add(t.max(1)));
         self.load_until_ms = until_ms;
-        Action::Load { until_ms }
+        // A soft timeout only matters with a stale copy to give meanwhile, and only
+        // before the hard one.
+        let soft_until_ms = self
+            .config
+            .soft_timeout_ms
+            .filter(|_| self.stale.is_some() && !self.config.refresh)
+            .map(|t| now_ms.saturating_add(t.max(1)))
+            .filter(|soft| until_ms.is_none_or(|hard| *soft < hard));
+        Action::Load {
+            until_ms,
+            soft_until_ms,
+        }
     }
 
     /// Fail-safe (contract §6b.1): ends the flight with the stale copy, if one is known
@@ -476,6 +577,16 @@ impl Flight {
     }
 
     fn finish(&mut self, outcome: Outcome, release: bool, l1_until_ms: Option<u64>) -> Action {
+        self.finish_at(outcome, release, l1_until_ms, None)
+    }
+
+    fn finish_at(
+        &mut self,
+        outcome: Outcome,
+        release: bool,
+        l1_until_ms: Option<u64>,
+        refresh_at_ms: Option<u64>,
+    ) -> Action {
         self.phase = Phase::Done;
         // Waiters wake for a landed value, and for a released lock (to take it over).
         let notify = matches!(outcome, Outcome::Loaded { cached: true }) || release;
@@ -485,6 +596,7 @@ impl Flight {
             release,
             notify,
             l1_until_ms,
+            refresh_at_ms,
         }
     }
 }
@@ -564,6 +676,7 @@ mod tests {
                         }
                         return (action, flight);
                     }
+                    Action::AnswerStale => panic!("no soft timeout in this world"),
                     Action::ReadL2 => {
                         self.land_if_due();
                         match (self.redis_up, self.l2) {
@@ -635,6 +748,7 @@ mod tests {
                 release,
                 notify,
                 l1_until_ms,
+                ..
             } => (*outcome, *release, *notify, *l1_until_ms),
             other => panic!("not finished: {other:?}"),
         }
@@ -673,7 +787,7 @@ mod tests {
                 (10, Event::LoadFailed),
             ],
         );
-        assert_eq!(actions[3], Action::Load { until_ms: None });
+        assert_eq!(actions[3], Action::Load { until_ms: None, soft_until_ms: None });
         let (outcome, release, notify, l1) = finish(&actions[4]);
         assert_eq!(outcome, Outcome::Stale(StaleCause::LoaderFailed));
         assert!(release && notify, "the lock is released and waiters told");
@@ -737,7 +851,7 @@ mod tests {
             config,
             &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss), (1_000, Event::LoadTimedOut)],
         );
-        assert_eq!(actions[3], Action::Load { until_ms: Some(NOW + 1_000) });
+        assert_eq!(actions[3], Action::Load { until_ms: Some(NOW + 1_000), soft_until_ms: None });
         let (outcome, release, _, l1) = finish(&actions[4]);
         assert_eq!((outcome, release, l1), (Outcome::TimedOut, true, None));
         // A body that could not stop the loader reports its late answer: a timeout still.
@@ -759,6 +873,118 @@ mod tests {
             &[(0, Event::L2Stale(stale)), (0, Event::LockAcquired), (0, Event::L2Stale(stale)), (1_000, Event::LoadTimedOut)],
         );
         assert_eq!(finish(&actions[4]).0, Outcome::Stale(StaleCause::LoadTimedOut));
+    }
+
+    #[test]
+    fn a_soft_timeout_answers_with_the_stale_copy_and_the_load_goes_on_to_fill_the_tiers() {
+        let config = FlightConfig {
+            soft_timeout_ms: Some(100),
+            hard_timeout_ms: Some(5_000),
+            ..FlightConfig::default()
+        };
+        let stale = stale_meta(NOW);
+        let loaded = Event::Loaded {
+            len: 1,
+            cacheable: true,
+            expiry: None,
+        };
+        let (_, actions) = run(
+            config,
+            &[
+                (0, Event::L2Stale(stale)),
+                (0, Event::LockAcquired),
+                (0, Event::L2Stale(stale)),
+                (100, Event::LoadSlow),
+                (2_000, loaded),
+                (2_000, Event::L2Written),
+            ],
+        );
+        assert_eq!(
+            actions[3],
+            Action::Load {
+                until_ms: Some(NOW + 5_000),
+                soft_until_ms: Some(NOW + 100)
+            }
+        );
+        assert_eq!(actions[4], Action::AnswerStale);
+        assert!(matches!(actions[5], Action::WriteL2 { .. }), "the late value is written");
+        let (outcome, release, notify, l1) = finish(&actions[6]);
+        assert_eq!(outcome, Outcome::Loaded { cached: true });
+        assert!(release && notify && l1.is_some());
+        // Without a stale copy there is nothing to answer with: no soft deadline.
+        let (_, actions) = run(config, &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss)]);
+        assert_eq!(
+            actions[3],
+            Action::Load {
+                until_ms: Some(NOW + 5_000),
+                soft_until_ms: None
+            }
+        );
+    }
+
+    fn refreshing(permille: u32) -> FlightConfig {
+        FlightConfig {
+            eager_refresh_permille: Some(permille),
+            refresh: true,
+            ..FlightConfig::default()
+        }
+    }
+
+    #[test]
+    fn eager_refresh_falls_due_after_its_fraction_of_the_relative_freshness() {
+        let options = relative(60_000);
+        let meta = expiry::plan(&options, NOW, &Limits::default()).unwrap();
+        assert_eq!(refresh_at(&meta, &options, Some(800)), Some(NOW + 48_000));
+        assert_eq!(refresh_at(&meta, &options, None), None);
+        let sliding = EntryOptions {
+            sliding_ms: Some(60_000),
+            ..EntryOptions::default()
+        };
+        let slid = expiry::plan(&sliding, NOW, &Limits::default()).unwrap();
+        assert_eq!(refresh_at(&slid, &sliding, Some(800)), None, "a sliding entry renews itself");
+        // A hit says when; a bad fraction is an argument error.
+        let config = FlightConfig {
+            eager_refresh_permille: Some(800),
+            ..FlightConfig::default()
+        };
+        let (_, actions) = run(config, &[(0, Event::L2Hit(meta))]);
+        match &actions[1] {
+            Action::Finish { refresh_at_ms, .. } => assert_eq!(*refresh_at_ms, Some(NOW + 48_000)),
+            other => panic!("{other:?}"),
+        }
+        for bad in [0, 1000, 5000] {
+            let config = FlightConfig {
+                eager_refresh_permille: Some(bad),
+                ..FlightConfig::default()
+            };
+            let err = Flight::start("k", options, config, NOW, &Limits::default()).unwrap_err();
+            assert_eq!(err.arg, crate::Arg::EagerRefresh);
+        }
+    }
+
+    #[test]
+    fn a_refresh_takes_the_lock_without_waiting_and_a_failure_leaves_the_value() {
+        let limits = Limits::default();
+        let options = relative(60_000);
+        let due = expiry::plan(&options, NOW - 50_000, &limits).unwrap();
+        // Held elsewhere: another process refreshes; nothing to do.
+        let (mut f, first) = Flight::start("k", options, refreshing(800), NOW, &limits).unwrap();
+        assert!(matches!(first, Action::TryLock { .. }));
+        let a = f.handle(Event::LockBusy { watching: true }, NOW, &limits);
+        assert_eq!(finish(&a), (Outcome::Skipped, false, false, None));
+        // Ours, still due: load; a failed load changes nothing but the lock.
+        let (mut f, _) = Flight::start("k", options, refreshing(800), NOW, &limits).unwrap();
+        f.handle(Event::LockAcquired, NOW, &limits);
+        let a = f.handle(Event::L2Hit(due), NOW, &limits);
+        assert!(matches!(a, Action::Load { .. }));
+        let a = f.handle(Event::LoadFailed, NOW, &limits);
+        assert_eq!(finish(&a), (Outcome::LoaderFailed, true, true, None));
+        // Ours, but someone refreshed meanwhile: not due any more, nothing loaded.
+        let fresh = expiry::plan(&options, NOW, &limits).unwrap();
+        let (mut f, _) = Flight::start("k", options, refreshing(800), NOW, &limits).unwrap();
+        f.handle(Event::LockAcquired, NOW, &limits);
+        let a = f.handle(Event::L2Hit(fresh), NOW, &limits);
+        assert_eq!(finish(&a).0, Outcome::L2Hit { after_wait: false });
     }
 
     #[test]
@@ -983,7 +1209,7 @@ mod tests {
             Action::ReadL2,
             "double-check as leader"
         );
-        assert_eq!(f.handle(Event::L2Miss, NOW + 50, &limits), Action::Load { until_ms: None });
+        assert_eq!(f.handle(Event::L2Miss, NOW + 50, &limits), Action::Load { until_ms: None, soft_until_ms: None });
     }
 
     #[test]
@@ -1023,7 +1249,7 @@ mod tests {
         let limits = Limits::default();
         let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
         f.handle(Event::L2Miss, NOW, &limits);
-        assert_eq!(f.handle(Event::LockFailed, NOW, &limits), Action::Load { until_ms: None });
+        assert_eq!(f.handle(Event::LockFailed, NOW, &limits), Action::Load { until_ms: None, soft_until_ms: None });
         assert_eq!(
             finish(&f.handle(
                 Event::Loaded {
@@ -1118,7 +1344,7 @@ mod tests {
     fn out_of_order_events_never_panic_and_end_in_a_load() {
         let limits = Limits::default();
         let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
-        assert_eq!(f.handle(Event::L2Written, NOW, &limits), Action::Load { until_ms: None });
+        assert_eq!(f.handle(Event::L2Written, NOW, &limits), Action::Load { until_ms: None, soft_until_ms: None });
         let mut done = f;
         done.phase = Phase::Done;
         assert!(matches!(

@@ -111,6 +111,12 @@ pub struct Settings {
     pub fail_safe_throttle_ms: u64,
     /// The hard loader timeout of a get-or-set (default none; contract §6b.2).
     pub hard_timeout_ms: Option<u64>,
+    /// The soft loader timeout of a get-or-set whose load may outlive its caller
+    /// (default none; contract §6b.2).
+    pub soft_timeout_ms: Option<u64>,
+    /// Eager refresh, in thousandths of an entry's relative freshness (default none;
+    /// contract §6b.3).
+    pub eager_refresh_permille: Option<u32>,
 }
 
 impl Settings {
@@ -129,6 +135,8 @@ impl Settings {
         degraded_l1_ttl_ms: 1_000,
         fail_safe_throttle_ms: 10_000,
         hard_timeout_ms: None,
+        soft_timeout_ms: None,
+        eager_refresh_permille: None,
     };
 
     /// The flight configuration these settings give a get-or-set.
@@ -140,6 +148,9 @@ impl Settings {
             degraded_l1_ttl_ms: self.degraded_l1_ttl_ms,
             fail_safe_throttle_ms: self.fail_safe_throttle_ms,
             hard_timeout_ms: self.hard_timeout_ms,
+            soft_timeout_ms: self.soft_timeout_ms,
+            eager_refresh_permille: self.eager_refresh_permille,
+            refresh: false,
             bypass,
         }
     }

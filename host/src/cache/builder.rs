@@ -60,6 +60,8 @@ pub(crate) struct Overrides {
     pub(crate) degraded_l1_ttl_ms: Option<u64>,
     pub(crate) fail_safe_throttle_ms: Option<u64>,
     pub(crate) hard_timeout_ms: Option<u64>,
+    pub(crate) soft_timeout_ms: Option<u64>,
+    pub(crate) eager_refresh_permille: Option<u32>,
 }
 
 impl Overrides {
@@ -81,6 +83,8 @@ impl Overrides {
             .fail_safe_throttle_ms
             .unwrap_or(s.fail_safe_throttle_ms);
         s.hard_timeout_ms = self.hard_timeout_ms.or(s.hard_timeout_ms);
+        s.soft_timeout_ms = self.soft_timeout_ms.or(s.soft_timeout_ms);
+        s.eager_refresh_permille = self.eager_refresh_permille.or(s.eager_refresh_permille);
         Ok(s)
     }
 }
@@ -189,6 +193,22 @@ impl CorralBuilder {
     /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout).
     pub fn hard_timeout(mut self, timeout: Duration) -> Self {
         self.overrides.hard_timeout_ms = Some(duration_ms(timeout).max(1));
+        self
+    }
+
+    /// The soft loader timeout every [`fetch`](crate::Corral::fetch) gets unless its
+    /// options name one ([`LoadOptions::soft_timeout`](crate::LoadOptions::soft_timeout));
+    /// default: none. `get_or_set`, whose load cannot outlive its caller, ignores it.
+    pub fn soft_timeout(mut self, timeout: Duration) -> Self {
+        self.overrides.soft_timeout_ms = Some(duration_ms(timeout).max(1));
+        self
+    }
+
+    /// Eager refresh for every [`fetch`](crate::Corral::fetch) unless its options name
+    /// a fraction ([`LoadOptions::eager_refresh`](crate::LoadOptions::eager_refresh));
+    /// default: none. `get_or_set` ignores it.
+    pub fn eager_refresh(mut self, fraction: f64) -> Self {
+        self.overrides.eager_refresh_permille = Some(crate::cache::load::permille(fraction));
         self
     }
 
@@ -319,11 +339,14 @@ impl CorralBuilder {
                     degraded_l1_ttl_ms: settings.degraded_l1_ttl_ms,
                     fail_safe_throttle_ms: settings.fail_safe_throttle_ms,
                     hard_timeout_ms: settings.hard_timeout_ms,
+                    soft_timeout_ms: settings.soft_timeout_ms,
+                    eager_refresh_permille: settings.eager_refresh_permille,
                     store_timeout,
                 },
                 read_hints: super::read::ReadHints::new(self.l1_capacity, removal_ttl_ms),
                 decoded: super::typed::Decoded::new(self.l1_capacity, settings.l1_ttl_ms),
                 registry: Registry::default(),
+                background: Default::default(),
                 metrics,
                 locks,
             }),

@@ -14,9 +14,11 @@ use super::Corral;
 use super::load::{LoadOptions, Served};
 use super::metrics::Metrics;
 use super::read::L2Read;
-use super::registry::{LeaderGuard, Outcome};
+use super::registry::{Join, LeaderGuard, Outcome};
 use crate::guest::policy::wflight::{self, Action, Event, Outcome as FlightOutcome, StaleCause};
 use crate::store::LandingWatch;
+use crate::store::l1::L1Entry;
+use tokio::sync::oneshot;
 use crate::{Error, Result};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -94,11 +96,25 @@ impl Corral {
         E: Into<BoxError>,
     {
         let options = options.into();
+        // Both need the load to outlive the call, which only `fetch` can promise.
+        for (set, name) in [
+            (options.soft_timeout_ms.is_some(), "soft_timeout"),
+            (options.eager_refresh_permille.is_some(), "eager_refresh"),
+        ] {
+            if set {
+                return Err(Error::invalid_argument(
+                    name,
+                    "needs a loader that may run on after the call returns: use Corral::fetch, \
+                     whose loader is Send + 'static",
+                ));
+            }
+        }
         if options.bypass {
             return self
-                .lead(key, &options, loader, &mut None)
+                .lead(key, &options, loader, &mut None, &mut None)
                 .instrument(self.flight_span(key))
-                .await;
+                .await
+                .result;
         }
         let now = self.inner.clock.now_ms();
         if let Some((value, stale)) = self.inner.l1.get_served(key, now) {
@@ -109,9 +125,10 @@ impl Corral {
             Ok(guard) => {
                 let mut guard = Some(guard);
                 let result = self
-                    .lead(key, &options, loader, &mut guard)
+                    .lead(key, &options, loader, &mut guard, &mut None)
                     .instrument(self.flight_span(key))
-                    .await;
+                    .await
+                    .result;
                 // The flight ended before its outcome was handed on (a bad argument, a
                 // guest failure): the followers get the same.
                 if let Some(guard) = guard {
@@ -126,15 +143,196 @@ impl Corral {
         }
     }
 
+    /// The value under `key`, as [`get_or_set`](Self::get_or_set), with a loader that
+    /// may run on after this call returns (`Send + 'static`): the flight runs in a task
+    /// of its own, to its end even if this caller goes away. That is what the soft
+    /// timeout ([`LoadOptions::soft_timeout`]) and eager refresh
+    /// ([`LoadOptions::eager_refresh`]) need: the caller is answered with a stale copy
+    /// while the load goes on, or with the current value while one refresh runs.
+    ///
+    /// ```no_run
+    /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
+    /// use std::time::Duration;
+    /// use corral::LoadOptions;
+    ///
+    /// let options = LoadOptions::relative(Duration::from_secs(60))
+    ///     .fail_safe(Duration::from_secs(3600))
+    ///     .soft_timeout(Duration::from_millis(100))
+    ///     .eager_refresh(0.8);
+    /// let price = cache
+    ///     .fetch("price:42", options, || async { Ok::<_, std::io::Error>(b"9.99".to_vec()) })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`get_or_set_served`](Self::get_or_set_served).
+    pub async fn fetch<F, Fut, V, E>(&self, key: &str, options: impl Into<LoadOptions>, loader: F) -> Result<Bytes>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = std::result::Result<V, E>> + Send + 'static,
+        V: Into<Bytes> + Send + 'static,
+        E: Into<BoxError> + Send + 'static,
+    {
+        self.fetch_served(key, options, loader)
+            .await
+            .map(|served| served.value)
+    }
+
+    /// As [`fetch`](Self::fetch), saying whether the value is a stale copy.
+    ///
+    /// # Errors
+    /// As [`get_or_set_served`](Self::get_or_set_served).
+    pub async fn fetch_served<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        loader: F,
+    ) -> Result<Served>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = std::result::Result<V, E>> + Send + 'static,
+        V: Into<Bytes> + Send + 'static,
+        E: Into<BoxError> + Send + 'static,
+    {
+        let options = options.into();
+        if options.bypass {
+            let mut in_caller = options;
+            in_caller.soft_timeout_ms = None;
+            in_caller.eager_refresh_permille = None;
+            return self.get_or_set_served(key, in_caller, loader).await;
+        }
+        let now = self.inner.clock.now_ms();
+        if let Some(entry) = self.inner.l1.get_entry(key, now) {
+            Metrics::bump(&self.inner.metrics.l1_hits);
+            if entry.refresh_at_ms.is_some_and(|at| now >= at) {
+                self.inner.l1.disarm_refresh(key);
+                self.refresh_in_background(key, &options, loader, None);
+            }
+            return Ok(Served {
+                value: entry.value,
+                stale: entry.stale,
+            });
+        }
+        match self.inner.registry.lead_or_follow(key).await {
+            Ok(guard) => {
+                let (tx, rx) = oneshot::channel();
+                let (cache, key, span) = (self.clone(), key.to_owned(), self.flight_span(key));
+                let running = Running::start(&self.inner.background);
+                tokio::spawn(async move {
+                    let _running = running;
+                    let mut followers = Some(guard);
+                    let mut answer = Some(tx);
+                    let led = cache
+                        .lead(&key, &options, loader, &mut followers, &mut answer)
+                        .instrument(span)
+                        .await;
+                    if let Some(guard) = followers {
+                        share(guard, &led.result);
+                    }
+                    if let Some(tx) = answer {
+                        let _ = tx.send(led.result);
+                    }
+                    if let (Some(guard), Some(loader)) = (led.refresh, led.loader) {
+                        cache.refresh_in_background(&key, &options, loader, Some(guard));
+                    }
+                });
+                rx.await
+                    .unwrap_or_else(|_| Err(Error::guest("the flight's task ended without an answer", "it panicked")))
+            }
+            Err(outcome) => {
+                Metrics::bump(&self.inner.metrics.coalesced);
+                outcome.map_err(Error::from_shared)
+            }
+        }
+    }
+
+    /// Starts one eager refresh of `key` in the background (contract §6b.3), unless a
+    /// flight of the key already runs in this process. It takes the flight lock without
+    /// waiting: if another process holds it, that one refreshes, and this does nothing.
+    /// `joined`: the registry's lead, if the caller took it already.
+    fn refresh_in_background<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: &LoadOptions,
+        loader: F,
+        joined: Option<LeaderGuard<Outcome>>,
+    ) where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = std::result::Result<V, E>> + Send + 'static,
+        V: Into<Bytes> + Send + 'static,
+        E: Into<BoxError> + Send + 'static,
+    {
+        let guard = match joined {
+            Some(guard) => guard,
+            None => match self.inner.registry.join(key) {
+                Join::Leader(guard) => guard,
+                Join::Follower(_) => return,
+            },
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut options = options.clone();
+        options.refresh = true;
+        let (cache, key, span) = (self.clone(), key.to_owned(), self.flight_span(key));
+        let running = Running::start(&self.inner.background);
+        runtime.spawn(async move {
+            let _running = running;
+            let mut followers = Some(guard);
+            let led = cache
+                .lead(&key, &options, loader, &mut followers, &mut None)
+                .instrument(span)
+                .await;
+            if let Some(guard) = followers {
+                share(guard, &led.result);
+            }
+            if let Err(e) = led.result {
+                tracing::debug!(key, error = %e, "eager refresh left the current value in place");
+            }
+        });
+    }
+
     /// One flight, led by this caller: the guest decides, this loop performs.
     /// `followers` is the flight's registry guard: its outcome is handed to the callers
     /// waiting on it as soon as it is known, before the lock's release and announcement.
+    /// `answer`, when given (a flight in a task of its own, see [`fetch`](Self::fetch)),
+    /// is where the caller waits: it may be answered before the flight ends (a soft
+    /// timeout's stale copy), and then the flight goes on without it.
     async fn lead<F, Fut, V, E>(
         &self,
         key: &str,
         options: &LoadOptions,
         loader: F,
         followers: &mut Option<LeaderGuard<Outcome>>,
+        answer: &mut Option<oneshot::Sender<Result<Served>>>,
+    ) -> Led<F>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<V, E>>,
+        V: Into<Bytes>,
+        E: Into<BoxError>,
+    {
+        let mut loader = Some(loader);
+        let mut refresh = None;
+        let result = self
+            .fly(key, options, &mut loader, followers, answer, &mut refresh)
+            .await;
+        Led {
+            result,
+            loader,
+            refresh,
+        }
+    }
+
+    async fn fly<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: &LoadOptions,
+        loader: &mut Option<F>,
+        followers: &mut Option<LeaderGuard<Outcome>>,
+        answer: &mut Option<oneshot::Sender<Result<Served>>>,
+        refresh: &mut Option<LeaderGuard<Outcome>>,
     ) -> Result<Served>
     where
         F: FnOnce() -> Fut,
@@ -143,6 +341,9 @@ impl Corral {
         E: Into<BoxError>,
     {
         let inner = &*self.inner;
+        // The cache's defaults for what needs the load to outlive its caller apply only
+        // to flights in a task of their own (`fetch`, a refresh).
+        let detached = answer.is_some() || options.refresh;
         let config = wflight::FlightConfig {
             lock_wait_ms: inner.flight.lock_wait_ms,
             lock_ttl_ms: inner.flight.lock_ttl_ms,
@@ -150,6 +351,13 @@ impl Corral {
             degraded_l1_ttl_ms: inner.flight.degraded_l1_ttl_ms,
             fail_safe_throttle_ms: inner.flight.fail_safe_throttle_ms,
             hard_timeout_ms: options.hard_timeout_ms.or(inner.flight.hard_timeout_ms),
+            soft_timeout_ms: options
+                .soft_timeout_ms
+                .or(inner.flight.soft_timeout_ms.filter(|_| detached)),
+            eager_refresh_permille: options
+                .eager_refresh_permille
+                .or(inner.flight.eager_refresh_permille.filter(|_| detached)),
+            refresh: options.refresh,
             bypass: options.bypass,
         };
         let mut now = inner.clock.now_ms();
@@ -173,7 +381,6 @@ impl Corral {
                 .flight
                 .store_timeout
                 .max(Duration::from_millis(inner.flight.lock_wait_ms));
-        let mut loader = Some(loader);
         let mut value: Option<Bytes> = None;
         // The stale copy the last read found (fail-safe).
         let mut stale: Option<Bytes> = None;
@@ -190,8 +397,13 @@ impl Corral {
                 Action::ReadL2 => {
                     l1_ticket = inner.l1.ticket(key);
                     match by(deadline, self.l2_look(&names.entry, now)).await {
-                        Ok(L2Read::Hit(v, meta)) => {
+                        Ok(L2Read::Hit(v, meta, holds)) => {
                             value = Some(v);
+                            // A refresh writes over the very bytes it found, so a set or
+                            // removal meanwhile wins (fenced fills, contract §5.12).
+                            if options.refresh {
+                                fence = Some(Some(holds));
+                            }
                             Event::L2Hit(meta)
                         }
                         Ok(L2Read::Miss { holds }) => {
@@ -264,7 +476,7 @@ impl Corral {
                     landing = None;
                     Event::Woken
                 }
-                Action::Load(until_ms) => {
+                Action::Load(request) => {
                     Metrics::bump(&inner.metrics.loads);
                     let Some(load) = loader.take() else {
                         return Err(Error::guest(
@@ -274,15 +486,43 @@ impl Corral {
                     };
                     let began = std::time::Instant::now();
                     let running = AssertUnwindSafe(async move { load().await }).catch_unwind();
-                    // The hard timeout (contract §6b.2): a loader still running at the
-                    // guest's moment is dropped. The guest also judges the answer's time
-                    // by the cache's clock, so a late answer times out alike.
-                    let loaded = match until_ms {
-                        Some(until) => {
-                            let left = until.saturating_sub(inner.clock.now_ms());
-                            tokio::time::timeout(Duration::from_millis(left), running).await.ok()
+                    let mut running = std::pin::pin!(running);
+                    let left = |until: u64| Duration::from_millis(until.saturating_sub(inner.clock.now_ms()));
+                    // The soft timeout (contract §6b.2): only when the caller can be
+                    // answered before the flight ends (`fetch`), and only if the guest
+                    // set one (it does when a stale copy exists).
+                    let mut early = None;
+                    if let (Some(soft), true) = (request.soft_until_ms, answer.is_some()) {
+                        match tokio::time::timeout(left(soft), &mut running).await {
+                            Ok(loaded) => early = Some(loaded),
+                            Err(_) => {
+                                now = inner.clock.now_ms();
+                                let (state, next) = inner.policy.flight_step(held.state, Event::LoadSlow, now)?;
+                                held.state = state;
+                                trace_action(&next);
+                                if let Action::AnswerStale = next {
+                                    Metrics::bump(&inner.metrics.soft_timeouts);
+                                    let served = Ok(Served {
+                                        value: stale.clone().unwrap_or_default(),
+                                        stale: true,
+                                    });
+                                    if let Some(guard) = followers.take() {
+                                        share(guard, &served);
+                                    }
+                                    if let Some(tx) = answer.take() {
+                                        let _ = tx.send(served);
+                                    }
+                                }
+                            }
                         }
-                        None => Some(running.await),
+                    }
+                    // The hard timeout: a loader still running at the guest's moment is
+                    // dropped. The guest also judges the answer's time by the cache's
+                    // clock, so a late answer times out alike.
+                    let loaded = match (early, request.until_ms) {
+                        (Some(loaded), _) => Some(loaded),
+                        (None, Some(until)) => tokio::time::timeout(left(until), &mut running).await.ok(),
+                        (None, None) => Some(running.await),
                     };
                     inner.metrics.load_duration.record(began.elapsed());
                     deadline = Instant::now() + inner.flight.store_timeout;
@@ -306,6 +546,10 @@ impl Corral {
                             Event::LoadFailed
                         }
                     }
+                }
+                // Only ever the answer to `load-slow`, handled above.
+                Action::AnswerStale => {
+                    return Err(Error::guest("the flight answered early out of turn", "broken contract"));
                 }
                 Action::WriteL2(write) => {
                     l1_ticket = inner.l1.ticket(key);
@@ -355,14 +599,44 @@ impl Corral {
                             value: stale.take().unwrap_or_default(),
                             stale: true,
                         }),
+                        FlightOutcome::Skipped => Err(Error::new(
+                            crate::ErrorKind::Unavailable,
+                            "the refresh did not run: another process holds the lock, or the store failed",
+                        )),
                         _ => Ok(Served {
                             value: value.take().unwrap_or_default(),
                             stale: false,
                         }),
                     };
+                    // A refresh that brought nothing hands its followers on (they join again
+                    // and lead their own flight) instead of failing them.
+                    if options.refresh
+                        && !matches!(finish.outcome, FlightOutcome::Loaded(true) | FlightOutcome::L2Hit(_))
+                    {
+                        drop(followers.take());
+                    }
+                    if options.refresh && matches!(finish.outcome, FlightOutcome::Loaded(true)) {
+                        Metrics::bump(&inner.metrics.refreshes);
+                    }
                     // Followers get the outcome now, not after two more store round trips.
                     if let Some(guard) = followers.take() {
                         share(guard, &result);
+                    }
+                    // An L2 hit due for an eager refresh (only for a flight in a task of
+                    // its own): the refresh joins the registry before the caller is
+                    // answered, so whoever the caller tells finds it running.
+                    let refresh_due = detached
+                        && !options.refresh
+                        && matches!(finish.outcome, FlightOutcome::L2Hit(_))
+                        && finish.refresh_at_ms.is_some_and(|at| inner.clock.now_ms() >= at);
+                    if refresh_due && let Join::Leader(guard) = inner.registry.join(key) {
+                        *refresh = Some(guard);
+                    }
+                    if let Some(tx) = answer.take() {
+                        let _ = tx.send(match &result {
+                            Ok(served) => Ok(served.clone()),
+                            Err(e) => Err(e.share()),
+                        });
                     }
                     // The release has a deadline of its own (the steps before may have
                     // spent theirs); until it is confirmed the lock stays owed, so a caller
@@ -393,14 +667,19 @@ impl Corral {
                     {
                         tracing::debug!(key, error = %e, "landing announcement failed; waiters fall back to polling");
                     }
-                    self.count_outcome(key, finish.outcome);
+                    if !options.refresh {
+                        self.count_outcome(key, finish.outcome);
+                    }
                     // Fenced: not over a write this process made since the last L2 step.
                     if let (Ok(served), Some(until_ms)) = (&result, finish.l1_until_ms) {
-                        if served.stale {
-                            inner.l1.fill_stale(key, served.value.clone(), until_ms, l1_ticket);
-                        } else {
-                            inner.l1.fill(key, served.value.clone(), until_ms, l1_ticket);
-                        }
+                        let entry = L1Entry {
+                            value: served.value.clone(),
+                            until_ms,
+                            stale: served.stale,
+                            // Due already: the refresh starts now, not on the next hit.
+                            refresh_at_ms: finish.refresh_at_ms.filter(|_| !refresh_due),
+                        };
+                        inner.l1.fill_entry(key, entry, l1_ticket);
                     }
                     return result;
                 }
@@ -444,6 +723,7 @@ impl Corral {
                 Metrics::bump(&m.misses);
                 Metrics::bump(&m.hard_timeouts);
             }
+            FlightOutcome::Skipped => {}
         }
     }
 }
@@ -505,6 +785,30 @@ fn record_outcome(outcome: &FlightOutcome) {
         name.push(c.to_ascii_lowercase());
     }
     span.record("outcome", name.as_str());
+}
+
+/// Counts a flight in a task of its own while it runs.
+struct Running(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Running {
+    fn start(count: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Running(count.clone())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// What a flight left: its result, the loader if it was not called, and, when the value
+/// it served (an L2 hit) is due for an eager refresh, the registry's lead for it.
+struct Led<F> {
+    result: Result<Served>,
+    loader: Option<F>,
+    refresh: Option<LeaderGuard<Outcome>>,
 }
 
 /// Hands a flight's `result` to its followers; a panicking loader, or a bad argument, is

@@ -36,6 +36,12 @@ pub struct LoadOptions {
     pub(crate) typed: bool,
     /// The hard loader timeout, if this call names one (else the cache's default).
     pub(crate) hard_timeout_ms: Option<u64>,
+    /// The soft loader timeout (needs [`Corral::fetch`](crate::Corral::fetch)).
+    pub(crate) soft_timeout_ms: Option<u64>,
+    /// Eager refresh, in thousandths of the freshness (needs `fetch`).
+    pub(crate) eager_refresh_permille: Option<u32>,
+    /// This is a background refresh's flight.
+    pub(crate) refresh: bool,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -46,6 +52,8 @@ impl fmt::Debug for LoadOptions {
             .field("bypass", &self.bypass)
             .field("none_ttl", &self.none_ttl)
             .field("hard_timeout_ms", &self.hard_timeout_ms)
+            .field("soft_timeout_ms", &self.soft_timeout_ms)
+            .field("eager_refresh_permille", &self.eager_refresh_permille)
             .finish()
     }
 }
@@ -119,6 +127,30 @@ impl LoadOptions {
         self
     }
 
+    /// The soft loader timeout (contract §6b.2): when a stale copy exists (see
+    /// [`fail_safe`](Self::fail_safe)) and the loader runs longer than `timeout`, the
+    /// callers get the stale copy at once and the load goes on in the background,
+    /// filling both tiers when it ends. Needs a loader that may outlive the call:
+    /// [`Corral::fetch`](crate::Corral::fetch) (with `get_or_set` it is an
+    /// [`InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `soft_timeout`).
+    pub fn soft_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.soft_timeout_ms = Some(crate::options::duration_ms(timeout).max(1));
+        self
+    }
+
+    /// Eager refresh (contract §6b.3): once `fraction` (strictly between 0 and 1) of a
+    /// loaded entry's freshness has passed (its [`relative`](Self::relative)
+    /// duration), a hit returns the current value at once and starts one background
+    /// refresh; across processes only one runs (it takes the flight lock without
+    /// waiting), and a failed refresh leaves the current value in place. Entries without
+    /// a relative duration are not refreshed early. Needs
+    /// [`Corral::fetch`](crate::Corral::fetch) (with `get_or_set`: an
+    /// [`InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `eager_refresh`).
+    pub fn eager_refresh(mut self, fraction: f64) -> Self {
+        self.eager_refresh_permille = Some(permille(fraction));
+        self
+    }
+
     /// Skip L1, the flight registry and the lock: call the loader, write the tiers if
     /// `should_cache` accepts, return. For forced refreshes.
     pub fn bypass(mut self, bypass: bool) -> Self {
@@ -148,6 +180,17 @@ impl LoadOptions {
 
     pub(crate) fn accepts(&self, value: &[u8]) -> bool {
         self.should_cache.as_ref().is_none_or(|p| p(value))
+    }
+}
+
+/// A fraction in thousandths; anything not strictly between 0 and 1 becomes a value the
+/// guest refuses (naming `eager_refresh`).
+pub(crate) fn permille(fraction: f64) -> u32 {
+    let permille = (fraction * 1000.0).round();
+    if permille.is_finite() && permille > 0.0 {
+        permille.min(f64::from(u32::MAX)) as u32
+    } else {
+        0
     }
 }
 

@@ -67,6 +67,8 @@ pub(crate) struct Inner {
     /// bytes (see [`Corral::get_or_set_json_shared`]).
     pub(crate) decoded: typed::Decoded,
     pub(crate) registry: Registry<registry::Outcome>,
+    /// Flights running in tasks of their own (`fetch`, refreshes), to their very end.
+    pub(crate) background: Arc<std::sync::atomic::AtomicUsize>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) locks: crate::locks::Locks,
 }
@@ -81,6 +83,10 @@ pub(crate) struct FlightSettings {
     pub(crate) fail_safe_throttle_ms: u64,
     /// The default hard loader timeout.
     pub(crate) hard_timeout_ms: Option<u64>,
+    /// The default soft loader timeout (flights in a task of their own only).
+    pub(crate) soft_timeout_ms: Option<u64>,
+    /// The default eager refresh (flights in a task of their own only).
+    pub(crate) eager_refresh_permille: Option<u32>,
     /// The longest one store command may take (the Redis response timeout).
     pub(crate) store_timeout: std::time::Duration,
 }
@@ -315,7 +321,7 @@ impl Corral {
             return Ok(Some(Served { value, stale }));
         }
         Ok(match self.l2_look(&entry, now).await? {
-            read::L2Read::Hit(value, _) => {
+            read::L2Read::Hit(value, ..) => {
                 Metrics::bump(&self.inner.metrics.l2_hits);
                 Some(Served { value, stale: false })
             }
@@ -376,6 +382,13 @@ impl Corral {
     #[cfg(any(test, feature = "test-util"))]
     pub fn flights_in_progress(&self) -> usize {
         self.inner.registry.len()
+    }
+
+    /// Flights running in tasks of their own (`fetch` and eager refreshes) that have
+    /// not ended yet, lock release and announcement included.
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn background_in_progress(&self) -> usize {
+        self.inner.background.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Callers in this process waiting on the flight of `key` (0 when none runs).

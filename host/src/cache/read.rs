@@ -114,8 +114,9 @@ impl ReadHints {
 /// What one L2 read found.
 #[derive(Debug)]
 pub(crate) enum L2Read {
-    /// A fresh entry: its value and (touched) metadata.
-    Hit(Bytes, WitMeta),
+    /// A fresh entry: its value, (touched) metadata, and the bytes the key holds after
+    /// the read (a refresh's fill is fenced on them).
+    Hit(Bytes, WitMeta, Bytes),
     /// Nothing fresh. `holds` is what the key holds now as far as this read knows
     /// (nothing, or a removal's tombstone): a fill is fenced on it (contract §5.12).
     Miss { holds: Option<Bytes> },
@@ -150,7 +151,7 @@ impl Corral {
     /// when fresh.
     pub(crate) async fn l2_read(&self, name: &str, now: u64) -> Result<Option<(Bytes, WitMeta)>> {
         Ok(match self.l2_look(name, now).await? {
-            L2Read::Hit(value, meta) => Some((value, meta)),
+            L2Read::Hit(value, meta, _) => Some((value, meta)),
             L2Read::Miss { .. } | L2Read::Stale { .. } => None,
         })
     }
@@ -195,18 +196,23 @@ impl Corral {
             ReadOutcome::Fresh(hit) => {
                 let value = stored.slice(hit.value_offset as usize..);
                 let ttl = hit.store_ttl_ms;
-                match hit.touch {
+                let holds = match hit.touch {
                     Some(Touch::Rewrite(header)) => {
                         let mut touched = Vec::with_capacity(stored.len());
                         touched.extend_from_slice(&header);
                         touched.extend_from_slice(&value);
-                        self.owe(name, stored, touched.into(), ttl).await?;
+                        let touched = Bytes::from(touched);
+                        self.owe(name, stored, touched.clone(), ttl).await?;
+                        touched
                     }
-                    Some(Touch::Expire) => self.owe(name, stored.clone(), stored, ttl).await?,
-                    None => {}
-                }
+                    Some(Touch::Expire) => {
+                        self.owe(name, stored.clone(), stored.clone(), ttl).await?;
+                        stored
+                    }
+                    None => stored,
+                };
                 inner.read_hints.note(name, hint, hit.next_read);
-                Ok(L2Read::Hit(value, hit.meta))
+                Ok(L2Read::Hit(value, hit.meta, holds))
             }
             ReadOutcome::Stale(hit) => {
                 if let Some(Touch::Expire) = hit.touch {

@@ -212,6 +212,14 @@ impl PortableBuilder {
         self
     }
 
+    /// Eager refresh (contract §6b.3) for every get-or-set. A component call cannot
+    /// leave work behind, so the refresh runs in the call that found the value due,
+    /// after the hit, before it returns; its decisions are the native body's.
+    pub fn eager_refresh(mut self, fraction: f64) -> Self {
+        self.overrides.eager_refresh_permille = Some(crate::cache::load::permille(fraction));
+        self
+    }
+
     /// As [`CorralBuilder::fail_safe_throttle`](crate::CorralBuilder::fail_safe_throttle).
     pub fn fail_safe_throttle(mut self, throttle: Duration) -> Self {
         self.overrides.fail_safe_throttle_ms = Some(duration_ms(throttle));

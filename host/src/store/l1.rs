@@ -29,6 +29,8 @@ pub(crate) struct L1Entry {
     pub(crate) until_ms: u64,
     /// A stale copy served by fail-safe for the throttle (contract §6b.1).
     pub(crate) stale: bool,
+    /// When an eager refresh falls due (contract §6b.3), until one is started.
+    pub(crate) refresh_at_ms: Option<u64>,
 }
 
 /// What a reader saw of a key's writes before it read L2.
@@ -94,8 +96,28 @@ impl L1 {
 
     /// As [`get`](Self::get), saying whether the value is a stale copy fail-safe served.
     pub(crate) fn get_served(&self, key: &str, now_ms: u64) -> Option<(Bytes, bool)> {
+        self.get_entry(key, now_ms).map(|e| (e.value, e.stale))
+    }
+
+    /// The whole entry of `key`, if still servable at `now_ms`.
+    pub(crate) fn get_entry(&self, key: &str, now_ms: u64) -> Option<L1Entry> {
         let entry = self.cache.as_ref()?.get(key)?;
-        (now_ms < entry.until_ms).then_some((entry.value, entry.stale))
+        (now_ms < entry.until_ms).then_some(entry)
+    }
+
+    /// Clears `key`'s refresh moment (a refresh was started): this process starts no
+    /// other for this copy. Not a write: it leaves the key's fills alone.
+    pub(crate) fn disarm_refresh(&self, key: &str) {
+        if let Some(cache) = &self.cache {
+            cache.entry_by_ref(key).and_compute_with(|e| match e {
+                Some(e) if e.value().refresh_at_ms.is_some() => {
+                    let mut entry = e.into_value();
+                    entry.refresh_at_ms = None;
+                    Op::Put(entry)
+                }
+                _ => Op::Nop,
+            });
+        }
     }
 
     /// Taken before reading L2 for a later [`fill`](Self::fill).
@@ -106,26 +128,27 @@ impl L1 {
     /// Fills `key` with what was read after `ticket`, unless the key was written in
     /// this process since; says whether it filled.
     pub(crate) fn fill(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket) -> bool {
-        self.fill_entry(key, value, until_ms, false, ticket)
+        self.fill_entry(
+            key,
+            L1Entry {
+                value,
+                until_ms,
+                stale: false,
+                refresh_at_ms: None,
+            },
+            ticket,
+        )
     }
 
-    /// As [`fill`](Self::fill), with a stale copy fail-safe serves for the throttle.
-    pub(crate) fn fill_stale(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket) -> bool {
-        self.fill_entry(key, value, until_ms, true, ticket)
-    }
-
-    fn fill_entry(&self, key: &str, value: Bytes, until_ms: u64, stale: bool, ticket: Ticket) -> bool {
+    /// As [`fill`](Self::fill), with the whole entry (a stale copy, a refresh moment).
+    pub(crate) fn fill_entry(&self, key: &str, entry: L1Entry, ticket: Ticket) -> bool {
         let Some(cache) = &self.cache else {
             return false;
         };
         let epochs = &self.epochs;
         let outcome = cache.entry_by_ref(key).and_compute_with(|_| {
             if epochs.ticket(key) == ticket {
-                Op::Put(L1Entry {
-                    value,
-                    until_ms,
-                    stale,
-                })
+                Op::Put(entry)
             } else {
                 Op::Nop
             }
@@ -156,6 +179,7 @@ impl L1 {
                     value,
                     until_ms,
                     stale: false,
+                    refresh_at_ms: None,
                 })
             } else {
                 Op::Remove

@@ -168,12 +168,18 @@ function newHost() {
 /** The vector's `settings` over the component's defaults (`policy.defaults`). */
 function settingsFor(defaults, settings = {}) {
   const names = { max_key_bytes: ['maxKeyBytes', Number], max_value_bytes: ['maxValueBytes', Number], default_sliding_ms: ['defaultSlidingMs', BigInt] };
-  const top = { hard_timeout_ms: 'hardTimeoutMs', fail_safe_throttle_ms: 'failSafeThrottleMs' };
+  const top = {
+    hard_timeout_ms: ['hardTimeoutMs', BigInt],
+    fail_safe_throttle_ms: ['failSafeThrottleMs', BigInt],
+    soft_timeout_ms: ['softTimeoutMs', BigInt],
+    eager_refresh_permille: ['eagerRefreshPermille', Number],
+  };
   const limits = { ...defaults.limits };
   const out = { ...defaults };
   for (const [name, value] of Object.entries(settings)) {
     if (name in top) {
-      out[top[name]] = BigInt(value);
+      const [field, type] = top[name];
+      out[field] = type(value);
       continue;
     }
     if (!(name in names)) throw new Error(`unknown setting ${name}`);

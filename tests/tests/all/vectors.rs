@@ -34,7 +34,12 @@ fn vectors(name: &str) -> Result<Vec<Value>> {
 }
 
 enum Body {
-    Native { cache: Corral, locks: MemoryLocks },
+    Native {
+        cache: Corral,
+        locks: MemoryLocks,
+        /// Whether the vector asks for eager refresh (loads may run in the background).
+        eager: bool,
+    },
     Portable(PortableCache),
 }
 
@@ -60,6 +65,8 @@ impl Body {
         let value_bytes = setting(settings, "max_value_bytes").map(|n| n as u32);
         let hard_timeout = setting(settings, "hard_timeout_ms").map(Duration::from_millis);
         let throttle = setting(settings, "fail_safe_throttle_ms").map(Duration::from_millis);
+        let eager = setting(settings, "eager_refresh_permille").map(|p| p as f64 / 1000.0);
+        let soft_timeout = setting(settings, "soft_timeout_ms").map(Duration::from_millis);
         if portable {
             let mut b = PortableCache::builder().clock(clock.clone());
             if let Some(s) = sliding {
@@ -76,6 +83,9 @@ impl Body {
             }
             if let Some(t) = throttle {
                 b = b.fail_safe_throttle(t);
+            }
+            if let Some(f) = eager {
+                b = b.eager_refresh(f);
             }
             if let Some(o) = redis {
                 b = b.redis_options(o);
@@ -98,12 +108,19 @@ impl Body {
         if let Some(t) = throttle {
             b = b.fail_safe_throttle(t);
         }
+        if let Some(f) = eager {
+            b = b.eager_refresh(f);
+        }
+        if let Some(t) = soft_timeout {
+            b = b.soft_timeout(t);
+        }
         if let Some(o) = redis {
             b = b.redis_options(o);
         }
         Ok(Body::Native {
             cache: b.build()?,
             locks: MemoryLocks::with_clock(clock.clone())?,
+            eager: eager.is_some(),
         })
     }
 }
@@ -200,18 +217,27 @@ async fn run_step(
             let counter = loads.clone();
             let clock = clock.clone();
             let r = match body {
-                Body::Native { cache, .. } => {
+                Body::Native { cache, eager, .. } => {
                     let o = LoadOptions::new()
                         .entry(options(step, now))
                         .bypass(bypass)
                         .should_cache(move |_| cacheable);
-                    cache
-                        .get_or_set(key, o, || async move {
-                            counter.fetch_add(1, Ordering::SeqCst);
-                            clock.advance(takes);
-                            loaded.map_err(std::io::Error::other)
-                        })
-                        .await
+                    let load = move || async move {
+                        counter.fetch_add(1, Ordering::SeqCst);
+                        clock.advance(takes);
+                        loaded.map_err(std::io::Error::other)
+                    };
+                    // With eager refresh the loader may run in the background: `fetch`,
+                    // then wait for every flight (a refresh) to end before counting loads.
+                    if *eager {
+                        let r = cache.fetch(key, o, load).await;
+                        while cache.flights_in_progress() + cache.background_in_progress() > 0 {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                        r
+                    } else {
+                        cache.get_or_set(key, o, load).await
+                    }
                 }
                 Body::Portable(p) => {
                     let load = move |_: &str| {

@@ -1,0 +1,276 @@
+//! Freshness (contract §6b) through the public API: fail-safe, the soft and hard loader
+//! timeouts, eager refresh and soft invalidation, in one process and across caches that
+//! share a real redis-server (each `Corral` there has its own L1, connections and
+//! subscription, as a process does; `eager_refresh_runs_once_across_four_processes`
+//! runs real `corral` processes).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use corral::{Corral, EntryOptions, ErrorKind, LoadOptions, ManualClock};
+use corral_tests::RedisServer;
+use tokio::sync::{Notify, oneshot};
+
+const SEC: Duration = Duration::from_secs(1);
+
+/// Polls `check` until it holds or `within` passes: for effects that land in a
+/// background task (a refresh, a soft-timed-out load) where nothing notifies the test.
+async fn eventually(within: Duration, mut check: impl AsyncFnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await? {
+            return Ok(());
+        }
+        ensure!(Instant::now() < deadline, "did not happen within {within:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn memory_cache(clock: &ManualClock) -> Result<Corral> {
+    Ok(Corral::builder().clock(clock.clone()).build()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_coalesced_caller_gets_the_stale_copy_marked_stale() -> Result<()> {
+    let clock = ManualClock::starting_now();
+    let cache = memory_cache(&clock)?;
+    let options = LoadOptions::relative(SEC).fail_safe(Duration::from_secs(60));
+    cache
+        .get_or_set("k", options.clone(), || async { Ok::<_, std::io::Error>("v1") })
+        .await?;
+    clock.advance(2 * SEC);
+    // The leader's loader waits until every follower has joined, then fails.
+    let gate = Arc::new(Notify::new());
+    let mut callers = Vec::new();
+    for i in 0..4 {
+        let (cache, options, gate) = (cache.clone(), options.clone(), gate.clone());
+        callers.push(tokio::spawn(async move {
+            cache
+                .get_or_set_served("k", options, || async move {
+                    gate.notified().await;
+                    Err::<&str, _>(std::io::Error::other(format!("database down ({i})")))
+                })
+                .await
+        }));
+    }
+    eventually(5 * SEC, async || Ok(cache.followers_of("k") == 3)).await?;
+    gate.notify_one();
+    for caller in callers {
+        let served = caller.await??;
+        assert_eq!((&served.value[..], served.stale), (&b"v1"[..], true));
+    }
+    let m = cache.metrics();
+    assert_eq!((m.stale_served, m.loads), (1, 2), "{m:?}");
+    // A plain get never returns it; get_stale does, and says so.
+    assert_eq!(cache.get("k").await?, None);
+    let stale = cache.get_stale("k").await?.context("a stale copy")?;
+    assert!(stale.stale);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hard_timeout_drops_the_loader_and_is_a_timeout_error() -> Result<()> {
+    let cache = Corral::builder().build()?;
+    let (dropped_tx, dropped_rx) = oneshot::channel::<()>();
+    struct OnDrop(Option<oneshot::Sender<()>>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            if let Some(tx) = self.0.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+    let guard = OnDrop(Some(dropped_tx));
+    let err = cache
+        .get_or_set(
+            "k",
+            LoadOptions::relative(SEC).hard_timeout(Duration::from_millis(50)),
+            || async move {
+                let _guard = guard;
+                std::future::pending::<()>().await;
+                Ok::<_, std::io::Error>("never")
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    dropped_rx.await.context("the loader's future was dropped at the timeout")?;
+    assert_eq!(cache.get("k").await?, None, "nothing cached");
+    assert_eq!(cache.metrics().hard_timeouts, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soft_timeout_and_eager_refresh_need_fetch() -> Result<()> {
+    let cache = Corral::builder().build()?;
+    for (options, name) in [
+        (LoadOptions::relative(SEC).soft_timeout(SEC), "soft_timeout"),
+        (LoadOptions::relative(SEC).eager_refresh(0.5), "eager_refresh"),
+    ] {
+        let err = cache
+            .get_or_set("k", options, || async { Ok::<_, std::io::Error>("v") })
+            .await
+            .unwrap_err();
+        assert_eq!((err.kind(), err.argument()), (ErrorKind::InvalidArgument, Some(name)), "{err}");
+    }
+    for bad in [0.0, 1.0, -3.0, f64::NAN] {
+        let err = cache
+            .fetch("k", LoadOptions::relative(SEC).eager_refresh(bad), || async {
+                Ok::<_, std::io::Error>("v")
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.argument(), Some("eager_refresh"), "{bad}: {err}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_soft_timeout_serves_the_stale_copy_and_the_load_still_fills_the_tiers() -> Result<()> {
+    let clock = ManualClock::starting_now();
+    let cache = memory_cache(&clock)?;
+    let options = LoadOptions::relative(SEC)
+        .fail_safe(Duration::from_secs(60))
+        .soft_timeout(Duration::from_millis(50));
+    cache
+        .fetch("k", options.clone(), || async { Ok::<_, std::io::Error>("v1") })
+        .await?;
+    clock.advance(2 * SEC);
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let served = cache
+        .fetch_served("k", options.clone(), || async move {
+            let _ = go_rx.await;
+            Ok::<_, std::io::Error>("v2")
+        })
+        .await?;
+    assert_eq!((&served.value[..], served.stale), (&b"v1"[..], true));
+    assert_eq!(cache.metrics().soft_timeouts, 1);
+    // The load is still running; once it returns, both tiers hold its value.
+    go_tx.send(()).ok();
+    eventually(5 * SEC, async || Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))).await?;
+    let served = cache
+        .fetch_served("k", options, || async { Ok::<_, std::io::Error>("v3") })
+        .await?;
+    assert_eq!((&served.value[..], served.stale), (&b"v2"[..], false));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eager_refresh_returns_the_current_value_and_refreshes_once_in_the_background() -> Result<()> {
+    let clock = ManualClock::starting_now();
+    let cache = memory_cache(&clock)?;
+    let loads = Arc::new(AtomicUsize::new(0));
+    let options = LoadOptions::relative(Duration::from_secs(10)).eager_refresh(0.5);
+    let loader = |value: &'static str| {
+        let loads = loads.clone();
+        move || async move {
+            loads.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>(value)
+        }
+    };
+    assert_eq!(&cache.fetch("k", options.clone(), loader("v1")).await?[..], b"v1");
+    // Before half the freshness: no refresh.
+    clock.advance(Duration::from_millis(4_999));
+    assert_eq!(&cache.fetch("k", options.clone(), loader("v2")).await?[..], b"v1");
+    assert_eq!(loads.load(Ordering::SeqCst), 1);
+    // After it: the hit returns the current value at once and one refresh starts; the
+    // hits while it runs (its loader waits at the gate) start no other.
+    clock.advance(Duration::from_millis(1));
+    let gate = Arc::new(Notify::new());
+    for _ in 0..20 {
+        let (loads, gate) = (loads.clone(), gate.clone());
+        let gated = move || async move {
+            loads.fetch_add(1, Ordering::SeqCst);
+            gate.notified().await;
+            Ok::<_, std::io::Error>("v2")
+        };
+        assert_eq!(&cache.fetch("k", options.clone(), gated).await?[..], b"v1");
+    }
+    gate.notify_one();
+    eventually(5 * SEC, async || Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))).await?;
+    assert_eq!(loads.load(Ordering::SeqCst), 2, "one refresh");
+    assert_eq!(cache.metrics().refreshes, 1);
+    // A refresh that fails leaves the current value in place.
+    clock.advance(Duration::from_secs(6));
+    let failing = || async { Err::<&str, _>(std::io::Error::other("database down")) };
+    assert_eq!(&cache.fetch("k", options.clone(), failing).await?[..], b"v2");
+    eventually(5 * SEC, async || Ok(cache.flights_in_progress() == 0)).await?;
+    assert_eq!(cache.get("k").await?.as_deref(), Some(&b"v2"[..]));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_refresh_runs_once_across_four_caches_on_one_redis() -> Result<()> {
+    let server = RedisServer::start()?;
+    let clock = ManualClock::starting_now();
+    let caches: Vec<Corral> = (0..4)
+        .map(|_| Corral::builder().clock(clock.clone()).redis(server.url()).build())
+        .collect::<corral::Result<_>>()?;
+    let loads = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(Notify::new());
+    let options = LoadOptions::relative(Duration::from_secs(10)).eager_refresh(0.5);
+    let first = caches[0]
+        .fetch("k", options.clone(), || async { Ok::<_, std::io::Error>("v1") })
+        .await?;
+    assert_eq!(&first[..], b"v1");
+    for cache in &caches[1..] {
+        assert_eq!(
+            &cache
+                .fetch("k", options.clone(), || async { Ok::<_, std::io::Error>("never") })
+                .await?[..],
+            b"v1"
+        );
+    }
+    clock.advance(Duration::from_secs(6));
+    // Every cache hits the due entry; each starts a refresh, whose loader waits at the
+    // gate, so all four are in flight together: only one may get the lock and load.
+    for cache in &caches {
+        let (loads, gate) = (loads.clone(), gate.clone());
+        let value = cache
+            .fetch("k", options.clone(), move || async move {
+                loads.fetch_add(1, Ordering::SeqCst);
+                gate.notified().await;
+                Ok::<_, std::io::Error>("v2")
+            })
+            .await?;
+        assert_eq!(&value[..], b"v1", "the current value, at once");
+    }
+    eventually(5 * SEC, async || {
+        Ok(caches.iter().map(Corral::flights_in_progress).sum::<usize>() <= 1)
+    })
+    .await?;
+    gate.notify_waiters();
+    gate.notify_one();
+    for cache in &caches {
+        eventually(5 * SEC, async || Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))).await?;
+    }
+    assert_eq!(loads.load(Ordering::SeqCst), 1, "one refresh across four caches");
+    let refreshes: u64 = caches.iter().map(|c| c.metrics().refreshes).sum();
+    assert_eq!(refreshes, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expire_reaches_the_other_processes_and_keeps_the_stale_copy() -> Result<()> {
+    let server = RedisServer::start()?;
+    let a = Corral::builder().redis(server.url()).build()?;
+    let b = Corral::builder().redis(server.url()).build()?;
+    let options = EntryOptions::new()
+        .relative(Duration::from_secs(600))
+        .fail_safe(Duration::from_secs(600));
+    a.set("k", "v1", options).await?;
+    assert_eq!(b.get("k").await?.as_deref(), Some(&b"v1"[..]), "in b's L1 now");
+    assert!(a.expire("k").await?);
+    // b drops its L1 copy on a's announcement.
+    eventually(5 * SEC, async || Ok(b.get("k").await?.is_none())).await?;
+    let served = b
+        .get_or_set_served("k", LoadOptions::new().entry(options), || async {
+            Err::<&str, _>(std::io::Error::other("database down"))
+        })
+        .await?;
+    assert_eq!((&served.value[..], served.stale), (&b"v1"[..], true));
+    assert_eq!(a.metrics().expires, 1);
+    Ok(())
+}
