@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use corral::{Corral, EntryOptions, ErrorKind, LoadOptions, ManualClock};
+use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions, ManualClock};
 use corral_tests::RedisServer;
 use tokio::sync::{Notify, oneshot};
 
@@ -272,5 +272,69 @@ async fn expire_reaches_the_other_processes_and_keeps_the_stale_copy() -> Result
         .await?;
     assert_eq!((&served.value[..], served.stale), (&b"v1"[..], true));
     assert_eq!(a.metrics().expires, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_refresh_runs_once_across_four_processes() -> Result<()> {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Command, Stdio};
+
+    let server = RedisServer::start()?;
+    let prefix = format!("refresh-{}:", std::process::id());
+    let seeded_at = corral::SystemClock.now_ms();
+    let at = |clock_ms: u64| -> Result<Corral> {
+        let mut options = corral::RedisOptions::new(server.url());
+        options.prefix = prefix.clone();
+        Ok(Corral::builder()
+            .clock(ManualClock::new(clock_ms))
+            .redis_options(options)
+            .build()?)
+    };
+    let options = LoadOptions::relative(Duration::from_secs(60)).eager_refresh(0.5);
+    let seeded = at(seeded_at)?
+        .fetch("k", options, || async { Ok::<_, std::io::Error>("v1") })
+        .await?;
+    assert_eq!(&seeded[..], b"v1");
+    // Forty seconds on, past half of the minute: due for a refresh.
+    let now = seeded_at + 40_000;
+    let mut children = Vec::new();
+    for _ in 0..4 {
+        children.push(
+            Command::new(env!("CARGO_BIN_EXE_refresh_probe"))
+                .args([server.url().as_str(), prefix.as_str(), now.to_string().as_str()])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("spawning refresh_probe")?,
+        );
+    }
+    // A barrier, not a sleep: each says "ready" once connected, then all go at once.
+    for child in &mut children {
+        let mut line = String::new();
+        BufReader::new(child.stderr.as_mut().context("piped")?).read_line(&mut line)?;
+        ensure!(line.trim() == "ready", "{line}");
+    }
+    for child in &mut children {
+        writeln!(child.stdin.as_mut().context("piped")?, "go")?;
+    }
+    let (mut loads, mut refreshes, mut old) = (0, 0, 0);
+    for child in children {
+        let out = child.wait_with_output()?;
+        ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        loads += report["loads"].as_u64().context("loads")?;
+        refreshes += report["refreshes"].as_u64().context("refreshes")?;
+        // Each got the current value at once: v1, or v2 if the refresh had landed.
+        match report["returned"].as_str() {
+            Some("v1") => old += 1,
+            Some("v2") => {}
+            other => anyhow::bail!("returned {other:?}"),
+        }
+    }
+    println!("4 processes, due entry: {loads} load(s), {refreshes} refresh(es), {old} served the current value while it ran");
+    assert_eq!((loads, refreshes), (1, 1), "one refresh across four processes");
+    assert_eq!(at(now)?.get("k").await?.as_deref(), Some(&b"v2"[..]));
     Ok(())
 }
