@@ -148,6 +148,10 @@ impl wit::Guest for Component {
         limits(l).check().map_err(arg_error)
     }
 
+    fn check_settings(s: types::Settings) -> Result<(), types::Error> {
+        settings_in(s).check().map_err(arg_error)
+    }
+
     fn validate_key(key: String, l: types::Limits) -> Result<(), types::Error> {
         corral_core::key::validate(&key, &limits(l)).map_err(arg_error)
     }
@@ -178,17 +182,18 @@ impl wit::Guest for Component {
 
     fn expire(head: Vec<u8>, total_len: u64, now_ms: u64, l: types::Limits) -> wit::ExpirePlan {
         match policy::expire(&head, total_len, now_ms, &limits(l)) {
-            policy::Expire::Nothing => wit::ExpirePlan::Nothing,
             policy::Expire::Rewrite {
+                was_fresh,
                 header,
                 store_ttl_ms,
                 value_offset,
             } => wit::ExpirePlan::Rewrite(wit::ExpireRewrite {
+                was_fresh,
                 header: header.to_vec(),
                 store_ttl_ms,
                 value_offset: value_offset as u32,
             }),
-            policy::Expire::Remove => wit::ExpirePlan::Remove,
+            policy::Expire::Remove { was_fresh } => wit::ExpirePlan::Remove(was_fresh),
         }
     }
 
@@ -402,7 +407,8 @@ mod flight {
                 until_ms,
                 soft_until_ms,
             }),
-            Action::AnswerStale => wit::Action::AnswerStale,
+            Action::AnswerStale { l1_until_ms } => wit::Action::AnswerStale(l1_until_ms),
+            Action::KeepLoading => wit::Action::KeepLoading,
             Action::WriteL2 { header, store_ttl_ms } => wit::Action::WriteL2(wit::Write {
                 header: header.to_vec(),
                 store_ttl_ms,

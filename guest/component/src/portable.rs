@@ -161,7 +161,7 @@ fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
 impl wcache::Guest for Component {
     fn configure(s: types::Settings, prefix: String) -> Result<(), types::Error> {
         let s = settings_in(s);
-        s.limits.check().map_err(arg_error)?;
+        s.check().map_err(arg_error)?;
         *SETTINGS.lock().unwrap_or_else(|e| e.into_inner()) = s;
         *PREFIX.lock().unwrap_or_else(|e| e.into_inner()) = prefix;
         Ok(())
@@ -214,27 +214,33 @@ impl wcache::Guest for Component {
         let settings = settings();
         let names = locate(&key, &settings.limits)?;
         l1::delete(&key);
-        let Some(stored) = l2::get(&names.entry)? else {
-            return Ok(false);
+        let remove = |was_fresh: bool| {
+            let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
+            l2::set(&names.entry, &tombstone, ttl_ms)?;
+            Ok(was_fresh)
         };
-        match policy::expire(&stored, stored.len() as u64, now_ms(), &settings.limits) {
-            policy::Expire::Nothing => Ok(false),
-            policy::Expire::Rewrite {
-                header,
-                store_ttl_ms,
-                value_offset,
-            } => {
-                let mut expired = header.to_vec();
-                expired.extend_from_slice(&stored[value_offset..]);
-                l2::replace_if_equal(&names.entry, &stored, &expired, store_ttl_ms)?;
-                Ok(true)
-            }
-            policy::Expire::Remove => {
-                let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
-                l2::set(&names.entry, &tombstone, ttl_ms)?;
-                Ok(true)
+        // A few tries over what a concurrent writer leaves; then a removal, which wins.
+        for _ in 0..3 {
+            let Some(stored) = l2::get(&names.entry)? else {
+                return remove(false);
+            };
+            match policy::expire(&stored, stored.len() as u64, now_ms(), &settings.limits) {
+                policy::Expire::Rewrite {
+                    was_fresh,
+                    header,
+                    store_ttl_ms,
+                    value_offset,
+                } => {
+                    let mut expired = header.to_vec();
+                    expired.extend_from_slice(&stored[value_offset..]);
+                    if l2::replace_if_equal(&names.entry, &stored, &expired, store_ttl_ms)? {
+                        return Ok(was_fresh);
+                    }
+                }
+                policy::Expire::Remove { was_fresh } => return remove(was_fresh),
             }
         }
+        remove(false)
     }
 
     fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
@@ -331,7 +337,7 @@ fn fly(
             // The loader import cannot be stopped from here: it answers when it does,
             // and the machine judges an answer past the hard timeout a timeout.
             // It never reports `load-slow`, so it is never asked to answer early.
-            Action::AnswerStale => {
+            Action::AnswerStale { .. } | Action::KeepLoading => {
                 return Err(types::Error::Other(
                     "the flight asked for an early answer it was never offered".to_string(),
                 ));

@@ -91,6 +91,20 @@ pub fn refresh_at(meta: &EntryMeta, options: &EntryOptions, permille: Option<u32
     Some(end.saturating_sub(left))
 }
 
+/// Checks an eager refresh fraction, in thousandths: strictly between 0 and 1000.
+///
+/// # Errors
+/// An [`ArgError`] naming `eager_refresh`.
+pub fn check_eager_refresh(permille: u32) -> Result<(), ArgError> {
+    if (1..1000).contains(&permille) {
+        return Ok(());
+    }
+    Err(ArgError::new(
+        crate::Arg::EagerRefresh,
+        format!("must be a fraction strictly between 0 and 1 of the freshness (say 0.8), not {permille}/1000"),
+    ))
+}
+
 /// Where a flight stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -235,10 +249,17 @@ pub enum Action {
         /// loader still runs then, report [`Event::LoadSlow`] and keep it running.
         soft_until_ms: Option<u64>,
     },
-    /// Soft timeout: hand the stale copy to every caller now, keep the load running in
-    /// the background, and report its result as usual; the flight's finish then fills
-    /// the tiers for later callers.
-    AnswerStale,
+    /// Soft timeout: hand the stale copy to every caller now and fill L1 with it until
+    /// `l1_until_ms` (marked stale: the callers that come while the load runs get it
+    /// too), keep the load running in the background, and report its result as usual;
+    /// the flight's finish then fills the tiers.
+    AnswerStale {
+        /// Fill L1 with the stale copy until this moment.
+        l1_until_ms: Option<u64>,
+    },
+    /// Soft timeout, but the stale copy's window ended meanwhile: answer nobody early;
+    /// keep the load running and report its result as usual.
+    KeepLoading,
     /// Write the header followed by the value to L2 with this TTL, then report
     /// [`Event::L2Written`] or [`Event::L2WriteFailed`].
     WriteL2 {
@@ -309,13 +330,8 @@ impl Flight {
     ) -> Result<(Flight, Action), ArgError> {
         key::validate(key, limits)?;
         expiry::plan(&options, now_ms, limits)?;
-        if let Some(p) = config.eager_refresh_permille
-            && !(1..1000).contains(&p)
-        {
-            return Err(ArgError::new(
-                crate::Arg::EagerRefresh,
-                format!("must be a fraction strictly between 0 and 1 of the freshness, not {p}/1000"),
-            ));
+        if let Some(p) = config.eager_refresh_permille {
+            check_eager_refresh(p)?;
         }
         let mut flight = Flight {
             phase: Phase::Reading,
@@ -356,6 +372,12 @@ impl Flight {
                 self.stale = Some(meta);
                 E::L2Miss
             }
+            // The latest read found no stale copy: the one an earlier read found was
+            // removed, replaced or lapsed meanwhile, and is not served (contract §6b.1).
+            (P::Reading | P::DoubleChecking | P::Waiting, E::L2Miss) => {
+                self.stale = None;
+                E::L2Miss
+            }
             // A load that answered past its hard timeout timed out all the same.
             (P::Loading, E::Loaded { .. } | E::LoadFailed)
                 if self.load_until_ms.is_some_and(|until| now_ms >= until) =>
@@ -382,6 +404,11 @@ impl Flight {
                     );
                 }
                 (P::DoubleChecking, E::L2Hit(_)) => return self.load(now_ms),
+                // Gone (removed, expired) or unreadable since the hit: a refresh never
+                // brings back what was invalidated, nor writes without a fence.
+                (P::DoubleChecking, E::L2Miss | E::L2Failed) => {
+                    return self.finish(Outcome::Skipped, self.locked, None);
+                }
                 // A failed refresh leaves the current value in place.
                 (P::Loading, E::LoadFailed | E::LoadTimedOut) => {
                     return self.finish(Outcome::LoaderFailed, self.locked, None);
@@ -390,10 +417,14 @@ impl Flight {
             }
         }
         match (self.phase, event) {
-            (P::Loading, E::LoadSlow) if self.stale.is_some() && !self.answered => {
-                self.answered = true;
-                Action::AnswerStale
-            }
+            (P::Loading, E::LoadSlow) if !self.answered => match self.stale_l1_until(now_ms) {
+                Some(l1_until_ms) => {
+                    self.answered = true;
+                    Action::AnswerStale { l1_until_ms }
+                }
+                // Past its window by now: nothing to answer with; the load goes on.
+                None => Action::KeepLoading,
+            },
             (P::Reading | P::DoubleChecking | P::Waiting, E::L2Hit(meta)) => {
                 let after_wait = self.waited;
                 // A double-check hit holds the lock: release it.
@@ -568,12 +599,18 @@ impl Flight {
     /// and still within its window, re-armed in L1 for the throttle (never past its
     /// window) so the loader is not hammered; the lock, if held, is released.
     fn serve_stale(&mut self, cause: StaleCause, now_ms: u64) -> Option<Action> {
+        let l1 = self.stale_l1_until(now_ms)?;
+        Some(self.finish(Outcome::Stale(cause), self.locked, l1))
+    }
+
+    /// The known stale copy, if still within its window at `now_ms`: until when L1 may
+    /// serve it (the throttle, never past the window; `None` inside: not at all).
+    fn stale_l1_until(&self, now_ms: u64) -> Option<Option<u64>> {
         let stale = self.stale.filter(|m| now_ms < m.gone_at_ms())?;
         let until = now_ms
             .saturating_add(self.config.fail_safe_throttle_ms)
             .min(stale.gone_at_ms());
-        let l1 = (until > now_ms).then_some(until);
-        Some(self.finish(Outcome::Stale(cause), self.locked, l1))
+        Some((until > now_ms).then_some(until))
     }
 
     fn finish(&mut self, outcome: Outcome, release: bool, l1_until_ms: Option<u64>) -> Action {
@@ -676,7 +713,7 @@ mod tests {
                         }
                         return (action, flight);
                     }
-                    Action::AnswerStale => panic!("no soft timeout in this world"),
+                    Action::AnswerStale { .. } | Action::KeepLoading => panic!("no soft timeout in this world"),
                     Action::ReadL2 => {
                         self.land_if_due();
                         match (self.redis_up, self.l2) {
@@ -906,7 +943,12 @@ mod tests {
                 soft_until_ms: Some(NOW + 100)
             }
         );
-        assert_eq!(actions[4], Action::AnswerStale);
+        assert_eq!(
+            actions[4],
+            Action::AnswerStale {
+                l1_until_ms: Some(NOW + 100 + config.fail_safe_throttle_ms)
+            }
+        );
         assert!(matches!(actions[5], Action::WriteL2 { .. }), "the late value is written");
         let (outcome, release, notify, l1) = finish(&actions[6]);
         assert_eq!(outcome, Outcome::Loaded { cached: true });

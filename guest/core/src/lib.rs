@@ -70,7 +70,7 @@ impl Limits {
         if self.max_value_bytes == 0 {
             return bad("max value bytes must be positive");
         }
-        if self.max_value_bytes > u32::MAX - envelope::HEADER_LEN as u32 {
+        if self.max_value_bytes > u32::MAX - envelope::MAX_HEADER_LEN as u32 {
             return bad("max value bytes leaves no room for the envelope header");
         }
         if self.default_sliding_ms == 0 {
@@ -138,6 +138,19 @@ impl Settings {
         soft_timeout_ms: None,
         eager_refresh_permille: None,
     };
+
+    /// Checks the settings: the limits (as [`Limits::check`]) and the eager refresh
+    /// fraction, which must lie strictly between 0 and 1000 thousandths.
+    ///
+    /// # Errors
+    /// An [`ArgError`] naming `limits` or `eager_refresh`.
+    pub fn check(&self) -> Result<(), ArgError> {
+        self.limits.check()?;
+        if let Some(p) = self.eager_refresh_permille {
+            flight::check_eager_refresh(p)?;
+        }
+        Ok(())
+    }
 
     /// The flight configuration these settings give a get-or-set.
     pub fn flight(&self, bypass: bool) -> flight::FlightConfig {

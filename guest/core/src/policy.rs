@@ -145,14 +145,17 @@ pub enum ReadOutcome {
     Corrupt(crate::Corruption),
 }
 
-/// What a soft invalidation (`expire`, contract §6b.4) of stored bytes does.
+/// What a soft invalidation (`expire`, contract §6b.4) of stored bytes does. It always
+/// changes the bytes, so a load that began before it cannot fill over it (fenced fills,
+/// §5.12).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Expire {
-    /// Nothing to do: missing, removed, expired, corrupt or already stale.
-    Nothing,
     /// The entry keeps a stale window: put this header in place of the old one (only
-    /// over the very bytes read), with this store TTL. It is stale from now on.
+    /// over the very bytes read), with this store TTL. It is stale from now on, its
+    /// window ending where it did.
     Rewrite {
+        /// Whether it was fresh (else it was stale already).
+        was_fresh: bool,
         /// The new header: expiring now.
         header: Header,
         /// The store TTL: until its stale window ends.
@@ -160,38 +163,59 @@ pub enum Expire {
         /// Where the value starts in the bytes read (it follows the new header).
         value_offset: usize,
     },
-    /// The entry has no stale window: remove it, as a removal does.
-    Remove,
+    /// Nothing to keep (no stale window, or removed, expired, corrupt): remove it, as a
+    /// removal does (its tombstone refuses older fills). `was_fresh` says whether it was
+    /// a fresh entry.
+    Remove {
+        /// Whether it was fresh.
+        was_fresh: bool,
+    },
 }
 
-/// Soft invalidation of stored bytes at `now_ms`: a fresh entry with a stale window
-/// becomes stale now (kept for fail-safe until its window ends); one without is removed.
+/// Soft invalidation of stored bytes at `now_ms`: an entry with a stale window, fresh or
+/// stale, is stale from now (kept for fail-safe until its window ends, where it ended);
+/// anything else is removed. Missing bytes are removed too (by the body): a load that
+/// began before cannot fill over it.
 pub fn expire(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits) -> Expire {
+    let gone = Expire::Remove { was_fresh: false };
     if envelope::is_tombstone(head, total_len) {
-        return Expire::Nothing;
+        return gone;
     }
     let Ok(decoded) = envelope::decode_header(head, total_len, limits) else {
-        return Expire::Nothing;
+        return gone;
     };
     let meta = decoded.meta;
-    let fresh = match decoded.keeper {
-        Keeper::Envelope => matches!(expiry::check(&meta, now_ms), Freshness::Fresh { .. }),
-        Keeper::Store => !meta.absolute_ms.is_some_and(|a| now_ms >= a),
+    let freshness = match decoded.keeper {
+        Keeper::Envelope => expiry::check(&meta, now_ms),
+        Keeper::Store if meta.absolute_ms.is_some_and(|a| now_ms >= a) => Freshness::Expired,
+        Keeper::Store => Freshness::Fresh { meta, moved: false },
     };
-    if !fresh {
-        return Expire::Nothing;
-    }
+    let was_fresh = match freshness {
+        Freshness::Expired => return gone,
+        Freshness::Stale => false,
+        Freshness::Fresh { .. } => true,
+    };
     if meta.stale_ms.is_none() {
-        return Expire::Remove;
+        return Expire::Remove { was_fresh };
     }
+    let gone_at = meta.gone_at_ms();
     let meta = EntryMeta {
         expires_at_ms: now_ms,
+        stale_ms: Some(gone_at.saturating_sub(now_ms).max(1)),
         ..meta
     };
     Expire::Rewrite {
+        was_fresh,
         header: envelope::encode_header(&meta, decoded.value_len as u64, Keeper::Envelope),
         store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
         value_offset: decoded.value_offset,
+    }
+}
+
+impl ReadOutcome {
+    /// Whether the read found a stale copy.
+    pub fn is_stale(&self) -> bool {
+        matches!(self, ReadOutcome::Stale(_))
     }
 }
 
@@ -340,6 +364,7 @@ mod tests {
         let bytes = stored_with(&fail_safe(60_000, 5_000), b"v");
         let len = bytes.len() as u64;
         let Expire::Rewrite {
+            was_fresh,
             header,
             store_ttl_ms,
             value_offset,
@@ -347,23 +372,34 @@ mod tests {
         else {
             panic!("expected a rewrite");
         };
-        assert_eq!(store_ttl_ms, 5_000 + expiry::STORE_TTL_GRACE_MS);
+        assert!(was_fresh);
+        // Stale from now; the window still ends where it did (60 s + 5 s after the set).
+        assert_eq!(store_ttl_ms, 65_000 - 10 + expiry::STORE_TTL_GRACE_MS);
         let after = [header.as_bytes(), &bytes[value_offset..]].concat();
         assert_eq!(after.len(), bytes.len());
         assert!(matches!(read(&after, len, NOW + 10, &l, None), ReadOutcome::Stale(_)));
-        // Already stale: nothing more to do.
-        assert_eq!(expire(&after, len, NOW + 10, &l), Expire::Nothing);
-        let plain = stored_with(&fail_safe(60_000, 1), b"v");
+        // Already stale: the bytes change all the same (a load that read them cannot fill
+        // over the expire), and the window still ends where it did.
+        let Expire::Rewrite { was_fresh, header, .. } = expire(&after, len, NOW + 20, &l) else {
+            panic!("expected a rewrite");
+        };
+        assert!(!was_fresh);
+        let again = [header.as_bytes(), &bytes[value_offset..]].concat();
+        assert_ne!(again, after);
+        assert_eq!(read(&again, len, NOW + 60_000 + 5_000 - 1, &l, None).is_stale(), true);
+        assert_eq!(read(&again, len, NOW + 65_000, &l, None), ReadOutcome::Expired);
         let plain_opts = EntryOptions {
             max_stale_ms: None,
             ..fail_safe(60_000, 1)
         };
         let plain_bytes = stored_with(&plain_opts, b"v");
-        assert_eq!(expire(&plain_bytes, plain_bytes.len() as u64, NOW, &l), Expire::Remove);
-        assert!(matches!(expire(&plain, plain.len() as u64, NOW, &l), Expire::Rewrite { .. }));
+        assert_eq!(
+            expire(&plain_bytes, plain_bytes.len() as u64, NOW, &l),
+            Expire::Remove { was_fresh: true }
+        );
         let (tomb, _) = removal(30_000, b"n");
-        assert_eq!(expire(&tomb, tomb.len() as u64, NOW, &l), Expire::Nothing);
-        assert_eq!(expire(b"junk", 4, NOW, &l), Expire::Nothing);
+        assert_eq!(expire(&tomb, tomb.len() as u64, NOW, &l), Expire::Remove { was_fresh: false });
+        assert_eq!(expire(b"junk", 4, NOW, &l), Expire::Remove { was_fresh: false });
     }
 
     #[test]

@@ -85,6 +85,7 @@ impl Overrides {
         s.hard_timeout_ms = self.hard_timeout_ms.or(s.hard_timeout_ms);
         s.soft_timeout_ms = self.soft_timeout_ms.or(s.soft_timeout_ms);
         s.eager_refresh_permille = self.eager_refresh_permille.or(s.eager_refresh_permille);
+        crate::guest::policy::check_settings(s)?;
         Ok(s)
     }
 }

@@ -119,6 +119,9 @@ impl Corral {
         let now = self.inner.clock.now_ms();
         if let Some((value, stale)) = self.inner.l1.get_served(key, now) {
             Metrics::bump(&self.inner.metrics.l1_hits);
+            if stale {
+                Metrics::bump(&self.inner.metrics.stale_served);
+            }
             return Ok(Served { value, stale });
         }
         match self.inner.registry.lead_or_follow(key).await {
@@ -205,6 +208,9 @@ impl Corral {
         let now = self.inner.clock.now_ms();
         if let Some(entry) = self.inner.l1.get_entry(key, now) {
             Metrics::bump(&self.inner.metrics.l1_hits);
+            if entry.stale {
+                Metrics::bump(&self.inner.metrics.stale_served);
+            }
             if entry.refresh_at_ms.is_some_and(|at| now >= at) {
                 self.inner.l1.disarm_refresh(key);
                 self.refresh_in_background(key, &options, loader, None);
@@ -408,6 +414,8 @@ impl Corral {
                         }
                         Ok(L2Read::Miss { holds }) => {
                             fence = Some(holds);
+                            // The copy an earlier read found is gone: never served.
+                            stale = None;
                             Event::L2Miss
                         }
                         Ok(L2Read::Stale { value: copy, meta, holds }) => {
@@ -500,10 +508,22 @@ impl Corral {
                                 let (state, next) = inner.policy.flight_step(held.state, Event::LoadSlow, now)?;
                                 held.state = state;
                                 trace_action(&next);
-                                if let Action::AnswerStale = next {
+                                if let Action::AnswerStale(l1_until_ms) = next {
                                     Metrics::bump(&inner.metrics.soft_timeouts);
+                                    Metrics::bump(&inner.metrics.stale_served);
+                                    let copy = stale.clone().unwrap_or_default();
+                                    // Callers that come while the load runs get it from L1.
+                                    if let Some(until_ms) = l1_until_ms {
+                                        let entry = L1Entry {
+                                            value: copy.clone(),
+                                            until_ms,
+                                            stale: true,
+                                            refresh_at_ms: None,
+                                        };
+                                        inner.l1.fill_entry(key, entry, l1_ticket);
+                                    }
                                     let served = Ok(Served {
-                                        value: stale.clone().unwrap_or_default(),
+                                        value: copy,
                                         stale: true,
                                     });
                                     if let Some(guard) = followers.take() {
@@ -548,7 +568,7 @@ impl Corral {
                     }
                 }
                 // Only ever the answer to `load-slow`, handled above.
-                Action::AnswerStale => {
+                Action::AnswerStale(_) | Action::KeepLoading => {
                     return Err(Error::guest("the flight answered early out of turn", "broken contract"));
                 }
                 Action::WriteL2(write) => {

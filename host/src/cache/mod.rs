@@ -286,26 +286,43 @@ impl Corral {
         let entry = self.entry_of(key)?;
         self.inner.l1.remove(key);
         let entries = &self.inner.stores.entries;
-        let Some(stored) = self.l2_op(entries.get(&entry)).await? else {
-            return Ok(false);
-        };
-        let now = self.inner.clock.now_ms();
-        let expired = match self.inner.policy.expire(&stored, now)? {
-            ExpirePlan::Nothing => false,
-            ExpirePlan::Remove => return self.remove(key).await,
-            ExpirePlan::Rewrite(plan) => {
-                let mut bytes = Vec::with_capacity(stored.len());
-                bytes.extend_from_slice(&plan.header);
-                bytes.extend_from_slice(&stored[plan.value_offset as usize..]);
-                // Only over the very bytes read: a newer write wins.
-                self.l2_op(entries.replace_if_equal(&entry, stored, bytes.into(), plan.store_ttl_ms))
-                    .await?
+        // The bytes always change (a stale rewrite, or a removal's tombstone), so a load
+        // that began before this cannot fill over it (§5.12). A rewrite goes only over
+        // the very bytes read; after a few tries over a concurrent writer, a removal.
+        let mut expired = None;
+        for _ in 0..3 {
+            let Some(stored) = self.l2_op(entries.get(&entry)).await? else {
+                break;
+            };
+            let now = self.inner.clock.now_ms();
+            match self.inner.policy.expire(&stored, now)? {
+                ExpirePlan::Remove(was_fresh) => {
+                    self.remove(key).await?;
+                    Metrics::bump(&self.inner.metrics.expires);
+                    return Ok(was_fresh);
+                }
+                ExpirePlan::Rewrite(plan) => {
+                    let mut bytes = Vec::with_capacity(stored.len());
+                    bytes.extend_from_slice(&plan.header);
+                    bytes.extend_from_slice(&stored[plan.value_offset as usize..]);
+                    let swapped = entries.replace_if_equal(&entry, stored, bytes.into(), plan.store_ttl_ms);
+                    if self.l2_op(swapped).await? {
+                        expired = Some(plan.was_fresh);
+                        break;
+                    }
+                }
             }
+        }
+        let Some(was_fresh) = expired else {
+            // Missing, or rewritten under us each time: a removal (a tombstone) wins.
+            self.remove(key).await?;
+            Metrics::bump(&self.inner.metrics.expires);
+            return Ok(false);
         };
         self.inner.l1.remove(key);
         Metrics::bump(&self.inner.metrics.expires);
         self.announce_change(key).await;
-        Ok(expired)
+        Ok(was_fresh)
     }
 
     /// The value under `key`, fresh or, failing that, a stale copy kept for fail-safe

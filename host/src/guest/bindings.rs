@@ -4,7 +4,7 @@
 //! get-or-set whose caller went away traps out of its call through it (contract §5.11).
 
 wasmtime::component::bindgen!({
-    path: "../wit",
+    path: "wit",
     world: "corral:guest/guest",
     additional_derives: [PartialEq, Eq],
     imports: {

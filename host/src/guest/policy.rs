@@ -40,6 +40,17 @@ pub(crate) fn defaults() -> Result<Settings> {
     Ok(*DEFAULTS.get_or_init(|| d))
 }
 
+/// Checks settings with the guest (limits, the eager refresh fraction).
+pub(crate) fn check_settings(settings: Settings) -> Result<()> {
+    let loaded = loaded()?;
+    let mut slot = instantiate(loaded, &loaded.policy_pre, PolicyState::new())?;
+    slot.guest
+        .corral_cache_policy()
+        .call_check_settings(&mut slot.store, settings)
+        .map_err(trap)?
+        .map_err(from_wit)
+}
+
 /// A handle to the guest's cache decisions. Cheap to clone.
 #[derive(Clone)]
 pub struct Policy {

@@ -338,3 +338,134 @@ async fn eager_refresh_runs_once_across_four_processes() -> Result<()> {
     assert_eq!(at(now)?.get("k").await?.as_deref(), Some(&b"v2"[..]));
     Ok(())
 }
+
+/// Caches sharing one in-memory store under one prefix: processes, as far as the
+/// contract goes (each has its own L1 and registry).
+fn sharing(clock: &ManualClock, store: &corral::store::memory::MemoryStore) -> Result<Corral> {
+    Ok(Corral::builder()
+        .clock(clock.clone())
+        .stores("p:", Arc::new(store.clone()), Arc::new(store.clone()), Arc::new(store.clone()))
+        .build()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_while_a_flight_waits_is_never_undone_by_its_stale_copy() -> Result<()> {
+    let clock = ManualClock::starting_now();
+    let store = corral::store::memory::MemoryStore::new(Arc::new(clock.clone()), 60_000);
+    let (a, b, c) = (sharing(&clock, &store)?, sharing(&clock, &store)?, sharing(&clock, &store)?);
+    let options = LoadOptions::relative(SEC).fail_safe(Duration::from_secs(600));
+    a.get_or_set("k", options.clone(), || async { Ok::<_, std::io::Error>("secret-v1") })
+        .await?;
+    clock.advance(2 * SEC);
+    // B takes the lock and loads forever.
+    let (entered_tx, entered_rx) = oneshot::channel();
+    let holder = {
+        let (b, options) = (b.clone(), options.clone());
+        tokio::spawn(async move {
+            b.get_or_set("k", options, || async move {
+                let _ = entered_tx.send(());
+                std::future::pending::<()>().await;
+                Ok::<_, std::io::Error>("never")
+            })
+            .await
+        })
+    };
+    entered_rx.await?;
+    // A reads the stale copy and waits for B's lock.
+    let waiter = {
+        let (a, options) = (a.clone(), options.clone());
+        tokio::spawn(async move {
+            a.get_or_set_served("k", options, || async { Ok::<_, std::io::Error>("reloaded") })
+                .await
+        })
+    };
+    eventually(5 * SEC, async || Ok(a.metrics().lock_waits == 1)).await?;
+    // The key is removed; then A's lock wait ends.
+    c.remove("k").await?;
+    clock.advance(10 * SEC);
+    let served = waiter.await??;
+    assert_ne!(&served.value[..], b"secret-v1", "a removed value was served");
+    let after = a
+        .get_or_set_served("k", options, || async { Ok::<_, std::io::Error>("reloaded") })
+        .await?;
+    assert_ne!(&after.value[..], b"secret-v1", "a removed value came back");
+    assert!(a.get_stale("k").await?.is_none_or(|s| &s.value[..] != b"secret-v1"));
+    holder.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expire_while_a_load_runs_refuses_its_fill_as_a_removal_does() -> Result<()> {
+    let clock = ManualClock::starting_now();
+    let store = corral::store::memory::MemoryStore::new(Arc::new(clock.clone()), 60_000);
+    let (a, c) = (sharing(&clock, &store)?, sharing(&clock, &store)?);
+    let options = LoadOptions::relative(10 * SEC).fail_safe(Duration::from_secs(600));
+    for already in ["missing", "stale"] {
+        let key = format!("k-{already}");
+        if already == "stale" {
+            a.get_or_set(&key, options.clone(), || async { Ok::<_, std::io::Error>("v0") })
+                .await?;
+            clock.advance(11 * SEC);
+        }
+        let (entered_tx, entered_rx) = oneshot::channel();
+        let (go_tx, go_rx) = oneshot::channel::<()>();
+        let load = {
+            let (a, options, key) = (a.clone(), options.clone(), key.clone());
+            tokio::spawn(async move {
+                a.get_or_set(&key, options, || async move {
+                    let _ = entered_tx.send(());
+                    let _ = go_rx.await;
+                    Ok::<_, std::io::Error>("read before the invalidation")
+                })
+                .await
+            })
+        };
+        entered_rx.await?;
+        c.expire(&key).await?;
+        go_tx.send(()).ok();
+        load.await??;
+        assert_eq!(c.get(&key).await?, None, "{already}: the load's fill beat the expire");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_arriving_during_a_soft_timed_out_load_get_the_stale_copy_from_l1() -> Result<()> {
+    let clock = ManualClock::starting_now();
+    let cache = memory_cache(&clock)?;
+    let options = LoadOptions::relative(SEC)
+        .fail_safe(Duration::from_secs(60))
+        .soft_timeout(Duration::from_millis(20));
+    cache
+        .fetch("k", options.clone(), || async { Ok::<_, std::io::Error>("v1") })
+        .await?;
+    clock.advance(2 * SEC);
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let first = cache
+        .fetch_served("k", options.clone(), || async move {
+            let _ = go_rx.await;
+            Ok::<_, std::io::Error>("v2")
+        })
+        .await?;
+    assert!(first.stale);
+    let before = cache.metrics();
+    let second = cache
+        .fetch_served("k", options.clone(), || async { Ok::<_, std::io::Error>("v3") })
+        .await?;
+    let after = cache.metrics();
+    assert_eq!((&second.value[..], second.stale), (&b"v1"[..], true));
+    assert_eq!(after.l1_hits - before.l1_hits, 1, "served from L1, no lock wait: {after:?}");
+    assert_eq!((after.lock_waits, after.stale_served - before.stale_served), (0, 1));
+    go_tx.send(()).ok();
+    eventually(5 * SEC, async || Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_eager_refresh_is_refused_when_the_cache_is_built() -> Result<()> {
+    for bad in [0.0, 1.0, 2.0, f64::NAN, f64::INFINITY] {
+        let err = Corral::builder().eager_refresh(bad).build().unwrap_err();
+        assert_eq!(err.argument(), Some("eager_refresh"), "{bad}: {err}");
+    }
+    Ok(())
+}
