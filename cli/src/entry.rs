@@ -86,7 +86,12 @@ fn inspection_table(cache: &Corral, key: &str, i: &corral::Inspection) -> Table 
         .load_preset(comfy_table::presets::UTF8_BORDERS_ONLY)
         .set_header(["field", "value"]);
     table.add_row(["key", key]);
-    table.add_row(["state", if i.fresh { "fresh" } else { "expired" }]);
+    let state = match (i.fresh, i.stale) {
+        (true, _) => "fresh",
+        (false, true) => "stale (kept for fail-safe)",
+        (false, false) => "expired",
+    };
+    table.add_row(["state", state]);
     table.add_row(["value bytes".to_string(), i.value_len.to_string()]);
     table.add_row(["stored bytes".to_string(), i.stored_len.to_string()]);
     table.add_row([
@@ -102,5 +107,6 @@ fn inspection_table(cache: &Corral, key: &str, i: &corral::Inspection) -> Table 
         "expires in".to_string(),
         ms(Some(i.meta.expires_at_ms.saturating_sub(now))),
     ]);
+    table.add_row(["stale window (fail-safe)".to_string(), ms(i.meta.stale_ms)]);
     table
 }

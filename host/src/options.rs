@@ -85,6 +85,8 @@ pub struct Inspection {
     pub value_len: usize,
     /// Whether the entry is fresh at the moment of inspection.
     pub fresh: bool,
+    /// Whether it is past its expiry but within its fail-safe stale window.
+    pub stale: bool,
     /// The stored bytes' length (header and value).
     pub stored_len: usize,
 }

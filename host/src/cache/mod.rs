@@ -364,10 +364,11 @@ impl Corral {
             return Ok(None);
         };
         let now = self.inner.clock.now_ms();
-        let fresh = match self.inner.policy.read(&stored, now, None)? {
+        let (fresh, stale) = match self.inner.policy.read(&stored, now, None)? {
             ReadOutcome::Removed { .. } => return Ok(None),
-            ReadOutcome::Fresh(_) => true,
-            ReadOutcome::Stale(_) | ReadOutcome::Expired | ReadOutcome::Corrupt(_) => false,
+            ReadOutcome::Fresh(_) => (true, false),
+            ReadOutcome::Stale(_) => (false, true),
+            ReadOutcome::Expired | ReadOutcome::Corrupt(_) => (false, false),
         };
         let decoded = self.inner.policy.decode(&stored)?;
         let mut meta = decoded.meta;
@@ -385,6 +386,7 @@ impl Corral {
             meta,
             value_len,
             fresh,
+            stale,
             stored_len: stored.len(),
         }))
     }

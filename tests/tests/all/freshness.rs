@@ -67,6 +67,8 @@ async fn every_coalesced_caller_gets_the_stale_copy_marked_stale() -> Result<()>
     assert_eq!(cache.get("k").await?, None);
     let stale = cache.get_stale("k").await?.context("a stale copy")?;
     assert!(stale.stale);
+    let inspected = cache.inspect("k").await?.context("inspected")?;
+    assert_eq!((inspected.fresh, inspected.stale, inspected.meta.stale_ms), (false, true, Some(60_000)));
     Ok(())
 }
 
