@@ -12,7 +12,22 @@
 //!     32     -  value bytes (versions 1 and 2)
 //!     32     8  version 3 only: the stale window, ms, big-endian (never 0)
 //!     40     -  value bytes (version 3)
+//!
+//! version 4 (a tagged entry, contract §6b.5):
+//!     32     8  the stale window, ms, big-endian; 0 = none
+//!     40     8  written at, Unix ms, big-endian (what tag invalidations compare)
+//!     48     1  tag count, 1..=16
+//!     49     -  each tag: its length (1 byte, 1..=128), then its UTF-8 bytes
+//!      -     -  value bytes
 //! ```
+//!
+//! Version 4 is an entry written with tags. Entries without tags are written as
+//! before (versions 1 to 3), so the tag section costs nothing to those who do not use
+//! tags, and older readers still read untagged entries. A tagged entry keeps its
+//! expiry moment in the envelope (as version 1 does); its store never does. The fields
+//! a read's touch rewrites are all in the first 48 bytes ([`Header`]): a reader writes
+//! the new header in place of those bytes and keeps everything after them (the tag
+//! section and the value) as it was.
 //!
 //! Version 3 is an entry with a fail-safe stale window (contract §6b.1): its envelope
 //! keeps its expiry moment (as version 1 does), and the store keeps it until the window
@@ -36,8 +51,17 @@ use crate::{Corruption, EntryMeta, Limits};
 
 /// The length of a version-1 or -2 header; their value starts here.
 pub const HEADER_LEN: usize = 32;
-/// The longest header (version 3): what a reader must see to decode any entry.
-pub const MAX_HEADER_LEN: usize = 40;
+/// The fixed part of a version-4 (tagged) header; its tag section follows.
+pub const TAGGED_FIXED_LEN: usize = 48;
+/// The most tags an entry carries.
+pub const MAX_TAGS: usize = 16;
+/// The longest tag, in UTF-8 bytes.
+pub const MAX_TAG_BYTES: usize = 128;
+/// The longest header (version 4 with [`MAX_TAGS`] tags of [`MAX_TAG_BYTES`]): what a
+/// reader must see to decode any entry.
+pub const MAX_HEADER_LEN: usize = TAGGED_FIXED_LEN + 1 + MAX_TAGS * (1 + MAX_TAG_BYTES);
+/// The longest fixed header: what a touch rewrites.
+const MAX_FIXED_LEN: usize = TAGGED_FIXED_LEN;
 /// The first bytes of every envelope.
 pub const MAGIC: [u8; 3] = *b"CRL";
 /// The envelope version whose header keeps a sliding entry's expiry moment.
@@ -47,11 +71,14 @@ pub const VERSION: u8 = 1;
 pub const STORE_KEPT_VERSION: u8 = 2;
 /// The envelope version of an entry with a fail-safe stale window.
 pub const STALE_VERSION: u8 = 3;
+/// The envelope version of an entry written with tags.
+pub const TAGGED_VERSION: u8 = 4;
 
-/// An encoded header: 32 or 40 bytes, kept inline (no allocation per write).
+/// An encoded fixed header: 32, 40 or 48 bytes, kept inline (no allocation per write).
+/// A tagged entry's tag section follows it (see [`encode_tagged_header`]).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Header {
-    bytes: [u8; MAX_HEADER_LEN],
+    bytes: [u8; MAX_FIXED_LEN],
     len: u8,
 }
 
@@ -107,7 +134,7 @@ pub const EXPIRES_AT_OFFSET: usize = 20;
 /// Never for values within [`Limits`]; a `value_len` over `u32::MAX` is clamped, and a
 /// reader then sees the envelope as corrupt rather than misreading it.
 pub fn encode_header(meta: &EntryMeta, value_len: u64, keeper: Keeper) -> Header {
-    let mut h = [0u8; MAX_HEADER_LEN];
+    let mut h = [0u8; MAX_FIXED_LEN];
     h[..3].copy_from_slice(&MAGIC);
     h[3] = match (meta.stale_ms, keeper) {
         (Some(_), _) => STALE_VERSION,
@@ -122,12 +149,57 @@ pub fn encode_header(meta: &EntryMeta, value_len: u64, keeper: Keeper) -> Header
     let mut header_len = HEADER_LEN;
     if let Some(stale) = meta.stale_ms {
         h[32..40].copy_from_slice(&stale.to_be_bytes());
-        header_len = MAX_HEADER_LEN;
+        header_len = 40;
     }
     Header {
         bytes: h,
         len: header_len as u8,
     }
+}
+
+/// The fixed part of a version-4 header (the tag section follows it).
+fn tagged_fixed(meta: &EntryMeta, value_len: u64, written_at_ms: u64) -> Header {
+    let mut header = encode_header(meta, value_len, Keeper::Envelope);
+    header.bytes[3] = TAGGED_VERSION;
+    header.bytes[32..40].copy_from_slice(&meta.stale_ms.unwrap_or(0).to_be_bytes());
+    header.bytes[40..48].copy_from_slice(&written_at_ms.to_be_bytes());
+    header.len = TAGGED_FIXED_LEN as u8;
+    header
+}
+
+/// The whole header of a tagged entry: the fixed part, then the tag section. `tags`
+/// must have passed [`crate::tags::check`] (1 to 16 tags of 1 to 128 bytes).
+pub fn encode_tagged_header(meta: &EntryMeta, value_len: u64, tagged: &Tagged) -> Vec<u8> {
+    let fixed = tagged_fixed(meta, value_len, tagged.written_at_ms);
+    let mut out = Vec::with_capacity(TAGGED_FIXED_LEN + 1 + tagged.tags.iter().map(|t| t.len() + 1).sum::<usize>());
+    out.extend_from_slice(&fixed);
+    out.push(tagged.tags.len().min(MAX_TAGS) as u8);
+    for tag in tagged.tags.iter().take(MAX_TAGS) {
+        let bytes = &tag.as_bytes()[..tag.len().min(MAX_TAG_BYTES)];
+        out.push(bytes.len() as u8);
+        out.extend_from_slice(bytes);
+    }
+    out
+}
+
+/// The fixed header a touch writes in place of `decoded`'s (its first
+/// `returned.len()` bytes), carrying `meta`: the same version and layout as the entry
+/// read, so the bytes after it (a tag section, the value) stay as they are.
+pub fn rewrite_header(decoded: &Decoded, meta: &EntryMeta) -> Header {
+    match &decoded.tagged {
+        Some(tagged) => tagged_fixed(meta, decoded.value_len as u64, tagged.written_at_ms),
+        None => encode_header(meta, decoded.value_len as u64, Keeper::Envelope),
+    }
+}
+
+/// What a tagged entry carries for tag invalidations (contract §6b.5): when it was
+/// written, by the cache's clock, and its tags.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Tagged {
+    /// When it was written (a set), or when its load began (a get-or-set), Unix ms.
+    pub written_at_ms: u64,
+    /// Its tags, 1 to 16, each 1 to 128 bytes of UTF-8.
+    pub tags: Vec<String>,
 }
 
 /// The whole envelope: header and value.
@@ -139,7 +211,7 @@ pub fn encode(meta: &EntryMeta, value: &[u8], keeper: Keeper) -> Vec<u8> {
 }
 
 /// A decoded header.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decoded {
     /// The entry's metadata.
     pub meta: EntryMeta,
@@ -149,6 +221,10 @@ pub struct Decoded {
     pub value_len: usize,
     /// Where its expiry moment lives.
     pub keeper: Keeper,
+    /// A tagged entry's write moment and tags (version 4).
+    pub tagged: Option<Tagged>,
+    /// How long its fixed header is (what a touch rewrites): 32, 40 or 48.
+    pub fixed_len: usize,
 }
 
 /// Decodes the header in `head` (the first bytes of an envelope of `total_len` bytes).
@@ -167,18 +243,27 @@ pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Dec
     if head[..3] != MAGIC {
         return Err(Corruption::Foreign);
     }
-    let (keeper, header_len) = match head[3] {
+    let (keeper, fixed_len) = match head[3] {
         VERSION => (Keeper::Envelope, header_len),
         STORE_KEPT_VERSION => (Keeper::Store, header_len),
-        STALE_VERSION => (Keeper::Envelope, MAX_HEADER_LEN as u64),
+        STALE_VERSION => (Keeper::Envelope, 40),
+        TAGGED_VERSION => (Keeper::Envelope, TAGGED_FIXED_LEN as u64),
         other => return Err(Corruption::UnknownVersion(other)),
     };
+    let mut header_len = fixed_len;
     if (head.len() as u64) < header_len || total_len < header_len {
         return Err(Corruption::Truncated {
             expected: header_len,
             actual: total_len.min(head.len() as u64),
         });
     }
+    let tagged = if head[3] == TAGGED_VERSION {
+        let (tagged, section) = decode_tag_section(head, total_len)?;
+        header_len += section;
+        Some(tagged)
+    } else {
+        None
+    };
     let u64_at = |at: usize| u64::from_be_bytes(head[at..at + 8].try_into().expect("8 bytes"));
     let absolute = u64_at(4);
     let sliding = u64_at(12);
@@ -203,7 +288,9 @@ pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Dec
             actual: total_len,
         });
     }
-    let stale_ms = if header_len > HEADER_LEN as u64 {
+    let stale_ms = if tagged.is_some() {
+        (u64_at(32) != 0).then(|| u64_at(32))
+    } else if fixed_len > HEADER_LEN as u64 {
         match u64_at(32) {
             0 => return Err(Corruption::Inconsistent("a stale window of 0 ms")),
             stale => Some(stale),
@@ -235,7 +322,41 @@ pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Dec
         value_offset: header_len as usize,
         value_len: value_len as usize,
         keeper,
+        tagged,
+        fixed_len: fixed_len as usize,
     })
+}
+
+/// The tag section of a version-4 header in `head` (which holds at least the fixed
+/// part): the tags and written-at moment, and how many bytes the section takes.
+fn decode_tag_section(head: &[u8], total_len: u64) -> Result<(Tagged, u64), Corruption> {
+    let truncated = |expected: usize| Corruption::Truncated {
+        expected: expected as u64,
+        actual: total_len.min(head.len() as u64),
+    };
+    let written_at_ms = u64::from_be_bytes(head[40..48].try_into().expect("8 bytes"));
+    let mut at = TAGGED_FIXED_LEN;
+    let count = *head.get(at).ok_or_else(|| truncated(at + 1))? as usize;
+    if count == 0 || count > MAX_TAGS {
+        return Err(Corruption::Inconsistent("a tagged entry with 0 or over 16 tags"));
+    }
+    at += 1;
+    let mut tags = Vec::with_capacity(count);
+    for _ in 0..count {
+        let len = *head.get(at).ok_or_else(|| truncated(at + 1))? as usize;
+        if len == 0 || len > MAX_TAG_BYTES {
+            return Err(Corruption::Inconsistent("a tag of 0 or over 128 bytes"));
+        }
+        at += 1;
+        let bytes = head.get(at..at + len).ok_or_else(|| truncated(at + len))?;
+        let tag = std::str::from_utf8(bytes).map_err(|_| Corruption::Inconsistent("a tag that is not UTF-8"))?;
+        tags.push(tag.to_owned());
+        at += len;
+    }
+    if (at as u64) > total_len {
+        return Err(truncated(at));
+    }
+    Ok((Tagged { written_at_ms, tags }, (at - TAGGED_FIXED_LEN) as u64))
 }
 
 /// Decodes a whole envelope into its metadata and value.
@@ -340,8 +461,8 @@ mod tests {
     #[test]
     fn an_unknown_version_is_corrupt() {
         let mut bytes = encode(&META, b"x", Keeper::Envelope);
-        bytes[3] = 4;
-        assert_eq!(decode(&bytes, &limits()), Err(Corruption::UnknownVersion(4)));
+        bytes[3] = 5;
+        assert_eq!(decode(&bytes, &limits()), Err(Corruption::UnknownVersion(5)));
     }
 
     #[test]
@@ -352,9 +473,9 @@ mod tests {
         };
         for keeper in [Keeper::Envelope, Keeper::Store] {
             let bytes = encode(&meta, b"hello", keeper);
-            assert_eq!((&bytes[..4], bytes.len()), (&b"CRL\x03"[..], MAX_HEADER_LEN + 5));
-            let d = decode_header(&bytes[..MAX_HEADER_LEN], bytes.len() as u64, &limits()).unwrap();
-            assert_eq!((d.meta, d.value_offset, d.keeper), (meta, MAX_HEADER_LEN, Keeper::Envelope));
+            assert_eq!((&bytes[..4], bytes.len()), (&b"CRL\x03"[..], 40 + 5));
+            let d = decode_header(&bytes[..40], bytes.len() as u64, &limits()).unwrap();
+            assert_eq!((d.meta, d.value_offset, d.keeper), (meta, 40, Keeper::Envelope));
             assert_eq!(decode(&bytes, &limits()), Ok((meta, &b"hello"[..])));
         }
         // Without its window's bytes, or with a window of 0, it is corrupt.
@@ -414,6 +535,48 @@ mod tests {
         assert_eq!(field, 1_500u64.to_be_bytes());
     }
 
+    #[test]
+    fn a_tagged_entry_is_version_4_and_a_touch_keeps_its_tags() {
+        let tagged = Tagged {
+            written_at_ms: 1_234,
+            tags: vec!["news".into(), "ünïcode tag".into()],
+        };
+        for stale in [None, Some(9_000)] {
+            let meta = EntryMeta { stale_ms: stale, ..META };
+            let header = encode_tagged_header(&meta, 5, &tagged);
+            let bytes = [&header[..], b"hello"].concat();
+            assert_eq!(&bytes[..4], b"CRL\x04");
+            let d = decode_header(&bytes, bytes.len() as u64, &limits()).unwrap();
+            assert_eq!((d.meta, d.value_offset, d.fixed_len), (meta, header.len(), TAGGED_FIXED_LEN));
+            assert_eq!(d.tagged.as_ref(), Some(&tagged));
+            assert_eq!(decode(&bytes, &limits()), Ok((meta, &b"hello"[..])));
+            // A touch rewrites the fixed part only: the tags and the value stay.
+            let slid = EntryMeta { expires_at_ms: 1_900, ..meta };
+            let fixed = rewrite_header(&d, &slid);
+            let touched = [fixed.as_bytes(), &bytes[fixed.len()..]].concat();
+            let t = decode_header(&touched, touched.len() as u64, &limits()).unwrap();
+            assert_eq!((t.meta, t.tagged), (slid, Some(tagged.clone())));
+        }
+        // Every cut of a tagged envelope is corrupt, never a panic.
+        let bytes = [&encode_tagged_header(&META, 1, &tagged)[..], b"x"].concat();
+        for cut in 0..bytes.len() {
+            assert!(decode(&bytes[..cut], &limits()).is_err(), "cut at {cut}");
+        }
+        // Zero tags, an empty tag or foreign bytes in a tag are corrupt.
+        let mut zero = bytes.clone();
+        zero[TAGGED_FIXED_LEN] = 0;
+        assert!(matches!(decode(&zero, &limits()), Err(Corruption::Inconsistent(_))));
+        let mut bad = bytes.clone();
+        bad[TAGGED_FIXED_LEN + 2] = 0xff;
+        assert!(decode(&bad, &limits()).is_err());
+        // The longest header is what `header-len` reports.
+        let longest = Tagged {
+            written_at_ms: 1,
+            tags: (0..MAX_TAGS).map(|i| format!("{i:0>128}")).collect(),
+        };
+        assert_eq!(encode_tagged_header(&META, 0, &longest).len(), MAX_HEADER_LEN);
+    }
+
     fn any_meta() -> impl Strategy<Value = EntryMeta> {
         (
             proptest::option::of(1u64..u64::MAX / 2),
@@ -440,8 +603,12 @@ mod tests {
         fn no_input_panics_and_only_envelopes_decode(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
             if let Ok((meta, value)) = decode(&bytes, &limits()) {
                 // Whatever decodes re-encodes to the very same bytes.
-                let keeper = decode_header(&bytes, bytes.len() as u64, &limits()).unwrap().keeper;
-                prop_assert_eq!(encode(&meta, value, keeper), bytes);
+                let d = decode_header(&bytes, bytes.len() as u64, &limits()).unwrap();
+                let again = match &d.tagged {
+                    Some(tagged) => [&encode_tagged_header(&meta, value.len() as u64, tagged)[..], value].concat(),
+                    None => encode(&meta, value, d.keeper),
+                };
+                prop_assert_eq!(again, bytes);
             }
         }
 

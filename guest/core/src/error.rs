@@ -24,6 +24,10 @@ pub enum Arg {
     Timeout,
     /// The eager refresh fraction.
     EagerRefresh,
+    /// The tags an entry carries (contract §6b.5).
+    Tags,
+    /// One tag named by an invalidation (`remove_by_tag`, `expire_by_tag`).
+    Tag,
 }
 
 impl Arg {
@@ -40,6 +44,8 @@ impl Arg {
             Arg::MaxStale => "max_stale",
             Arg::Timeout => "timeout",
             Arg::EagerRefresh => "eager_refresh",
+            Arg::Tags => "tags",
+            Arg::Tag => "tag",
         }
     }
 }

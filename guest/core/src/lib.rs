@@ -14,6 +14,7 @@
 //! - [`lock`]: the lock protocols: lock table, retries, Redlock, watchdog, fencing.
 //! - [`names`]: where a key's data lives in a shared store (unambiguous, cluster-ready).
 //! - [`policy`]: the above composed into one decision per store operation.
+//! - [`tags`]: tag invalidations and clear (generations), without scans.
 //! - [`script`]: the server-side Lua a Redis store runs to read and touch atomically;
 //!   it mirrors [`expiry::check`] and lives here so the rule has one home.
 
@@ -28,6 +29,7 @@ pub mod lock;
 pub mod names;
 pub mod policy;
 pub mod script;
+pub mod tags;
 
 pub use error::{Arg, ArgError, Corruption};
 pub use expiry::{EntryMeta, EntryOptions, Freshness};

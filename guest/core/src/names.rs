@@ -14,6 +14,13 @@
 //!
 //! Names of the first round's scheme (`corral:e:user:42`) never start with `{`: they
 //! are simply never read again.
+//!
+//! **Generations** (`clear`, contract §6b.5): an entry and its flight lock are named in
+//! the prefix's current generation, `{…}:e` in generation 0 (the names above: nothing
+//! moves until a first clear) and `{…}:e@<g>` from generation 1. User locks and fence
+//! counters are not cache data: they keep their names across clears. A tag's moments
+//! live at `{<n>:<prefix><tag>}:t`, the generation counter at `{<n>:<prefix>}:g`, and
+//! tag and clear announcements travel on `{<n>:<prefix>}:i`.
 
 use crate::{ArgError, Limits, key};
 
@@ -28,6 +35,8 @@ pub enum Kind {
     Lock,
     /// The fencing counter of a user lock (`f`).
     Fence,
+    /// A tag's invalidation moments (`t`; the "key" is the tag).
+    Tag,
 }
 
 impl Kind {
@@ -37,6 +46,7 @@ impl Kind {
             Kind::FlightLock => 'l',
             Kind::Lock => 'k',
             Kind::Fence => 'f',
+            Kind::Tag => 't',
         }
     }
 }
@@ -59,15 +69,34 @@ pub struct Names {
 /// # Errors
 /// An [`ArgError`] naming `key`.
 pub fn locate(prefix: &str, key: &str, limits: &Limits) -> Result<Names, ArgError> {
+    locate_in(prefix, key, 0, limits)
+}
+
+/// As [`locate`], with the entry and its flight lock in `generation` (a user lock and
+/// its fence counter have no generation).
+///
+/// # Errors
+/// An [`ArgError`] naming `key`.
+pub fn locate_in(prefix: &str, key: &str, generation: u64, limits: &Limits) -> Result<Names, ArgError> {
     key::validate(key, limits)?;
     let tag = tag(prefix, key);
     let named = |kind: Kind| format!("{tag}:{}", kind.letter());
+    let suffix = suffix(generation);
     Ok(Names {
-        entry: named(Kind::Entry),
-        flight_lock: named(Kind::FlightLock),
+        entry: format!("{}{suffix}", named(Kind::Entry)),
+        flight_lock: format!("{}{suffix}", named(Kind::FlightLock)),
         lock: named(Kind::Lock),
         fence: named(Kind::Fence),
     })
+}
+
+/// What a generation adds to the names it changes: nothing for 0, `@<g>` after.
+fn suffix(generation: u64) -> String {
+    if generation == 0 {
+        String::new()
+    } else {
+        format!("@{generation}")
+    }
 }
 
 /// The name of one kind of `key`'s data under `prefix`, once `key` passed the key rules
@@ -76,13 +105,49 @@ pub fn locate(prefix: &str, key: &str, limits: &Limits) -> Result<Names, ArgErro
 /// # Errors
 /// An [`ArgError`] naming `key`.
 pub fn locate_one(prefix: &str, key: &str, kind: Kind, limits: &Limits) -> Result<String, ArgError> {
+    locate_one_in(prefix, key, kind, 0, limits)
+}
+
+/// As [`locate_one`], in `generation` (which changes only entries and flight locks).
+///
+/// # Errors
+/// An [`ArgError`] naming `key`.
+pub fn locate_one_in(prefix: &str, key: &str, kind: Kind, generation: u64, limits: &Limits) -> Result<String, ArgError> {
     key::validate(key, limits)?;
-    Ok(name(prefix, key, kind))
+    Ok(name_in(prefix, key, kind, generation))
 }
 
 /// The name of one kind of `key`'s data under `prefix` (no key rules applied).
 pub fn name(prefix: &str, key: &str, kind: Kind) -> String {
-    format!("{}:{}", tag(prefix, key), kind.letter())
+    name_in(prefix, key, kind, 0)
+}
+
+/// As [`name`], in `generation`.
+pub fn name_in(prefix: &str, key: &str, kind: Kind, generation: u64) -> String {
+    let base = format!("{}:{}", tag(prefix, key), kind.letter());
+    match kind {
+        Kind::Entry | Kind::FlightLock => format!("{base}{}", suffix(generation)),
+        Kind::Lock | Kind::Fence | Kind::Tag => base,
+    }
+}
+
+/// Where `tag`'s invalidation moments live under `prefix`: `{<n>:<prefix><tag>}:t`.
+///
+/// # Errors
+/// An [`ArgError`] naming `tag` (see [`crate::tags::check_tag`]).
+pub fn tag_name(prefix: &str, tag_: &str) -> Result<String, ArgError> {
+    crate::tags::check_tag(tag_)?;
+    Ok(name(prefix, tag_, Kind::Tag))
+}
+
+/// The generation counter of `prefix` (clear): `{<n>:<prefix>}:g`.
+pub fn generation(prefix: &str) -> String {
+    format!("{}:g", tag(prefix, ""))
+}
+
+/// The invalidation channel of `prefix` (tags and clears): `{<n>:<prefix>}:i`.
+pub fn invalidations(prefix: &str) -> String {
+    format!("{}:i", tag(prefix, ""))
 }
 
 /// The landing channel of `prefix`: `{<n>:<prefix>}:n`.
@@ -134,6 +199,23 @@ mod tests {
     }
 
     #[test]
+    fn generations_move_entries_and_flight_locks_only() {
+        let g0 = locate("corral:", "k", &Limits::default()).unwrap();
+        assert_eq!(locate_in("corral:", "k", 0, &Limits::default()).unwrap(), g0);
+        let g3 = locate_in("corral:", "k", 3, &Limits::default()).unwrap();
+        assert_eq!(g3.entry, "{7:corral:k}:e@3");
+        assert_eq!(g3.flight_lock, "{7:corral:k}:l@3");
+        assert_eq!((g3.lock, g3.fence), (g0.lock, g0.fence));
+        assert_eq!(tag_name("corral:", "news").unwrap(), "{7:corral:news}:t");
+        assert_eq!(generation("corral:"), "{7:corral:}:g");
+        assert_eq!(invalidations("corral:"), "{7:corral:}:i");
+        assert!(tag_name("corral:", "").is_err());
+        // Tenants never share a tag, a counter or a channel.
+        assert_ne!(tag_name("a:", "t").unwrap(), tag_name("b:", "t").unwrap());
+        assert_ne!(generation("a:"), generation("a:b"));
+    }
+
+    #[test]
     fn a_bad_key_is_an_argument_error() {
         assert!(locate("p", " ", &Limits::default()).is_err());
     }
@@ -149,11 +231,14 @@ mod tests {
         #[test]
         fn distinct_triples_get_distinct_names(
             p1 in ".{0,6}", k1 in ".{1,6}", p2 in ".{0,6}", k2 in ".{1,6}",
-            kind1 in 0..4usize, kind2 in 0..4usize,
+            kind1 in 0..5usize, kind2 in 0..5usize, g1 in 0..3u64, g2 in 0..3u64,
         ) {
-            let kinds = [Kind::Entry, Kind::FlightLock, Kind::Lock, Kind::Fence];
-            let (a, b) = (name(&p1, &k1, kinds[kind1]), name(&p2, &k2, kinds[kind2]));
-            prop_assert_eq!(a == b, (p1, k1, kind1) == (p2, k2, kind2));
+            let kinds = [Kind::Entry, Kind::FlightLock, Kind::Lock, Kind::Fence, Kind::Tag];
+            // Only entries and flight locks have generations.
+            let g1 = if kind1 < 2 { g1 } else { 0 };
+            let g2 = if kind2 < 2 { g2 } else { 0 };
+            let (a, b) = (name_in(&p1, &k1, kinds[kind1], g1), name_in(&p2, &k2, kinds[kind2], g2));
+            prop_assert_eq!(a == b, (p1, k1, kind1, g1) == (p2, k2, kind2, g2));
         }
 
         #[test]

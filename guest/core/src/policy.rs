@@ -4,7 +4,7 @@
 //! [`envelope`](crate::envelope) into the shape the WIT `policy` interface exports, so
 //! that a host crosses the wasm boundary once per store operation.
 
-use crate::envelope::{self, Header, Keeper};
+use crate::envelope::{self, Header, Keeper, Tagged};
 use crate::expiry::{self, EntryMeta, EntryOptions, Freshness};
 use crate::{Arg, ArgError, Limits, key};
 
@@ -97,6 +97,40 @@ pub struct Hit {
     pub store_ttl_ms: u64,
     /// How the next read of this key should read it.
     pub next_read: NextRead,
+    /// A tagged entry's write moment and tags: the reader judges them by the tags'
+    /// moments ([`crate::tags::judge`]) before serving it.
+    pub tagged: Option<Tagged>,
+}
+
+/// The header and store TTL of a tagged write (contract §6b.5): `header` (a plan's, for
+/// a value of the length it says) re-encoded as version 4 with `tagged`. The entry
+/// keeps its expiry moment in the envelope, so the store TTL is recomputed. With no
+/// tags, `header` and `store_ttl_ms` as they are.
+///
+/// # Errors
+/// An [`ArgError`] naming `tags` (see [`crate::tags::check`]).
+pub fn tag_plan(
+    header: &[u8],
+    store_ttl_ms: u64,
+    tagged: &Tagged,
+    now_ms: u64,
+    limits: &Limits,
+) -> Result<(Vec<u8>, u64), ArgError> {
+    crate::tags::check(&tagged.tags)?;
+    if tagged.tags.is_empty() {
+        return Ok((header.to_vec(), store_ttl_ms));
+    }
+    let value_len = header
+        .get(28..32)
+        .map_or(0, |b| u32::from_be_bytes(b.try_into().expect("4 bytes")));
+    let total = header.len() as u64 + u64::from(value_len);
+    let decoded = envelope::decode_header(header, total, limits)
+        .map_err(|c| ArgError::new(Arg::Value, format!("not a header to tag: {c}")))?;
+    let meta = decoded.meta;
+    Ok((
+        envelope::encode_tagged_header(&meta, u64::from(value_len), tagged),
+        expiry::store_ttl_ms(&meta, now_ms),
+    ))
 }
 
 /// What a reader writes back after a read, always only over the very bytes it read
@@ -160,7 +194,8 @@ pub enum Expire {
         header: Header,
         /// The store TTL: until its stale window ends.
         store_ttl_ms: u64,
-        /// Where the value starts in the bytes read (it follows the new header).
+        /// Where the bytes kept after the new header start in the bytes read (the
+        /// value, or a tagged entry's tag section and then its value).
         value_offset: usize,
     },
     /// Nothing to keep (no stale window, or removed, expired, corrupt): remove it, as a
@@ -204,11 +239,13 @@ pub fn expire(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits) -> Expi
         stale_ms: Some(gone_at.saturating_sub(now_ms).max(1)),
         ..meta
     };
+    // The new fixed header replaces the old one; what follows it (a tagged entry's
+    // tags, the value) stays.
     Expire::Rewrite {
         was_fresh,
-        header: envelope::encode_header(&meta, decoded.value_len as u64, Keeper::Envelope),
+        header: envelope::rewrite_header(&decoded, &meta),
         store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
-        value_offset: decoded.value_offset,
+        value_offset: decoded.fixed_len,
     }
 }
 
@@ -255,11 +292,12 @@ pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: 
                 touch: slid_ms.map(|_| Touch::Expire),
                 store_ttl_ms: expiry::store_ttl_ms(&decoded.meta, now_ms),
                 next_read: NextRead::Get,
+                tagged: decoded.tagged,
             }),
             Freshness::Fresh { meta, moved } => {
                 let touch = if moved {
-                    let header = envelope::encode_header(&meta, decoded.value_len as u64, Keeper::Envelope);
-                    Some(Touch::Rewrite(header))
+                    // The fixed header only: a reader keeps the bytes after it.
+                    Some(Touch::Rewrite(envelope::rewrite_header(&decoded, &meta)))
                 } else {
                     // A guess set this entry's TTL: give it its own back.
                     slid_ms.map(|_| Touch::Expire)
@@ -270,12 +308,13 @@ pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: 
                     touch,
                     store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
                     // The script slides version-1 envelopes in place; an entry with a
-                    // stale window is read plainly and its touch written back.
-                    next_read: if meta.sliding_ms.is_some() && meta.stale_ms.is_none() {
+                    // stale window or tags is read plainly and its touch written back.
+                    next_read: if meta.sliding_ms.is_some() && meta.stale_ms.is_none() && decoded.tagged.is_none() {
                         NextRead::Script
                     } else {
                         NextRead::Get
                     },
+                    tagged: decoded.tagged,
                 })
             }
         },
@@ -299,6 +338,7 @@ pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: 
                 touch: (slid_ms != Some(ttl)).then_some(Touch::Expire),
                 store_ttl_ms: ttl,
                 next_read: NextRead::Expiring(sliding),
+                tagged: None,
             })
         }
     }
@@ -400,6 +440,55 @@ mod tests {
         let (tomb, _) = removal(30_000, b"n");
         assert_eq!(expire(&tomb, tomb.len() as u64, NOW, &l), Expire::Remove { was_fresh: false });
         assert_eq!(expire(b"junk", 4, NOW, &l), Expire::Remove { was_fresh: false });
+    }
+
+    #[test]
+    fn a_tagged_write_reads_back_with_its_tags_and_slides_keeping_them() {
+        let l = in_store();
+        let opts = EntryOptions {
+            sliding_ms: Some(1_000),
+            ..Default::default()
+        };
+        let plan = plan_set("k", 3, &opts, NOW, &l).unwrap();
+        assert_eq!(plan.header[3], envelope::STORE_KEPT_VERSION);
+        let tagged = Tagged {
+            written_at_ms: NOW,
+            tags: vec!["a".into(), "b".into()],
+        };
+        let (header, ttl) = tag_plan(&plan.header, plan.store_ttl_ms, &tagged, NOW, &l).unwrap();
+        assert_eq!(header[3], envelope::TAGGED_VERSION);
+        assert_eq!(ttl, 1_000 + expiry::STORE_TTL_GRACE_MS, "the envelope keeps its moment");
+        let bytes = [&header[..], b"abc"].concat();
+        let ReadOutcome::Fresh(hit) = read(&bytes, bytes.len() as u64, NOW + 500, &l, None) else {
+            panic!("fresh")
+        };
+        assert_eq!(&bytes[hit.value_offset..], b"abc");
+        assert_eq!(hit.tagged.as_ref(), Some(&tagged));
+        assert_eq!(hit.next_read, NextRead::Get, "the script slides untagged entries only");
+        let Some(Touch::Rewrite(fixed)) = hit.touch else {
+            panic!("a slide")
+        };
+        let touched = [fixed.as_bytes(), &bytes[fixed.len()..]].concat();
+        let ReadOutcome::Fresh(again) = read(&touched, touched.len() as u64, NOW + 1_400, &l, None) else {
+            panic!("slid")
+        };
+        assert_eq!((again.tagged, &touched[again.value_offset..]), (Some(tagged.clone()), &b"abc"[..]));
+        // expire keeps the tags too.
+        let stale = EntryOptions { max_stale_ms: Some(5_000), ..opts };
+        let plan = plan_set("k", 1, &stale, NOW, &l).unwrap();
+        let (header, _) = tag_plan(&plan.header, plan.store_ttl_ms, &tagged, NOW, &l).unwrap();
+        let bytes = [&header[..], b"v"].concat();
+        let Expire::Rewrite { header, value_offset, .. } = expire(&bytes, bytes.len() as u64, NOW + 1, &l) else {
+            panic!("rewrite")
+        };
+        let after = [header.as_bytes(), &bytes[value_offset..]].concat();
+        let ReadOutcome::Stale(hit) = read(&after, after.len() as u64, NOW + 1, &l, None) else {
+            panic!("stale")
+        };
+        assert_eq!(hit.tagged, Some(tagged.clone()));
+        // Bad tags are argument errors naming `tags`.
+        let too_many = Tagged { written_at_ms: NOW, tags: vec!["t".into(); 17] };
+        assert_eq!(tag_plan(&plan.header, 1, &too_many, NOW, &l).unwrap_err().arg, Arg::Tags);
     }
 
     #[test]
