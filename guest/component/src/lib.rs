@@ -126,6 +126,35 @@ fn hit_out(hit: policy::Hit) -> wit::Hit {
             policy::NextRead::Script => wit::NextRead::Script,
             policy::NextRead::Expiring(ms) => wit::NextRead::Expiring(ms),
         },
+        tagged: hit.tagged.map(tagged_out),
+    }
+}
+
+fn tagged_out(t: corral_core::tags::Tagged) -> types::Tagged {
+    types::Tagged {
+        written_at_ms: t.written_at_ms,
+        tags: t.tags,
+    }
+}
+
+fn tagged_in(t: types::Tagged) -> corral_core::tags::Tagged {
+    corral_core::tags::Tagged {
+        written_at_ms: t.written_at_ms,
+        tags: t.tags,
+    }
+}
+
+fn moments_in(m: wit::TagMoments) -> corral_core::tags::TagMoments {
+    corral_core::tags::TagMoments {
+        removed_ms: m.removed_ms,
+        expired_ms: m.expired_ms,
+    }
+}
+
+fn moments_out(m: corral_core::tags::TagMoments) -> wit::TagMoments {
+    wit::TagMoments {
+        removed_ms: m.removed_ms,
+        expired_ms: m.expired_ms,
     }
 }
 
@@ -207,8 +236,8 @@ impl wit::Guest for Component {
         read_outcome(policy::read(&head, total_len, now_ms, &limits(l), slid_ms))
     }
 
-    fn locate(prefix: String, key: String, l: types::Limits) -> Result<wit::StoreNames, types::Error> {
-        let n = corral_core::names::locate(&prefix, &key, &limits(l)).map_err(arg_error)?;
+    fn locate(prefix: String, key: String, generation: u64, l: types::Limits) -> Result<wit::StoreNames, types::Error> {
+        let n = corral_core::names::locate_in(&prefix, &key, generation, &limits(l)).map_err(arg_error)?;
         Ok(wit::StoreNames {
             entry: n.entry,
             flight_lock: n.flight_lock,
@@ -221,9 +250,99 @@ impl wit::Guest for Component {
         policy::removal(lock_ttl_ms, &nonce)
     }
 
-    fn locate_entry(prefix: String, key: String, l: types::Limits) -> Result<String, types::Error> {
-        corral_core::names::locate_one(&prefix, &key, corral_core::names::Kind::Entry, &limits(l))
+    fn locate_entry(prefix: String, key: String, generation: u64, l: types::Limits) -> Result<String, types::Error> {
+        corral_core::names::locate_one_in(&prefix, &key, corral_core::names::Kind::Entry, generation, &limits(l))
             .map_err(arg_error)
+    }
+
+    fn check_tags(tags: Vec<String>) -> Result<(), types::Error> {
+        corral_core::tags::check(&tags).map_err(arg_error)
+    }
+
+    fn tag_plan(
+        header: Vec<u8>,
+        store_ttl_ms: u64,
+        tagged: types::Tagged,
+        now_ms: u64,
+        l: types::Limits,
+    ) -> Result<(Vec<u8>, u64), types::Error> {
+        policy::tag_plan(&header, store_ttl_ms, &tagged_in(tagged), now_ms, &limits(l)).map_err(arg_error)
+    }
+
+    fn judge_tags(
+        tagged: types::Tagged,
+        meta: types::EntryMeta,
+        moments: Vec<wit::TagMoments>,
+        now_ms: u64,
+    ) -> wit::TagVerdict {
+        let moments: Vec<_> = moments.into_iter().map(moments_in).collect();
+        match corral_core::tags::judge(&tagged_in(tagged), &meta_in(meta), &moments, now_ms) {
+            corral_core::tags::Verdict::Untouched => wit::TagVerdict::Untouched,
+            corral_core::tags::Verdict::Stale(meta) => wit::TagVerdict::Stale(meta_out(meta)),
+            corral_core::tags::Verdict::Removed => wit::TagVerdict::Removed,
+        }
+    }
+
+    fn tag_moments_of(stored: Option<Vec<u8>>) -> wit::TagMoments {
+        moments_out(corral_core::tags::TagMoments::decode(stored.as_deref()))
+    }
+
+    fn tag_update(stored: Option<Vec<u8>>, remove: bool, now_ms: u64) -> (wit::TagMoments, Vec<u8>) {
+        let how = if remove {
+            corral_core::tags::Invalidation::Remove
+        } else {
+            corral_core::tags::Invalidation::Expire
+        };
+        let m = corral_core::tags::update(stored.as_deref(), how, now_ms);
+        (moments_out(m), m.encode())
+    }
+
+    fn tag_state_ttl(now_ms: u64) -> u64 {
+        corral_core::tags::state_ttl_ms(now_ms)
+    }
+
+    fn tag_known_until(now_ms: u64, l1_ttl_ms: u64) -> u64 {
+        corral_core::tags::known_until(now_ms, l1_ttl_ms)
+    }
+
+    fn locate_tag(prefix: String, tag: String) -> Result<String, types::Error> {
+        corral_core::names::tag_name(&prefix, &tag).map_err(arg_error)
+    }
+
+    fn generation_name(prefix: String) -> String {
+        corral_core::names::generation(&prefix)
+    }
+
+    fn generation_of(stored: Option<Vec<u8>>) -> u64 {
+        corral_core::tags::generation(stored.as_deref())
+    }
+
+    fn next_generation(stored: Option<Vec<u8>>) -> (Vec<u8>, u64) {
+        corral_core::tags::next_generation(stored.as_deref())
+    }
+
+    fn invalidation_channel(prefix: String) -> String {
+        corral_core::names::invalidations(&prefix)
+    }
+
+    fn encode_message(origin: String, message: wit::TagMessage) -> String {
+        let message = match message {
+            wit::TagMessage::Tag((tag, moments)) => corral_core::tags::Message::Tag {
+                tag,
+                moments: moments_in(moments),
+            },
+            wit::TagMessage::Clear(generation) => corral_core::tags::Message::Clear { generation },
+        };
+        corral_core::tags::encode(&origin, &message)
+    }
+
+    fn decode_message(text: String) -> Option<(String, wit::TagMessage)> {
+        let (origin, message) = corral_core::tags::decode(&text)?;
+        let message = match message {
+            corral_core::tags::Message::Tag { tag, moments } => wit::TagMessage::Tag((tag, moments_out(moments))),
+            corral_core::tags::Message::Clear { generation } => wit::TagMessage::Clear(generation),
+        };
+        Some((origin.to_owned(), message))
     }
 
     fn channel(prefix: String) -> String {

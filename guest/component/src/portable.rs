@@ -4,11 +4,13 @@
 //! Every decision is `corral-core`'s, the same the native host follows: this is the
 //! other loop over the same actions.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use corral_core::flight::{Action, Event, Flight, Outcome};
 use corral_core::policy::{self, ReadOutcome, Touch};
+use corral_core::tags::{self, TagMoments, Tagged, Verdict};
 use corral_core::{EntryMeta, Limits, Settings, flight, lock, names};
 
 use super::bindings::corral::cache::flights::{self, Joined};
@@ -28,15 +30,100 @@ fn settings() -> Settings {
     *SETTINGS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The names of `key`'s data, once `key` passed the key rules.
-fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
+/// The tag moments this instance read, each with the moment it stops trusting them
+/// (contract §6b.5: the L1 TTL; this body hears no announcements).
+static MOMENTS: Mutex<Option<HashMap<String, (TagMoments, u64)>>> = Mutex::new(None);
+
+/// The prefix's generation as last read, and until when it is trusted.
+static GENERATION: Mutex<Option<(u64, u64)>> = Mutex::new(None);
+
+fn prefix() -> String {
     let prefix = PREFIX.lock().unwrap_or_else(|e| e.into_inner());
-    let prefix = if prefix.is_empty() {
-        "corral:"
+    if prefix.is_empty() {
+        "corral:".to_owned()
     } else {
-        prefix.as_str()
+        prefix.clone()
+    }
+}
+
+/// The prefix's generation (clear): read from the store at most once per L1 TTL.
+fn generation(now: u64) -> Result<u64, types::Error> {
+    if let Some((g, until)) = *GENERATION.lock().unwrap_or_else(|e| e.into_inner())
+        && now < until
+    {
+        return Ok(g);
+    }
+    let stored = l2::get(&names::generation(&prefix()))?;
+    let g = tags::generation(stored.as_deref());
+    let until = tags::known_until(now, settings().l1_ttl_ms);
+    *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = Some((g, until));
+    Ok(g)
+}
+
+/// The names of `key`'s data in the current generation, once `key` passed the key rules.
+fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
+    corral_core::key::validate(key, limits).map_err(arg_error)?;
+    let g = generation(now_ms())?;
+    names::locate_in(&prefix(), key, g, limits).map_err(arg_error)
+}
+
+/// The moments of `tags` at `now`: kept ones while trusted, else read from the store.
+/// Also says until when the answer may be trusted.
+fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), types::Error> {
+    let mut out = Vec::with_capacity(tag_list.len());
+    let mut until_all = u64::MAX;
+    for tag in tag_list {
+        let kept = MOMENTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(|m| m.get(tag).copied())
+            .filter(|(_, until)| now < *until);
+        let (m, until) = match kept {
+            Some(kept) => kept,
+            None => {
+                let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
+                let m = TagMoments::decode(l2::get(&name)?.as_deref());
+                let until = tags::known_until(now, settings().l1_ttl_ms);
+                remember(tag, m, until);
+                (m, until)
+            }
+        };
+        until_all = until_all.min(until);
+        out.push(m);
+    }
+    Ok((out, until_all))
+}
+
+fn remember(tag: &str, m: TagMoments, until: u64) {
+    let mut map = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
+    let map = map.get_or_insert_with(HashMap::new);
+    let merged = map.get(tag).map_or(m, |(old, _)| old.merge(&m));
+    map.insert(tag.to_owned(), (merged, until));
+}
+
+/// What `tagged`'s tags say about an entry with `meta` now, and until when L1 may keep
+/// it (an untagged entry: untouched, no bound).
+fn judge(tagged: Option<&Tagged>, meta: &EntryMeta, now: u64) -> Result<(Verdict, u64), types::Error> {
+    let Some(tagged) = tagged else {
+        return Ok((Verdict::Untouched, u64::MAX));
     };
-    names::locate(prefix, key, limits).map_err(arg_error)
+    let (m, until) = moments(&tagged.tags, now)?;
+    Ok((tags::judge(tagged, meta, &m, now), until))
+}
+
+fn tagged_in(t: types::Tagged) -> Tagged {
+    Tagged {
+        written_at_ms: t.written_at_ms,
+        tags: t.tags,
+    }
+}
+
+fn tagged_out(t: &Tagged) -> types::Tagged {
+    types::Tagged {
+        written_at_ms: t.written_at_ms,
+        tags: t.tags.clone(),
+    }
 }
 
 /// A removal's nonce: random (std's hasher seeds come from `wasi:random`).
@@ -55,8 +142,8 @@ fn now_ms() -> u64 {
 
 /// What an L2 read found.
 enum Found {
-    /// A fresh entry: its value and metadata.
-    Fresh(Vec<u8>, EntryMeta),
+    /// A fresh entry: its value, metadata, tags, and until when L1 may keep it by them.
+    Fresh(Vec<u8>, EntryMeta, Option<Tagged>, u64),
     /// A stale copy (fail-safe): its value and metadata.
     Stale(Vec<u8>, EntryMeta),
     /// Nothing servable.
@@ -65,9 +152,9 @@ enum Found {
 
 impl Found {
     /// The fresh value, if any: what a plain read returns.
-    fn fresh(self) -> Option<(Vec<u8>, EntryMeta)> {
+    fn fresh(self) -> Option<(Vec<u8>, EntryMeta, Option<Tagged>, u64)> {
         match self {
-            Found::Fresh(value, meta) => Some((value, meta)),
+            Found::Fresh(value, meta, tagged, until) => Some((value, meta, tagged, until)),
             Found::Stale(..) | Found::Nothing => None,
         }
     }
@@ -87,7 +174,20 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error>
         }
         Err(e) => return Err(e),
     };
-    match policy::read(&stored, stored.len() as u64, now, limits, None) {
+    let outcome = policy::read(&stored, stored.len() as u64, now, limits, None);
+    // A tagged entry is judged by its tags' moments too (contract §6b.5).
+    let (verdict, tags_until) = match &outcome {
+        ReadOutcome::Fresh(hit) | ReadOutcome::Stale(hit) => judge(hit.tagged.as_ref(), &hit.meta, now)?,
+        _ => (Verdict::Untouched, u64::MAX),
+    };
+    let outcome = match (outcome, verdict) {
+        (ReadOutcome::Fresh(hit) | ReadOutcome::Stale(hit), Verdict::Stale(meta)) => {
+            return Ok(Found::Stale(stored[hit.value_offset..].to_vec(), meta));
+        }
+        (ReadOutcome::Fresh(_) | ReadOutcome::Stale(_), Verdict::Removed) => ReadOutcome::Expired,
+        (outcome, _) => outcome,
+    };
+    match outcome {
         ReadOutcome::Stale(hit) => {
             if let Some(Touch::Expire) = hit.touch {
                 l2::replace_if_equal(name, &stored, &stored, hit.store_ttl_ms)?;
@@ -98,8 +198,9 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error>
             let value = stored[hit.value_offset..].to_vec();
             match hit.touch {
                 Some(Touch::Rewrite(header)) => {
+                    // The fixed header only: the bytes after it (tags, value) stay.
                     let mut touched = header.to_vec();
-                    touched.extend_from_slice(&value);
+                    touched.extend_from_slice(&stored[header.len()..]);
                     l2::replace_if_equal(name, &stored, &touched, hit.store_ttl_ms)?;
                 }
                 // The same bytes with a new TTL: the store slides the moment it keeps.
@@ -108,7 +209,7 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error>
                 }
                 None => {}
             }
-            Ok(Found::Fresh(value, hit.meta))
+            Ok(Found::Fresh(value, hit.meta, hit.tagged, tags_until))
         }
         ReadOutcome::Expired | ReadOutcome::Corrupt(_) => {
             l2::delete_if_equal(name, &stored)?;
@@ -120,18 +221,39 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error>
 
 /// The value L1 may serve for `key` at `now`: a stale copy fail-safe re-armed only when
 /// `stale_ok` (a get-or-set; a plain read never returns one).
-fn l1_hit(key: &str, now: u64, stale_ok: bool) -> Option<Vec<u8>> {
-    l1_entry(key, now, stale_ok).map(|e| e.value)
+fn l1_hit(key: &str, now: u64, stale_ok: bool) -> Result<Option<Vec<u8>>, types::Error> {
+    Ok(l1_entry(key, now, stale_ok)?.map(|e| e.value))
 }
 
-fn l1_entry(key: &str, now: u64, stale_ok: bool) -> Option<l1::L1Entry> {
-    l1::get(key).filter(|e| now < e.until_ms && (stale_ok || !e.stale))
+/// A tagged entry is judged by its tags again: one invalidated since it was filled is
+/// dropped (the read goes on to L2).
+fn l1_entry(key: &str, now: u64, stale_ok: bool) -> Result<Option<l1::L1Entry>, types::Error> {
+    let Some(e) = l1::get(key).filter(|e| now < e.until_ms && (stale_ok || !e.stale)) else {
+        return Ok(None);
+    };
+    if let Some(tagged) = &e.tagged {
+        let tagged = tagged_in(tagged.clone());
+        // Only whether a tag touches it matters here: any touch is an L1 miss.
+        if judge(Some(&tagged), &UNBOUNDED, now)?.0 != Verdict::Untouched {
+            l1::delete(key);
+            return Ok(None);
+        }
+    }
+    Ok(Some(e))
 }
+
+/// Metadata that makes a tag judgement say only whether any tag touches an entry.
+const UNBOUNDED: EntryMeta = EntryMeta {
+    absolute_ms: None,
+    sliding_ms: None,
+    expires_at_ms: u64::MAX,
+    stale_ms: None,
+};
 
 /// Eager refresh (contract §6b.3) in a synchronous body: the refresh flight runs here,
 /// after the hit, before the call returns (a component call cannot leave work behind);
 /// its decisions are the same: the lock without waiting, a failure changes nothing.
-fn refresh(key: &str, options: types::EntryOptions, settings: &Settings) {
+fn refresh(key: &str, options: types::EntryOptions, settings: &Settings, tag_list: &[String]) {
     let config = flight::FlightConfig {
         refresh: true,
         ..settings.flight(false)
@@ -141,12 +263,12 @@ fn refresh(key: &str, options: types::EntryOptions, settings: &Settings) {
         return;
     };
     if let Ok(names) = locate(key, &settings.limits) {
-        let _ = fly(key, &names, flight, action, &settings.limits, &mut false);
+        let _ = fly(key, &names, flight, action, &settings.limits, &mut false, tag_list);
     }
 }
 
-fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
-    let until_ms = flight::l1_deadline(meta, now, settings().l1_ttl_ms);
+fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, tagged: Option<&Tagged>, tags_until: u64, now: u64) {
+    let until_ms = tags::l1_until(flight::l1_deadline(meta, now, settings().l1_ttl_ms), &[tags_until]);
     l1::set(
         key,
         &l1::L1Entry {
@@ -154,8 +276,43 @@ fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, now: u64) {
             until_ms,
             stale: false,
             refresh_at_ms: None,
+            tagged: tagged.map(tagged_out),
         },
     );
+}
+
+/// Moves `tag`'s moment (a removal or an expiry) to now, only over the bytes read.
+fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
+    let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
+    let how = if remove {
+        tags::Invalidation::Remove
+    } else {
+        tags::Invalidation::Expire
+    };
+    for _ in 0..16 {
+        let now = now_ms();
+        let stored = l2::get(&name)?;
+        let m = tags::update(stored.as_deref(), how, now);
+        let ttl = tags::state_ttl_ms(now);
+        let written = match &stored {
+            Some(old) => l2::replace_if_equal(&name, old, &m.encode(), ttl)?,
+            // No compare-and-set on a missing key in this import: a plain set (two
+            // first invalidations at once keep either moment).
+            None => {
+                l2::set(&name, &m.encode(), ttl)?;
+                true
+            }
+        };
+        if written {
+            remember(tag, m, tags::known_until(now, settings().l1_ttl_ms));
+            return Ok(());
+        }
+    }
+    Err(types::Error::Unavailable(format!("the moments of tag {tag:?} kept changing")))
+}
+
+fn check_tags(tag_list: &[String]) -> Result<(), types::Error> {
+    tags::check(tag_list).map_err(arg_error)
 }
 
 impl wcache::Guest for Component {
@@ -164,33 +321,82 @@ impl wcache::Guest for Component {
         s.check().map_err(arg_error)?;
         *SETTINGS.lock().unwrap_or_else(|e| e.into_inner()) = s;
         *PREFIX.lock().unwrap_or_else(|e| e.into_inner()) = prefix;
+        // What was read under another prefix or clock says nothing here.
+        *MOMENTS.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = None;
         Ok(())
     }
 
     fn get(key: String) -> Result<Option<Vec<u8>>, types::Error> {
         let now = now_ms();
-        if let Some(v) = l1_hit(&key, now, false) {
+        if let Some(v) = l1_hit(&key, now, false)? {
             return Ok(Some(v));
         }
         let limits = settings().limits;
         let names = locate(&key, &limits)?;
-        Ok(l2_read(&names.entry, now, &limits)?.fresh().map(|(value, meta)| {
-            fill_l1(&key, &value, &meta, now);
+        Ok(l2_read(&names.entry, now, &limits)?.fresh().map(|(value, meta, tagged, until)| {
+            fill_l1(&key, &value, &meta, tagged.as_ref(), until, now);
             value
         }))
     }
 
     fn set(key: String, value: Vec<u8>, options: types::EntryOptions) -> Result<(), types::Error> {
+        Self::set_tagged(key, value, options, Vec::new())
+    }
+
+    fn set_tagged(key: String, value: Vec<u8>, options: types::EntryOptions, tag_list: Vec<String>) -> Result<(), types::Error> {
         let now = now_ms();
         let limits = settings().limits;
         let plan = policy::plan_set(&key, value.len() as u64, &options_in(options), now, &limits)
             .map_err(arg_error)?;
+        check_tags(&tag_list)?;
+        let tagged = Tagged {
+            written_at_ms: now,
+            tags: tag_list,
+        };
+        let (header, ttl) = policy::tag_plan(&plan.header, plan.store_ttl_ms, &tagged, now, &limits).map_err(arg_error)?;
         let names = locate(&key, &limits)?;
-        let mut stored = plan.header.to_vec();
+        let mut stored = header;
         stored.extend_from_slice(&value);
-        l2::set(&names.entry, &stored, plan.store_ttl_ms)?;
-        fill_l1(&key, &value, &plan.meta, now);
+        l2::set(&names.entry, &stored, ttl)?;
+        let tagged = (!tagged.tags.is_empty()).then_some(tagged);
+        match judge(tagged.as_ref(), &plan.meta, now)? {
+            (Verdict::Untouched, until) => fill_l1(&key, &value, &plan.meta, tagged.as_ref(), until, now),
+            _ => l1::delete(&key),
+        }
         Ok(())
+    }
+
+    fn remove_by_tag(tag: String) -> Result<(), types::Error> {
+        invalidate_tag(&tag, true)
+    }
+
+    fn expire_by_tag(tag: String) -> Result<(), types::Error> {
+        invalidate_tag(&tag, false)
+    }
+
+    fn clear() -> Result<(), types::Error> {
+        let name = names::generation(&prefix());
+        for _ in 0..16 {
+            let now = now_ms();
+            let stored = l2::get(&name)?;
+            let (bytes, g) = tags::next_generation(stored.as_deref());
+            let ttl = tags::state_ttl_ms(now);
+            let written = match &stored {
+                Some(old) => l2::replace_if_equal(&name, old, &bytes, ttl)?,
+                None => {
+                    l2::set(&name, &bytes, ttl)?;
+                    true
+                }
+            };
+            if written {
+                *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some((g, tags::known_until(now, settings().l1_ttl_ms)));
+                l1::clear();
+                return Ok(());
+            }
+        }
+        Err(types::Error::Unavailable("the generation kept changing".to_string()))
     }
 
     fn refresh(key: String) -> Result<bool, types::Error> {
@@ -244,9 +450,18 @@ impl wcache::Guest for Component {
     }
 
     fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
+        Self::get_or_set_tagged(key, options, bypass, Vec::new())
+    }
+
+    fn get_or_set_tagged(
+        key: String,
+        options: types::EntryOptions,
+        bypass: bool,
+        tag_list: Vec<String>,
+    ) -> Result<Vec<u8>, types::Error> {
         let settings = settings();
         let now = now_ms();
-        if !bypass && let Some(entry) = l1_entry(&key, now, true) {
+        if !bypass && let Some(entry) = l1_entry(&key, now, true)? {
             if entry.refresh_at_ms.is_some_and(|at| now >= at) {
                 // Disarmed first: this copy starts no other refresh.
                 l1::set(
@@ -256,7 +471,7 @@ impl wcache::Guest for Component {
                         ..entry.clone()
                     },
                 );
-                refresh(&key, options, &settings);
+                refresh(&key, options, &settings, &tag_list);
             }
             return Ok(entry.value);
         }
@@ -270,8 +485,9 @@ impl wcache::Guest for Component {
                 &settings.limits,
             )
             .map_err(arg_error)?;
+            check_tags(&tag_list)?;
             let names = locate(&key, &settings.limits)?;
-            fly(&key, &names, flight, action, &settings.limits, &mut refresh_due)
+            fly(&key, &names, flight, action, &settings.limits, &mut refresh_due, &tag_list)
         };
         if bypass {
             return fly_one();
@@ -285,7 +501,7 @@ impl wcache::Guest for Component {
                 let out = fly_one();
                 flights::finish(&key, out.as_ref().map(Vec::as_slice));
                 if refresh_due {
-                    refresh(&key, options, &settings);
+                    refresh(&key, options, &settings, &tag_list);
                 }
                 out
             }
@@ -302,8 +518,15 @@ fn fly(
     mut action: Action,
     limits: &Limits,
     refresh_due: &mut bool,
+    tag_list: &[String],
 ) -> Result<Vec<u8>, types::Error> {
     let mut value: Vec<u8> = Vec::new();
+    // The tags of what L1 is filled with: those the L2 hit carried, or the load's own
+    // (written at the moment the load began: a load that began before an invalidation
+    // of its tags is older than it), and until when they are known.
+    let mut tagged: Option<Tagged> = None;
+    let mut tags_until = u64::MAX;
+    let mut load_began = 0;
     // The stale copy the last read found (fail-safe).
     let mut stale: Vec<u8> = Vec::new();
     let mut owner: Option<String> = None;
@@ -311,8 +534,10 @@ fn fly(
     loop {
         let event = match action {
             Action::ReadL2 => match l2_read(&names.entry, now_ms(), limits) {
-                Ok(Found::Fresh(v, meta)) => {
+                Ok(Found::Fresh(v, meta, t, until)) => {
                     value = v;
+                    tagged = t;
+                    tags_until = until;
                     Event::L2Hit(meta)
                 }
                 Ok(Found::Stale(v, meta)) => {
@@ -342,7 +567,10 @@ fn fly(
                     "the flight asked for an early answer it was never offered".to_string(),
                 ));
             }
-            Action::Load { .. } => match loader::load(key) {
+            Action::Load { .. } => match {
+                load_began = now_ms();
+                loader::load(key)
+            } {
                 Ok(v) => {
                     let cacheable = loader::should_cache(key, &v);
                     let len = v.len() as u64;
@@ -359,10 +587,23 @@ fn fly(
                 }
             },
             Action::WriteL2 { header, store_ttl_ms } => {
-                let mut stored = header.to_vec();
-                stored.extend_from_slice(&value);
-                match l2::set(&names.entry, &stored, store_ttl_ms) {
-                    Ok(()) => Event::L2Written,
+                let loaded = Tagged {
+                    written_at_ms: load_began,
+                    tags: tag_list.to_vec(),
+                };
+                match policy::tag_plan(&header, store_ttl_ms, &loaded, now_ms(), limits) {
+                    Ok((header, ttl)) => {
+                        let mut stored = header;
+                        stored.extend_from_slice(&value);
+                        if !tag_list.is_empty() {
+                            tagged = Some(loaded);
+                            tags_until = u64::MAX;
+                        }
+                        match l2::set(&names.entry, &stored, ttl) {
+                            Ok(()) => Event::L2Written,
+                            Err(_) => Event::L2WriteFailed,
+                        }
+                    }
                     Err(_) => Event::L2WriteFailed,
                 }
             }
@@ -394,15 +635,27 @@ fn fly(
                     _ => {}
                 }
                 if let Some(until_ms) = l1_until_ms {
-                    l1::set(
-                        key,
-                        &l1::L1Entry {
-                            value: value.clone(),
-                            until_ms,
-                            stale: stale_served,
-                            refresh_at_ms: refresh_at_ms.filter(|_| !*refresh_due),
+                    // A tagged value is judged before L1 keeps it: its tags may have
+                    // been invalidated since its load began.
+                    let keep = match (&tagged, stale_served) {
+                        (Some(t), false) => match judge(Some(t), &UNBOUNDED, now_ms()) {
+                            Ok((Verdict::Untouched, until)) => Some(tags::l1_until(until_ms, &[until, tags_until])),
+                            _ => None,
                         },
-                    );
+                        _ => Some(until_ms),
+                    };
+                    if let Some(until_ms) = keep {
+                        l1::set(
+                            key,
+                            &l1::L1Entry {
+                                value: value.clone(),
+                                until_ms,
+                                stale: stale_served,
+                                refresh_at_ms: refresh_at_ms.filter(|_| !*refresh_due),
+                                tagged: if stale_served { None } else { tagged.as_ref().map(tagged_out) },
+                            },
+                        );
+                    }
                 }
                 return Ok(value);
             }

@@ -147,6 +147,14 @@ pub fn update(stored: Option<&[u8]>, invalidation: Invalidation, now_ms: u64) ->
     moments
 }
 
+/// The store TTL of a tag key or a generation counter written at `now_ms`: until the
+/// latest expiry any entry may have ([`crate::expiry::LATEST_EXPIRY_MS`]), so it
+/// outlives every entry written before it. (A store that evicts keys before their TTL
+/// may forget an invalidation: contract §6b.5.)
+pub fn state_ttl_ms(now_ms: u64) -> u64 {
+    crate::expiry::LATEST_EXPIRY_MS.saturating_sub(now_ms).max(1)
+}
+
 /// How a process may keep a tag's moments it read: until this moment at most (the L1
 /// TTL from the read), so that without announcements a process learns of an
 /// invalidation within the L1 TTL, as it does of an entry's change.

@@ -303,9 +303,19 @@ impl CorralBuilder {
         // Counted, and exported to the `metrics` recorder in force now, under the prefix.
         let metrics = Arc::new(Metrics::new(&prefix));
         // Another process's set, removal or load of a key drops our L1 copy.
+        let tags = Arc::new(super::tags::TagState::new());
         stores
             .notifications
-            .on_foreign(l1_invalidation(l1.clone(), metrics.clone()));
+            .on_foreign(l1_invalidation(l1.clone(), metrics.clone(), tags.clone()));
+        // Another process's tag invalidation or clear (contract §6b.5).
+        stores.notifications.on_invalidation(super::tags::invalidation_hook(
+            tags.clone(),
+            policy.clone(),
+            l1.clone(),
+            clock.clone(),
+            settings.l1_ttl_ms,
+            metrics.clone(),
+        ));
         #[cfg(feature = "redis")]
         let store_timeout = self.redis.as_ref().map(|o| o.response_timeout);
         #[cfg(not(feature = "redis"))]
@@ -350,6 +360,7 @@ impl CorralBuilder {
                 background: Default::default(),
                 metrics,
                 locks,
+                tags,
             }),
         })
     }

@@ -368,7 +368,10 @@ impl Corral {
         };
         let mut now = inner.clock.now_ms();
         let (state, mut action) = inner.policy.flight_start(key, &options.entry, config, now)?;
-        let names = self.locate(key)?;
+        if !options.tags.is_empty() {
+            inner.policy.check_tags(&options.tags)?;
+        }
+        let names = self.locate(key).await?;
         let mut held = HeldFlight {
             cache: self,
             key,
@@ -397,14 +400,24 @@ impl Corral {
         let mut fence: Option<Option<Bytes>> = None;
         // This process's writes of the key, as of the last L2 step: L1 is fenced on it.
         let mut l1_ticket = inner.l1.ticket(key);
+        // Tags (contract §6b.5): what L1 keeps of an L2 hit's, and the loaded entry's
+        // (written at the moment its load began: older than any invalidation after).
+        let mut stamp: Option<super::tags::TagStamp> = None;
+        let mut written_tags: Option<crate::guest::policy::Tagged> = None;
+        let mut load_began = now;
+        // The tag epoch before the last L2 read: a stale copy it found is kept in L1 only
+        // until any tag invalidation this process hears of (it may carry tags).
+        let mut read_tag_epoch = inner.l1.tag_epoch();
         loop {
             trace_action(&action);
             let event = match action {
                 Action::ReadL2 => {
                     l1_ticket = inner.l1.ticket(key);
+                    read_tag_epoch = inner.l1.tag_epoch();
                     match by(deadline, self.l2_look(&names.entry, now)).await {
-                        Ok(L2Read::Hit(v, meta, holds)) => {
+                        Ok(L2Read::Hit(v, meta, holds, tags)) => {
                             value = Some(v);
+                            stamp = tags;
                             // A refresh writes over the very bytes it found, so a set or
                             // removal meanwhile wins (fenced fills, contract §5.12).
                             if options.refresh {
@@ -493,6 +506,7 @@ impl Corral {
                         ));
                     };
                     let began = std::time::Instant::now();
+                    load_began = inner.clock.now_ms();
                     let running = AssertUnwindSafe(async move { load().await }).catch_unwind();
                     let mut running = std::pin::pin!(running);
                     let left = |until: u64| Duration::from_millis(until.saturating_sub(inner.clock.now_ms()));
@@ -519,6 +533,7 @@ impl Corral {
                                             until_ms,
                                             stale: true,
                                             refresh_at_ms: None,
+                                            tagged: Some(read_tag_epoch),
                                         };
                                         inner.l1.fill_entry(key, entry, l1_ticket);
                                     }
@@ -571,8 +586,21 @@ impl Corral {
                 Action::AnswerStale(_) | Action::KeepLoading => {
                     return Err(Error::guest("the flight answered early out of turn", "broken contract"));
                 }
-                Action::WriteL2(write) => {
+                Action::WriteL2(mut write) => {
                     l1_ticket = inner.l1.ticket(key);
+                    if !options.tags.is_empty() {
+                        let tagged = crate::guest::policy::Tagged {
+                            written_at_ms: load_began,
+                            tags: options.tags.to_vec(),
+                        };
+                        let (header, ttl) =
+                            inner
+                                .policy
+                                .tag_plan(&write.header, write.store_ttl_ms, &tagged, inner.clock.now_ms())?;
+                        write.header = header;
+                        write.store_ttl_ms = ttl;
+                        written_tags = Some(tagged);
+                    }
                     let v = value.as_deref().unwrap_or_default();
                     let mut stored = Vec::with_capacity(write.header.len() + v.len());
                     stored.extend_from_slice(&write.header);
@@ -691,13 +719,32 @@ impl Corral {
                         self.count_outcome(key, finish.outcome);
                     }
                     // Fenced: not over a write this process made since the last L2 step.
-                    if let (Ok(served), Some(until_ms)) = (&result, finish.l1_until_ms) {
+                    if let (Ok(served), Some(mut until_ms)) = (&result, finish.l1_until_ms) {
+                        // A tagged value: what the read judged, or the load's own tags
+                        // judged now (an invalidation may have come since it began).
+                        let loaded = matches!(finish.outcome, FlightOutcome::Loaded(_));
+                        let tags = match (loaded, written_tags.take()) {
+                            (true, Some(tagged)) => match self.stamp_written(tagged, inner.clock.now_ms()).await {
+                                Ok(Some(stamp)) => Some(stamp),
+                                _ => return result,
+                            },
+                            _ => stamp.take(),
+                        };
+                        let tagged = match tags {
+                            Some(s) => {
+                                until_ms = until_ms.min(s.until_ms);
+                                s.tagged
+                            }
+                            None if served.stale => Some(read_tag_epoch),
+                            None => None,
+                        };
                         let entry = L1Entry {
                             value: served.value.clone(),
                             until_ms,
                             stale: served.stale,
                             // Due already: the refresh starts now, not on the next hit.
                             refresh_at_ms: finish.refresh_at_ms.filter(|_| !refresh_due),
+                            tagged,
                         };
                         inner.l1.fill_entry(key, entry, l1_ticket);
                     }

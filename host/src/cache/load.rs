@@ -42,6 +42,8 @@ pub struct LoadOptions {
     pub(crate) eager_refresh_permille: Option<u32>,
     /// This is a background refresh's flight.
     pub(crate) refresh: bool,
+    /// The tags a loaded entry carries (contract §6b.5).
+    pub(crate) tags: Arc<[String]>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -54,6 +56,7 @@ impl fmt::Debug for LoadOptions {
             .field("hard_timeout_ms", &self.hard_timeout_ms)
             .field("soft_timeout_ms", &self.soft_timeout_ms)
             .field("eager_refresh_permille", &self.eager_refresh_permille)
+            .field("tags", &self.tags)
             .finish()
     }
 }
@@ -78,6 +81,16 @@ impl LoadOptions {
     /// Cache loaded values until `at`.
     pub fn absolute(at: std::time::SystemTime) -> Self {
         Self::new().entry(EntryOptions::new().absolute(at))
+    }
+
+    /// The tags a loaded entry carries (contract §6b.5): at most 16, each 1 to 128
+    /// bytes (else the get-or-set is an argument error naming `tags`, before the loader
+    /// runs). [`Corral::remove_by_tag`](crate::Corral::remove_by_tag) of any of them
+    /// invalidates it in every process; a load that began before that invalidation
+    /// counts as older than it.
+    pub fn tags<T: Into<String>>(mut self, tags: impl IntoIterator<Item = T>) -> Self {
+        self.tags = tags.into_iter().map(Into::into).collect();
+        self
     }
 
     /// How the loaded entry expires.

@@ -26,6 +26,7 @@ pub(crate) mod load;
 pub(crate) mod metrics;
 mod read;
 pub(crate) mod registry;
+pub(crate) mod tags;
 mod typed;
 
 pub use builder::CorralBuilder;
@@ -71,6 +72,8 @@ pub(crate) struct Inner {
     pub(crate) background: Arc<std::sync::atomic::AtomicUsize>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) locks: crate::locks::Locks,
+    /// The tag moments and the generation this process knows (contract §6b.5).
+    pub(crate) tags: Arc<tags::TagState>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -112,13 +115,15 @@ pub(crate) enum L1Fill {
 
 /// Another process's set, removal or load of a key drops this process's L1 copy; a
 /// gap in the announcements drops all of L1.
-pub(crate) fn l1_invalidation(l1: L1, metrics: Arc<Metrics>) -> crate::store::ForeignHook {
+pub(crate) fn l1_invalidation(l1: L1, metrics: Arc<Metrics>, tags: Arc<tags::TagState>) -> crate::store::ForeignHook {
     Arc::new(move |key: Option<String>| match key {
         Some(key) => {
             l1.remove(&key);
             Metrics::bump(&metrics.l1_invalidations);
         }
         None => {
+            // Tag and clear announcements may have been missed too.
+            tags.forget();
             l1.clear();
             Metrics::bump(&metrics.l1_flushes);
         }
@@ -146,13 +151,13 @@ impl Corral {
             Metrics::bump(&self.inner.metrics.l1_hits);
             return Ok(Some(value));
         }
-        let entry = self.entry_of(key)?;
+        let entry = self.entry_of(key).await?;
         let m = &self.inner.metrics;
         let ticket = self.inner.l1.ticket(key);
         match self.l2_read(&entry, now).await? {
-            Some((value, meta)) => {
+            Some((value, meta, stamp)) => {
                 Metrics::bump(&m.l2_hits);
-                self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket)).await?;
+                self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket), stamp).await?;
                 Ok(Some(value))
             }
             None => {
@@ -168,10 +173,50 @@ impl Corral {
     /// [`ErrorKind::InvalidArgument`] naming `key`, `value`, `absolute`, `relative` or
     /// `sliding`; [`ErrorKind::Unavailable`] when the store fails (L1 is then not written).
     pub async fn set(&self, key: &str, value: impl Into<Bytes>, options: EntryOptions) -> Result<()> {
+        self.set_tagged(key, value, options, &[] as &[&str]).await
+    }
+
+    /// As [`set`](Self::set), the entry carrying `tags` (contract §6b.5): at most 16,
+    /// each 1 to 128 bytes. [`remove_by_tag`](Self::remove_by_tag) and
+    /// [`expire_by_tag`](Self::expire_by_tag) of any of them invalidate it in every
+    /// process. No tags: as `set`.
+    ///
+    /// ```no_run
+    /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
+    /// use corral::EntryOptions;
+    /// cache.set_tagged("user:42", b"Ada".to_vec(), EntryOptions::new(), &["users", "team:7"]).await?;
+    /// cache.remove_by_tag("team:7").await?; // user:42 is a miss everywhere now
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`set`](Self::set), and [`ErrorKind::InvalidArgument`] naming `tags`.
+    pub async fn set_tagged(
+        &self,
+        key: &str,
+        value: impl Into<Bytes>,
+        options: EntryOptions,
+        tags: &[impl AsRef<str>],
+    ) -> Result<()> {
         let value = value.into();
         let now = self.inner.clock.now_ms();
-        let plan = self.inner.policy.plan_set(key, value.len(), &options, now)?;
-        let entry = self.entry_of(key)?;
+        let mut plan = self.inner.policy.plan_set(key, value.len(), &options, now)?;
+        let tagged = if tags.is_empty() {
+            None
+        } else {
+            let tagged = crate::guest::policy::Tagged {
+                written_at_ms: now,
+                tags: tags.iter().map(|t| t.as_ref().to_owned()).collect(),
+            };
+            let (header, ttl) = self
+                .inner
+                .policy
+                .tag_plan(&plan.header, plan.store_ttl_ms, &tagged, now)?;
+            plan.header = header;
+            plan.store_ttl_ms = ttl;
+            Some(tagged)
+        };
+        let entry = self.entry_of(key).await?;
         // This process stops serving the old value before the store changes, and other
         // processes hear of the change even if the write's reply never comes.
         self.inner.l1.remove(key);
@@ -186,7 +231,18 @@ impl Corral {
         }
         Metrics::bump(&self.inner.metrics.sets);
         self.announce_change(key).await;
-        self.fill_l1(key, &value, plan.meta, now, L1Fill::Write(ticket))
+        let stamp = match tagged {
+            Some(tagged) => match self.stamp_written(tagged, now).await? {
+                Some(stamp) => Some(stamp),
+                // Already invalidated (a tag's moment at or after this write): not kept.
+                None => {
+                    self.inner.l1.remove(key);
+                    return Ok(());
+                }
+            },
+            None => None,
+        };
+        self.fill_l1(key, &value, plan.meta, now, L1Fill::Write(ticket), stamp)
             .await
     }
 
@@ -241,7 +297,7 @@ impl Corral {
     /// # Errors
     /// As [`get`](Self::get).
     pub async fn refresh(&self, key: &str) -> Result<bool> {
-        let entry = self.entry_of(key)?;
+        let entry = self.entry_of(key).await?;
         let now = self.inner.clock.now_ms();
         Ok(self.l2_read(&entry, now).await?.is_some())
     }
@@ -253,7 +309,7 @@ impl Corral {
     /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
     /// the store fails.
     pub async fn remove(&self, key: &str) -> Result<bool> {
-        let entry = self.entry_of(key)?;
+        let entry = self.entry_of(key).await?;
         self.inner.l1.remove(key);
         // A tombstone, not a delete: a load that began before this removal may not fill
         // over it (contract §5.12).
@@ -283,7 +339,7 @@ impl Corral {
     /// # Errors
     /// As [`remove`](Self::remove).
     pub async fn expire(&self, key: &str) -> Result<bool> {
-        let entry = self.entry_of(key)?;
+        let entry = self.entry_of(key).await?;
         self.inner.l1.remove(key);
         let entries = &self.inner.stores.entries;
         // The bytes always change (a stale rewrite, or a removal's tombstone), so a load
@@ -331,7 +387,7 @@ impl Corral {
     /// # Errors
     /// As [`get`](Self::get).
     pub async fn get_stale(&self, key: &str) -> Result<Option<Served>> {
-        let entry = self.entry_of(key)?;
+        let entry = self.entry_of(key).await?;
         let now = self.inner.clock.now_ms();
         if let Some((value, stale)) = self.inner.l1.get_served(key, now) {
             Metrics::bump(&self.inner.metrics.l1_hits);
@@ -359,7 +415,7 @@ impl Corral {
     /// [`ErrorKind::Corrupt`] when the stored bytes are not an envelope (they are left
     /// in place); otherwise as [`get`](Self::get).
     pub async fn inspect(&self, key: &str) -> Result<Option<Inspection>> {
-        let entry = self.entry_of(key)?;
+        let entry = self.entry_of(key).await?;
         let Some(stored) = self.l2_op(self.inner.stores.entries.get(&entry)).await? else {
             return Ok(None);
         };
@@ -433,7 +489,9 @@ impl Corral {
     /// [`ErrorKind::InvalidArgument`] for a bad key.
     #[cfg(any(test, feature = "test-util"))]
     pub fn entry_name(&self, key: &str) -> Result<String> {
-        self.entry_of(key)
+        self.inner
+            .policy
+            .locate_entry(&self.inner.prefix, key, self.inner.tags.generation_now())
     }
 
     /// The in-memory store, when that is the backend.
@@ -480,14 +538,30 @@ impl Corral {
         e
     }
 
-    /// Checks `key` and names its data in the store (contract §2.4).
-    pub(crate) fn locate(&self, key: &str) -> Result<StoreNames> {
-        self.inner.policy.locate(&self.inner.prefix, key)
+    /// Checks `key` and names its data in the store, in the prefix's current
+    /// generation (contract §2.4, §6b.5).
+    pub(crate) async fn locate(&self, key: &str) -> Result<StoreNames> {
+        let generation = match self.known_generation() {
+            Some(g) => g,
+            None => {
+                self.inner.policy.validate_key(key)?;
+                self.generation().await?
+            }
+        };
+        self.inner.policy.locate(&self.inner.prefix, key, generation)
     }
 
-    /// Checks `key` and names its entry in the store.
-    pub(crate) fn entry_of(&self, key: &str) -> Result<String> {
-        self.inner.policy.locate_entry(&self.inner.prefix, key)
+    /// Checks `key` and names its entry in the store, in the current generation.
+    pub(crate) async fn entry_of(&self, key: &str) -> Result<String> {
+        // The key first: a bad key is an argument error, even with the store down.
+        let generation = match self.known_generation() {
+            Some(g) => g,
+            None => {
+                self.inner.policy.validate_key(key)?;
+                self.generation().await?
+            }
+        };
+        self.inner.policy.locate_entry(&self.inner.prefix, key, generation)
     }
 
     /// Writes `header` then `value` to the entry `name`.
@@ -508,17 +582,23 @@ impl Corral {
         meta: WitMeta,
         now: u64,
         how: L1Fill,
+        stamp: Option<tags::TagStamp>,
     ) -> Result<()> {
         let l1 = &self.inner.l1;
         if !l1.is_on() {
             return Ok(());
         }
-        let until = self.inner.policy.l1_deadline(meta, now, self.inner.l1_ttl_ms)?;
+        let mut until = self.inner.policy.l1_deadline(meta, now, self.inner.l1_ttl_ms)?;
+        // No longer than the tags' moments are known (the guest's `tag-known-until`).
+        let tagged = stamp.and_then(|s| {
+            until = until.min(s.until_ms);
+            s.tagged
+        });
         match how {
             L1Fill::Read(ticket) => {
-                l1.fill(key, value.clone(), until, ticket);
+                l1.fill(key, value.clone(), until, ticket, tagged);
             }
-            L1Fill::Write(ticket) => l1.insert(key, value.clone(), until, ticket),
+            L1Fill::Write(ticket) => l1.insert(key, value.clone(), until, ticket, tagged),
         }
         Ok(())
     }

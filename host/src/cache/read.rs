@@ -19,7 +19,7 @@ use bytes::Bytes;
 
 use super::Corral;
 use super::metrics::Metrics;
-use crate::guest::policy::{NextRead, ReadOutcome, Touch, WitMeta};
+use crate::guest::policy::{NextRead, ReadOutcome, TagVerdict, Touch, WitMeta};
 use crate::{ErrorKind, Result};
 
 /// How each key was last found to need reading: a lossy, lock-free table of guesses.
@@ -114,9 +114,10 @@ impl ReadHints {
 /// What one L2 read found.
 #[derive(Debug)]
 pub(crate) enum L2Read {
-    /// A fresh entry: its value, (touched) metadata, and the bytes the key holds after
-    /// the read (a refresh's fill is fenced on them).
-    Hit(Bytes, WitMeta, Bytes),
+    /// A fresh entry: its value, (touched) metadata, the bytes the key holds after
+    /// the read (a refresh's fill is fenced on them), and, when tagged, what L1 keeps
+    /// of its tags.
+    Hit(Bytes, WitMeta, Bytes, Option<super::tags::TagStamp>),
     /// Nothing fresh. `holds` is what the key holds now as far as this read knows
     /// (nothing, or a removal's tombstone): a fill is fenced on it (contract §5.12).
     Miss { holds: Option<Bytes> },
@@ -149,9 +150,13 @@ impl Corral {
 
     /// Reads the entry `name` at `now`. Returns the value and its (touched) metadata
     /// when fresh.
-    pub(crate) async fn l2_read(&self, name: &str, now: u64) -> Result<Option<(Bytes, WitMeta)>> {
+    pub(crate) async fn l2_read(
+        &self,
+        name: &str,
+        now: u64,
+    ) -> Result<Option<(Bytes, WitMeta, Option<super::tags::TagStamp>)>> {
         Ok(match self.l2_look(name, now).await? {
-            L2Read::Hit(value, meta, _) => Some((value, meta)),
+            L2Read::Hit(value, meta, _, stamp) => Some((value, meta, stamp)),
             L2Read::Miss { .. } | L2Read::Stale { .. } => None,
         })
     }
@@ -192,15 +197,37 @@ impl Corral {
                 holds: (!removed).then_some(stored),
             })
         };
-        match inner.policy.read(&stored, now, slid_ms)? {
+        let mut outcome = inner.policy.read(&stored, now, slid_ms)?;
+        // A tagged entry is judged by its tags' moments too (contract §6b.5).
+        let mut stamp = None;
+        if let ReadOutcome::Fresh(hit) | ReadOutcome::Stale(hit) = &mut outcome
+            && let Some(tagged) = hit.tagged.take()
+        {
+            let (verdict, tags) = self.judge_tagged(tagged, hit.meta, now).await?;
+            match verdict {
+                TagVerdict::Untouched => stamp = Some(tags),
+                TagVerdict::Stale(meta) => {
+                    inner.read_hints.note(name, hint, NextRead::Get);
+                    return Ok(L2Read::Stale {
+                        value: stored.slice(hit.value_offset as usize..),
+                        meta,
+                        holds: stored,
+                    });
+                }
+                TagVerdict::Removed => return remove(stored).await,
+            }
+        }
+        match outcome {
             ReadOutcome::Fresh(hit) => {
                 let value = stored.slice(hit.value_offset as usize..);
                 let ttl = hit.store_ttl_ms;
                 let holds = match hit.touch {
                     Some(Touch::Rewrite(header)) => {
+                        // The fixed header only: the bytes after it (a tagged entry's
+                        // tags, the value) stay as they are.
                         let mut touched = Vec::with_capacity(stored.len());
                         touched.extend_from_slice(&header);
-                        touched.extend_from_slice(&value);
+                        touched.extend_from_slice(&stored[header.len()..]);
                         let touched = Bytes::from(touched);
                         self.owe(name, stored, touched.clone(), ttl).await?;
                         touched
@@ -212,7 +239,7 @@ impl Corral {
                     None => stored,
                 };
                 inner.read_hints.note(name, hint, hit.next_read);
-                Ok(L2Read::Hit(value, hit.meta, holds))
+                Ok(L2Read::Hit(value, hit.meta, holds, stamp))
             }
             ReadOutcome::Stale(hit) => {
                 if let Some(Touch::Expire) = hit.touch {

@@ -97,8 +97,10 @@ pub(crate) use super::bindings::corral::lock::types::Held;
 pub(crate) use super::bindings::exports::corral::cache::flight as wflight;
 pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
+pub(crate) use types::Tagged;
 pub(crate) use wit::{
-    ExpirePlan, Freshness as WitFreshness, NextRead, Plan, ReadOutcome, StoreNames, Touch,
+    ExpirePlan, Freshness as WitFreshness, NextRead, Plan, ReadOutcome, StoreNames, TagMessage, TagMoments,
+    TagVerdict, Touch,
 };
 
 impl Policy {
@@ -279,12 +281,12 @@ impl Policy {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key`.
-    pub(crate) fn locate(&self, prefix: &str, key: &str) -> Result<StoreNames> {
+    pub(crate) fn locate(&self, prefix: &str, key: &str, generation: u64) -> Result<StoreNames> {
         let limits = self.inner.limits;
         self.call(|s| {
             s.guest
                 .corral_cache_policy()
-                .call_locate(&mut s.store, prefix, key, limits)
+                .call_locate(&mut s.store, prefix, key, generation, limits)
         })?
         .map_err(from_wit)
     }
@@ -299,14 +301,108 @@ impl Policy {
     }
 
     /// Checks `key` and names its entry under `prefix` (one name, not four).
-    pub(crate) fn locate_entry(&self, prefix: &str, key: &str) -> Result<String> {
+    pub(crate) fn locate_entry(&self, prefix: &str, key: &str, generation: u64) -> Result<String> {
         let limits = self.inner.limits;
         self.call(|s| {
             s.guest
                 .corral_cache_policy()
-                .call_locate_entry(&mut s.store, prefix, key, limits)
+                .call_locate_entry(&mut s.store, prefix, key, generation, limits)
         })?
         .map_err(from_wit)
+    }
+
+    /// Checks an entry's tags (contract §6b.5): an argument error naming `tags`.
+    pub(crate) fn check_tags(&self, tags: &[String]) -> Result<()> {
+        self.call(|s| s.guest.corral_cache_policy().call_check_tags(&mut s.store, tags))?
+            .map_err(from_wit)
+    }
+
+    /// A tagged write's header and store TTL.
+    pub(crate) fn tag_plan(&self, header: &[u8], store_ttl_ms: u64, tagged: &Tagged, now_ms: u64) -> Result<(Vec<u8>, u64)> {
+        let limits = self.inner.limits;
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_tag_plan(&mut s.store, header, store_ttl_ms, tagged, now_ms, limits)
+        })?
+        .map_err(from_wit)
+    }
+
+    /// What a tagged entry's tags' moments say about it.
+    pub(crate) fn judge_tags(&self, tagged: &Tagged, meta: WitMeta, moments: &[TagMoments], now_ms: u64) -> Result<TagVerdict> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_judge_tags(&mut s.store, tagged, meta, moments, now_ms)
+        })
+    }
+
+    /// The moments a tag key holds.
+    pub(crate) fn tag_moments_of(&self, stored: Option<&[u8]>) -> Result<TagMoments> {
+        self.call(|s| s.guest.corral_cache_policy().call_tag_moments_of(&mut s.store, stored))
+    }
+
+    /// What an invalidation writes over a tag key holding `stored`.
+    pub(crate) fn tag_update(&self, stored: Option<&[u8]>, remove: bool, now_ms: u64) -> Result<(TagMoments, Vec<u8>)> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_tag_update(&mut s.store, stored, remove, now_ms)
+        })
+    }
+
+    /// Until when moments read at `now_ms` may be kept.
+    pub(crate) fn tag_known_until(&self, now_ms: u64, l1_ttl_ms: u64) -> Result<u64> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_tag_known_until(&mut s.store, now_ms, l1_ttl_ms)
+        })
+    }
+
+    /// The store TTL of a tag key or a generation counter.
+    pub(crate) fn tag_state_ttl(&self, now_ms: u64) -> Result<u64> {
+        self.call(|s| s.guest.corral_cache_policy().call_tag_state_ttl(&mut s.store, now_ms))
+    }
+
+    /// Where `tag`'s moments live under `prefix`.
+    pub(crate) fn locate_tag(&self, prefix: &str, tag: &str) -> Result<String> {
+        self.call(|s| s.guest.corral_cache_policy().call_locate_tag(&mut s.store, prefix, tag))?
+            .map_err(from_wit)
+    }
+
+    /// The generation counter of `prefix`.
+    pub(crate) fn generation_name(&self, prefix: &str) -> Result<String> {
+        self.call(|s| s.guest.corral_cache_policy().call_generation_name(&mut s.store, prefix))
+    }
+
+    /// The generation a counter holding `stored` says.
+    pub(crate) fn generation_of(&self, stored: Option<&[u8]>) -> Result<u64> {
+        self.call(|s| s.guest.corral_cache_policy().call_generation_of(&mut s.store, stored))
+    }
+
+    /// What `clear` writes over a counter holding `stored`, and the new generation.
+    pub(crate) fn next_generation(&self, stored: Option<&[u8]>) -> Result<(Vec<u8>, u64)> {
+        self.call(|s| s.guest.corral_cache_policy().call_next_generation(&mut s.store, stored))
+    }
+
+    /// The tag and clear channel of `prefix`.
+    pub(crate) fn invalidation_channel(&self, prefix: &str) -> Result<String> {
+        self.call(|s| s.guest.corral_cache_policy().call_invalidation_channel(&mut s.store, prefix))
+    }
+
+    /// A tag or clear announcement's text.
+    pub(crate) fn encode_message(&self, origin: &str, message: &TagMessage) -> Result<String> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_encode_message(&mut s.store, origin, message)
+        })
+    }
+
+    /// Reads a tag or clear announcement.
+    pub(crate) fn decode_message(&self, text: &str) -> Result<Option<(String, TagMessage)>> {
+        self.call(|s| s.guest.corral_cache_policy().call_decode_message(&mut s.store, text))
     }
 
     /// The landing channel of `prefix`.

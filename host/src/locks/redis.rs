@@ -317,6 +317,7 @@ impl RedisLocks {
             Arc::new(arc_swap::ArcSwap::from_pointee(link.clone())),
             options,
             channel,
+            policy.invalidation_channel(prefix)?,
             Arc::new(std::sync::atomic::AtomicU64::new(0)),
         );
         let server = Server::shared(options, link);
@@ -352,7 +353,7 @@ impl RedisLocks {
     /// The lock's and its fencing counter's names: one hash slot, so every script that
     /// touches both is single-slot on a Redis Cluster.
     fn names(&self, key: &str) -> Result<[String; 2]> {
-        let n = self.inner.policy.locate(&self.inner.prefix, key)?;
+        let n = self.inner.policy.locate(&self.inner.prefix, key, 0)?;
         Ok([n.lock, n.fence])
     }
 

@@ -279,6 +279,10 @@ impl l1::Host for &mut PortableState {
     fn delete(&mut self, key: String) {
         self.backend.l1.invalidate(&key);
     }
+
+    fn clear(&mut self) {
+        self.backend.l1.invalidate_all();
+    }
 }
 
 impl l2::Host for &mut PortableState {

@@ -446,6 +446,57 @@ impl PortableCache {
         .await
     }
 
+    /// As [`Corral::set_tagged`](crate::Corral::set_tagged).
+    ///
+    /// # Errors
+    /// As [`Corral::set_tagged`](crate::Corral::set_tagged).
+    pub async fn set_tagged(
+        &self,
+        key: &str,
+        value: impl Into<Vec<u8>>,
+        options: EntryOptions,
+        tags: &[impl AsRef<str>],
+    ) -> Result<()> {
+        let (key, value) = (key.to_owned(), value.into());
+        let options = options_in(&options);
+        let tags: Vec<String> = tags.iter().map(|t| t.as_ref().to_owned()).collect();
+        self.call(move |s| {
+            s.guest
+                .corral_cache_cache()
+                .call_set_tagged(&mut s.store, &key, &value, options, &tags)
+        })
+        .await
+    }
+
+    /// As [`Corral::remove_by_tag`](crate::Corral::remove_by_tag), in the component.
+    ///
+    /// # Errors
+    /// As [`Corral::remove_by_tag`](crate::Corral::remove_by_tag).
+    pub async fn remove_by_tag(&self, tag: &str) -> Result<()> {
+        let tag = tag.to_owned();
+        self.call(move |s| s.guest.corral_cache_cache().call_remove_by_tag(&mut s.store, &tag))
+            .await
+    }
+
+    /// As [`Corral::expire_by_tag`](crate::Corral::expire_by_tag), in the component.
+    ///
+    /// # Errors
+    /// As [`Corral::expire_by_tag`](crate::Corral::expire_by_tag).
+    pub async fn expire_by_tag(&self, tag: &str) -> Result<()> {
+        let tag = tag.to_owned();
+        self.call(move |s| s.guest.corral_cache_cache().call_expire_by_tag(&mut s.store, &tag))
+            .await
+    }
+
+    /// As [`Corral::clear`](crate::Corral::clear), in the component.
+    ///
+    /// # Errors
+    /// As [`Corral::clear`](crate::Corral::clear).
+    pub async fn clear(&self) -> Result<()> {
+        self.call(move |s| s.guest.corral_cache_cache().call_clear(&mut s.store))
+            .await
+    }
+
     /// As [`Corral::refresh`](crate::Corral::refresh).
     ///
     /// # Errors
@@ -490,6 +541,24 @@ impl PortableCache {
         loader: impl FnMut(&str) -> std::result::Result<Vec<u8>, String> + Send + 'static,
         should_cache: impl Fn(&[u8]) -> bool + Send + 'static,
     ) -> Result<Bytes> {
+        self.get_or_set_tagged(key, options, bypass, &[] as &[&str], loader, should_cache)
+            .await
+    }
+
+    /// As [`get_or_set`](Self::get_or_set), a loaded entry carrying `tags`.
+    ///
+    /// # Errors
+    /// As [`get_or_set`](Self::get_or_set), and [`ErrorKind::InvalidArgument`] naming `tags`.
+    pub async fn get_or_set_tagged(
+        &self,
+        key: &str,
+        options: EntryOptions,
+        bypass: bool,
+        tags: &[impl AsRef<str>],
+        loader: impl FnMut(&str) -> std::result::Result<Vec<u8>, String> + Send + 'static,
+        should_cache: impl Fn(&[u8]) -> bool + Send + 'static,
+    ) -> Result<Bytes> {
+        let tags: Vec<String> = tags.iter().map(|t| t.as_ref().to_owned()).collect();
         let key = key.to_owned();
         let options = options_in(&options);
         let call = CallState {
@@ -501,7 +570,7 @@ impl PortableCache {
             .call_with(call, move |s| {
                 s.guest
                     .corral_cache_cache()
-                    .call_get_or_set(&mut s.store, &key, options, bypass)
+                    .call_get_or_set_tagged(&mut s.store, &key, options, bypass, &tags)
             })
             .await?;
         Ok(Bytes::from(v))

@@ -31,7 +31,16 @@ pub(crate) struct L1Entry {
     pub(crate) stale: bool,
     /// When an eager refresh falls due (contract §6b.3), until one is started.
     pub(crate) refresh_at_ms: Option<u64>,
+    /// A tagged entry: the tag epoch it was judged in (see [`L1Tagged`]).
+    pub(crate) tagged: L1Tagged,
 }
+
+/// What L1 keeps of a tagged entry (contract §6b.5): the tag epoch in which the guest
+/// judged its tags (`None`: untagged). Any invalidation this process hears of moves the
+/// epoch on, and a hit of an entry judged in an older epoch is a miss: the read goes to
+/// L2 and the guest judges it again. A hit in the same epoch needs no judgement (one
+/// atomic load), which is what keeps a tagged hit as cheap as an untagged one.
+pub(crate) type L1Tagged = Option<u64>;
 
 /// What a reader saw of a key's writes before it read L2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +61,8 @@ struct Epochs {
     hasher: BuildHasherDefault<DefaultHasher>,
     /// Bumped by every clear.
     all: AtomicU64,
+    /// Bumped whenever this process learns of a tag invalidation (contract §6b.5).
+    tags: AtomicU64,
     /// Bumped by every write of a key hashing here.
     stripes: Box<[AtomicU64]>,
 }
@@ -76,6 +87,7 @@ impl L1 {
             epochs: Arc::new(Epochs {
                 hasher: BuildHasherDefault::default(),
                 all: AtomicU64::new(0),
+                tags: AtomicU64::new(1),
                 stripes: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
             }),
         }
@@ -91,7 +103,7 @@ impl L1 {
     /// ([`get_served`](Self::get_served)).
     pub(crate) fn get(&self, key: &str, now_ms: u64) -> Option<Bytes> {
         let entry = self.cache.as_ref()?.get(key)?;
-        (now_ms < entry.until_ms && !entry.stale).then_some(entry.value)
+        (now_ms < entry.until_ms && !entry.stale && self.judged_now(&entry)).then_some(entry.value)
     }
 
     /// As [`get`](Self::get), saying whether the value is a stale copy fail-safe served.
@@ -102,7 +114,25 @@ impl L1 {
     /// The whole entry of `key`, if still servable at `now_ms`.
     pub(crate) fn get_entry(&self, key: &str, now_ms: u64) -> Option<L1Entry> {
         let entry = self.cache.as_ref()?.get(key)?;
-        (now_ms < entry.until_ms).then_some(entry)
+        (now_ms < entry.until_ms && self.judged_now(&entry)).then_some(entry)
+    }
+
+    /// Whether an entry's tags (if any) were judged in the current tag epoch.
+    fn judged_now(&self, entry: &L1Entry) -> bool {
+        entry
+            .tagged
+            .is_none_or(|epoch| epoch == self.epochs.tags.load(Ordering::Acquire))
+    }
+
+    /// The tag epoch, read before the moments a judgement uses.
+    pub(crate) fn tag_epoch(&self) -> u64 {
+        self.epochs.tags.load(Ordering::Acquire)
+    }
+
+    /// This process learnt of a tag invalidation (after updating the moments it keeps):
+    /// every tagged entry must be judged again before L1 serves it.
+    pub(crate) fn bump_tags(&self) {
+        self.epochs.tags.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Clears `key`'s refresh moment (a refresh was started): this process starts no
@@ -127,7 +157,7 @@ impl L1 {
 
     /// Fills `key` with what was read after `ticket`, unless the key was written in
     /// this process since; says whether it filled.
-    pub(crate) fn fill(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket) -> bool {
+    pub(crate) fn fill(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket, tagged: L1Tagged) -> bool {
         self.fill_entry(
             key,
             L1Entry {
@@ -135,6 +165,7 @@ impl L1 {
                 until_ms,
                 stale: false,
                 refresh_at_ms: None,
+                tagged,
             },
             ticket,
         )
@@ -164,7 +195,7 @@ impl L1 {
     /// written again in this process since the ticket (another set, an invalidation from
     /// another process), this value may be older than that one, and the key is dropped
     /// instead.
-    pub(crate) fn insert(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket) {
+    pub(crate) fn insert(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket, tagged: L1Tagged) {
         let Some(cache) = &self.cache else {
             return;
         };
@@ -180,6 +211,7 @@ impl L1 {
                     until_ms,
                     stale: false,
                     refresh_at_ms: None,
+                    tagged,
                 })
             } else {
                 Op::Remove
@@ -224,28 +256,42 @@ mod tests {
     fn a_fill_never_replaces_a_write_made_after_its_ticket() {
         let l1 = L1::new(100, Duration::from_secs(60));
         let ticket = l1.ticket("k");
-        l1.insert("k", Bytes::from_static(b"newer"), u64::MAX, l1.ticket("k"));
-        assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket));
+        l1.insert("k", Bytes::from_static(b"newer"), u64::MAX, l1.ticket("k"), None);
+        assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket, None));
         assert_eq!(l1.get("k", 0).as_deref(), Some(&b"newer"[..]));
 
         // A set whose L2 write was overtaken in this process (another set, or another
         // process's invalidation, came in between) does not install its older value.
         let before_write = l1.ticket("k");
         l1.remove("k");
-        l1.insert("k", Bytes::from_static(b"late set"), u64::MAX, before_write);
+        l1.insert("k", Bytes::from_static(b"late set"), u64::MAX, before_write, None);
         assert_eq!(l1.get("k", 0), None);
 
         let ticket = l1.ticket("k");
         l1.remove("k");
-        assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket));
+        assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket, None));
         assert_eq!(l1.get("k", 0), None);
 
         let ticket = l1.ticket("k");
         l1.clear();
-        assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket));
+        assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket, None));
 
         let ticket = l1.ticket("k");
-        assert!(l1.fill("k", Bytes::from_static(b"fresh"), u64::MAX, ticket));
+        assert!(l1.fill("k", Bytes::from_static(b"fresh"), u64::MAX, ticket, None));
         assert_eq!(l1.get("k", 0).as_deref(), Some(&b"fresh"[..]));
+    }
+
+    #[test]
+    fn a_tagged_entry_is_served_only_in_the_tag_epoch_it_was_judged_in() {
+        let l1 = L1::new(100, Duration::from_secs(60));
+        l1.fill("k", Bytes::from_static(b"v"), u64::MAX, l1.ticket("k"), Some(l1.tag_epoch()));
+        l1.fill("u", Bytes::from_static(b"u"), u64::MAX, l1.ticket("u"), None);
+        assert!(l1.get("k", 0).is_some());
+        l1.bump_tags();
+        assert_eq!(l1.get("k", 0), None, "judged before an invalidation: a miss");
+        assert_eq!(l1.get_served("k", 0), None);
+        assert!(l1.get("u", 0).is_some(), "untagged entries are untouched");
+        l1.fill("k", Bytes::from_static(b"v"), u64::MAX, l1.ticket("k"), Some(l1.tag_epoch()));
+        assert!(l1.get("k", 0).is_some(), "judged again");
     }
 }

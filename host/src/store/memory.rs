@@ -56,6 +56,8 @@ struct Inner {
     started: AtomicU64,
     removed: AtomicU64,
     runs: watch::Sender<u64>,
+    /// The caches over this store that hear tag and clear announcements.
+    invalidation_hooks: Mutex<Vec<super::InvalidationHook>>,
 }
 
 /// What the background invalidation has done so far.
@@ -98,6 +100,7 @@ impl MemoryStore {
                 started: AtomicU64::new(0),
                 removed: AtomicU64::new(0),
                 runs: watch::channel(0).0,
+                invalidation_hooks: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -342,6 +345,18 @@ impl Notifications for MemoryStore {
     fn announce<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<()>> {
         self.inner.landings.announce(key);
         ready(Ok(())).boxed()
+    }
+
+    fn publish_invalidation<'a>(&'a self, text: &'a str) -> BoxFuture<'a, Result<()>> {
+        let hooks = self.inner.invalidation_hooks.lock().clone();
+        for hook in hooks {
+            hook(text);
+        }
+        ready(Ok(())).boxed()
+    }
+
+    fn on_invalidation(&self, hook: super::InvalidationHook) {
+        self.inner.invalidation_hooks.lock().push(hook);
     }
 }
 

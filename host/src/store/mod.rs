@@ -135,6 +135,10 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
 /// when anything may have changed (the channel was re-established after a gap).
 pub type ForeignHook = Arc<dyn Fn(Option<String>) + Send + Sync>;
 
+/// What a cache does with a tag or clear announcement (contract §6b.5): the message's
+/// text, as published, for the cache (its guest) to read. Stores only carry it.
+pub type InvalidationHook = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// Landings: a key changed, or a loaded value landed, in some process sharing the store.
 pub trait Notifications: Send + Sync + fmt::Debug + 'static {
     /// Registers interest in the next landing of `key` in any process sharing the
@@ -148,6 +152,19 @@ pub trait Notifications: Send + Sync + fmt::Debug + 'static {
     /// Calls `hook` with the key of every landing another process announces, and with
     /// `None` whenever announcements may have been missed.
     fn on_foreign(&self, hook: ForeignHook) {
+        let _ = hook;
+    }
+
+    /// Tells every process sharing the store (this one included) of a tag or clear
+    /// announcement (contract §6b.5); a store without a channel for them does nothing.
+    fn publish_invalidation<'a>(&'a self, text: &'a str) -> BoxFuture<'a, Result<()>> {
+        let _ = text;
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    /// Calls `hook` with the text of every tag or clear announcement, this process's
+    /// own included (the cache tells them apart).
+    fn on_invalidation(&self, hook: InvalidationHook) {
         let _ = hook;
     }
 }
@@ -185,7 +202,8 @@ impl Stores {
         #[cfg(feature = "redis")]
         if let Some(options) = redis {
             let channel = policy.channel(&options.prefix)?;
-            let store = redis::RedisStore::connect(options, policy.scripts(), channel)?;
+            let invalidations = policy.invalidation_channel(&options.prefix)?;
+            let store = redis::RedisStore::connect(options, policy.scripts(), channel, invalidations)?;
             return Ok((options.prefix.clone(), Stores::redis(store)));
         }
         let _ = policy;

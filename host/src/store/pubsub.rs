@@ -26,7 +26,7 @@ use arc_swap::ArcSwap;
 
 use super::link::{Link, cluster_nodes, pubsub_on};
 use super::redis::RedisOptions;
-use super::{ForeignHook, LandingWatch, Landings, Notifications};
+use super::{ForeignHook, InvalidationHook, LandingWatch, Landings, Notifications};
 use crate::{Error, Result};
 
 /// How often an idle subscription is checked with a `PING`.
@@ -49,6 +49,8 @@ struct Shared {
     /// The store's command link (announcements go there; replaced when it hangs).
     commands_conn: Arc<ArcSwap<Link>>,
     channel: String,
+    /// The prefix's tag and clear channel (contract §6b.5), on the same subscription.
+    invalidations: String,
     /// This store's name on the channel, so it can tell its own messages apart.
     origin: String,
     landings: Landings,
@@ -57,6 +59,7 @@ struct Shared {
     /// Set once the first subscription attempt ended, either way.
     first_attempt: tokio::sync::watch::Sender<bool>,
     on_foreign: OnceLock<ForeignHook>,
+    on_invalidation: OnceLock<InvalidationHook>,
     commands: Arc<AtomicU64>,
     connect_timeout: Duration,
     response_timeout: Duration,
@@ -79,6 +82,7 @@ impl RedisNotifications {
         commands_conn: Arc<ArcSwap<Link>>,
         options: &RedisOptions,
         channel: String,
+        invalidations: String,
         commands: Arc<AtomicU64>,
     ) -> Self {
         let shared = Arc::new(Shared {
@@ -86,11 +90,13 @@ impl RedisNotifications {
             current: std::sync::atomic::AtomicUsize::new(0),
             commands_conn,
             channel,
+            invalidations,
             origin: crate::lock_token(),
             landings: Landings::default(),
             live: AtomicBool::new(false),
             first_attempt: tokio::sync::watch::channel(false).0,
             on_foreign: OnceLock::new(),
+            on_invalidation: OnceLock::new(),
             commands,
             connect_timeout: options.connect_timeout,
             response_timeout: options.response_timeout,
@@ -154,7 +160,10 @@ async fn subscribe(shared: &Shared) -> Result<(redis::aio::PubSubSink, redis::ai
             pubsub_on(&nodes, 0, shared.connect_timeout).await?.1
         }
     };
-    tokio::time::timeout(shared.response_timeout, pubsub.subscribe(&shared.channel))
+    tokio::time::timeout(
+        shared.response_timeout,
+        pubsub.subscribe(&[shared.channel.as_str(), shared.invalidations.as_str()]),
+    )
         .await
         .map_err(|_| timed_out("SUBSCRIBE"))?
         .map_err(|e| Error::unavailable("redis SUBSCRIBE failed", e))?;
@@ -171,8 +180,14 @@ async fn listen(weak: &Weak<Shared>, mut sink: redis::aio::PubSubSink, mut strea
             msg = stream.next() => {
                 let Some(msg) = msg else { return };
                 let Some(shared) = weak.upgrade() else { return };
-                // "{origin} {key}": the key may hold spaces, the origin never does.
                 let Ok(payload) = msg.get_payload::<String>() else { continue };
+                if msg.get_channel_name() == shared.invalidations {
+                    if let Some(hook) = shared.on_invalidation.get() {
+                        hook(&payload);
+                    }
+                    continue;
+                }
+                // "{origin} {key}": the key may hold spaces, the origin never does.
                 let Some((from, key)) = payload.split_once(' ') else { continue };
                 shared.landings.announce(key);
                 if from != shared.origin
@@ -231,5 +246,24 @@ impl Notifications for RedisNotifications {
 
     fn on_foreign(&self, hook: ForeignHook) {
         let _ = self.shared.on_foreign.set(hook);
+    }
+
+    fn publish_invalidation<'a>(&'a self, text: &'a str) -> BoxFuture<'a, Result<()>> {
+        async move {
+            let shared = &self.shared;
+            shared.commands.fetch_add(1, Ordering::Relaxed);
+            let mut conn = Link::clone(&shared.commands_conn.load());
+            redis::cmd("PUBLISH")
+                .arg(&shared.invalidations)
+                .arg(text)
+                .query_async::<()>(&mut conn)
+                .await
+                .map_err(|e| Error::unavailable("redis PUBLISH failed", e))
+        }
+        .boxed()
+    }
+
+    fn on_invalidation(&self, hook: InvalidationHook) {
+        let _ = self.shared.on_invalidation.set(hook);
     }
 }

@@ -190,13 +190,30 @@ async fn run_step(
     let owner = step["owner"].as_str().unwrap_or_default();
     let value = step["value"].as_str().unwrap_or_default().as_bytes().to_vec();
     let now = clock.now_ms();
+    let tags: Vec<String> = step["tags"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|t| t.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default();
+    let tag = step["tag"].as_str().unwrap_or_default();
     let got = match (step["op"].as_str().context("op")?, body) {
         ("advance", _) => {
             clock.advance(Duration::from_millis(step["ms"].as_u64().context("ms")?));
             return Ok(None);
         }
+        ("set", Body::Native { cache, .. }) if !tags.is_empty() => {
+            done(cache.set_tagged(key, value, options(step, now), &tags).await)
+        }
+        ("set", Body::Portable(p)) if !tags.is_empty() => {
+            done(p.set_tagged(key, value, options(step, now), &tags).await)
+        }
         ("set", Body::Native { cache, .. }) => done(cache.set(key, value, options(step, now)).await),
         ("set", Body::Portable(p)) => done(p.set(key, value, options(step, now)).await),
+        ("remove_by_tag", Body::Native { cache, .. }) => done(cache.remove_by_tag(tag).await),
+        ("remove_by_tag", Body::Portable(p)) => done(p.remove_by_tag(tag).await),
+        ("expire_by_tag", Body::Native { cache, .. }) => done(cache.expire_by_tag(tag).await),
+        ("expire_by_tag", Body::Portable(p)) => done(p.expire_by_tag(tag).await),
+        ("clear", Body::Native { cache, .. }) => done(cache.clear().await),
+        ("clear", Body::Portable(p)) => done(p.clear().await),
         ("get", Body::Native { cache, .. }) => outcome(cache.get(key).await.map(text)),
         ("get", Body::Portable(p)) => outcome(p.get(key).await.map(text)),
         ("refresh", Body::Native { cache, .. }) => outcome(cache.refresh(key).await),
@@ -221,6 +238,7 @@ async fn run_step(
                     let o = LoadOptions::new()
                         .entry(options(step, now))
                         .bypass(bypass)
+                        .tags(tags.clone())
                         .should_cache(move |_| cacheable);
                     let load = move || async move {
                         counter.fetch_add(1, Ordering::SeqCst);
@@ -245,7 +263,7 @@ async fn run_step(
                         clock.advance(takes);
                         loaded.clone()
                     };
-                    p.get_or_set(key, options(step, now), bypass, load, move |_| cacheable)
+                    p.get_or_set_tagged(key, options(step, now), bypass, &tags, load, move |_| cacheable)
                         .await
                 }
             };
@@ -497,7 +515,7 @@ macro_rules! vector_files {
     };
 }
 
-vector_files!(coalescing, errors, expiry, freshness, get_or_set, keys, locks);
+vector_files!(coalescing, errors, expiry, freshness, get_or_set, keys, locks, tags);
 
 /// As wasmtime's `assert_test_exists`: a vector file without tests fails here.
 #[test]

@@ -1,0 +1,380 @@
+//! Tags and clear in the native body (contract §6b.5). The guest decides every rule
+//! (`corral-core`'s `tags`: the envelope's tag section, the moments, the verdict, the
+//! generation in the names, the announcements); this file performs the I/O:
+//!
+//! - the moments of each tag this process judged an entry by, kept in a small map
+//!   until the guest's `tag-known-until` (the L1 TTL), merged forward with what
+//!   announcements say, and forgotten with L1 when the subscription had a gap;
+//! - the prefix's generation, read once and then kept as long (an announced clear
+//!   moves it at once);
+//! - `remove_by_tag`, `expire_by_tag` and `clear`: one compare-and-set on one small
+//!   key, then an announcement on the prefix's invalidation channel. No key is scanned.
+//!
+//! L1 serves a tagged entry only in the tag epoch it was judged in ([`L1Tagged`]): an
+//! invalidation this process hears of moves the epoch on, and the next hit of every
+//! tagged entry is judged again (through L2).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+
+use super::Corral;
+use super::metrics::Metrics;
+use crate::clock::Clock;
+use crate::guest::Policy;
+use crate::guest::policy::{TagMessage, TagMoments, TagVerdict, Tagged, WitMeta};
+use crate::store::l1::{L1, L1Tagged};
+use crate::{Error, ErrorKind, Result};
+
+/// How many times an invalidation reads and writes its key again when another write
+/// came between its read and its compare-and-set.
+const CAS_TRIES: usize = 32;
+
+/// What this process knows of its prefix's tags and generation.
+pub(crate) struct TagState {
+    /// Per tag: its moments, and until when they may be kept without hearing again.
+    moments: Mutex<HashMap<String, (TagMoments, u64)>>,
+    /// The prefix's generation as last known.
+    generation: AtomicU64,
+    /// Until when it may be kept (0: read it before the next use).
+    generation_until: AtomicU64,
+    /// This cache's name on the invalidation channel (its own messages are not news).
+    origin: String,
+}
+
+impl std::fmt::Debug for TagState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TagState")
+            .field("tags", &self.moments.lock().len())
+            .field("generation", &self.generation.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl TagState {
+    pub(crate) fn new() -> Self {
+        TagState {
+            moments: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
+            generation_until: AtomicU64::new(0),
+            origin: crate::lock_token(),
+        }
+    }
+
+    /// Announcements may have been missed: everything kept is read again.
+    pub(crate) fn forget(&self) {
+        self.moments.lock().clear();
+        self.generation_until.store(0, Ordering::Release);
+    }
+
+    /// The generation as last known (no I/O).
+    #[cfg_attr(not(any(test, feature = "test-util")), allow(dead_code))]
+    pub(crate) fn generation_now(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Keeps `moments` of `tag` until `until`, merged with what is kept; says whether
+    /// that moved a moment (the L1 tag epoch must then move on).
+    fn learn(&self, tag: &str, moments: TagMoments, until: u64) -> bool {
+        let mut map = self.moments.lock();
+        match map.get_mut(tag) {
+            Some((kept, kept_until)) => {
+                let merged = TagMoments {
+                    removed_ms: kept.removed_ms.max(moments.removed_ms),
+                    expired_ms: kept.expired_ms.max(moments.expired_ms),
+                };
+                let moved = merged != *kept;
+                *kept = merged;
+                *kept_until = (*kept_until).max(until);
+                moved
+            }
+            None => {
+                // New to the map: no entry L1 holds was judged by it (the map only
+                // forgets with L1), so the epoch need not move.
+                map.insert(tag.to_owned(), (moments, until));
+                false
+            }
+        }
+    }
+
+    fn kept(&self, tag: &str, now: u64) -> Option<(TagMoments, u64)> {
+        self.moments
+            .lock()
+            .get(tag)
+            .copied()
+            .filter(|(_, until)| now < *until)
+    }
+}
+
+/// The hook that hears tag and clear announcements (this process's own included).
+pub(crate) fn invalidation_hook(
+    state: Arc<TagState>,
+    policy: Policy,
+    l1: L1,
+    clock: Arc<dyn Clock>,
+    l1_ttl_ms: u64,
+    metrics: Arc<Metrics>,
+) -> crate::store::InvalidationHook {
+    Arc::new(move |text: &str| {
+        let Ok(Some((origin, message))) = policy.decode_message(text) else {
+            return;
+        };
+        if origin == state.origin {
+            return;
+        }
+        let now = clock.now_ms();
+        match message {
+            TagMessage::Tag((tag, moments)) => {
+                let until = policy
+                    .tag_known_until(now, l1_ttl_ms)
+                    .unwrap_or(now);
+                if state.learn(&tag, moments, until) {
+                    l1.bump_tags();
+                }
+                Metrics::bump(&metrics.l1_invalidations);
+            }
+            TagMessage::Clear(generation) => {
+                if generation > state.generation.load(Ordering::Acquire) {
+                    state.generation.fetch_max(generation, Ordering::AcqRel);
+                    let until = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
+                    state.generation_until.store(until, Ordering::Release);
+                }
+                l1.clear();
+                Metrics::bump(&metrics.l1_flushes);
+            }
+        }
+    })
+}
+
+/// A tagged entry as L1 keeps it, and until when its tags' moments are known.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TagStamp {
+    pub(crate) tagged: L1Tagged,
+    pub(crate) until_ms: u64,
+}
+
+impl Corral {
+    /// The generation, if it is known now (no I/O).
+    pub(crate) fn known_generation(&self) -> Option<u64> {
+        let state = &self.inner.tags;
+        (self.inner.clock.now_ms() < state.generation_until.load(Ordering::Acquire))
+            .then(|| state.generation.load(Ordering::Acquire))
+    }
+
+    /// The prefix's generation: kept, or read from the store when not known (at the
+    /// start, after a gap in announcements, or once the L1 TTL passed since).
+    pub(crate) async fn generation(&self) -> Result<u64> {
+        let state = &self.inner.tags;
+        let now = self.inner.clock.now_ms();
+        if now < state.generation_until.load(Ordering::Acquire) {
+            return Ok(state.generation.load(Ordering::Acquire));
+        }
+        let policy = &self.inner.policy;
+        let name = policy.generation_name(&self.inner.prefix)?;
+        let stored = self.l2_op(self.inner.stores.entries.get(&name)).await?;
+        let g = policy.generation_of(stored.as_deref())?;
+        let until = policy.tag_known_until(now, self.inner.l1_ttl_ms)?;
+        let before = state.generation.swap(g, Ordering::AcqRel);
+        state.generation_until.store(until, Ordering::Release);
+        if before != g {
+            // Another process cleared (or the counter was lost): L1 was judged by the
+            // names of another generation.
+            self.inner.l1.clear();
+        }
+        Ok(g)
+    }
+
+    /// The moments of `tags` at `now`, and until when all of them are known: kept ones,
+    /// else read from the store (one read per tag not kept).
+    async fn moments_of(&self, tags: &[String], now: u64) -> Result<(Vec<TagMoments>, u64)> {
+        let inner = &*self.inner;
+        let mut out = Vec::with_capacity(tags.len());
+        let mut until_all = u64::MAX;
+        for tag in tags {
+            let (moments, until) = match inner.tags.kept(tag, now) {
+                Some(kept) => kept,
+                None => {
+                    let name = inner.policy.locate_tag(&inner.prefix, tag)?;
+                    let stored = self.l2_op(inner.stores.entries.get(&name)).await?;
+                    let moments = inner.policy.tag_moments_of(stored.as_deref())?;
+                    let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
+                    if inner.tags.learn(tag, moments, until) {
+                        inner.l1.bump_tags();
+                    }
+                    inner.tags.kept(tag, now).unwrap_or((moments, until))
+                }
+            };
+            until_all = until_all.min(until);
+            out.push(moments);
+        }
+        Ok((out, until_all))
+    }
+
+    /// Judges a tagged entry (metadata `meta`) by its tags at `now`: the guest's
+    /// verdict, and what L1 keeps of it if it is untouched. The tag epoch is read
+    /// before the moments, so an invalidation heard meanwhile is not missed.
+    pub(crate) async fn judge_tagged(&self, tagged: Tagged, meta: WitMeta, now: u64) -> Result<(TagVerdict, TagStamp)> {
+        let epoch = self.inner.l1.tag_epoch();
+        let (moments, until_ms) = self.moments_of(&tagged.tags, now).await?;
+        let verdict = self.inner.policy.judge_tags(&tagged, meta, &moments, now)?;
+        Ok((verdict, TagStamp {
+            tagged: Some(epoch),
+            until_ms,
+        }))
+    }
+
+    /// Judges a value this process just wrote with `tagged` (a set, or a load that began
+    /// at `tagged.written_at_ms`): what L1 may keep of it, if anything.
+    pub(crate) async fn stamp_written(&self, tagged: Tagged, now: u64) -> Result<Option<TagStamp>> {
+        // Whether any tag touches it is all that matters here: a touched value is not
+        // kept in L1 (the next read judges it in L2).
+        let meta = WitMeta {
+            absolute_ms: None,
+            sliding_ms: None,
+            expires_at_ms: u64::MAX,
+            stale_ms: None,
+        };
+        let (verdict, stamp) = self.judge_tagged(tagged, meta, now).await?;
+        Ok(matches!(verdict, TagVerdict::Untouched).then_some(stamp))
+    }
+
+    /// Every entry carrying `tag`, in every process sharing the store, is removed: a
+    /// miss from now on (contract §6b.5). No key is scanned: the tag's one small key
+    /// gets the moment, the other processes hear of it on the invalidation channel
+    /// (and drop what their L1 holds of it), and every reader compares. Returns once
+    /// the announcement is published (or the store timeout passed: it is then retried
+    /// in the background for the L1 TTL, after which no process serves the entries from
+    /// L1 any more).
+    ///
+    /// An entry written at or before this moment (by the writer's clock) is removed:
+    /// one written in the same millisecond counts as older.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] naming `tag` (empty, or over 128 bytes);
+    /// [`ErrorKind::Unavailable`] when the store fails.
+    pub async fn remove_by_tag(&self, tag: &str) -> Result<()> {
+        self.invalidate_tag(tag, true).await
+    }
+
+    /// Every entry carrying `tag` is stale from now, in every process: an entry with a
+    /// fail-safe window ([`EntryOptions::fail_safe`](crate::EntryOptions::fail_safe))
+    /// keeps its stale copy for it, which a get-or-set whose reload fails still serves;
+    /// one without is a miss (contract §6b.5).
+    ///
+    /// # Errors
+    /// As [`remove_by_tag`](Self::remove_by_tag).
+    pub async fn expire_by_tag(&self, tag: &str) -> Result<()> {
+        self.invalidate_tag(tag, false).await
+    }
+
+    async fn invalidate_tag(&self, tag: &str, remove: bool) -> Result<()> {
+        let inner = &*self.inner;
+        let name = inner.policy.locate_tag(&inner.prefix, tag)?;
+        let entries = &inner.stores.entries;
+        for _ in 0..CAS_TRIES {
+            let now = inner.clock.now_ms();
+            let stored = self.l2_op(entries.get(&name)).await?;
+            let (moments, bytes) = inner.policy.tag_update(stored.as_deref(), remove, now)?;
+            let ttl = inner.policy.tag_state_ttl(now)?;
+            let written = self
+                .l2_op(entries.set_if(&name, stored, Bytes::from(bytes), ttl))
+                .await?;
+            if !written {
+                continue;
+            }
+            let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
+            inner.tags.learn(tag, moments, until);
+            inner.l1.bump_tags();
+            Metrics::bump(&inner.metrics.tag_invalidations);
+            let message = inner
+                .policy
+                .encode_message(&inner.tags.origin, &TagMessage::Tag((tag.to_owned(), moments)))?;
+            self.publish(message).await;
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!("the moments of tag {tag:?} kept changing under this invalidation"),
+        ))
+    }
+
+    /// Invalidates every entry of this cache's prefix at once, in every process: the
+    /// prefix moves to a new generation (one counter, compare-and-set), which every
+    /// entry's and flight lock's name carries; older entries are never read again and
+    /// lapse by their TTLs. Never `KEYS`, `SCAN` or `FLUSH*`; other prefixes (tenants)
+    /// are untouched. Returns once announced, as [`remove_by_tag`](Self::remove_by_tag).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Unavailable`] when the store fails.
+    pub async fn clear(&self) -> Result<()> {
+        let inner = &*self.inner;
+        let name = inner.policy.generation_name(&inner.prefix)?;
+        let entries = &inner.stores.entries;
+        for _ in 0..CAS_TRIES {
+            let now = inner.clock.now_ms();
+            let stored = self.l2_op(entries.get(&name)).await?;
+            let (bytes, generation) = inner.policy.next_generation(stored.as_deref())?;
+            let ttl = inner.policy.tag_state_ttl(now)?;
+            let written = self
+                .l2_op(entries.set_if(&name, stored, Bytes::from(bytes), ttl))
+                .await?;
+            if !written {
+                continue;
+            }
+            let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
+            inner.tags.generation.fetch_max(generation, Ordering::AcqRel);
+            inner.tags.generation_until.store(until, Ordering::Release);
+            inner.l1.clear();
+            Metrics::bump(&inner.metrics.clears);
+            let message = inner
+                .policy
+                .encode_message(&inner.tags.origin, &TagMessage::Clear(generation))?;
+            self.publish(message).await;
+            return Ok(());
+        }
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            "the generation kept changing under this clear",
+        ))
+    }
+
+    /// Publishes a tag or clear announcement, waiting at most the store timeout; one
+    /// not published then is retried in the background (50 ms doubling to 2 s) for the
+    /// L1 TTL.
+    async fn publish(&self, message: String) {
+        let notifications = self.inner.stores.notifications.clone();
+        let bound = self.inner.flight.store_timeout;
+        if matches!(
+            tokio::time::timeout(bound, notifications.publish_invalidation(&message)).await,
+            Ok(Ok(()))
+        ) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let give_up_after = Duration::from_millis(self.inner.l1_ttl_ms);
+        runtime.spawn(async move {
+            let started = tokio::time::Instant::now();
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                tokio::time::sleep(backoff).await;
+                if matches!(
+                    tokio::time::timeout(bound, notifications.publish_invalidation(&message)).await,
+                    Ok(Ok(()))
+                ) {
+                    return;
+                }
+                if started.elapsed() + backoff > give_up_after {
+                    tracing::warn!("a tag or clear announcement could not be published within the L1 TTL");
+                    return;
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        });
+    }
+}
