@@ -8,5 +8,6 @@ mod locks;
 mod proxy;
 mod single_flight;
 mod sliding;
+mod tags;
 mod telemetry;
 mod vectors;

@@ -1,0 +1,205 @@
+//! Tags and clear across processes over a real redis-server (contract §6b.5): every
+//! process stops serving an invalidated entry (from its L1 too) within the announcement
+//! latency; tenants never see each other's tags or clears.
+//!
+//! The other processes are this very test binary, run again as `tags::child` (an
+//! ignored test that only acts when `CORRAL_TAGS_CHILD` names a Redis): each builds its
+//! own `Corral`, reads the entries into its own L1, and then answers `get KEY` lines on
+//! stdin with `@@ KEY=VALUE` (or `@@ KEY=null`) on stdout.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use corral::{Corral, EntryOptions, RedisOptions};
+use corral_tests::RedisServer;
+
+const PREFIX: &str = "tags-mp:";
+const LONG: Duration = Duration::from_secs(600);
+
+fn cache(url: &str, prefix: &str) -> Result<Corral> {
+    let mut o = RedisOptions::new(url);
+    o.prefix = prefix.to_owned();
+    Ok(Corral::builder().redis_options(o).build()?)
+}
+
+/// The child's side: serve `get` lines until stdin closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by tags::invalidations_reach_every_process as another process"]
+async fn child() -> Result<()> {
+    let Ok(url) = std::env::var("CORRAL_TAGS_CHILD") else {
+        return Ok(());
+    };
+    let cache = cache(&url, PREFIX)?;
+    let answer = |key: &str, v: Option<bytes::Bytes>| {
+        let v = v.map_or("null".to_owned(), |b| String::from_utf8_lossy(&b).into_owned());
+        println!("@@ {key}={v}");
+        std::io::stdout().flush().ok();
+    };
+    // Fill this process's L1.
+    for key in ["a", "b", "c"] {
+        cache.get(key).await?;
+    }
+    let hits_before = cache.metrics().l1_hits;
+    for key in ["a", "b", "c"] {
+        cache.get(key).await?;
+    }
+    println!("@@ ready l1_hits={}", cache.metrics().l1_hits - hits_before);
+    std::io::stdout().flush().ok();
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let line = line?;
+        let Some(key) = line.strip_prefix("get ") else { continue };
+        answer(key, cache.get(key).await?);
+    }
+    Ok(())
+}
+
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Peer {
+    fn spawn(url: &str) -> Result<Peer> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["tags::child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("CORRAL_TAGS_CHILD", url)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("spawning a peer process")?;
+        let stdin = child.stdin.take().context("stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("stdout")?);
+        Ok(Peer { child, stdin, stdout })
+    }
+
+    /// The next `@@` line.
+    fn line(&mut self) -> Result<String> {
+        loop {
+            let mut line = String::new();
+            if self.stdout.read_line(&mut line)? == 0 {
+                bail!("the peer ended");
+            }
+            // libtest may print "test tags::child ... " before the first answer.
+            if let Some(at) = line.find("@@ ") {
+                return Ok(line[at + 3..].trim_end().to_owned());
+            }
+        }
+    }
+
+    fn get(&mut self, key: &str) -> Result<String> {
+        writeln!(self.stdin, "get {key}")?;
+        self.stdin.flush()?;
+        let line = self.line()?;
+        Ok(line.strip_prefix(&format!("{key}=")).context("an answer")?.to_owned())
+    }
+
+    /// Polls `key` until it reads `want`, within `within`; returns how long it took.
+    fn until(&mut self, key: &str, want: &str, within: Duration) -> Result<Duration> {
+        let start = Instant::now();
+        loop {
+            let got = self.get(key)?;
+            if got == want {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() > within {
+                bail!("{key} still read {got:?}, not {want:?}, after {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Two other processes hold `a` (tag `news`), `b` (tag `sports`) and `c` (untagged) in
+/// their L1. `remove_by_tag("news")` here: both stop serving `a` within the window and
+/// keep `b` and `c`; `expire_by_tag("sports")`: `b` goes too; `clear()`: `c` goes, and
+/// a value set afterwards is served everywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalidations_reach_every_process() -> Result<()> {
+    let server = RedisServer::start()?;
+    let url = server.url();
+    let here = cache(&url, PREFIX)?;
+    here.set_tagged("a", b"a".to_vec(), EntryOptions::new().relative(LONG), &["news"]).await?;
+    here.set_tagged("b", b"b".to_vec(), EntryOptions::new().relative(LONG), &["sports", "x"]).await?;
+    here.set("c", b"c".to_vec(), EntryOptions::new().relative(LONG)).await?;
+    let mut peers = vec![Peer::spawn(&url)?, Peer::spawn(&url)?];
+    for peer in &mut peers {
+        let ready = peer.line()?;
+        assert_eq!(ready, "ready l1_hits=3", "every entry is served from the peer's L1");
+    }
+    // The announcement travels while remove_by_tag returns; a bounded poll, not a sleep.
+    let window = Duration::from_secs(2);
+    here.remove_by_tag("news").await?;
+    for peer in &mut peers {
+        let took = peer.until("a", "null", window)?;
+        assert!(took < window, "{took:?}");
+        assert_eq!(peer.get("b")?, "b");
+        assert_eq!(peer.get("c")?, "c");
+    }
+    here.expire_by_tag("x").await?;
+    for peer in &mut peers {
+        peer.until("b", "null", window)?;
+        assert_eq!(peer.get("c")?, "c");
+    }
+    here.clear().await?;
+    for peer in &mut peers {
+        peer.until("c", "null", window)?;
+    }
+    assert_eq!(here.get("c").await?, None);
+    // After the clear, new writes are served to everyone (in the new generation).
+    here.set_tagged("a", b"a2".to_vec(), EntryOptions::new().relative(LONG), &["news"]).await?;
+    for peer in &mut peers {
+        peer.until("a", "a2", window)?;
+    }
+    let m = here.metrics();
+    assert_eq!((m.tag_invalidations, m.clears), (2, 1));
+    Ok(())
+}
+
+/// Two tenants (prefixes) on one Redis, with the same keys and the same tags: one's
+/// `remove_by_tag` and `clear` leave the other's entries alone, in L1 and in L2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_never_see_each_others_tags_or_clears() -> Result<()> {
+    let server = RedisServer::start()?;
+    let (one, two) = (cache(&server.url(), "tenant-1:")?, cache(&server.url(), "tenant-2:")?);
+    let two_fresh = cache(&server.url(), "tenant-2:")?; // no L1 copy: reads L2
+    for c in [&one, &two] {
+        c.set_tagged("k", b"v".to_vec(), EntryOptions::new().relative(LONG), &["t"]).await?;
+        c.set("u", b"u".to_vec(), EntryOptions::new().relative(LONG)).await?;
+    }
+    tokio::time::sleep(Duration::from_millis(2)).await; // the removal must be later than the writes
+    one.remove_by_tag("t").await?;
+    assert_eq!(one.get("k").await?, None);
+    one.clear().await?;
+    assert_eq!(one.get("u").await?, None);
+    for c in [&two, &two_fresh] {
+        assert_eq!(c.get("k").await?.as_deref(), Some(&b"v"[..]));
+        assert_eq!(c.get("u").await?.as_deref(), Some(&b"u"[..]));
+    }
+    Ok(())
+}
+
+/// Bad tags are argument errors naming `tags` or `tag`, before anything is written.
+#[tokio::test]
+async fn bad_tags_name_the_argument() -> Result<()> {
+    let cache = Corral::builder().build()?;
+    let e = cache
+        .set_tagged("k", b"v".to_vec(), EntryOptions::new(), &vec!["t"; 17])
+        .await
+        .unwrap_err();
+    assert_eq!(e.argument(), Some("tags"));
+    assert_eq!(cache.remove_by_tag("").await.unwrap_err().argument(), Some("tag"));
+    assert_eq!(cache.get("k").await?, None);
+    Ok(())
+}
