@@ -160,13 +160,13 @@ async fn subscribe(shared: &Shared) -> Result<(redis::aio::PubSubSink, redis::ai
             pubsub_on(&nodes, 0, shared.connect_timeout).await?.1
         }
     };
-    tokio::time::timeout(
-        shared.response_timeout,
-        pubsub.subscribe(&[shared.channel.as_str(), shared.invalidations.as_str()]),
-    )
-        .await
-        .map_err(|_| timed_out("SUBSCRIBE"))?
-        .map_err(|e| Error::unavailable("redis SUBSCRIBE failed", e))?;
+    // One channel per SUBSCRIBE: each gets its own confirmation.
+    for channel in [&shared.channel, &shared.invalidations] {
+        tokio::time::timeout(shared.response_timeout, pubsub.subscribe(channel))
+            .await
+            .map_err(|_| timed_out("SUBSCRIBE"))?
+            .map_err(|e| Error::unavailable("redis SUBSCRIBE failed", e))?;
+    }
     Ok(pubsub.split())
 }
 
@@ -200,7 +200,7 @@ async fn listen(weak: &Weak<Shared>, mut sink: redis::aio::PubSubSink, mut strea
                 let Some(shared) = weak.upgrade() else { return };
                 let timeout = shared.response_timeout;
                 drop(shared);
-                match tokio::time::timeout(timeout, sink.ping::<String>()).await {
+                match tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await {
                     Ok(Ok(_)) => {}
                     _ => return,
                 }
