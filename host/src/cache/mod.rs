@@ -540,12 +540,19 @@ impl Corral {
 
     /// Checks `key` and names its data in the store, in the prefix's current
     /// generation (contract §2.4, §6b.5).
+    /// A get-or-set's names: when the generation cannot be read (the store is down),
+    /// the last one known, so the flight goes on to degrade as it would (§5.8); the
+    /// read is bounded by one store timeout.
     pub(crate) async fn locate(&self, key: &str) -> Result<StoreNames> {
         let generation = match self.known_generation() {
             Some(g) => g,
             None => {
                 self.inner.policy.validate_key(key)?;
-                self.generation().await?
+                let bound = self.inner.flight.store_timeout;
+                match tokio::time::timeout(bound, self.generation()).await {
+                    Ok(Ok(g)) => g,
+                    _ => self.inner.tags.generation_now(),
+                }
             }
         };
         self.inner.policy.locate(&self.inner.prefix, key, generation)

@@ -72,7 +72,6 @@ impl TagState {
     }
 
     /// The generation as last known (no I/O).
-    #[cfg_attr(not(any(test, feature = "test-util")), allow(dead_code))]
     pub(crate) fn generation_now(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
     }

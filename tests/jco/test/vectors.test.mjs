@@ -122,6 +122,7 @@ function newHost() {
       get: (key) => state.l1.get(key),
       set: (key, entry) => { state.l1.set(key, entry); },
       delete: (key) => { state.l1.delete(key); },
+      clear: () => { state.l1.clear(); },
     },
     'corral:cache/l2': {
       get: (key) => state.l2.get(key),
@@ -210,6 +211,11 @@ function spelled(r, show = (v) => v) {
 }
 
 const text = (bytes) => Buffer.from(bytes).toString('utf8');
+/** A call without a value: `{ok: true}` or its error. */
+const done = (r) => {
+  const s = spelled(r);
+  return { result: 'error' in s || 'trap' in s ? s : { ok: true } };
+};
 const utf8 = (s) => new TextEncoder().encode(s ?? '');
 
 function options(step, now) {
@@ -328,9 +334,12 @@ async function together(run, step) {
 const ops = {
   advance: ({ host }, step) => { host.state.now += BigInt(step.ms); },
   set: ({ host, exports }, step) => {
-    const r = spelled(settle(() => exports[CACHE].set(step.key, utf8(step.value), options(step, host.state.now))));
+    const r = spelled(settle(() => exports[CACHE].setTagged(step.key, utf8(step.value), options(step, host.state.now), step.tags ?? [])));
     return { result: 'error' in r ? r : { ok: true } };
   },
+  remove_by_tag: ({ exports }, step) => done(settle(() => exports[CACHE].removeByTag(step.tag))),
+  expire_by_tag: ({ exports }, step) => done(settle(() => exports[CACHE].expireByTag(step.tag))),
+  clear: ({ exports }) => done(settle(() => exports[CACHE].clear())),
   get: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].get(step.key)), text) }),
   refresh: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].refresh(step.key))) }),
   remove: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].remove(step.key))) }),
@@ -346,7 +355,7 @@ const ops = {
       },
       shouldCache: () => step.should_cache ?? true,
     };
-    const r = settle(() => exports[CACHE].getOrSet(step.key, options(step, host.state.now), step.bypass ?? false));
+    const r = settle(() => exports[CACHE].getOrSetTagged(step.key, options(step, host.state.now), step.bypass ?? false, step.tags ?? []));
     host.callEnded(MAIN);
     return { result: spelled(r, text), loads };
   },
