@@ -4,6 +4,8 @@
 //! - L2 hit (L1 empty): `get` against a raw redis-rs `GET`, both over a
 //!   `ConnectionManager` to a redis-server this bench starts on a free loopback port.
 //!
+//! - L1 hit of an entry with two tags against one without (contract §6b.5), same run.
+//!
 //! `cargo bench -p corral-tests --bench tiers`. Figures go to BENCHMARKS.md.
 
 use std::hint::black_box;
@@ -128,5 +130,46 @@ fn l2_hit(c: &mut Criterion) {
     drop(server);
 }
 
-criterion_group!(benches, l1_hit, l2_hit);
+/// An L1 hit of an entry carrying two tags against one carrying none, side by side:
+/// the tagged hit checks the tag epoch (one atomic load), nothing else. Another tag's
+/// invalidation between the samples would send tagged reads to L2: none happens here.
+fn l1_hit_tagged(c: &mut Criterion) {
+    let rt = runtime();
+    let cache = Corral::builder().build().unwrap();
+    let value = bytes::Bytes::from(vec![7u8; 64]);
+    let long = EntryOptions::new().relative(Duration::from_secs(3600));
+    rt.block_on(async {
+        cache.set("plain", value.clone(), long).await.unwrap();
+        cache
+            .set_tagged("tagged", value.clone(), long, &["team:7", "users"])
+            .await
+            .unwrap();
+        // Both are L1 hits from here on.
+        assert!(cache.get("plain").await.unwrap().is_some());
+        assert!(cache.get("tagged").await.unwrap().is_some());
+    });
+    let before = cache.metrics();
+    let mut g = c.benchmark_group("L1 hit, two tags vs none (64 B)");
+    for key in ["plain", "tagged"] {
+        g.bench_function(format!("corral get, {key}"), |b| {
+            b.to_async(&rt)
+                .iter(|| async { cache.get(black_box(key)).await.unwrap() })
+        });
+        g.bench_function(format!("corral get_or_set, {key}"), |b| {
+            b.to_async(&rt).iter(|| async {
+                cache
+                    .get_or_set(black_box(key), EntryOptions::new(), || async {
+                        Ok::<_, std::io::Error>("never")
+                    })
+                    .await
+                    .unwrap()
+            })
+        });
+    }
+    g.finish();
+    let m = cache.metrics();
+    assert_eq!((m.l2_hits, m.misses), (before.l2_hits, before.misses), "every read was an L1 hit");
+}
+
+criterion_group!(benches, l1_hit, l1_hit_tagged, l2_hit);
 criterion_main!(benches);
