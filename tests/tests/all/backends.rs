@@ -19,8 +19,9 @@ fn the_guest_is_a_small_component() {
         &[0x0d, 0x00, 0x01, 0x00],
         "of the component layer, not a core module"
     );
+    // 164 KB before tags and clear (contract §6b.5), 211 KB with them.
     assert!(
-        wasm.len() < 200 * 1024,
+        wasm.len() < 256 * 1024,
         "a few tens of KB, not {} bytes",
         wasm.len()
     );
