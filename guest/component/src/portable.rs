@@ -67,6 +67,20 @@ fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
     names::locate_in(&prefix(), key, g, limits).map_err(arg_error)
 }
 
+/// As [`locate`], for a get-or-set: when the generation cannot be read (the store is
+/// failing), the last one known (or the first), so the flight degrades as it would
+/// without tags and clear instead of failing (contract §5.8), as the native body does.
+fn locate_for_flight(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
+    corral_core::key::validate(key, limits).map_err(arg_error)?;
+    let g = generation(now_ms()).unwrap_or_else(|_| {
+        GENERATION
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map_or(0, |(g, _)| g)
+    });
+    names::locate_in(&prefix(), key, g, limits).map_err(arg_error)
+}
+
 /// The moments of `tags` at `now`: kept ones while trusted, else read from the store.
 /// Also says until when the answer may be trusted.
 fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), types::Error> {
@@ -486,7 +500,7 @@ impl wcache::Guest for Component {
             )
             .map_err(arg_error)?;
             check_tags(&tag_list)?;
-            let names = locate(&key, &settings.limits)?;
+            let names = locate_for_flight(&key, &settings.limits)?;
             fly(&key, &names, flight, action, &settings.limits, &mut refresh_due, &tag_list)
         };
         if bypass {
