@@ -45,7 +45,13 @@ fn fail_safe(c: &mut Criterion) {
         no_l1.set("fresh", vec![7u8; 64], long).await.unwrap();
         for key in ["stale-l1", "stale-l2"] {
             no_l1
-                .set(key, vec![7u8; 64], EntryOptions::new().relative(Duration::from_secs(1)).fail_safe(Duration::from_secs(3600)))
+                .set(
+                    key,
+                    vec![7u8; 64],
+                    EntryOptions::new()
+                        .relative(Duration::from_secs(1))
+                        .fail_safe(Duration::from_secs(3600)),
+                )
                 .await
                 .unwrap();
         }
@@ -81,9 +87,17 @@ fn fail_safe(c: &mut Criterion) {
     g.finish();
     let (a, b) = (no_l1.metrics(), with_l1.metrics());
     // With L1 on, a failed reload runs once per throttle, or again after an L1 flush.
-    assert!(b.stale_served <= b.l1_flushes + 1 && b.l1_hits > 1_000 * b.loads, "{b:?}");
+    assert!(
+        b.stale_served <= b.l1_flushes + 1 && b.l1_hits > 1_000 * b.loads,
+        "{b:?}"
+    );
     assert!(a.stale_served > 1, "{a:?}");
-    println!("L1 on: {} calls, {} failed reloads; L1 off: {} failed reloads", b.l1_hits + b.misses, b.loads, a.loads);
+    println!(
+        "L1 on: {} calls, {} failed reloads; L1 off: {} failed reloads",
+        b.l1_hits + b.misses,
+        b.loads,
+        a.loads
+    );
 }
 
 criterion_group!(benches, fail_safe);

@@ -168,7 +168,11 @@ fn l1_hit_tagged(c: &mut Criterion) {
     }
     g.finish();
     let m = cache.metrics();
-    assert_eq!((m.l2_hits, m.misses), (before.l2_hits, before.misses), "every read was an L1 hit");
+    assert_eq!(
+        (m.l2_hits, m.misses),
+        (before.l2_hits, before.misses),
+        "every read was an L1 hit"
+    );
 }
 
 criterion_group!(benches, l1_hit, l1_hit_tagged, l2_hit);

@@ -236,7 +236,12 @@ impl wit::Guest for Component {
         read_outcome(policy::read(&head, total_len, now_ms, &limits(l), slid_ms))
     }
 
-    fn locate(prefix: String, key: String, generation: u64, l: types::Limits) -> Result<wit::StoreNames, types::Error> {
+    fn locate(
+        prefix: String,
+        key: String,
+        generation: u64,
+        l: types::Limits,
+    ) -> Result<wit::StoreNames, types::Error> {
         let n = corral_core::names::locate_in(&prefix, &key, generation, &limits(l)).map_err(arg_error)?;
         Ok(wit::StoreNames {
             entry: n.entry,
@@ -250,9 +255,20 @@ impl wit::Guest for Component {
         policy::removal(lock_ttl_ms, &nonce)
     }
 
-    fn locate_entry(prefix: String, key: String, generation: u64, l: types::Limits) -> Result<String, types::Error> {
-        corral_core::names::locate_one_in(&prefix, &key, corral_core::names::Kind::Entry, generation, &limits(l))
-            .map_err(arg_error)
+    fn locate_entry(
+        prefix: String,
+        key: String,
+        generation: u64,
+        l: types::Limits,
+    ) -> Result<String, types::Error> {
+        corral_core::names::locate_one_in(
+            &prefix,
+            &key,
+            corral_core::names::Kind::Entry,
+            generation,
+            &limits(l),
+        )
+        .map_err(arg_error)
     }
 
     fn check_tags(tags: Vec<String>) -> Result<(), types::Error> {
@@ -339,7 +355,9 @@ impl wit::Guest for Component {
     fn decode_message(text: String) -> Option<(String, wit::TagMessage)> {
         let (origin, message) = corral_core::tags::decode(&text)?;
         let message = match message {
-            corral_core::tags::Message::Tag { tag, moments } => wit::TagMessage::Tag((tag, moments_out(moments))),
+            corral_core::tags::Message::Tag { tag, moments } => {
+                wit::TagMessage::Tag((tag, moments_out(moments)))
+            }
             corral_core::tags::Message::Clear { generation } => wit::TagMessage::Clear(generation),
         };
         Some((origin.to_owned(), message))

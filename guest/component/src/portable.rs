@@ -277,12 +277,23 @@ fn refresh(key: &str, options: types::EntryOptions, settings: &Settings, tag_lis
         return;
     };
     if let Ok(names) = locate(key, &settings.limits) {
-        let _ = fly(key, &names, flight, action, &settings.limits, &mut false, tag_list);
+        let _ = fly(
+            key,
+            &names,
+            flight,
+            action,
+            &settings.limits,
+            &mut false,
+            tag_list,
+        );
     }
 }
 
 fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, tagged: Option<&Tagged>, tags_until: u64, now: u64) {
-    let until_ms = tags::l1_until(flight::l1_deadline(meta, now, settings().l1_ttl_ms), &[tags_until]);
+    let until_ms = tags::l1_until(
+        flight::l1_deadline(meta, now, settings().l1_ttl_ms),
+        &[tags_until],
+    );
     l1::set(
         key,
         &l1::L1Entry {
@@ -322,7 +333,9 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
             return Ok(());
         }
     }
-    Err(types::Error::Unavailable(format!("the moments of tag {tag:?} kept changing")))
+    Err(types::Error::Unavailable(format!(
+        "the moments of tag {tag:?} kept changing"
+    )))
 }
 
 fn check_tags(tag_list: &[String]) -> Result<(), types::Error> {
@@ -348,17 +361,24 @@ impl wcache::Guest for Component {
         }
         let limits = settings().limits;
         let names = locate(&key, &limits)?;
-        Ok(l2_read(&names.entry, now, &limits)?.fresh().map(|(value, meta, tagged, until)| {
-            fill_l1(&key, &value, &meta, tagged.as_ref(), until, now);
-            value
-        }))
+        Ok(l2_read(&names.entry, now, &limits)?
+            .fresh()
+            .map(|(value, meta, tagged, until)| {
+                fill_l1(&key, &value, &meta, tagged.as_ref(), until, now);
+                value
+            }))
     }
 
     fn set(key: String, value: Vec<u8>, options: types::EntryOptions) -> Result<(), types::Error> {
         Self::set_tagged(key, value, options, Vec::new())
     }
 
-    fn set_tagged(key: String, value: Vec<u8>, options: types::EntryOptions, tag_list: Vec<String>) -> Result<(), types::Error> {
+    fn set_tagged(
+        key: String,
+        value: Vec<u8>,
+        options: types::EntryOptions,
+        tag_list: Vec<String>,
+    ) -> Result<(), types::Error> {
         let now = now_ms();
         let limits = settings().limits;
         let plan = policy::plan_set(&key, value.len() as u64, &options_in(options), now, &limits)
@@ -368,7 +388,8 @@ impl wcache::Guest for Component {
             written_at_ms: now,
             tags: tag_list,
         };
-        let (header, ttl) = policy::tag_plan(&plan.header, plan.store_ttl_ms, &tagged, now, &limits).map_err(arg_error)?;
+        let (header, ttl) =
+            policy::tag_plan(&plan.header, plan.store_ttl_ms, &tagged, now, &limits).map_err(arg_error)?;
         let names = locate(&key, &limits)?;
         let mut stored = header;
         stored.extend_from_slice(&value);
@@ -410,7 +431,9 @@ impl wcache::Guest for Component {
                 return Ok(());
             }
         }
-        Err(types::Error::Unavailable("the generation kept changing".to_string()))
+        Err(types::Error::Unavailable(
+            "the generation kept changing".to_string(),
+        ))
     }
 
     fn refresh(key: String) -> Result<bool, types::Error> {
@@ -424,7 +447,9 @@ impl wcache::Guest for Component {
         let names = locate(&key, &settings.limits)?;
         l1::delete(&key);
         // A removal leaves a tombstone, as in every body (contract §5.12).
-        let held = l2_read(&names.entry, now_ms(), &settings.limits)?.fresh().is_some();
+        let held = l2_read(&names.entry, now_ms(), &settings.limits)?
+            .fresh()
+            .is_some();
         let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
         l2::set(&names.entry, &tombstone, ttl_ms)?;
         Ok(held)
@@ -501,7 +526,15 @@ impl wcache::Guest for Component {
             .map_err(arg_error)?;
             check_tags(&tag_list)?;
             let names = locate_for_flight(&key, &settings.limits)?;
-            fly(&key, &names, flight, action, &settings.limits, &mut refresh_due, &tag_list)
+            fly(
+                &key,
+                &names,
+                flight,
+                action,
+                &settings.limits,
+                &mut refresh_due,
+                &tag_list,
+            )
         };
         if bypass {
             return fly_one();
@@ -636,8 +669,8 @@ fn fly(
                 }
                 let stale_served = matches!(outcome, Outcome::Stale(_));
                 let now = now_ms();
-                *refresh_due = matches!(outcome, Outcome::L2Hit { .. })
-                    && refresh_at_ms.is_some_and(|at| now >= at);
+                *refresh_due =
+                    matches!(outcome, Outcome::L2Hit { .. }) && refresh_at_ms.is_some_and(|at| now >= at);
                 match outcome {
                     Outcome::LoaderFailed => return Err(types::Error::LoaderFailed(loader_error)),
                     Outcome::TimedOut => {
@@ -653,7 +686,9 @@ fn fly(
                     // been invalidated since its load began.
                     let keep = match (&tagged, stale_served) {
                         (Some(t), false) => match judge(Some(t), &UNBOUNDED, now_ms()) {
-                            Ok((Verdict::Untouched, until)) => Some(tags::l1_until(until_ms, &[until, tags_until])),
+                            Ok((Verdict::Untouched, until)) => {
+                                Some(tags::l1_until(until_ms, &[until, tags_until]))
+                            }
                             _ => None,
                         },
                         _ => Some(until_ms),
@@ -666,7 +701,11 @@ fn fly(
                                 until_ms,
                                 stale: stale_served,
                                 refresh_at_ms: refresh_at_ms.filter(|_| !*refresh_due),
-                                tagged: if stale_served { None } else { tagged.as_ref().map(tagged_out) },
+                                tagged: if stale_served {
+                                    None
+                                } else {
+                                    tagged.as_ref().map(tagged_out)
+                                },
                             },
                         );
                     }

@@ -171,7 +171,8 @@ fn tagged_fixed(meta: &EntryMeta, value_len: u64, written_at_ms: u64) -> Header 
 /// must have passed [`crate::tags::check`] (1 to 16 tags of 1 to 128 bytes).
 pub fn encode_tagged_header(meta: &EntryMeta, value_len: u64, tagged: &Tagged) -> Vec<u8> {
     let fixed = tagged_fixed(meta, value_len, tagged.written_at_ms);
-    let mut out = Vec::with_capacity(TAGGED_FIXED_LEN + 1 + tagged.tags.iter().map(|t| t.len() + 1).sum::<usize>());
+    let mut out =
+        Vec::with_capacity(TAGGED_FIXED_LEN + 1 + tagged.tags.iter().map(|t| t.len() + 1).sum::<usize>());
     out.extend_from_slice(&fixed);
     out.push(tagged.tags.len().min(MAX_TAGS) as u8);
     for tag in tagged.tags.iter().take(MAX_TAGS) {
@@ -349,7 +350,8 @@ fn decode_tag_section(head: &[u8], total_len: u64) -> Result<(Tagged, u64), Corr
         }
         at += 1;
         let bytes = head.get(at..at + len).ok_or_else(|| truncated(at + len))?;
-        let tag = std::str::from_utf8(bytes).map_err(|_| Corruption::Inconsistent("a tag that is not UTF-8"))?;
+        let tag =
+            std::str::from_utf8(bytes).map_err(|_| Corruption::Inconsistent("a tag that is not UTF-8"))?;
         tags.push(tag.to_owned());
         at += len;
     }
@@ -486,7 +488,10 @@ mod tests {
         ));
         let mut zero = bytes.clone();
         zero[32..40].fill(0);
-        assert!(matches!(decode(&zero, &limits()), Err(Corruption::Inconsistent(_))));
+        assert!(matches!(
+            decode(&zero, &limits()),
+            Err(Corruption::Inconsistent(_))
+        ));
         // Entries without one are written as before.
         assert_eq!(encode(&META, b"v", Keeper::Envelope)[3], VERSION);
     }
@@ -542,16 +547,25 @@ mod tests {
             tags: vec!["news".into(), "ünïcode tag".into()],
         };
         for stale in [None, Some(9_000)] {
-            let meta = EntryMeta { stale_ms: stale, ..META };
+            let meta = EntryMeta {
+                stale_ms: stale,
+                ..META
+            };
             let header = encode_tagged_header(&meta, 5, &tagged);
             let bytes = [&header[..], b"hello"].concat();
             assert_eq!(&bytes[..4], b"CRL\x04");
             let d = decode_header(&bytes, bytes.len() as u64, &limits()).unwrap();
-            assert_eq!((d.meta, d.value_offset, d.fixed_len), (meta, header.len(), TAGGED_FIXED_LEN));
+            assert_eq!(
+                (d.meta, d.value_offset, d.fixed_len),
+                (meta, header.len(), TAGGED_FIXED_LEN)
+            );
             assert_eq!(d.tagged.as_ref(), Some(&tagged));
             assert_eq!(decode(&bytes, &limits()), Ok((meta, &b"hello"[..])));
             // A touch rewrites the fixed part only: the tags and the value stay.
-            let slid = EntryMeta { expires_at_ms: 1_900, ..meta };
+            let slid = EntryMeta {
+                expires_at_ms: 1_900,
+                ..meta
+            };
             let fixed = rewrite_header(&d, &slid);
             let touched = [fixed.as_bytes(), &bytes[fixed.len()..]].concat();
             let t = decode_header(&touched, touched.len() as u64, &limits()).unwrap();
@@ -565,7 +579,10 @@ mod tests {
         // Zero tags, an empty tag or foreign bytes in a tag are corrupt.
         let mut zero = bytes.clone();
         zero[TAGGED_FIXED_LEN] = 0;
-        assert!(matches!(decode(&zero, &limits()), Err(Corruption::Inconsistent(_))));
+        assert!(matches!(
+            decode(&zero, &limits()),
+            Err(Corruption::Inconsistent(_))
+        ));
         let mut bad = bytes.clone();
         bad[TAGGED_FIXED_LEN + 2] = 0xff;
         assert!(decode(&bad, &limits()).is_err());

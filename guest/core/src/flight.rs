@@ -101,7 +101,9 @@ pub fn check_eager_refresh(permille: u32) -> Result<(), ArgError> {
     }
     Err(ArgError::new(
         crate::Arg::EagerRefresh,
-        format!("must be a fraction strictly between 0 and 1 of the freshness (say 0.8), not {permille}/1000"),
+        format!(
+            "must be a fraction strictly between 0 and 1 of the freshness (say 0.8), not {permille}/1000"
+        ),
     ))
 }
 
@@ -713,7 +715,9 @@ mod tests {
                         }
                         return (action, flight);
                     }
-                    Action::AnswerStale { .. } | Action::KeepLoading => panic!("no soft timeout in this world"),
+                    Action::AnswerStale { .. } | Action::KeepLoading => {
+                        panic!("no soft timeout in this world")
+                    }
                     Action::ReadL2 => {
                         self.land_if_due();
                         match (self.redis_up, self.l2) {
@@ -824,7 +828,13 @@ mod tests {
                 (10, Event::LoadFailed),
             ],
         );
-        assert_eq!(actions[3], Action::Load { until_ms: None, soft_until_ms: None });
+        assert_eq!(
+            actions[3],
+            Action::Load {
+                until_ms: None,
+                soft_until_ms: None
+            }
+        );
         let (outcome, release, notify, l1) = finish(&actions[4]);
         assert_eq!(outcome, Outcome::Stale(StaleCause::LoaderFailed));
         assert!(release && notify, "the lock is released and waiters told");
@@ -835,7 +845,12 @@ mod tests {
     fn without_a_stale_copy_a_failed_reload_is_the_loaders_error() {
         let (_, actions) = run(
             FlightConfig::default(),
-            &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss), (10, Event::LoadFailed)],
+            &[
+                (0, Event::L2Miss),
+                (0, Event::LockAcquired),
+                (0, Event::L2Miss),
+                (10, Event::LoadFailed),
+            ],
         );
         assert_eq!(finish(&actions[4]).0, Outcome::LoaderFailed);
     }
@@ -857,7 +872,10 @@ mod tests {
         assert_eq!(finish(&actions[4]).0, Outcome::Stale(StaleCause::LockTimedOut));
         let (_, actions) = run(config, &[(0, Event::L2Stale(stale)), (0, Event::LockFailed)]);
         let (outcome, release, _, _) = finish(&actions[2]);
-        assert_eq!((outcome, release), (Outcome::Stale(StaleCause::StoreFailed), false));
+        assert_eq!(
+            (outcome, release),
+            (Outcome::Stale(StaleCause::StoreFailed), false)
+        );
     }
 
     #[test]
@@ -868,7 +886,12 @@ mod tests {
         };
         let (_, actions) = run(
             FlightConfig::default(),
-            &[(0, Event::L2Stale(stale)), (0, Event::LockAcquired), (0, Event::L2Miss), (500, Event::LoadFailed)],
+            &[
+                (0, Event::L2Stale(stale)),
+                (0, Event::LockAcquired),
+                (0, Event::L2Miss),
+                (500, Event::LoadFailed),
+            ],
         );
         assert_eq!(finish(&actions[4]).0, Outcome::LoaderFailed);
     }
@@ -886,28 +909,54 @@ mod tests {
         };
         let (_, actions) = run(
             config,
-            &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss), (1_000, Event::LoadTimedOut)],
+            &[
+                (0, Event::L2Miss),
+                (0, Event::LockAcquired),
+                (0, Event::L2Miss),
+                (1_000, Event::LoadTimedOut),
+            ],
         );
-        assert_eq!(actions[3], Action::Load { until_ms: Some(NOW + 1_000), soft_until_ms: None });
+        assert_eq!(
+            actions[3],
+            Action::Load {
+                until_ms: Some(NOW + 1_000),
+                soft_until_ms: None
+            }
+        );
         let (outcome, release, _, l1) = finish(&actions[4]);
         assert_eq!((outcome, release, l1), (Outcome::TimedOut, true, None));
         // A body that could not stop the loader reports its late answer: a timeout still.
         let (_, actions) = run(
             config,
-            &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss), (1_000, loaded)],
+            &[
+                (0, Event::L2Miss),
+                (0, Event::LockAcquired),
+                (0, Event::L2Miss),
+                (1_000, loaded),
+            ],
         );
         assert_eq!(finish(&actions[4]).0, Outcome::TimedOut);
         // Just in time: loaded and written.
         let (_, actions) = run(
             config,
-            &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss), (999, loaded)],
+            &[
+                (0, Event::L2Miss),
+                (0, Event::LockAcquired),
+                (0, Event::L2Miss),
+                (999, loaded),
+            ],
         );
         assert!(matches!(actions[4], Action::WriteL2 { .. }));
         // With a stale copy: served instead.
         let stale = stale_meta(NOW);
         let (_, actions) = run(
             config,
-            &[(0, Event::L2Stale(stale)), (0, Event::LockAcquired), (0, Event::L2Stale(stale)), (1_000, Event::LoadTimedOut)],
+            &[
+                (0, Event::L2Stale(stale)),
+                (0, Event::LockAcquired),
+                (0, Event::L2Stale(stale)),
+                (1_000, Event::LoadTimedOut),
+            ],
         );
         assert_eq!(finish(&actions[4]).0, Outcome::Stale(StaleCause::LoadTimedOut));
     }
@@ -949,12 +998,18 @@ mod tests {
                 l1_until_ms: Some(NOW + 100 + config.fail_safe_throttle_ms)
             }
         );
-        assert!(matches!(actions[5], Action::WriteL2 { .. }), "the late value is written");
+        assert!(
+            matches!(actions[5], Action::WriteL2 { .. }),
+            "the late value is written"
+        );
         let (outcome, release, notify, l1) = finish(&actions[6]);
         assert_eq!(outcome, Outcome::Loaded { cached: true });
         assert!(release && notify && l1.is_some());
         // Without a stale copy there is nothing to answer with: no soft deadline.
-        let (_, actions) = run(config, &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss)]);
+        let (_, actions) = run(
+            config,
+            &[(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss)],
+        );
         assert_eq!(
             actions[3],
             Action::Load {
@@ -983,7 +1038,11 @@ mod tests {
             ..EntryOptions::default()
         };
         let slid = expiry::plan(&sliding, NOW, &Limits::default()).unwrap();
-        assert_eq!(refresh_at(&slid, &sliding, Some(800)), None, "a sliding entry renews itself");
+        assert_eq!(
+            refresh_at(&slid, &sliding, Some(800)),
+            None,
+            "a sliding entry renews itself"
+        );
         // A hit says when; a bad fraction is an argument error.
         let config = FlightConfig {
             eager_refresh_permille: Some(800),
@@ -1251,7 +1310,13 @@ mod tests {
             Action::ReadL2,
             "double-check as leader"
         );
-        assert_eq!(f.handle(Event::L2Miss, NOW + 50, &limits), Action::Load { until_ms: None, soft_until_ms: None });
+        assert_eq!(
+            f.handle(Event::L2Miss, NOW + 50, &limits),
+            Action::Load {
+                until_ms: None,
+                soft_until_ms: None
+            }
+        );
     }
 
     #[test]
@@ -1291,7 +1356,13 @@ mod tests {
         let limits = Limits::default();
         let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
         f.handle(Event::L2Miss, NOW, &limits);
-        assert_eq!(f.handle(Event::LockFailed, NOW, &limits), Action::Load { until_ms: None, soft_until_ms: None });
+        assert_eq!(
+            f.handle(Event::LockFailed, NOW, &limits),
+            Action::Load {
+                until_ms: None,
+                soft_until_ms: None
+            }
+        );
         assert_eq!(
             finish(&f.handle(
                 Event::Loaded {
@@ -1386,7 +1457,13 @@ mod tests {
     fn out_of_order_events_never_panic_and_end_in_a_load() {
         let limits = Limits::default();
         let (mut f, _) = Flight::start("k", relative(1_000), FlightConfig::default(), NOW, &limits).unwrap();
-        assert_eq!(f.handle(Event::L2Written, NOW, &limits), Action::Load { until_ms: None, soft_until_ms: None });
+        assert_eq!(
+            f.handle(Event::L2Written, NOW, &limits),
+            Action::Load {
+                until_ms: None,
+                soft_until_ms: None
+            }
+        );
         let mut done = f;
         done.phase = Phase::Done;
         assert!(matches!(

@@ -112,7 +112,13 @@ pub fn locate_one(prefix: &str, key: &str, kind: Kind, limits: &Limits) -> Resul
 ///
 /// # Errors
 /// An [`ArgError`] naming `key`.
-pub fn locate_one_in(prefix: &str, key: &str, kind: Kind, generation: u64, limits: &Limits) -> Result<String, ArgError> {
+pub fn locate_one_in(
+    prefix: &str,
+    key: &str,
+    kind: Kind,
+    generation: u64,
+    limits: &Limits,
+) -> Result<String, ArgError> {
     key::validate(key, limits)?;
     Ok(name_in(prefix, key, kind, generation))
 }

@@ -309,7 +309,10 @@ pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: 
                     store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
                     // The script slides version-1 envelopes in place; an entry with a
                     // stale window or tags is read plainly and its touch written back.
-                    next_read: if meta.sliding_ms.is_some() && meta.stale_ms.is_none() && decoded.tagged.is_none() {
+                    next_read: if meta.sliding_ms.is_some()
+                        && meta.stale_ms.is_none()
+                        && decoded.tagged.is_none()
+                    {
                         NextRead::Script
                     } else {
                         NextRead::Get
@@ -386,7 +389,10 @@ mod tests {
         let l = Limits::default();
         let bytes = stored_with(&fail_safe(1_000, 5_000), b"v");
         let len = bytes.len() as u64;
-        assert!(matches!(read(&bytes, len, NOW + 999, &l, None), ReadOutcome::Fresh(_)));
+        assert!(matches!(
+            read(&bytes, len, NOW + 999, &l, None),
+            ReadOutcome::Fresh(_)
+        ));
         match read(&bytes, len, NOW + 1_000, &l, None) {
             ReadOutcome::Stale(hit) => {
                 assert_eq!(&bytes[hit.value_offset..], b"v");
@@ -417,16 +423,25 @@ mod tests {
         assert_eq!(store_ttl_ms, 65_000 - 10 + expiry::STORE_TTL_GRACE_MS);
         let after = [header.as_bytes(), &bytes[value_offset..]].concat();
         assert_eq!(after.len(), bytes.len());
-        assert!(matches!(read(&after, len, NOW + 10, &l, None), ReadOutcome::Stale(_)));
+        assert!(matches!(
+            read(&after, len, NOW + 10, &l, None),
+            ReadOutcome::Stale(_)
+        ));
         // Already stale: the bytes change all the same (a load that read them cannot fill
         // over the expire), and the window still ends where it did.
-        let Expire::Rewrite { was_fresh, header, .. } = expire(&after, len, NOW + 20, &l) else {
+        let Expire::Rewrite {
+            was_fresh, header, ..
+        } = expire(&after, len, NOW + 20, &l)
+        else {
             panic!("expected a rewrite");
         };
         assert!(!was_fresh);
         let again = [header.as_bytes(), &bytes[value_offset..]].concat();
         assert_ne!(again, after);
-        assert_eq!(read(&again, len, NOW + 60_000 + 5_000 - 1, &l, None).is_stale(), true);
+        assert_eq!(
+            read(&again, len, NOW + 60_000 + 5_000 - 1, &l, None).is_stale(),
+            true
+        );
         assert_eq!(read(&again, len, NOW + 65_000, &l, None), ReadOutcome::Expired);
         let plain_opts = EntryOptions {
             max_stale_ms: None,
@@ -438,7 +453,10 @@ mod tests {
             Expire::Remove { was_fresh: true }
         );
         let (tomb, _) = removal(30_000, b"n");
-        assert_eq!(expire(&tomb, tomb.len() as u64, NOW, &l), Expire::Remove { was_fresh: false });
+        assert_eq!(
+            expire(&tomb, tomb.len() as u64, NOW, &l),
+            Expire::Remove { was_fresh: false }
+        );
         assert_eq!(expire(b"junk", 4, NOW, &l), Expire::Remove { was_fresh: false });
     }
 
@@ -457,14 +475,22 @@ mod tests {
         };
         let (header, ttl) = tag_plan(&plan.header, plan.store_ttl_ms, &tagged, NOW, &l).unwrap();
         assert_eq!(header[3], envelope::TAGGED_VERSION);
-        assert_eq!(ttl, 1_000 + expiry::STORE_TTL_GRACE_MS, "the envelope keeps its moment");
+        assert_eq!(
+            ttl,
+            1_000 + expiry::STORE_TTL_GRACE_MS,
+            "the envelope keeps its moment"
+        );
         let bytes = [&header[..], b"abc"].concat();
         let ReadOutcome::Fresh(hit) = read(&bytes, bytes.len() as u64, NOW + 500, &l, None) else {
             panic!("fresh")
         };
         assert_eq!(&bytes[hit.value_offset..], b"abc");
         assert_eq!(hit.tagged.as_ref(), Some(&tagged));
-        assert_eq!(hit.next_read, NextRead::Get, "the script slides untagged entries only");
+        assert_eq!(
+            hit.next_read,
+            NextRead::Get,
+            "the script slides untagged entries only"
+        );
         let Some(Touch::Rewrite(fixed)) = hit.touch else {
             panic!("a slide")
         };
@@ -472,13 +498,22 @@ mod tests {
         let ReadOutcome::Fresh(again) = read(&touched, touched.len() as u64, NOW + 1_400, &l, None) else {
             panic!("slid")
         };
-        assert_eq!((again.tagged, &touched[again.value_offset..]), (Some(tagged.clone()), &b"abc"[..]));
+        assert_eq!(
+            (again.tagged, &touched[again.value_offset..]),
+            (Some(tagged.clone()), &b"abc"[..])
+        );
         // expire keeps the tags too.
-        let stale = EntryOptions { max_stale_ms: Some(5_000), ..opts };
+        let stale = EntryOptions {
+            max_stale_ms: Some(5_000),
+            ..opts
+        };
         let plan = plan_set("k", 1, &stale, NOW, &l).unwrap();
         let (header, _) = tag_plan(&plan.header, plan.store_ttl_ms, &tagged, NOW, &l).unwrap();
         let bytes = [&header[..], b"v"].concat();
-        let Expire::Rewrite { header, value_offset, .. } = expire(&bytes, bytes.len() as u64, NOW + 1, &l) else {
+        let Expire::Rewrite {
+            header, value_offset, ..
+        } = expire(&bytes, bytes.len() as u64, NOW + 1, &l)
+        else {
             panic!("rewrite")
         };
         let after = [header.as_bytes(), &bytes[value_offset..]].concat();
@@ -487,8 +522,14 @@ mod tests {
         };
         assert_eq!(hit.tagged, Some(tagged.clone()));
         // Bad tags are argument errors naming `tags`.
-        let too_many = Tagged { written_at_ms: NOW, tags: vec!["t".into(); 17] };
-        assert_eq!(tag_plan(&plan.header, 1, &too_many, NOW, &l).unwrap_err().arg, Arg::Tags);
+        let too_many = Tagged {
+            written_at_ms: NOW,
+            tags: vec!["t".into(); 17],
+        };
+        assert_eq!(
+            tag_plan(&plan.header, 1, &too_many, NOW, &l).unwrap_err().arg,
+            Arg::Tags
+        );
     }
 
     #[test]

@@ -137,7 +137,9 @@ pub enum Invalidation {
 /// (compare-and-set), and reads again when another write came first.
 pub fn update(stored: Option<&[u8]>, invalidation: Invalidation, now_ms: u64) -> TagMoments {
     let mut moments = match stored {
-        Some(bytes) if bytes.len() == MOMENTS_LEN && bytes[..4] == MOMENTS_MAGIC => TagMoments::decode(Some(bytes)),
+        Some(bytes) if bytes.len() == MOMENTS_LEN && bytes[..4] == MOMENTS_MAGIC => {
+            TagMoments::decode(Some(bytes))
+        }
         _ => TagMoments::default(),
     };
     match invalidation {
@@ -186,7 +188,12 @@ pub fn judge(tagged: &Tagged, meta: &EntryMeta, moments: &[TagMoments], now_ms: 
     if moments.iter().any(|m| hit(m.removed_ms)) {
         return Verdict::Removed;
     }
-    let Some(expired_at) = moments.iter().filter(|m| hit(m.expired_ms)).map(|m| m.expired_ms).max() else {
+    let Some(expired_at) = moments
+        .iter()
+        .filter(|m| hit(m.expired_ms))
+        .map(|m| m.expired_ms)
+        .max()
+    else {
         return Verdict::Untouched;
     };
     if meta.stale_ms.is_none() {
@@ -231,10 +238,9 @@ pub enum Message {
 /// origin and a space (the tag last: it may hold spaces).
 pub fn encode(origin: &str, message: &Message) -> String {
     match message {
-        Message::Tag { tag, moments } => format!(
-            "{origin} t {} {} {tag}",
-            moments.removed_ms, moments.expired_ms
-        ),
+        Message::Tag { tag, moments } => {
+            format!("{origin} t {} {} {tag}", moments.removed_ms, moments.expired_ms)
+        }
         Message::Clear { generation } => format!("{origin} c {generation}"),
     }
 }
@@ -253,14 +259,20 @@ pub fn decode(text: &str) -> Option<(&str, Message)> {
                 removed_ms: removed.parse().ok()?,
                 expired_ms: expired.parse().ok()?,
             };
-            Some((origin, Message::Tag {
-                tag: tag.to_owned(),
-                moments,
-            }))
+            Some((
+                origin,
+                Message::Tag {
+                    tag: tag.to_owned(),
+                    moments,
+                },
+            ))
         }
-        "c" => Some((origin, Message::Clear {
-            generation: rest.parse().ok()?,
-        })),
+        "c" => Some((
+            origin,
+            Message::Clear {
+                generation: rest.parse().ok()?,
+            },
+        )),
         _ => None,
     }
 }
@@ -315,38 +327,82 @@ mod tests {
     #[test]
     fn a_removal_at_or_after_the_write_removes_and_an_earlier_one_does_not() {
         let (t, m) = entry(NOW, None);
-        let removed = |at| [TagMoments { removed_ms: at, expired_ms: 0 }, TagMoments::default()];
+        let removed = |at| {
+            [
+                TagMoments {
+                    removed_ms: at,
+                    expired_ms: 0,
+                },
+                TagMoments::default(),
+            ]
+        };
         assert_eq!(judge(&t, &m, &removed(NOW - 1), NOW), Verdict::Untouched);
-        assert_eq!(judge(&t, &m, &removed(NOW), NOW), Verdict::Removed, "same ms: the write is older");
+        assert_eq!(
+            judge(&t, &m, &removed(NOW), NOW),
+            Verdict::Removed,
+            "same ms: the write is older"
+        );
         assert_eq!(judge(&t, &m, &removed(NOW + 5), NOW + 5), Verdict::Removed);
-        assert_eq!(judge(&t, &m, &[TagMoments::default(); 2], NOW), Verdict::Untouched);
+        assert_eq!(
+            judge(&t, &m, &[TagMoments::default(); 2], NOW),
+            Verdict::Untouched
+        );
     }
 
     #[test]
     fn an_expiry_makes_it_stale_within_its_window_else_removes_it() {
-        let expired = [TagMoments::default(), TagMoments { removed_ms: 0, expired_ms: NOW + 10 }];
+        let expired = [
+            TagMoments::default(),
+            TagMoments {
+                removed_ms: 0,
+                expired_ms: NOW + 10,
+            },
+        ];
         let (t, m) = entry(NOW, Some(1_000));
         match judge(&t, &m, &expired, NOW + 10) {
             Verdict::Stale(meta) => assert_eq!(meta.expires_at_ms, NOW + 10),
             other => panic!("{other:?}"),
         }
-        assert_eq!(judge(&t, &m, &expired, NOW + 1_010), Verdict::Removed, "past its window");
+        assert_eq!(
+            judge(&t, &m, &expired, NOW + 1_010),
+            Verdict::Removed,
+            "past its window"
+        );
         let (t, m) = entry(NOW, None);
         assert_eq!(judge(&t, &m, &expired, NOW + 10), Verdict::Removed, "no window");
         let (t, m) = entry(NOW + 11, Some(1_000));
-        assert_eq!(judge(&t, &m, &expired, NOW + 20), Verdict::Untouched, "written after");
+        assert_eq!(
+            judge(&t, &m, &expired, NOW + 20),
+            Verdict::Untouched,
+            "written after"
+        );
     }
 
     #[test]
     fn moments_only_move_forward_and_unknown_bytes_err_towards_a_miss() {
         let m = update(None, Invalidation::Remove, NOW);
-        assert_eq!(m, TagMoments { removed_ms: NOW, expired_ms: 0 });
+        assert_eq!(
+            m,
+            TagMoments {
+                removed_ms: NOW,
+                expired_ms: 0
+            }
+        );
         let bytes = m.encode();
         assert_eq!(TagMoments::decode(Some(&bytes)), m);
         let later = update(Some(&bytes), Invalidation::Expire, NOW + 5);
-        assert_eq!(later, TagMoments { removed_ms: NOW, expired_ms: NOW + 5 });
+        assert_eq!(
+            later,
+            TagMoments {
+                removed_ms: NOW,
+                expired_ms: NOW + 5
+            }
+        );
         // A process whose clock is behind never moves a moment back.
-        assert_eq!(update(Some(&later.encode()), Invalidation::Remove, NOW - 100).removed_ms, NOW);
+        assert_eq!(
+            update(Some(&later.encode()), Invalidation::Remove, NOW - 100).removed_ms,
+            NOW
+        );
         assert_eq!(TagMoments::decode(Some(b"junk")).removed_ms, u64::MAX);
         assert_eq!(update(Some(b"junk"), Invalidation::Remove, NOW).removed_ms, NOW);
         assert_eq!(m.merge(&later), later);
@@ -356,7 +412,10 @@ mod tests {
     fn messages_round_trip_and_tags_may_hold_spaces() {
         let tag = Message::Tag {
             tag: "a tag with spaces".into(),
-            moments: TagMoments { removed_ms: 7, expired_ms: 9 },
+            moments: TagMoments {
+                removed_ms: 7,
+                expired_ms: 9,
+            },
         };
         let clear = Message::Clear { generation: 42 };
         for m in [tag, clear] {

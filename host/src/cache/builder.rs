@@ -79,9 +79,7 @@ impl Overrides {
             .invalidation_interval_ms
             .unwrap_or(s.invalidation_interval_ms);
         s.degraded_l1_ttl_ms = self.degraded_l1_ttl_ms.unwrap_or(s.degraded_l1_ttl_ms);
-        s.fail_safe_throttle_ms = self
-            .fail_safe_throttle_ms
-            .unwrap_or(s.fail_safe_throttle_ms);
+        s.fail_safe_throttle_ms = self.fail_safe_throttle_ms.unwrap_or(s.fail_safe_throttle_ms);
         s.hard_timeout_ms = self.hard_timeout_ms.or(s.hard_timeout_ms);
         s.soft_timeout_ms = self.soft_timeout_ms.or(s.soft_timeout_ms);
         s.eager_refresh_permille = self.eager_refresh_permille.or(s.eager_refresh_permille);
@@ -308,14 +306,16 @@ impl CorralBuilder {
             .notifications
             .on_foreign(l1_invalidation(l1.clone(), metrics.clone(), tags.clone()));
         // Another process's tag invalidation or clear (contract §6b.5).
-        stores.notifications.on_invalidation(super::tags::invalidation_hook(
-            tags.clone(),
-            policy.clone(),
-            l1.clone(),
-            clock.clone(),
-            settings.l1_ttl_ms,
-            metrics.clone(),
-        ));
+        stores
+            .notifications
+            .on_invalidation(super::tags::invalidation_hook(
+                tags.clone(),
+                policy.clone(),
+                l1.clone(),
+                clock.clone(),
+                settings.l1_ttl_ms,
+                metrics.clone(),
+            ));
         #[cfg(feature = "redis")]
         let store_timeout = self.redis.as_ref().map(|o| o.response_timeout);
         #[cfg(not(feature = "redis"))]

@@ -18,8 +18,8 @@ use super::registry::{Join, LeaderGuard, Outcome};
 use crate::guest::policy::wflight::{self, Action, Event, Outcome as FlightOutcome, StaleCause};
 use crate::store::LandingWatch;
 use crate::store::l1::L1Entry;
-use tokio::sync::oneshot;
 use crate::{Error, Result};
+use tokio::sync::oneshot;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -170,7 +170,12 @@ impl Corral {
     ///
     /// # Errors
     /// As [`get_or_set_served`](Self::get_or_set_served).
-    pub async fn fetch<F, Fut, V, E>(&self, key: &str, options: impl Into<LoadOptions>, loader: F) -> Result<Bytes>
+    pub async fn fetch<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        loader: F,
+    ) -> Result<Bytes>
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = std::result::Result<V, E>> + Send + 'static,
@@ -243,8 +248,12 @@ impl Corral {
                         cache.refresh_in_background(&key, &options, loader, Some(guard));
                     }
                 });
-                rx.await
-                    .unwrap_or_else(|_| Err(Error::guest("the flight's task ended without an answer", "it panicked")))
+                rx.await.unwrap_or_else(|_| {
+                    Err(Error::guest(
+                        "the flight's task ended without an answer",
+                        "it panicked",
+                    ))
+                })
             }
             Err(outcome) => {
                 Metrics::bump(&self.inner.metrics.coalesced);
@@ -431,7 +440,11 @@ impl Corral {
                             stale = None;
                             Event::L2Miss
                         }
-                        Ok(L2Read::Stale { value: copy, meta, holds }) => {
+                        Ok(L2Read::Stale {
+                            value: copy,
+                            meta,
+                            holds,
+                        }) => {
                             stale = Some(copy);
                             fence = Some(Some(holds));
                             Event::L2Stale(meta)
@@ -519,7 +532,8 @@ impl Corral {
                             Ok(loaded) => early = Some(loaded),
                             Err(_) => {
                                 now = inner.clock.now_ms();
-                                let (state, next) = inner.policy.flight_step(held.state, Event::LoadSlow, now)?;
+                                let (state, next) =
+                                    inner.policy.flight_step(held.state, Event::LoadSlow, now)?;
                                 held.state = state;
                                 trace_action(&next);
                                 if let Action::AnswerStale(l1_until_ms) = next {
@@ -584,7 +598,10 @@ impl Corral {
                 }
                 // Only ever the answer to `load-slow`, handled above.
                 Action::AnswerStale(_) | Action::KeepLoading => {
-                    return Err(Error::guest("the flight answered early out of turn", "broken contract"));
+                    return Err(Error::guest(
+                        "the flight answered early out of turn",
+                        "broken contract",
+                    ));
                 }
                 Action::WriteL2(mut write) => {
                     l1_ticket = inner.l1.ticket(key);
@@ -593,10 +610,12 @@ impl Corral {
                             written_at_ms: load_began,
                             tags: options.tags.to_vec(),
                         };
-                        let (header, ttl) =
-                            inner
-                                .policy
-                                .tag_plan(&write.header, write.store_ttl_ms, &tagged, inner.clock.now_ms())?;
+                        let (header, ttl) = inner.policy.tag_plan(
+                            &write.header,
+                            write.store_ttl_ms,
+                            &tagged,
+                            inner.clock.now_ms(),
+                        )?;
                         write.header = header;
                         write.store_ttl_ms = ttl;
                         written_tags = Some(tagged);
@@ -659,7 +678,10 @@ impl Corral {
                     // A refresh that brought nothing hands its followers on (they join again
                     // and lead their own flight) instead of failing them.
                     if options.refresh
-                        && !matches!(finish.outcome, FlightOutcome::Loaded(true) | FlightOutcome::L2Hit(_))
+                        && !matches!(
+                            finish.outcome,
+                            FlightOutcome::Loaded(true) | FlightOutcome::L2Hit(_)
+                        )
                     {
                         drop(followers.take());
                     }
@@ -724,10 +746,12 @@ impl Corral {
                         // judged now (an invalidation may have come since it began).
                         let loaded = matches!(finish.outcome, FlightOutcome::Loaded(_));
                         let tags = match (loaded, written_tags.take()) {
-                            (true, Some(tagged)) => match self.stamp_written(tagged, inner.clock.now_ms()).await {
-                                Ok(Some(stamp)) => Some(stamp),
-                                _ => return result,
-                            },
+                            (true, Some(tagged)) => {
+                                match self.stamp_written(tagged, inner.clock.now_ms()).await {
+                                    Ok(Some(stamp)) => Some(stamp),
+                                    _ => return result,
+                                }
+                            }
                             _ => stamp.take(),
                         };
                         let tagged = match tags {
@@ -784,7 +808,12 @@ impl Corral {
                     StaleCause::LockTimedOut => Metrics::bump(&m.lock_timeouts),
                     StaleCause::LoaderFailed | StaleCause::StoreFailed => {}
                 }
-                crate::throttle::warn_every!(10, key, ?cause, "reload failed: served the stale copy (fail-safe)");
+                crate::throttle::warn_every!(
+                    10,
+                    key,
+                    ?cause,
+                    "reload failed: served the stale copy (fail-safe)"
+                );
             }
             FlightOutcome::TimedOut => {
                 Metrics::bump(&m.misses);

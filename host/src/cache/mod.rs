@@ -14,11 +14,11 @@ use bytes::Bytes;
 use crate::clock::Clock;
 use crate::guest::Policy;
 use crate::guest::policy::{ExpirePlan, ReadOutcome, StoreNames, WitMeta};
-use load::Served;
 use crate::options::{EntryOptions, Inspection};
 use crate::store::Stores;
 use crate::store::l1::{L1, Ticket};
 use crate::{Error, ErrorKind, Result};
+use load::Served;
 
 mod builder;
 mod flight;
@@ -115,7 +115,11 @@ pub(crate) enum L1Fill {
 
 /// Another process's set, removal or load of a key drops this process's L1 copy; a
 /// gap in the announcements drops all of L1.
-pub(crate) fn l1_invalidation(l1: L1, metrics: Arc<Metrics>, tags: Arc<tags::TagState>) -> crate::store::ForeignHook {
+pub(crate) fn l1_invalidation(
+    l1: L1,
+    metrics: Arc<Metrics>,
+    tags: Arc<tags::TagState>,
+) -> crate::store::ForeignHook {
     Arc::new(move |key: Option<String>| match key {
         Some(key) => {
             l1.remove(&key);
@@ -157,7 +161,8 @@ impl Corral {
         match self.l2_read(&entry, now).await? {
             Some((value, meta, stamp)) => {
                 Metrics::bump(&m.l2_hits);
-                self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket), stamp).await?;
+                self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket), stamp)
+                    .await?;
                 Ok(Some(value))
             }
             None => {
@@ -568,7 +573,9 @@ impl Corral {
                 self.generation().await?
             }
         };
-        self.inner.policy.locate_entry(&self.inner.prefix, key, generation)
+        self.inner
+            .policy
+            .locate_entry(&self.inner.prefix, key, generation)
     }
 
     /// Writes `header` then `value` to the entry `name`.

@@ -244,7 +244,8 @@ impl Corral {
             ReadOutcome::Stale(hit) => {
                 if let Some(Touch::Expire) = hit.touch {
                     // A guess set its TTL: give it back the TTL of its stale window.
-                    self.owe(name, stored.clone(), stored.clone(), hit.store_ttl_ms).await?;
+                    self.owe(name, stored.clone(), stored.clone(), hit.store_ttl_ms)
+                        .await?;
                 }
                 inner.read_hints.note(name, hint, hit.next_read);
                 Ok(L2Read::Stale {

@@ -128,9 +128,7 @@ pub(crate) fn invalidation_hook(
         let now = clock.now_ms();
         match message {
             TagMessage::Tag((tag, moments)) => {
-                let until = policy
-                    .tag_known_until(now, l1_ttl_ms)
-                    .unwrap_or(now);
+                let until = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
                 if state.learn(&tag, moments, until) {
                     l1.bump_tags();
                 }
@@ -216,14 +214,22 @@ impl Corral {
     /// Judges a tagged entry (metadata `meta`) by its tags at `now`: the guest's
     /// verdict, and what L1 keeps of it if it is untouched. The tag epoch is read
     /// before the moments, so an invalidation heard meanwhile is not missed.
-    pub(crate) async fn judge_tagged(&self, tagged: Tagged, meta: WitMeta, now: u64) -> Result<(TagVerdict, TagStamp)> {
+    pub(crate) async fn judge_tagged(
+        &self,
+        tagged: Tagged,
+        meta: WitMeta,
+        now: u64,
+    ) -> Result<(TagVerdict, TagStamp)> {
         let epoch = self.inner.l1.tag_epoch();
         let (moments, until_ms) = self.moments_of(&tagged.tags, now).await?;
         let verdict = self.inner.policy.judge_tags(&tagged, meta, &moments, now)?;
-        Ok((verdict, TagStamp {
-            tagged: Some(epoch),
-            until_ms,
-        }))
+        Ok((
+            verdict,
+            TagStamp {
+                tagged: Some(epoch),
+                until_ms,
+            },
+        ))
     }
 
     /// Judges a value this process just wrote with `tagged` (a set, or a load that began

@@ -318,18 +318,35 @@ impl Policy {
     }
 
     /// A tagged write's header and store TTL.
-    pub(crate) fn tag_plan(&self, header: &[u8], store_ttl_ms: u64, tagged: &Tagged, now_ms: u64) -> Result<(Vec<u8>, u64)> {
+    pub(crate) fn tag_plan(
+        &self,
+        header: &[u8],
+        store_ttl_ms: u64,
+        tagged: &Tagged,
+        now_ms: u64,
+    ) -> Result<(Vec<u8>, u64)> {
         let limits = self.inner.limits;
         self.call(|s| {
-            s.guest
-                .corral_cache_policy()
-                .call_tag_plan(&mut s.store, header, store_ttl_ms, tagged, now_ms, limits)
+            s.guest.corral_cache_policy().call_tag_plan(
+                &mut s.store,
+                header,
+                store_ttl_ms,
+                tagged,
+                now_ms,
+                limits,
+            )
         })?
         .map_err(from_wit)
     }
 
     /// What a tagged entry's tags' moments say about it.
-    pub(crate) fn judge_tags(&self, tagged: &Tagged, meta: WitMeta, moments: &[TagMoments], now_ms: u64) -> Result<TagVerdict> {
+    pub(crate) fn judge_tags(
+        &self,
+        tagged: &Tagged,
+        meta: WitMeta,
+        moments: &[TagMoments],
+        now_ms: u64,
+    ) -> Result<TagVerdict> {
         self.call(|s| {
             s.guest
                 .corral_cache_policy()
@@ -339,11 +356,20 @@ impl Policy {
 
     /// The moments a tag key holds.
     pub(crate) fn tag_moments_of(&self, stored: Option<&[u8]>) -> Result<TagMoments> {
-        self.call(|s| s.guest.corral_cache_policy().call_tag_moments_of(&mut s.store, stored))
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_tag_moments_of(&mut s.store, stored)
+        })
     }
 
     /// What an invalidation writes over a tag key holding `stored`.
-    pub(crate) fn tag_update(&self, stored: Option<&[u8]>, remove: bool, now_ms: u64) -> Result<(TagMoments, Vec<u8>)> {
+    pub(crate) fn tag_update(
+        &self,
+        stored: Option<&[u8]>,
+        remove: bool,
+        now_ms: u64,
+    ) -> Result<(TagMoments, Vec<u8>)> {
         self.call(|s| {
             s.guest
                 .corral_cache_policy()
@@ -362,33 +388,57 @@ impl Policy {
 
     /// The store TTL of a tag key or a generation counter.
     pub(crate) fn tag_state_ttl(&self, now_ms: u64) -> Result<u64> {
-        self.call(|s| s.guest.corral_cache_policy().call_tag_state_ttl(&mut s.store, now_ms))
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_tag_state_ttl(&mut s.store, now_ms)
+        })
     }
 
     /// Where `tag`'s moments live under `prefix`.
     pub(crate) fn locate_tag(&self, prefix: &str, tag: &str) -> Result<String> {
-        self.call(|s| s.guest.corral_cache_policy().call_locate_tag(&mut s.store, prefix, tag))?
-            .map_err(from_wit)
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_locate_tag(&mut s.store, prefix, tag)
+        })?
+        .map_err(from_wit)
     }
 
     /// The generation counter of `prefix`.
     pub(crate) fn generation_name(&self, prefix: &str) -> Result<String> {
-        self.call(|s| s.guest.corral_cache_policy().call_generation_name(&mut s.store, prefix))
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_generation_name(&mut s.store, prefix)
+        })
     }
 
     /// The generation a counter holding `stored` says.
     pub(crate) fn generation_of(&self, stored: Option<&[u8]>) -> Result<u64> {
-        self.call(|s| s.guest.corral_cache_policy().call_generation_of(&mut s.store, stored))
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_generation_of(&mut s.store, stored)
+        })
     }
 
     /// What `clear` writes over a counter holding `stored`, and the new generation.
     pub(crate) fn next_generation(&self, stored: Option<&[u8]>) -> Result<(Vec<u8>, u64)> {
-        self.call(|s| s.guest.corral_cache_policy().call_next_generation(&mut s.store, stored))
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_next_generation(&mut s.store, stored)
+        })
     }
 
     /// The tag and clear channel of `prefix`.
     pub(crate) fn invalidation_channel(&self, prefix: &str) -> Result<String> {
-        self.call(|s| s.guest.corral_cache_policy().call_invalidation_channel(&mut s.store, prefix))
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_invalidation_channel(&mut s.store, prefix)
+        })
     }
 
     /// A tag or clear announcement's text.
@@ -402,7 +452,11 @@ impl Policy {
 
     /// Reads a tag or clear announcement.
     pub(crate) fn decode_message(&self, text: &str) -> Result<Option<(String, TagMessage)>> {
-        self.call(|s| s.guest.corral_cache_policy().call_decode_message(&mut s.store, text))
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_decode_message(&mut s.store, text)
+        })
     }
 
     /// The landing channel of `prefix`.

@@ -474,8 +474,12 @@ impl PortableCache {
     /// As [`Corral::remove_by_tag`](crate::Corral::remove_by_tag).
     pub async fn remove_by_tag(&self, tag: &str) -> Result<()> {
         let tag = tag.to_owned();
-        self.call(move |s| s.guest.corral_cache_cache().call_remove_by_tag(&mut s.store, &tag))
-            .await
+        self.call(move |s| {
+            s.guest
+                .corral_cache_cache()
+                .call_remove_by_tag(&mut s.store, &tag)
+        })
+        .await
     }
 
     /// As [`Corral::expire_by_tag`](crate::Corral::expire_by_tag), in the component.
@@ -484,8 +488,12 @@ impl PortableCache {
     /// As [`Corral::expire_by_tag`](crate::Corral::expire_by_tag).
     pub async fn expire_by_tag(&self, tag: &str) -> Result<()> {
         let tag = tag.to_owned();
-        self.call(move |s| s.guest.corral_cache_cache().call_expire_by_tag(&mut s.store, &tag))
-            .await
+        self.call(move |s| {
+            s.guest
+                .corral_cache_cache()
+                .call_expire_by_tag(&mut s.store, &tag)
+        })
+        .await
     }
 
     /// As [`Corral::clear`](crate::Corral::clear), in the component.
@@ -568,9 +576,13 @@ impl PortableCache {
         };
         let v = self
             .call_with(call, move |s| {
-                s.guest
-                    .corral_cache_cache()
-                    .call_get_or_set_tagged(&mut s.store, &key, options, bypass, &tags)
+                s.guest.corral_cache_cache().call_get_or_set_tagged(
+                    &mut s.store,
+                    &key,
+                    options,
+                    bypass,
+                    &tags,
+                )
             })
             .await?;
         Ok(Bytes::from(v))

@@ -157,7 +157,14 @@ impl L1 {
 
     /// Fills `key` with what was read after `ticket`, unless the key was written in
     /// this process since; says whether it filled.
-    pub(crate) fn fill(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket, tagged: L1Tagged) -> bool {
+    pub(crate) fn fill(
+        &self,
+        key: &str,
+        value: Bytes,
+        until_ms: u64,
+        ticket: Ticket,
+        tagged: L1Tagged,
+    ) -> bool {
         self.fill_entry(
             key,
             L1Entry {
@@ -284,14 +291,26 @@ mod tests {
     #[test]
     fn a_tagged_entry_is_served_only_in_the_tag_epoch_it_was_judged_in() {
         let l1 = L1::new(100, Duration::from_secs(60));
-        l1.fill("k", Bytes::from_static(b"v"), u64::MAX, l1.ticket("k"), Some(l1.tag_epoch()));
+        l1.fill(
+            "k",
+            Bytes::from_static(b"v"),
+            u64::MAX,
+            l1.ticket("k"),
+            Some(l1.tag_epoch()),
+        );
         l1.fill("u", Bytes::from_static(b"u"), u64::MAX, l1.ticket("u"), None);
         assert!(l1.get("k", 0).is_some());
         l1.bump_tags();
         assert_eq!(l1.get("k", 0), None, "judged before an invalidation: a miss");
         assert_eq!(l1.get_served("k", 0), None);
         assert!(l1.get("u", 0).is_some(), "untagged entries are untouched");
-        l1.fill("k", Bytes::from_static(b"v"), u64::MAX, l1.ticket("k"), Some(l1.tag_epoch()));
+        l1.fill(
+            "k",
+            Bytes::from_static(b"v"),
+            u64::MAX,
+            l1.ticket("k"),
+            Some(l1.tag_epoch()),
+        );
         assert!(l1.get("k", 0).is_some(), "judged again");
     }
 }

@@ -217,7 +217,12 @@ const DELETE_FOREIGN: &str =
 
 impl RedisStore {
     /// Connects to Redis (lazily) with the guest's scripts; landings go on `channel`.
-    pub(crate) fn connect(options: &RedisOptions, scripts: &Scripts, channel: String, invalidations: String) -> Result<Self> {
+    pub(crate) fn connect(
+        options: &RedisOptions,
+        scripts: &Scripts,
+        channel: String,
+        invalidations: String,
+    ) -> Result<Self> {
         let connection = Connection::open(options)?;
         let commands = Arc::new(AtomicU64::new(0));
         // One command link for entries, the flight lock and announcements, so a

@@ -68,7 +68,10 @@ async fn every_coalesced_caller_gets_the_stale_copy_marked_stale() -> Result<()>
     let stale = cache.get_stale("k").await?.context("a stale copy")?;
     assert!(stale.stale);
     let inspected = cache.inspect("k").await?.context("inspected")?;
-    assert_eq!((inspected.fresh, inspected.stale, inspected.meta.stale_ms), (false, true, Some(60_000)));
+    assert_eq!(
+        (inspected.fresh, inspected.stale, inspected.meta.stale_ms),
+        (false, true, Some(60_000))
+    );
     Ok(())
 }
 
@@ -98,7 +101,9 @@ async fn a_hard_timeout_drops_the_loader_and_is_a_timeout_error() -> Result<()> 
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
-    dropped_rx.await.context("the loader's future was dropped at the timeout")?;
+    dropped_rx
+        .await
+        .context("the loader's future was dropped at the timeout")?;
     assert_eq!(cache.get("k").await?, None, "nothing cached");
     assert_eq!(cache.metrics().hard_timeouts, 1);
     Ok(())
@@ -115,7 +120,11 @@ async fn soft_timeout_and_eager_refresh_need_fetch() -> Result<()> {
             .get_or_set("k", options, || async { Ok::<_, std::io::Error>("v") })
             .await
             .unwrap_err();
-        assert_eq!((err.kind(), err.argument()), (ErrorKind::InvalidArgument, Some(name)), "{err}");
+        assert_eq!(
+            (err.kind(), err.argument()),
+            (ErrorKind::InvalidArgument, Some(name)),
+            "{err}"
+        );
     }
     for bad in [0.0, 1.0, -3.0, f64::NAN] {
         let err = cache
@@ -151,7 +160,10 @@ async fn a_soft_timeout_serves_the_stale_copy_and_the_load_still_fills_the_tiers
     assert_eq!(cache.metrics().soft_timeouts, 1);
     // The load is still running; once it returns, both tiers hold its value.
     go_tx.send(()).ok();
-    eventually(5 * SEC, async || Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))).await?;
+    eventually(5 * SEC, async || {
+        Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))
+    })
+    .await?;
     let served = cache
         .fetch_served("k", options, || async { Ok::<_, std::io::Error>("v3") })
         .await?;
@@ -191,7 +203,10 @@ async fn an_eager_refresh_returns_the_current_value_and_refreshes_once_in_the_ba
         assert_eq!(&cache.fetch("k", options.clone(), gated).await?[..], b"v1");
     }
     gate.notify_one();
-    eventually(5 * SEC, async || Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))).await?;
+    eventually(5 * SEC, async || {
+        Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))
+    })
+    .await?;
     assert_eq!(loads.load(Ordering::SeqCst), 2, "one refresh");
     assert_eq!(cache.metrics().refreshes, 1);
     // A refresh that fails leaves the current value in place.
@@ -220,7 +235,9 @@ async fn eager_refresh_runs_once_across_four_caches_on_one_redis() -> Result<()>
     for cache in &caches[1..] {
         assert_eq!(
             &cache
-                .fetch("k", options.clone(), || async { Ok::<_, std::io::Error>("never") })
+                .fetch("k", options.clone(), || async {
+                    Ok::<_, std::io::Error>("never")
+                })
                 .await?[..],
             b"v1"
         );
@@ -246,7 +263,10 @@ async fn eager_refresh_runs_once_across_four_caches_on_one_redis() -> Result<()>
     gate.notify_waiters();
     gate.notify_one();
     for cache in &caches {
-        eventually(5 * SEC, async || Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))).await?;
+        eventually(5 * SEC, async || {
+            Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))
+        })
+        .await?;
     }
     assert_eq!(loads.load(Ordering::SeqCst), 1, "one refresh across four caches");
     let refreshes: u64 = caches.iter().map(|c| c.metrics().refreshes).sum();
@@ -335,7 +355,9 @@ async fn eager_refresh_runs_once_across_four_processes() -> Result<()> {
             other => anyhow::bail!("returned {other:?}"),
         }
     }
-    println!("4 processes, due entry: {loads} load(s), {refreshes} refresh(es), {old} served the current value while it ran");
+    println!(
+        "4 processes, due entry: {loads} load(s), {refreshes} refresh(es), {old} served the current value while it ran"
+    );
     assert_eq!((loads, refreshes), (1, 1), "one refresh across four processes");
     assert_eq!(at(now)?.get("k").await?.as_deref(), Some(&b"v2"[..]));
     Ok(())
@@ -346,7 +368,12 @@ async fn eager_refresh_runs_once_across_four_processes() -> Result<()> {
 fn sharing(clock: &ManualClock, store: &corral::store::memory::MemoryStore) -> Result<Corral> {
     Ok(Corral::builder()
         .clock(clock.clone())
-        .stores("p:", Arc::new(store.clone()), Arc::new(store.clone()), Arc::new(store.clone()))
+        .stores(
+            "p:",
+            Arc::new(store.clone()),
+            Arc::new(store.clone()),
+            Arc::new(store.clone()),
+        )
         .build()?)
 }
 
@@ -354,10 +381,16 @@ fn sharing(clock: &ManualClock, store: &corral::store::memory::MemoryStore) -> R
 async fn a_removal_while_a_flight_waits_is_never_undone_by_its_stale_copy() -> Result<()> {
     let clock = ManualClock::starting_now();
     let store = corral::store::memory::MemoryStore::new(Arc::new(clock.clone()), 60_000);
-    let (a, b, c) = (sharing(&clock, &store)?, sharing(&clock, &store)?, sharing(&clock, &store)?);
+    let (a, b, c) = (
+        sharing(&clock, &store)?,
+        sharing(&clock, &store)?,
+        sharing(&clock, &store)?,
+    );
     let options = LoadOptions::relative(SEC).fail_safe(Duration::from_secs(600));
-    a.get_or_set("k", options.clone(), || async { Ok::<_, std::io::Error>("secret-v1") })
-        .await?;
+    a.get_or_set("k", options.clone(), || async {
+        Ok::<_, std::io::Error>("secret-v1")
+    })
+    .await?;
     clock.advance(2 * SEC);
     // B takes the lock and loads forever.
     let (entered_tx, entered_rx) = oneshot::channel();
@@ -391,7 +424,11 @@ async fn a_removal_while_a_flight_waits_is_never_undone_by_its_stale_copy() -> R
         .get_or_set_served("k", options, || async { Ok::<_, std::io::Error>("reloaded") })
         .await?;
     assert_ne!(&after.value[..], b"secret-v1", "a removed value came back");
-    assert!(a.get_stale("k").await?.is_none_or(|s| &s.value[..] != b"secret-v1"));
+    assert!(
+        a.get_stale("k")
+            .await?
+            .is_none_or(|s| &s.value[..] != b"secret-v1")
+    );
     holder.abort();
     Ok(())
 }
@@ -426,7 +463,11 @@ async fn an_expire_while_a_load_runs_refuses_its_fill_as_a_removal_does() -> Res
         c.expire(&key).await?;
         go_tx.send(()).ok();
         load.await??;
-        assert_eq!(c.get(&key).await?, None, "{already}: the load's fill beat the expire");
+        assert_eq!(
+            c.get(&key).await?,
+            None,
+            "{already}: the load's fill beat the expire"
+        );
     }
     Ok(())
 }
@@ -456,10 +497,20 @@ async fn callers_arriving_during_a_soft_timed_out_load_get_the_stale_copy_from_l
         .await?;
     let after = cache.metrics();
     assert_eq!((&second.value[..], second.stale), (&b"v1"[..], true));
-    assert_eq!(after.l1_hits - before.l1_hits, 1, "served from L1, no lock wait: {after:?}");
-    assert_eq!((after.lock_waits, after.stale_served - before.stale_served), (0, 1));
+    assert_eq!(
+        after.l1_hits - before.l1_hits,
+        1,
+        "served from L1, no lock wait: {after:?}"
+    );
+    assert_eq!(
+        (after.lock_waits, after.stale_served - before.stale_served),
+        (0, 1)
+    );
     go_tx.send(()).ok();
-    eventually(5 * SEC, async || Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))).await?;
+    eventually(5 * SEC, async || {
+        Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))
+    })
+    .await?;
     Ok(())
 }
 

@@ -541,7 +541,10 @@ async fn a_waiting_process_is_woken_by_the_landing_not_by_polling() -> Result<()
     // With backoff polling alone (50, 100, 200 ms...) b would have read and tried the
     // lock three more times in 0.5 s; woken by the landing it reads once more.
     // (Plus, once per process and L1 TTL, the read of the prefix's generation: §6b.5.)
-    assert_eq!(redis_b, 5, "generation, read, subscribe, lock (busy), read after the landing");
+    assert_eq!(
+        redis_b, 5,
+        "generation, read, subscribe, lock (busy), read after the landing"
+    );
     assert!(began.elapsed() < Duration::from_secs(5));
     Ok(())
 }

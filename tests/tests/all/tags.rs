@@ -58,7 +58,9 @@ async fn child() -> Result<()> {
         }
     });
     while let Some(line) = rx.recv().await {
-        let Some(key) = line.strip_prefix("get ") else { continue };
+        let Some(key) = line.strip_prefix("get ") else {
+            continue;
+        };
         let v = cache.get(key).await?;
         answer(key, v);
     }
@@ -74,7 +76,13 @@ struct Peer {
 impl Peer {
     fn spawn(url: &str) -> Result<Peer> {
         let mut child = Command::new(std::env::current_exe()?)
-            .args(["tags::child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .args([
+                "tags::child",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("CORRAL_TAGS_CHILD", url)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -104,7 +112,10 @@ impl Peer {
         writeln!(self.stdin, "get {key}")?;
         self.stdin.flush()?;
         let line = self.line()?;
-        Ok(line.strip_prefix(&format!("{key}=")).context("an answer")?.to_owned())
+        Ok(line
+            .strip_prefix(&format!("{key}="))
+            .context("an answer")?
+            .to_owned())
     }
 
     /// Polls `key` until it reads `want`, within `within`; returns how long it took.
@@ -139,13 +150,24 @@ async fn invalidations_reach_every_process() -> Result<()> {
     let server = RedisServer::start()?;
     let url = server.url();
     let here = cache(&url, PREFIX)?;
-    here.set_tagged("a", b"a".to_vec(), EntryOptions::new().relative(LONG), &["news"]).await?;
-    here.set_tagged("b", b"b".to_vec(), EntryOptions::new().relative(LONG), &["sports", "x"]).await?;
-    here.set("c", b"c".to_vec(), EntryOptions::new().relative(LONG)).await?;
+    here.set_tagged("a", b"a".to_vec(), EntryOptions::new().relative(LONG), &["news"])
+        .await?;
+    here.set_tagged(
+        "b",
+        b"b".to_vec(),
+        EntryOptions::new().relative(LONG),
+        &["sports", "x"],
+    )
+    .await?;
+    here.set("c", b"c".to_vec(), EntryOptions::new().relative(LONG))
+        .await?;
     let mut peers = vec![Peer::spawn(&url)?, Peer::spawn(&url)?];
     for peer in &mut peers {
         let ready = peer.line()?;
-        assert_eq!(ready, "ready l1_hits=3", "every entry is served from the peer's L1");
+        assert_eq!(
+            ready, "ready l1_hits=3",
+            "every entry is served from the peer's L1"
+        );
     }
     // The announcement travels while remove_by_tag returns; a bounded poll, not a sleep.
     let window = Duration::from_secs(2);
@@ -167,7 +189,8 @@ async fn invalidations_reach_every_process() -> Result<()> {
     }
     assert_eq!(here.get("c").await?, None);
     // After the clear, new writes are served to everyone (in the new generation).
-    here.set_tagged("a", b"a2".to_vec(), EntryOptions::new().relative(LONG), &["news"]).await?;
+    here.set_tagged("a", b"a2".to_vec(), EntryOptions::new().relative(LONG), &["news"])
+        .await?;
     for peer in &mut peers {
         peer.until("a", "a2", window)?;
     }
@@ -181,11 +204,16 @@ async fn invalidations_reach_every_process() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_never_see_each_others_tags_or_clears() -> Result<()> {
     let server = RedisServer::start()?;
-    let (one, two) = (cache(&server.url(), "tenant-1:")?, cache(&server.url(), "tenant-2:")?);
+    let (one, two) = (
+        cache(&server.url(), "tenant-1:")?,
+        cache(&server.url(), "tenant-2:")?,
+    );
     let two_fresh = cache(&server.url(), "tenant-2:")?; // no L1 copy: reads L2
     for c in [&one, &two] {
-        c.set_tagged("k", b"v".to_vec(), EntryOptions::new().relative(LONG), &["t"]).await?;
-        c.set("u", b"u".to_vec(), EntryOptions::new().relative(LONG)).await?;
+        c.set_tagged("k", b"v".to_vec(), EntryOptions::new().relative(LONG), &["t"])
+            .await?;
+        c.set("u", b"u".to_vec(), EntryOptions::new().relative(LONG))
+            .await?;
     }
     tokio::time::sleep(Duration::from_millis(2)).await; // the removal must be later than the writes
     one.remove_by_tag("t").await?;

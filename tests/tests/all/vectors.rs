@@ -515,7 +515,9 @@ macro_rules! vector_files {
     };
 }
 
-vector_files!(coalescing, errors, expiry, freshness, get_or_set, keys, locks, tags);
+vector_files!(
+    coalescing, errors, expiry, freshness, get_or_set, keys, locks, tags
+);
 
 /// As wasmtime's `assert_test_exists`: a vector file without tests fails here.
 #[test]
