@@ -279,32 +279,53 @@ impl Corral {
     async fn invalidate_tag(&self, tag: &str, remove: bool) -> Result<()> {
         let inner = &*self.inner;
         let name = inner.policy.locate_tag(&inner.prefix, tag)?;
+        let updated = self
+            .compare_and_set(&name, |stored, now| {
+                let (moments, bytes) = inner.policy.tag_update(stored, remove, now)?;
+                Ok((bytes, moments))
+            })
+            .await?;
+        let Some((moments, now)) = updated else {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!("the moments of tag {tag:?} kept changing under this invalidation"),
+            ));
+        };
+        let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
+        inner.tags.learn(tag, moments, until);
+        inner.l1.bump_tags();
+        Metrics::bump(&inner.metrics.tag_invalidations);
+        let message = inner
+            .policy
+            .encode_message(&inner.tags.origin, &TagMessage::Tag((tag.to_owned(), moments)))?;
+        self.publish(message).await;
+        Ok(())
+    }
+
+    /// Writes `update`'s bytes over what the key `name` holds, only if it still holds
+    /// it (compare-and-set, retried up to [`CAS_TRIES`] times over concurrent writers).
+    /// Returns `update`'s answer and the moment of the write that landed, or `None`
+    /// when every try lost.
+    async fn compare_and_set<T>(
+        &self,
+        name: &str,
+        update: impl Fn(Option<&[u8]>, u64) -> Result<(Vec<u8>, T)>,
+    ) -> Result<Option<(T, u64)>> {
+        let inner = &*self.inner;
         let entries = &inner.stores.entries;
         for _ in 0..CAS_TRIES {
             let now = inner.clock.now_ms();
-            let stored = self.l2_op(entries.get(&name)).await?;
-            let (moments, bytes) = inner.policy.tag_update(stored.as_deref(), remove, now)?;
+            let stored = self.l2_op(entries.get(name)).await?;
+            let (bytes, answer) = update(stored.as_deref(), now)?;
             let ttl = inner.policy.tag_state_ttl(now)?;
             let written = self
-                .l2_op(entries.set_if(&name, stored, Bytes::from(bytes), ttl))
+                .l2_op(entries.set_if(name, stored, Bytes::from(bytes), ttl))
                 .await?;
-            if !written {
-                continue;
+            if written {
+                return Ok(Some((answer, now)));
             }
-            let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
-            inner.tags.learn(tag, moments, until);
-            inner.l1.bump_tags();
-            Metrics::bump(&inner.metrics.tag_invalidations);
-            let message = inner
-                .policy
-                .encode_message(&inner.tags.origin, &TagMessage::Tag((tag.to_owned(), moments)))?;
-            self.publish(message).await;
-            return Ok(());
         }
-        Err(Error::new(
-            ErrorKind::Unavailable,
-            format!("the moments of tag {tag:?} kept changing under this invalidation"),
-        ))
+        Ok(None)
     }
 
     /// Invalidates every entry of this cache's prefix at once, in every process: the
@@ -318,33 +339,25 @@ impl Corral {
     pub async fn clear(&self) -> Result<()> {
         let inner = &*self.inner;
         let name = inner.policy.generation_name(&inner.prefix)?;
-        let entries = &inner.stores.entries;
-        for _ in 0..CAS_TRIES {
-            let now = inner.clock.now_ms();
-            let stored = self.l2_op(entries.get(&name)).await?;
-            let (bytes, generation) = inner.policy.next_generation(stored.as_deref())?;
-            let ttl = inner.policy.tag_state_ttl(now)?;
-            let written = self
-                .l2_op(entries.set_if(&name, stored, Bytes::from(bytes), ttl))
-                .await?;
-            if !written {
-                continue;
-            }
-            let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
-            inner.tags.generation.fetch_max(generation, Ordering::AcqRel);
-            inner.tags.generation_until.store(until, Ordering::Release);
-            inner.l1.clear();
-            Metrics::bump(&inner.metrics.clears);
-            let message = inner
-                .policy
-                .encode_message(&inner.tags.origin, &TagMessage::Clear(generation))?;
-            self.publish(message).await;
-            return Ok(());
-        }
-        Err(Error::new(
-            ErrorKind::Unavailable,
-            "the generation kept changing under this clear",
-        ))
+        let updated = self
+            .compare_and_set(&name, |stored, _| inner.policy.next_generation(stored))
+            .await?;
+        let Some((generation, now)) = updated else {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "the generation kept changing under this clear",
+            ));
+        };
+        let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
+        inner.tags.generation.fetch_max(generation, Ordering::AcqRel);
+        inner.tags.generation_until.store(until, Ordering::Release);
+        inner.l1.clear();
+        Metrics::bump(&inner.metrics.clears);
+        let message = inner
+            .policy
+            .encode_message(&inner.tags.origin, &TagMessage::Clear(generation))?;
+        self.publish(message).await;
+        Ok(())
     }
 
     /// Publishes a tag or clear announcement, waiting at most the store timeout; one
