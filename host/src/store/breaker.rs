@@ -1,7 +1,9 @@
 //! A circuit breaker for one store: after a few failures in a row (the store unreachable
 //! or not answering), calls fail at once with [`ErrorKind::Unavailable`] instead of each
 //! paying a connect or response timeout; after a cool-down one call goes through as a
-//! probe, and its success closes the breaker again.
+//! probe, and its success closes the breaker again. A probe whose caller goes away before
+//! the answer (its future dropped: a timeout, a cancelled request) never reports; its slot
+//! lapses after one cool-down, so the next call probes instead.
 //!
 //! A get-or-set then degrades at once (it loads, uncached) during an outage, and `get`,
 //! `set`, `remove` fail fast; none waits out timeouts that cannot succeed. Only failures
@@ -9,7 +11,7 @@
 //! down), never an answer the store gave (a wrong type, a missing script). Lock-free:
 //! every command asks it, so it costs two atomic loads when closed.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -23,8 +25,8 @@ pub(crate) struct Breaker {
     failures: AtomicU32,
     /// 0 while closed; else the moment (ms after `origin`, at least 1) it may probe.
     open_until_ms: AtomicU64,
-    /// Whether a probe is out.
-    probing: AtomicBool,
+    /// 0 when no probe is out; else the moment its slot lapses (ms after `origin`).
+    probe_until_ms: AtomicU64,
     /// How often it opened.
     opened: AtomicU64,
     /// Calls it refused at once.
@@ -40,7 +42,7 @@ impl Breaker {
         Breaker {
             failures: AtomicU32::new(0),
             open_until_ms: AtomicU64::new(0),
-            probing: AtomicBool::new(false),
+            probe_until_ms: AtomicU64::new(0),
             opened: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             threshold,
@@ -61,13 +63,21 @@ impl Breaker {
             return Ok(());
         }
         let now = self.now_ms();
-        if now >= until
-            && self
-                .probing
-                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-        {
-            return Ok(());
+        if now >= until {
+            let probe = self.probe_until_ms.load(Ordering::Acquire);
+            if now >= probe
+                && self
+                    .probe_until_ms
+                    .compare_exchange(
+                        probe,
+                        self.after_cool_down(now),
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    )
+                    .is_ok()
+            {
+                return Ok(());
+            }
         }
         self.refused.fetch_add(1, Ordering::Relaxed);
         Err(Error::new(
@@ -88,7 +98,7 @@ impl Breaker {
             }
             if self.open_until_ms.load(Ordering::Acquire) != 0 {
                 self.open_until_ms.store(0, Ordering::Release);
-                self.probing.store(false, Ordering::Release);
+                self.probe_until_ms.store(0, Ordering::Release);
                 tracing::info!("Redis answers again: circuit closed");
             }
             return;
@@ -99,10 +109,9 @@ impl Breaker {
         let open = self.open_until_ms.load(Ordering::Acquire) != 0;
         let n = self.failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
         if open || n >= self.threshold {
-            let until =
-                (self.now_ms() + u64::try_from(self.cool_down.as_millis()).unwrap_or(u64::MAX)).max(1);
-            self.open_until_ms.store(until, Ordering::Release);
-            self.probing.store(false, Ordering::Release);
+            self.open_until_ms
+                .store(self.after_cool_down(self.now_ms()), Ordering::Release);
+            self.probe_until_ms.store(0, Ordering::Release);
             if !open {
                 self.opened.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
@@ -112,6 +121,13 @@ impl Breaker {
                 );
             }
         }
+    }
+
+    /// One cool-down after `now_ms` (at least 1: 0 means "none").
+    fn after_cool_down(&self, now_ms: u64) -> u64 {
+        now_ms
+            .saturating_add(u64::try_from(self.cool_down.as_millis()).unwrap_or(u64::MAX))
+            .max(1)
     }
 
     /// Whether it is open now.
@@ -171,6 +187,23 @@ mod tests {
         assert!(!b.is_open());
         b.admit().expect("closed");
         assert_eq!(b.figures(), (1, 3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_that_never_reports_gives_its_slot_up_after_a_cool_down() {
+        let b = Breaker::new(1, Duration::from_secs(1));
+        b.record(true);
+        tokio::time::advance(Duration::from_millis(1_000)).await;
+        b.admit().expect("the probe");
+        // Its caller went away: no record. Others are refused for one cool-down ...
+        assert!(b.admit().is_err());
+        tokio::time::advance(Duration::from_millis(999)).await;
+        assert!(b.admit().is_err());
+        // ... then the next call probes, and its success closes the breaker.
+        tokio::time::advance(Duration::from_millis(1)).await;
+        b.admit().expect("a new probe");
+        b.record(false);
+        assert!(!b.is_open());
     }
 
     #[test]

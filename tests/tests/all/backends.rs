@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Result, ensure};
 use corral::guest::Freshness;
 use corral::{Clock, Corral, EntryOptions, ErrorKind};
 use corral_tests::{Backend, Fixture, RedisServer};
@@ -152,6 +152,50 @@ async fn a_dead_redis_is_a_typed_retryable_error_and_recovery_follows() -> Resul
     }
     assert!(recovered, "the cache works again once Redis is back");
     assert_eq!(f.cache.get("k").await?.as_deref(), Some(&b"v3"[..]));
+    Ok(())
+}
+
+/// The probe after the cool-down goes out while Redis is still frozen and its caller
+/// gives up (a request timeout drops the future): the breaker never hears how it ended.
+/// The slot lapses after one more cool-down, so once Redis is back a later call probes and
+/// closes it (before the fix the breaker stayed open for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_whose_caller_gives_up_does_not_keep_the_breaker_open() -> Result<()> {
+    let server = RedisServer::start()?;
+    let mut options = corral::RedisOptions::new(server.url());
+    options.response_timeout = Duration::from_millis(200);
+    options.breaker_cool_down = Duration::from_millis(300);
+    let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
+    cache.set("k", "v", EntryOptions::new()).await?;
+    let store = cache.redis_store().expect("redis");
+    server.pause()?;
+    for _ in 0..3 {
+        cache.get("k").await.unwrap_err();
+    }
+    ensure!(store.breaker().0, "open after three failures");
+    // Past the cool-down, the next call is the probe; its caller drops it at 20 ms.
+    let mut abandoned = false;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if tokio::time::timeout(Duration::from_millis(20), cache.get("k"))
+            .await
+            .is_err()
+        {
+            abandoned = true;
+            break;
+        }
+    }
+    ensure!(abandoned, "no call was let through as a probe");
+    server.resume()?;
+    let mut closed = false;
+    for _ in 0..60 {
+        if cache.get("k").await.is_ok() {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    ensure!(closed, "still open: {:?}", store.breaker());
     Ok(())
 }
 
