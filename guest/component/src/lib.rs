@@ -431,6 +431,7 @@ mod flight {
             hard_timeout_ms: c.hard_timeout_ms,
             soft_timeout_ms: c.soft_timeout_ms,
             eager_refresh_permille: c.eager_refresh_permille,
+            background_completion: c.background_completion,
             refresh: c.refresh,
             bypass: c.bypass,
         }
@@ -446,6 +447,7 @@ mod flight {
             hard_timeout_ms: c.hard_timeout_ms,
             soft_timeout_ms: c.soft_timeout_ms,
             eager_refresh_permille: c.eager_refresh_permille,
+            background_completion: c.background_completion,
             refresh: c.refresh,
             bypass: c.bypass,
         }
@@ -527,6 +529,7 @@ mod flight {
             wit::Event::LoadFailed => Event::LoadFailed,
             wit::Event::LoadTimedOut => Event::LoadTimedOut,
             wit::Event::LoadSlow => Event::LoadSlow,
+            wit::Event::LoadOverdue => Event::LoadOverdue,
             wit::Event::L2Written => Event::L2Written,
             wit::Event::L2WriteFailed => Event::L2WriteFailed,
         }
@@ -540,12 +543,15 @@ mod flight {
             Action::Load {
                 until_ms,
                 soft_until_ms,
+                overdue_ms,
             } => wit::Action::Load(wit::LoadRequest {
                 until_ms,
                 soft_until_ms,
+                overdue_ms,
             }),
             Action::AnswerStale { l1_until_ms } => wit::Action::AnswerStale(l1_until_ms),
             Action::KeepLoading => wit::Action::KeepLoading,
+            Action::AnswerTimedOut => wit::Action::AnswerTimedOut,
             Action::WriteL2 { header, store_ttl_ms } => wit::Action::WriteL2(wit::Write {
                 header: header.to_vec(),
                 store_ttl_ms,

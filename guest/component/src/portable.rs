@@ -608,8 +608,9 @@ fn fly(
             }
             // The loader import cannot be stopped from here: it answers when it does,
             // and the machine judges an answer past the hard timeout a timeout.
-            // It never reports `load-slow`, so it is never asked to answer early.
-            Action::AnswerStale { .. } | Action::KeepLoading => {
+            // It never reports `load-slow` or `load-overdue` (its settings never ask
+            // for background completion), so it is never asked to answer early.
+            Action::AnswerStale { .. } | Action::KeepLoading | Action::AnswerTimedOut => {
                 return Err(types::Error::Other(
                     "the flight asked for an early answer it was never offered".to_string(),
                 ));

@@ -41,6 +41,11 @@ pub struct FlightConfig {
     /// freshness (its `relative` duration) have passed, a hit returns it and starts one
     /// background refresh. `None`: never.
     pub eager_refresh_permille: Option<u32>,
+    /// Background completion (contract §6b.2): a load still running at the hard
+    /// timeout is not stopped. The callers are answered then, as a hard timeout answers
+    /// them (the stale copy, else a timeout), and the load goes on to fill the tiers
+    /// when it succeeds. Only a body that can answer before the loader returns sets it.
+    pub background_completion: bool,
     /// This flight is such a background refresh: it takes the lock without waiting
     /// (another process is refreshing if it is held), and a failure leaves the current
     /// value in place.
@@ -170,6 +175,9 @@ pub enum Event {
     /// The loader is still running at the soft timeout (`Action::Load`'s
     /// `soft_until_ms`); it goes on.
     LoadSlow,
+    /// The loader is still running at the hard timeout of a flight with background
+    /// completion (`Action::Load`'s `overdue_ms`); it goes on.
+    LoadOverdue,
     /// The L2 write succeeded.
     L2Written,
     /// The L2 write failed.
@@ -250,6 +258,9 @@ pub enum Action {
         /// The soft timeout's moment, if any (only when a stale copy exists): if the
         /// loader still runs then, report [`Event::LoadSlow`] and keep it running.
         soft_until_ms: Option<u64>,
+        /// The hard timeout's moment with background completion, if any: if the loader
+        /// still runs then, report [`Event::LoadOverdue`] and keep it running.
+        overdue_ms: Option<u64>,
     },
     /// Soft timeout: hand the stale copy to every caller now and fill L1 with it until
     /// `l1_until_ms` (marked stale: the callers that come while the load runs get it
@@ -262,6 +273,10 @@ pub enum Action {
     /// Soft timeout, but the stale copy's window ended meanwhile: answer nobody early;
     /// keep the load running and report its result as usual.
     KeepLoading,
+    /// Hard timeout with background completion and no stale copy to serve: give every
+    /// caller a timeout error now, keep the load running and report its result as
+    /// usual; the flight's finish then fills the tiers.
+    AnswerTimedOut,
     /// Write the header followed by the value to L2 with this TTL, then report
     /// [`Event::L2Written`] or [`Event::L2WriteFailed`].
     WriteL2 {
@@ -427,6 +442,17 @@ impl Flight {
                 // Past its window by now: nothing to answer with; the load goes on.
                 None => Action::KeepLoading,
             },
+            // The hard timeout, with background completion: the callers get what a hard
+            // timeout gives them, and the load goes on.
+            (P::Loading, E::LoadOverdue) if !self.answered => {
+                self.answered = true;
+                match self.stale_l1_until(now_ms) {
+                    Some(l1_until_ms) => Action::AnswerStale { l1_until_ms },
+                    None => Action::AnswerTimedOut,
+                }
+            }
+            // Answered at the soft timeout already.
+            (P::Loading, E::LoadOverdue) => Action::KeepLoading,
             (P::Reading | P::DoubleChecking | P::Waiting, E::L2Hit(meta)) => {
                 let after_wait = self.waited;
                 // A double-check hit holds the lock: release it.
@@ -578,10 +604,17 @@ impl Flight {
 
     fn load(&mut self, now_ms: u64) -> Action {
         self.phase = Phase::Loading;
-        let until_ms = self
+        let hard_ms = self
             .config
             .hard_timeout_ms
             .map(|t| now_ms.saturating_add(t.max(1)));
+        // With background completion the hard timeout answers the callers and the load
+        // goes on (a refresh has no callers to answer: its load is stopped as usual).
+        let (until_ms, overdue_ms) = if self.config.background_completion && !self.config.refresh {
+            (None, hard_ms)
+        } else {
+            (hard_ms, None)
+        };
         self.load_until_ms = until_ms;
         // A soft timeout only matters with a stale copy to give meanwhile, and only
         // before the hard one.
@@ -590,10 +623,11 @@ impl Flight {
             .soft_timeout_ms
             .filter(|_| self.stale.is_some() && !self.config.refresh)
             .map(|t| now_ms.saturating_add(t.max(1)))
-            .filter(|soft| until_ms.is_none_or(|hard| *soft < hard));
+            .filter(|soft| hard_ms.is_none_or(|hard| *soft < hard));
         Action::Load {
             until_ms,
             soft_until_ms,
+            overdue_ms,
         }
     }
 
@@ -715,7 +749,7 @@ mod tests {
                         }
                         return (action, flight);
                     }
-                    Action::AnswerStale { .. } | Action::KeepLoading => {
+                    Action::AnswerStale { .. } | Action::KeepLoading | Action::AnswerTimedOut => {
                         panic!("no soft timeout in this world")
                     }
                     Action::ReadL2 => {
@@ -832,7 +866,8 @@ mod tests {
             actions[3],
             Action::Load {
                 until_ms: None,
-                soft_until_ms: None
+                soft_until_ms: None,
+                overdue_ms: None
             }
         );
         let (outcome, release, notify, l1) = finish(&actions[4]);
@@ -920,7 +955,8 @@ mod tests {
             actions[3],
             Action::Load {
                 until_ms: Some(NOW + 1_000),
-                soft_until_ms: None
+                soft_until_ms: None,
+                overdue_ms: None
             }
         );
         let (outcome, release, _, l1) = finish(&actions[4]);
@@ -989,7 +1025,8 @@ mod tests {
             actions[3],
             Action::Load {
                 until_ms: Some(NOW + 5_000),
-                soft_until_ms: Some(NOW + 100)
+                soft_until_ms: Some(NOW + 100),
+                overdue_ms: None
             }
         );
         assert_eq!(
@@ -1014,8 +1051,127 @@ mod tests {
             actions[3],
             Action::Load {
                 until_ms: Some(NOW + 5_000),
-                soft_until_ms: None
+                soft_until_ms: None,
+                overdue_ms: None
             }
+        );
+    }
+
+    #[test]
+    fn background_completion_answers_at_the_hard_timeout_and_the_load_goes_on_to_fill_the_tiers() {
+        let config = FlightConfig {
+            hard_timeout_ms: Some(1_000),
+            background_completion: true,
+            ..FlightConfig::default()
+        };
+        let loaded = Event::Loaded {
+            len: 1,
+            cacheable: true,
+            expiry: None,
+        };
+        // No stale copy: the callers get a timeout at the hard moment; the late value
+        // (not judged a timeout: nobody waits for it) is written and fills L1.
+        let (_, actions) = run(
+            config,
+            &[
+                (0, Event::L2Miss),
+                (0, Event::LockAcquired),
+                (0, Event::L2Miss),
+                (1_000, Event::LoadOverdue),
+                (3_000, loaded),
+                (3_000, Event::L2Written),
+            ],
+        );
+        assert_eq!(
+            actions[3],
+            Action::Load {
+                until_ms: None,
+                soft_until_ms: None,
+                overdue_ms: Some(NOW + 1_000)
+            }
+        );
+        assert_eq!(actions[4], Action::AnswerTimedOut);
+        assert!(
+            matches!(actions[5], Action::WriteL2 { .. }),
+            "the late value is written"
+        );
+        let (outcome, release, notify, l1) = finish(&actions[6]);
+        assert_eq!(outcome, Outcome::Loaded { cached: true });
+        assert!(release && notify && l1.is_some());
+
+        // A stale copy: served at the hard moment, re-armed in L1 for the throttle.
+        let stale = stale_meta(NOW);
+        let (_, actions) = run(
+            config,
+            &[
+                (0, Event::L2Stale(stale)),
+                (0, Event::LockAcquired),
+                (0, Event::L2Stale(stale)),
+                (1_000, Event::LoadOverdue),
+                (3_000, Event::LoadFailed),
+            ],
+        );
+        assert_eq!(
+            actions[4],
+            Action::AnswerStale {
+                l1_until_ms: Some(NOW + 1_000 + config.fail_safe_throttle_ms)
+            }
+        );
+        // The late failure leaves the stale copy in place (fail-safe as usual).
+        assert_eq!(finish(&actions[5]).0, Outcome::Stale(StaleCause::LoaderFailed));
+
+        // Answered at the soft timeout already: the hard moment answers nobody again.
+        let with_soft = FlightConfig {
+            soft_timeout_ms: Some(100),
+            ..config
+        };
+        let (_, actions) = run(
+            with_soft,
+            &[
+                (0, Event::L2Stale(stale)),
+                (0, Event::LockAcquired),
+                (0, Event::L2Stale(stale)),
+                (100, Event::LoadSlow),
+                (1_000, Event::LoadOverdue),
+                (3_000, loaded),
+            ],
+        );
+        assert_eq!(
+            actions[3],
+            Action::Load {
+                until_ms: None,
+                soft_until_ms: Some(NOW + 100),
+                overdue_ms: Some(NOW + 1_000)
+            }
+        );
+        assert!(matches!(actions[4], Action::AnswerStale { .. }));
+        assert_eq!(actions[5], Action::KeepLoading);
+        assert!(matches!(actions[6], Action::WriteL2 { .. }));
+    }
+
+    #[test]
+    fn a_refresh_stops_its_load_at_the_hard_timeout_even_with_background_completion() {
+        let config = FlightConfig {
+            hard_timeout_ms: Some(1_000),
+            background_completion: true,
+            ..refreshing(500)
+        };
+        let limits = Limits::default();
+        let options = relative(60_000);
+        let due = expiry::plan(&options, NOW - 50_000, &limits).unwrap();
+        let (mut f, _) = Flight::start("k", options, config, NOW, &limits).unwrap();
+        f.handle(Event::LockAcquired, NOW, &limits);
+        let load = f.handle(Event::L2Hit(due), NOW, &limits);
+        assert!(
+            matches!(
+                load,
+                Action::Load {
+                    until_ms: Some(_),
+                    overdue_ms: None,
+                    ..
+                }
+            ),
+            "{load:?}"
         );
     }
 
@@ -1314,7 +1470,8 @@ mod tests {
             f.handle(Event::L2Miss, NOW + 50, &limits),
             Action::Load {
                 until_ms: None,
-                soft_until_ms: None
+                soft_until_ms: None,
+                overdue_ms: None
             }
         );
     }
@@ -1360,7 +1517,8 @@ mod tests {
             f.handle(Event::LockFailed, NOW, &limits),
             Action::Load {
                 until_ms: None,
-                soft_until_ms: None
+                soft_until_ms: None,
+                overdue_ms: None
             }
         );
         assert_eq!(
@@ -1461,7 +1619,8 @@ mod tests {
             f.handle(Event::L2Written, NOW, &limits),
             Action::Load {
                 until_ms: None,
-                soft_until_ms: None
+                soft_until_ms: None,
+                overdue_ms: None
             }
         );
         let mut done = f;

@@ -165,6 +165,7 @@ impl Settings {
             hard_timeout_ms: self.hard_timeout_ms,
             soft_timeout_ms: self.soft_timeout_ms,
             eager_refresh_permille: self.eager_refresh_permille,
+            background_completion: false,
             refresh: false,
             bypass,
         }

@@ -100,6 +100,7 @@ impl Corral {
         for (set, name) in [
             (options.soft_timeout_ms.is_some(), "soft_timeout"),
             (options.eager_refresh_permille.is_some(), "eager_refresh"),
+            (options.background_completion, "background_completion"),
         ] {
             if set {
                 return Err(Error::invalid_argument(
@@ -372,6 +373,8 @@ impl Corral {
             eager_refresh_permille: options
                 .eager_refresh_permille
                 .or(inner.flight.eager_refresh_permille.filter(|_| detached)),
+            // Only a caller that can be answered before the load ends: never a refresh.
+            background_completion: options.background_completion && answer.is_some(),
             refresh: options.refresh,
             bypass: options.bypass,
         };
@@ -523,38 +526,70 @@ impl Corral {
                     let running = AssertUnwindSafe(async move { load().await }).catch_unwind();
                     let mut running = std::pin::pin!(running);
                     let left = |until: u64| Duration::from_millis(until.saturating_sub(inner.clock.now_ms()));
-                    // The soft timeout (contract §6b.2): only when the caller can be
-                    // answered before the flight ends (`fetch`), and only if the guest
-                    // set one (it does when a stale copy exists).
+                    // The early answers (contract §6b.2): only when the caller can be
+                    // answered before the flight ends (`fetch`), and only at the moments
+                    // the guest set: the soft timeout (with a stale copy), and the hard
+                    // one with background completion. The guest says what each gives.
                     let mut early = None;
-                    if let (Some(soft), true) = (request.soft_until_ms, answer.is_some()) {
-                        match tokio::time::timeout(left(soft), &mut running).await {
+                    let marks = [
+                        (request.soft_until_ms, Event::LoadSlow),
+                        (request.overdue_ms, Event::LoadOverdue),
+                    ];
+                    for (mark, event) in marks {
+                        // Once answered (or loaded), no later moment matters.
+                        let (Some(mark), true, None) = (mark, answer.is_some(), &early) else {
+                            continue;
+                        };
+                        match tokio::time::timeout(left(mark), &mut running).await {
                             Ok(loaded) => early = Some(loaded),
                             Err(_) => {
+                                let hard = event == Event::LoadOverdue;
                                 now = inner.clock.now_ms();
-                                let (state, next) =
-                                    inner.policy.flight_step(held.state, Event::LoadSlow, now)?;
+                                let (state, next) = inner.policy.flight_step(held.state, event, now)?;
                                 held.state = state;
                                 trace_action(&next);
-                                if let Action::AnswerStale(l1_until_ms) = next {
-                                    Metrics::bump(&inner.metrics.soft_timeouts);
-                                    Metrics::bump(&inner.metrics.stale_served);
-                                    let copy = stale.clone().unwrap_or_default();
-                                    // Callers that come while the load runs get it from L1.
-                                    if let Some(until_ms) = l1_until_ms {
-                                        let entry = L1Entry {
-                                            value: copy.clone(),
-                                            until_ms,
+                                let served = match next {
+                                    Action::AnswerStale(l1_until_ms) => {
+                                        Metrics::bump(if hard {
+                                            &inner.metrics.hard_timeouts
+                                        } else {
+                                            &inner.metrics.soft_timeouts
+                                        });
+                                        Metrics::bump(&inner.metrics.stale_served);
+                                        let copy = stale.clone().unwrap_or_default();
+                                        // Callers that come while the load runs get it from L1.
+                                        if let Some(until_ms) = l1_until_ms {
+                                            let entry = L1Entry {
+                                                value: copy.clone(),
+                                                until_ms,
+                                                stale: true,
+                                                refresh_at_ms: None,
+                                                tagged: Some(read_tag_epoch),
+                                            };
+                                            inner.l1.fill_entry(key, entry, l1_ticket);
+                                        }
+                                        Some(Ok(Served {
+                                            value: copy,
                                             stale: true,
-                                            refresh_at_ms: None,
-                                            tagged: Some(read_tag_epoch),
-                                        };
-                                        inner.l1.fill_entry(key, entry, l1_ticket);
+                                        }))
                                     }
-                                    let served = Ok(Served {
-                                        value: copy,
-                                        stale: true,
-                                    });
+                                    Action::AnswerTimedOut => {
+                                        Metrics::bump(&inner.metrics.hard_timeouts);
+                                        Some(Err(Error::new(
+                                            crate::ErrorKind::Timeout,
+                                            "the loader ran past the get-or-set's hard timeout \
+                                             (it goes on in the background and fills the cache if it succeeds)",
+                                        )))
+                                    }
+                                    Action::KeepLoading => None,
+                                    _ => {
+                                        return Err(Error::guest(
+                                            "the flight answered a slow load out of turn",
+                                            "broken contract",
+                                        ));
+                                    }
+                                };
+                                if let Some(served) = served {
                                     if let Some(guard) = followers.take() {
                                         share(guard, &served);
                                     }
@@ -596,8 +631,8 @@ impl Corral {
                         }
                     }
                 }
-                // Only ever the answer to `load-slow`, handled above.
-                Action::AnswerStale(_) | Action::KeepLoading => {
+                // Only ever the answer to `load-slow` or `load-overdue`, handled above.
+                Action::AnswerStale(_) | Action::KeepLoading | Action::AnswerTimedOut => {
                     return Err(Error::guest(
                         "the flight answered early out of turn",
                         "broken contract",

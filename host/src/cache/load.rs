@@ -40,6 +40,8 @@ pub struct LoadOptions {
     pub(crate) soft_timeout_ms: Option<u64>,
     /// Eager refresh, in thousandths of the freshness (needs `fetch`).
     pub(crate) eager_refresh_permille: Option<u32>,
+    /// A load past the hard timeout goes on in the background (needs `fetch`).
+    pub(crate) background_completion: bool,
     /// This is a background refresh's flight.
     pub(crate) refresh: bool,
     /// The tags a loaded entry carries (contract §6b.5).
@@ -56,6 +58,7 @@ impl fmt::Debug for LoadOptions {
             .field("hard_timeout_ms", &self.hard_timeout_ms)
             .field("soft_timeout_ms", &self.soft_timeout_ms)
             .field("eager_refresh_permille", &self.eager_refresh_permille)
+            .field("background_completion", &self.background_completion)
             .field("tags", &self.tags)
             .finish()
     }
@@ -137,6 +140,20 @@ impl LoadOptions {
     /// the cache's [`hard_timeout`](crate::CorralBuilder::hard_timeout).
     pub fn hard_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.hard_timeout_ms = Some(crate::options::duration_ms(timeout).max(1));
+        self
+    }
+
+    /// Background completion (contract §6b.2): a loader still running at the hard
+    /// timeout is not stopped. The callers are answered then as the hard timeout
+    /// answers them (the stale copy if fail-safe has one, else
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout)), and the load goes on in the
+    /// background: when it succeeds its value fills both tiers (fenced like any fill,
+    /// so a `set` or `remove` meanwhile wins), and the next call gets it. Needs a loader
+    /// that may outlive the call: [`Corral::fetch`](crate::Corral::fetch) (with
+    /// `get_or_set` it is an [`InvalidArgument`](crate::ErrorKind::InvalidArgument)
+    /// naming `background_completion`). Without a hard timeout it changes nothing.
+    pub fn background_completion(mut self, on: bool) -> Self {
+        self.background_completion = on;
         self
     }
 

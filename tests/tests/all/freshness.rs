@@ -110,11 +110,17 @@ async fn a_hard_timeout_drops_the_loader_and_is_a_timeout_error() -> Result<()> 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn soft_timeout_and_eager_refresh_need_fetch() -> Result<()> {
+async fn soft_timeout_eager_refresh_and_background_completion_need_fetch() -> Result<()> {
     let cache = Corral::builder().build()?;
     for (options, name) in [
         (LoadOptions::relative(SEC).soft_timeout(SEC), "soft_timeout"),
         (LoadOptions::relative(SEC).eager_refresh(0.5), "eager_refresh"),
+        (
+            LoadOptions::relative(SEC)
+                .hard_timeout(SEC)
+                .background_completion(true),
+            "background_completion",
+        ),
     ] {
         let err = cache
             .get_or_set("k", options, || async { Ok::<_, std::io::Error>("v") })
@@ -168,6 +174,131 @@ async fn a_soft_timeout_serves_the_stale_copy_and_the_load_still_fills_the_tiers
         .fetch_served("k", options, || async { Ok::<_, std::io::Error>("v3") })
         .await?;
     assert_eq!((&served.value[..], served.stale), (&b"v2"[..], false));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_completion_answers_every_caller_at_the_hard_timeout_and_the_load_fills_both_tiers()
+-> Result<()> {
+    let server = RedisServer::start()?;
+    let cache = Corral::builder().redis(server.url()).build()?;
+    let other = Corral::builder().redis(server.url()).build()?;
+    let options = LoadOptions::relative(Duration::from_secs(60))
+        .hard_timeout(SEC)
+        .background_completion(true);
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let leader = {
+        let (cache, options) = (cache.clone(), options.clone());
+        tokio::spawn(async move {
+            cache
+                .fetch("k", options, || async move {
+                    let _ = go_rx.await;
+                    Ok::<_, std::io::Error>("late")
+                })
+                .await
+        })
+    };
+    eventually(5 * SEC, async || Ok(cache.flights_in_progress() == 1)).await?;
+    let follower = {
+        let (cache, options) = (cache.clone(), options.clone());
+        tokio::spawn(async move {
+            cache
+                .fetch("k", options, || async { Ok::<_, std::io::Error>("never") })
+                .await
+        })
+    };
+    eventually(5 * SEC, async || Ok(cache.followers_of("k") == 1)).await?;
+    let (led, followed) = (leader.await?, follower.await?);
+    for (who, result) in [("leader", led), ("follower", followed)] {
+        let err = result.err().with_context(|| format!("the {who} got a value"))?;
+        assert_eq!(err.kind(), ErrorKind::Timeout, "{who}: {err}");
+        assert!(err.to_string().contains("background"), "{who}: {err}");
+    }
+    let m = cache.metrics();
+    assert_eq!((m.hard_timeouts, m.loads, m.coalesced), (1, 1, 1), "{m:?}");
+    assert_eq!(cache.get("k").await?, None, "nothing until the load returns");
+    // The load was not stopped: once it returns, its value is in L2 for every process,
+    // and in this one's L1.
+    go_tx.send(()).ok();
+    eventually(5 * SEC, async || {
+        Ok(other.get("k").await?.as_deref() == Some(&b"late"[..]))
+    })
+    .await?;
+    let served = cache
+        .fetch_served("k", options, || async { Ok::<_, std::io::Error>("never") })
+        .await?;
+    assert_eq!((&served.value[..], served.stale), (&b"late"[..], false));
+    assert_eq!(cache.metrics().loads, 1, "served from the tiers");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_completion_serves_the_stale_copy_at_the_hard_timeout_and_a_late_failure_keeps_it()
+-> Result<()> {
+    let clock = ManualClock::starting_now();
+    let cache = memory_cache(&clock)?;
+    let options = LoadOptions::relative(SEC)
+        .fail_safe(Duration::from_secs(60))
+        .hard_timeout(Duration::from_millis(50))
+        .background_completion(true);
+    cache
+        .fetch("k", options.clone(), || async { Ok::<_, std::io::Error>("v1") })
+        .await?;
+    clock.advance(2 * SEC);
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let (failed_tx, failed_rx) = oneshot::channel::<()>();
+    let served = cache
+        .fetch_served("k", options.clone(), || async move {
+            let _ = go_rx.await;
+            let _ = failed_tx.send(());
+            Err::<&str, _>(std::io::Error::other("database down"))
+        })
+        .await?;
+    assert_eq!((&served.value[..], served.stale), (&b"v1"[..], true));
+    let m = cache.metrics();
+    assert_eq!((m.hard_timeouts, m.stale_served), (1, 1), "{m:?}");
+    // The late failure leaves the stale copy, served from L1 for the throttle.
+    go_tx
+        .send(())
+        .ok()
+        .context("the load was stopped at the hard timeout")?;
+    failed_rx.await.context("the load ran to its end")?;
+    eventually(5 * SEC, async || Ok(cache.flights_in_progress() == 0)).await?;
+    let served = cache
+        .fetch_served("k", options, || async { Ok::<_, std::io::Error>("never") })
+        .await?;
+    assert_eq!((&served.value[..], served.stale), (&b"v1"[..], true));
+    assert_eq!(cache.metrics().loads, 2, "the throttle holds the loader off");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_background_completion_a_hard_timeout_still_drops_the_load_under_fetch() -> Result<()> {
+    let cache = Corral::builder().build()?;
+    let (dropped_tx, dropped_rx) = oneshot::channel::<()>();
+    struct OnDrop(Option<oneshot::Sender<()>>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            if let Some(tx) = self.0.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+    let guard = OnDrop(Some(dropped_tx));
+    let err = cache
+        .fetch(
+            "k",
+            LoadOptions::relative(SEC).hard_timeout(Duration::from_millis(50)),
+            || async move {
+                let _guard = guard;
+                std::future::pending::<()>().await;
+                Ok::<_, std::io::Error>("never")
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
+    dropped_rx.await.context("the loader's future was dropped")?;
     Ok(())
 }
 
