@@ -357,6 +357,7 @@ impl CorralBuilder {
                 read_hints: super::read::ReadHints::new(self.l1_capacity, removal_ttl_ms),
                 decoded: super::typed::Decoded::new(self.l1_capacity, settings.l1_ttl_ms),
                 registry: Registry::default(),
+                refreshes: Registry::default(),
                 background: Default::default(),
                 metrics,
                 locks,

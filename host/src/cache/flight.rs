@@ -281,7 +281,7 @@ impl Corral {
     {
         let guard = match joined {
             Some(guard) => guard,
-            None => match self.inner.registry.join(key) {
+            None => match self.inner.refreshes.join(key) {
                 Join::Leader(guard) => guard,
                 Join::Follower(_) => return,
             },
@@ -728,13 +728,13 @@ impl Corral {
                         share(guard, &result);
                     }
                     // An L2 hit due for an eager refresh (only for a flight in a task of
-                    // its own): the refresh joins the registry before the caller is
-                    // answered, so whoever the caller tells finds it running.
+                    // its own): the refresh joins the refreshes' registry before the caller
+                    // is answered, so whoever the caller tells finds it running.
                     let refresh_due = detached
                         && !options.refresh
                         && matches!(finish.outcome, FlightOutcome::L2Hit(_))
                         && finish.refresh_at_ms.is_some_and(|at| inner.clock.now_ms() >= at);
-                    if refresh_due && let Join::Leader(guard) = inner.registry.join(key) {
+                    if refresh_due && let Join::Leader(guard) = inner.refreshes.join(key) {
                         *refresh = Some(guard);
                     }
                     if let Some(tx) = answer.take() {

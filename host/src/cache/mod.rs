@@ -68,6 +68,10 @@ pub(crate) struct Inner {
     /// bytes (see [`Corral::get_or_set_json_shared`]).
     pub(crate) decoded: typed::Decoded,
     pub(crate) registry: Registry<registry::Outcome>,
+    /// In-process single flight of eager refreshes, apart from the get-or-sets': a
+    /// caller that misses L1 while a refresh runs reads L2 as usual (the current value)
+    /// instead of waiting for the refresh's load.
+    pub(crate) refreshes: Registry<registry::Outcome>,
     /// Flights running in tasks of their own (`fetch`, refreshes), to their very end.
     pub(crate) background: Arc<std::sync::atomic::AtomicUsize>,
     pub(crate) metrics: Arc<Metrics>,
@@ -461,7 +465,7 @@ impl Corral {
     /// registry keeps no entry for a finished or abandoned flight).
     #[cfg(any(test, feature = "test-util"))]
     pub fn flights_in_progress(&self) -> usize {
-        self.inner.registry.len()
+        self.inner.registry.len() + self.inner.refreshes.len()
     }
 
     /// Flights running in tasks of their own (`fetch` and eager refreshes) that have

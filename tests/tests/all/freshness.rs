@@ -349,6 +349,55 @@ async fn an_eager_refresh_returns_the_current_value_and_refreshes_once_in_the_ba
     Ok(())
 }
 
+/// A caller that misses L1 while a refresh's load runs (no L1 here; with one: an evicted
+/// or lapsed copy) reads L2 and gets the current value at once: it never waits for the
+/// refresh (before the fix it followed the refresh's flight until its load returned), and
+/// starts no second refresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_missing_l1_during_a_refresh_get_the_current_value_without_waiting() -> Result<()> {
+    let clock = ManualClock::starting_now();
+    let cache = Corral::builder().clock(clock.clone()).l1_capacity(0).build()?;
+    let options = LoadOptions::relative(Duration::from_secs(10)).eager_refresh(0.5);
+    cache
+        .fetch("k", options.clone(), || async { Ok::<_, std::io::Error>("v1") })
+        .await?;
+    clock.advance(Duration::from_secs(6));
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let loads = Arc::new(AtomicUsize::new(0));
+    let counted = loads.clone();
+    let value = cache
+        .fetch("k", options.clone(), move || async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let _ = go_rx.await;
+            Ok::<_, std::io::Error>("v2")
+        })
+        .await?;
+    assert_eq!(&value[..], b"v1", "the due hit returns the current value");
+    eventually(5 * SEC, async || Ok(loads.load(Ordering::SeqCst) == 1)).await?;
+    // The refresh's load is held at its gate: these must not wait for it.
+    for i in 0..5 {
+        let counted = loads.clone();
+        let value = tokio::time::timeout(
+            2 * SEC,
+            cache.fetch("k", options.clone(), move || async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>("v3")
+            }),
+        )
+        .await
+        .with_context(|| format!("caller {i} waited for the refresh"))??;
+        assert_eq!(&value[..], b"v1", "caller {i}");
+    }
+    assert_eq!(loads.load(Ordering::SeqCst), 1, "no second refresh");
+    go_tx.send(()).ok();
+    eventually(5 * SEC, async || {
+        Ok(cache.get("k").await?.as_deref() == Some(&b"v2"[..]))
+    })
+    .await?;
+    assert_eq!(cache.metrics().refreshes, 1);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eager_refresh_runs_once_across_four_caches_on_one_redis() -> Result<()> {
     let server = RedisServer::start()?;
