@@ -383,6 +383,8 @@ impl Corral {
         if !options.tags.is_empty() {
             inner.policy.check_tags(&options.tags)?;
         }
+        // Taken before the names: L1 is never filled across a clear after them.
+        let named = inner.l1.ticket(key);
         let names = self.locate(key).await?;
         let mut held = HeldFlight {
             cache: self,
@@ -411,7 +413,7 @@ impl Corral {
         // What the last L2 read found on a miss: the fill is fenced on it.
         let mut fence: Option<Option<Bytes>> = None;
         // This process's writes of the key, as of the last L2 step: L1 is fenced on it.
-        let mut l1_ticket = inner.l1.ticket(key);
+        let mut l1_ticket = named;
         // Tags (contract §6b.5): what L1 keeps of an L2 hit's, and the loaded entry's
         // (written at the moment its load began: older than any invalidation after).
         let mut stamp: Option<super::tags::TagStamp> = None;
@@ -424,7 +426,7 @@ impl Corral {
             trace_action(&action);
             let event = match action {
                 Action::ReadL2 => {
-                    l1_ticket = inner.l1.ticket(key);
+                    l1_ticket = inner.l1.ticket_since(key, named);
                     read_tag_epoch = inner.l1.tag_epoch();
                     match by(deadline, self.l2_look(&names.entry, now)).await {
                         Ok(L2Read::Hit(v, meta, holds, tags)) => {
@@ -639,7 +641,7 @@ impl Corral {
                     ));
                 }
                 Action::WriteL2(mut write) => {
-                    l1_ticket = inner.l1.ticket(key);
+                    l1_ticket = inner.l1.ticket_since(key, named);
                     if !options.tags.is_empty() {
                         let tagged = crate::guest::policy::Tagged {
                             written_at_ms: load_began,

@@ -159,9 +159,10 @@ impl Corral {
             Metrics::bump(&self.inner.metrics.l1_hits);
             return Ok(Some(value));
         }
+        // Before the entry is named: a clear after it (another generation) refuses the fill.
+        let ticket = self.inner.l1.ticket(key);
         let entry = self.entry_of(key).await?;
         let m = &self.inner.metrics;
-        let ticket = self.inner.l1.ticket(key);
         match self.l2_read(&entry, now).await? {
             Some((value, meta, stamp)) => {
                 Metrics::bump(&m.l2_hits);
@@ -225,11 +226,12 @@ impl Corral {
             plan.store_ttl_ms = ttl;
             Some(tagged)
         };
+        let named = self.inner.l1.ticket(key);
         let entry = self.entry_of(key).await?;
         // This process stops serving the old value before the store changes, and other
         // processes hear of the change even if the write's reply never comes.
         self.inner.l1.remove(key);
-        let ticket = self.inner.l1.ticket(key);
+        let ticket = self.inner.l1.ticket_since(key, named);
         if let Err(e) = self
             .l2_write(&entry, &plan.header, &value, plan.store_ttl_ms)
             .await

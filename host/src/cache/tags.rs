@@ -42,6 +42,9 @@ pub(crate) struct TagState {
     generation: AtomicU64,
     /// Until when it may be kept (0: read it before the next use).
     generation_until: AtomicU64,
+    /// How often a clear (here or announced) moved the generation: a read of it that
+    /// began before one is older news and is not kept. Held while the generation changes.
+    clears_heard: Mutex<u64>,
     /// This cache's name on the invalidation channel (its own messages are not news).
     origin: String,
 }
@@ -61,6 +64,7 @@ impl TagState {
             moments: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
             generation_until: AtomicU64::new(0),
+            clears_heard: Mutex::new(0),
             origin: crate::lock_token(),
         }
     }
@@ -135,12 +139,15 @@ pub(crate) fn invalidation_hook(
                 Metrics::bump(&metrics.l1_invalidations);
             }
             TagMessage::Clear(generation) => {
+                let mut heard = state.clears_heard.lock();
+                *heard += 1;
                 if generation > state.generation.load(Ordering::Acquire) {
                     state.generation.fetch_max(generation, Ordering::AcqRel);
                     let until = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
                     state.generation_until.store(until, Ordering::Release);
                 }
-                l1.clear();
+                drop(heard);
+                l1.clear_generation();
                 Metrics::bump(&metrics.l1_flushes);
             }
         }
@@ -172,15 +179,24 @@ impl Corral {
         }
         let policy = &self.inner.policy;
         let name = policy.generation_name(&self.inner.prefix)?;
+        let clears_before = *state.clears_heard.lock();
         let stored = self.l2_op(self.inner.stores.entries.get(&name)).await?;
         let g = policy.generation_of(stored.as_deref())?;
         let until = policy.tag_known_until(now, self.inner.l1_ttl_ms)?;
+        let heard = state.clears_heard.lock();
+        if *heard != clears_before {
+            // A clear came while this read was on its way: what it set is newer.
+            return Ok(state.generation.load(Ordering::Acquire));
+        }
+        // (Not a maximum: a store that restarted empty counts from 0 again, and every
+        // process must agree with it.)
         let before = state.generation.swap(g, Ordering::AcqRel);
         state.generation_until.store(until, Ordering::Release);
+        drop(heard);
         if before != g {
             // Another process cleared (or the counter was lost): L1 was judged by the
             // names of another generation.
-            self.inner.l1.clear();
+            self.inner.l1.clear_generation();
         }
         Ok(g)
     }
@@ -349,9 +365,12 @@ impl Corral {
             ));
         };
         let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
+        let mut heard = inner.tags.clears_heard.lock();
+        *heard += 1;
         inner.tags.generation.fetch_max(generation, Ordering::AcqRel);
         inner.tags.generation_until.store(until, Ordering::Release);
-        inner.l1.clear();
+        drop(heard);
+        inner.l1.clear_generation();
         Metrics::bump(&inner.metrics.clears);
         let message = inner
             .policy

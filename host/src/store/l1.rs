@@ -46,6 +46,7 @@ pub(crate) type L1Tagged = Option<u64>;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Ticket {
     all: u64,
+    generations: u64,
     key: u64,
 }
 
@@ -61,6 +62,8 @@ struct Epochs {
     hasher: BuildHasherDefault<DefaultHasher>,
     /// Bumped by every clear.
     all: AtomicU64,
+    /// Bumped by every clear that follows a change of the prefix's generation.
+    generations: AtomicU64,
     /// Bumped whenever this process learns of a tag invalidation (contract §6b.5).
     tags: AtomicU64,
     /// Bumped by every write of a key hashing here.
@@ -75,6 +78,7 @@ impl Epochs {
     fn ticket(&self, key: &str) -> Ticket {
         Ticket {
             all: self.all.load(Ordering::Acquire),
+            generations: self.generations.load(Ordering::Acquire),
             key: self.stripe(key).load(Ordering::Acquire),
         }
     }
@@ -87,6 +91,7 @@ impl L1 {
             epochs: Arc::new(Epochs {
                 hasher: BuildHasherDefault::default(),
                 all: AtomicU64::new(0),
+                generations: AtomicU64::new(0),
                 tags: AtomicU64::new(1),
                 stripes: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
             }),
@@ -155,6 +160,17 @@ impl L1 {
         self.epochs.ticket(key)
     }
 
+    /// A ticket for `key` as of now, but as of `earlier` for changes of the prefix's
+    /// generation: a caller that named its entry in the store (in the generation then,
+    /// contract §6b.5) after `earlier` never fills L1 across a `clear()` that moved the
+    /// prefix to another generation meanwhile.
+    pub(crate) fn ticket_since(&self, key: &str, earlier: Ticket) -> Ticket {
+        Ticket {
+            generations: earlier.generations,
+            ..self.epochs.ticket(key)
+        }
+    }
+
     /// Fills `key` with what was read after `ticket`, unless the key was written in
     /// this process since; says whether it filled.
     pub(crate) fn fill(
@@ -208,9 +224,12 @@ impl L1 {
         };
         let epochs = &self.epochs;
         cache.entry_by_ref(key).and_compute_with(|_| {
-            // Only writes of this key count here: a whole-L1 flush says announcements may
-            // have been missed, and this value was just written to L2 by this process.
-            let unchanged = epochs.ticket(key).key == ticket.key;
+            // Writes of this key since the ticket, or a new generation since the entry
+            // was named (it was written under an older generation's name): dropped. A
+            // mere flush (announcements may have been missed) does not matter: this
+            // value was just written to L2 by this process.
+            let now = epochs.ticket(key);
+            let unchanged = now.key == ticket.key && now.generations == ticket.generations;
             epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
             if unchanged {
                 Op::Put(L1Entry {
@@ -247,6 +266,13 @@ impl L1 {
     }
 
     /// Drops every entry; fills in progress are refused.
+    /// Empties L1 because the prefix moved to another generation (a `clear()`, here or
+    /// announced): fills and writes that named their entries before it are refused.
+    pub(crate) fn clear_generation(&self) {
+        self.epochs.generations.fetch_add(1, Ordering::AcqRel);
+        self.clear();
+    }
+
     pub(crate) fn clear(&self) {
         self.epochs.all.fetch_add(1, Ordering::AcqRel);
         if let Some(cache) = &self.cache {
