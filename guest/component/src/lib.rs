@@ -285,6 +285,11 @@ impl wit::Guest for Component {
         policy::tag_plan(&header, store_ttl_ms, &tagged_in(tagged), now_ms, &limits(l)).map_err(arg_error)
     }
 
+    fn tag_written_at(now_ms: u64, known: Vec<wit::TagMoments>) -> u64 {
+        let known: Vec<_> = known.into_iter().map(moments_in).collect();
+        corral_core::tags::written_at(now_ms, &known)
+    }
+
     fn judge_tags(
         tagged: types::Tagged,
         meta: types::EntryMeta,

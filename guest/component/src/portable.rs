@@ -384,8 +384,14 @@ impl wcache::Guest for Component {
         let plan = policy::plan_set(&key, value.len() as u64, &options_in(options), now, &limits)
             .map_err(arg_error)?;
         check_tags(&tag_list)?;
+        // After every invalidation of its tags known now (contract §6b.5).
+        let written_at_ms = if tag_list.is_empty() {
+            now
+        } else {
+            tags::written_at(now, &moments(&tag_list, now)?.0)
+        };
         let tagged = Tagged {
-            written_at_ms: now,
+            written_at_ms,
             tags: tag_list,
         };
         let (header, ttl) =

@@ -142,11 +142,33 @@ pub fn update(stored: Option<&[u8]>, invalidation: Invalidation, now_ms: u64) ->
         }
         _ => TagMoments::default(),
     };
+    // Later than every earlier invalidation of the tag, even in the same millisecond: a
+    // write stamped after one (`written_at`) is then still older than the next.
+    let latest = moments.removed_ms.max(moments.expired_ms);
+    let at = if latest == 0 {
+        now_ms
+    } else {
+        now_ms.max(latest.saturating_add(1))
+    };
     match invalidation {
-        Invalidation::Remove => moments.removed_ms = moments.removed_ms.max(now_ms),
-        Invalidation::Expire => moments.expired_ms = moments.expired_ms.max(now_ms),
+        Invalidation::Remove => moments.removed_ms = at,
+        Invalidation::Expire => moments.expired_ms = at,
     }
     moments
+}
+
+/// The moment a tagged write (`set` with tags) is stamped with: `now_ms`, or just after
+/// every invalidation of its tags the writer knows of (`known`), whichever is later. A
+/// write that follows an invalidation in one process is newer than it, even within the
+/// same millisecond, and is served; the next invalidation is later again ([`update`]).
+/// A load keeps the moment it began: what it read may predate an invalidation.
+pub fn written_at(now_ms: u64, known: &[TagMoments]) -> u64 {
+    known
+        .iter()
+        .flat_map(|m| [m.removed_ms, m.expired_ms])
+        .filter(|&at| at != 0)
+        .map(|at| at.saturating_add(1))
+        .fold(now_ms, u64::max)
 }
 
 /// The store TTL of a tag key or a generation counter written at `now_ms`: until the
@@ -181,7 +203,8 @@ pub enum Verdict {
 /// Judges a tagged entry (`tagged`, with metadata `meta`) by the moments of its tags
 /// (`moments[i]` being those of `tagged.tags[i]`) at `now_ms`. An entry written at or
 /// before a moment is invalidated by it: a write and an invalidation in the same
-/// millisecond count the write as the older (a miss, never a stale value).
+/// millisecond count the write as the older (a miss, never a stale value), unless the
+/// writer knew of the invalidation and stamped its write after it ([`written_at`]).
 pub fn judge(tagged: &Tagged, meta: &EntryMeta, moments: &[TagMoments], now_ms: u64) -> Verdict {
     let written = tagged.written_at_ms;
     let hit = |at: u64| at != 0 && written <= at;
@@ -295,6 +318,38 @@ pub fn next_generation(stored: Option<&[u8]>) -> (Vec<u8>, u64) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_write_that_knows_of_an_invalidation_is_newer_and_the_next_invalidation_newer_still() {
+        const T: u64 = 1_700_000_000_000;
+        let removed = update(None, Invalidation::Remove, T);
+        assert_eq!(removed.removed_ms, T);
+        // A set in the same millisecond, after the removal it knows of: newer.
+        let written = written_at(T, &[removed]);
+        assert_eq!(written, T + 1);
+        let tagged = Tagged {
+            written_at_ms: written,
+            tags: vec!["t".into()],
+        };
+        let meta = EntryMeta {
+            absolute_ms: None,
+            sliding_ms: None,
+            expires_at_ms: T + 60_000,
+            stale_ms: None,
+        };
+        assert_eq!(judge(&tagged, &meta, &[removed], T), Verdict::Untouched);
+        // The next removal, still in that millisecond, is later than the write.
+        let again = update(Some(&removed.encode()), Invalidation::Remove, T);
+        assert_eq!(again.removed_ms, T + 1);
+        assert_eq!(judge(&tagged, &meta, &[again], T), Verdict::Removed);
+        // An expiry counts too, and a clock that moved on is used as it is.
+        let expired = update(Some(&again.encode()), Invalidation::Expire, T + 50);
+        assert_eq!((expired.removed_ms, expired.expired_ms), (T + 1, T + 50));
+        assert_eq!(written_at(T + 50, &[expired]), T + 51);
+        assert_eq!(written_at(T + 99, &[expired]), T + 99);
+        assert_eq!(written_at(T, &[]), T);
+    }
+
     use super::*;
 
     const NOW: u64 = 1_700_000_000_000;
@@ -398,10 +453,11 @@ mod tests {
                 expired_ms: NOW + 5
             }
         );
-        // A process whose clock is behind never moves a moment back.
+        // A process whose clock is behind never moves a moment back: its removal is
+        // later than every invalidation before it.
         assert_eq!(
             update(Some(&later.encode()), Invalidation::Remove, NOW - 100).removed_ms,
-            NOW
+            NOW + 6
         );
         assert_eq!(TagMoments::decode(Some(b"junk")).removed_ms, u64::MAX);
         assert_eq!(update(Some(b"junk"), Invalidation::Remove, NOW).removed_ms, NOW);

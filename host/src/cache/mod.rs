@@ -214,9 +214,12 @@ impl Corral {
         let tagged = if tags.is_empty() {
             None
         } else {
+            let tags: Vec<String> = tags.iter().map(|t| t.as_ref().to_owned()).collect();
+            // After every invalidation of these tags this process knows of (no I/O).
+            let known = self.inner.tags.known_moments(&tags, now);
             let tagged = crate::guest::policy::Tagged {
-                written_at_ms: now,
-                tags: tags.iter().map(|t| t.as_ref().to_owned()).collect(),
+                written_at_ms: self.inner.policy.tag_written_at(now, &known)?,
+                tags,
             };
             let (header, ttl) = self
                 .inner

@@ -104,6 +104,13 @@ impl TagState {
         }
     }
 
+    /// The moments kept of those of `tags` this process knows now (no I/O).
+    pub(crate) fn known_moments(&self, tags: &[String], now: u64) -> Vec<TagMoments> {
+        tags.iter()
+            .filter_map(|tag| self.kept(tag, now).map(|(moments, _)| moments))
+            .collect()
+    }
+
     fn kept(&self, tag: &str, now: u64) -> Option<(TagMoments, u64)> {
         self.moments
             .lock()
@@ -272,7 +279,9 @@ impl Corral {
     /// L1 any more).
     ///
     /// An entry written at or before this moment (by the writer's clock) is removed:
-    /// one written in the same millisecond counts as older.
+    /// one written in the same millisecond counts as older, unless it was written after
+    /// this process knew of the removal (a `set_tagged` after `remove_by_tag` here is
+    /// newer, and is served; contract §6b.5).
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] naming `tag` (empty, or over 128 bytes);

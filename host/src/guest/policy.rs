@@ -339,6 +339,15 @@ impl Policy {
         .map_err(from_wit)
     }
 
+    /// The moment a tagged set is stamped with, after the invalidations it knows of.
+    pub(crate) fn tag_written_at(&self, now_ms: u64, known: &[TagMoments]) -> Result<u64> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_tag_written_at(&mut s.store, now_ms, known)
+        })
+    }
+
     /// What a tagged entry's tags' moments say about it.
     pub(crate) fn judge_tags(
         &self,
