@@ -422,6 +422,8 @@ impl Corral {
         // The tag epoch before the last L2 read: a stale copy it found is kept in L1 only
         // until any tag invalidation this process hears of (it may carry tags).
         let mut read_tag_epoch = inner.l1.tag_epoch();
+        // Whether the callers got the stale copy before the load ended (counted then).
+        let mut served_stale_early = false;
         loop {
             trace_action(&action);
             let event = match action {
@@ -558,6 +560,7 @@ impl Corral {
                                             &inner.metrics.soft_timeouts
                                         });
                                         Metrics::bump(&inner.metrics.stale_served);
+                                        served_stale_early = true;
                                         let copy = stale.clone().unwrap_or_default();
                                         // Callers that come while the load runs get it from L1.
                                         if let Some(until_ms) = l1_until_ms {
@@ -775,7 +778,7 @@ impl Corral {
                         tracing::debug!(key, error = %e, "landing announcement failed; waiters fall back to polling");
                     }
                     if !options.refresh {
-                        self.count_outcome(key, finish.outcome);
+                        self.count_outcome(key, finish.outcome, served_stale_early);
                     }
                     // Fenced: not over a write this process made since the last L2 step.
                     if let (Ok(served), Some(mut until_ms)) = (&result, finish.l1_until_ms) {
@@ -819,7 +822,9 @@ impl Corral {
         }
     }
 
-    fn count_outcome(&self, key: &str, outcome: FlightOutcome) {
+    /// Counts how a flight ended; `served_stale_early`: its stale copy was served (and
+    /// counted) at a timeout already.
+    fn count_outcome(&self, key: &str, outcome: FlightOutcome, served_stale_early: bool) {
         let m = &self.inner.metrics;
         match outcome {
             FlightOutcome::L2Hit(_) => Metrics::bump(&m.l2_hits),
@@ -839,7 +844,9 @@ impl Corral {
             }
             FlightOutcome::Stale(cause) => {
                 Metrics::bump(&m.misses);
-                Metrics::bump(&m.stale_served);
+                if !served_stale_early {
+                    Metrics::bump(&m.stale_served);
+                }
                 match cause {
                     StaleCause::LoadTimedOut => Metrics::bump(&m.hard_timeouts),
                     StaleCause::LockTimedOut => Metrics::bump(&m.lock_timeouts),

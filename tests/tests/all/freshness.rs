@@ -263,7 +263,13 @@ async fn background_completion_serves_the_stale_copy_at_the_hard_timeout_and_a_l
         .ok()
         .context("the load was stopped at the hard timeout")?;
     failed_rx.await.context("the load ran to its end")?;
-    eventually(5 * SEC, async || Ok(cache.flights_in_progress() == 0)).await?;
+    eventually(5 * SEC, async || Ok(cache.background_in_progress() == 0)).await?;
+    let m = cache.metrics();
+    assert_eq!(
+        (m.stale_served, m.hard_timeouts),
+        (1, 1),
+        "served once, counted once: {m:?}"
+    );
     let served = cache
         .fetch_served("k", options, || async { Ok::<_, std::io::Error>("never") })
         .await?;
