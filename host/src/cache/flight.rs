@@ -715,16 +715,6 @@ impl Corral {
                             stale: false,
                         }),
                     };
-                    // A refresh that brought nothing hands its followers on (they join again
-                    // and lead their own flight) instead of failing them.
-                    if options.refresh
-                        && !matches!(
-                            finish.outcome,
-                            FlightOutcome::Loaded(true) | FlightOutcome::L2Hit(_)
-                        )
-                    {
-                        drop(followers.take());
-                    }
                     if options.refresh && matches!(finish.outcome, FlightOutcome::Loaded(true)) {
                         Metrics::bump(&inner.metrics.refreshes);
                     }

@@ -69,6 +69,39 @@ impl TagState {
         }
     }
 
+    /// A clear moved the prefix to `generation`: this cache's own (`own`: what the store
+    /// holds now), or one announced (kept only if newer than what is known). Counted, so
+    /// a generation read that began before it is not kept ([`Self::keep_read`]).
+    fn hear_clear(&self, generation: u64, until: u64, own: bool) {
+        let mut heard = self.clears_heard.lock();
+        *heard += 1;
+        if own || generation > self.generation.load(Ordering::Acquire) {
+            self.generation.fetch_max(generation, Ordering::AcqRel);
+            self.generation_until.store(until, Ordering::Release);
+        }
+    }
+
+    /// How many clears were heard so far: taken before a generation read.
+    fn clears_so_far(&self) -> u64 {
+        *self.clears_heard.lock()
+    }
+
+    /// Keeps `generation`, read from the store after [`Self::clears_so_far`] said
+    /// `since`, until `until`, and returns the one known before; unless a clear was
+    /// heard while the read was on its way (what it set is newer): `None`.
+    fn keep_read(&self, since: u64, generation: u64, until: u64) -> Option<u64> {
+        let heard = self.clears_heard.lock();
+        if *heard != since {
+            return None;
+        }
+        // (Not a maximum: a store that restarted empty counts from 0 again, and every
+        // process must agree with it.)
+        let before = self.generation.swap(generation, Ordering::AcqRel);
+        self.generation_until.store(until, Ordering::Release);
+        drop(heard);
+        Some(before)
+    }
+
     /// Announcements may have been missed: everything kept is read again.
     pub(crate) fn forget(&self) {
         self.moments.lock().clear();
@@ -146,14 +179,8 @@ pub(crate) fn invalidation_hook(
                 Metrics::bump(&metrics.l1_invalidations);
             }
             TagMessage::Clear(generation) => {
-                let mut heard = state.clears_heard.lock();
-                *heard += 1;
-                if generation > state.generation.load(Ordering::Acquire) {
-                    state.generation.fetch_max(generation, Ordering::AcqRel);
-                    let until = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
-                    state.generation_until.store(until, Ordering::Release);
-                }
-                drop(heard);
+                let until = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
+                state.hear_clear(generation, until, false);
                 l1.clear_generation();
                 Metrics::bump(&metrics.l1_flushes);
             }
@@ -186,20 +213,14 @@ impl Corral {
         }
         let policy = &self.inner.policy;
         let name = policy.generation_name(&self.inner.prefix)?;
-        let clears_before = *state.clears_heard.lock();
+        let since = state.clears_so_far();
         let stored = self.l2_op(self.inner.stores.entries.get(&name)).await?;
         let g = policy.generation_of(stored.as_deref())?;
         let until = policy.tag_known_until(now, self.inner.l1_ttl_ms)?;
-        let heard = state.clears_heard.lock();
-        if *heard != clears_before {
+        let Some(before) = state.keep_read(since, g, until) else {
             // A clear came while this read was on its way: what it set is newer.
             return Ok(state.generation.load(Ordering::Acquire));
-        }
-        // (Not a maximum: a store that restarted empty counts from 0 again, and every
-        // process must agree with it.)
-        let before = state.generation.swap(g, Ordering::AcqRel);
-        state.generation_until.store(until, Ordering::Release);
-        drop(heard);
+        };
         if before != g {
             // Another process cleared (or the counter was lost): L1 was judged by the
             // names of another generation.
@@ -374,11 +395,7 @@ impl Corral {
             ));
         };
         let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
-        let mut heard = inner.tags.clears_heard.lock();
-        *heard += 1;
-        inner.tags.generation.fetch_max(generation, Ordering::AcqRel);
-        inner.tags.generation_until.store(until, Ordering::Release);
-        drop(heard);
+        inner.tags.hear_clear(generation, until, true);
         inner.l1.clear_generation();
         Metrics::bump(&inner.metrics.clears);
         let message = inner

@@ -28,6 +28,23 @@ async fn eventually(within: Duration, mut check: impl AsyncFnMut() -> Result<boo
     }
 }
 
+/// Says when it is dropped: moved into a loader, it tells whether the loader's future was
+/// dropped (stopped) rather than run to its end.
+struct OnDrop(Option<oneshot::Sender<()>>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+fn drop_signal() -> (OnDrop, oneshot::Receiver<()>) {
+    let (tx, rx) = oneshot::channel();
+    (OnDrop(Some(tx)), rx)
+}
+
 fn memory_cache(clock: &ManualClock) -> Result<Corral> {
     Ok(Corral::builder().clock(clock.clone()).build()?)
 }
@@ -78,16 +95,7 @@ async fn every_coalesced_caller_gets_the_stale_copy_marked_stale() -> Result<()>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hard_timeout_drops_the_loader_and_is_a_timeout_error() -> Result<()> {
     let cache = Corral::builder().build()?;
-    let (dropped_tx, dropped_rx) = oneshot::channel::<()>();
-    struct OnDrop(Option<oneshot::Sender<()>>);
-    impl Drop for OnDrop {
-        fn drop(&mut self) {
-            if let Some(tx) = self.0.take() {
-                let _ = tx.send(());
-            }
-        }
-    }
-    let guard = OnDrop(Some(dropped_tx));
+    let (guard, dropped_rx) = drop_signal();
     let err = cache
         .get_or_set(
             "k",
@@ -281,16 +289,7 @@ async fn background_completion_serves_the_stale_copy_at_the_hard_timeout_and_a_l
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_background_completion_a_hard_timeout_still_drops_the_load_under_fetch() -> Result<()> {
     let cache = Corral::builder().build()?;
-    let (dropped_tx, dropped_rx) = oneshot::channel::<()>();
-    struct OnDrop(Option<oneshot::Sender<()>>);
-    impl Drop for OnDrop {
-        fn drop(&mut self) {
-            if let Some(tx) = self.0.take() {
-                let _ = tx.send(());
-            }
-        }
-    }
-    let guard = OnDrop(Some(dropped_tx));
+    let (guard, dropped_rx) = drop_signal();
     let err = cache
         .fetch(
             "k",
