@@ -28,6 +28,9 @@ pub enum Arg {
     Tags,
     /// One tag named by an invalidation (`remove_by_tag`, `expire_by_tag`).
     Tag,
+    /// A setting of the cache, by the name its builder gives it (`l1_ttl`, `lock_ttl`,
+    /// ...).
+    Setting(&'static str),
 }
 
 impl Arg {
@@ -46,6 +49,7 @@ impl Arg {
             Arg::EagerRefresh => "eager_refresh",
             Arg::Tags => "tags",
             Arg::Tag => "tag",
+            Arg::Setting(name) => name,
         }
     }
 }

@@ -350,6 +350,12 @@ impl Flight {
         if let Some(p) = config.eager_refresh_permille {
             check_eager_refresh(p)?;
         }
+        for timeout in [config.hard_timeout_ms, config.soft_timeout_ms]
+            .into_iter()
+            .flatten()
+        {
+            crate::check_duration(crate::Arg::Timeout, timeout, false)?;
+        }
         let mut flight = Flight {
             phase: Phase::Reading,
             options,

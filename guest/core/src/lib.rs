@@ -34,6 +34,30 @@ pub mod tags;
 pub use error::{Arg, ArgError, Corruption};
 pub use expiry::{EntryMeta, EntryOptions, Freshness};
 
+/// The longest duration a setting or a lock's TTL may name: 100 years (of 365 days).
+/// Far past anything a cache or a lock needs, and within the range of every store and
+/// timer Corral uses (Redis's `PX`, moka's TTL, Tokio's timers), so a setting that
+/// builds always works; `Duration::MAX` and its kin are argument errors, not panics.
+pub const LONGEST_DURATION_MS: u64 = 100 * 365 * 24 * 60 * 60 * 1000;
+
+/// Checks a duration named `arg`: at most [`LONGEST_DURATION_MS`], and positive unless
+/// `zero_ok`.
+///
+/// # Errors
+/// An [`ArgError`] naming `arg`.
+pub fn check_duration(arg: Arg, ms: u64, zero_ok: bool) -> Result<(), ArgError> {
+    if ms == 0 && !zero_ok {
+        return Err(ArgError::new(arg, "must be a positive duration"));
+    }
+    if ms > LONGEST_DURATION_MS {
+        return Err(ArgError::new(
+            arg,
+            format!("must be at most 100 years ({LONGEST_DURATION_MS} ms), not {ms} ms"),
+        ));
+    }
+    Ok(())
+}
+
 /// The limits and defaults of one cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
@@ -78,7 +102,7 @@ impl Limits {
         if self.default_sliding_ms == 0 {
             return bad("default sliding expiration must be positive");
         }
-        Ok(())
+        check_duration(Arg::Setting("default_sliding"), self.default_sliding_ms, false)
     }
 }
 
@@ -141,13 +165,35 @@ impl Settings {
         eager_refresh_permille: None,
     };
 
-    /// Checks the settings: the limits (as [`Limits::check`]) and the eager refresh
-    /// fraction, which must lie strictly between 0 and 1000 thousandths.
+    /// Checks the settings: the limits (as [`Limits::check`]), every duration (at most
+    /// [`LONGEST_DURATION_MS`]; positive, but for the ones where zero means "off"), and
+    /// the eager refresh fraction, which must lie strictly between 0 and 1000
+    /// thousandths.
     ///
     /// # Errors
-    /// An [`ArgError`] naming `limits` or `eager_refresh`.
+    /// An [`ArgError`] naming `limits`, the setting at fault (as the builder names it:
+    /// `l1_ttl`, `lock_ttl`, ...) or `eager_refresh`.
     pub fn check(&self) -> Result<(), ArgError> {
         self.limits.check()?;
+        let durations = [
+            ("l1_ttl", Some(self.l1_ttl_ms), false),
+            ("lock_wait", Some(self.lock_wait_ms), true),
+            ("lock_ttl", Some(self.lock_ttl_ms), false),
+            (
+                "invalidation_interval",
+                Some(self.invalidation_interval_ms),
+                false,
+            ),
+            ("degraded_l1_ttl", Some(self.degraded_l1_ttl_ms), true),
+            ("fail_safe_throttle", Some(self.fail_safe_throttle_ms), true),
+            ("hard_timeout", self.hard_timeout_ms, false),
+            ("soft_timeout", self.soft_timeout_ms, false),
+        ];
+        for (name, ms, zero_ok) in durations {
+            if let Some(ms) = ms {
+                check_duration(Arg::Setting(name), ms, zero_ok)?;
+            }
+        }
         if let Some(p) = self.eager_refresh_permille {
             flight::check_eager_refresh(p)?;
         }
@@ -185,6 +231,43 @@ mod tests {
     #[test]
     fn default_limits_are_usable() {
         assert_eq!(Limits::default().check(), Ok(()));
+    }
+
+    #[test]
+    fn every_duration_setting_is_bounded_and_named() {
+        let max = LONGEST_DURATION_MS;
+        let cases: [(&str, fn(&mut Settings, u64)); 8] = [
+            ("l1_ttl", |s, v| s.l1_ttl_ms = v),
+            ("lock_wait", |s, v| s.lock_wait_ms = v),
+            ("lock_ttl", |s, v| s.lock_ttl_ms = v),
+            ("invalidation_interval", |s, v| s.invalidation_interval_ms = v),
+            ("degraded_l1_ttl", |s, v| s.degraded_l1_ttl_ms = v),
+            ("fail_safe_throttle", |s, v| s.fail_safe_throttle_ms = v),
+            ("hard_timeout", |s, v| s.hard_timeout_ms = Some(v)),
+            ("soft_timeout", |s, v| s.soft_timeout_ms = Some(v)),
+        ];
+        for (name, set) in cases {
+            for (ms, ok) in [(max, true), (max + 1, false), (u64::MAX, false)] {
+                let mut s = Settings::DEFAULT;
+                set(&mut s, ms);
+                match s.check() {
+                    Ok(()) => assert!(ok, "{name} = {ms} accepted"),
+                    Err(e) => {
+                        assert!(!ok, "{name} = {ms} refused: {e}");
+                        assert_eq!(e.arg.name(), name);
+                    }
+                }
+            }
+        }
+        let mut s = Settings::DEFAULT;
+        s.limits.default_sliding_ms = u64::MAX;
+        assert_eq!(s.check().unwrap_err().arg.name(), "default_sliding");
+        s = Settings::DEFAULT;
+        s.l1_ttl_ms = 0;
+        assert_eq!(s.check().unwrap_err().arg.name(), "l1_ttl");
+        s = Settings::DEFAULT;
+        s.degraded_l1_ttl_ms = 0;
+        assert_eq!(s.check(), Ok(()), "zero: no degraded L1 fill");
     }
 
     #[test]

@@ -13,7 +13,9 @@ pub struct Held {
     pub expires_at_ms: u64,
 }
 
-/// Checks a lock request: the key follows the cache's key rules, the TTL is positive.
+/// Checks a lock request: the key follows the cache's key rules; the TTL is positive
+/// (a lock always expires), longer than its clock-drift allowance (a shorter lease
+/// could never be valid: see [`decide`]) and at most [`crate::LONGEST_DURATION_MS`].
 ///
 /// # Errors
 /// An [`ArgError`] naming `key` or `ttl`.
@@ -25,7 +27,17 @@ pub fn check_request(key: &str, ttl_ms: u64, limits: &Limits) -> Result<(), ArgE
             "must be a positive duration: a lock always expires",
         ));
     }
-    Ok(())
+    if ttl_ms <= drift_ms(ttl_ms) {
+        return Err(ArgError::new(
+            Arg::Ttl,
+            format!(
+                "must be longer than the clock-drift allowance ({} ms for {ttl_ms} ms): \
+                 such a lease would never be valid",
+                drift_ms(ttl_ms)
+            ),
+        ));
+    }
+    crate::check_duration(Arg::Ttl, ttl_ms, false)
 }
 
 /// Whether `current` is expired (or absent) at `now_ms`.
@@ -143,7 +155,12 @@ mod tests {
         let l = Limits::default();
         assert_eq!(check_request(" ", 10, &l).unwrap_err().arg, Arg::Key);
         assert_eq!(check_request("k", 0, &l).unwrap_err().arg, Arg::Ttl);
-        assert!(check_request("k", 1, &l).is_ok());
+        assert_eq!(check_request("k", 2, &l).unwrap_err().arg, Arg::Ttl, "<= drift");
+        assert!(check_request("k", 3, &l).is_ok());
+        let longest = crate::LONGEST_DURATION_MS;
+        assert!(check_request("k", longest, &l).is_ok());
+        assert_eq!(check_request("k", longest + 1, &l).unwrap_err().arg, Arg::Ttl);
+        assert_eq!(check_request("k", u64::MAX, &l).unwrap_err().arg, Arg::Ttl);
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! the one place the expiry rule is written a second time, in Lua; the contract suite
 //! runs it against a real Redis beside the Rust rule.
 //!
-//! Timestamps are below 2^53, so Lua's doubles hold them exactly.
+//! Timestamps are below 2^53, so Lua's doubles hold them exactly; fencing counters may
+//! not be, so the lock scripts keep them as decimal strings.
 
 /// `KEYS[1]`: the entry. `ARGV[1]`: now (Unix ms). `ARGV[2]`: the store TTL grace (ms).
 ///
@@ -66,53 +67,119 @@ end
 return 0
 "#;
 
+/// The Lua the lock scripts share. Fencing counters are decimal strings compared as
+/// strings (`below`: by length, then by digits), never as Lua numbers: Lua's doubles
+/// hold integers exactly only below 2^53, and a counter may reach Redis's largest
+/// integer, 2^63 - 1. `counter_of` reads a counter, and `holder_of` a lock's owner,
+/// refusing another Redis type, or a counter that is not a canonical decimal integer,
+/// with an error reply naming the key (`CORRAL_FOREIGN`): never a guess.
+macro_rules! lock_prelude {
+    () => {
+        r#"
+local function below(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function foreign(key, what)
+  return redis.error_reply('CORRAL_FOREIGN ' .. key .. ' holds ' .. what .. ', not a Corral lock')
+end
+local function counter_of(key)
+  local c = redis.pcall('GET', key)
+  if type(c) == 'table' then return nil, foreign(key, 'a ' .. redis.call('TYPE', key).ok) end
+  if c and (not (c == '0' or string.match(c, '^[1-9]%d*$')) or below('9223372036854775807', c)) then
+    return nil, foreign(key, 'a string that is not a fencing counter')
+  end
+  return c or '0'
+end
+local function holder_of(key)
+  local h = redis.pcall('GET', key)
+  if type(h) == 'table' then return nil, foreign(key, 'a ' .. redis.call('TYPE', key).ok) end
+  return h
+end
+"#
+    };
+}
+
+/// The largest fencing token: Redis's largest integer (`INCR` refuses to go past it).
+pub const MAX_FENCING_TOKEN: u64 = i64::MAX as u64;
+
 /// Lock acquire with fencing. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
 /// `ARGV[1]`: the owner token, `ARGV[2]`: the TTL (ms). Takes the lock if free
 /// (`SET NX PX`), else returns 0. Taken: raises the counter to at least the server's
-/// `TIME` in microseconds (seconds and six digits of microseconds, as a string: Lua's
-/// number formatting would round it), then returns it incremented. So a counter that
-/// was lost (a restart without persistence, eviction, `DEL`) restarts above every
-/// earlier token, as long as the server's clock did not step back and the key saw
-/// fewer than one acquire per microsecond on average; counters of Redlock servers
-/// track their clocks, not their acquire counts. `TIME` in a script needs effects
-/// replication: the default since Redis 5.
-pub const LOCK_ACQUIRE: &str = r#"
+/// `TIME` in microseconds (seconds and six digits of microseconds, as a string), then
+/// returns it incremented, as a decimal string (an integer reply would pass through a
+/// Lua number and come back rounded past 2^53). So a counter that was lost (a restart without persistence,
+/// eviction, `DEL`) restarts above every earlier token, as long as the server's clock
+/// did not step back and the key saw fewer than one acquire per microsecond on
+/// average; counters of Redlock servers track their clocks, not their acquire counts.
+/// `TIME` in a script needs effects replication: the default since Redis 5.
+///
+/// Tokens rise strictly at every counter value: the counter is checked before the lock
+/// is taken, and a counter at [`MAX_FENCING_TOKEN`] refuses the acquire with an error
+/// reply (`CORRAL_FENCE_EXHAUSTED`) instead of taking a lock it could give no larger
+/// token. Another Redis type under either name is refused (`CORRAL_FOREIGN`), and so
+/// is a busy lock key holding another type (`SET NX` alone would call it held).
+pub const LOCK_ACQUIRE: &str = concat!(
+    lock_prelude!(),
+    r#"
+local counter, refused = counter_of(KEYS[2])
+if refused then return refused end
+if counter == '9223372036854775807' then
+  return redis.error_reply('CORRAL_FENCE_EXHAUSTED ' .. KEYS[2] .. ' is at the largest token Redis can count to')
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local t = redis.call('TIME')
   local floor = t[1] .. string.format('%06d', tonumber(t[2]))
-  local counter = redis.call('GET', KEYS[2])
-  if not counter or tonumber(counter) < tonumber(floor) then
+  if below(counter, floor) then
     redis.call('SET', KEYS[2], floor)
   end
-  return redis.call('INCR', KEYS[2])
+  -- INCR's reply would reach the caller through a Lua number: the string, exactly.
+  redis.call('INCR', KEYS[2])
+  return redis.call('GET', KEYS[2])
 end
+local _, busy = holder_of(KEYS[1])
+if busy then return busy end
 return 0
-"#;
+"#
+);
 
 /// Owner-checked release. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
 /// `ARGV[1]`: the owner token, `ARGV[2]`: the fencing token the lease carried (0: none).
 /// Raises the counter to at least that token (so a later holder on any majority gets
-/// a larger one; the token is stored as the string it came as, never a Lua number),
-/// then deletes the lock if the owner holds it: 1, else 0.
-pub const LOCK_RELEASE: &str = r#"
-local fence = tonumber(ARGV[2])
-if fence > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') < fence then
-  redis.call('SET', KEYS[2], ARGV[2])
+/// a larger one; compared and stored as the decimal string it came as, never a Lua
+/// number), then deletes the lock if the owner holds it: 1, else 0.
+pub const LOCK_RELEASE: &str = concat!(
+    lock_prelude!(),
+    r#"
+local holder, refused = holder_of(KEYS[1])
+if refused then return refused end
+if ARGV[2] ~= '0' then
+  local counter, bad = counter_of(KEYS[2])
+  if bad then return bad end
+  if below(counter, ARGV[2]) then
+    redis.call('SET', KEYS[2], ARGV[2])
+  end
 end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+if holder == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
-"#;
+"#
+);
 
 /// Owner-checked extend. `KEYS[1]`: the lock. `ARGV[1]`: the owner token, `ARGV[2]`:
 /// the new TTL (ms). Resets the TTL if the owner holds it: 1, else 0.
-pub const LOCK_EXTEND: &str = r#"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+pub const LOCK_EXTEND: &str = concat!(
+    lock_prelude!(),
+    r#"
+local holder, refused = holder_of(KEYS[1])
+if refused then return refused end
+if holder == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
-"#;
+"#
+);
 
 #[cfg(test)]
 mod tests {
@@ -126,6 +193,16 @@ mod tests {
         assert!(LOCK_ACQUIRE.contains("redis.call('SET', KEYS[2], floor)"));
         assert!(LOCK_ACQUIRE.contains("string.format('%06d'"));
         assert!(LOCK_RELEASE.contains("redis.call('SET', KEYS[2], ARGV[2])"));
+        // No counter is ever turned into a Lua number (exact only below 2^53).
+        for script in [LOCK_ACQUIRE, LOCK_RELEASE] {
+            assert!(!script.contains("tonumber(counter"), "{script}");
+            assert!(!script.contains("tonumber(ARGV[2])"), "{script}");
+        }
+        assert!(LOCK_ACQUIRE.contains(&MAX_FENCING_TOKEN.to_string()));
+        assert!(
+            !LOCK_ACQUIRE.contains("return redis.call('INCR'"),
+            "no number on the way out"
+        );
         let floor = LOCK_ACQUIRE.find("'TIME'").unwrap();
         assert!(floor < LOCK_ACQUIRE.find("'INCR'").unwrap(), "floor, then INCR");
     }

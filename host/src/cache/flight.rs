@@ -110,6 +110,7 @@ impl Corral {
                 ));
             }
         }
+        self.judge(key, &options)?;
         if options.bypass {
             return self
                 .lead(key, &options, loader, &mut None, &mut None)
@@ -205,6 +206,7 @@ impl Corral {
         E: Into<BoxError> + Send + 'static,
     {
         let options = options.into();
+        self.judge(key, &options)?;
         if options.bypass {
             let mut in_caller = options;
             in_caller.soft_timeout_ms = None;
@@ -357,27 +359,8 @@ impl Corral {
         E: Into<BoxError>,
     {
         let inner = &*self.inner;
-        // The cache's defaults for what needs the load to outlive its caller apply only
-        // to flights in a task of their own (`fetch`, a refresh).
         let detached = answer.is_some() || options.refresh;
-        let config = wflight::FlightConfig {
-            lock_wait_ms: inner.flight.lock_wait_ms,
-            lock_ttl_ms: inner.flight.lock_ttl_ms,
-            l1_ttl_ms: inner.l1_ttl_ms,
-            degraded_l1_ttl_ms: inner.flight.degraded_l1_ttl_ms,
-            fail_safe_throttle_ms: inner.flight.fail_safe_throttle_ms,
-            hard_timeout_ms: options.hard_timeout_ms.or(inner.flight.hard_timeout_ms),
-            soft_timeout_ms: options
-                .soft_timeout_ms
-                .or(inner.flight.soft_timeout_ms.filter(|_| detached)),
-            eager_refresh_permille: options
-                .eager_refresh_permille
-                .or(inner.flight.eager_refresh_permille.filter(|_| detached)),
-            // Only a caller that can be answered before the load ends: never a refresh.
-            background_completion: options.background_completion && answer.is_some(),
-            refresh: options.refresh,
-            bypass: options.bypass,
-        };
+        let config = self.flight_config(options, answer.is_some());
         let mut now = inner.clock.now_ms();
         let (state, mut action) = inner.policy.flight_start(key, &options.entry, config, now)?;
         if !options.tags.is_empty() {
@@ -809,6 +792,34 @@ impl Corral {
             let (state, next) = inner.policy.flight_step(held.state, event, now)?;
             held.state = state;
             action = next;
+        }
+    }
+
+    /// The flight configuration of a get-or-set with `options`: the call's own settings,
+    /// else the cache's. `answering`: the caller can be answered before the flight ends
+    /// (a flight in a task of its own, see [`fetch`](Self::fetch)).
+    pub(super) fn flight_config(&self, options: &LoadOptions, answering: bool) -> wflight::FlightConfig {
+        let flight = &self.inner.flight;
+        // The cache's defaults for what needs the load to outlive its caller apply only
+        // to flights in a task of their own (`fetch`, a refresh).
+        let detached = answering || options.refresh;
+        wflight::FlightConfig {
+            lock_wait_ms: flight.lock_wait_ms,
+            lock_ttl_ms: flight.lock_ttl_ms,
+            l1_ttl_ms: self.inner.l1_ttl_ms,
+            degraded_l1_ttl_ms: flight.degraded_l1_ttl_ms,
+            fail_safe_throttle_ms: flight.fail_safe_throttle_ms,
+            hard_timeout_ms: options.hard_timeout_ms.or(flight.hard_timeout_ms),
+            soft_timeout_ms: options
+                .soft_timeout_ms
+                .or(flight.soft_timeout_ms.filter(|_| detached)),
+            eager_refresh_permille: options
+                .eager_refresh_permille
+                .or(flight.eager_refresh_permille.filter(|_| detached)),
+            // Only a caller that can be answered before the load ends: never a refresh.
+            background_completion: options.background_completion && answering,
+            refresh: options.refresh,
+            bypass: options.bypass,
         }
     }
 

@@ -22,6 +22,7 @@ use load::Served;
 
 mod builder;
 mod flight;
+mod judge;
 pub(crate) mod load;
 pub(crate) mod metrics;
 mod read;

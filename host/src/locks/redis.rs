@@ -175,15 +175,44 @@ enum Reply {
     /// The server failed or did not answer in time: why, and whether the command may
     /// have run there all the same (anything but a refused connection).
     Down { cause: String, maybe_ran: bool },
+    /// The script refused before changing anything (`CORRAL_FOREIGN`: another Redis type
+    /// or a foreign value under the lock's names; `CORRAL_FENCE_EXHAUSTED`: a fencing
+    /// counter that can rise no further): what it said.
+    Refused(String),
 }
 
 impl Reply {
     fn value(&self) -> Option<u64> {
         match self {
             Reply::Value(v) => Some(*v),
-            Reply::Down { .. } => None,
+            Reply::Down { .. } | Reply::Refused(_) => None,
         }
     }
+
+    /// The reply of a failed command: Corral's own refusals are told from outages.
+    fn failed(e: &redis::RedisError) -> Reply {
+        match e.code() {
+            Some(code @ ("CORRAL_FOREIGN" | "CORRAL_FENCE_EXHAUSTED")) => {
+                Reply::Refused(e.detail().map_or_else(|| code.to_owned(), str::to_owned))
+            }
+            _ => Reply::Down {
+                cause: e.to_string(),
+                maybe_ran: !e.is_connection_refusal(),
+            },
+        }
+    }
+}
+
+/// The error of a lock `what` that a server refused (see [`Reply::Refused`]), if any:
+/// [`ErrorKind::Corrupt`], since what is stored under the lock's names cannot serve it.
+fn refused(key: &str, what: &str, replies: &[Reply]) -> Option<Error> {
+    replies.iter().find_map(|r| match r {
+        Reply::Refused(said) => Some(Error::new(
+            ErrorKind::Corrupt,
+            format!("lock {key:?} cannot be {what}: {said}"),
+        )),
+        _ => None,
+    })
 }
 
 /// Whole milliseconds of `d`.
@@ -387,10 +416,7 @@ impl RedisLocks {
                     Ok(v) => Reply::Value(v),
                     Err(e) => {
                         tracing::debug!(server = %server.url, error = %e, "lock command failed");
-                        Reply::Down {
-                            cause: e.to_string(),
-                            maybe_ran: !e.is_connection_refusal(),
-                        }
+                        Reply::failed(&e)
                     }
                 }
             })
@@ -442,6 +468,7 @@ impl RedisLocks {
             .zip(replies)
             .filter_map(|(server, reply)| match reply {
                 Reply::Down { cause, .. } => Some(format!("{}: {cause}", server.url)),
+                Reply::Refused(said) => Some(format!("{}: {said}", server.url)),
                 Reply::Value(_) => None,
             })
             .collect();
@@ -687,6 +714,9 @@ impl RedisLocks {
             self.release_in_background(unknown, keys.clone(), token.clone(), "0".into(), until);
         }
         unsettled.settle();
+        if let Some(e) = refused(key, "acquired", &replies) {
+            return Err(e);
+        }
         let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
         if !inner.policy.lock_has_quorum(answered, n)? {
             return Err(self.unanswered("acquire", &replies));
@@ -960,6 +990,9 @@ async fn release(shared: &LeaseShared) -> Result<()> {
         }
         return Ok(());
     }
+    if let Some(e) = refused(&shared.key, "released", &replies) {
+        return Err(e);
+    }
     if !policy.lock_has_quorum(answered, n)? {
         return Err(locks.unanswered("release", &replies));
     }
@@ -991,12 +1024,19 @@ async fn extend(shared: &LeaseShared, ttl_ms: u64) -> Result<()> {
             Ok(())
         }
         None => {
-            let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
+            // A server that refused (another type now under the lock's name) answered:
+            // the lock is gone there.
+            let answered = replies
+                .iter()
+                .filter(|r| !matches!(r, Reply::Down { .. }))
+                .count() as u32;
             if locks.inner.policy.lock_has_quorum(answered, n)? {
                 shared.lost.send_replace(true);
+                let found = refused(&shared.key, "extended", &replies)
+                    .map_or_else(String::new, |e| format!(" ({e})"));
                 return Err(Error::new(
                     ErrorKind::LockLost,
-                    format!("lock {:?} is no longer held by this lease", shared.key),
+                    format!("lock {:?} is no longer held by this lease{found}", shared.key),
                 ));
             }
             Err(locks.unanswered("extend", &replies))

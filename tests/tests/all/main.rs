@@ -3,6 +3,7 @@
 mod backends;
 mod cluster;
 mod contract;
+mod edges;
 mod freshness;
 mod locks;
 mod proxy;

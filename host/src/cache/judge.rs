@@ -1,0 +1,85 @@
+//! A get-or-set's options are judged the same way whether its key is warm or cold: a
+//! bad option is an argument error even when L1 could answer at once (contract §5.1).
+//!
+//! The judgement is the guest's (the flight's `start`, and `check-tags`), made on the
+//! hit path too. So that an L1 hit does not pay a guest call each time, each worker
+//! thread remembers the last few option sets the guest accepted. Only options without
+//! an absolute point are remembered: `expiry::plan` judges those the same at every
+//! moment (their durations are checked against the latest expiry a store keeps, which
+//! is some 285,000 years away), while an absolute point turns bad once it passes.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use super::Corral;
+use super::load::LoadOptions;
+use crate::Result;
+use crate::options::EntryOptions;
+
+/// How many accepted option sets each thread remembers.
+const REMEMBERED: usize = 4;
+
+/// What the guest's verdict on a get-or-set's options depends on (beyond the key).
+#[derive(Clone, PartialEq, Eq)]
+struct Judged {
+    entry: EntryOptions,
+    hard_timeout_ms: Option<u64>,
+    soft_timeout_ms: Option<u64>,
+    eager_refresh_permille: Option<u32>,
+    tags: Arc<[String]>,
+}
+
+impl Judged {
+    fn of(options: &LoadOptions) -> Option<Judged> {
+        // An absolute point is good until it passes: judged on every call.
+        if options.entry.absolute_ms.is_some() {
+            return None;
+        }
+        Some(Judged {
+            entry: options.entry,
+            hard_timeout_ms: options.hard_timeout_ms,
+            soft_timeout_ms: options.soft_timeout_ms,
+            eager_refresh_permille: options.eager_refresh_permille,
+            tags: options.tags.clone(),
+        })
+    }
+}
+
+thread_local! {
+    static ACCEPTED: RefCell<(usize, [Option<Judged>; REMEMBERED])> =
+        const { RefCell::new((0, [const { None }; REMEMBERED])) };
+}
+
+impl Corral {
+    /// Judges `options` for a get-or-set of `key` as a cold call would, before any tier
+    /// is asked: the same answer whether the key is in L1 or not.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
+    /// option at fault.
+    pub(super) fn judge(&self, key: &str, options: &LoadOptions) -> Result<()> {
+        let judged = Judged::of(options);
+        if let Some(judged) = &judged {
+            let known = ACCEPTED.with(|a| a.borrow().1.iter().flatten().any(|j| j == judged));
+            if known {
+                return Ok(());
+            }
+        }
+        let inner = &*self.inner;
+        let config = self.flight_config(options, true);
+        inner
+            .policy
+            .flight_start(key, &options.entry, config, inner.clock.now_ms())?;
+        if !options.tags.is_empty() {
+            inner.policy.check_tags(&options.tags)?;
+        }
+        if let Some(judged) = judged {
+            ACCEPTED.with(|a| {
+                let (next, slots) = &mut *a.borrow_mut();
+                slots[*next] = Some(judged);
+                *next = (*next + 1) % REMEMBERED;
+            });
+        }
+        Ok(())
+    }
+}

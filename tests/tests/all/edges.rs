@@ -1,0 +1,299 @@
+//! Numbers and values at the edges: fencing counters past 2^53 and at Redis's largest
+//! integer, another Redis type under a lock's names, and durations at `Duration::MAX`
+//! in every setting and option. Each is refused with a typed error naming what is
+//! wrong, or works exactly; nothing panics and nothing repeats.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use corral::locks::{LockOptions, MemoryLocks, RedisLocks};
+use corral::{Corral, ErrorKind, LoadOptions};
+use corral_tests::{RedisServer, corral_bin, real_time};
+
+/// 2^53 + 1: the first integer a Lua number (a double) cannot hold.
+const PAST_DOUBLES: u64 = (1 << 53) + 1;
+
+/// The Redis key of `key`'s fencing counter, created by one acquire and release.
+async fn counter_key(server: &RedisServer, locks: &RedisLocks, key: &str) -> Result<String> {
+    let lease = locks
+        .acquire(key, LockOptions::new().ttl(Duration::from_secs(5)))
+        .await?;
+    lease.release().await?;
+    let mut conn = server.connection().await?;
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
+    let lock = locks.lock_key(key)?;
+    let others: Vec<String> = keys.into_iter().filter(|k| *k != lock).collect();
+    anyhow::ensure!(others.len() == 1, "one counter key expected: {others:?}");
+    Ok(others[0].clone())
+}
+
+async fn set(server: &RedisServer, key: &str, value: impl redis::ToRedisArgs) -> Result<()> {
+    let mut conn = server.connection().await?;
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .query_async(&mut conn)
+        .await?;
+    Ok(())
+}
+
+async fn hset(server: &RedisServer, key: &str) -> Result<()> {
+    let mut conn = server.connection().await?;
+    let _: () = redis::cmd("DEL").arg(key).query_async(&mut conn).await?;
+    let _: () = redis::cmd("HSET")
+        .arg(key)
+        .arg("field")
+        .arg("1")
+        .query_async(&mut conn)
+        .await?;
+    Ok(())
+}
+
+/// Four acquires and releases in a row: their tokens.
+async fn four_tokens(locks: &RedisLocks, key: &str) -> Result<Vec<u64>> {
+    let mut tokens = Vec::new();
+    for _ in 0..4 {
+        let lease = locks
+            .acquire(key, LockOptions::new().ttl(Duration::from_secs(5)))
+            .await?;
+        tokens.push(lease.fencing_token());
+        lease.release().await?;
+    }
+    Ok(tokens)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_rise_by_one_past_two_to_the_53() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    let counter = counter_key(&server, &locks, "big").await?;
+    set(&server, &counter, PAST_DOUBLES).await?;
+    let tokens = four_tokens(&locks, "big").await?;
+    let expected: Vec<u64> = (1..=4).map(|i| PAST_DOUBLES + i).collect();
+    assert_eq!(tokens, expected, "exact integers, never a double's rounding");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_tokens_rise_strictly_past_two_to_the_53() -> Result<()> {
+    let _real_time = real_time().await;
+    let servers = (0..3).map(|_| RedisServer::start()).collect::<Result<Vec<_>>>()?;
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let locks = RedisLocks::connect(&urls)?;
+    let lease = locks
+        .acquire("r", LockOptions::new().ttl(Duration::from_secs(5)))
+        .await?;
+    lease.release().await?;
+    // Counters one apart, where doubles cannot tell them apart: the release must still
+    // raise the lower ones to the token (compared as integers, not as Lua numbers).
+    for (i, server) in servers.iter().enumerate() {
+        let mut conn = server.connection().await?;
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
+        let lock = locks.lock_key("r")?;
+        let counter = keys.into_iter().find(|k| *k != lock).context("a counter")?;
+        set(server, &counter, PAST_DOUBLES + 1 + u64::from(i == 0)).await?;
+    }
+    let tokens = four_tokens(&locks, "r").await?;
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "tokens rise strictly: {tokens:?}"
+    );
+    assert!(tokens[0] > PAST_DOUBLES + 2, "{tokens:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fencing_counter_at_its_largest_refuses_before_taking_the_lock() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    let counter = counter_key(&server, &locks, "full").await?;
+    set(&server, &counter, i64::MAX).await?;
+    let err = locks
+        .try_acquire("full", LockOptions::new().ttl(Duration::from_secs(5)))
+        .await
+        .err()
+        .context("no token above i64::MAX can be issued")?;
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert!(err.to_string().contains("largest token"), "{err}");
+    let mut conn = server.connection().await?;
+    let held: Option<String> = redis::cmd("GET")
+        .arg(locks.lock_key("full")?)
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(held, None, "the lock was not taken");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_redis_type_under_a_locks_names_is_named_not_called_busy() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    let counter = counter_key(&server, &locks, "job").await?;
+    let lock = locks.lock_key("job")?;
+    let options = LockOptions::new()
+        .ttl(Duration::from_secs(5))
+        .wait(Duration::from_secs(5));
+    for (name, foreign) in [(&counter, "a hash"), (&lock, "a hash")] {
+        hset(&server, name).await?;
+        let started = std::time::Instant::now();
+        let err = locks.acquire("job", options).await.err().context("refused")?;
+        assert_eq!(err.kind(), ErrorKind::Corrupt, "{name}: {err}");
+        let text = err.to_string();
+        assert!(text.contains(name.as_str()) && text.contains(foreign), "{text}");
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "refused at once, not after the wait"
+        );
+        let mut conn = server.connection().await?;
+        let _: () = redis::cmd("DEL").arg(name).query_async(&mut conn).await?;
+    }
+    set(&server, &counter, "not a number").await?;
+    let err = locks.acquire("job", options).await.err().context("refused")?;
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert!(err.to_string().contains("not a fencing counter"), "{err}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corral_lock_names_a_foreign_value_with_exit_65() -> Result<()> {
+    let server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    hset(&server, &locks.lock_key("cron")?).await?;
+    let out = tokio::process::Command::new(corral_bin())
+        .args(["lock", "--key", "cron", "--wait", "2s", "--redis", &server.url()])
+        .args(["--", "true"])
+        .output()
+        .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(65), "EX_DATAERR: {stderr}");
+    assert!(stderr.contains("holds a hash"), "{stderr}");
+    Ok(())
+}
+
+#[test]
+fn every_builder_duration_at_its_limit_is_an_argument_error_naming_it() {
+    type Setter = fn(corral::CorralBuilder, Duration) -> corral::CorralBuilder;
+    let setters: [(&str, Setter); 9] = [
+        ("l1_ttl", |b, d| b.l1_ttl(d)),
+        ("lock_ttl", |b, d| b.lock_ttl(d)),
+        ("lock_wait", |b, d| b.lock_wait(d)),
+        ("default_sliding", |b, d| b.default_sliding(d)),
+        ("degraded_l1_ttl", |b, d| b.degraded_l1_ttl(d)),
+        ("fail_safe_throttle", |b, d| b.fail_safe_throttle(d)),
+        ("hard_timeout", |b, d| b.hard_timeout(d)),
+        ("soft_timeout", |b, d| b.soft_timeout(d)),
+        ("invalidation_interval", |b, d| b.invalidation_interval(d)),
+    ];
+    let century = Duration::from_secs(100 * 365 * 24 * 3600);
+    for (name, setter) in setters {
+        for too_long in [Duration::MAX, century + Duration::from_millis(1)] {
+            let err = setter(Corral::builder(), too_long)
+                .build()
+                .err()
+                .unwrap_or_else(|| panic!("{name}({too_long:?}) built"));
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{name}: {err}");
+            assert_eq!(err.argument(), Some(name), "{err}");
+        }
+        setter(Corral::builder(), century)
+            .build()
+            .unwrap_or_else(|e| panic!("{name}(100 years): {e}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_built_with_a_century_of_each_setting_works() -> Result<()> {
+    let century = Duration::from_secs(100 * 365 * 24 * 3600);
+    let cache = Corral::builder()
+        .l1_ttl(century)
+        .lock_ttl(century)
+        .default_sliding(century)
+        .build()?;
+    cache.set("k", b"v".to_vec(), corral::EntryOptions::new()).await?;
+    let loaded = cache
+        .get_or_set("other", LoadOptions::new(), || async {
+            Ok::<_, std::io::Error>(b"loaded".to_vec())
+        })
+        .await?;
+    assert_eq!(&loaded[..], b"loaded");
+    assert_eq!(cache.get("k").await?.as_deref(), Some(&b"v"[..]));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_ttls_past_a_century_or_within_the_drift_are_argument_errors_at_once() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let redis = RedisLocks::connect(&[server.url()])?;
+    let memory = MemoryLocks::new()?;
+    let wait = Duration::from_secs(5);
+    for options in [
+        LockOptions::new().ttl(Duration::MAX),
+        LockOptions::new().watchdog(Duration::MAX),
+        LockOptions::new().ttl(Duration::from_millis(2)),
+    ] {
+        let started = std::time::Instant::now();
+        let err = redis
+            .acquire("k", options.wait(wait))
+            .await
+            .err()
+            .context("refused")?;
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{options:?}: {err}");
+        assert_eq!(err.argument(), Some("ttl"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(1), "refused up front");
+        let err = redis.try_acquire("k", options).await.err().context("refused")?;
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    }
+    let err = memory
+        .try_lock("k", "owner", Duration::MAX)
+        .err()
+        .context("refused")?;
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_options_get_the_same_answer_warm_or_cold() -> Result<()> {
+    let cache = Corral::builder().build()?;
+    let load = || async { Ok::<_, std::io::Error>(b"v".to_vec()) };
+    cache.get_or_set("warm", LoadOptions::new(), load).await?;
+    let many_tags: Vec<String> = (0..17).map(|i| format!("t{i}")).collect();
+    let past = corral::EntryOptions::new().absolute_at_ms(1);
+    let cases: Vec<(&str, LoadOptions)> = vec![
+        ("relative", LoadOptions::relative(Duration::ZERO)),
+        (
+            "sliding",
+            corral::EntryOptions::new().sliding(Duration::ZERO).into(),
+        ),
+        ("absolute", past.into()),
+        ("tags", LoadOptions::new().tags(many_tags)),
+        ("timeout", LoadOptions::new().hard_timeout(Duration::MAX)),
+    ];
+    for (arg, options) in cases {
+        // Twice warm: a remembered verdict must not hide a bad option either.
+        for key in ["warm", "cold", "warm"] {
+            let err = cache
+                .get_or_set(key, options.clone(), load)
+                .await
+                .err()
+                .with_context(|| format!("{arg} on {key} accepted"))?;
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{arg} on {key}: {err}");
+            assert_eq!(err.argument(), Some(arg), "{key}: {err}");
+        }
+    }
+    for key in ["warm", "cold"] {
+        let err = cache
+            .fetch(key, LoadOptions::new().eager_refresh(7.0), load)
+            .await
+            .err()
+            .with_context(|| format!("eager_refresh(7.0) on {key} accepted"))?;
+        assert_eq!(err.argument(), Some("eager_refresh"), "{key}: {err}");
+    }
+    // Good options are still served from L1 after a bad call.
+    let value = cache.get_or_set("warm", LoadOptions::new(), load).await?;
+    assert_eq!(&value[..], b"v");
+    assert_eq!(cache.metrics().l1_hits, 1, "{:?}", cache.metrics());
+    Ok(())
+}
