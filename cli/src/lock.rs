@@ -1,10 +1,14 @@
 //! `corral lock`: a distributed flock(1). Takes a lease, runs the command in a process
 //! group of its own while holding it, and releases it on every way out.
 //!
+//! - The command is done when none of its processes is left: its group is empty and, on
+//!   Linux, no descendant outside the group (`setsid`, a double fork) runs either
+//!   ([`crate::group`] says how, and what still escapes).
 //! - The command's status is `corral`'s (128 + signal if a signal ended it).
-//! - SIGINT, SIGTERM and SIGHUP sent to `corral` go to the command's whole group; after
-//!   the grace period what is left gets SIGKILL; `corral` exits 128 + the signal.
-//! - Lock lost while the command runs: the group is stopped the same way; exit 76.
+//! - SIGINT, SIGTERM and SIGHUP sent to `corral` go to the command's whole group and its
+//!   descendants outside it; after the grace period what is left gets SIGKILL; `corral`
+//!   exits 128 + the signal.
+//! - Lock lost while the command runs: its processes are stopped the same way; exit 76.
 //! - Lock held by another owner: 75. Redis unreachable, refusing the login or the
 //!   commands, or too few Redlock servers answering: 69, naming the cause.
 //! - A command that cannot be started: 127 (not found) or 126 (not executable).
@@ -232,7 +236,7 @@ async fn supervise(lease: &Lease, request: &Request<'_>, signals: &mut Signals) 
             Err(lost(request.key))
         }
         Ending::Signalled(signal) => {
-            tracing::info!(%signal, pgid = group.pgid().as_raw(), "passing the signal on to the command's process group");
+            tracing::info!(%signal, pgid = group.pgid().as_raw(), "passing the signal on to the command's processes");
             group.stop(signal, request.grace, signals).await;
             Ok(ExitCode::from(signals::exit_code(signal)))
         }

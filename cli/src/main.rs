@@ -119,8 +119,11 @@ pub enum Command {
     /// Run COMMAND only while holding the lock KEY: a distributed flock(1) for cron jobs.
     ///
     /// COMMAND runs in a process group of its own, with the fencing token in
-    /// CORRAL_FENCING_TOKEN. SIGINT, SIGTERM and SIGHUP are passed on to the group; if
-    /// the lock is lost the group gets SIGTERM; either way SIGKILL follows after --grace.
+    /// CORRAL_FENCING_TOKEN. It is done, and the lock released, when none of its
+    /// processes is left: on Linux that includes those it moved out of its group (setsid,
+    /// double forks), not work it had started outside its process tree (systemd-run, at,
+    /// a daemon, ssh). SIGINT, SIGTERM and SIGHUP are passed on to all its processes; if
+    /// the lock is lost they get SIGTERM; either way SIGKILL follows after --grace.
     /// The lock is released before `corral` exits. Exits with COMMAND's status, or 128 +
     /// the signal received, 75 when another owner held the lock past --wait, 76 when it
     /// was lost, 69 when Redis could not be used, 126/127 when COMMAND could not be

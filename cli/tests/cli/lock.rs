@@ -198,6 +198,96 @@ fn the_lock_is_held_until_the_last_process_of_the_group_ends() {
     assert_lock_free(&server.url(), "job");
 }
 
+/// A process the test started indirectly, SIGKILLed when the test ends, whatever way it
+/// ends: a failed assertion must not leave an escaped `sleep 1000` behind.
+struct Reaped(Pid);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = kill(self.0, Signal::SIGKILL);
+    }
+}
+
+/// A command that starts a process in a session (and so a process group) of its own,
+/// which writes its pid to `$1.escaped` and sleeps; `{trap}` runs first in it. The
+/// command then writes its own pid to `$1`, and `{rest}` follows.
+fn with_escaped(trap: &str, rest: &str) -> String {
+    format!(
+        r#"setsid sh -c '{trap} echo $$ > "$1.escaped"; exec sleep 1000' sh "$1" & echo $$ > "$1"; {rest}"#
+    )
+}
+
+#[test]
+fn the_lock_is_held_until_an_escaped_descendant_ends() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    // The command leaves a process behind outside its group and exits at once.
+    let script = with_escaped("", "true");
+    let mut corral = lock_in_background(&server.url(), "job", &[], &script, &marker);
+    let leader = pid_in(&marker);
+    let escaped = Reaped(pid_in(&dir.path("pid.escaped")));
+    assert_ne!(
+        getpgid(Some(escaped.0)),
+        Ok(leader),
+        "the escaped process left the command's group"
+    );
+    eventually("the command's first process exits", || {
+        exited(leader).then_some(())
+    });
+
+    assert!(
+        corral.is_running(),
+        "corral left while a descendant of the command ran"
+    );
+    let out = run(
+        &["lock", "--key", "job", "--redis", &server.url(), "--", "true"],
+        None,
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(75),
+        "a second holder ran beside the escaped process: {}",
+        text(&out.stderr)
+    );
+
+    kill(escaped.0, Signal::SIGTERM).unwrap();
+    let out = corral.finish();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the first process's status: {}",
+        text(&out.stderr)
+    );
+    assert!(exited(escaped.0));
+    assert_lock_free(&server.url(), "job");
+}
+
+#[test]
+fn a_lost_lock_stops_escaped_descendants_too() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    // The escaped process ignores SIGTERM: only SIGKILL sent to it, not to the
+    // command's group, stops it.
+    let script = with_escaped(r#"trap "" TERM;"#, "wait");
+    let extra = ["--watchdog", "600ms", "--grace", "1s"];
+    let corral = lock_in_background(&server.url(), "job", &extra, &script, &marker);
+    let pgid = command_group(&marker);
+    let escaped = Reaped(pid_in(&dir.path("pid.escaped")));
+
+    // The lock vanishes: the watchdog's next renewal finds it gone.
+    let () = redis_cmd(&server.url(), &["FLUSHALL"]);
+    let out = corral.finish();
+
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(76), "{stderr}");
+    assert!(stderr.contains("sending SIGKILL"), "{stderr}");
+    assert!(group_gone(pgid), "a process of the command's group survived");
+    assert!(exited(escaped.0), "the escaped process survived the lost lock");
+    assert_lock_free(&server.url(), "job");
+}
+
 /// Whether `pid` has exited (gone, or a zombie waiting for its parent).
 fn exited(pid: Pid) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
