@@ -144,10 +144,13 @@ return 0
 );
 
 /// Owner-checked release. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
-/// `ARGV[1]`: the owner token, `ARGV[2]`: the fencing token the lease carried (0: none).
+/// `ARGV[1]`: the owner token, `ARGV[2]`: the fencing token the lease carried (0: none);
+/// optionally `ARGV[3]`, `ARGV[4]`: a channel and a message announcing the release.
 /// Raises the counter to at least that token (so a later holder on any majority gets
 /// a larger one; compared and stored as the decimal string it came as, never a Lua
-/// number), then deletes the lock if the owner holds it: 1, else 0.
+/// number), then deletes the lock if the owner holds it and publishes the
+/// announcement in the same step (waiters wake at once, and a process that exits right
+/// after its release owes nothing): 1, else 0.
 pub const LOCK_RELEASE: &str = concat!(
     lock_prelude!(),
     r#"
@@ -161,7 +164,9 @@ if ARGV[2] ~= '0' then
   end
 end
 if holder == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+  local released = redis.call('DEL', KEYS[1])
+  if ARGV[3] then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
+  return released
 end
 return 0
 "#

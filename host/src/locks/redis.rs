@@ -32,7 +32,7 @@ use crate::guest::policy::defaults;
 use crate::locks::{LeaseServer, LockScript};
 use crate::options::duration_ms;
 use crate::store::Notifications;
-use crate::store::link::{Connection, Link};
+use crate::store::link::{Connection, Healing};
 use crate::store::pubsub::RedisNotifications;
 use crate::store::redis::{RedisOptions, redact};
 use crate::{Error, ErrorKind, Result};
@@ -110,8 +110,9 @@ pub(crate) struct Server {
 
 /// How a server is reached.
 enum Conn {
-    /// A Redis (or a Redis Cluster): it runs the scripts as Lua.
-    Redis(Link),
+    /// A Redis (or a Redis Cluster): it runs the scripts as Lua, over a link replaced
+    /// after timeouts in a row (a cache's leases share the cache's, contract §5.13).
+    Redis(Healing),
     /// A server that is not a Redis ([`RedisLocks::over`]).
     Custom(Arc<dyn LeaseServer>),
 }
@@ -119,12 +120,12 @@ enum Conn {
 impl Server {
     /// Connects (lazily) the one way Corral connects to Redis.
     pub(crate) fn open(options: &RedisOptions) -> Result<Self> {
-        let link = Connection::open(options)?.link()?;
+        let link = Healing::new(Connection::open(options)?)?;
         Ok(Server::shared(options, link))
     }
 
-    /// A server reached through an existing link (a cache's).
-    pub(crate) fn shared(options: &RedisOptions, conn: Link) -> Self {
+    /// A server reached through an existing link (a cache's): replaced for both alike.
+    pub(crate) fn shared(options: &RedisOptions, conn: Healing) -> Self {
         Server {
             // Only ever shown to people (logs, errors, Debug): never with its password.
             url: redact(&options.url),
@@ -339,11 +340,13 @@ impl RedisLocks {
     /// a subscription of its own to the prefix's landing channel.
     fn single(options: &RedisOptions, prefix: &str, policy: Policy) -> Result<Self> {
         let connection = Connection::open(options)?;
-        let link = connection.link()?;
+        let subscribers = connection.subscribers();
+        // One command link for leases and their announcements, healed for both.
+        let link = Healing::new(connection)?;
         let channel = policy.channel(prefix)?;
         let landings = RedisNotifications::new(
-            connection.subscribers(),
-            Arc::new(arc_swap::ArcSwap::from_pointee(link.clone())),
+            subscribers,
+            link.swap(),
             options,
             channel,
             policy.invalidation_channel(prefix)?,
@@ -397,8 +400,8 @@ impl RedisLocks {
     async fn on(&self, which: &[usize], script: &Script, keys: &[String], args: &[&str]) -> Vec<Reply> {
         let mut calls = which.iter().map(|&i| {
             let server = &self.inner.servers[i];
-            let mut conn = match &server.conn {
-                Conn::Redis(link) => link.clone(),
+            let (mut conn, healing) = match &server.conn {
+                Conn::Redis(healing) => (healing.current(), healing),
                 Conn::Custom(custom) => {
                     return Either::Right(self.custom(server, custom, script, keys, args));
                 }
@@ -412,7 +415,10 @@ impl RedisLocks {
             }
             Either::Left(async move {
                 // The connection's response timeout bounds each server's answer.
-                match invocation.invoke_async::<u64>(&mut conn).await {
+                let reply = invocation.invoke_async::<u64>(&mut conn).await;
+                // Timeouts in a row replace a half-open connection, as the cache's.
+                healing.observe(matches!(&reply, Err(e) if e.is_timeout()));
+                match reply {
                     Ok(v) => Reply::Value(v),
                     Err(e) => {
                         tracing::debug!(server = %server.url, error = %e, "lock command failed");
@@ -955,9 +961,15 @@ async fn release(shared: &LeaseShared) -> Result<()> {
     } else {
         "0".to_string()
     };
-    let replies = locks
-        .everywhere(&locks.inner.release, &keys, &[&shared.token, &fence])
-        .await;
+    // The release announces itself (waiters wake at once) where the landing channel
+    // is Redis's: in the script, so nothing is owed once the release has returned.
+    let landings = locks.inner.landings.as_ref();
+    let announced = landings.and_then(|l| l.announcement(&keys[0]));
+    let mut args = vec![shared.token.as_str(), fence.as_str()];
+    if let Some((channel, message)) = &announced {
+        args.extend([channel.as_str(), message.as_str()]);
+    }
+    let replies = locks.everywhere(&locks.inner.release, &keys, &args).await;
     let released = replies.iter().filter(|r| matches!(r, Reply::Value(1))).count() as u32;
     let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
     shared.lost.send_replace(true);
@@ -979,14 +991,12 @@ async fn release(shared: &LeaseShared) -> Result<()> {
         );
     }
     if policy.lock_has_quorum(released, n)? {
-        if let Some(landings) = locks.inner.landings.clone() {
-            // Waiters wake now, not at their next backoff step.
-            let name = keys[0].clone();
-            tokio::spawn(async move {
-                if let Err(e) = landings.announce(&name).await {
-                    tracing::debug!(key = %name, error = %e, "a release could not be announced: waiters poll");
-                }
-            });
+        // Another channel: announced before returning (a task spawned for it could die
+        // with a process that exits right after its release).
+        if let (Some(landings), None) = (landings, &announced)
+            && let Err(e) = landings.announce(&keys[0]).await
+        {
+            tracing::debug!(key = %keys[0], error = %e, "a release could not be announced: waiters poll");
         }
         return Ok(());
     }

@@ -11,8 +11,11 @@
 //! every node: a subscription to any one node hears every announcement
 //! ([`Connection::subscribers`]).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use futures::FutureExt;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
@@ -179,6 +182,79 @@ impl Connection {
     /// Whether this is a cluster.
     pub(crate) fn is_cluster(&self) -> bool {
         matches!(self.reach, Reach::Cluster { .. })
+    }
+}
+
+/// Commands timing out in a row before the connection is replaced.
+const TIMEOUTS_BEFORE_RECONNECT: u32 = 2;
+
+/// A command link that heals: replaced after [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a
+/// row (a half-open connection never errors on its own: its replies just stop coming).
+/// Cheap to clone; clones share the link, its replacement and the count, so whatever
+/// shares one (a cache's store, its announcements and its leases) heals together.
+#[derive(Clone)]
+pub(crate) struct Healing {
+    link: Arc<ArcSwap<Link>>,
+    connection: Connection,
+    /// Commands that timed out in a row.
+    timeouts: Arc<AtomicU32>,
+}
+
+impl Healing {
+    /// A healing link to where `connection` leads (connecting lazily).
+    pub(crate) fn new(connection: Connection) -> Result<Self> {
+        Ok(Healing {
+            link: Arc::new(ArcSwap::from_pointee(connection.link()?)),
+            connection,
+            timeouts: Arc::new(AtomicU32::new(0)),
+        })
+    }
+
+    /// The link for one command: the one in use now.
+    pub(crate) fn current(&self) -> Link {
+        Link::clone(&self.link.load())
+    }
+
+    /// The slot the link is swapped in, for those who pick it per command themselves
+    /// (the announcements).
+    pub(crate) fn swap(&self) -> Arc<ArcSwap<Link>> {
+        self.link.clone()
+    }
+
+    /// The way to Redis the link is opened from.
+    pub(crate) fn connection(&self) -> &Connection {
+        &self.connection
+    }
+
+    /// Notes how a command ended: after [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row
+    /// the connection is replaced (lazily: the next command connects).
+    pub(crate) fn observe(&self, timed_out: bool) {
+        if !timed_out {
+            // Read first: the common case writes nothing every thread would contend on.
+            if self.timeouts.load(Ordering::Relaxed) != 0 {
+                self.timeouts.store(0, Ordering::Relaxed);
+            }
+            return;
+        }
+        if self.timeouts.fetch_add(1, Ordering::AcqRel) + 1 < TIMEOUTS_BEFORE_RECONNECT {
+            return;
+        }
+        if self.connection.is_cluster() {
+            // The cluster client reconnects each node by itself; a new link would drop
+            // the healthy nodes' connections too.
+            self.timeouts.store(0, Ordering::Relaxed);
+            return;
+        }
+        self.timeouts.store(0, Ordering::Relaxed);
+        match self.connection.link() {
+            Ok(fresh) => {
+                crate::throttle::warn_every!(10, "redis stopped answering: reconnecting");
+                self.link.store(Arc::new(fresh));
+            }
+            Err(e) => {
+                crate::throttle::warn_every!(10, error = %e, "redis stopped answering and a new connection failed")
+            }
+        }
     }
 }
 

@@ -149,6 +149,14 @@ pub trait Notifications: Send + Sync + fmt::Debug + 'static {
     /// Tells every process sharing the store that `key` landed or changed.
     fn announce<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<()>>;
 
+    /// The Redis channel and message that announce `key`, for a server-side script
+    /// that announces in the same step as its change (a lock's release); `None`: this
+    /// store announces only through [`announce`](Self::announce).
+    fn announcement(&self, key: &str) -> Option<(String, String)> {
+        let _ = key;
+        None
+    }
+
     /// Calls `hook` with the key of every landing another process announces, and with
     /// `None` whenever announcements may have been missed.
     fn on_foreign(&self, hook: ForeignHook) {

@@ -244,6 +244,11 @@ impl Notifications for RedisNotifications {
         .boxed()
     }
 
+    fn announcement(&self, key: &str) -> Option<(String, String)> {
+        let shared = &self.shared;
+        Some((shared.channel.clone(), format!("{} {key}", shared.origin)))
+    }
+
     fn on_foreign(&self, hook: ForeignHook) {
         let _ = self.shared.on_foreign.set(hook);
     }

@@ -9,17 +9,16 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use redis::{IntoConnectionInfo, Script};
 
 use super::breaker::{Breaker, is_connection_failure};
-use super::link::{Connection, Link};
+use super::link::{Connection, Healing, Link};
 use super::pubsub::RedisNotifications;
 use super::{Entries, FlightLock};
 use crate::guest::policy::Scripts;
@@ -118,12 +117,8 @@ impl RedisOptions {
 /// The Redis store. Cheap to clone.
 #[derive(Clone)]
 pub struct RedisStore {
-    /// The command connection; replaced after consecutive timeouts (a half-open
-    /// connection never errors on its own: its replies just stop coming).
-    conn: Arc<ArcSwap<Link>>,
-    connection: Connection,
-    /// Commands that timed out in a row.
-    timeouts: Arc<AtomicU32>,
+    /// The command connection; replaced after consecutive timeouts.
+    healing: Healing,
     /// Fails calls fast while Redis keeps failing.
     breaker: Arc<Breaker>,
     options: RedisOptions,
@@ -178,9 +173,6 @@ fn unavailable(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
     move |e| Error::unavailable(format!("redis {what} failed"), e)
 }
 
-/// Commands timing out in a row before the connection is replaced.
-const TIMEOUTS_BEFORE_RECONNECT: u32 = 2;
-
 /// How a command's result is noted by its store on the way out.
 trait Seen: Sized {
     fn seen(self, store: &RedisStore) -> Self;
@@ -188,7 +180,7 @@ trait Seen: Sized {
 
 impl<T> Seen for redis::RedisResult<T> {
     fn seen(self, store: &RedisStore) -> Self {
-        store.observe(matches!(&self, Err(e) if e.is_timeout()));
+        store.healing.observe(matches!(&self, Err(e) if e.is_timeout()));
         store
             .breaker
             .record(matches!(&self, Err(e) if is_connection_failure(e)));
@@ -225,21 +217,20 @@ impl RedisStore {
     ) -> Result<Self> {
         let connection = Connection::open(options)?;
         let commands = Arc::new(AtomicU64::new(0));
-        // One command link for entries, the flight lock and announcements, so a
-        // replacement after timeouts heals them all.
-        let link = Arc::new(ArcSwap::from_pointee(connection.link()?));
+        let subscribers = connection.subscribers();
+        // One command link for entries, the flight lock, announcements and the cache's
+        // leases, so a replacement after timeouts heals them all.
+        let healing = Healing::new(connection)?;
         Ok(RedisStore {
             notifications: RedisNotifications::new(
-                connection.subscribers(),
-                link.clone(),
+                subscribers,
+                healing.swap(),
                 options,
                 channel,
                 invalidations,
                 commands.clone(),
             ),
-            conn: link,
-            connection,
-            timeouts: Arc::new(AtomicU32::new(0)),
+            healing,
             breaker: Arc::new(Breaker::new(options.breaker_threshold, options.breaker_cool_down)),
             options: options.clone(),
             read_and_touch: Arc::new(Script::new(&scripts.read_and_touch)),
@@ -261,10 +252,10 @@ impl RedisStore {
         &self.options
     }
 
-    /// The store's command link, for the lock API of the same cache (no breaker: a
-    /// lease's own deadlines bound its calls).
-    pub(crate) fn link(&self) -> Link {
-        Link::clone(&self.conn.load())
+    /// The store's command link, shared with the lock API of the same cache (no
+    /// breaker: a lease's own deadlines bound its calls), replaced for both alike.
+    pub(crate) fn link(&self) -> Healing {
+        self.healing.clone()
     }
 
     /// Whether the breaker is open now, how often it opened, and how many calls it
@@ -276,44 +267,13 @@ impl RedisStore {
 
     /// Whether the store is a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
-        self.connection.is_cluster()
+        self.healing.connection().is_cluster()
     }
 
     /// The command link for one command, unless the breaker refuses it.
     fn conn(&self) -> Result<Link> {
         self.breaker.admit()?;
-        Ok(Link::clone(&self.conn.load()))
-    }
-
-    /// Notes how a command ended: after [`TIMEOUTS_BEFORE_RECONNECT`] timeouts in a row
-    /// the connection is replaced (lazily: the next command connects).
-    fn observe(&self, timed_out: bool) {
-        if !timed_out {
-            // Read first: the common case writes nothing every thread would contend on.
-            if self.timeouts.load(Ordering::Relaxed) != 0 {
-                self.timeouts.store(0, Ordering::Relaxed);
-            }
-            return;
-        }
-        if self.timeouts.fetch_add(1, Ordering::AcqRel) + 1 < TIMEOUTS_BEFORE_RECONNECT {
-            return;
-        }
-        if self.connection.is_cluster() {
-            // The cluster client reconnects each node by itself; a new link would drop
-            // the healthy nodes' connections too.
-            self.timeouts.store(0, Ordering::Relaxed);
-            return;
-        }
-        self.timeouts.store(0, Ordering::Relaxed);
-        match self.connection.link() {
-            Ok(fresh) => {
-                crate::throttle::warn_every!(10, "redis stopped answering: reconnecting");
-                self.conn.store(Arc::new(fresh));
-            }
-            Err(e) => {
-                crate::throttle::warn_every!(10, error = %e, "redis stopped answering and a new connection failed")
-            }
-        }
+        Ok(self.healing.current())
     }
 
     fn count(&self, n: u64) {
@@ -328,7 +288,7 @@ impl RedisStore {
     /// A connection to the same Redis, for callers that need raw access (tests, tools).
     #[cfg(any(test, feature = "test-util"))]
     pub fn connection(&self) -> Link {
-        self.link()
+        self.healing.current()
     }
 }
 

@@ -544,6 +544,85 @@ async fn a_half_open_connection_heals_within_a_few_timeouts() -> Result<()> {
     Ok(())
 }
 
+/// Tries the lease `heal` on `locks` until a try takes it (then releases it), after a
+/// half-open cut: each failed try must be `Unavailable`, and the lease must come back
+/// within `within`. How many tries failed.
+async fn lease_after_half_open(locks: &corral::locks::RedisLocks, within: Duration) -> Result<usize> {
+    let options = corral::locks::LockOptions::new().ttl(Duration::from_secs(5));
+    let began = Instant::now();
+    let mut failures = 0;
+    let lease = loop {
+        match locks.try_acquire("heal", options).await {
+            Ok(Some(lease)) => break lease,
+            Ok(None) => anyhow::bail!("the lock was held by nobody, yet refused"),
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+                failures += 1;
+                ensure!(
+                    began.elapsed() < within,
+                    "never healed ({failures} failed tries): {e}"
+                );
+            }
+        }
+    };
+    println!(
+        "the lease came back {:?} after the connection went half-open ({failures} failed tries)",
+        began.elapsed()
+    );
+    lease.release().await?;
+    Ok(failures)
+}
+
+/// Leases through the cache (`cache.locks()`) share the cache's command connection and
+/// heal with it: two timeouts in a row replace it. Before, the lock API kept its first
+/// connection for good and timed out on every try until the process restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_connection_heals_leases_too() -> Result<()> {
+    let server = RedisServer::start()?;
+    let proxy = corral_tests::FaultProxy::start(server.addr())?;
+    let mut options = corral::RedisOptions::new(proxy.url());
+    options.response_timeout = Duration::from_millis(200);
+    let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
+    let locks = cache.locks().redis().expect("a Redis cache has Redis locks");
+    let options = corral::locks::LockOptions::new().ttl(Duration::from_secs(5));
+    let lease = locks
+        .try_acquire("heal", options)
+        .await?
+        .expect("nobody holds it");
+    lease.release().await?;
+    let cut = proxy.half_open();
+    assert!(cut >= 1, "the command connection is cut off");
+    let failures = lease_after_half_open(locks, Duration::from_secs(10)).await?;
+    assert!(
+        failures <= 3,
+        "{failures} tries failed before the connection was replaced"
+    );
+    Ok(())
+}
+
+/// Standalone `RedisLocks` (no cache) replace a half-open connection the same way (with
+/// the default 1 s response timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_connection_heals_standalone_leases() -> Result<()> {
+    let server = RedisServer::start()?;
+    let proxy = corral_tests::FaultProxy::start(server.addr())?;
+    let locks = corral::locks::RedisLocks::connect(&[proxy.url()])?;
+    let options = corral::locks::LockOptions::new().ttl(Duration::from_secs(5));
+    let lease = locks
+        .try_acquire("heal", options)
+        .await?
+        .expect("nobody holds it");
+    lease.release().await?;
+    let cut = proxy.half_open();
+    assert!(cut >= 1, "the command connection is cut off");
+    let failures = lease_after_half_open(&locks, Duration::from_secs(10)).await?;
+    assert!(
+        failures <= 3,
+        "{failures} tries failed before the connection was replaced"
+    );
+    Ok(())
+}
+
 /// After a Redis restart (empty, on the same port), operations succeed again without
 /// any manual step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

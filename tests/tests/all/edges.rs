@@ -1,7 +1,8 @@
 //! Numbers and values at the edges: fencing counters past 2^53 and at Redis's largest
-//! integer, another Redis type under a lock's names, and durations at `Duration::MAX`
-//! in every setting and option. Each is refused with a typed error naming what is
-//! wrong, or works exactly; nothing panics and nothing repeats.
+//! integer, another Redis type under a lock's names, durations at `Duration::MAX` in
+//! every setting and option, and processes that exit right after their last call. Each
+//! is refused with a typed error naming what is wrong, or works exactly; nothing
+//! panics, nothing repeats, and nothing owed is lost.
 
 use std::time::Duration;
 
@@ -295,5 +296,37 @@ async fn bad_options_get_the_same_answer_warm_or_cold() -> Result<()> {
     let value = cache.get_or_set("warm", LoadOptions::new(), load).await?;
     assert_eq!(&value[..], b"v");
     assert_eq!(cache.metrics().l1_hits, 1, "{:?}", cache.metrics());
+    Ok(())
+}
+
+/// `INFO commandstats`' count of `command` (scripts' calls included).
+async fn calls(server: &RedisServer, command: &str) -> Result<u64> {
+    let mut conn = server.connection().await?;
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await?;
+    let prefix = format!("cmdstat_{command}:calls=");
+    Ok(info
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(Ok(0), str::parse)?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_exits_right_after_its_release_still_announces_it() -> Result<()> {
+    let server = RedisServer::start()?;
+    let before = calls(&server, "publish").await?;
+    let runs = 10;
+    for _ in 0..runs {
+        let status = tokio::process::Command::new(corral_bin())
+            .args(["lock", "--key", "cron", "--redis", &server.url(), "--", "true"])
+            .status()
+            .await?;
+        assert_eq!(status.code(), Some(0));
+    }
+    let published = calls(&server, "publish").await? - before;
+    assert_eq!(published, runs, "one release announcement per holder");
     Ok(())
 }
