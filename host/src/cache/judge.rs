@@ -1,5 +1,5 @@
 //! A get-or-set's options are judged the same way whether its key is warm or cold: a
-//! bad option is an argument error even when L1 could answer at once (contract §5.1).
+//! bad option is an argument error even when L1 could answer at once (contract §5).
 //!
 //! The judgement is the guest's (the flight's `start`, and `check-tags`), made on the
 //! hit path too. So that an L1 hit does not pay a guest call each time, each worker
