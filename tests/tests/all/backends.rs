@@ -435,18 +435,29 @@ async fn a_dropped_landing_channel_is_replaced_and_l1_is_flushed() -> Result<()>
     let proxy = corral_tests::FaultProxy::start(server.addr())?;
     let a = Corral::builder().redis(server.url()).build()?;
     let b = Corral::builder().redis(proxy.url()).build()?;
+    // b listens once it hears a's announcements. (Its first subscription's flush is
+    // counted only if the channel came up after the cache registered its hook, which a
+    // loaded machine may reorder: it is not the signal.)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while b.metrics().l1_invalidations == 0 {
+        anyhow::ensure!(Instant::now() < deadline, "b never heard a's announcements");
+        a.set("probe", "x", EntryOptions::new()).await?;
+        b.get("probe").await?;
+        a.set("probe", "x", EntryOptions::new()).await?;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let flushes = b.metrics().l1_flushes;
     let subscribed = |n: u64| {
         let b = b.clone();
         async move {
             let deadline = Instant::now() + Duration::from_secs(10);
             while b.metrics().l1_flushes < n {
-                anyhow::ensure!(Instant::now() < deadline, "b never subscribed (#{n})");
+                anyhow::ensure!(Instant::now() < deadline, "b never subscribed again");
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             Ok(())
         }
     };
-    subscribed(1).await?; // b listens
     a.set("k", "one", EntryOptions::new()).await?;
     assert_eq!(
         b.get("k").await?.as_deref(),
@@ -457,7 +468,7 @@ async fn a_dropped_landing_channel_is_replaced_and_l1_is_flushed() -> Result<()>
     let dropped = Instant::now();
     assert_eq!(proxy.drop_subscribers(), 1, "b's channel dies");
     a.set("k", "two", EntryOptions::new()).await?; // an announcement b may never hear
-    subscribed(2).await?;
+    subscribed(flushes + 1).await?;
     println!("resubscribed {:?} after the channel died", dropped.elapsed());
     assert_eq!(
         b.get("k").await?.as_deref(),
