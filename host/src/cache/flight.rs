@@ -398,10 +398,11 @@ impl Corral {
         // This process's writes of the key, as of the last L2 step: L1 is fenced on it.
         let mut l1_ticket = named;
         // Tags (contract §6b.5): what L1 keeps of an L2 hit's, and the loaded entry's
-        // (written at the moment its load began: older than any invalidation after).
+        // (written at the moment its load began, after every invalidation of its tags
+        // completed by then: older than any invalidation after).
         let mut stamp: Option<super::tags::TagStamp> = None;
         let mut written_tags: Option<crate::guest::policy::Tagged> = None;
-        let mut load_began = now;
+        let mut written_at = now;
         // The tag epoch before the last L2 read: a stale copy it found is kept in L1 only
         // until any tag invalidation this process hears of (it may carry tags).
         let mut read_tag_epoch = inner.l1.tag_epoch();
@@ -508,8 +509,10 @@ impl Corral {
                             "broken contract",
                         ));
                     };
+                    if !options.tags.is_empty() {
+                        written_at = self.tagged_write_at(&options.tags, deadline).await;
+                    }
                     let began = std::time::Instant::now();
-                    load_began = inner.clock.now_ms();
                     let running = AssertUnwindSafe(async move { load().await }).catch_unwind();
                     let mut running = std::pin::pin!(running);
                     let left = |until: u64| Duration::from_millis(until.saturating_sub(inner.clock.now_ms()));
@@ -630,7 +633,7 @@ impl Corral {
                     l1_ticket = inner.l1.ticket_since(key, named);
                     if !options.tags.is_empty() {
                         let tagged = crate::guest::policy::Tagged {
-                            written_at_ms: load_began,
+                            written_at_ms: written_at,
                             tags: options.tags.to_vec(),
                         };
                         let (header, ttl) = inner.policy.tag_plan(

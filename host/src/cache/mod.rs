@@ -216,10 +216,12 @@ impl Corral {
             None
         } else {
             let tags: Vec<String> = tags.iter().map(|t| t.as_ref().to_owned()).collect();
-            // After every invalidation of these tags this process knows of (no I/O).
-            let known = self.inner.tags.known_moments(&tags, now);
+            self.inner.policy.check_tags(&tags)?;
+            // After every invalidation of these tags completed before this set began, in
+            // any process (their moments read from the store).
+            let deadline = tokio::time::Instant::now() + self.inner.flight.store_timeout;
             let tagged = crate::guest::policy::Tagged {
-                written_at_ms: self.inner.policy.tag_written_at(now, &known)?,
+                written_at_ms: self.tagged_write_at(&tags, deadline).await,
                 tags,
             };
             let (header, ttl) = self

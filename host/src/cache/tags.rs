@@ -255,6 +255,42 @@ impl Corral {
         Ok((out, until_all))
     }
 
+    /// The moments of `tags` as the store holds them now (one read per tag, in
+    /// parallel), learnt and merged with what this process keeps. A write stamped after
+    /// them ([`Self::tagged_write_at`]) is newer than every invalidation of its tags that
+    /// completed before it began, in any process, whatever the processes' clocks say.
+    pub(crate) async fn moments_now(&self, tags: &[String], now: u64) -> Result<Vec<TagMoments>> {
+        let inner = &*self.inner;
+        let reads = tags.iter().map(|tag| async move {
+            let name = inner.policy.locate_tag(&inner.prefix, tag)?;
+            let stored = self.l2_op(inner.stores.entries.get(&name)).await?;
+            inner.policy.tag_moments_of(stored.as_deref())
+        });
+        let read = futures::future::try_join_all(reads).await?;
+        let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
+        let mut moments = Vec::with_capacity(tags.len());
+        for (tag, stored) in tags.iter().zip(read) {
+            if inner.tags.learn(tag, stored, until) {
+                inner.l1.bump_tags();
+            }
+            moments.push(inner.tags.kept(tag, now).map_or(stored, |(kept, _)| kept));
+        }
+        Ok(moments)
+    }
+
+    /// The `written_at` of a tagged write (a set, or a load) that begins now: after
+    /// every invalidation of `tags` the store holds (read now, by `deadline`), else, the
+    /// store failing, after those this process keeps.
+    pub(crate) async fn tagged_write_at(&self, tags: &[String], deadline: tokio::time::Instant) -> u64 {
+        let inner = &*self.inner;
+        let now = inner.clock.now_ms();
+        let moments = match tokio::time::timeout_at(deadline, self.moments_now(tags, now)).await {
+            Ok(Ok(moments)) => moments,
+            _ => inner.tags.known_moments(tags, now),
+        };
+        inner.policy.tag_written_at(now, &moments).unwrap_or(now)
+    }
+
     /// Judges a tagged entry (metadata `meta`) by its tags at `now`: the guest's
     /// verdict, and what L1 keeps of it if it is untouched. The tag epoch is read
     /// before the moments, so an invalidation heard meanwhile is not missed.
