@@ -496,6 +496,7 @@ mod flight {
             stale: s.stale.map(meta_in),
             load_until_ms: s.load_until_ms,
             answered: s.answered,
+            fence_known: s.fence_known,
         }
     }
 
@@ -513,6 +514,7 @@ mod flight {
             stale: f.stale.map(meta_out),
             load_until_ms: f.load_until_ms,
             answered: f.answered,
+            fence_known: f.fence_known,
         }
     }
 
@@ -557,9 +559,14 @@ mod flight {
             Action::AnswerStale { l1_until_ms } => wit::Action::AnswerStale(l1_until_ms),
             Action::KeepLoading => wit::Action::KeepLoading,
             Action::AnswerTimedOut => wit::Action::AnswerTimedOut,
-            Action::WriteL2 { header, store_ttl_ms } => wit::Action::WriteL2(wit::Write {
+            Action::WriteL2 {
+                header,
+                store_ttl_ms,
+                fenced,
+            } => wit::Action::WriteL2(wit::Write {
                 header: header.to_vec(),
                 store_ttl_ms,
+                fenced,
             }),
             Action::Finish {
                 outcome,
@@ -567,6 +574,7 @@ mod flight {
                 notify,
                 l1_until_ms,
                 refresh_at_ms,
+                refresh_now,
             } => wit::Action::Finish(wit::Finish {
                 outcome: match outcome {
                     Outcome::L2Hit { after_wait } => wit::Outcome::L2Hit(after_wait),
@@ -586,6 +594,7 @@ mod flight {
                 notify,
                 l1_until_ms,
                 refresh_at_ms,
+                refresh_now,
             }),
         }
     }

@@ -11,7 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use corral_core::flight::{Action, Event, Flight, Outcome};
 use corral_core::policy::{self, ReadOutcome, Touch};
 use corral_core::tags::{self, TagMoments, Tagged, Verdict};
-use corral_core::{EntryMeta, Limits, Settings, flight, lock, names};
+use corral_core::{EntryMeta, Limits, Settings, envelope, flight, lock, names};
 
 use super::bindings::corral::cache::flights::{self, Joined};
 use super::bindings::corral::cache::{l1, l2, loader, types};
@@ -178,13 +178,19 @@ impl Found {
 /// written back only over the very bytes read; expired and corrupt bytes are removed; a
 /// stale copy is left in place.
 fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error> {
+    l2_read_holding(name, now, limits).map(|(found, _)| found)
+}
+
+/// [`l2_read`], and what the key holds once the read is done (the bytes found, touched,
+/// or `None` once it removed them), for a fill fenced on it (contract §5.12).
+fn l2_read_holding(name: &str, now: u64, limits: &Limits) -> Result<(Found, Option<Vec<u8>>), types::Error> {
     let stored = match l2::get(name) {
         Ok(Some(stored)) => stored,
-        Ok(None) => return Ok(Found::Nothing),
+        Ok(None) => return Ok((Found::Nothing, None)),
         // Not bytes at all (another Redis type): a miss, removed (contract §4).
         Err(types::Error::Corrupt(_)) => {
             l2::delete(name)?;
-            return Ok(Found::Nothing);
+            return Ok((Found::Nothing, None));
         }
         Err(e) => return Err(e),
     };
@@ -196,7 +202,8 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error>
     };
     let outcome = match (outcome, verdict) {
         (ReadOutcome::Fresh(hit) | ReadOutcome::Stale(hit), Verdict::Stale(meta)) => {
-            return Ok(Found::Stale(stored[hit.value_offset..].to_vec(), meta));
+            let copy = stored[hit.value_offset..].to_vec();
+            return Ok((Found::Stale(copy, meta), Some(stored)));
         }
         (ReadOutcome::Fresh(_) | ReadOutcome::Stale(_), Verdict::Removed) => ReadOutcome::Expired,
         (outcome, _) => outcome,
@@ -206,30 +213,33 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error>
             if let Some(Touch::Expire) = hit.touch {
                 l2::replace_if_equal(name, &stored, &stored, hit.store_ttl_ms)?;
             }
-            Ok(Found::Stale(stored[hit.value_offset..].to_vec(), hit.meta))
+            let copy = stored[hit.value_offset..].to_vec();
+            Ok((Found::Stale(copy, hit.meta), Some(stored)))
         }
         ReadOutcome::Fresh(hit) => {
             let value = stored[hit.value_offset..].to_vec();
-            match hit.touch {
+            let holds = match hit.touch {
                 Some(Touch::Rewrite(header)) => {
                     // The fixed header only: the bytes after it (tags, value) stay.
-                    let mut touched = header.to_vec();
-                    touched.extend_from_slice(&stored[header.len()..]);
+                    let touched = envelope::splice(&header, &stored[header.len()..]);
                     l2::replace_if_equal(name, &stored, &touched, hit.store_ttl_ms)?;
+                    touched
                 }
                 // The same bytes with a new TTL: the store slides the moment it keeps.
                 Some(Touch::Expire) => {
                     l2::replace_if_equal(name, &stored, &stored, hit.store_ttl_ms)?;
+                    stored
                 }
-                None => {}
-            }
-            Ok(Found::Fresh(value, hit.meta, hit.tagged, tags_until))
+                None => stored,
+            };
+            Ok((Found::Fresh(value, hit.meta, hit.tagged, tags_until), Some(holds)))
         }
         ReadOutcome::Expired | ReadOutcome::Corrupt(_) => {
             l2::delete_if_equal(name, &stored)?;
-            Ok(Found::Nothing)
+            Ok((Found::Nothing, None))
         }
-        ReadOutcome::Removed { .. } => Ok(Found::Nothing),
+        // A tombstone stays: a fill replaces exactly it.
+        ReadOutcome::Removed { .. } => Ok((Found::Nothing, Some(stored))),
     }
 }
 
@@ -397,8 +407,7 @@ impl wcache::Guest for Component {
         let (header, ttl) =
             policy::tag_plan(&plan.header, plan.store_ttl_ms, &tagged, now, &limits).map_err(arg_error)?;
         let names = locate(&key, &limits)?;
-        let mut stored = header;
-        stored.extend_from_slice(&value);
+        let stored = envelope::splice(&header, &value);
         l2::set(&names.entry, &stored, ttl)?;
         let tagged = (!tagged.tags.is_empty()).then_some(tagged);
         match judge(tagged.as_ref(), &plan.meta, now)? {
@@ -482,8 +491,7 @@ impl wcache::Guest for Component {
                     store_ttl_ms,
                     value_offset,
                 } => {
-                    let mut expired = header.to_vec();
-                    expired.extend_from_slice(&stored[value_offset..]);
+                    let expired = envelope::splice(&header, &stored[value_offset..]);
                     if l2::replace_if_equal(&names.entry, &stored, &expired, store_ttl_ms)? {
                         return Ok(was_fresh);
                     }
@@ -584,20 +592,27 @@ fn fly(
     let mut stale: Vec<u8> = Vec::new();
     let mut owner: Option<String> = None;
     let mut loader_error = String::new();
+    // What the key held after the last successful read: a fenced fill writes only over it.
+    let mut holds: Option<Vec<u8>> = None;
     loop {
         let event = match action {
-            Action::ReadL2 => match l2_read(&names.entry, now_ms(), limits) {
-                Ok(Found::Fresh(v, meta, t, until)) => {
-                    value = v;
-                    tagged = t;
-                    tags_until = until;
-                    Event::L2Hit(meta)
+            Action::ReadL2 => match l2_read_holding(&names.entry, now_ms(), limits) {
+                Ok((found, held)) => {
+                    holds = held;
+                    match found {
+                        Found::Fresh(v, meta, t, until) => {
+                            value = v;
+                            tagged = t;
+                            tags_until = until;
+                            Event::L2Hit(meta)
+                        }
+                        Found::Stale(v, meta) => {
+                            stale = v;
+                            Event::L2Stale(meta)
+                        }
+                        Found::Nothing => Event::L2Miss,
+                    }
                 }
-                Ok(Found::Stale(v, meta)) => {
-                    stale = v;
-                    Event::L2Stale(meta)
-                }
-                Ok(Found::Nothing) => Event::L2Miss,
                 Err(_) => Event::L2Failed,
             },
             Action::TryLock { ttl_ms } => match l2::try_lock(&names.flight_lock, ttl_ms) {
@@ -640,22 +655,31 @@ fn fly(
                     Event::LoadFailed
                 }
             },
-            Action::WriteL2 { header, store_ttl_ms } => {
+            Action::WriteL2 {
+                header,
+                store_ttl_ms,
+                fenced,
+            } => {
                 let loaded = Tagged {
                     written_at_ms: load_began,
                     tags: tag_list.to_vec(),
                 };
                 match policy::tag_plan(&header, store_ttl_ms, &loaded, now_ms(), limits) {
                     Ok((header, ttl)) => {
-                        let mut stored = header;
-                        stored.extend_from_slice(&value);
+                        let stored = envelope::splice(&header, &value);
                         if !tag_list.is_empty() {
                             tagged = Some(loaded);
                             tags_until = u64::MAX;
                         }
-                        match l2::set(&names.entry, &stored, ttl) {
-                            Ok(()) => Event::L2Written,
-                            Err(_) => Event::L2WriteFailed,
+                        // Fenced (contract §5.12): a set or removal since the read wins.
+                        let written = if fenced {
+                            l2::set_if(&names.entry, holds.as_deref(), &stored, ttl)
+                        } else {
+                            l2::set(&names.entry, &stored, ttl).map(|()| true)
+                        };
+                        match written {
+                            Ok(true) => Event::L2Written,
+                            Ok(false) | Err(_) => Event::L2WriteFailed,
                         }
                     }
                     Err(_) => Event::L2WriteFailed,
@@ -667,6 +691,7 @@ fn fly(
                 notify,
                 l1_until_ms,
                 refresh_at_ms,
+                refresh_now,
             } => {
                 if release && let Some(owner) = owner.take() {
                     let _ = l2::release_lock(&names.flight_lock, &owner);
@@ -675,9 +700,7 @@ fn fly(
                     l2::announce_landing(key);
                 }
                 let stale_served = matches!(outcome, Outcome::Stale(_));
-                let now = now_ms();
-                *refresh_due =
-                    matches!(outcome, Outcome::L2Hit { .. }) && refresh_at_ms.is_some_and(|at| now >= at);
+                *refresh_due = refresh_now;
                 match outcome {
                     Outcome::LoaderFailed => return Err(types::Error::LoaderFailed(loader_error)),
                     Outcome::TimedOut => {
@@ -707,7 +730,7 @@ fn fly(
                                 value: value.clone(),
                                 until_ms,
                                 stale: stale_served,
-                                refresh_at_ms: refresh_at_ms.filter(|_| !*refresh_due),
+                                refresh_at_ms,
                                 tagged: if stale_served {
                                     None
                                 } else {

@@ -203,12 +203,19 @@ pub struct Tagged {
     pub tags: Vec<String>,
 }
 
+/// The bytes a store keeps: an envelope `header`, then `rest` (the value, or what
+/// follows a header a touch or an expire rewrote). The one place a header and its value
+/// are joined.
+pub fn splice(header: &[u8], rest: &[u8]) -> Vec<u8> {
+    let mut stored = Vec::with_capacity(header.len() + rest.len());
+    stored.extend_from_slice(header);
+    stored.extend_from_slice(rest);
+    stored
+}
+
 /// The whole envelope: header and value.
 pub fn encode(meta: &EntryMeta, value: &[u8], keeper: Keeper) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER_LEN + value.len());
-    out.extend_from_slice(&encode_header(meta, value.len() as u64, keeper));
-    out.extend_from_slice(value);
-    out
+    splice(encode_header(meta, value.len() as u64, keeper).as_bytes(), value)
 }
 
 /// A decoded header.

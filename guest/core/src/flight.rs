@@ -278,12 +278,18 @@ pub enum Action {
     /// usual; the flight's finish then fills the tiers.
     AnswerTimedOut,
     /// Write the header followed by the value to L2 with this TTL, then report
-    /// [`Event::L2Written`] or [`Event::L2WriteFailed`].
+    /// [`Event::L2Written`] or [`Event::L2WriteFailed`] (a fenced write that found the
+    /// key changed failed).
     WriteL2 {
         /// The envelope header.
         header: Header,
         /// The store TTL upper bound.
         store_ttl_ms: u64,
+        /// Fenced (contract §5.12): write only if the key still holds what the last L2
+        /// read found (those bytes, or nothing), so a `set` or removal since then wins
+        /// over this load. Every fill after a read is fenced; only a bypass, which
+        /// reads nothing, writes plainly.
+        fenced: bool,
     },
     /// The flight is over: release the lock if `release` (owner-checked), tell waiters
     /// the value landed if `notify`, fill L1 until `l1_until_ms` if set, and return.
@@ -297,8 +303,11 @@ pub enum Action {
         /// Fill L1 with the value, servable until this moment.
         l1_until_ms: Option<u64>,
         /// When an eager refresh of the value falls due (contract §6b.3), if ever: a hit
-        /// at or after it starts one background refresh.
+        /// at or after it starts one background refresh. `None` when `refresh_now`.
         refresh_at_ms: Option<u64>,
+        /// The value served (an L2 hit) is due for its eager refresh already: start one
+        /// background refresh now (a body that can run one).
+        refresh_now: bool,
     },
 }
 
@@ -330,6 +339,9 @@ pub struct Flight {
     pub load_until_ms: Option<u64>,
     /// Whether the callers already got the stale copy (soft timeout).
     pub answered: bool,
+    /// Whether an L2 read found something to fence a fill on (a value, a stale copy,
+    /// or nothing at all), as opposed to no read or only failed ones.
+    pub fence_known: bool,
 }
 
 impl Flight {
@@ -369,6 +381,7 @@ impl Flight {
             stale: None,
             load_until_ms: None,
             answered: false,
+            fence_known: false,
         };
         if config.refresh {
             // Due already (the hit said so): straight to the lock, without waiting.
@@ -389,6 +402,9 @@ impl Flight {
     pub fn handle(&mut self, event: Event, now_ms: u64, limits: &Limits) -> Action {
         use Event as E;
         use Phase as P;
+        if matches!(event, E::L2Hit(_) | E::L2Miss | E::L2Stale(_)) {
+            self.fence_known = true;
+        }
         // A stale copy is a miss that fail-safe remembers.
         let event = match (self.phase, event) {
             (P::Reading | P::DoubleChecking | P::Waiting, E::L2Stale(meta)) => {
@@ -468,6 +484,7 @@ impl Flight {
                     self.locked,
                     Some(l1_deadline(&meta, now_ms, self.config.l1_ttl_ms)),
                     refresh,
+                    now_ms,
                 )
             }
             (P::Reading, E::L2Miss) => self.try_lock(),
@@ -527,6 +544,7 @@ impl Flight {
                         Action::WriteL2 {
                             header: plan.header,
                             store_ttl_ms: plan.store_ttl_ms,
+                            fenced: self.fence_known,
                         }
                     }
                     // Too large to cache, or the absolute point passed while loading:
@@ -549,7 +567,7 @@ impl Flight {
                 let refresh = self
                     .planned
                     .and_then(|m| refresh_at(&m, &self.options, self.config.eager_refresh_permille));
-                self.finish_at(Outcome::Loaded { cached: true }, self.locked, l1, refresh)
+                self.finish_at(Outcome::Loaded { cached: true }, self.locked, l1, refresh, now_ms)
             }
             // L2 first, then L1: a failed L2 write leaves L1 alone.
             (P::Writing, E::L2WriteFailed) => {
@@ -656,26 +674,34 @@ impl Flight {
     }
 
     fn finish(&mut self, outcome: Outcome, release: bool, l1_until_ms: Option<u64>) -> Action {
-        self.finish_at(outcome, release, l1_until_ms, None)
+        self.finish_at(outcome, release, l1_until_ms, None, 0)
     }
 
+    /// Ends the flight. `refresh_at_ms`: when the served value's eager refresh falls
+    /// due; an L2 hit past it at `now_ms` starts one now (a refresh flight never starts
+    /// another).
     fn finish_at(
         &mut self,
         outcome: Outcome,
         release: bool,
         l1_until_ms: Option<u64>,
         refresh_at_ms: Option<u64>,
+        now_ms: u64,
     ) -> Action {
         self.phase = Phase::Done;
         // Waiters wake for a landed value, and for a released lock (to take it over).
         let notify = matches!(outcome, Outcome::Loaded { cached: true }) || release;
         self.locked = false;
+        let refresh_now = matches!(outcome, Outcome::L2Hit { .. })
+            && !self.config.refresh
+            && refresh_at_ms.is_some_and(|at| now_ms >= at);
         Action::Finish {
             outcome,
             release,
             notify,
             l1_until_ms,
-            refresh_at_ms,
+            refresh_at_ms: refresh_at_ms.filter(|_| !refresh_now),
+            refresh_now,
         }
     }
 }
@@ -1223,6 +1249,85 @@ mod tests {
             let err = Flight::start("k", options, config, NOW, &Limits::default()).unwrap_err();
             assert_eq!(err.arg, crate::Arg::EagerRefresh);
         }
+    }
+
+    #[test]
+    fn a_hit_past_its_refresh_moment_starts_the_refresh_now_and_a_refresh_never_does() {
+        let options = relative(60_000);
+        let meta = expiry::plan(&options, NOW - 50_000, &Limits::default()).unwrap();
+        let config = FlightConfig {
+            eager_refresh_permille: Some(800),
+            ..FlightConfig::default()
+        };
+        let (_, actions) = run(config, &[(0, Event::L2Hit(meta))]);
+        match &actions[1] {
+            Action::Finish {
+                refresh_now,
+                refresh_at_ms,
+                ..
+            } => assert_eq!(
+                (*refresh_now, *refresh_at_ms),
+                (true, None),
+                "due: now, not on a later hit"
+            ),
+            other => panic!("{other:?}"),
+        }
+        let fresh = expiry::plan(&options, NOW, &Limits::default()).unwrap();
+        let (_, actions) = run(config, &[(0, Event::L2Hit(fresh))]);
+        assert!(
+            matches!(
+                actions[1],
+                Action::Finish {
+                    refresh_now: false,
+                    ..
+                }
+            ),
+            "{:?}",
+            actions[1]
+        );
+    }
+
+    #[test]
+    fn every_fill_after_a_read_is_fenced_and_a_bypass_is_not() {
+        let writes = |config: FlightConfig, events: &[(u64, Event)]| -> Vec<bool> {
+            run(config, events)
+                .1
+                .into_iter()
+                .filter_map(|a| match a {
+                    Action::WriteL2 { fenced, .. } => Some(fenced),
+                    _ => None,
+                })
+                .collect()
+        };
+        let loaded = Event::Loaded {
+            len: 1,
+            cacheable: true,
+            expiry: None,
+        };
+        let read_then_load = [
+            (0, Event::L2Miss),
+            (0, Event::LockAcquired),
+            (0, Event::L2Miss),
+            (1, loaded),
+        ];
+        assert_eq!(writes(FlightConfig::default(), &read_then_load), [true]);
+        // The double-check failed: fenced on the first read's miss.
+        let failed_check = [
+            (0, Event::L2Miss),
+            (0, Event::LockAcquired),
+            (0, Event::L2Failed),
+            (1, loaded),
+        ];
+        assert_eq!(writes(FlightConfig::default(), &failed_check), [true]);
+        let bypass = FlightConfig {
+            bypass: true,
+            ..FlightConfig::default()
+        };
+        assert_eq!(
+            writes(bypass, &[(1, loaded)]),
+            [false],
+            "nothing read, nothing to fence on"
+        );
     }
 
     #[test]

@@ -375,10 +375,8 @@ impl Corral {
                     return Ok(was_fresh);
                 }
                 ExpirePlan::Rewrite(plan) => {
-                    let mut bytes = Vec::with_capacity(stored.len());
-                    bytes.extend_from_slice(&plan.header);
-                    bytes.extend_from_slice(&stored[plan.value_offset as usize..]);
-                    let swapped = entries.replace_if_equal(&entry, stored, bytes.into(), plan.store_ttl_ms);
+                    let bytes = crate::store::splice(&plan.header, &stored[plan.value_offset as usize..]);
+                    let swapped = entries.replace_if_equal(&entry, stored, bytes, plan.store_ttl_ms);
                     if self.l2_op(swapped).await? {
                         expired = Some(plan.was_fresh);
                         break;
@@ -592,10 +590,8 @@ impl Corral {
 
     /// Writes `header` then `value` to the entry `name`.
     pub(crate) async fn l2_write(&self, name: &str, header: &[u8], value: &[u8], ttl_ms: u64) -> Result<()> {
-        let mut stored = Vec::with_capacity(header.len() + value.len());
-        stored.extend_from_slice(header);
-        stored.extend_from_slice(value);
-        self.l2_op(self.inner.stores.entries.set(name, stored.into(), ttl_ms))
+        let stored = crate::store::splice(header, value);
+        self.l2_op(self.inner.stores.entries.set(name, stored, ttl_ms))
             .await
     }
 

@@ -225,10 +225,7 @@ impl Corral {
                     Some(Touch::Rewrite(header)) => {
                         // The fixed header only: the bytes after it (a tagged entry's
                         // tags, the value) stay as they are.
-                        let mut touched = Vec::with_capacity(stored.len());
-                        touched.extend_from_slice(&header);
-                        touched.extend_from_slice(&stored[header.len()..]);
-                        let touched = Bytes::from(touched);
+                        let touched = crate::store::splice(&header, &stored[header.len()..]);
                         self.owe(name, stored, touched.clone(), ttl).await?;
                         touched
                     }

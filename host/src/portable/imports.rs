@@ -323,6 +323,22 @@ impl l2::Host for &mut PortableState {
         })
     }
 
+    fn set_if(
+        &mut self,
+        key: String,
+        expected: Option<Vec<u8>>,
+        value: Vec<u8>,
+        ttl_ms: u64,
+    ) -> Result<bool, types::Error> {
+        let b = self.backend.clone();
+        self.store(async move {
+            b.stores
+                .entries
+                .set_if(&key, expected.map(Into::into), value.into(), ttl_ms)
+                .await
+        })
+    }
+
     fn try_lock(&mut self, key: String, ttl_ms: u64) -> Result<Option<String>, types::Error> {
         let b = self.backend.clone();
         // The token is the call's before it is sent (contract §5.13): should the reply be

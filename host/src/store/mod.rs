@@ -177,6 +177,15 @@ pub trait Notifications: Send + Sync + fmt::Debug + 'static {
     }
 }
 
+/// The bytes a store keeps for an entry: an envelope header, then the rest (the value,
+/// or what follows a rewritten header). The one place the native body joins them.
+pub(crate) fn splice(header: &[u8], rest: &[u8]) -> Bytes {
+    let mut stored = Vec::with_capacity(header.len() + rest.len());
+    stored.extend_from_slice(header);
+    stored.extend_from_slice(rest);
+    stored.into()
+}
+
 /// A cache's three stores, composed once.
 #[derive(Clone, Debug)]
 pub(crate) struct Stores {

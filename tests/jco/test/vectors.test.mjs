@@ -134,6 +134,13 @@ function newHost() {
         state.l2.set(key, value);
         return true;
       },
+      // `expected` absent: only where the key holds nothing (a fenced fill).
+      setIf: (key, expected, value) => {
+        const held = state.l2.get(key);
+        if (expected === undefined || expected === null ? held !== undefined : !same(held, expected)) return false;
+        state.l2.set(key, value);
+        return true;
+      },
       // One process, whose flight registry runs one flight per key: the lock is always
       // free here (a leader gone mid-load never released its own, and needs not).
       tryLock: (key) => { const owner = `owner-${++state.seq}`; state.locks.set(key, owner); return owner; },

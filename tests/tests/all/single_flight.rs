@@ -381,6 +381,51 @@ async fn a_load_never_overwrites_a_newer_set_or_remove() -> Result<()> {
     Ok(())
 }
 
+/// The portable body's fills are fenced too (contract §5.12): a load's write lands only
+/// where the key still holds what its read found. Here the key is written while the
+/// loader runs (raw bytes, straight into Redis, from inside the loader); the fill must
+/// leave them. Before, the portable body wrote its fill with a plain `SET` over them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_portable_bodys_load_never_overwrites_a_newer_write() -> Result<()> {
+    let server = RedisServer::start()?;
+    let mut options = corral::RedisOptions::new(server.url());
+    options.prefix = "portable-fence:".to_owned();
+    let cache = corral::portable::PortableCache::builder()
+        .redis_options(options)
+        .build()?;
+    let name = corral_core::names::name("portable-fence:", "k", corral_core::names::Kind::Entry);
+    let url = server.url();
+    let (writer_name, newer) = (name.clone(), b"written while the load ran".to_vec());
+    let loaded = cache
+        .get_or_set(
+            "k",
+            EntryOptions::new().relative(MIN),
+            false,
+            move |_| {
+                let mut conn = redis::Client::open(url.as_str())
+                    .and_then(|c| c.get_connection())
+                    .map_err(|e| e.to_string())?;
+                redis::cmd("SET")
+                    .arg(&writer_name)
+                    .arg(&newer)
+                    .query::<()>(&mut conn)
+                    .map_err(|e| e.to_string())?;
+                Ok(b"loaded".to_vec())
+            },
+            |_| true,
+        )
+        .await?;
+    assert_eq!(&loaded[..], b"loaded", "the loader's caller gets what it loaded");
+    let mut conn = server.connection().await?;
+    let stored: Option<Vec<u8>> = redis::cmd("GET").arg(&name).query_async(&mut conn).await?;
+    assert_eq!(
+        stored.as_deref(),
+        Some(&b"written while the load ran"[..]),
+        "the newer write stays"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_redis_down_the_caller_gets_the_loaders_value() -> Result<()> {
     let _real_time = real_time().await;

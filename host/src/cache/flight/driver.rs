@@ -1,0 +1,587 @@
+//! The native body of one get-or-set flight: it performs the action the guest's flight
+//! machine asks for, one short function per action, and feeds back what happened. It
+//! decides nothing the contract governs (contract §5): what to fence, when to answer
+//! early, when a refresh is due, what L1 keeps, all come with the actions. What it keeps
+//! are registers, the bytes the actions brought (the last read's value, stale copy and
+//! what the key held, the loaded value), and the tickets that fence L1 against this
+//! process's own writes.
+
+use std::panic::AssertUnwindSafe;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use tokio::sync::oneshot;
+use tokio::time::{Duration, Instant, sleep, timeout_at};
+
+use super::held::{HeldFlight, by, share};
+use super::{BoxError, Served};
+use crate::cache::Corral;
+use crate::cache::load::LoadOptions;
+use crate::cache::metrics::Metrics;
+use crate::cache::read::L2Read;
+use crate::cache::registry::{Join, LeaderGuard, Outcome};
+use crate::cache::tags::TagStamp;
+use crate::guest::policy::Tagged;
+use crate::guest::policy::wflight::{Action, Event, Finish, LoadRequest, Outcome as FlightOutcome, Write};
+use crate::store::LandingWatch;
+use crate::store::l1::{L1Entry, L1Tagged, Ticket};
+use crate::{Error, ErrorKind, Result};
+
+/// Where a flight's caller and followers are answered, and what it leaves behind.
+pub(super) struct Callers<'a, F> {
+    /// The loader, until the flight calls it.
+    pub(super) loader: &'a mut Option<F>,
+    /// The followers in this process, answered as soon as the outcome is known.
+    pub(super) followers: &'a mut Option<LeaderGuard<Outcome>>,
+    /// The caller, when it may be answered before the flight ends (`fetch`).
+    pub(super) answer: &'a mut Option<oneshot::Sender<Result<Served>>>,
+    /// The refreshes' registry lead, when the value served is due for a refresh now.
+    pub(super) refresh: &'a mut Option<LeaderGuard<Outcome>>,
+}
+
+/// One flight in progress: the performer of its actions and its registers.
+pub(super) struct Driver<'a, F> {
+    cache: &'a Corral,
+    key: &'a str,
+    options: &'a LoadOptions,
+    entry_name: &'a str,
+    held: HeldFlight<'a>,
+    callers: Callers<'a, F>,
+    /// The guest's clock reading the last event was stepped with.
+    now: u64,
+    /// The deadline of the store steps under way (contract §5.13).
+    deadline: Instant,
+    /// This process's writes of the key: as of the names, and as of the last L2 step.
+    named: Ticket,
+    l1_ticket: Ticket,
+    /// The value of the last L2 hit, or the loaded value.
+    value: Option<Bytes>,
+    /// The stale copy the last read found (fail-safe).
+    stale: Option<Bytes>,
+    /// What the key held after the last successful read: a fenced fill writes over it.
+    holds: Option<Bytes>,
+    loader_error: Option<BoxError>,
+    landing: Option<LandingWatch>,
+    waited: bool,
+    /// What L1 keeps of an L2 hit's tags; the loaded entry's tags once written.
+    stamp: Option<TagStamp>,
+    written_tags: Option<Tagged>,
+    /// When the loaded entry counts as written (its load's start, after its tags'
+    /// invalidations known then: contract §6b.5).
+    written_at: u64,
+    /// The tag epoch before the last L2 read: a stale copy it found is kept in L1 only
+    /// until any tag invalidation this process hears of.
+    read_tag_epoch: u64,
+    /// The callers got the stale copy before the load ended (counted then).
+    served_stale_early: bool,
+}
+
+impl<'a, F, Fut, V, E> Driver<'a, F>
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = std::result::Result<V, E>>,
+    V: Into<Bytes>,
+    E: Into<BoxError>,
+{
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        cache: &'a Corral,
+        key: &'a str,
+        options: &'a LoadOptions,
+        entry_name: &'a str,
+        held: HeldFlight<'a>,
+        callers: Callers<'a, F>,
+        named: Ticket,
+        now: u64,
+    ) -> Self {
+        let inner = &*cache.inner;
+        // The steps before the load share the lock wait (at least one store timeout).
+        let before_load = inner
+            .flight
+            .store_timeout
+            .max(Duration::from_millis(inner.flight.lock_wait_ms));
+        Driver {
+            cache,
+            key,
+            options,
+            entry_name,
+            held,
+            callers,
+            now,
+            deadline: Instant::now() + before_load,
+            named,
+            l1_ticket: named,
+            value: None,
+            stale: None,
+            holds: None,
+            loader_error: None,
+            landing: None,
+            waited: false,
+            stamp: None,
+            written_tags: None,
+            written_at: now,
+            read_tag_epoch: inner.l1.tag_epoch(),
+            served_stale_early: false,
+        }
+    }
+
+    /// Performs `action` and every one that follows, until the flight finishes.
+    pub(super) async fn run(mut self, mut action: Action) -> Result<Served> {
+        loop {
+            trace_action(&action);
+            let event = match action {
+                Action::ReadL2 => self.read_l2().await,
+                Action::TryLock(ttl_ms) => self.try_lock(ttl_ms).await,
+                Action::Wait(until_ms) => self.wait(until_ms).await,
+                Action::Load(request) => self.load(request).await?,
+                Action::WriteL2(write) => self.write_l2(write).await?,
+                Action::Finish(finish) => return self.finish(finish).await,
+                // Only ever the answer to `load-slow` or `load-overdue` (see `load`).
+                Action::AnswerStale(_) | Action::KeepLoading | Action::AnswerTimedOut => {
+                    return Err(Error::guest(
+                        "the flight answered early out of turn",
+                        "broken contract",
+                    ));
+                }
+            };
+            action = self.step(event)?;
+        }
+    }
+
+    /// Feeds `event` to the guest at the cache's clock; the next action.
+    fn step(&mut self, event: Event) -> Result<Action> {
+        self.now = self.cache.inner.clock.now_ms();
+        let (state, next) = self
+            .cache
+            .inner
+            .policy
+            .flight_step(self.held.state, event, self.now)?;
+        self.held.state = state;
+        Ok(next)
+    }
+
+    async fn read_l2(&mut self) -> Event {
+        let inner = &*self.cache.inner;
+        self.l1_ticket = inner.l1.ticket_since(self.key, self.named);
+        self.read_tag_epoch = inner.l1.tag_epoch();
+        match by(self.deadline, self.cache.l2_look(self.entry_name, self.now)).await {
+            Ok(L2Read::Hit(value, meta, holds, tags)) => {
+                self.value = Some(value);
+                self.stamp = tags;
+                self.holds = Some(holds);
+                Event::L2Hit(meta)
+            }
+            Ok(L2Read::Miss { holds }) => {
+                self.holds = holds;
+                Event::L2Miss
+            }
+            Ok(L2Read::Stale { value, meta, holds }) => {
+                self.stale = Some(value);
+                self.holds = Some(holds);
+                Event::L2Stale(meta)
+            }
+            Err(e) => {
+                crate::throttle::warn_every!(10, self.key, error = %e, "L2 read failed during get-or-set");
+                Event::L2Failed
+            }
+        }
+    }
+
+    async fn try_lock(&mut self, ttl_ms: u64) -> Event {
+        let inner = &*self.cache.inner;
+        // Listen before trying, so a landing right after the try is not missed.
+        let watch = timeout_at(self.deadline, inner.stores.notifications.watch(self.key))
+            .await
+            .unwrap_or_else(|_| LandingWatch::never());
+        let watching = watch.is_live();
+        self.landing = Some(watch);
+        // The token is known before it is sent (contract §5.13): should the reply never
+        // come, or this future be dropped while waiting for it, the lock is released,
+        // owner-checked, all the same.
+        let owner = self.held.owner.insert(crate::lock_token()).clone();
+        self.held.unanswered = true;
+        let lock = inner
+            .stores
+            .flight_lock
+            .try_lock(self.held.lock_name, &owner, ttl_ms);
+        let tried = by(self.deadline, lock).await;
+        self.held.unanswered = false;
+        match tried {
+            Ok(true) => Event::LockAcquired,
+            Ok(false) => {
+                self.held.owner = None;
+                Event::LockBusy(watching)
+            }
+            Err(e) => {
+                crate::throttle::warn_every!(10, self.key, error = %e, "get-or-set lock unavailable");
+                // The SET may have been applied with its reply lost.
+                self.held.release_in_background();
+                Event::LockFailed
+            }
+        }
+    }
+
+    async fn wait(&mut self, until_ms: u64) -> Event {
+        let inner = &*self.cache.inner;
+        if !self.waited {
+            self.waited = true;
+            Metrics::bump(&inner.metrics.lock_waits);
+        }
+        let pause = Duration::from_millis(until_ms.saturating_sub(inner.clock.now_ms()))
+            .min(self.deadline.saturating_duration_since(Instant::now()));
+        match self.landing.as_mut() {
+            // Biased: no random draw (a landing and the timer at the same moment end
+            // the wait alike).
+            Some(watch) => tokio::select! {
+                biased;
+                () = watch.landed() => {}
+                () = sleep(pause) => {}
+            },
+            None => sleep(pause).await,
+        }
+        self.landing = None;
+        Event::Woken
+    }
+
+    /// Calls the loader once. The caller is answered early at the moments the guest set
+    /// (contract §6b.2), only when it can be answered before the flight ends (`fetch`);
+    /// a loader still running at the hard timeout is dropped, and the guest judges the
+    /// answer's time by the cache's clock, so a late answer times out alike.
+    async fn load(&mut self, request: LoadRequest) -> Result<Event> {
+        let inner = &*self.cache.inner;
+        Metrics::bump(&inner.metrics.loads);
+        let Some(load) = self.callers.loader.take() else {
+            return Err(Error::guest(
+                "the flight asked for a second load",
+                "broken contract",
+            ));
+        };
+        if !self.options.tags.is_empty() {
+            self.written_at = self
+                .cache
+                .tagged_write_at(&self.options.tags, self.deadline)
+                .await;
+        }
+        let began = std::time::Instant::now();
+        let running = AssertUnwindSafe(async move { load().await }).catch_unwind();
+        let mut running = std::pin::pin!(running);
+        let left = |until: u64| Duration::from_millis(until.saturating_sub(inner.clock.now_ms()));
+        let mut early = None;
+        for (mark, event) in [
+            (request.soft_until_ms, Event::LoadSlow),
+            (request.overdue_ms, Event::LoadOverdue),
+        ] {
+            // Once answered (or loaded), no later moment matters.
+            let (Some(mark), true, None) = (mark, self.callers.answer.is_some(), &early) else {
+                continue;
+            };
+            match tokio::time::timeout(left(mark), &mut running).await {
+                Ok(loaded) => early = Some(loaded),
+                Err(_) => self.answer_early(event).await?,
+            }
+        }
+        let loaded = match (early, request.until_ms) {
+            (Some(loaded), _) => Some(loaded),
+            (None, Some(until)) => tokio::time::timeout(left(until), &mut running).await.ok(),
+            (None, None) => Some(running.await),
+        };
+        inner.metrics.load_duration.record(began.elapsed());
+        // The steps after the load get one store timeout.
+        self.deadline = Instant::now() + inner.flight.store_timeout;
+        Ok(match loaded {
+            None => Event::LoadTimedOut,
+            // The flight is abandoned (its lock released by `held`).
+            Some(Err(panic)) => return Err(Error::loader_panicked(&*panic)),
+            Some(Ok(Ok(v))) => {
+                let v: Bytes = v.into();
+                let (cacheable, expiry) = self.options.verdict(&v);
+                let loaded = crate::guest::policy::wflight::Loaded {
+                    len: v.len() as u64,
+                    cacheable,
+                    expiry: expiry.as_ref().map(crate::guest::convert::options_in),
+                };
+                self.value = Some(v);
+                Event::Loaded(loaded)
+            }
+            Some(Ok(Err(e))) => {
+                self.loader_error = Some(e.into());
+                Event::LoadFailed
+            }
+        })
+    }
+
+    /// The load still runs at a moment the guest set (`load-slow`, `load-overdue`):
+    /// answers the callers as the guest says (the stale copy, or a timeout), or not.
+    async fn answer_early(&mut self, event: Event) -> Result<()> {
+        let inner = &*self.cache.inner;
+        let hard = event == Event::LoadOverdue;
+        let next = self.step(event)?;
+        trace_action(&next);
+        let served = match next {
+            Action::AnswerStale(l1_until_ms) => {
+                let timeouts = if hard {
+                    &inner.metrics.hard_timeouts
+                } else {
+                    &inner.metrics.soft_timeouts
+                };
+                Metrics::bump(timeouts);
+                Metrics::bump(&inner.metrics.stale_served);
+                self.served_stale_early = true;
+                let copy = self.stale.clone().unwrap_or_default();
+                // Callers that come while the load runs get it from L1.
+                if let Some(until_ms) = l1_until_ms {
+                    let entry = L1Entry {
+                        value: copy.clone(),
+                        until_ms,
+                        stale: true,
+                        refresh_at_ms: None,
+                        tagged: Some(self.read_tag_epoch),
+                    };
+                    inner.l1.fill_entry(self.key, entry, self.l1_ticket);
+                }
+                Ok(Served {
+                    value: copy,
+                    stale: true,
+                })
+            }
+            Action::AnswerTimedOut => {
+                Metrics::bump(&inner.metrics.hard_timeouts);
+                Err(Error::new(
+                    ErrorKind::Timeout,
+                    "the loader ran past the get-or-set's hard timeout \
+                     (it goes on in the background and fills the cache if it succeeds)",
+                ))
+            }
+            Action::KeepLoading => return Ok(()),
+            _ => {
+                return Err(Error::guest(
+                    "the flight answered a slow load out of turn",
+                    "broken contract",
+                ));
+            }
+        };
+        if let Some(guard) = self.callers.followers.take() {
+            share(guard, &served);
+        }
+        if let Some(tx) = self.callers.answer.take() {
+            let _ = tx.send(served);
+        }
+        Ok(())
+    }
+
+    async fn write_l2(&mut self, mut write: Write) -> Result<Event> {
+        let inner = &*self.cache.inner;
+        self.l1_ticket = inner.l1.ticket_since(self.key, self.named);
+        if !self.options.tags.is_empty() {
+            let tagged = Tagged {
+                written_at_ms: self.written_at,
+                tags: self.options.tags.to_vec(),
+            };
+            let now = inner.clock.now_ms();
+            let (header, ttl) = inner
+                .policy
+                .tag_plan(&write.header, write.store_ttl_ms, &tagged, now)?;
+            write.header = header;
+            write.store_ttl_ms = ttl;
+            self.written_tags = Some(tagged);
+        }
+        let value = self.value.as_deref().unwrap_or_default();
+        let stored = crate::store::splice(&write.header, value);
+        let entries = &inner.stores.entries;
+        let (name, ttl) = (self.entry_name, write.store_ttl_ms);
+        // Fenced (contract §5.12): only over what the last read found.
+        let written = if write.fenced {
+            entries.set_if(name, self.holds.clone(), stored, ttl)
+        } else {
+            Box::pin(async move { entries.set(name, stored, ttl).await.map(|()| true) })
+        };
+        Ok(match self.cache.l2_op(by(self.deadline, written)).await {
+            Ok(true) => Event::L2Written,
+            Ok(false) => {
+                Metrics::bump(&inner.metrics.fills_refused);
+                tracing::debug!(
+                    key = self.key,
+                    "fill refused: the key was written since the load began"
+                );
+                Event::L2WriteFailed
+            }
+            Err(e) => {
+                crate::throttle::warn_every!(10, self.key, error = %e, "L2 write failed; the value is returned uncached");
+                Event::L2WriteFailed
+            }
+        })
+    }
+
+    /// The flight's end: the callers get the outcome first, then the lock is released
+    /// and the landing announced, then L1 is filled.
+    async fn finish(mut self, finish: Finish) -> Result<Served> {
+        record_outcome(&finish.outcome);
+        let result = self.result_of(&finish);
+        // Followers get the outcome now, not after two more store round trips.
+        if let Some(guard) = self.callers.followers.take() {
+            share(guard, &result);
+        }
+        // The value served is due for its eager refresh, which a flight in a task of its
+        // own can run: the refresh joins the refreshes' registry before the caller is
+        // answered, so whoever the caller tells finds it running.
+        if finish.refresh_now
+            && self.callers.answer.is_some()
+            && let Join::Leader(guard) = self.cache.inner.refreshes.join(self.key)
+        {
+            *self.callers.refresh = Some(guard);
+        }
+        if let Some(tx) = self.callers.answer.take() {
+            let _ = tx.send(result.as_ref().map(Served::clone).map_err(Error::share));
+        }
+        self.release_and_announce(&finish).await;
+        if !self.options.refresh {
+            self.cache
+                .count_outcome(self.key, finish.outcome, self.served_stale_early);
+        }
+        if let Ok(served) = &result {
+            self.fill_l1(served, &finish).await;
+        }
+        result
+    }
+
+    /// What the callers get, as the guest's outcome says.
+    fn result_of(&mut self, finish: &Finish) -> Result<Served> {
+        let inner = &*self.cache.inner;
+        if self.options.refresh && matches!(finish.outcome, FlightOutcome::Loaded(true)) {
+            Metrics::bump(&inner.metrics.refreshes);
+        }
+        match finish.outcome {
+            FlightOutcome::LoaderFailed => Err(Error::loader(
+                self.loader_error.take().unwrap_or_else(|| "loader failed".into()),
+            )),
+            FlightOutcome::TimedOut => Err(Error::new(
+                ErrorKind::Timeout,
+                "the loader ran past the get-or-set's hard timeout (nothing was cached)",
+            )),
+            FlightOutcome::Stale(_) => Ok(Served {
+                value: self.stale.take().unwrap_or_default(),
+                stale: true,
+            }),
+            FlightOutcome::Skipped => Err(Error::new(
+                ErrorKind::Unavailable,
+                "the refresh did not run: another process holds the lock, or the store failed",
+            )),
+            _ => Ok(Served {
+                value: self.value.take().unwrap_or_default(),
+                stale: false,
+            }),
+        }
+    }
+
+    /// Releases the lock (owner-checked) and announces the landing, as the guest says.
+    /// The release has a deadline of its own (the steps before may have spent theirs);
+    /// until it is confirmed the lock stays owed, so a caller that goes away now, or a
+    /// release that fails, releases it in the background instead of leaving it to its TTL.
+    async fn release_and_announce(&mut self, finish: &Finish) {
+        let inner = &*self.cache.inner;
+        let closing = Instant::now() + inner.flight.store_timeout;
+        self.held.releasing = finish.release;
+        if finish.release
+            && let Some(owner) = self.held.owner.clone()
+        {
+            let release = inner.stores.flight_lock.release(self.held.lock_name, &owner);
+            match by(closing, release).await {
+                Ok(_) => self.held.owner = None,
+                Err(e) => {
+                    crate::throttle::warn_every!(10, self.key, error = %e, "lock release failed; retried in the background");
+                    self.held.release_in_background();
+                }
+            }
+        }
+        self.held.done = true;
+        if finish.notify
+            && let Err(e) = by(closing, inner.stores.notifications.announce(self.key)).await
+        {
+            tracing::debug!(key = self.key, error = %e, "landing announcement failed; waiters fall back to polling");
+        }
+    }
+
+    /// Fills L1 as the guest says, fenced on this process's writes since the last L2
+    /// step. A tagged value: what the read judged, or the load's own tags judged now (an
+    /// invalidation may have come since its load began).
+    async fn fill_l1(&mut self, served: &Served, finish: &Finish) {
+        let Some(mut until_ms) = finish.l1_until_ms else {
+            return;
+        };
+        let inner = &*self.cache.inner;
+        let loaded = matches!(finish.outcome, FlightOutcome::Loaded(_));
+        let stamp = match (loaded, self.written_tags.take()) {
+            (true, Some(tagged)) => match self.cache.stamp_written(tagged, inner.clock.now_ms()).await {
+                Ok(Some(stamp)) => Some(stamp),
+                _ => return,
+            },
+            _ => self.stamp.take(),
+        };
+        let tagged: L1Tagged = match stamp {
+            Some(s) => {
+                until_ms = until_ms.min(s.until_ms);
+                s.tagged
+            }
+            None if served.stale => Some(self.read_tag_epoch),
+            None => None,
+        };
+        let entry = L1Entry {
+            value: served.value.clone(),
+            until_ms,
+            stale: served.stale,
+            refresh_at_ms: finish.refresh_at_ms,
+            tagged,
+        };
+        inner.l1.fill_entry(self.key, entry, self.l1_ticket);
+    }
+}
+
+/// Logs what the guest decided the flight does next (in the flight's span). Variants are
+/// matched by name only, so a change of their payloads does not touch this.
+// `Load { .. }` matches the variant with or without a payload.
+#[allow(clippy::unneeded_struct_pattern)]
+pub(super) fn trace_action(action: &Action) {
+    match action {
+        Action::ReadL2 => tracing::debug!(action = "read_l2", "flight action"),
+        Action::TryLock(ttl_ms) => tracing::debug!(action = "try_lock", ttl_ms, "flight action"),
+        Action::Wait(until_ms) => tracing::debug!(action = "wait", until_ms, "flight action"),
+        Action::Load { .. } => tracing::debug!(action = "load", detail = ?action, "flight action"),
+        Action::WriteL2(write) => tracing::debug!(
+            action = "write_l2",
+            store_ttl_ms = write.store_ttl_ms,
+            fenced = write.fenced,
+            "flight action"
+        ),
+        Action::Finish(finish) => tracing::debug!(
+            action = "finish",
+            outcome = ?finish.outcome,
+            release = finish.release,
+            notify = finish.notify,
+            l1_until_ms = ?finish.l1_until_ms,
+            refresh_now = finish.refresh_now,
+            "flight action"
+        ),
+        #[allow(unreachable_patterns)]
+        other => tracing::debug!(action = ?other, "flight action"),
+    }
+}
+
+/// Records the flight's outcome on its span, in snake case (`loaded`, `l2_hit`,
+/// `loader_failed`, ...: the name of the guest's outcome variant).
+fn record_outcome(outcome: &FlightOutcome) {
+    let span = tracing::Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    let debug = format!("{outcome:?}");
+    let variant = debug.split('(').next().unwrap_or_default();
+    let variant = variant.rsplit("::").next().unwrap_or_default();
+    let mut name = String::with_capacity(variant.len() + 4);
+    for (i, c) in variant.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            name.push('_');
+        }
+        name.push(c.to_ascii_lowercase());
+    }
+    span.record("outcome", name.as_str());
+}

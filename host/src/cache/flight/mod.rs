@@ -1,0 +1,482 @@
+//! Get-or-set and fetch: the callers of a key in this process join one flight (the
+//! registry), and its leader runs the guest's flight machine through the native driver
+//! ([`driver`]), which performs each action and decides nothing (contract §5).
+
+mod driver;
+mod held;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tracing::Instrument;
+
+use self::driver::{Callers, Driver};
+use self::held::{HeldFlight, share};
+use super::Corral;
+use super::load::{LoadOptions, Served};
+use super::metrics::Metrics;
+use super::registry::{Join, LeaderGuard, Outcome};
+use crate::guest::policy::wflight::{self, Outcome as FlightOutcome, StaleCause};
+use crate::{Error, Result};
+use tokio::sync::oneshot;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+impl Corral {
+    /// The value under `key`; on a miss, `loader` produces it, once per key across
+    /// every caller in this process and every process sharing the Redis. The value is
+    /// cached as `options` say and returned to every caller waiting for it.
+    ///
+    /// - L1 hit: returned at once. L2 hit: L1 is filled, the value returned.
+    /// - Miss: the first caller of the key in this process leads; the others wait for
+    ///   its result. The leader takes the distributed lock (`SET NX PX`, a random
+    ///   128-bit owner token), reads L2 again, loads, writes L2 then L1, releases the
+    ///   lock (owner-checked), and announces the landing (pub/sub), which wakes the
+    ///   waiting processes; they read the value from L2.
+    /// - If the lock cannot be had (Redis down, or held past the lock wait), the loader
+    ///   runs uncached for this caller (with a `tracing` warning), still coalesced
+    ///   within the process.
+    /// - A loader error goes to the leader and every coalesced caller; nothing is cached.
+    /// - Dropping the future mid-flight releases the lock (in the background) and hands
+    ///   the flight to a waiting caller: no lock, permit or map entry leaks.
+    ///
+    /// ```no_run
+    /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
+    /// use std::time::Duration;
+    /// use corral::{EntryOptions, LoadOptions};
+    ///
+    /// let options = LoadOptions::new()
+    ///     .entry(EntryOptions::new().relative(Duration::from_secs(60)))
+    ///     .should_cache(|v| !v.is_empty());
+    /// let user = cache
+    ///     .get_or_set("user:42", options, || async { Ok::<_, std::io::Error>(b"Ada".to_vec()) })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key
+    /// or options, before anything runs; [`ErrorKind::Loader`](crate::ErrorKind::Loader)
+    /// with the loader's error as the source.
+    pub async fn get_or_set<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        loader: F,
+    ) -> Result<Bytes>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<V, E>>,
+        V: Into<Bytes>,
+        E: Into<BoxError>,
+    {
+        self.get_or_set_served(key, options, loader)
+            .await
+            .map(|served| served.value)
+    }
+
+    /// As [`get_or_set`](Self::get_or_set), saying whether the value is a stale copy
+    /// fail-safe served in place of a failed reload (contract §6b.1; see
+    /// [`LoadOptions::fail_safe`]).
+    ///
+    /// # Errors
+    /// As [`get_or_set`](Self::get_or_set); with a hard timeout and no stale copy,
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout).
+    pub async fn get_or_set_served<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        loader: F,
+    ) -> Result<Served>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<V, E>>,
+        V: Into<Bytes>,
+        E: Into<BoxError>,
+    {
+        let options = options.into();
+        // Both need the load to outlive the call, which only `fetch` can promise.
+        for (set, name) in [
+            (options.soft_timeout_ms.is_some(), "soft_timeout"),
+            (options.eager_refresh_permille.is_some(), "eager_refresh"),
+            (options.background_completion, "background_completion"),
+        ] {
+            if set {
+                return Err(Error::invalid_argument(
+                    name,
+                    "needs a loader that may run on after the call returns: use Corral::fetch, \
+                     whose loader is Send + 'static",
+                ));
+            }
+        }
+        self.judge(key, &options)?;
+        if options.bypass {
+            return self
+                .lead(key, &options, loader, &mut None, &mut None)
+                .instrument(self.flight_span(key))
+                .await
+                .result;
+        }
+        let now = self.inner.clock.now_ms();
+        if let Some((value, stale)) = self.inner.l1.get_served(key, now) {
+            Metrics::bump(&self.inner.metrics.l1_hits);
+            if stale {
+                Metrics::bump(&self.inner.metrics.stale_served);
+            }
+            return Ok(Served { value, stale });
+        }
+        match self.inner.registry.lead_or_follow(key).await {
+            Ok(guard) => {
+                let mut guard = Some(guard);
+                let result = self
+                    .lead(key, &options, loader, &mut guard, &mut None)
+                    .instrument(self.flight_span(key))
+                    .await
+                    .result;
+                // The flight ended before its outcome was handed on (a bad argument, a
+                // guest failure): the followers get the same.
+                if let Some(guard) = guard {
+                    share(guard, &result);
+                }
+                result
+            }
+            Err(outcome) => {
+                Metrics::bump(&self.inner.metrics.coalesced);
+                outcome.map_err(Error::from_shared)
+            }
+        }
+    }
+
+    /// The value under `key`, as [`get_or_set`](Self::get_or_set), with a loader that
+    /// may run on after this call returns (`Send + 'static`): the flight runs in a task
+    /// of its own, to its end even if this caller goes away. That is what the soft
+    /// timeout ([`LoadOptions::soft_timeout`]) and eager refresh
+    /// ([`LoadOptions::eager_refresh`]) need: the caller is answered with a stale copy
+    /// while the load goes on, or with the current value while one refresh runs.
+    ///
+    /// ```no_run
+    /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
+    /// use std::time::Duration;
+    /// use corral::LoadOptions;
+    ///
+    /// let options = LoadOptions::relative(Duration::from_secs(60))
+    ///     .fail_safe(Duration::from_secs(3600))
+    ///     .soft_timeout(Duration::from_millis(100))
+    ///     .eager_refresh(0.8);
+    /// let price = cache
+    ///     .fetch("price:42", options, || async { Ok::<_, std::io::Error>(b"9.99".to_vec()) })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`get_or_set_served`](Self::get_or_set_served).
+    pub async fn fetch<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        loader: F,
+    ) -> Result<Bytes>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = std::result::Result<V, E>> + Send + 'static,
+        V: Into<Bytes> + Send + 'static,
+        E: Into<BoxError> + Send + 'static,
+    {
+        self.fetch_served(key, options, loader)
+            .await
+            .map(|served| served.value)
+    }
+
+    /// As [`fetch`](Self::fetch), saying whether the value is a stale copy.
+    ///
+    /// # Errors
+    /// As [`get_or_set_served`](Self::get_or_set_served).
+    pub async fn fetch_served<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: impl Into<LoadOptions>,
+        loader: F,
+    ) -> Result<Served>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = std::result::Result<V, E>> + Send + 'static,
+        V: Into<Bytes> + Send + 'static,
+        E: Into<BoxError> + Send + 'static,
+    {
+        let options = options.into();
+        self.judge(key, &options)?;
+        if options.bypass {
+            let mut in_caller = options;
+            in_caller.soft_timeout_ms = None;
+            in_caller.eager_refresh_permille = None;
+            return self.get_or_set_served(key, in_caller, loader).await;
+        }
+        let now = self.inner.clock.now_ms();
+        if let Some(entry) = self.inner.l1.get_entry(key, now) {
+            Metrics::bump(&self.inner.metrics.l1_hits);
+            if entry.stale {
+                Metrics::bump(&self.inner.metrics.stale_served);
+            }
+            if entry.refresh_at_ms.is_some_and(|at| now >= at) {
+                self.inner.l1.disarm_refresh(key);
+                self.refresh_in_background(key, &options, loader, None);
+            }
+            return Ok(Served {
+                value: entry.value,
+                stale: entry.stale,
+            });
+        }
+        match self.inner.registry.lead_or_follow(key).await {
+            Ok(guard) => {
+                let (tx, rx) = oneshot::channel();
+                let (cache, key, span) = (self.clone(), key.to_owned(), self.flight_span(key));
+                let running = Running::start(&self.inner.background);
+                tokio::spawn(async move {
+                    let _running = running;
+                    let mut followers = Some(guard);
+                    let mut answer = Some(tx);
+                    let led = cache
+                        .lead(&key, &options, loader, &mut followers, &mut answer)
+                        .instrument(span)
+                        .await;
+                    if let Some(guard) = followers {
+                        share(guard, &led.result);
+                    }
+                    if let Some(tx) = answer {
+                        let _ = tx.send(led.result);
+                    }
+                    if let (Some(guard), Some(loader)) = (led.refresh, led.loader) {
+                        cache.refresh_in_background(&key, &options, loader, Some(guard));
+                    }
+                });
+                rx.await.unwrap_or_else(|_| {
+                    Err(Error::guest(
+                        "the flight's task ended without an answer",
+                        "it panicked",
+                    ))
+                })
+            }
+            Err(outcome) => {
+                Metrics::bump(&self.inner.metrics.coalesced);
+                outcome.map_err(Error::from_shared)
+            }
+        }
+    }
+
+    /// Starts one eager refresh of `key` in the background (contract §6b.3), unless a
+    /// flight of the key already runs in this process. It takes the flight lock without
+    /// waiting: if another process holds it, that one refreshes, and this does nothing.
+    /// `joined`: the registry's lead, if the caller took it already.
+    fn refresh_in_background<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: &LoadOptions,
+        loader: F,
+        joined: Option<LeaderGuard<Outcome>>,
+    ) where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = std::result::Result<V, E>> + Send + 'static,
+        V: Into<Bytes> + Send + 'static,
+        E: Into<BoxError> + Send + 'static,
+    {
+        let guard = match joined {
+            Some(guard) => guard,
+            None => match self.inner.refreshes.join(key) {
+                Join::Leader(guard) => guard,
+                Join::Follower(_) => return,
+            },
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut options = options.clone();
+        options.refresh = true;
+        let (cache, key, span) = (self.clone(), key.to_owned(), self.flight_span(key));
+        let running = Running::start(&self.inner.background);
+        runtime.spawn(async move {
+            let _running = running;
+            let mut followers = Some(guard);
+            let led = cache
+                .lead(&key, &options, loader, &mut followers, &mut None)
+                .instrument(span)
+                .await;
+            if let Some(guard) = followers {
+                share(guard, &led.result);
+            }
+            if let Err(e) = led.result {
+                tracing::debug!(key, error = %e, "eager refresh left the current value in place");
+            }
+        });
+    }
+
+    /// One flight, led by this caller: the guest decides, this loop performs.
+    /// `followers` is the flight's registry guard: its outcome is handed to the callers
+    /// waiting on it as soon as it is known, before the lock's release and announcement.
+    /// `answer`, when given (a flight in a task of its own, see [`fetch`](Self::fetch)),
+    /// is where the caller waits: it may be answered before the flight ends (a soft
+    /// timeout's stale copy), and then the flight goes on without it.
+    async fn lead<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: &LoadOptions,
+        loader: F,
+        followers: &mut Option<LeaderGuard<Outcome>>,
+        answer: &mut Option<oneshot::Sender<Result<Served>>>,
+    ) -> Led<F>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<V, E>>,
+        V: Into<Bytes>,
+        E: Into<BoxError>,
+    {
+        let mut loader = Some(loader);
+        let mut refresh = None;
+        let callers = Callers {
+            loader: &mut loader,
+            followers,
+            answer,
+            refresh: &mut refresh,
+        };
+        let result = self.fly(key, options, callers).await;
+        Led {
+            result,
+            loader,
+            refresh,
+        }
+    }
+
+    /// Runs one flight to its end: the guest's machine decides, the driver performs.
+    async fn fly<F, Fut, V, E>(
+        &self,
+        key: &str,
+        options: &LoadOptions,
+        callers: Callers<'_, F>,
+    ) -> Result<Served>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = std::result::Result<V, E>>,
+        V: Into<Bytes>,
+        E: Into<BoxError>,
+    {
+        let inner = &*self.inner;
+        let config = self.flight_config(options, callers.answer.is_some());
+        let now = inner.clock.now_ms();
+        let (state, action) = inner.policy.flight_start(key, &options.entry, config, now)?;
+        if !options.tags.is_empty() {
+            inner.policy.check_tags(&options.tags)?;
+        }
+        // Taken before the names: L1 is never filled across a clear after them.
+        let named = inner.l1.ticket(key);
+        let names = self.locate(key).await?;
+        let held = HeldFlight::new(self, key, &names.flight_lock, state);
+        let driver = Driver::new(self, key, options, &names.entry, held, callers, named, now);
+        driver.run(action).await
+    }
+
+    /// The flight configuration of a get-or-set with `options`: the call's own settings,
+    /// else the cache's. `answering`: the caller can be answered before the flight ends
+    /// (a flight in a task of its own, see [`fetch`](Self::fetch)).
+    pub(super) fn flight_config(&self, options: &LoadOptions, answering: bool) -> wflight::FlightConfig {
+        let flight = &self.inner.flight;
+        // The cache's defaults for what needs the load to outlive its caller apply only
+        // to flights in a task of their own (`fetch`, a refresh).
+        let detached = answering || options.refresh;
+        wflight::FlightConfig {
+            lock_wait_ms: flight.lock_wait_ms,
+            lock_ttl_ms: flight.lock_ttl_ms,
+            l1_ttl_ms: self.inner.l1_ttl_ms,
+            degraded_l1_ttl_ms: flight.degraded_l1_ttl_ms,
+            fail_safe_throttle_ms: flight.fail_safe_throttle_ms,
+            hard_timeout_ms: options.hard_timeout_ms.or(flight.hard_timeout_ms),
+            soft_timeout_ms: options
+                .soft_timeout_ms
+                .or(flight.soft_timeout_ms.filter(|_| detached)),
+            eager_refresh_permille: options
+                .eager_refresh_permille
+                .or(flight.eager_refresh_permille.filter(|_| detached)),
+            // Only a caller that can be answered before the load ends: never a refresh.
+            background_completion: options.background_completion && answering,
+            refresh: options.refresh,
+            bypass: options.bypass,
+        }
+    }
+
+    /// Counts how a flight ended; `served_stale_early`: its stale copy was served (and
+    /// counted) at a timeout already.
+    pub(super) fn count_outcome(&self, key: &str, outcome: FlightOutcome, served_stale_early: bool) {
+        let m = &self.inner.metrics;
+        match outcome {
+            FlightOutcome::L2Hit(_) => Metrics::bump(&m.l2_hits),
+            FlightOutcome::Loaded(_) | FlightOutcome::LoaderFailed => Metrics::bump(&m.misses),
+            FlightOutcome::Degraded(timed_out) => {
+                Metrics::bump(&m.misses);
+                Metrics::bump(&m.degraded);
+                if timed_out {
+                    Metrics::bump(&m.lock_timeouts);
+                }
+                crate::throttle::warn_every!(
+                    10,
+                    key,
+                    timed_out,
+                    "distributed lock unavailable: loaded uncached"
+                );
+            }
+            FlightOutcome::Stale(cause) => {
+                Metrics::bump(&m.misses);
+                if !served_stale_early {
+                    Metrics::bump(&m.stale_served);
+                }
+                match cause {
+                    StaleCause::LoadTimedOut => Metrics::bump(&m.hard_timeouts),
+                    StaleCause::LockTimedOut => Metrics::bump(&m.lock_timeouts),
+                    StaleCause::LoaderFailed | StaleCause::StoreFailed => {}
+                }
+                crate::throttle::warn_every!(
+                    10,
+                    key,
+                    ?cause,
+                    "reload failed: served the stale copy (fail-safe)"
+                );
+            }
+            FlightOutcome::TimedOut => {
+                Metrics::bump(&m.misses);
+                Metrics::bump(&m.hard_timeouts);
+            }
+            FlightOutcome::Skipped => {}
+        }
+    }
+}
+
+impl Corral {
+    /// The span of one flight (the get-or-set driven by this caller): the guest's
+    /// decisions are logged in it, and its `outcome` recorded at the finish.
+    fn flight_span(&self, key: &str) -> tracing::Span {
+        let prefix = &self.inner.prefix;
+        tracing::debug_span!("corral.flight", key = %key, prefix = %prefix, outcome = tracing::field::Empty)
+    }
+}
+
+/// Counts a flight in a task of its own while it runs.
+struct Running(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Running {
+    fn start(count: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Running(count.clone())
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// What a flight left: its result, the loader if it was not called, and, when the value
+/// it served (an L2 hit) is due for an eager refresh, the registry's lead for it.
+struct Led<F> {
+    result: Result<Served>,
+    loader: Option<F>,
+    refresh: Option<LeaderGuard<Outcome>>,
+}
