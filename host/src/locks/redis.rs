@@ -21,7 +21,6 @@ use std::time::Duration;
 
 use futures::future::{Either, join_all};
 use parking_lot::Mutex;
-use redis::Script;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -35,6 +34,7 @@ use crate::store::Notifications;
 use crate::store::link::{Connection, Healing};
 use crate::store::pubsub::RedisNotifications;
 use crate::store::redis::{RedisOptions, redact};
+use crate::store::script::Script;
 use crate::{Error, ErrorKind, Result};
 
 /// How a lease is taken.
@@ -173,9 +173,14 @@ impl fmt::Debug for RedisLocks {
 enum Reply {
     /// The script's integer answer.
     Value(u64),
-    /// The server failed or did not answer in time: why, and whether the command may
-    /// have run there all the same (anything but a refused connection).
-    Down { cause: String, maybe_ran: bool },
+    /// The server failed or did not answer in time: why, whether the command may have
+    /// run there all the same (anything but a refused connection), and on a cluster the
+    /// node that failed (`host:port`, the master serving the key as last learnt).
+    Down {
+        cause: String,
+        maybe_ran: bool,
+        node: Option<Arc<str>>,
+    },
     /// The script refused before changing anything (`CORRAL_FOREIGN`: another Redis type
     /// or a foreign value under the lock's names; `CORRAL_FENCE_EXHAUSTED`: a fencing
     /// counter that can rise no further): what it said.
@@ -190,8 +195,9 @@ impl Reply {
         }
     }
 
-    /// The reply of a failed command: Corral's own refusals are told from outages.
-    fn failed(e: &redis::RedisError) -> Reply {
+    /// The reply of a failed command (on the cluster node `node`): Corral's own refusals
+    /// are told from outages.
+    fn failed(e: &redis::RedisError, node: Option<Arc<str>>) -> Reply {
         match e.code() {
             Some(code @ ("CORRAL_FOREIGN" | "CORRAL_FENCE_EXHAUSTED")) => {
                 Reply::Refused(e.detail().map_or_else(|| code.to_owned(), str::to_owned))
@@ -199,6 +205,7 @@ impl Reply {
             _ => Reply::Down {
                 cause: e.to_string(),
                 maybe_ran: !e.is_connection_refusal(),
+                node,
             },
         }
     }
@@ -421,8 +428,11 @@ impl RedisLocks {
                 match reply {
                     Ok(v) => Reply::Value(v),
                     Err(e) => {
-                        tracing::debug!(server = %server.url, error = %e, "lock command failed");
-                        Reply::failed(&e)
+                        // On a cluster: the master of the key's slot, the node that failed.
+                        let node = keys.first().and_then(|k| healing.node_of(k));
+                        healing.relearn();
+                        tracing::debug!(server = %server.url, node = node.as_deref(), error = %e, "lock command failed");
+                        Reply::failed(&e, node)
                     }
                 }
             })
@@ -460,6 +470,7 @@ impl RedisLocks {
                 Reply::Down {
                     cause: e.cause,
                     maybe_ran: e.maybe_ran,
+                    node: None,
                 }
             }
         }
@@ -473,7 +484,10 @@ impl RedisLocks {
             .iter()
             .zip(replies)
             .filter_map(|(server, reply)| match reply {
-                Reply::Down { cause, .. } => Some(format!("{}: {cause}", server.url)),
+                Reply::Down { cause, node, .. } => Some(match node {
+                    Some(node) => format!("redis://{node}: {cause}"),
+                    None => format!("{}: {cause}", server.url),
+                }),
                 Reply::Refused(said) => Some(format!("{}: {said}", server.url)),
                 Reply::Value(_) => None,
             })

@@ -10,7 +10,14 @@
 //! of the connection count (a timeout, a refused or dropped connection, a cluster that is
 //! down), never an answer the store gave (a wrong type, a missing script). Lock-free:
 //! every command asks it, so it costs two atomic loads when closed.
+//!
+//! A store keeps one per server ([`Breakers`]): on a Redis Cluster one per master (by
+//! the address serving the command's key's slot, [`super::owners`]), so a dead master
+//! refuses its own shard's keys only, and its refusals name it. Finding a master's
+//! breaker costs a slot hash, a binary search and a shared read lock per command.
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -34,12 +41,15 @@ pub(crate) struct Breaker {
     threshold: u32,
     cool_down: Duration,
     origin: Instant,
+    /// The cluster node it guards (`host:port`), if it guards one.
+    node: Option<Arc<str>>,
 }
 
 impl Breaker {
     /// Opens after `threshold` failures in a row (0: never) and probes after `cool_down`.
     pub(crate) fn new(threshold: u32, cool_down: Duration) -> Self {
         Breaker {
+            node: None,
             failures: AtomicU32::new(0),
             open_until_ms: AtomicU64::new(0),
             probe_until_ms: AtomicU64::new(0),
@@ -83,7 +93,8 @@ impl Breaker {
         Err(Error::new(
             ErrorKind::Unavailable,
             format!(
-                "Redis is failing (circuit open after {} failures in a row): not tried; the next probe in {} ms",
+                "{} is failing (circuit open after {} failures in a row): not tried; the next probe in {} ms",
+                self.what(),
                 self.threshold,
                 until.saturating_sub(now)
             ),
@@ -99,7 +110,7 @@ impl Breaker {
             if self.open_until_ms.load(Ordering::Acquire) != 0 {
                 self.open_until_ms.store(0, Ordering::Release);
                 self.probe_until_ms.store(0, Ordering::Release);
-                tracing::info!("Redis answers again: circuit closed");
+                tracing::info!(node = self.node.as_deref(), "Redis answers again: circuit closed");
             }
             return;
         }
@@ -115,6 +126,7 @@ impl Breaker {
             if !open {
                 self.opened.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
+                    node = self.node.as_deref(),
                     failures = n,
                     cool_down_ms = self.cool_down.as_millis() as u64,
                     "Redis is failing: circuit open, calls fail fast (get-or-set loads uncached) until a probe succeeds"
@@ -130,6 +142,19 @@ impl Breaker {
             .max(1)
     }
 
+    /// The cluster node it guards (`host:port`), if it guards one.
+    pub(crate) fn node(&self) -> Option<&str> {
+        self.node.as_deref()
+    }
+
+    /// What it guards, for people.
+    fn what(&self) -> String {
+        match &self.node {
+            Some(node) => format!("Redis node {node}"),
+            None => "Redis".to_owned(),
+        }
+    }
+
     /// Whether it is open now.
     pub(crate) fn is_open(&self) -> bool {
         self.open_until_ms.load(Ordering::Acquire) != 0
@@ -141,6 +166,78 @@ impl Breaker {
             self.opened.load(Ordering::Relaxed),
             self.refused.load(Ordering::Relaxed),
         )
+    }
+}
+
+/// The breakers of one store: one for one server; on a cluster one per master (by
+/// address), and one for keys whose master is not known yet (before the cluster first
+/// told which node serves which slot).
+#[derive(Debug)]
+pub(crate) struct Breakers {
+    threshold: u32,
+    cool_down: Duration,
+    /// One server's, or a cluster's for keys of a master not known yet.
+    whole: Arc<Breaker>,
+    /// A cluster's, per master address; one is made when its address is first met.
+    nodes: parking_lot::RwLock<HashMap<Arc<str>, Arc<Breaker>>>,
+}
+
+impl Breakers {
+    /// Breakers opening after `threshold` failures in a row, probing after `cool_down`.
+    pub(crate) fn new(threshold: u32, cool_down: Duration) -> Self {
+        Breakers {
+            threshold,
+            cool_down,
+            whole: Arc::new(Breaker::new(threshold, cool_down)),
+            nodes: parking_lot::RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// The breaker of the cluster node `node` (`host:port`), or the store's own.
+    pub(crate) fn of(&self, node: Option<Arc<str>>) -> Arc<Breaker> {
+        let Some(node) = node else {
+            return self.whole.clone();
+        };
+        if let Some(breaker) = self.nodes.read().get(&node) {
+            return breaker.clone();
+        }
+        self.nodes
+            .write()
+            .entry(node.clone())
+            .or_insert_with(|| {
+                Arc::new(Breaker {
+                    node: Some(node),
+                    ..Breaker::new(self.threshold, self.cool_down)
+                })
+            })
+            .clone()
+    }
+
+    /// Whether any is open now.
+    pub(crate) fn is_open(&self) -> bool {
+        self.whole.is_open() || self.nodes.read().values().any(|b| b.is_open())
+    }
+
+    /// How often they opened, and how many calls they refused at once, all together.
+    pub(crate) fn figures(&self) -> (u64, u64) {
+        let nodes = self.nodes.read();
+        std::iter::once(&self.whole)
+            .chain(nodes.values())
+            .map(|b| b.figures())
+            .fold((0, 0), |(o, r), (opened, refused)| (o + opened, r + refused))
+    }
+
+    /// The cluster nodes whose breakers are open now.
+    pub(crate) fn open_nodes(&self) -> Vec<String> {
+        let mut open: Vec<String> = self
+            .nodes
+            .read()
+            .values()
+            .filter(|b| b.is_open())
+            .filter_map(|b| b.node().map(str::to_owned))
+            .collect();
+        open.sort();
+        open
     }
 }
 
@@ -204,6 +301,37 @@ mod tests {
         b.admit().expect("a new probe");
         b.record(false);
         assert!(!b.is_open());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_nodes_failures_open_its_own_breaker_only_and_its_refusals_name_it() {
+        let b = Breakers::new(3, Duration::from_secs(1));
+        let (dead, live): (Arc<str>, Arc<str>) = ("10.0.0.2:7001".into(), "10.0.0.1:7000".into());
+        for _ in 0..3 {
+            b.of(Some(dead.clone())).record(true);
+        }
+        assert!(
+            b.of(Some(live.clone())).admit().is_ok(),
+            "another node's keys go through"
+        );
+        assert!(b.of(None).admit().is_ok(), "so do keys of a node not known yet");
+        let e = b.of(Some(dead.clone())).admit().unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("Redis node 10.0.0.2:7001 is failing (circuit open"),
+            "{e}"
+        );
+        assert!(b.is_open());
+        assert_eq!(b.open_nodes(), vec!["10.0.0.2:7001".to_owned()]);
+        assert_eq!(b.figures(), (1, 1));
+        let e = Breaker::new(1, Duration::from_secs(1));
+        e.record(true);
+        assert!(
+            e.admit()
+                .unwrap_err()
+                .to_string()
+                .starts_with("store unavailable: Redis is failing")
+        );
     }
 
     #[test]

@@ -11,9 +11,10 @@
 //! every process and every run (a simulation replays byte for byte); a shared stripe
 //! still only skips a fill, never serves a wrong value.
 
+use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -50,6 +51,33 @@ pub(crate) struct Ticket {
     key: u64,
 }
 
+/// A removal's watch of its key ([`L1::watch_removal`]).
+#[derive(Debug)]
+pub(crate) struct RemovalWatch {
+    epochs: Arc<Epochs>,
+    key: String,
+    id: u64,
+}
+
+impl RemovalWatch {
+    /// Whether nothing has ended the watch: no write of the key since it began, in this
+    /// process or heard from another.
+    pub(crate) fn is_current(&self) -> bool {
+        self.epochs.removals.lock().get(&self.key) == Some(&self.id)
+    }
+}
+
+impl Drop for RemovalWatch {
+    fn drop(&mut self) {
+        let epochs = &self.epochs;
+        let mut removals = epochs.removals.lock();
+        if removals.get(&self.key) == Some(&self.id) {
+            removals.remove(&self.key);
+            epochs.removals_watched.store(removals.len(), Ordering::SeqCst);
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub(crate) struct L1 {
     cache: Option<Cache<String, L1Entry>>,
@@ -68,9 +96,27 @@ struct Epochs {
     tags: AtomicU64,
     /// Bumped by every write of a key hashing here.
     stripes: Box<[AtomicU64]>,
+    /// Keys whose removal is retried in the background, each with its watch's number
+    /// ([`RemovalWatch`]).
+    removals: parking_lot::Mutex<HashMap<String, u64>>,
+    /// How many keys `removals` holds: a write looks at the map only when it holds any.
+    removals_watched: AtomicUsize,
+    /// The next watch's number.
+    next_removal: AtomicU64,
 }
 
 impl Epochs {
+    /// Ends the watch of `key`, if there is one (one atomic load when there is none).
+    fn unwatch(&self, key: &str) {
+        if self.removals_watched.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut removals = self.removals.lock();
+        if removals.remove(key).is_some() {
+            self.removals_watched.store(removals.len(), Ordering::SeqCst);
+        }
+    }
+
     fn stripe(&self, key: &str) -> &AtomicU64 {
         &self.stripes[self.hasher.hash_one(key) as usize % STRIPES]
     }
@@ -94,6 +140,9 @@ impl L1 {
                 generations: AtomicU64::new(0),
                 tags: AtomicU64::new(1),
                 stripes: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
+                removals: parking_lot::Mutex::new(HashMap::new()),
+                removals_watched: AtomicUsize::new(0),
+                next_removal: AtomicU64::new(0),
             }),
         }
     }
@@ -245,9 +294,37 @@ impl L1 {
         });
     }
 
-    /// Drops `key` (a removal or another process's write): newer than any fill in progress.
+    /// Drops `key` (a write of it in this process, or another process's write heard
+    /// here): newer than any fill in progress, and the end of a removal's retry that
+    /// watches the key ([`watch_removal`](Self::watch_removal)).
     pub(crate) fn remove(&self, key: &str) {
+        self.epochs.unwatch(key);
         self.write(key, None);
+    }
+
+    /// Drops `key`'s copy and refuses fills in progress, as [`remove`](Self::remove),
+    /// but ends no watch: what a removal's retry does once its tombstone is there.
+    pub(crate) fn drop_copy(&self, key: &str) {
+        self.write(key, None);
+    }
+
+    /// Watches `key` for a removal whose tombstone may not have been written (contract
+    /// §5.12): the watch stays current until the key is written again in this process
+    /// (`set`, `remove`, `expire`), another process's write of it is heard here, the
+    /// key is watched again (a newer removal), or the prefix moves to another
+    /// generation. A flush of all of L1 (announcements that may have been missed) does
+    /// not end it. Dropping the watch ends it.
+    pub(crate) fn watch_removal(&self, key: &str) -> RemovalWatch {
+        let epochs = &self.epochs;
+        let id = epochs.next_removal.fetch_add(1, Ordering::Relaxed);
+        let mut removals = epochs.removals.lock();
+        removals.insert(key.to_owned(), id);
+        epochs.removals_watched.store(removals.len(), Ordering::SeqCst);
+        RemovalWatch {
+            epochs: self.epochs.clone(),
+            key: key.to_owned(),
+            id,
+        }
     }
 
     fn write(&self, key: &str, entry: Option<L1Entry>) {
@@ -270,6 +347,12 @@ impl L1 {
     /// announced): fills and writes that named their entries before it are refused.
     pub(crate) fn clear_generation(&self) {
         self.epochs.generations.fetch_add(1, Ordering::AcqRel);
+        {
+            // Every entry named before is gone: no removal is left to retry.
+            let mut removals = self.epochs.removals.lock();
+            removals.clear();
+            self.epochs.removals_watched.store(0, Ordering::SeqCst);
+        }
         self.clear();
     }
 
@@ -312,6 +395,39 @@ mod tests {
         let ticket = l1.ticket("k");
         assert!(l1.fill("k", Bytes::from_static(b"fresh"), u64::MAX, ticket, None));
         assert_eq!(l1.get("k", 0).as_deref(), Some(&b"fresh"[..]));
+    }
+
+    #[test]
+    fn a_removal_watch_ends_with_a_write_of_its_key_or_a_newer_watch() {
+        for l1 in [
+            L1::new(100, Duration::from_secs(60)),
+            L1::new(0, Duration::from_secs(60)),
+        ] {
+            let watch = l1.watch_removal("k");
+            l1.remove("other");
+            l1.clear();
+            l1.drop_copy("k");
+            assert!(
+                watch.is_current(),
+                "other keys, a flush and the retry's own drop leave it"
+            );
+            l1.remove("k");
+            assert!(!watch.is_current(), "a write of the key ends it");
+
+            let older = l1.watch_removal("k");
+            let newer = l1.watch_removal("k");
+            assert!(
+                !older.is_current() && newer.is_current(),
+                "a newer removal takes over"
+            );
+            drop(older);
+            assert!(newer.is_current(), "an ended watch's drop leaves the newer one");
+            l1.clear_generation();
+            assert!(!newer.is_current(), "a new generation ends every watch");
+            drop(newer);
+            assert_eq!(l1.epochs.removals.lock().len(), 0);
+            assert_eq!(l1.epochs.removals_watched.load(Ordering::SeqCst), 0);
+        }
     }
 
     #[test]

@@ -23,6 +23,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, Value};
 
+use super::owners::Owners;
 use super::redis::{RedisOptions, redact, redact_in};
 use crate::{Error, Result};
 
@@ -198,6 +199,8 @@ pub(crate) struct Healing {
     connection: Connection,
     /// Commands that timed out in a row.
     timeouts: Arc<AtomicU32>,
+    /// A cluster's slot owners: which node a key's command goes to.
+    owners: Option<Arc<Owners>>,
 }
 
 impl Healing {
@@ -205,9 +208,33 @@ impl Healing {
     pub(crate) fn new(connection: Connection) -> Result<Self> {
         Ok(Healing {
             link: Arc::new(ArcSwap::from_pointee(connection.link()?)),
+            owners: connection
+                .is_cluster()
+                .then(|| Arc::new(Owners::new(connection.response_timeout))),
             connection,
             timeouts: Arc::new(AtomicU32::new(0)),
         })
+    }
+
+    /// On a cluster, the address (`host:port`) of the master serving `key`'s slot, as
+    /// last learnt; `None` for one server, or before the cluster first said (it is then
+    /// asked, in the background).
+    pub(crate) fn node_of(&self, key: &str) -> Option<Arc<str>> {
+        let owners = self.owners.as_ref()?;
+        let node = owners.of(key.as_bytes());
+        if node.is_none() {
+            owners.relearn(&self.current());
+        }
+        node
+    }
+
+    /// On a cluster, asks which node serves which slot again (in the background, at most
+    /// once a second): after a failure, a redirect or a refusal, since a master may have
+    /// died or a replica taken over.
+    pub(crate) fn relearn(&self) {
+        if let Some(owners) = &self.owners {
+            owners.relearn(&self.current());
+        }
     }
 
     /// The link for one command: the one in use now.

@@ -28,9 +28,13 @@ mod landing;
 pub mod link;
 pub mod memory;
 #[cfg(feature = "redis")]
+mod owners;
+#[cfg(feature = "redis")]
 pub(crate) mod pubsub;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "redis")]
+pub(crate) mod script;
 
 pub use landing::LandingWatch;
 pub use landing::Landings;

@@ -15,11 +15,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use redis::{IntoConnectionInfo, Script};
+use redis::IntoConnectionInfo;
 
-use super::breaker::{Breaker, is_connection_failure};
+use super::breaker::{Breaker, Breakers, is_connection_failure};
 use super::link::{Connection, Healing, Link};
 use super::pubsub::RedisNotifications;
+use super::script::Script;
 use super::{Entries, FlightLock};
 use crate::guest::policy::Scripts;
 use crate::{Error, ErrorKind, Result};
@@ -119,8 +120,8 @@ impl RedisOptions {
 pub struct RedisStore {
     /// The command connection; replaced after consecutive timeouts.
     healing: Healing,
-    /// Fails calls fast while Redis keeps failing.
-    breaker: Arc<Breaker>,
+    /// Fail calls fast while Redis keeps failing: on a cluster, one per master.
+    breakers: Arc<Breakers>,
     options: RedisOptions,
     read_and_touch: Arc<Script>,
     delete_if_equal: Arc<Script>,
@@ -169,27 +170,41 @@ pub(crate) fn redact_in(text: &str, url: &str) -> String {
     out
 }
 
-fn unavailable(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
-    move |e| Error::unavailable(format!("redis {what} failed"), e)
+/// What failed, for people: `redis GET failed`, and on a cluster the node it was sent
+/// to (`redis GET failed on node 10.0.0.2:7001`), as the breaker that let it through
+/// knows it.
+fn failed(what: &str, at: &Breaker) -> String {
+    match at.node() {
+        Some(node) => format!("redis {what} failed on node {node}"),
+        None => format!("redis {what} failed"),
+    }
 }
 
-/// How a command's result is noted by its store on the way out.
+fn unavailable<'a>(what: &'static str, at: &'a Breaker) -> impl Fn(redis::RedisError) -> Error + 'a {
+    move |e| Error::unavailable(failed(what, at), e)
+}
+
+/// How a command's result is noted by its store on the way out, and by the breaker
+/// that let it through.
 trait Seen: Sized {
-    fn seen(self, store: &RedisStore) -> Self;
+    fn seen(self, store: &RedisStore, at: &Breaker) -> Self;
 }
 
 impl<T> Seen for redis::RedisResult<T> {
-    fn seen(self, store: &RedisStore) -> Self {
+    fn seen(self, store: &RedisStore, at: &Breaker) -> Self {
         store.healing.observe(matches!(&self, Err(e) if e.is_timeout()));
-        store
-            .breaker
-            .record(matches!(&self, Err(e) if is_connection_failure(e)));
+        let failed = matches!(&self, Err(e) if is_connection_failure(e));
+        at.record(failed);
+        if failed {
+            // A master may have died, or a replica taken over (a redirect counts too).
+            store.healing.relearn();
+        }
         self
     }
 }
 
 /// A read's failure: a value of another Redis type is corrupt data, not an outage.
-fn read_failed(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
+fn read_failed<'a>(what: &'static str, at: &'a Breaker) -> impl Fn(redis::RedisError) -> Error + 'a {
     move |e| {
         if e.code() == Some("WRONGTYPE") || e.to_string().contains("WRONGTYPE") {
             Error::new(
@@ -198,7 +213,7 @@ fn read_failed(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
             )
             .with_source(e)
         } else {
-            Error::unavailable(format!("redis {what} failed"), e)
+            Error::unavailable(failed(what, at), e)
         }
     }
 }
@@ -231,7 +246,10 @@ impl RedisStore {
                 commands.clone(),
             ),
             healing,
-            breaker: Arc::new(Breaker::new(options.breaker_threshold, options.breaker_cool_down)),
+            breakers: Arc::new(Breakers::new(
+                options.breaker_threshold,
+                options.breaker_cool_down,
+            )),
             options: options.clone(),
             read_and_touch: Arc::new(Script::new(&scripts.read_and_touch)),
             delete_if_equal: Arc::new(Script::new(&scripts.delete_if_equal)),
@@ -258,11 +276,16 @@ impl RedisStore {
         self.healing.clone()
     }
 
-    /// Whether the breaker is open now, how often it opened, and how many calls it
-    /// refused at once.
+    /// Whether a breaker is open now, how often they opened, and how many calls they
+    /// refused at once (on a cluster, one breaker per master: all together).
     pub fn breaker(&self) -> (bool, u64, u64) {
-        let (opened, refused) = self.breaker.figures();
-        (self.breaker.is_open(), opened, refused)
+        let (opened, refused) = self.breakers.figures();
+        (self.breakers.is_open(), opened, refused)
+    }
+
+    /// On a cluster, the masters (`host:port`) whose breakers are open now.
+    pub fn open_breakers(&self) -> Vec<String> {
+        self.breakers.open_nodes()
     }
 
     /// Whether the store is a Redis Cluster.
@@ -270,10 +293,16 @@ impl RedisStore {
         self.healing.connection().is_cluster()
     }
 
-    /// The command link for one command, unless the breaker refuses it.
-    fn conn(&self) -> Result<Link> {
-        self.breaker.admit()?;
-        Ok(self.healing.current())
+    /// The command link for one command on `key`, and the breaker that let it through
+    /// (on a cluster, that of the master serving `key`), unless that breaker refuses it.
+    fn conn(&self, key: &str) -> Result<(Link, Arc<Breaker>)> {
+        let at = self.breakers.of(self.healing.node_of(key));
+        if let Err(e) = at.admit() {
+            // A replica may have taken over meanwhile.
+            self.healing.relearn();
+            return Err(e);
+        }
+        Ok((self.healing.current(), at))
     }
 
     fn count(&self, n: u64) {
@@ -300,7 +329,7 @@ impl Entries for RedisStore {
     ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
         Some(
             async move {
-                let mut conn = self.conn()?;
+                let (mut conn, at) = self.conn(key)?;
                 self.count(1);
                 let found: Option<Vec<u8>> = self
                     .read_and_touch
@@ -309,8 +338,8 @@ impl Entries for RedisStore {
                     .arg(self.grace_ms)
                     .invoke_async(&mut conn)
                     .await
-                    .seen(self)
-                    .map_err(read_failed("read-and-touch"))?;
+                    .seen(self, &at)
+                    .map_err(read_failed("read-and-touch", &at))?;
                 Ok(found.map(Bytes::from))
             }
             .boxed(),
@@ -324,7 +353,7 @@ impl Entries for RedisStore {
     ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
         Some(
             async move {
-                let mut conn = self.conn()?;
+                let (mut conn, at) = self.conn(key)?;
                 self.count(1);
                 let found: Option<Vec<u8>> = redis::cmd("GETEX")
                     .arg(key)
@@ -332,8 +361,8 @@ impl Entries for RedisStore {
                     .arg(ttl_ms.max(1))
                     .query_async(&mut conn)
                     .await
-                    .seen(self)
-                    .map_err(read_failed("GETEX"))?;
+                    .seen(self, &at)
+                    .map_err(read_failed("GETEX", &at))?;
                 Ok(found.map(Bytes::from))
             }
             .boxed(),
@@ -342,15 +371,15 @@ impl Entries for RedisStore {
 
     fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<u64>>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(key)?;
             self.count(1);
             // -2: missing; -1: no expiry.
             let left: i64 = redis::cmd("PTTL")
                 .arg(key)
                 .query_async(&mut conn)
                 .await
-                .seen(self)
-                .map_err(unavailable("PTTL"))?;
+                .seen(self, &at)
+                .map_err(unavailable("PTTL", &at))?;
             Ok(u64::try_from(left).ok())
         }
         .boxed()
@@ -358,14 +387,14 @@ impl Entries for RedisStore {
 
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(key)?;
             self.count(1);
             let found: Option<Vec<u8>> = redis::cmd("GET")
                 .arg(key)
                 .query_async(&mut conn)
                 .await
-                .seen(self)
-                .map_err(read_failed("GET"))?;
+                .seen(self, &at)
+                .map_err(read_failed("GET", &at))?;
             Ok(found.map(Bytes::from))
         }
         .boxed()
@@ -373,7 +402,7 @@ impl Entries for RedisStore {
 
     fn swap<'a>(&'a self, name: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<Option<Bytes>>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(name)?;
             self.count(1);
             let set = |conn: &mut Link| {
                 let mut conn = conn.clone();
@@ -389,12 +418,19 @@ impl Entries for RedisStore {
                         .await
                 }
             };
-            match set(&mut conn).await.seen(self).map_err(read_failed("SET GET")) {
+            match set(&mut conn)
+                .await
+                .seen(self, &at)
+                .map_err(read_failed("SET GET", &at))
+            {
                 Ok(old) => Ok(old.map(Bytes::from)),
                 // A value of another type: it goes, and the write goes through.
                 Err(e) if e.kind() == ErrorKind::Corrupt => {
                     self.delete_foreign(name).await?;
-                    set(&mut conn).await.seen(self).map_err(unavailable("SET GET"))?;
+                    set(&mut conn)
+                        .await
+                        .seen(self, &at)
+                        .map_err(unavailable("SET GET", &at))?;
                     Ok(None)
                 }
                 Err(e) => Err(e),
@@ -412,7 +448,7 @@ impl Entries for RedisStore {
     ) -> BoxFuture<'a, Result<bool>> {
         async move {
             let Some(expected) = expected else {
-                let mut conn = self.conn()?;
+                let (mut conn, at) = self.conn(name)?;
                 self.count(1);
                 let written: Option<String> = redis::cmd("SET")
                     .arg(name)
@@ -422,8 +458,8 @@ impl Entries for RedisStore {
                     .arg(ttl_ms.max(1))
                     .query_async(&mut conn)
                     .await
-                    .seen(self)
-                    .map_err(unavailable("SET NX"))?;
+                    .seen(self, &at)
+                    .map_err(unavailable("SET NX", &at))?;
                 return Ok(written.is_some());
             };
             self.replace_if_equal(name, expected, bytes, ttl_ms).await
@@ -433,15 +469,15 @@ impl Entries for RedisStore {
 
     fn delete_foreign<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(name)?;
             self.count(1);
             let n: u64 = self
                 .delete_foreign
                 .key(name)
                 .invoke_async(&mut conn)
                 .await
-                .seen(self)
-                .map_err(unavailable("delete-foreign"))?;
+                .seen(self, &at)
+                .map_err(unavailable("delete-foreign", &at))?;
             Ok(n > 0)
         }
         .boxed()
@@ -449,7 +485,7 @@ impl Entries for RedisStore {
 
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(key)?;
             self.count(1);
             redis::cmd("SET")
                 .arg(key)
@@ -458,22 +494,22 @@ impl Entries for RedisStore {
                 .arg(ttl_ms.max(1))
                 .query_async::<()>(&mut conn)
                 .await
-                .seen(self)
-                .map_err(unavailable("SET"))
+                .seen(self, &at)
+                .map_err(unavailable("SET", &at))
         }
         .boxed()
     }
 
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(key)?;
             self.count(1);
             let n: u64 = redis::cmd("DEL")
                 .arg(key)
                 .query_async(&mut conn)
                 .await
-                .seen(self)
-                .map_err(unavailable("DEL"))?;
+                .seen(self, &at)
+                .map_err(unavailable("DEL", &at))?;
             Ok(n > 0)
         }
         .boxed()
@@ -481,7 +517,7 @@ impl Entries for RedisStore {
 
     fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(key)?;
             self.count(1);
             let n: u64 = self
                 .delete_if_equal
@@ -489,8 +525,8 @@ impl Entries for RedisStore {
                 .arg(expected.as_ref())
                 .invoke_async(&mut conn)
                 .await
-                .seen(self)
-                .map_err(unavailable("delete-if-equal"))?;
+                .seen(self, &at)
+                .map_err(unavailable("delete-if-equal", &at))?;
             Ok(n > 0)
         }
         .boxed()
@@ -504,7 +540,7 @@ impl Entries for RedisStore {
         ttl_ms: u64,
     ) -> BoxFuture<'a, Result<bool>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(key)?;
             self.count(1);
             let n: u64 = self
                 .replace_if_equal
@@ -514,8 +550,8 @@ impl Entries for RedisStore {
                 .arg(ttl_ms.max(1))
                 .invoke_async(&mut conn)
                 .await
-                .seen(self)
-                .map_err(unavailable("replace-if-equal"))?;
+                .seen(self, &at)
+                .map_err(unavailable("replace-if-equal", &at))?;
             Ok(n > 0)
         }
         .boxed()
@@ -529,7 +565,7 @@ impl Entries for RedisStore {
 impl FlightLock for RedisStore {
     fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(key)?;
             self.count(1);
             let ok: Option<String> = redis::cmd("SET")
                 .arg(key)
@@ -539,8 +575,8 @@ impl FlightLock for RedisStore {
                 .arg(ttl_ms.max(1))
                 .query_async(&mut conn)
                 .await
-                .seen(self)
-                .map_err(unavailable("SET NX"))?;
+                .seen(self, &at)
+                .map_err(unavailable("SET NX", &at))?;
             Ok(ok.is_some())
         }
         .boxed()
@@ -548,7 +584,7 @@ impl FlightLock for RedisStore {
 
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
         async move {
-            let mut conn = self.conn()?;
+            let (mut conn, at) = self.conn(key)?;
             self.count(1);
             let n: u64 = self
                 .delete_if_equal
@@ -556,8 +592,8 @@ impl FlightLock for RedisStore {
                 .arg(owner)
                 .invoke_async(&mut conn)
                 .await
-                .seen(self)
-                .map_err(unavailable("lock release"))?;
+                .seen(self, &at)
+                .map_err(unavailable("lock release", &at))?;
             Ok(n > 0)
         }
         .boxed()

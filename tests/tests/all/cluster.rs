@@ -317,3 +317,161 @@ async fn a_master_failover_mid_run() -> Result<()> {
     next.release().await?;
     Ok(())
 }
+
+/// `per` keys on each master of `cluster` (by `name`, the key's Redis name), by master.
+fn keys_by_master(
+    cluster: &RedisCluster,
+    per: usize,
+    name: &dyn Fn(&str) -> corral::Result<String>,
+) -> Result<std::collections::BTreeMap<usize, Vec<String>>> {
+    let mut keys = std::collections::BTreeMap::<usize, Vec<String>>::new();
+    for i in 0..10_000 {
+        let key = format!("k-{i}");
+        let on = keys.entry(cluster.master_of(&name(&key)?)?).or_default();
+        if on.len() < per {
+            on.push(key);
+        }
+        if keys.len() == 3 && keys.values().all(|k| k.len() == per) {
+            return Ok(keys);
+        }
+    }
+    anyhow::bail!("found no {per} keys on each of 3 masters: {keys:?}")
+}
+
+/// A master dies and stays dead (the node timeout outlasts the test, so no replica is
+/// promoted meanwhile). Reads of keys on the two live shards all succeed: the dead
+/// shard's failures open its own breaker, never theirs. Reads of the dead shard's keys
+/// fail typed, each naming the dead node's address (not the first seed node's), and its
+/// breaker opens (issue 19, item 7: before, one breaker for the whole cluster refused
+/// every shard's keys, and no error named the node that failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_master_opens_only_its_shards_breaker() -> Result<()> {
+    let _real_time = real_time().await;
+    let mut cluster = RedisCluster::start(3, 1, Duration::from_secs(60))?;
+    let mut options = RedisOptions::cluster(cluster.urls());
+    options.prefix = prefix("one-shard");
+    options.response_timeout = 300 * MS;
+    options.breaker_cool_down = Duration::from_secs(30);
+    let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
+    let keys = keys_by_master(&cluster, 20, &|k| cache.entry_name(k))?;
+    for key in keys.values().flatten() {
+        cache.set(key, "v", EntryOptions::new()).await?;
+    }
+    let locks = cache.locks().redis().context("leases")?;
+    let jobs = keys_by_master(&cluster, 1, &|k| locks.lock_key(k))?;
+    // A master other than the first seed node, so that naming the seed is not naming it.
+    let victim = *keys.keys().find(|&&n| n != 0).context("a second master")?;
+    let dead = format!("127.0.0.1:{}", cluster.node(victim).port());
+    cluster.node(victim).kill();
+
+    // Each round reads the dead shard's keys first, then the live shards'.
+    let mut order: Vec<(usize, &Vec<String>)> = keys.iter().map(|(n, on)| (*n, on)).collect();
+    order.sort_by_key(|(n, _)| *n != victim);
+    let (mut live_failures, mut dead_errors) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        for &(node, on) in &order {
+            for key in on {
+                let got = cache.get(key).await;
+                if node == victim {
+                    dead_errors.push(got.err().context("a read on a dead master succeeded")?);
+                } else if !matches!(&got, Ok(Some(v)) if v.as_ref() == b"v") {
+                    live_failures.push(format!("{key}: {got:?}"));
+                }
+            }
+        }
+    }
+    let open = dead_errors
+        .iter()
+        .filter(|e| e.to_string().contains("circuit open"))
+        .count();
+    println!(
+        "one dead master: {} failed reads of live shards' keys, {} of the dead one's ({open} refused by its breaker); e.g. {:?}",
+        live_failures.len(),
+        dead_errors.len(),
+        (
+            dead_errors.first().map(ToString::to_string),
+            dead_errors.last().map(ToString::to_string)
+        )
+    );
+    assert!(
+        live_failures.is_empty(),
+        "every read of a live shard's key succeeds: {} failed, first {:?}",
+        live_failures.len(),
+        live_failures.first()
+    );
+    for e in &dead_errors {
+        assert!(
+            matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::Timeout),
+            "typed: {e:?}"
+        );
+        assert!(e.to_string().contains(&dead), "names the dead node {dead}: {e}");
+    }
+    assert!(open > 0, "the dead shard's breaker opened");
+    let store = cache.redis_store().context("a Redis store")?;
+    assert_eq!(
+        store.open_breakers(),
+        vec![dead.clone()],
+        "only the dead master's breaker is open"
+    );
+    // A lease on the dead master: its error names that node too.
+    let once = LockOptions::new()
+        .ttl(Duration::from_secs(5))
+        .wait(Duration::ZERO);
+    let e = locks
+        .acquire(&jobs[&victim][0], once)
+        .await
+        .err()
+        .context("a lease on a dead master")?;
+    assert!(e.to_string().contains(&dead), "names the dead node {dead}: {e}");
+    println!("one dead master: a lease on it: {e}");
+    Ok(())
+}
+
+/// A master dies before any node has loaded the scripts (a fresh cluster, a client
+/// connected to every node): `SCRIPT LOAD` would go to every node and fail, so a script
+/// a node lacks runs as `EVAL` of its body on its key's master instead. Reads that touch sliding entries and leases on the
+/// live shards work (issue 19, item 8b: before, each such call failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_run_on_live_shards_while_a_node_is_down() -> Result<()> {
+    let _real_time = real_time().await;
+    let mut cluster = RedisCluster::start(3, 1, Duration::from_secs(60))?;
+    let mut options = RedisOptions::cluster(cluster.urls());
+    options.prefix = prefix("cold-scripts");
+    let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
+    let locks = cache.locks().redis().context("leases")?;
+    let entries = keys_by_master(&cluster, 5, &|k| cache.entry_name(k))?;
+    let leases = keys_by_master(&cluster, 5, &|k| locks.lock_key(k))?;
+    // Plain commands (no script) on every master: the client holds a connection to each.
+    for key in entries.values().flatten() {
+        cache.set(key, "plain", EntryOptions::new()).await?;
+        cache.get(key).await?;
+    }
+    let victim = *entries.keys().find(|&&n| n != 0).context("a second master")?;
+    cluster.node(victim).kill();
+
+    let sliding = EntryOptions::new().sliding(Duration::from_secs(60));
+    for (_, on) in entries.iter().filter(|(n, _)| **n != victim) {
+        for key in on {
+            cache.set(key, "v", sliding).await?;
+            for _ in 0..3 {
+                // The first read learns the entry slides; the next ones touch it in a script.
+                assert_eq!(cache.get(key).await?.as_deref(), Some(&b"v"[..]), "{key}");
+            }
+        }
+    }
+    for (_, on) in leases.iter().filter(|(n, _)| **n != victim) {
+        for key in on {
+            let lease = locks
+                .acquire(
+                    key,
+                    LockOptions::new()
+                        .ttl(Duration::from_secs(5))
+                        .wait(Duration::ZERO),
+                )
+                .await?;
+            lease.extend(Duration::from_secs(5)).await?;
+            lease.release().await?;
+        }
+    }
+    Ok(())
+}
