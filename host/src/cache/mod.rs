@@ -16,7 +16,7 @@ use crate::guest::Policy;
 use crate::guest::policy::{ExpirePlan, ReadOutcome, StoreNames, WitMeta};
 use crate::options::{EntryOptions, Inspection};
 use crate::store::Stores;
-use crate::store::l1::{L1, Ticket};
+use crate::store::l1::{L1, RemovalWatch, Ticket};
 use crate::{Error, ErrorKind, Result};
 use load::Served;
 
@@ -107,6 +107,14 @@ impl fmt::Debug for Corral {
             .finish_non_exhaustive()
     }
 }
+
+/// A change that could not be made at once is retried in the background (a change
+/// announcement, a failed removal's tombstone): first at once, then after 50 ms, the wait
+/// doubling up to 2 s, for up to the L1 TTL. Only within a running process: a process
+/// that exits takes its retries with it.
+const RETRY_FIRST: Duration = Duration::from_millis(50);
+/// The longest wait between two tries of a change retried in the background.
+const RETRY_MAX: Duration = Duration::from_secs(2);
 
 /// How a value reaches L1, with the ticket taken before the L2 step it comes from.
 #[derive(Clone, Copy, Debug)]
@@ -275,36 +283,158 @@ impl Corral {
         }
     }
 
-    /// Announces that `key` changed from a task of its own, retrying with backoff (50 ms
-    /// doubling to 2 s) for as long as another process may still serve an older copy
-    /// from its L1 (the L1 TTL): an announcement that could not reach Redis is made
-    /// when Redis answers again.
+    /// Announces that `key` changed from a task of its own, retrying on the schedule of
+    /// [`RETRY_FIRST`] for as long as another process may still serve an older copy from
+    /// its L1 (the L1 TTL): an announcement that could not reach Redis is made when
+    /// Redis answers again.
     fn announce_in_background(&self, key: &str) {
+        let (notifications, owned) = (self.inner.stores.notifications.clone(), key.to_owned());
+        let bound = self.inner.flight.store_timeout;
+        self.retry_in_background(
+            key,
+            "a change could not be announced within the L1 TTL: other processes' copies have lapsed by now",
+            move || {
+                let (notifications, key) = (notifications.clone(), owned.clone());
+                async move {
+                    match tokio::time::timeout(bound, notifications.announce(&key)).await {
+                        Ok(Ok(())) => return true,
+                        Ok(Err(e)) => {
+                            tracing::debug!(key, error = %e, "change announcement failed; retrying")
+                        }
+                        Err(_) => tracing::debug!(key, "change announcement timed out; retrying"),
+                    }
+                    false
+                }
+            },
+        );
+    }
+
+    /// Runs `attempt` from a task of its own until it says it is done: at once, then
+    /// after [`RETRY_FIRST`], the wait doubling up to [`RETRY_MAX`], for up to the L1
+    /// TTL, after which it warns with `gave_up`. The one schedule of every change
+    /// retried in the background. Outside a Tokio runtime, nothing is retried.
+    fn retry_in_background<A, F>(&self, key: &str, gave_up: &'static str, mut attempt: A)
+    where
+        A: FnMut() -> F + Send + 'static,
+        F: Future<Output = bool> + Send + 'static,
+    {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (notifications, key) = (self.inner.stores.notifications.clone(), key.to_owned());
-        let (bound, give_up_after) = (
-            self.inner.flight.store_timeout,
-            Duration::from_millis(self.inner.l1_ttl_ms),
-        );
+        let key = key.to_owned();
+        let give_up_after = Duration::from_millis(self.inner.l1_ttl_ms);
         runtime.spawn(async move {
             let started = tokio::time::Instant::now();
-            let mut backoff = Duration::from_millis(50);
-            loop {
-                match tokio::time::timeout(bound, notifications.announce(&key)).await {
-                    Ok(Ok(())) => return,
-                    Ok(Err(e)) => tracing::debug!(key, error = %e, "change announcement failed; retrying"),
-                    Err(_) => tracing::debug!(key, "change announcement timed out; retrying"),
-                }
+            let mut backoff = RETRY_FIRST;
+            while !attempt().await {
                 if started.elapsed() + backoff > give_up_after {
-                    tracing::warn!(key, "a change could not be announced within the L1 TTL: other processes' copies have lapsed by now");
+                    tracing::warn!(key, "{gave_up}");
                     return;
                 }
                 tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
+                backoff = (backoff * 2).min(RETRY_MAX);
             }
         });
+    }
+
+    /// Writes the tombstone of a removal whose write failed, went unanswered or was
+    /// abandoned by its caller, from a task of its own, on the schedule of announcements
+    /// ([`retry_in_background`](Self::retry_in_background)), until it lands, the key
+    /// turns out removed already, or a later write of the key ends it (see
+    /// [`retry_removal`](Self::retry_removal)).
+    fn remove_in_background(
+        &self,
+        key: &str,
+        entry: String,
+        tombstone: Bytes,
+        ttl_ms: u64,
+        watch: RemovalWatch,
+    ) {
+        let (cache, owned, watch) = (self.clone(), key.to_owned(), Arc::new(watch));
+        // Counted while it runs (dropped with the task's closure).
+        let running = flight::Running::start(&self.inner.background);
+        self.retry_in_background(
+            key,
+            "a failed removal could not be written within the L1 TTL: the old value stays in L2 until it expires",
+            move || {
+                let _running = &running;
+                let (cache, key, entry, tombstone, watch) = (
+                    cache.clone(),
+                    owned.clone(),
+                    entry.clone(),
+                    tombstone.clone(),
+                    watch.clone(),
+                );
+                async move { cache.retry_removal(&key, &entry, tombstone, ttl_ms, &watch).await }
+            },
+        );
+    }
+
+    /// One try of a failed removal's retry; says whether the retry is over. It replaces
+    /// only what the removal was to replace: not once the key was written again in this
+    /// process or another process's write of it was heard here (`watch`), and only over
+    /// the very bytes it reads, so a write that lands between its read and its write
+    /// wins. A tombstone already there (the first write landed after all, or another
+    /// removal's) or nothing at all ends it too. Then the key's L1 copy goes again (a
+    /// read may have brought the old value back meanwhile), and the change is announced.
+    async fn retry_removal(
+        &self,
+        key: &str,
+        entry: &str,
+        tombstone: Bytes,
+        ttl_ms: u64,
+        watch: &RemovalWatch,
+    ) -> bool {
+        if !watch.is_current() {
+            tracing::debug!(key, "a failed removal is not retried: the key was written since");
+            return true;
+        }
+        let bound = self.inner.flight.store_timeout;
+        let entries = &self.inner.stores.entries;
+        let stored = match tokio::time::timeout(bound, entries.get(entry)).await {
+            Ok(Ok(stored)) => stored,
+            Ok(Err(e)) => {
+                tracing::debug!(key, error = %e, "retrying a failed removal: the read failed");
+                // Retried while the store is out of reach; anything else (a value of another
+                // Redis type) ends it.
+                return !e.is_retryable();
+            }
+            Err(_) => {
+                tracing::debug!(key, "retrying a failed removal: the read timed out; retrying");
+                return false;
+            }
+        };
+        if let Some(stored) = stored {
+            let now = self.inner.clock.now_ms();
+            match self.inner.policy.read(&stored, now, None) {
+                Ok(ReadOutcome::Removed { .. }) => {}
+                Ok(_) => {
+                    if !watch.is_current() {
+                        return true;
+                    }
+                    let write = entries.replace_if_equal(entry, stored, tombstone, ttl_ms);
+                    match tokio::time::timeout(bound, write).await {
+                        Ok(Ok(true)) => tracing::debug!(key, "a failed removal was written on a retry"),
+                        Ok(Ok(false)) => {
+                            tracing::debug!(
+                                key,
+                                "a failed removal is not retried: the key was written since"
+                            );
+                            return true;
+                        }
+                        // It may have landed: the next try reads it.
+                        _ => return false,
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(key, error = %e, "retrying a failed removal: the guest failed; retrying");
+                    return false;
+                }
+            }
+        }
+        self.inner.l1.drop_copy(key);
+        self.announce_change(key).await;
+        true
     }
 
     /// Refreshes `key` in L2 as a read would, without returning the value: a sliding
@@ -322,9 +452,18 @@ impl Corral {
     /// Removes `key` from both tiers. Says whether L2 held it; a missing entry is not
     /// an error.
     ///
+    /// This process's L1 copy goes at once, whatever the store does. When the store
+    /// fails or does not answer (or the caller stops waiting), the removal may not have
+    /// reached L2: it is written again in the background, on the schedule of change
+    /// announcements (50 ms doubling to 2 s, for up to the L1 TTL, while this process
+    /// runs), but never once the key was written again in this process or another
+    /// process's write of it was heard here, and only over the very bytes it then reads
+    /// (contract §5.12).
+    ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
-    /// the store fails.
+    /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] (or
+    /// [`ErrorKind::Timeout`]) when the store fails: the removal may not have landed,
+    /// and is being retried.
     pub async fn remove(&self, key: &str) -> Result<bool> {
         let entry = self.entry_of(key).await?;
         self.inner.l1.remove(key);
@@ -332,8 +471,31 @@ impl Corral {
         // over it (contract §5.12).
         let nonce = rand::random::<u128>().to_be_bytes();
         let (tombstone, ttl_ms) = self.inner.policy.removal(self.inner.flight.lock_ttl_ms, &nonce)?;
+        let tombstone = Bytes::from(tombstone);
+        // Watched from before the write: unless the write's outcome is known, the
+        // tombstone is written again in the background.
+        let unsettled = Unsettled {
+            cache: self.clone(),
+            key: key.to_owned(),
+            entry: entry.clone(),
+            tombstone: tombstone.clone(),
+            ttl_ms,
+            watch: Some(self.inner.l1.watch_removal(key)),
+        };
         let entries = &self.inner.stores.entries;
-        let old = self.l2_op(entries.swap(&entry, tombstone.into(), ttl_ms)).await?;
+        let old = match self.l2_op(entries.swap(&entry, tombstone, ttl_ms)).await {
+            Ok(old) => {
+                unsettled.settle();
+                old
+            }
+            Err(e) => {
+                if !e.is_retryable() {
+                    // Not the store's reach (a value of another Redis type): no retry.
+                    unsettled.settle();
+                }
+                return Err(e);
+            }
+        };
         let now = self.inner.clock.now_ms();
         let removed = match old {
             Some(old) => matches!(self.inner.policy.read(&old, now, None)?, ReadOutcome::Fresh(_)),
@@ -475,7 +637,8 @@ impl Corral {
     }
 
     /// Flights running in tasks of their own (`fetch` and eager refreshes) that have
-    /// not ended yet, lock release and announcement included.
+    /// not ended yet, lock release and announcement included, and failed removals
+    /// being retried ([`remove`](Self::remove)).
     #[cfg(any(test, feature = "test-util"))]
     pub fn background_in_progress(&self) -> usize {
         self.inner.background.load(std::sync::atomic::Ordering::SeqCst)
@@ -623,6 +786,35 @@ impl Corral {
             L1Fill::Write(ticket) => l1.insert(key, value.clone(), until, ticket, tagged),
         }
         Ok(())
+    }
+}
+
+/// A removal's tombstone on its way to the store: dropped unsettled (its write failed,
+/// went unanswered, or its caller stopped waiting), it is written again in the
+/// background ([`Corral::remove_in_background`]).
+struct Unsettled {
+    cache: Corral,
+    key: String,
+    entry: String,
+    tombstone: Bytes,
+    ttl_ms: u64,
+    watch: Option<RemovalWatch>,
+}
+
+impl Unsettled {
+    /// The write's outcome is known: nothing to retry.
+    fn settle(mut self) {
+        self.watch = None;
+    }
+}
+
+impl Drop for Unsettled {
+    fn drop(&mut self) {
+        if let Some(watch) = self.watch.take() {
+            let entry = std::mem::take(&mut self.entry);
+            self.cache
+                .remove_in_background(&self.key, entry, self.tombstone.clone(), self.ttl_ms, watch);
+        }
     }
 }
 

@@ -773,3 +773,266 @@ async fn an_announcement_that_failed_is_retried_until_it_is_published() -> Resul
     assert_eq!(flaky.fails.load(std::sync::atomic::Ordering::SeqCst), 0);
     Ok(())
 }
+
+/// Redis options for a cache that reaches Redis through `proxy`, with short timeouts so
+/// a frozen network fails its calls quickly.
+fn through(proxy: &corral_tests::FaultProxy) -> corral::RedisOptions {
+    let mut options = corral::RedisOptions::new(proxy.url());
+    options.response_timeout = Duration::from_millis(200);
+    options.connect_timeout = Duration::from_millis(200);
+    options
+}
+
+/// Polls `check` every 20 ms until it holds, for at most `within`; `what` names it in
+/// the failure.
+async fn until(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await? {
+            return Ok(());
+        }
+        ensure!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A `remove` whose tombstone never reached Redis (the network froze and swallowed the
+/// command) returns its error, its L1 copy dropped at once, and the removal is made
+/// again in the background once Redis answers, on the announcements' schedule (50 ms
+/// doubling to 2 s, for up to the L1 TTL). Before, the old value stayed in Redis until
+/// it expired (issue 19, item 8).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_remove_is_retried_until_it_lands() -> Result<()> {
+    let server = RedisServer::start()?;
+    let proxy = corral_tests::FaultProxy::start(server.addr())?;
+    let a = Corral::builder().redis_options(through(&proxy)).build()?;
+    let b = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
+    a.set("k", "old", EntryOptions::new()).await?;
+    proxy.blackhole(true);
+    let e = a.remove("k").await.unwrap_err();
+    assert!(e.is_retryable(), "the caller learns it may not have landed: {e}");
+    assert!(
+        a.get("k").await.is_err(),
+        "a's L1 copy is gone at once: its get goes to Redis"
+    );
+    proxy.heal();
+    let healed = Instant::now();
+    until(
+        10 * SEC,
+        "the removal never landed: another instance still reads the old value",
+        async || Ok(b.get("k").await?.is_none()),
+    )
+    .await?;
+    println!(
+        "the removal landed {:?} after the network healed",
+        healed.elapsed()
+    );
+    until(5 * SEC, "a's store calls never came back", async || {
+        Ok(a.get("k").await.is_ok())
+    })
+    .await?;
+    assert_eq!(a.get("k").await?, None, "nor does a serve it");
+    Ok(())
+}
+
+/// A removal being retried never lands over a write made after the failed `remove`:
+/// here another instance's `set`, made while the first one's commands still fail (its
+/// subscription lives, so it hears of that set). The later value survives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_remove_never_lands_over_a_later_set() -> Result<()> {
+    let server = RedisServer::start()?;
+    let proxy = corral_tests::FaultProxy::start(server.addr())?;
+    let a = Corral::builder().redis_options(through(&proxy)).build()?;
+    let b = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
+    until(10 * SEC, "a never heard b's announcements", async || {
+        b.set("probe", "x", EntryOptions::new()).await?;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(a.metrics().l1_invalidations > 0)
+    })
+    .await?;
+    a.set("k", "old", EntryOptions::new()).await?;
+    // a's commands fail from now on (its command connection reset, new ones refused);
+    // its subscription is left alone.
+    proxy.refuse(true);
+    ensure!(
+        proxy.drop_connections_matching(|c| !c.subscriber) >= 1,
+        "a's command connection"
+    );
+    let e = a.remove("k").await.unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    assert_eq!(a.background_in_progress(), 1, "the removal is being retried");
+    let heard = a.metrics().l1_invalidations;
+    b.set("k", "new", EntryOptions::new()).await?;
+    until(5 * SEC, "a never heard of b's set", async || {
+        Ok(a.metrics().l1_invalidations > heard)
+    })
+    .await?;
+    proxy.refuse(false);
+    until(10 * SEC, "the retry never ended", async || {
+        Ok(a.background_in_progress() == 0)
+    })
+    .await?;
+    assert_eq!(
+        b.get("k").await?.as_deref(),
+        Some(&b"new"[..]),
+        "the later set survives"
+    );
+    until(5 * SEC, "a's store calls never came back", async || {
+        Ok(a.get("k").await.is_ok())
+    })
+    .await?;
+    assert_eq!(a.get("k").await?.as_deref(), Some(&b"new"[..]));
+    Ok(())
+}
+
+/// Entries whose every step but a plain `set` fails while `down`: a removal's tombstone
+/// cannot be written, a `set` can.
+#[derive(Debug)]
+struct SetsOnly {
+    inner: corral::store::memory::MemoryStore,
+    down: std::sync::atomic::AtomicBool,
+}
+
+impl SetsOnly {
+    fn check(&self) -> corral::Result<()> {
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(corral::Error::from(ErrorKind::Unavailable).with_context("store unreachable"));
+        }
+        Ok(())
+    }
+}
+
+impl corral::store::Entries for SetsOnly {
+    fn get<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> futures::future::BoxFuture<'a, corral::Result<Option<bytes::Bytes>>> {
+        use futures::FutureExt;
+        async move {
+            self.check()?;
+            self.inner.get(key).await
+        }
+        .boxed()
+    }
+
+    fn ttl_ms<'a>(&'a self, key: &'a str) -> futures::future::BoxFuture<'a, corral::Result<Option<u64>>> {
+        use futures::FutureExt;
+        async move {
+            self.check()?;
+            self.inner.ttl_ms(key).await
+        }
+        .boxed()
+    }
+
+    fn set<'a>(
+        &'a self,
+        key: &'a str,
+        bytes: bytes::Bytes,
+        ttl_ms: u64,
+    ) -> futures::future::BoxFuture<'a, corral::Result<()>> {
+        self.inner.set(key, bytes, ttl_ms)
+    }
+
+    fn swap<'a>(
+        &'a self,
+        name: &'a str,
+        bytes: bytes::Bytes,
+        ttl_ms: u64,
+    ) -> futures::future::BoxFuture<'a, corral::Result<Option<bytes::Bytes>>> {
+        use futures::FutureExt;
+        async move {
+            self.check()?;
+            self.inner.swap(name, bytes, ttl_ms).await
+        }
+        .boxed()
+    }
+
+    fn set_if<'a>(
+        &'a self,
+        name: &'a str,
+        expected: Option<bytes::Bytes>,
+        bytes: bytes::Bytes,
+        ttl_ms: u64,
+    ) -> futures::future::BoxFuture<'a, corral::Result<bool>> {
+        use futures::FutureExt;
+        async move {
+            self.check()?;
+            self.inner.set_if(name, expected, bytes, ttl_ms).await
+        }
+        .boxed()
+    }
+
+    fn delete<'a>(&'a self, key: &'a str) -> futures::future::BoxFuture<'a, corral::Result<bool>> {
+        use futures::FutureExt;
+        async move {
+            self.check()?;
+            self.inner.delete(key).await
+        }
+        .boxed()
+    }
+
+    fn delete_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: bytes::Bytes,
+    ) -> futures::future::BoxFuture<'a, corral::Result<bool>> {
+        use futures::FutureExt;
+        async move {
+            self.check()?;
+            self.inner.delete_if_equal(key, expected).await
+        }
+        .boxed()
+    }
+
+    fn replace_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: bytes::Bytes,
+        bytes: bytes::Bytes,
+        ttl_ms: u64,
+    ) -> futures::future::BoxFuture<'a, corral::Result<bool>> {
+        use futures::FutureExt;
+        async move {
+            self.check()?;
+            self.inner.replace_if_equal(key, expected, bytes, ttl_ms).await
+        }
+        .boxed()
+    }
+
+    fn name(&self) -> &'static str {
+        "sets-only"
+    }
+}
+
+/// A `set` of the key by this process after a failed `remove` ends the removal's
+/// retry: the tombstone never replaces the newer value.
+#[tokio::test]
+async fn a_set_after_a_failed_remove_ends_its_retry() -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    let store = corral::store::memory::MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
+    let entries = Arc::new(SetsOnly {
+        inner: store.clone(),
+        down: false.into(),
+    });
+    let cache = Corral::builder()
+        .stores("t:", entries.clone(), Arc::new(store.clone()), Arc::new(store))
+        .build()?;
+    cache.set("k", "old", EntryOptions::new()).await?;
+    entries.down.store(true, Ordering::SeqCst);
+    assert!(cache.remove("k").await.is_err());
+    assert_eq!(cache.background_in_progress(), 1, "the removal is being retried");
+    cache.set("k", "mine", EntryOptions::new()).await?;
+    entries.down.store(false, Ordering::SeqCst);
+    until(5 * SEC, "the retry never ended", async || {
+        Ok(cache.background_in_progress() == 0)
+    })
+    .await?;
+    let stored = cache.inspect("k").await?;
+    assert!(
+        stored.as_ref().is_some_and(|s| s.fresh),
+        "the later set survives in L2: {stored:?}"
+    );
+    assert_eq!(cache.get("k").await?.as_deref(), Some(&b"mine"[..]));
+    Ok(())
+}

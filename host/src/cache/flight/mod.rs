@@ -457,11 +457,12 @@ impl Corral {
     }
 }
 
-/// Counts a flight in a task of its own while it runs.
-struct Running(Arc<std::sync::atomic::AtomicUsize>);
+/// Counts a flight in a task of its own while it runs (and a removal retried in the
+/// background, [`Corral::remove`]).
+pub(crate) struct Running(Arc<std::sync::atomic::AtomicUsize>);
 
 impl Running {
-    fn start(count: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+    pub(crate) fn start(count: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
         count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Running(count.clone())
     }
