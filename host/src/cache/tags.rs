@@ -17,7 +17,6 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -442,38 +441,27 @@ impl Corral {
     }
 
     /// Publishes a tag or clear announcement, waiting at most the store timeout; one
-    /// not published then is retried in the background (50 ms doubling to 2 s) for the
-    /// L1 TTL.
+    /// not published then is retried in the background on the schedule of every change
+    /// retried so ([`Corral::retry_in_background`]), for the L1 TTL.
     async fn publish(&self, message: String) {
         let notifications = self.inner.stores.notifications.clone();
         let bound = self.inner.flight.store_timeout;
-        if matches!(
-            tokio::time::timeout(bound, notifications.publish_invalidation(&message)).await,
-            Ok(Ok(()))
-        ) {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let give_up_after = Duration::from_millis(self.inner.l1_ttl_ms);
-        runtime.spawn(async move {
-            let started = tokio::time::Instant::now();
-            let mut backoff = Duration::from_millis(50);
-            loop {
-                tokio::time::sleep(backoff).await;
-                if matches!(
+        let publish = move || {
+            let (notifications, message) = (notifications.clone(), message.clone());
+            async move {
+                matches!(
                     tokio::time::timeout(bound, notifications.publish_invalidation(&message)).await,
                     Ok(Ok(()))
-                ) {
-                    return;
-                }
-                if started.elapsed() + backoff > give_up_after {
-                    tracing::warn!("a tag or clear announcement could not be published within the L1 TTL");
-                    return;
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(2));
+                )
             }
-        });
+        };
+        if publish().await {
+            return;
+        }
+        self.retry_in_background(
+            "",
+            "a tag or clear announcement could not be published within the L1 TTL",
+            publish,
+        );
     }
 }
