@@ -90,6 +90,17 @@ pub fn plan(options: &EntryOptions, now_ms: u64, limits: &Limits) -> Result<Entr
     if sliding_ms == Some(0) {
         return Err(ArgError::new(Arg::Sliding, "must be a positive duration"));
     }
+    // Durations are bounded alike at every moment (so a verdict on options without an
+    // absolute point never changes with the clock), then checked within reach.
+    for (arg, d) in [
+        (Arg::Relative, relative_ms),
+        (Arg::Sliding, sliding_ms),
+        (Arg::MaxStale, max_stale_ms),
+    ] {
+        if let Some(d) = d {
+            crate::check_duration(arg, d, false)?;
+        }
+    }
     if let Some(at) = absolute_ms
         && at <= now_ms
     {

@@ -165,7 +165,9 @@ if ARGV[2] ~= '0' then
 end
 if holder == ARGV[1] then
   local released = redis.call('DEL', KEYS[1])
-  if ARGV[3] then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
+  -- An announcement that cannot be made (a user without channel rights) never
+  -- turns the release into a failure: waiters fall back to their timers.
+  if ARGV[3] then redis.pcall('PUBLISH', ARGV[3], ARGV[4]) end
   return released
 end
 return 0

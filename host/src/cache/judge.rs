@@ -5,8 +5,10 @@
 //! hit path too. So that an L1 hit does not pay a guest call each time, each worker
 //! thread remembers the last few option sets the guest accepted. Only options without
 //! an absolute point are remembered: `expiry::plan` judges those the same at every
-//! moment (their durations are checked against the latest expiry a store keeps, which
-//! is some 285,000 years away), while an absolute point turns bad once it passes.
+//! moment (every duration is at most 100 years, `LONGEST_DURATION_MS`, whatever the
+//! clock says), and nothing in the verdict depends on the cache it was made for (its
+//! defaults were judged when it was built), while an absolute point turns bad once it
+//! passes.
 
 use std::cell::RefCell;
 use std::sync::Arc;

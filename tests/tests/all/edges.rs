@@ -271,6 +271,12 @@ async fn bad_options_get_the_same_answer_warm_or_cold() -> Result<()> {
         ("absolute", past.into()),
         ("tags", LoadOptions::new().tags(many_tags)),
         ("timeout", LoadOptions::new().hard_timeout(Duration::MAX)),
+        // Past a century: refused at every moment, whatever the clock says.
+        (
+            "relative",
+            LoadOptions::relative(Duration::from_secs(200 * 365 * 24 * 3600)),
+        ),
+        ("max_stale", LoadOptions::new().fail_safe(Duration::MAX)),
     ];
     for (arg, options) in cases {
         // Twice warm: a remembered verdict must not hide a bad option either.

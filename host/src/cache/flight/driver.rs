@@ -256,16 +256,23 @@ where
                 "broken contract",
             ));
         };
+        let left = |until: u64| Duration::from_millis(until.saturating_sub(inner.clock.now_ms()));
         if !self.options.tags.is_empty() {
-            self.written_at = self
-                .cache
-                .tagged_write_at(&self.options.tags, self.deadline)
-                .await;
+            // The tags' moments are read within one store timeout, and within half the
+            // time to the load's first deadline: the loader keeps the rest.
+            let first_mark = [request.soft_until_ms, request.overdue_ms, request.until_ms]
+                .into_iter()
+                .flatten()
+                .min();
+            let mut read_by = self.deadline.min(Instant::now() + inner.flight.store_timeout);
+            if let Some(mark) = first_mark {
+                read_by = read_by.min(Instant::now() + left(mark) / 2);
+            }
+            self.written_at = self.cache.tagged_write_at(&self.options.tags, read_by).await;
         }
         let began = std::time::Instant::now();
         let running = AssertUnwindSafe(async move { load().await }).catch_unwind();
         let mut running = std::pin::pin!(running);
-        let left = |until: u64| Duration::from_millis(until.saturating_sub(inner.clock.now_ms()));
         let mut early = None;
         for (mark, event) in [
             (request.soft_until_ms, Event::LoadSlow),
