@@ -58,7 +58,7 @@ pub struct Cli {
     )]
     redis_cluster: Vec<RedisUrl>,
     /// Store every key under this prefix in Redis.
-    #[arg(long, global = true, default_value = "corral:")]
+    #[arg(long, global = true, default_value = corral::DEFAULT_PREFIX)]
     prefix: String,
     #[command(subcommand)]
     pub command: Command,

@@ -49,7 +49,7 @@ mod throttle;
 
 pub use cache::load::{LoadOptions, Served};
 pub use cache::metrics::MetricsSnapshot;
-pub use cache::{Corral, CorralBuilder};
+pub use cache::{Corral, CorralBuilder, DEFAULT_PREFIX};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
 pub use options::{EntryMeta, EntryOptions, Inspection};

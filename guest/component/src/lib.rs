@@ -60,6 +60,10 @@ fn settings_in(s: types::Settings) -> corral_core::Settings {
         hard_timeout_ms: s.hard_timeout_ms,
         soft_timeout_ms: s.soft_timeout_ms,
         eager_refresh_permille: s.eager_refresh_permille,
+        l1_capacity: s.l1_capacity,
+        cas_tries: s.cas_tries,
+        retry_first_ms: s.retry_first_ms,
+        retry_max_ms: s.retry_max_ms,
     }
 }
 
@@ -75,6 +79,10 @@ fn settings_out(s: corral_core::Settings) -> types::Settings {
         hard_timeout_ms: s.hard_timeout_ms,
         soft_timeout_ms: s.soft_timeout_ms,
         eager_refresh_permille: s.eager_refresh_permille,
+        l1_capacity: s.l1_capacity,
+        cas_tries: s.cas_tries,
+        retry_first_ms: s.retry_first_ms,
+        retry_max_ms: s.retry_max_ms,
     }
 }
 

@@ -40,7 +40,7 @@ static GENERATION: Mutex<Option<(u64, u64)>> = Mutex::new(None);
 fn prefix() -> String {
     let prefix = PREFIX.lock().unwrap_or_else(|e| e.into_inner());
     if prefix.is_empty() {
-        "corral:".to_owned()
+        names::DEFAULT_PREFIX.to_owned()
     } else {
         prefix.clone()
     }
@@ -324,7 +324,7 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
     } else {
         tags::Invalidation::Expire
     };
-    for _ in 0..16 {
+    for _ in 0..settings().cas_tries {
         let now = now_ms();
         let stored = l2::get(&name)?;
         let m = tags::update(stored.as_deref(), how, now);
@@ -427,7 +427,7 @@ impl wcache::Guest for Component {
 
     fn clear() -> Result<(), types::Error> {
         let name = names::generation(&prefix());
-        for _ in 0..16 {
+        for _ in 0..settings().cas_tries {
             let now = now_ms();
             let stored = l2::get(&name)?;
             let (bytes, g) = tags::next_generation(stored.as_deref());

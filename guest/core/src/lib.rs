@@ -143,6 +143,17 @@ pub struct Settings {
     /// Eager refresh, in thousandths of an entry's relative freshness (default none;
     /// contract §6b.3).
     pub eager_refresh_permille: Option<u32>,
+    /// How many entries L1 holds at most (default 100,000; 0 turns L1 off).
+    pub l1_capacity: u64,
+    /// How many times a compare-and-set on a small shared key (a tag's moments, the
+    /// generation) reads and writes again when another writer came first (default 32).
+    pub cas_tries: u32,
+    /// Work a body retries in the background (an announcement, a removal, a
+    /// subscription): the first wait, doubled after each try up to `retry_max_ms`
+    /// (default 50 ms doubling to 2 s).
+    pub retry_first_ms: u64,
+    /// The longest wait between two background tries (default 2 s).
+    pub retry_max_ms: u64,
 }
 
 impl Settings {
@@ -163,6 +174,10 @@ impl Settings {
         hard_timeout_ms: None,
         soft_timeout_ms: None,
         eager_refresh_permille: None,
+        l1_capacity: 100_000,
+        cas_tries: 32,
+        retry_first_ms: 50,
+        retry_max_ms: 2_000,
     };
 
     /// Checks the settings: the limits (as [`Limits::check`]), every duration (at most
@@ -193,6 +208,17 @@ impl Settings {
             if let Some(ms) = ms {
                 check_duration(Arg::Setting(name), ms, zero_ok)?;
             }
+        }
+        if self.cas_tries == 0 {
+            return Err(ArgError::new(Arg::Setting("cas_tries"), "must be at least 1"));
+        }
+        check_duration(Arg::Setting("retry_first"), self.retry_first_ms, false)?;
+        check_duration(Arg::Setting("retry_max"), self.retry_max_ms, false)?;
+        if self.retry_max_ms < self.retry_first_ms {
+            return Err(ArgError::new(
+                Arg::Setting("retry_max"),
+                "must be at least the first retry's wait",
+            ));
         }
         if let Some(p) = self.eager_refresh_permille {
             flight::check_eager_refresh(p)?;

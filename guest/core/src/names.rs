@@ -24,6 +24,9 @@
 
 use crate::{ArgError, Limits, key};
 
+/// The prefix a cache's data is named under when none is given.
+pub const DEFAULT_PREFIX: &str = "corral:";
+
 /// What a name holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {

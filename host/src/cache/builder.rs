@@ -24,8 +24,11 @@ use crate::store::{Entries, FlightLock, Notifications, Stores};
 #[cfg(feature = "redis")]
 use crate::store::redis::RedisOptions;
 
-/// The prefix of a cache without Redis options (its data is named all the same).
-pub(crate) const DEFAULT_PREFIX: &str = "corral:";
+/// The prefix a cache's data is named under when none is given (`RedisOptions`,
+/// `RedisLocks::connect`, the embedded default, the CLI's `--prefix`): the guest's
+/// `names::DEFAULT_PREFIX`, which the test `the_default_prefix_is_the_guests` holds
+/// this to.
+pub const DEFAULT_PREFIX: &str = "corral:";
 
 /// The longest one command to a store without a timeout of its own may take, as far as
 /// a get-or-set's deadlines go.
@@ -37,7 +40,6 @@ const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(1);
 pub struct CorralBuilder {
     clock: Arc<dyn Clock>,
     overrides: Overrides,
-    l1_capacity: u64,
     #[cfg(feature = "redis")]
     redis: Option<RedisOptions>,
     custom: Option<Stores>,
@@ -62,6 +64,7 @@ pub(crate) struct Overrides {
     pub(crate) hard_timeout_ms: Option<u64>,
     pub(crate) soft_timeout_ms: Option<u64>,
     pub(crate) eager_refresh_permille: Option<u32>,
+    pub(crate) l1_capacity: Option<u64>,
 }
 
 impl Overrides {
@@ -83,6 +86,7 @@ impl Overrides {
         s.hard_timeout_ms = self.hard_timeout_ms.or(s.hard_timeout_ms);
         s.soft_timeout_ms = self.soft_timeout_ms.or(s.soft_timeout_ms);
         s.eager_refresh_permille = self.eager_refresh_permille.or(s.eager_refresh_permille);
+        s.l1_capacity = self.l1_capacity.unwrap_or(s.l1_capacity);
         crate::guest::policy::check_settings(s)?;
         Ok(s)
     }
@@ -93,7 +97,6 @@ impl Default for CorralBuilder {
         CorralBuilder {
             clock: Arc::new(SystemClock),
             overrides: Overrides::default(),
-            l1_capacity: 100_000,
             #[cfg(feature = "redis")]
             redis: None,
             custom: None,
@@ -237,7 +240,7 @@ impl CorralBuilder {
 
     /// How many entries L1 holds at most (default 100,000); 0 turns L1 off.
     pub fn l1_capacity(mut self, entries: u64) -> Self {
-        self.l1_capacity = entries;
+        self.overrides.l1_capacity = Some(entries);
         self
     }
 
@@ -283,7 +286,7 @@ impl CorralBuilder {
             && self.custom.is_none()
             && Stores::keep_sliding(self.uses_redis(), &*self.clock);
         let policy = Policy::load(settings.limits)?;
-        let l1 = L1::new(self.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
+        let l1 = L1::new(settings.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
         let clock = self.clock;
         let (prefix, stores) = match self.custom {
             Some(custom) => (
@@ -296,6 +299,7 @@ impl CorralBuilder {
                 &policy,
                 clock.clone(),
                 settings.invalidation_interval_ms,
+                crate::guest::policy::retry(&settings),
             )?,
         };
         // Counted, and exported to the `metrics` recorder in force now, under the prefix.
@@ -354,8 +358,10 @@ impl CorralBuilder {
                     eager_refresh_permille: settings.eager_refresh_permille,
                     store_timeout,
                 },
-                read_hints: super::read::ReadHints::new(self.l1_capacity, removal_ttl_ms),
-                decoded: super::typed::Decoded::new(self.l1_capacity, settings.l1_ttl_ms),
+                read_hints: super::read::ReadHints::new(settings.l1_capacity, removal_ttl_ms),
+                decoded: super::typed::Decoded::new(settings.l1_capacity, settings.l1_ttl_ms),
+                retry: crate::guest::policy::retry(&settings),
+                cas_tries: settings.cas_tries,
                 registry: Registry::default(),
                 refreshes: Registry::default(),
                 background: Default::default(),

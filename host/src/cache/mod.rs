@@ -31,7 +31,8 @@ pub(crate) mod tags;
 mod typed;
 
 pub use builder::CorralBuilder;
-pub(crate) use builder::{DEFAULT_PREFIX, Overrides};
+pub use builder::DEFAULT_PREFIX;
+pub(crate) use builder::Overrides;
 use metrics::{Metrics, MetricsSnapshot};
 use registry::Registry;
 
@@ -63,6 +64,10 @@ pub(crate) struct Inner {
     pub(crate) l1: L1,
     pub(crate) l1_ttl_ms: u64,
     pub(crate) flight: FlightSettings,
+    /// The schedule of work retried in the background (the guest's settings).
+    pub(crate) retry: crate::store::Retry,
+    /// How many times a compare-and-set on a tag's moments or the generation tries.
+    pub(crate) cas_tries: u32,
     /// How each key read lately is to be read next (`GET`, `GETEX` or the script).
     pub(crate) read_hints: read::ReadHints,
     /// Typed values decoded from the bytes L1 holds, reused while L1 holds those very
@@ -109,13 +114,10 @@ impl fmt::Debug for Corral {
 }
 
 /// A change that could not be made at once is retried in the background (a change
-/// announcement, a failed removal's tombstone): first at once, then after 50 ms, the wait
-/// doubling up to 2 s, for up to the L1 TTL. Only within a running process: a process
-/// that exits takes its retries with it.
-const RETRY_FIRST: Duration = Duration::from_millis(50);
-/// The longest wait between two tries of a change retried in the background.
-const RETRY_MAX: Duration = Duration::from_secs(2);
-
+/// announcement, a failed removal's tombstone, a tag or clear announcement): at once,
+/// then on the guest's schedule (`Settings::retry_first_ms`, doubling to
+/// `retry_max_ms`), for up to the L1 TTL. Only within a running process: a process that
+/// exits takes its retries with it.
 /// How a value reaches L1, with the ticket taken before the L2 step it comes from.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum L1Fill {
@@ -284,7 +286,7 @@ impl Corral {
     }
 
     /// Announces that `key` changed from a task of its own, retrying on the schedule of
-    /// [`RETRY_FIRST`] for as long as another process may still serve an older copy from
+    /// the guest's retry schedule for as long as another process may still serve an older copy from
     /// its L1 (the L1 TTL): an announcement that could not reach Redis is made when
     /// Redis answers again.
     fn announce_in_background(&self, key: &str) {
@@ -310,7 +312,7 @@ impl Corral {
     }
 
     /// Runs `attempt` from a task of its own until it says it is done: at once, then
-    /// after [`RETRY_FIRST`], the wait doubling up to [`RETRY_MAX`], for up to the L1
+    /// after the guest's first retry wait, doubling up to its longest, for up to the L1
     /// TTL, after which it warns with `gave_up`. The one schedule of every change
     /// retried in the background. Outside a Tokio runtime, nothing is retried.
     fn retry_in_background<A, F>(&self, key: &str, gave_up: &'static str, mut attempt: A)
@@ -323,16 +325,17 @@ impl Corral {
         };
         let key = key.to_owned();
         let give_up_after = Duration::from_millis(self.inner.l1_ttl_ms);
+        let retry = self.inner.retry;
         runtime.spawn(async move {
             let started = tokio::time::Instant::now();
-            let mut backoff = RETRY_FIRST;
+            let mut backoff = retry.first;
             while !attempt().await {
                 if started.elapsed() + backoff > give_up_after {
                     tracing::warn!(key, "{gave_up}");
                     return;
                 }
                 tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(RETRY_MAX);
+                backoff = retry.next(backoff);
             }
         });
     }

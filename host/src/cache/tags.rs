@@ -29,10 +29,6 @@ use crate::guest::policy::{TagMessage, TagMoments, TagVerdict, Tagged, WitMeta};
 use crate::store::l1::{L1, L1Tagged};
 use crate::{Error, ErrorKind, Result};
 
-/// How many times an invalidation reads and writes its key again when another write
-/// came between its read and its compare-and-set.
-const CAS_TRIES: usize = 32;
-
 /// What this process knows of its prefix's tags and generation.
 pub(crate) struct TagState {
     /// Per tag: its moments, and until when they may be kept without hearing again.
@@ -384,7 +380,7 @@ impl Corral {
     }
 
     /// Writes `update`'s bytes over what the key `name` holds, only if it still holds
-    /// it (compare-and-set, retried up to [`CAS_TRIES`] times over concurrent writers).
+    /// it (compare-and-set, retried up to the guest's `cas_tries` times over concurrent writers).
     /// Returns `update`'s answer and the moment of the write that landed, or `None`
     /// when every try lost.
     async fn compare_and_set<T>(
@@ -394,7 +390,7 @@ impl Corral {
     ) -> Result<Option<(T, u64)>> {
         let inner = &*self.inner;
         let entries = &inner.stores.entries;
-        for _ in 0..CAS_TRIES {
+        for _ in 0..inner.cas_tries {
             let now = inner.clock.now_ms();
             let stored = self.l2_op(entries.get(name)).await?;
             let (bytes, answer) = update(stored.as_deref(), now)?;

@@ -41,6 +41,14 @@ pub(crate) fn defaults() -> Result<Settings> {
 }
 
 /// Checks settings with the guest (limits, the eager refresh fraction).
+/// The schedule of background tries the settings give.
+pub(crate) fn retry(settings: &Settings) -> crate::store::Retry {
+    crate::store::Retry {
+        first: std::time::Duration::from_millis(settings.retry_first_ms),
+        max: std::time::Duration::from_millis(settings.retry_max_ms),
+    }
+}
+
 pub(crate) fn check_settings(settings: Settings) -> Result<()> {
     let loaded = loaded()?;
     let mut slot = instantiate(loaded, &loaded.policy_pre, PolicyState::new())?;

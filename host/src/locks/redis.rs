@@ -235,7 +235,7 @@ impl RedisLocks {
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for no URL or a bad one.
     pub fn connect<S: AsRef<str>>(urls: &[S]) -> Result<Self> {
-        Self::connect_with(urls, "corral:", SystemClock)
+        Self::connect_with(urls, crate::cache::DEFAULT_PREFIX, SystemClock)
     }
 
     /// As [`connect`](Self::connect), with a key prefix and the cache's wall clock.
@@ -358,6 +358,7 @@ impl RedisLocks {
             channel,
             policy.invalidation_channel(prefix)?,
             Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            crate::guest::policy::retry(&defaults()?),
         );
         let server = Server::shared(options, link);
         Ok(

@@ -249,6 +249,7 @@ impl PortableBuilder {
                 &policy,
                 self.clock.clone(),
                 settings.invalidation_interval_ms,
+                crate::guest::policy::retry(&settings),
             )?,
         };
         let loaded = loaded()?;
@@ -260,7 +261,9 @@ impl PortableBuilder {
                 backend: Arc::new(Backend {
                     runtime: tokio::runtime::Handle::current(),
                     clock: self.clock,
-                    l1: moka::sync::Cache::builder().max_capacity(100_000).build(),
+                    l1: moka::sync::Cache::builder()
+                        .max_capacity(settings.l1_capacity)
+                        .build(),
                     stores,
                     registry: Default::default(),
                     table: Default::default(),

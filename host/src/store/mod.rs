@@ -181,6 +181,21 @@ pub trait Notifications: Send + Sync + fmt::Debug + 'static {
     }
 }
 
+/// A schedule of background tries (given by the guest's settings): the first wait,
+/// doubled after each try up to `max`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Retry {
+    pub(crate) first: std::time::Duration,
+    pub(crate) max: std::time::Duration,
+}
+
+impl Retry {
+    /// The wait after `previous`.
+    pub(crate) fn next(&self, previous: std::time::Duration) -> std::time::Duration {
+        (previous * 2).min(self.max)
+    }
+}
+
 /// The bytes a store keeps for an entry: an envelope header, then the rest (the value,
 /// or what follows a rewritten header). The one place the native body joins them.
 pub(crate) fn splice(header: &[u8], rest: &[u8]) -> Bytes {
@@ -219,15 +234,16 @@ impl Stores {
         policy: &crate::guest::Policy,
         clock: Arc<dyn crate::Clock>,
         invalidation_interval_ms: u64,
+        retry: Retry,
     ) -> crate::Result<(String, Stores)> {
         #[cfg(feature = "redis")]
         if let Some(options) = redis {
             let channel = policy.channel(&options.prefix)?;
             let invalidations = policy.invalidation_channel(&options.prefix)?;
-            let store = redis::RedisStore::connect(options, policy.scripts(), channel, invalidations)?;
+            let store = redis::RedisStore::connect(options, policy.scripts(), channel, invalidations, retry)?;
             return Ok((options.prefix.clone(), Stores::redis(store)));
         }
-        let _ = policy;
+        let _ = (policy, retry);
         let store = memory::MemoryStore::new(clock, invalidation_interval_ms);
         Ok((crate::cache::DEFAULT_PREFIX.to_owned(), Stores::memory(store)))
     }

@@ -31,9 +31,6 @@ use crate::{Error, Result};
 
 /// How often an idle subscription is checked with a `PING`.
 const HEALTH_EVERY: Duration = Duration::from_secs(1);
-/// The first wait before subscribing again; doubled per failure up to [`BACKOFF_MAX`].
-const BACKOFF_FIRST: Duration = Duration::from_millis(50);
-const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 /// The landing channel of one prefix on one Redis. Cheap to clone.
 #[derive(Clone)]
@@ -44,6 +41,8 @@ pub(crate) struct RedisNotifications {
 struct Shared {
     /// For the subscription's own connection: the server, or each seed node of a cluster.
     clients: Vec<redis::Client>,
+    /// How long to wait before subscribing again after a failure (the guest's schedule).
+    retry: super::Retry,
     /// Which of `clients` to try first: the one that last answered.
     current: std::sync::atomic::AtomicUsize,
     /// The store's command link (announcements go there; replaced when it hangs).
@@ -84,9 +83,11 @@ impl RedisNotifications {
         channel: String,
         invalidations: String,
         commands: Arc<AtomicU64>,
+        retry: super::Retry,
     ) -> Self {
         let shared = Arc::new(Shared {
             clients,
+            retry,
             current: std::sync::atomic::AtomicUsize::new(0),
             commands_conn,
             channel,
@@ -109,12 +110,15 @@ impl RedisNotifications {
 /// Subscribes, listens until the connection fails, and again, for as long as the
 /// notifications live.
 async fn keep_subscribed(weak: Weak<Shared>) {
-    let mut backoff = BACKOFF_FIRST;
+    let Some(retry) = weak.upgrade().map(|shared| shared.retry) else {
+        return;
+    };
+    let mut backoff = retry.first;
     loop {
         let Some(shared) = weak.upgrade() else { return };
         match subscribe(&shared).await {
             Ok((sink, stream)) => {
-                backoff = BACKOFF_FIRST;
+                backoff = retry.first;
                 shared.live.store(true, Ordering::SeqCst);
                 shared.first_attempt.send_replace(true);
                 // Whatever was announced while unsubscribed is unknown: drop all of L1.
@@ -134,7 +138,7 @@ async fn keep_subscribed(weak: Weak<Shared>) {
                 tracing::debug!(channel = %shared.channel, error = %e, "landing channel unavailable; waiters fall back to timers");
                 drop(shared);
                 tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(BACKOFF_MAX);
+                backoff = retry.next(backoff);
             }
         }
     }

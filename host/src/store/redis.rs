@@ -92,7 +92,7 @@ impl RedisOptions {
         RedisOptions {
             url: url.into(),
             cluster_nodes: Vec::new(),
-            prefix: "corral:".into(),
+            prefix: crate::cache::DEFAULT_PREFIX.into(),
             connect_timeout: Duration::from_millis(500),
             response_timeout: Duration::from_secs(1),
             breaker_threshold: 3,
@@ -229,6 +229,7 @@ impl RedisStore {
         scripts: &Scripts,
         channel: String,
         invalidations: String,
+        retry: super::Retry,
     ) -> Result<Self> {
         let connection = Connection::open(options)?;
         let commands = Arc::new(AtomicU64::new(0));
@@ -244,6 +245,7 @@ impl RedisStore {
                 channel,
                 invalidations,
                 commands.clone(),
+                retry,
             ),
             healing,
             breakers: Arc::new(Breakers::new(

@@ -336,3 +336,10 @@ async fn a_process_that_exits_right_after_its_release_still_announces_it() -> Re
     assert_eq!(published, runs, "one release announcement per holder");
     Ok(())
 }
+
+/// The host's default prefix (a `const`, for the CLI's `--prefix` default) is the one
+/// the guest names data under.
+#[test]
+fn the_default_prefix_is_the_guests() {
+    assert_eq!(corral::DEFAULT_PREFIX, corral_core::names::DEFAULT_PREFIX);
+}
