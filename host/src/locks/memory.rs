@@ -183,6 +183,32 @@ impl MemoryLocks {
         }
     }
 
+    /// The entry held under `key`, as stored (the portable body's `table.get`).
+    pub(crate) fn held(&self, key: &str) -> Option<Held> {
+        self.shard(key).lock().get(key).cloned()
+    }
+
+    /// Stores `new` under `key` if the table holds exactly `expected` there (`None`:
+    /// nothing); says whether it did (the portable body's `table.compare-and-swap`).
+    pub(crate) fn compare_and_swap(&self, key: &str, expected: Option<&Held>, new: Held) -> bool {
+        let mut map = self.shard(key).lock();
+        if map.get(key) != expected {
+            return false;
+        }
+        map.insert(key.to_owned(), new);
+        true
+    }
+
+    /// Removes `key` if the table holds exactly `expected` there; says whether it did.
+    pub(crate) fn compare_and_delete(&self, key: &str, expected: &Held) -> bool {
+        let mut map = self.shard(key).lock();
+        if map.get(key) != Some(expected) {
+            return false;
+        }
+        map.remove(key);
+        true
+    }
+
     fn shard(&self, key: &str) -> &Mutex<HashMap<String, Held>> {
         &self.inner.shards[self.inner.hasher.hash_one(key) as usize % SHARDS]
     }

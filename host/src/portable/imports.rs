@@ -21,7 +21,6 @@ use std::time::Duration;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use parking_lot::Mutex;
 use wasmtime::component::{HasData, Linker, ResourceTable};
 use wasmtime_wasi::{HostWallClock, WasiCtx, WasiCtxView, WasiView};
 
@@ -50,7 +49,9 @@ pub(crate) struct Backend {
     pub(crate) l1: moka::sync::Cache<String, l1::L1Entry>,
     pub(crate) stores: Stores,
     pub(crate) registry: Registry<WitOutcome>,
-    pub(crate) table: Mutex<HashMap<String, Held>>,
+    /// The `lock` export's table: a [`MemoryLocks`](crate::locks::MemoryLocks), whose
+    /// own sweeper removes expired entries in the background (contract §6.2).
+    pub(crate) table: crate::locks::MemoryLocks,
 }
 
 /// What one call brings: its loader, and the flights it leads.
@@ -443,24 +444,14 @@ impl loader::Host for &mut PortableState {
 
 impl table::Host for &mut PortableState {
     fn get(&mut self, key: String) -> Option<Held> {
-        self.backend.table.lock().get(&key).cloned()
+        self.backend.table.held(&key)
     }
 
     fn compare_and_swap(&mut self, key: String, expected: Option<Held>, new: Held) -> bool {
-        let mut table = self.backend.table.lock();
-        if table.get(&key) != expected.as_ref() {
-            return false;
-        }
-        table.insert(key, new);
-        true
+        self.backend.table.compare_and_swap(&key, expected.as_ref(), new)
     }
 
     fn compare_and_delete(&mut self, key: String, expected: Held) -> bool {
-        let mut table = self.backend.table.lock();
-        if table.get(&key) != Some(&expected) {
-            return false;
-        }
-        table.remove(&key);
-        true
+        self.backend.table.compare_and_delete(&key, &expected)
     }
 }

@@ -253,6 +253,7 @@ impl PortableBuilder {
             )?,
         };
         let loaded = loaded()?;
+        let table = crate::locks::MemoryLocks::from_parts(policy.clone(), self.clock.clone());
         let cache = PortableCache {
             inner: Arc::new(PortableInner {
                 lockstep: self.lockstep,
@@ -266,7 +267,7 @@ impl PortableBuilder {
                         .build(),
                     stores,
                     registry: Default::default(),
-                    table: Default::default(),
+                    table,
                 }),
                 settings,
                 prefix,
@@ -589,6 +590,13 @@ impl PortableCache {
             })
             .await?;
         Ok(Bytes::from(v))
+    }
+
+    /// How many locks the `lock` export's table holds (expired ones included until the
+    /// sweep removes them). For tests.
+    #[cfg(feature = "test-util")]
+    pub fn locks_held(&self) -> usize {
+        self.inner.backend.table.len()
     }
 
     /// The in-memory lock provider, in the component: takes `key` for `owner`.

@@ -828,3 +828,33 @@ async fn fair_waiters_in_one_process_are_served_first_come_first_served() -> Res
     }
     Ok(())
 }
+
+/// The portable body's lock table is swept in the background as `MemoryLocks` is
+/// (contract §6.2): an expired lock nobody touches again is removed within the sweep
+/// interval. Before, that table was never swept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_portable_lock_table_sweeps_expired_locks_by_itself() -> Result<()> {
+    let clock = ManualClock::new(1_000_000);
+    let cache = corral::portable::PortableCache::builder()
+        .clock(clock.clone())
+        .build()?;
+    assert!(cache.try_lock("job", "a", 100 * MS).await?);
+    assert!(cache.try_lock("other", "b", Duration::from_secs(3600)).await?);
+    assert_eq!(cache.locks_held(), 2);
+    clock.advance(200 * MS);
+    let swept = eventually(Duration::from_secs(5), || {
+        let held = cache.locks_held();
+        async move { Ok(held == 1) }
+    })
+    .await?;
+    assert!(
+        swept,
+        "the expired lock was never swept: {} held",
+        cache.locks_held()
+    );
+    assert!(
+        !cache.try_lock("other", "c", 100 * MS).await?,
+        "a live lock stays"
+    );
+    Ok(())
+}
