@@ -39,6 +39,7 @@
 
 mod cache;
 mod clock;
+mod compose;
 mod error;
 pub mod guest;
 pub mod locks;
@@ -49,10 +50,10 @@ mod throttle;
 
 pub use cache::load::{LoadOptions, Served};
 pub use cache::metrics::MetricsSnapshot;
-pub use cache::{Corral, CorralBuilder, DEFAULT_PREFIX};
+pub use cache::{Corral, CorralBuilder};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
-pub use options::{EntryMeta, EntryOptions, Inspection};
+pub use options::{DEFAULT_PREFIX, EntryMeta, EntryOptions, Inspection};
 #[cfg(feature = "redis")]
 pub use store::redis::RedisOptions;
 

@@ -2,6 +2,12 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// The prefix a cache's data is named under when none is given (`RedisOptions`,
+/// `RedisLocks::connect`, the embedded default, the CLI's `--prefix`): the guest's
+/// `names::DEFAULT_PREFIX`, which the test `the_default_prefix_is_the_guests` holds
+/// this to.
+pub const DEFAULT_PREFIX: &str = "corral:";
+
 /// How an entry expires, chosen at set time.
 ///
 /// Give at most one of [`absolute`](Self::absolute) and [`relative`](Self::relative),

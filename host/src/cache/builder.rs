@@ -17,18 +17,12 @@ use crate::guest::policy::{Settings, defaults};
 use crate::locks::{Locks, MemoryLocks};
 #[cfg(feature = "redis")]
 use crate::locks::{RedisLocks, Server};
-use crate::options::duration_ms;
+use crate::options::{DEFAULT_PREFIX, duration_ms};
 use crate::store::l1::L1;
 use crate::store::{Entries, FlightLock, Notifications, Stores};
 
 #[cfg(feature = "redis")]
 use crate::store::redis::RedisOptions;
-
-/// The prefix a cache's data is named under when none is given (`RedisOptions`,
-/// `RedisLocks::connect`, the embedded default, the CLI's `--prefix`): the guest's
-/// `names::DEFAULT_PREFIX`, which the test `the_default_prefix_is_the_guests` holds
-/// this to.
-pub const DEFAULT_PREFIX: &str = "corral:";
 
 /// The longest one command to a store without a timeout of its own may take, as far as
 /// a get-or-set's deadlines go.
@@ -293,7 +287,7 @@ impl CorralBuilder {
                 self.custom_prefix.unwrap_or_else(|| DEFAULT_PREFIX.to_owned()),
                 custom,
             ),
-            None => Stores::open(
+            None => crate::compose::open_stores(
                 #[cfg(feature = "redis")]
                 self.redis.as_ref(),
                 &policy,

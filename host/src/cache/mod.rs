@@ -31,7 +31,6 @@ pub(crate) mod tags;
 mod typed;
 
 pub use builder::CorralBuilder;
-pub use builder::DEFAULT_PREFIX;
 pub(crate) use builder::Overrides;
 use metrics::{Metrics, MetricsSnapshot};
 use registry::Registry;

@@ -72,22 +72,8 @@ struct Inner {
     created: std::sync::atomic::AtomicU64,
     limits: types::Limits,
     header_len: usize,
-    scripts: Scripts,
+    scripts: crate::store::Scripts,
     lock_scripts: wlock::LockScripts,
-}
-
-/// The server-side Lua of a Redis store, as the guest writes it (data, not decisions
-/// the store makes: the store runs them verbatim).
-#[derive(Clone, Debug)]
-pub(crate) struct Scripts {
-    /// Read and apply the sliding touch atomically.
-    pub(crate) read_and_touch: String,
-    /// Owner-checked delete (corrupt-entry removal, lock release).
-    pub(crate) delete_if_equal: String,
-    /// Compare-and-replace (a read's touch written back).
-    pub(crate) replace_if_equal: String,
-    /// The grace a store TTL gets past the expiry moment.
-    pub(crate) grace_ms: u64,
 }
 
 impl fmt::Debug for Policy {
@@ -140,7 +126,7 @@ impl Policy {
                 created: std::sync::atomic::AtomicU64::new(1),
                 limits,
                 header_len,
-                scripts: Scripts {
+                scripts: crate::store::Scripts {
                     read_and_touch: read_script,
                     delete_if_equal: delete_if_equal_script,
                     replace_if_equal: replace_if_equal_script,
@@ -662,7 +648,7 @@ impl Policy {
     }
 
     /// The Lua a Redis store runs, and the TTL grace.
-    pub(crate) fn scripts(&self) -> &Scripts {
+    pub(crate) fn scripts(&self) -> &crate::store::Scripts {
         &self.inner.scripts
     }
 

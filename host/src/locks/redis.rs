@@ -235,7 +235,7 @@ impl RedisLocks {
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for no URL or a bad one.
     pub fn connect<S: AsRef<str>>(urls: &[S]) -> Result<Self> {
-        Self::connect_with(urls, crate::cache::DEFAULT_PREFIX, SystemClock)
+        Self::connect_with(urls, crate::options::DEFAULT_PREFIX, SystemClock)
     }
 
     /// As [`connect`](Self::connect), with a key prefix and the cache's wall clock.

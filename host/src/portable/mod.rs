@@ -243,7 +243,7 @@ impl PortableBuilder {
         let policy = Policy::load(settings.limits)?;
         let (prefix, stores) = match self.custom {
             Some(custom) => custom,
-            None => Stores::open(
+            None => crate::compose::open_stores(
                 #[cfg(feature = "redis")]
                 self.redis.as_ref(),
                 &policy,

@@ -24,7 +24,7 @@ use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, Value};
 
 use super::owners::Owners;
-use super::redis::{RedisOptions, redact, redact_in};
+use super::redis_options::{RedisOptions, redact, redact_in};
 use crate::{Error, Result};
 
 /// A command connection to one Redis server or to a Redis Cluster. Cheap to clone;

@@ -34,6 +34,8 @@ pub(crate) mod pubsub;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "redis")]
+mod redis_options;
+#[cfg(feature = "redis")]
 pub(crate) mod script;
 
 pub use landing::LandingWatch;
@@ -181,6 +183,21 @@ pub trait Notifications: Send + Sync + fmt::Debug + 'static {
     }
 }
 
+/// The server-side Lua of a Redis store, as the guest writes it (data, not decisions
+/// the store makes: the store runs them verbatim).
+#[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) struct Scripts {
+    /// Read and apply the sliding touch atomically.
+    pub(crate) read_and_touch: String,
+    /// Owner-checked delete (corrupt-entry removal, lock release).
+    pub(crate) delete_if_equal: String,
+    /// Compare-and-replace (a read's touch written back).
+    pub(crate) replace_if_equal: String,
+    /// The grace a store TTL gets past the expiry moment.
+    pub(crate) grace_ms: u64,
+}
+
 /// A schedule of background tries (given by the guest's settings): the first wait,
 /// doubled after each try up to `max`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -225,27 +242,6 @@ impl Stores {
     /// clock, whatever it is; Redis's run in real time, so only with a clock that does.
     pub(crate) fn keep_sliding(redis: bool, clock: &dyn crate::Clock) -> bool {
         !redis || clock.is_real_time()
-    }
-
-    /// The stores of a cache: Redis with `redis`'s options, else the embedded default;
-    /// and the prefix its data is named under.
-    pub(crate) fn open(
-        #[cfg(feature = "redis")] redis: Option<&redis::RedisOptions>,
-        policy: &crate::guest::Policy,
-        clock: Arc<dyn crate::Clock>,
-        invalidation_interval_ms: u64,
-        retry: Retry,
-    ) -> crate::Result<(String, Stores)> {
-        #[cfg(feature = "redis")]
-        if let Some(options) = redis {
-            let channel = policy.channel(&options.prefix)?;
-            let invalidations = policy.invalidation_channel(&options.prefix)?;
-            let store = redis::RedisStore::connect(options, policy.scripts(), channel, invalidations, retry)?;
-            return Ok((options.prefix.clone(), Stores::redis(store)));
-        }
-        let _ = (policy, retry);
-        let store = memory::MemoryStore::new(clock, invalidation_interval_ms);
-        Ok((crate::cache::DEFAULT_PREFIX.to_owned(), Stores::memory(store)))
     }
 
     /// The embedded default: everything in this process.

@@ -25,7 +25,7 @@ use futures::{FutureExt, StreamExt};
 use arc_swap::ArcSwap;
 
 use super::link::{Link, cluster_nodes, pubsub_on};
-use super::redis::RedisOptions;
+use super::redis_options::RedisOptions;
 use super::{ForeignHook, InvalidationHook, LandingWatch, Landings, Notifications};
 use crate::{Error, Result};
 
