@@ -213,9 +213,18 @@ impl Breakers {
             .clone()
     }
 
-    /// Whether any is open now.
-    pub(crate) fn is_open(&self) -> bool {
-        self.whole.is_open() || self.nodes.read().values().any(|b| b.is_open())
+    /// Whether any is open now. Once a cluster's `masters` are known, only theirs count:
+    /// a breaker left open for an address no longer serving a slot (a failed-over master),
+    /// or the one for keys of unknown masters, is never tried again, so it would report
+    /// open for good.
+    pub(crate) fn is_open(&self, masters: Option<&[Arc<str>]>) -> bool {
+        match masters {
+            None => self.whole.is_open() || self.nodes.read().values().any(|b| b.is_open()),
+            Some(masters) => {
+                let nodes = self.nodes.read();
+                masters.iter().any(|m| nodes.get(m).is_some_and(|b| b.is_open()))
+            }
+        }
     }
 
     /// How often they opened, and how many calls they refused at once, all together.
@@ -227,12 +236,14 @@ impl Breakers {
             .fold((0, 0), |(o, r), (opened, refused)| (o + opened, r + refused))
     }
 
-    /// The cluster nodes whose breakers are open now.
-    pub(crate) fn open_nodes(&self) -> Vec<String> {
+    /// The cluster nodes whose breakers are open now (of `masters`, once known).
+    pub(crate) fn open_nodes(&self, masters: Option<&[Arc<str>]>) -> Vec<String> {
         let mut open: Vec<String> = self
             .nodes
             .read()
-            .values()
+            .iter()
+            .filter(|(node, _)| masters.is_none_or(|m| m.contains(node)))
+            .map(|(_, b)| b)
             .filter(|b| b.is_open())
             .filter_map(|b| b.node().map(str::to_owned))
             .collect();
@@ -254,6 +265,28 @@ pub(crate) fn is_connection_failure(e: &redis::RedisError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_breaker_of_an_address_no_longer_a_master_is_not_reported_open() {
+        let breakers = Breakers::new(1, Duration::from_secs(3600));
+        let old: Arc<str> = "10.0.0.1:7000".into();
+        let promoted: Arc<str> = "10.0.0.2:7001".into();
+        breakers.of(Some(old.clone())).record(true);
+        breakers.whole.record(true);
+        assert!(
+            breakers.is_open(None),
+            "before the masters are known, every breaker counts"
+        );
+        assert_eq!(breakers.open_nodes(None), ["10.0.0.1:7000"]);
+        let now = [promoted.clone()];
+        assert!(
+            !breakers.is_open(Some(&now)),
+            "the failed-over address serves no slot"
+        );
+        assert!(breakers.open_nodes(Some(&now)).is_empty());
+        breakers.of(Some(promoted)).record(true);
+        assert!(breakers.is_open(Some(&now)));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn it_opens_after_the_threshold_probes_after_the_cool_down_and_closes_on_success() {
@@ -321,8 +354,8 @@ mod tests {
                 .contains("Redis node 10.0.0.2:7001 is failing (circuit open"),
             "{e}"
         );
-        assert!(b.is_open());
-        assert_eq!(b.open_nodes(), vec!["10.0.0.2:7001".to_owned()]);
+        assert!(b.is_open(None));
+        assert_eq!(b.open_nodes(None), vec!["10.0.0.2:7001".to_owned()]);
         assert_eq!(b.figures(), (1, 1));
         let e = Breaker::new(1, Duration::from_secs(1));
         e.record(true);

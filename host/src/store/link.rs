@@ -219,6 +219,11 @@ impl Healing {
     /// On a cluster, the address (`host:port`) of the master serving `key`'s slot, as
     /// last learnt; `None` for one server, or before the cluster first said (it is then
     /// asked, in the background).
+    /// A cluster's masters as last learnt (`None`: not a cluster, or not learnt yet).
+    pub(crate) fn masters(&self) -> Option<Vec<Arc<str>>> {
+        self.owners.as_ref()?.masters()
+    }
+
     pub(crate) fn node_of(&self, key: &str) -> Option<Arc<str>> {
         let owners = self.owners.as_ref()?;
         let node = owners.of(key.as_bytes());

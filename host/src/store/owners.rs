@@ -89,6 +89,19 @@ impl Owners {
         ranges.get(at).filter(|r| r.first <= slot).map(|r| r.node.clone())
     }
 
+    /// The masters serving some slot, as last learnt; `None` before the cluster first
+    /// answered.
+    pub(crate) fn masters(&self) -> Option<Vec<Arc<str>>> {
+        let ranges = self.ranges.load();
+        if ranges.is_empty() {
+            return None;
+        }
+        let mut masters: Vec<Arc<str>> = ranges.iter().map(|r| r.node.clone()).collect();
+        masters.sort();
+        masters.dedup();
+        Some(masters)
+    }
+
     /// Learns the slot owners again through `link`, in the background, unless a refresh
     /// is under way or the last one was less than [`RELEARN_MS`] ago.
     pub(crate) fn relearn(self: &Arc<Self>, link: &Link) {

@@ -161,12 +161,13 @@ impl RedisStore {
     /// refused at once (on a cluster, one breaker per master: all together).
     pub fn breaker(&self) -> (bool, u64, u64) {
         let (opened, refused) = self.breakers.figures();
-        (self.breakers.is_open(), opened, refused)
+        let masters = self.healing.masters();
+        (self.breakers.is_open(masters.as_deref()), opened, refused)
     }
 
     /// On a cluster, the masters (`host:port`) whose breakers are open now.
     pub fn open_breakers(&self) -> Vec<String> {
-        self.breakers.open_nodes()
+        self.breakers.open_nodes(self.healing.masters().as_deref())
     }
 
     /// Whether the store is a Redis Cluster.
