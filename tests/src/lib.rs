@@ -242,6 +242,22 @@ pub async fn commands_processed(server: &RedisServer) -> Result<u64> {
         .context("total_commands_processed is a number")
 }
 
+/// How many times the server ran `command` so far (`INFO commandstats`; commands run
+/// by scripts included); 0 before its first call.
+pub async fn command_calls(server: &RedisServer, command: &str) -> Result<u64> {
+    let mut conn = server.connection().await?;
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await?;
+    let prefix = format!("cmdstat_{command}:calls=");
+    Ok(info
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(Ok(0), str::parse)?)
+}
+
 /// Which L2 backend a fixture runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use corral::locks::{LockOptions, MemoryLocks, RedisLocks};
 use corral::{Corral, ErrorKind, LoadOptions};
-use corral_tests::{RedisServer, corral_bin, real_time};
+use corral_tests::{RedisServer, command_calls, corral_bin, real_time};
 
 /// 2^53 + 1: the first integer a Lua number (a double) cannot hold.
 const PAST_DOUBLES: u64 = (1 << 53) + 1;
@@ -20,12 +20,7 @@ async fn counter_key(server: &RedisServer, locks: &RedisLocks, key: &str) -> Res
         .acquire(key, LockOptions::new().ttl(Duration::from_secs(5)))
         .await?;
     lease.release().await?;
-    let mut conn = server.connection().await?;
-    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
-    let lock = locks.lock_key(key)?;
-    let others: Vec<String> = keys.into_iter().filter(|k| *k != lock).collect();
-    anyhow::ensure!(others.len() == 1, "one counter key expected: {others:?}");
-    Ok(others[0].clone())
+    super::locks::counter_key(server, locks, key).await
 }
 
 async fn set(server: &RedisServer, key: &str, value: impl redis::ToRedisArgs) -> Result<()> {
@@ -89,10 +84,7 @@ async fn redlock_tokens_rise_strictly_past_two_to_the_53() -> Result<()> {
     // Counters one apart, where doubles cannot tell them apart: the release must still
     // raise the lower ones to the token (compared as integers, not as Lua numbers).
     for (i, server) in servers.iter().enumerate() {
-        let mut conn = server.connection().await?;
-        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
-        let lock = locks.lock_key("r")?;
-        let counter = keys.into_iter().find(|k| *k != lock).context("a counter")?;
+        let counter = super::locks::counter_key(server, &locks, "r").await?;
         set(server, &counter, PAST_DOUBLES + 1 + u64::from(i == 0)).await?;
     }
     let tokens = four_tokens(&locks, "r").await?;
@@ -305,25 +297,10 @@ async fn bad_options_get_the_same_answer_warm_or_cold() -> Result<()> {
     Ok(())
 }
 
-/// `INFO commandstats`' count of `command` (scripts' calls included).
-async fn calls(server: &RedisServer, command: &str) -> Result<u64> {
-    let mut conn = server.connection().await?;
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await?;
-    let prefix = format!("cmdstat_{command}:calls=");
-    Ok(info
-        .lines()
-        .find_map(|l| l.strip_prefix(prefix.as_str()))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(Ok(0), str::parse)?)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_that_exits_right_after_its_release_still_announces_it() -> Result<()> {
     let server = RedisServer::start()?;
-    let before = calls(&server, "publish").await?;
+    let before = command_calls(&server, "publish").await?;
     let runs = 10;
     for _ in 0..runs {
         let status = tokio::process::Command::new(corral_bin())
@@ -332,7 +309,7 @@ async fn a_process_that_exits_right_after_its_release_still_announces_it() -> Re
             .await?;
         assert_eq!(status.code(), Some(0));
     }
-    let published = calls(&server, "publish").await? - before;
+    let published = command_calls(&server, "publish").await? - before;
     assert_eq!(published, runs, "one release announcement per holder");
     Ok(())
 }

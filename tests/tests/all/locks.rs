@@ -432,7 +432,7 @@ async fn holder(server: &RedisServer, locks: &RedisLocks, key: &str) -> Result<O
 
 /// The Redis key of the fencing counter of `key` on `server`: the one key there that is
 /// not the lock key (the test stores nothing else), whatever the naming scheme.
-async fn counter_key(server: &RedisServer, locks: &RedisLocks, key: &str) -> Result<String> {
+pub(super) async fn counter_key(server: &RedisServer, locks: &RedisLocks, key: &str) -> Result<String> {
     let mut conn = server.connection().await?;
     let keys: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
     let lock = locks.lock_key(key)?;

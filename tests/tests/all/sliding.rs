@@ -8,28 +8,11 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use corral::{Corral, EntryOptions, ManualClock};
-use corral_tests::RedisServer;
+use corral_tests::{RedisServer, command_calls};
 
 const MIN: Duration = Duration::from_secs(60);
-
-/// How many times the server ran `command` so far.
-async fn calls(server: &RedisServer, command: &str) -> Result<u64> {
-    let mut conn = server.connection().await?;
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await?;
-    let prefix = format!("cmdstat_{command}:calls=");
-    Ok(info
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .map(|rest| rest.split(',').next().unwrap_or("0").parse())
-        .transpose()
-        .context("calls is a number")?
-        .unwrap_or(0))
-}
 
 async fn raw(server: &RedisServer, args: &[&str]) -> Result<redis::Value> {
     let mut conn = server.connection().await?;
@@ -71,14 +54,25 @@ async fn a_sliding_read_on_the_system_clock_is_one_getex_and_no_script() -> Resu
     assert!(cache.refresh("k").await?);
     assert!(pttl(&server, &name).await? > 50_000, "the first read slid it");
 
-    let (getex, scripts) = (calls(&server, "getex").await?, calls(&server, "evalsha").await?);
+    let (getex, scripts) = (
+        command_calls(&server, "getex").await?,
+        command_calls(&server, "evalsha").await?,
+    );
     for _ in 0..10 {
         raw(&server, &["PEXPIRE", &name, "500"]).await?;
         assert_eq!(cache.get("k").await?.as_deref(), Some(&b"v"[..]));
         assert!(pttl(&server, &name).await? > 50_000, "every read slides it");
     }
-    assert_eq!(calls(&server, "getex").await? - getex, 10, "one GETEX per read");
-    assert_eq!(calls(&server, "evalsha").await? - scripts, 0, "and no script");
+    assert_eq!(
+        command_calls(&server, "getex").await? - getex,
+        10,
+        "one GETEX per read"
+    );
+    assert_eq!(
+        command_calls(&server, "evalsha").await? - scripts,
+        0,
+        "and no script"
+    );
     let after: Vec<u8> = redis::cmd("GET")
         .arg(&name)
         .query_async(&mut server.connection().await?)
@@ -120,10 +114,10 @@ async fn a_read_that_guessed_wrong_puts_the_ttl_right() -> Result<()> {
     writer
         .set("k", "fixed", EntryOptions::new().relative(MIN * 60))
         .await?;
-    let getex = calls(&server, "getex").await?;
+    let getex = command_calls(&server, "getex").await?;
     assert_eq!(reader.get("k").await?.as_deref(), Some(&b"fixed"[..]));
     assert_eq!(
-        calls(&server, "getex").await? - getex,
+        command_calls(&server, "getex").await? - getex,
         1,
         "read by the stale guess"
     );
@@ -162,12 +156,12 @@ async fn a_guess_never_cuts_a_tombstone_short() -> Result<()> {
     writer
         .set("k", "v", EntryOptions::new().sliding(Duration::from_secs(1)))
         .await?;
-    let getex = calls(&server, "getex").await?;
+    let getex = command_calls(&server, "getex").await?;
     for _ in 0..3 {
         assert!(reader.refresh("k").await?);
     }
     assert_eq!(
-        calls(&server, "getex").await? - getex,
+        command_calls(&server, "getex").await? - getex,
         0,
         "GET and a compare-and-expire"
     );
@@ -205,12 +199,18 @@ async fn processes_on_either_clock_share_a_store() -> Result<()> {
         .query_async(&mut server.connection().await?)
         .await?;
     assert_eq!(&stored[..4], b"CRL\x01");
-    let (getex, scripts) = (calls(&server, "getex").await?, calls(&server, "evalsha").await?);
+    let (getex, scripts) = (
+        command_calls(&server, "getex").await?,
+        command_calls(&server, "evalsha").await?,
+    );
     for _ in 0..3 {
         assert_eq!(real.get("b").await?.as_deref(), Some(&b"2"[..]));
     }
-    assert_eq!(calls(&server, "getex").await?, getex, "never by GETEX");
-    assert!(calls(&server, "evalsha").await? > scripts, "but by the script");
+    assert_eq!(command_calls(&server, "getex").await?, getex, "never by GETEX");
+    assert!(
+        command_calls(&server, "evalsha").await? > scripts,
+        "but by the script"
+    );
     Ok(())
 }
 
