@@ -284,15 +284,16 @@ impl Corral {
         }
     }
 
-    /// Announces that `key` changed from a task of its own, retrying on the schedule of
-    /// the guest's retry schedule for as long as another process may still serve an older copy from
-    /// its L1 (the L1 TTL): an announcement that could not reach Redis is made when
-    /// Redis answers again.
+    /// Announces that `key` changed from a task of its own, retrying on the guest's retry
+    /// schedule for as long as another process may still serve an older copy from its L1
+    /// (the L1 TTL): an announcement that could not reach Redis is made when Redis
+    /// answers again.
     fn announce_in_background(&self, key: &str) {
         let (notifications, owned) = (self.inner.stores.notifications.clone(), key.to_owned());
         let bound = self.inner.flight.store_timeout;
         self.retry_in_background(
             key,
+            true,
             "a change could not be announced within the L1 TTL: other processes' copies have lapsed by now",
             move || {
                 let (notifications, key) = (notifications.clone(), owned.clone());
@@ -310,11 +311,12 @@ impl Corral {
         );
     }
 
-    /// Runs `attempt` from a task of its own until it says it is done: at once, then
-    /// after the guest's first retry wait, doubling up to its longest, for up to the L1
-    /// TTL, after which it warns with `gave_up`. The one schedule of every change
-    /// retried in the background. Outside a Tokio runtime, nothing is retried.
-    fn retry_in_background<A, F>(&self, key: &str, gave_up: &'static str, mut attempt: A)
+    /// Runs `attempt` from a task of its own until it says it is done: at once (unless
+    /// the caller has just tried: `at_once` false), then after the guest's first retry
+    /// wait, doubling up to its longest, for up to the L1 TTL, after which it warns with
+    /// `gave_up`. The one schedule of every change retried in the background. Outside a
+    /// Tokio runtime, nothing is retried.
+    fn retry_in_background<A, F>(&self, key: &str, at_once: bool, gave_up: &'static str, mut attempt: A)
     where
         A: FnMut() -> F + Send + 'static,
         F: Future<Output = bool> + Send + 'static,
@@ -328,13 +330,20 @@ impl Corral {
         runtime.spawn(async move {
             let started = tokio::time::Instant::now();
             let mut backoff = retry.first;
-            while !attempt().await {
-                if started.elapsed() + backoff > give_up_after {
-                    tracing::warn!(key, "{gave_up}");
+            let mut wait = !at_once;
+            loop {
+                if wait {
+                    if started.elapsed() + backoff > give_up_after {
+                        tracing::warn!(key, "{gave_up}");
+                        return;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = retry.next(backoff);
+                }
+                if attempt().await {
                     return;
                 }
-                tokio::time::sleep(backoff).await;
-                backoff = retry.next(backoff);
+                wait = true;
             }
         });
     }
@@ -357,6 +366,7 @@ impl Corral {
         let running = flight::Running::start(&self.inner.background);
         self.retry_in_background(
             key,
+            true,
             "a failed removal could not be written within the L1 TTL: the old value stays in L2 until it expires",
             move || {
                 let _running = &running;

@@ -454,8 +454,10 @@ impl Corral {
         if publish().await {
             return;
         }
+        // Just tried: the next try waits the first retry wait.
         self.retry_in_background(
             "",
+            false,
             "a tag or clear announcement could not be published within the L1 TTL",
             publish,
         );
