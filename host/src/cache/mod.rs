@@ -356,7 +356,7 @@ impl Corral {
     fn remove_in_background(
         &self,
         key: &str,
-        entry: String,
+        entry: Option<String>,
         tombstone: Bytes,
         ttl_ms: u64,
         watch: RemovalWatch,
@@ -377,7 +377,7 @@ impl Corral {
                     tombstone.clone(),
                     watch.clone(),
                 );
-                async move { cache.retry_removal(&key, &entry, tombstone, ttl_ms, &watch).await }
+                async move { cache.retry_removal(&key, entry.as_deref(), tombstone, ttl_ms, &watch).await }
             },
         );
     }
@@ -392,7 +392,7 @@ impl Corral {
     async fn retry_removal(
         &self,
         key: &str,
-        entry: &str,
+        entry: Option<&str>,
         tombstone: Bytes,
         ttl_ms: u64,
         watch: &RemovalWatch,
@@ -402,6 +402,19 @@ impl Corral {
             return true;
         }
         let bound = self.inner.flight.store_timeout;
+        let named;
+        let entry = match entry {
+            Some(entry) => entry,
+            // Not named yet: in the generation known now (read if need be).
+            None => match tokio::time::timeout(bound, self.entry_of(key)).await {
+                Ok(Ok(entry)) => {
+                    named = entry;
+                    &named
+                }
+                Ok(Err(e)) => return !e.is_retryable(),
+                Err(_) => return false,
+            },
+        };
         let entries = &self.inner.stores.entries;
         let stored = match tokio::time::timeout(bound, entries.get(entry)).await {
             Ok(Ok(stored)) => stored,
@@ -477,7 +490,10 @@ impl Corral {
     /// [`ErrorKind::Timeout`]) when the store fails: the removal may not have landed,
     /// and is being retried.
     pub async fn remove(&self, key: &str) -> Result<bool> {
-        let entry = self.entry_of(key).await?;
+        // The key first: a bad key is an argument error and loses nothing. Then this
+        // process's copy goes, before the entry is named: naming it may need the store
+        // (the prefix's generation), and the copy goes whatever the store does.
+        self.inner.policy.validate_key(key)?;
         self.inner.l1.remove(key);
         // A tombstone, not a delete: a load that began before this removal may not fill
         // over it (contract §5.12).
@@ -486,14 +502,29 @@ impl Corral {
         let tombstone = Bytes::from(tombstone);
         // Watched from before the write: unless the write's outcome is known, the
         // tombstone is written again in the background.
-        let unsettled = Unsettled {
+        let mut unsettled = Unsettled {
             cache: self.clone(),
             key: key.to_owned(),
-            entry: entry.clone(),
+            entry: None,
             tombstone: tombstone.clone(),
             ttl_ms,
             watch: Some(self.inner.l1.watch_removal(key)),
         };
+        let entry = match self.entry_of(key).await {
+            Ok(entry) => entry,
+            Err(e) => {
+                if !e.is_retryable() {
+                    unsettled.settle();
+                }
+                return Err(e);
+            }
+        };
+        unsettled.entry = Some(entry.clone());
+        if unsettled.watch.as_ref().is_some_and(|w| !w.is_current()) {
+            // Naming it read a new generation, which ended every watch of an entry named
+            // before: this one is named only now.
+            unsettled.watch = Some(self.inner.l1.watch_removal(key));
+        }
         let entries = &self.inner.stores.entries;
         let old = match self.l2_op(entries.swap(&entry, tombstone, ttl_ms)).await {
             Ok(old) => {
@@ -530,8 +561,10 @@ impl Corral {
     /// # Errors
     /// As [`remove`](Self::remove).
     pub async fn expire(&self, key: &str) -> Result<bool> {
-        let entry = self.entry_of(key).await?;
+        // As a removal: this process's copy goes before the entry is named.
+        self.inner.policy.validate_key(key)?;
         self.inner.l1.remove(key);
+        let entry = self.entry_of(key).await?;
         let entries = &self.inner.stores.entries;
         // The bytes always change (a stale rewrite, or a removal's tombstone), so a load
         // that began before this cannot fill over it (§5.12). A rewrite goes only over
@@ -807,7 +840,9 @@ impl Corral {
 struct Unsettled {
     cache: Corral,
     key: String,
-    entry: String,
+    /// The entry's name in the store; `None` while it could not be named (the
+    /// prefix's generation could not be read): the retry names it.
+    entry: Option<String>,
     tombstone: Bytes,
     ttl_ms: u64,
     watch: Option<RemovalWatch>,
@@ -823,7 +858,7 @@ impl Unsettled {
 impl Drop for Unsettled {
     fn drop(&mut self) {
         if let Some(watch) = self.watch.take() {
-            let entry = std::mem::take(&mut self.entry);
+            let entry = self.entry.take();
             self.cache
                 .remove_in_background(&self.key, entry, self.tombstone.clone(), self.ttl_ms, watch);
         }

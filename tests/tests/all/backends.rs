@@ -835,6 +835,67 @@ async fn a_failed_remove_is_retried_until_it_lands() -> Result<()> {
     Ok(())
 }
 
+/// A removal that cannot even name its entry (the prefix's generation is due to be read
+/// again, and the store is out of reach) still drops this process's copy at once, and
+/// lands once the store is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remove_that_cannot_name_its_entry_still_drops_the_copy_and_lands() -> Result<()> {
+    let (server, proxy, a) = a_copy_outliving_the_known_generation().await?;
+    let b = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
+    proxy.blackhole(true);
+    let e = a.remove("k").await.unwrap_err();
+    assert!(e.is_retryable(), "the caller learns it may not have landed: {e}");
+    let got = a.get("k").await;
+    assert!(
+        got.is_err(),
+        "a's L1 copy is gone at once: its get goes to Redis, not {got:?}"
+    );
+    proxy.heal();
+    until(
+        10 * SEC,
+        "the removal never landed: another instance still reads the old value",
+        async || Ok(b.get("k").await?.is_none()),
+    )
+    .await?;
+    Ok(())
+}
+
+/// So does an `expire` that cannot name its entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expire_that_cannot_name_its_entry_still_drops_the_copy() -> Result<()> {
+    let (_server, proxy, a) = a_copy_outliving_the_known_generation().await?;
+    proxy.blackhole(true);
+    let e = a.expire("k").await.unwrap_err();
+    assert!(e.is_retryable(), "{e}");
+    let got = a.get("k").await;
+    assert!(
+        got.is_err(),
+        "a's L1 copy is gone at once: its get goes to Redis, not {got:?}"
+    );
+    Ok(())
+}
+
+/// A cache on a manual clock, through a fault proxy, whose L1 holds `k` = "old" while
+/// the prefix's generation is no longer known (it was read one L1 TTL ago; the copy was
+/// made later): naming an entry now needs the store.
+async fn a_copy_outliving_the_known_generation() -> Result<(RedisServer, corral_tests::FaultProxy, Corral)> {
+    let server = RedisServer::start()?;
+    let proxy = corral_tests::FaultProxy::start(server.addr())?;
+    let clock = corral::ManualClock::starting_now();
+    let l1_ttl = Duration::from_secs(10);
+    let a = Corral::builder()
+        .clock(clock.clone())
+        .l1_ttl(l1_ttl)
+        .redis_options(through(&proxy))
+        .build()?;
+    assert_eq!(a.get("warm").await?, None);
+    clock.advance(l1_ttl - Duration::from_secs(1));
+    a.set("k", "old", EntryOptions::new()).await?;
+    clock.advance(Duration::from_secs(2));
+    assert_eq!(a.get("k").await?.as_deref(), Some(&b"old"[..]), "an L1 hit");
+    Ok((server, proxy, a))
+}
+
 /// A removal being retried never lands over a write made after the failed `remove`:
 /// here another instance's `set`, made while the first one's commands still fail (its
 /// subscription lives, so it hears of that set). The later value survives.
