@@ -8,17 +8,20 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use corral_core::flight::{Action, Event, Flight, Outcome};
+use corral_core::flight::Flight;
 use corral_core::policy::{self, ReadOutcome, Touch};
 use corral_core::tags::{self, TagMoments, Tagged, Verdict};
 use corral_core::{EntryMeta, Limits, Settings, envelope, flight, lock, names};
 
 use super::bindings::corral::cache::flights::{self, Joined};
-use super::bindings::corral::cache::{l1, l2, loader, types};
+use super::bindings::corral::cache::{l1, l2, types};
 use super::bindings::corral::lock::table;
 use super::bindings::exports::corral::cache::cache as wcache;
 use super::bindings::exports::corral::lock::lock as wlock;
 use super::{Component, arg_error, options_in, settings_in};
+
+mod driver;
+use driver::Driver;
 
 /// This instance's settings: the core's defaults until `configure`.
 static SETTINGS: Mutex<Settings> = Mutex::new(Settings::DEFAULT);
@@ -287,15 +290,7 @@ fn refresh(key: &str, options: types::EntryOptions, settings: &Settings, tag_lis
         return;
     };
     if let Ok(names) = locate(key, &settings.limits) {
-        let _ = fly(
-            key,
-            &names,
-            flight,
-            action,
-            &settings.limits,
-            &mut false,
-            tag_list,
-        );
+        let _ = Driver::new(key, &names, &settings.limits, tag_list).run(flight, action);
     }
 }
 
@@ -459,8 +454,10 @@ impl wcache::Guest for Component {
 
     fn remove(key: String) -> Result<bool, types::Error> {
         let settings = settings();
-        let names = locate(&key, &settings.limits)?;
+        // The copy goes before the entry is named: naming it may need the store.
+        corral_core::key::validate(&key, &settings.limits).map_err(arg_error)?;
         l1::delete(&key);
+        let names = locate(&key, &settings.limits)?;
         // A removal leaves a tombstone, as in every body (contract §5.12).
         let held = l2_read(&names.entry, now_ms(), &settings.limits)?
             .fresh()
@@ -472,8 +469,10 @@ impl wcache::Guest for Component {
 
     fn expire(key: String) -> Result<bool, types::Error> {
         let settings = settings();
-        let names = locate(&key, &settings.limits)?;
+        // The copy goes before the entry is named: naming it may need the store.
+        corral_core::key::validate(&key, &settings.limits).map_err(arg_error)?;
         l1::delete(&key);
+        let names = locate(&key, &settings.limits)?;
         let remove = |was_fresh: bool| {
             let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
             l2::set(&names.entry, &tombstone, ttl_ms)?;
@@ -540,15 +539,10 @@ impl wcache::Guest for Component {
             .map_err(arg_error)?;
             check_tags(&tag_list)?;
             let names = locate_for_flight(&key, &settings.limits)?;
-            fly(
-                &key,
-                &names,
-                flight,
-                action,
-                &settings.limits,
-                &mut refresh_due,
-                &tag_list,
-            )
+            let mut driver = Driver::new(&key, &names, &settings.limits, &tag_list);
+            let out = driver.run(flight, action);
+            refresh_due = driver.refresh_due();
+            out
         };
         if bypass {
             return fly_one();
@@ -567,183 +561,6 @@ impl wcache::Guest for Component {
                 out
             }
         }
-    }
-}
-
-/// Runs one flight of `key` (its data at `names`) to its end, performing each action the
-/// machine asks for.
-fn fly(
-    key: &str,
-    names: &names::Names,
-    mut flight: Flight,
-    mut action: Action,
-    limits: &Limits,
-    refresh_due: &mut bool,
-    tag_list: &[String],
-) -> Result<Vec<u8>, types::Error> {
-    let mut value: Vec<u8> = Vec::new();
-    // The tags of what L1 is filled with: those the L2 hit carried, or the load's own
-    // (written at the moment the load began: a load that began before an invalidation
-    // of its tags is older than it), and until when they are known.
-    let mut tagged: Option<Tagged> = None;
-    let mut tags_until = u64::MAX;
-    let mut load_began = 0;
-    // The stale copy the last read found (fail-safe).
-    let mut stale: Vec<u8> = Vec::new();
-    let mut owner: Option<String> = None;
-    let mut loader_error = String::new();
-    // What the key held after the last successful read: a fenced fill writes only over it.
-    let mut holds: Option<Vec<u8>> = None;
-    loop {
-        let event = match action {
-            Action::ReadL2 => match l2_read_holding(&names.entry, now_ms(), limits) {
-                Ok((found, held)) => {
-                    holds = held;
-                    match found {
-                        Found::Fresh(v, meta, t, until) => {
-                            value = v;
-                            tagged = t;
-                            tags_until = until;
-                            Event::L2Hit(meta)
-                        }
-                        Found::Stale(v, meta) => {
-                            stale = v;
-                            Event::L2Stale(meta)
-                        }
-                        Found::Nothing => Event::L2Miss,
-                    }
-                }
-                Err(_) => Event::L2Failed,
-            },
-            Action::TryLock { ttl_ms } => match l2::try_lock(&names.flight_lock, ttl_ms) {
-                Ok(Some(token)) => {
-                    owner = Some(token);
-                    Event::LockAcquired
-                }
-                Ok(None) => Event::LockBusy { watching: false },
-                Err(_) => Event::LockFailed,
-            },
-            Action::Wait { until_ms } => {
-                l2::wait_landing(key, until_ms);
-                Event::Woken
-            }
-            // The loader import cannot be stopped from here: it answers when it does,
-            // and the machine judges an answer past the hard timeout a timeout.
-            // It never reports `load-slow` or `load-overdue` (its settings never ask
-            // for background completion), so it is never asked to answer early.
-            Action::AnswerStale { .. } | Action::KeepLoading | Action::AnswerTimedOut => {
-                return Err(types::Error::Other(
-                    "the flight asked for an early answer it was never offered".to_string(),
-                ));
-            }
-            Action::Load { .. } => match {
-                load_began = now_ms();
-                loader::load(key)
-            } {
-                Ok(v) => {
-                    let cacheable = loader::should_cache(key, &v);
-                    let len = v.len() as u64;
-                    value = v;
-                    Event::Loaded {
-                        len,
-                        cacheable,
-                        expiry: None,
-                    }
-                }
-                Err(e) => {
-                    loader_error = e;
-                    Event::LoadFailed
-                }
-            },
-            Action::WriteL2 {
-                header,
-                store_ttl_ms,
-                fenced,
-            } => {
-                let loaded = Tagged {
-                    written_at_ms: load_began,
-                    tags: tag_list.to_vec(),
-                };
-                match policy::tag_plan(&header, store_ttl_ms, &loaded, now_ms(), limits) {
-                    Ok((header, ttl)) => {
-                        let stored = envelope::splice(&header, &value);
-                        if !tag_list.is_empty() {
-                            tagged = Some(loaded);
-                            tags_until = u64::MAX;
-                        }
-                        // Fenced (contract §5.12): a set or removal since the read wins.
-                        let written = if fenced {
-                            l2::set_if(&names.entry, holds.as_deref(), &stored, ttl)
-                        } else {
-                            l2::set(&names.entry, &stored, ttl).map(|()| true)
-                        };
-                        match written {
-                            Ok(true) => Event::L2Written,
-                            Ok(false) | Err(_) => Event::L2WriteFailed,
-                        }
-                    }
-                    Err(_) => Event::L2WriteFailed,
-                }
-            }
-            Action::Finish {
-                outcome,
-                release,
-                notify,
-                l1_until_ms,
-                refresh_at_ms,
-                refresh_now,
-            } => {
-                if release && let Some(owner) = owner.take() {
-                    let _ = l2::release_lock(&names.flight_lock, &owner);
-                }
-                if notify {
-                    l2::announce_landing(key);
-                }
-                let stale_served = matches!(outcome, Outcome::Stale(_));
-                *refresh_due = refresh_now;
-                match outcome {
-                    Outcome::LoaderFailed => return Err(types::Error::LoaderFailed(loader_error)),
-                    Outcome::TimedOut => {
-                        return Err(types::Error::Timeout(
-                            "the loader ran past the get-or-set's hard timeout".to_string(),
-                        ));
-                    }
-                    Outcome::Stale(_) => value = std::mem::take(&mut stale),
-                    _ => {}
-                }
-                if let Some(until_ms) = l1_until_ms {
-                    // A tagged value is judged before L1 keeps it: its tags may have
-                    // been invalidated since its load began.
-                    let keep = match (&tagged, stale_served) {
-                        (Some(t), false) => match judge(Some(t), &UNBOUNDED, now_ms()) {
-                            Ok((Verdict::Untouched, until)) => {
-                                Some(tags::l1_until(until_ms, &[until, tags_until]))
-                            }
-                            _ => None,
-                        },
-                        _ => Some(until_ms),
-                    };
-                    if let Some(until_ms) = keep {
-                        l1::set(
-                            key,
-                            &l1::L1Entry {
-                                value: value.clone(),
-                                until_ms,
-                                stale: stale_served,
-                                refresh_at_ms,
-                                tagged: if stale_served {
-                                    None
-                                } else {
-                                    tagged.as_ref().map(tagged_out)
-                                },
-                            },
-                        );
-                    }
-                }
-                return Ok(value);
-            }
-        };
-        action = flight.handle(event, now_ms(), limits);
     }
 }
 

@@ -1,0 +1,247 @@
+//! The portable body of one get-or-set flight, the component's twin of the host's
+//! `Driver` (host/src/cache/flight/driver.rs): it performs the action the flight machine
+//! asks for over the imports, one short function per action, and feeds back what
+//! happened. It decides nothing the contract governs: what to fence, what L1 keeps and
+//! until when, whether a refresh is due, all come with the actions. What it keeps are
+//! registers, the bytes the actions brought.
+
+use corral_core::flight::{Action, Event, Flight, Outcome};
+use corral_core::tags::{self, Tagged, Verdict};
+use corral_core::{Limits, envelope, names, policy};
+
+use super::{Found, UNBOUNDED, judge, l2_read_holding, now_ms, tagged_out};
+use crate::bindings::corral::cache::{l1, l2, loader, types};
+
+/// One flight in progress over the imports: the performer of its actions and its
+/// registers.
+pub(super) struct Driver<'a> {
+    key: &'a str,
+    names: &'a names::Names,
+    limits: &'a Limits,
+    /// The tags a loaded value is written with.
+    tag_list: &'a [String],
+    /// The value of the last L2 hit, or the loaded value.
+    value: Vec<u8>,
+    /// The tags of what L1 is filled with: those the L2 hit carried, or the load's own,
+    /// and until when they are known.
+    tagged: Option<Tagged>,
+    tags_until: u64,
+    /// When the load began: the loaded entry counts as written then (a load that began
+    /// before an invalidation of its tags is older than it, contract §6b.5).
+    load_began: u64,
+    /// The stale copy the last read found (fail-safe).
+    stale: Vec<u8>,
+    /// The flight lock's owner token, while this flight holds it.
+    owner: Option<String>,
+    loader_error: String,
+    /// What the key held after the last successful read: a fenced fill writes only over
+    /// it (contract §5.12).
+    holds: Option<Vec<u8>>,
+    /// The value served is due for its eager refresh (the machine said so at the end).
+    refresh_due: bool,
+}
+
+impl<'a> Driver<'a> {
+    pub(super) fn new(
+        key: &'a str,
+        names: &'a names::Names,
+        limits: &'a Limits,
+        tag_list: &'a [String],
+    ) -> Self {
+        Driver {
+            key,
+            names,
+            limits,
+            tag_list,
+            value: Vec::new(),
+            tagged: None,
+            tags_until: u64::MAX,
+            load_began: 0,
+            stale: Vec::new(),
+            owner: None,
+            loader_error: String::new(),
+            holds: None,
+            refresh_due: false,
+        }
+    }
+
+    /// Whether the machine ended the flight asking for an eager refresh now.
+    pub(super) fn refresh_due(&self) -> bool {
+        self.refresh_due
+    }
+
+    /// Runs the flight from its first action to its end.
+    pub(super) fn run(&mut self, mut flight: Flight, mut action: Action) -> Result<Vec<u8>, types::Error> {
+        loop {
+            let event = match action {
+                Action::ReadL2 => self.read_l2(),
+                Action::TryLock { ttl_ms } => self.try_lock(ttl_ms),
+                Action::Wait { until_ms } => {
+                    l2::wait_landing(self.key, until_ms);
+                    Event::Woken
+                }
+                // The loader import cannot be stopped from here: it answers when it does,
+                // and the machine judges an answer past the hard timeout a timeout. It
+                // never reports `load-slow` or `load-overdue` (this body's settings never
+                // ask for background completion), so it is never asked to answer early.
+                Action::AnswerStale { .. } | Action::KeepLoading | Action::AnswerTimedOut => {
+                    return Err(types::Error::Other(
+                        "the flight asked for an early answer it was never offered".to_string(),
+                    ));
+                }
+                Action::Load { .. } => self.load(),
+                Action::WriteL2 {
+                    header,
+                    store_ttl_ms,
+                    fenced,
+                } => self.write_l2(&header, store_ttl_ms, fenced),
+                Action::Finish {
+                    outcome,
+                    release,
+                    notify,
+                    l1_until_ms,
+                    refresh_at_ms,
+                    refresh_now,
+                } => {
+                    self.release_and_announce(release, notify);
+                    self.refresh_due = refresh_now;
+                    let stale_served = matches!(outcome, Outcome::Stale(_));
+                    self.result_of(outcome)?;
+                    if let Some(until_ms) = l1_until_ms {
+                        self.fill_l1(until_ms, refresh_at_ms, stale_served);
+                    }
+                    return Ok(std::mem::take(&mut self.value));
+                }
+            };
+            action = flight.handle(event, now_ms(), self.limits);
+        }
+    }
+
+    fn read_l2(&mut self) -> Event {
+        let Ok((found, held)) = l2_read_holding(&self.names.entry, now_ms(), self.limits) else {
+            return Event::L2Failed;
+        };
+        self.holds = held;
+        match found {
+            Found::Fresh(value, meta, tagged, until) => {
+                self.value = value;
+                self.tagged = tagged;
+                self.tags_until = until;
+                Event::L2Hit(meta)
+            }
+            Found::Stale(copy, meta) => {
+                self.stale = copy;
+                Event::L2Stale(meta)
+            }
+            Found::Nothing => Event::L2Miss,
+        }
+    }
+
+    fn try_lock(&mut self, ttl_ms: u64) -> Event {
+        match l2::try_lock(&self.names.flight_lock, ttl_ms) {
+            Ok(Some(token)) => {
+                self.owner = Some(token);
+                Event::LockAcquired
+            }
+            Ok(None) => Event::LockBusy { watching: false },
+            Err(_) => Event::LockFailed,
+        }
+    }
+
+    fn load(&mut self) -> Event {
+        self.load_began = now_ms();
+        match loader::load(self.key) {
+            Ok(value) => {
+                let cacheable = loader::should_cache(self.key, &value);
+                let len = value.len() as u64;
+                self.value = value;
+                Event::Loaded {
+                    len,
+                    cacheable,
+                    expiry: None,
+                }
+            }
+            Err(e) => {
+                self.loader_error = e;
+                Event::LoadFailed
+            }
+        }
+    }
+
+    /// Writes the loaded value; a fenced write lands only over what the last read found
+    /// (contract §5.12: a set or removal since that read wins).
+    fn write_l2(&mut self, header: &[u8], store_ttl_ms: u64, fenced: bool) -> Event {
+        let loaded = Tagged {
+            written_at_ms: self.load_began,
+            tags: self.tag_list.to_vec(),
+        };
+        let Ok((header, ttl)) = policy::tag_plan(header, store_ttl_ms, &loaded, now_ms(), self.limits) else {
+            return Event::L2WriteFailed;
+        };
+        let stored = envelope::splice(&header, &self.value);
+        if !self.tag_list.is_empty() {
+            self.tagged = Some(loaded);
+            self.tags_until = u64::MAX;
+        }
+        let written = if fenced {
+            l2::set_if(&self.names.entry, self.holds.as_deref(), &stored, ttl)
+        } else {
+            l2::set(&self.names.entry, &stored, ttl).map(|()| true)
+        };
+        match written {
+            Ok(true) => Event::L2Written,
+            Ok(false) | Err(_) => Event::L2WriteFailed,
+        }
+    }
+
+    fn release_and_announce(&mut self, release: bool, notify: bool) {
+        if release && let Some(owner) = self.owner.take() {
+            let _ = l2::release_lock(&self.names.flight_lock, &owner);
+        }
+        if notify {
+            l2::announce_landing(self.key);
+        }
+    }
+
+    /// The flight's error, if it ended in one; a stale copy served becomes the value.
+    fn result_of(&mut self, outcome: Outcome) -> Result<(), types::Error> {
+        match outcome {
+            Outcome::LoaderFailed => Err(types::Error::LoaderFailed(std::mem::take(&mut self.loader_error))),
+            Outcome::TimedOut => Err(types::Error::Timeout(
+                "the loader ran past the get-or-set's hard timeout".to_string(),
+            )),
+            Outcome::Stale(_) => {
+                self.value = std::mem::take(&mut self.stale);
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Fills L1 until the machine's deadline. A tagged value is judged first: its tags
+    /// may have been invalidated since its load began.
+    fn fill_l1(&self, until_ms: u64, refresh_at_ms: Option<u64>, stale_served: bool) {
+        let until_ms = match (&self.tagged, stale_served) {
+            (Some(t), false) => match judge(Some(t), &UNBOUNDED, now_ms()) {
+                Ok((Verdict::Untouched, until)) => tags::l1_until(until_ms, &[until, self.tags_until]),
+                _ => return,
+            },
+            _ => until_ms,
+        };
+        let tagged = if stale_served {
+            None
+        } else {
+            self.tagged.as_ref().map(tagged_out)
+        };
+        l1::set(
+            self.key,
+            &l1::L1Entry {
+                value: self.value.clone(),
+                until_ms,
+                stale: stale_served,
+                refresh_at_ms,
+                tagged,
+            },
+        );
+    }
+}
