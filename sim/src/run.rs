@@ -298,9 +298,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
                 .lockstep()
                 .build()
                 .expect("a simulated portable process");
-            // The portable body hears no other process's announcements (its L1 is not
-            // invalidated by them, contract §5.12): the native cache's hook goes.
-            *world.procs[p].hook.lock() = None;
+            // Its hook replaced the native cache's: the portable L1 hears the others.
             Body::Portable(portable)
         } else {
             Body::Native(native)
@@ -744,10 +742,6 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             });
             if paused {
                 w.excuse("stale-after-pause", what);
-            } else if s.portable && lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back {
-                // The portable body's L1 hears no other process's writes, and its fills
-                // are not fenced (open points of contract §5.12): up to its L1 TTL.
-                w.excuse("stale-portable-l1", what);
             } else if gap {
                 w.excuse("stale-after-lost-notification", what);
             } else {

@@ -773,10 +773,9 @@ impl Entries for Conn {
 
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, corral::Result<()>> {
         let name = key.to_owned();
-        let portable = self.world.scenario.portable;
         self.call("set", key, move |st, now, p| {
             let s = format!("{:?}", tag_of(&bytes));
-            check_fill_over(st, &name, &bytes, now, Some(portable));
+            check_fill_over(st, &name, &bytes, now, true);
             st.write(p, &name, bytes, ttl_ms, now, false);
             ((), format!("ok {s}"))
         })
@@ -815,7 +814,7 @@ impl Entries for Conn {
             let unchanged = broken || current == expected;
             let s = format!("{:?}", tag_of(&bytes));
             if unchanged {
-                check_fill_over(st, &n, &bytes, now, None);
+                check_fill_over(st, &n, &bytes, now, false);
                 st.write(p, &n, bytes, ttl_ms, now, true);
             }
             (
@@ -881,10 +880,9 @@ impl Entries for Conn {
 /// (Removals are unique, so a compare-and-set never mistakes a newer tombstone for the
 /// one its read found: the simulator found that bug when they were all alike.)
 ///
-/// `plain` for a load written with a plain set: the native body never does that (it
-/// has no bypass in the workload); the portable body does (its fills are not fenced yet,
-/// an open point of contract §5.12), which is excused and counted.
-fn check_fill_over(st: &mut State, name: &str, bytes: &Bytes, now: u64, plain: Option<bool>) {
+/// `plain` for a load written with a plain set: neither body does that (the workload
+/// has no bypass), so it is a violation too.
+fn check_fill_over(st: &mut State, name: &str, bytes: &Bytes, now: u64, plain: bool) {
     let Tag::Value(value) = tag_of(bytes) else {
         return;
     };
@@ -904,16 +902,11 @@ fn check_fill_over(st: &mut State, name: &str, bytes: &Bytes, now: u64, plain: O
             "{value} (load began {started}) overwrote {:?} written at {}{}",
             last.kind,
             last.t,
-            if plain.is_some() { " with a plain set" } else { "" }
+            if plain { " with a plain set" } else { "" }
         );
-        if plain == Some(true) {
-            let _ = writeln!(st.trace, "{now:>6} excused unfenced-fill-portable: {what}");
-            *st.excused.entry("unfenced-fill-portable").or_default() += 1;
-        } else {
-            let what = format!("fenced-fill: {what}");
-            let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
-            st.violations.push(what);
-        }
+        let what = format!("fenced-fill: {what}");
+        let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
+        st.violations.push(what);
     }
 }
 

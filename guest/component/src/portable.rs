@@ -269,6 +269,11 @@ fn l1_entry(key: &str, now: u64, stale_ok: bool) -> Result<Option<l1::L1Entry>, 
     Ok(Some(e))
 }
 
+/// Whether two L1 entries are the same copy (a refresh's disarming replaces only it).
+fn same_copy(a: &l1::L1Entry, b: &l1::L1Entry) -> bool {
+    a.until_ms == b.until_ms && a.refresh_at_ms == b.refresh_at_ms && a.stale == b.stale && a.value == b.value
+}
+
 /// Metadata that makes a tag judgement say only whether any tag touches an entry.
 const UNBOUNDED: EntryMeta = EntryMeta {
     absolute_ms: None,
@@ -289,26 +294,50 @@ fn refresh(key: &str, options: types::EntryOptions, settings: &Settings, tag_lis
     else {
         return;
     };
+    let named = l1::ticket(key);
     if let Ok(names) = locate(key, &settings.limits) {
-        let _ = Driver::new(key, &names, &settings.limits, tag_list).run(flight, action);
+        let _ = Driver::new(key, &names, named, &settings.limits, tag_list).run(flight, action);
     }
 }
 
-fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, tagged: Option<&Tagged>, tags_until: u64, now: u64) {
+/// How a value reaches L1, with the ticket taken before the L2 step it comes from
+/// (contract §5.12).
+#[derive(Clone, Copy)]
+enum L1Fill {
+    /// A read found it: no write of the key since may be overwritten.
+    Read(l1::L1Ticket),
+    /// This process wrote it to L2: it replaces any older fill, unless the key was
+    /// written again since.
+    Write(l1::L1Ticket),
+}
+
+/// A ticket of `key` as of now, but as of `named` for changes of the prefix's
+/// generation: the entry was named in the generation known then.
+fn ticket_since(key: &str, named: l1::L1Ticket) -> l1::L1Ticket {
+    l1::L1Ticket {
+        generations: named.generations,
+        ..l1::ticket(key)
+    }
+}
+
+fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, tagged: Option<&Tagged>, tags_until: u64, how: L1Fill) {
     let until_ms = tags::l1_until(
-        flight::l1_deadline(meta, now, settings().l1_ttl_ms),
+        flight::l1_deadline(meta, now_ms(), settings().l1_ttl_ms),
         &[tags_until],
     );
-    l1::set(
-        key,
-        &l1::L1Entry {
-            value: value.to_vec(),
-            until_ms,
-            stale: false,
-            refresh_at_ms: None,
-            tagged: tagged.map(tagged_out),
-        },
-    );
+    let entry = l1::L1Entry {
+        value: value.to_vec(),
+        until_ms,
+        stale: false,
+        refresh_at_ms: None,
+        tagged: tagged.map(tagged_out),
+    };
+    match how {
+        L1Fill::Read(ticket) => {
+            l1::fill(key, &entry, ticket);
+        }
+        L1Fill::Write(ticket) => l1::set(key, &entry, ticket),
+    }
 }
 
 /// Moves `tag`'s moment (a removal or an expiry) to now, only over the bytes read.
@@ -343,6 +372,37 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
     )))
 }
 
+/// An expiry of the entry `names` names (contract §6b.4): a stale rewrite only over the
+/// bytes read, a few tries over a concurrent writer; then a removal, which wins.
+fn expire_named(names: &names::Names, settings: &Settings) -> Result<bool, types::Error> {
+    let remove = |was_fresh: bool| {
+        let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
+        l2::set(&names.entry, &tombstone, ttl_ms)?;
+        Ok(was_fresh)
+    };
+    // A few tries over what a concurrent writer leaves; then a removal, which wins.
+    for _ in 0..3 {
+        let Some(stored) = l2::get(&names.entry)? else {
+            return remove(false);
+        };
+        match policy::expire(&stored, stored.len() as u64, now_ms(), &settings.limits) {
+            policy::Expire::Rewrite {
+                was_fresh,
+                header,
+                store_ttl_ms,
+                value_offset,
+            } => {
+                let expired = envelope::splice(&header, &stored[value_offset..]);
+                if l2::replace_if_equal(&names.entry, &stored, &expired, store_ttl_ms)? {
+                    return Ok(was_fresh);
+                }
+            }
+            policy::Expire::Remove { was_fresh } => return remove(was_fresh),
+        }
+    }
+    remove(false)
+}
+
 fn check_tags(tag_list: &[String]) -> Result<(), types::Error> {
     tags::check(tag_list).map_err(arg_error)
 }
@@ -365,11 +425,14 @@ impl wcache::Guest for Component {
             return Ok(Some(v));
         }
         let limits = settings().limits;
+        // Before the entry is named: a clear after it (another generation) refuses the fill.
+        let ticket = l1::ticket(&key);
         let names = locate(&key, &limits)?;
+        let ticket = ticket_since(&key, ticket);
         Ok(l2_read(&names.entry, now, &limits)?
             .fresh()
             .map(|(value, meta, tagged, until)| {
-                fill_l1(&key, &value, &meta, tagged.as_ref(), until, now);
+                fill_l1(&key, &value, &meta, tagged.as_ref(), until, L1Fill::Read(ticket));
                 value
             }))
     }
@@ -401,12 +464,30 @@ impl wcache::Guest for Component {
         };
         let (header, ttl) =
             policy::tag_plan(&plan.header, plan.store_ttl_ms, &tagged, now, &limits).map_err(arg_error)?;
+        let named = l1::ticket(&key);
         let names = locate(&key, &limits)?;
+        // This process stops serving the old value before the store changes.
+        l1::delete(&key);
+        let ticket = ticket_since(&key, named);
         let stored = envelope::splice(&header, &value);
-        l2::set(&names.entry, &stored, ttl)?;
+        if let Err(e) = l2::set(&names.entry, &stored, ttl) {
+            // The write may have landed all the same: the other processes drop their copy.
+            l2::announce_landing(&key);
+            return Err(e);
+        }
+        l2::announce_landing(&key);
         let tagged = (!tagged.tags.is_empty()).then_some(tagged);
         match judge(tagged.as_ref(), &plan.meta, now)? {
-            (Verdict::Untouched, until) => fill_l1(&key, &value, &plan.meta, tagged.as_ref(), until, now),
+            (Verdict::Untouched, until) => {
+                fill_l1(
+                    &key,
+                    &value,
+                    &plan.meta,
+                    tagged.as_ref(),
+                    until,
+                    L1Fill::Write(ticket),
+                );
+            }
             _ => l1::delete(&key),
         }
         Ok(())
@@ -463,8 +544,11 @@ impl wcache::Guest for Component {
             .fresh()
             .is_some();
         let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
-        l2::set(&names.entry, &tombstone, ttl_ms)?;
-        Ok(held)
+        let written = l2::set(&names.entry, &tombstone, ttl_ms);
+        // Even when the write failed (it may have landed): the other processes drop
+        // their copy.
+        l2::announce_landing(&key);
+        written.map(|()| held)
     }
 
     fn expire(key: String) -> Result<bool, types::Error> {
@@ -473,32 +557,9 @@ impl wcache::Guest for Component {
         corral_core::key::validate(&key, &settings.limits).map_err(arg_error)?;
         l1::delete(&key);
         let names = locate(&key, &settings.limits)?;
-        let remove = |was_fresh: bool| {
-            let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
-            l2::set(&names.entry, &tombstone, ttl_ms)?;
-            Ok(was_fresh)
-        };
-        // A few tries over what a concurrent writer leaves; then a removal, which wins.
-        for _ in 0..3 {
-            let Some(stored) = l2::get(&names.entry)? else {
-                return remove(false);
-            };
-            match policy::expire(&stored, stored.len() as u64, now_ms(), &settings.limits) {
-                policy::Expire::Rewrite {
-                    was_fresh,
-                    header,
-                    store_ttl_ms,
-                    value_offset,
-                } => {
-                    let expired = envelope::splice(&header, &stored[value_offset..]);
-                    if l2::replace_if_equal(&names.entry, &stored, &expired, store_ttl_ms)? {
-                        return Ok(was_fresh);
-                    }
-                }
-                policy::Expire::Remove { was_fresh } => return remove(was_fresh),
-            }
-        }
-        remove(false)
+        let expired = expire_named(&names, &settings);
+        l2::announce_landing(&key);
+        expired
     }
 
     fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
@@ -515,14 +576,16 @@ impl wcache::Guest for Component {
         let now = now_ms();
         if !bypass && let Some(entry) = l1_entry(&key, now, true)? {
             if entry.refresh_at_ms.is_some_and(|at| now >= at) {
-                // Disarmed first: this copy starts no other refresh.
-                l1::set(
-                    &key,
-                    &l1::L1Entry {
+                // Disarmed first: this copy starts no other refresh. Not a write: only
+                // over the very copy read, and refused if the key is written meanwhile.
+                let ticket = l1::ticket(&key);
+                if l1::get(&key).is_some_and(|again| same_copy(&again, &entry)) {
+                    let disarmed = l1::L1Entry {
                         refresh_at_ms: None,
                         ..entry.clone()
-                    },
-                );
+                    };
+                    l1::fill(&key, &disarmed, ticket);
+                }
                 refresh(&key, options, &settings, &tag_list);
             }
             return Ok(entry.value);
@@ -538,8 +601,9 @@ impl wcache::Guest for Component {
             )
             .map_err(arg_error)?;
             check_tags(&tag_list)?;
+            let named = l1::ticket(&key);
             let names = locate_for_flight(&key, &settings.limits)?;
-            let mut driver = Driver::new(&key, &names, &settings.limits, &tag_list);
+            let mut driver = Driver::new(&key, &names, named, &settings.limits, &tag_list);
             let out = driver.run(flight, action);
             refresh_due = driver.refresh_due();
             out

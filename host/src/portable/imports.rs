@@ -33,6 +33,7 @@ use crate::guest::bindings::corral::lock::table;
 use crate::guest::bindings::corral::lock::types::Held;
 use crate::guest::convert::to_wit;
 use crate::store::Stores;
+use crate::store::l1::Ticket;
 
 /// What a flight's followers get in the portable body: what `flights.finish` passed.
 pub(crate) type WitOutcome = Result<Vec<u8>, types::Error>;
@@ -46,7 +47,10 @@ pub(crate) type ShouldCache = Box<dyn Fn(&[u8]) -> bool + Send>;
 pub(crate) struct Backend {
     pub(crate) runtime: tokio::runtime::Handle,
     pub(crate) clock: Arc<dyn Clock>,
-    pub(crate) l1: moka::sync::Cache<String, l1::L1Entry>,
+    /// The `l1` import's tier: the native body's L1 with its fencing, holding the
+    /// guest's own record. Another process's announced change drops its key; a gap in
+    /// the announcements drops everything ([`l1_invalidation`]).
+    pub(crate) l1: crate::store::l1::L1<l1::L1Entry>,
     pub(crate) stores: Stores,
     pub(crate) registry: Registry<WitOutcome>,
     /// The `lock` export's table: a [`MemoryLocks`](crate::locks::MemoryLocks), whose
@@ -268,21 +272,47 @@ impl types::Host for &mut PortableState {}
 
 impl crate::guest::bindings::corral::lock::types::Host for &mut PortableState {}
 
+/// What the portable body's L1 does with other processes' announcements: as the native
+/// body's L1 does, the key named is dropped, and a gap drops everything.
+pub(crate) fn l1_invalidation(l1: crate::store::l1::L1<l1::L1Entry>) -> crate::store::ForeignHook {
+    Arc::new(move |key: Option<String>| match key {
+        Some(key) => l1.remove(&key),
+        None => l1.clear(),
+    })
+}
+
+fn ticket_in(t: l1::L1Ticket) -> Ticket {
+    Ticket::from_parts([t.flushes, t.generations, t.writes])
+}
+
 impl l1::Host for &mut PortableState {
-    fn get(&mut self, key: String) -> Option<l1::L1Entry> {
-        self.backend.l1.get(&key)
+    fn ticket(&mut self, key: String) -> l1::L1Ticket {
+        let [flushes, generations, writes] = self.backend.l1.ticket(&key).parts();
+        l1::L1Ticket {
+            flushes,
+            generations,
+            writes,
+        }
     }
 
-    fn set(&mut self, key: String, entry: l1::L1Entry) {
-        self.backend.l1.insert(key, entry);
+    fn get(&mut self, key: String) -> Option<l1::L1Entry> {
+        self.backend.l1.peek(&key)
+    }
+
+    fn fill(&mut self, key: String, entry: l1::L1Entry, since: l1::L1Ticket) -> bool {
+        self.backend.l1.fill_entry(&key, entry, ticket_in(since))
+    }
+
+    fn set(&mut self, key: String, entry: l1::L1Entry, since: l1::L1Ticket) {
+        self.backend.l1.insert_entry(&key, entry, ticket_in(since));
     }
 
     fn delete(&mut self, key: String) {
-        self.backend.l1.invalidate(&key);
+        self.backend.l1.remove(&key);
     }
 
     fn clear(&mut self) {
-        self.backend.l1.invalidate_all();
+        self.backend.l1.clear_generation();
     }
 }
 

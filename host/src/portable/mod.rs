@@ -254,6 +254,10 @@ impl PortableBuilder {
         };
         let loaded = loaded()?;
         let table = crate::locks::MemoryLocks::from_parts(policy.clone(), self.clock.clone());
+        let l1 = crate::store::l1::L1::new(settings.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
+        stores
+            .notifications
+            .on_foreign(imports::l1_invalidation(l1.clone()));
         let cache = PortableCache {
             inner: Arc::new(PortableInner {
                 lockstep: self.lockstep,
@@ -262,9 +266,7 @@ impl PortableBuilder {
                 backend: Arc::new(Backend {
                     runtime: tokio::runtime::Handle::current(),
                     clock: self.clock,
-                    l1: moka::sync::Cache::builder()
-                        .max_capacity(settings.l1_capacity)
-                        .build(),
+                    l1,
                     stores,
                     registry: Default::default(),
                     table,

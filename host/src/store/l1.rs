@@ -51,6 +51,23 @@ pub(crate) struct Ticket {
     key: u64,
 }
 
+impl Ticket {
+    /// Its counts, for a body that carries it across the component boundary: the
+    /// flushes of all of L1, the changes of generation, the writes of the key's stripe.
+    pub(crate) fn parts(self) -> [u64; 3] {
+        [self.all, self.generations, self.key]
+    }
+
+    /// A ticket [`parts`](Self::parts) gave.
+    pub(crate) fn from_parts([all, generations, key]: [u64; 3]) -> Self {
+        Ticket {
+            all,
+            generations,
+            key,
+        }
+    }
+}
+
 /// A removal's watch of its key ([`L1::watch_removal`]).
 #[derive(Debug)]
 pub(crate) struct RemovalWatch {
@@ -78,10 +95,30 @@ impl Drop for RemovalWatch {
     }
 }
 
-#[derive(Clone, Debug)]
-pub(crate) struct L1 {
-    cache: Option<Cache<String, L1Entry>>,
+/// The tier: moka's cache of `V` (the native body's [`L1Entry`], or the portable body's
+/// own record) and the epochs that fence its fills. Every fencing rule is written here,
+/// once, for both bodies; only the native body's reads know its entry's fields.
+pub(crate) struct L1<V = L1Entry> {
+    cache: Option<Cache<String, V>>,
     epochs: Arc<Epochs>,
+}
+
+impl<V: Clone + Send + Sync + 'static> Clone for L1<V> {
+    fn clone(&self) -> Self {
+        L1 {
+            cache: self.cache.clone(),
+            epochs: self.epochs.clone(),
+        }
+    }
+}
+
+impl<V> std::fmt::Debug for L1<V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("L1")
+            .field("on", &self.cache.is_some())
+            .field("epochs", &self.epochs)
+            .finish()
+    }
 }
 
 #[derive(Debug)]
@@ -130,7 +167,7 @@ impl Epochs {
     }
 }
 
-impl L1 {
+impl<V: Clone + Send + Sync + 'static> L1<V> {
     pub(crate) fn new(capacity: u64, ttl: Duration) -> Self {
         L1 {
             cache: (capacity > 0).then(|| Cache::builder().max_capacity(capacity).time_to_live(ttl).build()),
@@ -152,6 +189,139 @@ impl L1 {
         self.cache.is_some()
     }
 
+    /// Taken before reading L2 for a later [`fill`](Self::fill).
+    pub(crate) fn ticket(&self, key: &str) -> Ticket {
+        self.epochs.ticket(key)
+    }
+
+    /// A ticket for `key` as of now, but as of `earlier` for changes of the prefix's
+    /// generation: a caller that named its entry in the store (in the generation then,
+    /// contract §6b.5) after `earlier` never fills L1 across a `clear()` that moved the
+    /// prefix to another generation meanwhile.
+    pub(crate) fn ticket_since(&self, key: &str, earlier: Ticket) -> Ticket {
+        Ticket {
+            generations: earlier.generations,
+            ..self.epochs.ticket(key)
+        }
+    }
+
+    /// As [`fill`](Self::fill), with the whole entry (a stale copy, a refresh moment).
+    pub(crate) fn fill_entry(&self, key: &str, entry: V, ticket: Ticket) -> bool {
+        let Some(cache) = &self.cache else {
+            return false;
+        };
+        let epochs = &self.epochs;
+        let outcome = cache.entry_by_ref(key).and_compute_with(|_| {
+            if epochs.ticket(key) == ticket {
+                Op::Put(entry)
+            } else {
+                Op::Nop
+            }
+        });
+        !matches!(
+            outcome,
+            moka::ops::compute::CompResult::StillNone(_) | moka::ops::compute::CompResult::Unchanged(_)
+        )
+    }
+
+    /// Writes `key` after a set in this process wrote L2, `ticket` taken before that
+    /// write: newer than any fill in progress (they are refused); but if the key was
+    /// written again in this process since the ticket (another set, an invalidation from
+    /// another process), this value may be older than that one, and the key is dropped
+    /// instead.
+    pub(crate) fn insert_entry(&self, key: &str, entry: V, ticket: Ticket) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        let epochs = &self.epochs;
+        cache.entry_by_ref(key).and_compute_with(|_| {
+            // Writes of this key since the ticket, or a new generation since the entry
+            // was named (it was written under an older generation's name): dropped. A
+            // mere flush (announcements may have been missed) does not matter: this
+            // value was just written to L2 by this process.
+            let now = epochs.ticket(key);
+            let unchanged = now.key == ticket.key && now.generations == ticket.generations;
+            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
+            if unchanged { Op::Put(entry) } else { Op::Remove }
+        });
+    }
+
+    /// The entry under `key`, as stored (no judgement of its deadline).
+    pub(crate) fn peek(&self, key: &str) -> Option<V> {
+        self.cache.as_ref()?.get(key)
+    }
+
+    /// Drops `key` (a write of it in this process, or another process's write heard
+    /// here): newer than any fill in progress, and the end of a removal's retry that
+    /// watches the key ([`watch_removal`](Self::watch_removal)).
+    pub(crate) fn remove(&self, key: &str) {
+        self.epochs.unwatch(key);
+        self.write(key, None);
+    }
+
+    /// Drops `key`'s copy and refuses fills in progress, as [`remove`](Self::remove),
+    /// but ends no watch: what a removal's retry does once its tombstone is there.
+    pub(crate) fn drop_copy(&self, key: &str) {
+        self.write(key, None);
+    }
+
+    /// Watches `key` for a removal whose tombstone may not have been written (contract
+    /// §5.12): the watch stays current until the key is written again in this process
+    /// (`set`, `remove`, `expire`), another process's write of it is heard here, the
+    /// key is watched again (a newer removal), or the prefix moves to another
+    /// generation. A flush of all of L1 (announcements that may have been missed) does
+    /// not end it. Dropping the watch ends it.
+    pub(crate) fn watch_removal(&self, key: &str) -> RemovalWatch {
+        let epochs = &self.epochs;
+        let id = epochs.next_removal.fetch_add(1, Ordering::Relaxed);
+        let mut removals = epochs.removals.lock();
+        removals.insert(key.to_owned(), id);
+        epochs.removals_watched.store(removals.len(), Ordering::SeqCst);
+        RemovalWatch {
+            epochs: self.epochs.clone(),
+            key: key.to_owned(),
+            id,
+        }
+    }
+
+    fn write(&self, key: &str, entry: Option<V>) {
+        let epochs = &self.epochs;
+        let Some(cache) = &self.cache else {
+            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
+            return;
+        };
+        cache.entry_by_ref(key).and_compute_with(|_| {
+            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
+            match entry {
+                Some(entry) => Op::Put(entry),
+                None => Op::Remove,
+            }
+        });
+    }
+
+    /// Drops every entry; fills in progress are refused.
+    /// Empties L1 because the prefix moved to another generation (a `clear()`, here or
+    /// announced): fills and writes that named their entries before it are refused.
+    pub(crate) fn clear_generation(&self) {
+        self.epochs.generations.fetch_add(1, Ordering::AcqRel);
+        {
+            // Every entry named before is gone: no removal is left to retry.
+            let mut removals = self.epochs.removals.lock();
+            removals.clear();
+            self.epochs.removals_watched.store(0, Ordering::SeqCst);
+        }
+        self.clear();
+    }
+
+    pub(crate) fn clear(&self) {
+        self.epochs.all.fetch_add(1, Ordering::AcqRel);
+        if let Some(cache) = &self.cache {
+            cache.invalidate_all();
+        }
+    }
+}
+
+impl L1<L1Entry> {
     /// The value of `key` if the deadline the guest issued has not passed at `now_ms`.
     /// A stale copy fail-safe re-armed is not returned: only a get-or-set serves one
     /// ([`get_served`](Self::get_served)).
@@ -204,22 +374,6 @@ impl L1 {
         }
     }
 
-    /// Taken before reading L2 for a later [`fill`](Self::fill).
-    pub(crate) fn ticket(&self, key: &str) -> Ticket {
-        self.epochs.ticket(key)
-    }
-
-    /// A ticket for `key` as of now, but as of `earlier` for changes of the prefix's
-    /// generation: a caller that named its entry in the store (in the generation then,
-    /// contract §6b.5) after `earlier` never fills L1 across a `clear()` that moved the
-    /// prefix to another generation meanwhile.
-    pub(crate) fn ticket_since(&self, key: &str, earlier: Ticket) -> Ticket {
-        Ticket {
-            generations: earlier.generations,
-            ..self.epochs.ticket(key)
-        }
-    }
-
     /// Fills `key` with what was read after `ticket`, unless the key was written in
     /// this process since; says whether it filled.
     pub(crate) fn fill(
@@ -243,124 +397,16 @@ impl L1 {
         )
     }
 
-    /// As [`fill`](Self::fill), with the whole entry (a stale copy, a refresh moment).
-    pub(crate) fn fill_entry(&self, key: &str, entry: L1Entry, ticket: Ticket) -> bool {
-        let Some(cache) = &self.cache else {
-            return false;
-        };
-        let epochs = &self.epochs;
-        let outcome = cache.entry_by_ref(key).and_compute_with(|_| {
-            if epochs.ticket(key) == ticket {
-                Op::Put(entry)
-            } else {
-                Op::Nop
-            }
-        });
-        !matches!(
-            outcome,
-            moka::ops::compute::CompResult::StillNone(_) | moka::ops::compute::CompResult::Unchanged(_)
-        )
-    }
-
-    /// Writes `key` after a set in this process wrote L2, `ticket` taken before that
-    /// write: newer than any fill in progress (they are refused); but if the key was
-    /// written again in this process since the ticket (another set, an invalidation from
-    /// another process), this value may be older than that one, and the key is dropped
-    /// instead.
+    /// As [`insert_entry`](Self::insert_entry), for a fresh value.
     pub(crate) fn insert(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket, tagged: L1Tagged) {
-        let Some(cache) = &self.cache else {
-            return;
+        let entry = L1Entry {
+            value,
+            until_ms,
+            stale: false,
+            refresh_at_ms: None,
+            tagged,
         };
-        let epochs = &self.epochs;
-        cache.entry_by_ref(key).and_compute_with(|_| {
-            // Writes of this key since the ticket, or a new generation since the entry
-            // was named (it was written under an older generation's name): dropped. A
-            // mere flush (announcements may have been missed) does not matter: this
-            // value was just written to L2 by this process.
-            let now = epochs.ticket(key);
-            let unchanged = now.key == ticket.key && now.generations == ticket.generations;
-            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
-            if unchanged {
-                Op::Put(L1Entry {
-                    value,
-                    until_ms,
-                    stale: false,
-                    refresh_at_ms: None,
-                    tagged,
-                })
-            } else {
-                Op::Remove
-            }
-        });
-    }
-
-    /// Drops `key` (a write of it in this process, or another process's write heard
-    /// here): newer than any fill in progress, and the end of a removal's retry that
-    /// watches the key ([`watch_removal`](Self::watch_removal)).
-    pub(crate) fn remove(&self, key: &str) {
-        self.epochs.unwatch(key);
-        self.write(key, None);
-    }
-
-    /// Drops `key`'s copy and refuses fills in progress, as [`remove`](Self::remove),
-    /// but ends no watch: what a removal's retry does once its tombstone is there.
-    pub(crate) fn drop_copy(&self, key: &str) {
-        self.write(key, None);
-    }
-
-    /// Watches `key` for a removal whose tombstone may not have been written (contract
-    /// §5.12): the watch stays current until the key is written again in this process
-    /// (`set`, `remove`, `expire`), another process's write of it is heard here, the
-    /// key is watched again (a newer removal), or the prefix moves to another
-    /// generation. A flush of all of L1 (announcements that may have been missed) does
-    /// not end it. Dropping the watch ends it.
-    pub(crate) fn watch_removal(&self, key: &str) -> RemovalWatch {
-        let epochs = &self.epochs;
-        let id = epochs.next_removal.fetch_add(1, Ordering::Relaxed);
-        let mut removals = epochs.removals.lock();
-        removals.insert(key.to_owned(), id);
-        epochs.removals_watched.store(removals.len(), Ordering::SeqCst);
-        RemovalWatch {
-            epochs: self.epochs.clone(),
-            key: key.to_owned(),
-            id,
-        }
-    }
-
-    fn write(&self, key: &str, entry: Option<L1Entry>) {
-        let epochs = &self.epochs;
-        let Some(cache) = &self.cache else {
-            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
-            return;
-        };
-        cache.entry_by_ref(key).and_compute_with(|_| {
-            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
-            match entry {
-                Some(entry) => Op::Put(entry),
-                None => Op::Remove,
-            }
-        });
-    }
-
-    /// Drops every entry; fills in progress are refused.
-    /// Empties L1 because the prefix moved to another generation (a `clear()`, here or
-    /// announced): fills and writes that named their entries before it are refused.
-    pub(crate) fn clear_generation(&self) {
-        self.epochs.generations.fetch_add(1, Ordering::AcqRel);
-        {
-            // Every entry named before is gone: no removal is left to retry.
-            let mut removals = self.epochs.removals.lock();
-            removals.clear();
-            self.epochs.removals_watched.store(0, Ordering::SeqCst);
-        }
-        self.clear();
-    }
-
-    pub(crate) fn clear(&self) {
-        self.epochs.all.fetch_add(1, Ordering::AcqRel);
-        if let Some(cache) = &self.cache {
-            cache.invalidate_all();
-        }
+        self.insert_entry(key, entry, ticket);
     }
 }
 
@@ -400,7 +446,7 @@ mod tests {
     #[test]
     fn a_removal_watch_ends_with_a_write_of_its_key_or_a_newer_watch() {
         for l1 in [
-            L1::new(100, Duration::from_secs(60)),
+            L1::<L1Entry>::new(100, Duration::from_secs(60)),
             L1::new(0, Duration::from_secs(60)),
         ] {
             let watch = l1.watch_removal("k");

@@ -254,7 +254,14 @@ impl Notifications for RedisNotifications {
     }
 
     fn on_foreign(&self, hook: ForeignHook) {
-        let _ = self.shared.on_foreign.set(hook);
+        let shared = &self.shared;
+        if shared.on_foreign.set(hook).is_ok() && shared.live.load(Ordering::SeqCst) {
+            // Subscribed before the hook was there: what was heard meanwhile went
+            // nowhere, so the hook hears of a gap, as after any (re)subscription.
+            if let Some(hook) = shared.on_foreign.get() {
+                hook(None);
+            }
+        }
     }
 
     fn publish_invalidation<'a>(&'a self, text: &'a str) -> BoxFuture<'a, Result<()>> {

@@ -63,7 +63,13 @@ async function transpiled(bytes) {
  * the imports of the instance of `caller` (MAIN, or a together step's caller index).
  */
 function newHost() {
-  const state = { now: T0, l1: new Map(), l2: new Map(), locks: new Map(), table: new Map(), seq: 0, script: null };
+  const state = {
+    now: T0, l1: new Map(), l2: new Map(), locks: new Map(), table: new Map(), seq: 0, script: null,
+    // L1's fencing (WIT `l1-ticket`): flushes, changes of generation, writes per key.
+    flushes: 0n, generations: 0n, writes: new Map(),
+  };
+  const ticket = (key) => ({ flushes: state.flushes, generations: state.generations, writes: state.writes.get(key) ?? 0n });
+  const wrote = (key) => state.writes.set(key, (state.writes.get(key) ?? 0n) + 1n);
   // key -> { leader, waiting: [{ caller, resolve }] }: at most one flight per key.
   const flights = new Map();
   // Held-back answers: each gate settles its answer once its condition holds, and says whether it did.
@@ -119,10 +125,24 @@ function newHost() {
 
   const imports = (caller) => ({
     'corral:cache/l1': {
+      ticket: (key) => ticket(key),
       get: (key) => state.l1.get(key),
-      set: (key, entry) => { state.l1.set(key, entry); },
-      delete: (key) => { state.l1.delete(key); },
-      clear: () => { state.l1.clear(); },
+      // A read's fill: only if nothing was written or cleared since the ticket.
+      fill: (key, entry, since) => {
+        const now = ticket(key);
+        if (now.flushes !== since.flushes || now.generations !== since.generations || now.writes !== since.writes) return false;
+        state.l1.set(key, entry);
+        return true;
+      },
+      // This process's own write: replaces fills, unless the key was written again since.
+      set: (key, entry, since) => {
+        const now = ticket(key);
+        wrote(key);
+        if (now.generations === since.generations && now.writes === since.writes) state.l1.set(key, entry);
+        else state.l1.delete(key);
+      },
+      delete: (key) => { wrote(key); state.l1.delete(key); },
+      clear: () => { state.generations += 1n; state.flushes += 1n; state.l1.clear(); },
     },
     'corral:cache/l2': {
       get: (key) => state.l2.get(key),

@@ -6,6 +6,7 @@ mod contract;
 mod edges;
 mod freshness;
 mod locks;
+mod portable;
 mod proxy;
 mod single_flight;
 mod sliding;

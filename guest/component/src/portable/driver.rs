@@ -9,7 +9,7 @@ use corral_core::flight::{Action, Event, Flight, Outcome};
 use corral_core::tags::{self, Tagged, Verdict};
 use corral_core::{Limits, envelope, names, policy};
 
-use super::{Found, UNBOUNDED, judge, l2_read_holding, now_ms, tagged_out};
+use super::{Found, UNBOUNDED, judge, l2_read_holding, now_ms, tagged_out, ticket_since};
 use crate::bindings::corral::cache::{l1, l2, loader, types};
 
 /// One flight in progress over the imports: the performer of its actions and its
@@ -31,6 +31,10 @@ pub(super) struct Driver<'a> {
     load_began: u64,
     /// The stale copy the last read found (fail-safe).
     stale: Vec<u8>,
+    /// This process's writes of the key as of the names, and as of the last L2 step:
+    /// L1 is filled only if none came since (contract §5.12).
+    named: l1::L1Ticket,
+    l1_ticket: l1::L1Ticket,
     /// The flight lock's owner token, while this flight holds it.
     owner: Option<String>,
     loader_error: String,
@@ -42,13 +46,17 @@ pub(super) struct Driver<'a> {
 }
 
 impl<'a> Driver<'a> {
+    /// `named`: the key's ticket taken before `names` were.
     pub(super) fn new(
         key: &'a str,
         names: &'a names::Names,
+        named: l1::L1Ticket,
         limits: &'a Limits,
         tag_list: &'a [String],
     ) -> Self {
         Driver {
+            named,
+            l1_ticket: named,
             key,
             names,
             limits,
@@ -118,6 +126,7 @@ impl<'a> Driver<'a> {
     }
 
     fn read_l2(&mut self) -> Event {
+        self.l1_ticket = ticket_since(self.key, self.named);
         let Ok((found, held)) = l2_read_holding(&self.names.entry, now_ms(), self.limits) else {
             return Event::L2Failed;
         };
@@ -179,6 +188,7 @@ impl<'a> Driver<'a> {
             return Event::L2WriteFailed;
         };
         let stored = envelope::splice(&header, &self.value);
+        self.l1_ticket = ticket_since(self.key, self.named);
         if !self.tag_list.is_empty() {
             self.tagged = Some(loaded);
             self.tags_until = u64::MAX;
@@ -233,15 +243,13 @@ impl<'a> Driver<'a> {
         } else {
             self.tagged.as_ref().map(tagged_out)
         };
-        l1::set(
-            self.key,
-            &l1::L1Entry {
-                value: self.value.clone(),
-                until_ms,
-                stale: stale_served,
-                refresh_at_ms,
-                tagged,
-            },
-        );
+        let entry = l1::L1Entry {
+            value: self.value.clone(),
+            until_ms,
+            stale: stale_served,
+            refresh_at_ms,
+            tagged,
+        };
+        l1::fill(self.key, &entry, self.l1_ticket);
     }
 }

@@ -1,0 +1,218 @@
+//! The portable body's L1 keeps the native body's promises (contract §5.12): it hears
+//! other processes' changes, and a read's fill never lands over a newer write of this
+//! process.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use bytes::Bytes;
+use corral::portable::PortableCache;
+use corral::store::memory::MemoryStore;
+use corral::store::{Entries, FlightLock, Notifications};
+use corral::{Corral, EntryOptions};
+use corral_tests::RedisServer;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use tokio::sync::Notify;
+
+const SEC: Duration = Duration::from_secs(1);
+
+/// Polls `check` every 10 ms until it holds, for at most `within`.
+async fn until(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Result<bool>) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + within;
+    while !check().await? {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "{what} (after {within:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+/// A native process's `set` reaches a portable process's L1, and the other way round:
+/// each drops its copy when it hears of the other's write, well before its L1 TTL (an
+/// hour here). Before, the portable body's L1 heard nothing and its writes announced
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_portable_l1_hears_other_processes_and_is_heard() -> Result<()> {
+    let server = RedisServer::start()?;
+    let hour = Duration::from_secs(3600);
+    let portable = PortableCache::builder()
+        .redis_options(corral::RedisOptions::new(server.url()))
+        .l1_ttl(hour)
+        .build()?;
+    let native = Corral::builder().redis(server.url()).l1_ttl(hour).build()?;
+    // Both subscribed: a probe each way is heard.
+    until(
+        10 * SEC,
+        "the native process never heard the portable one",
+        async || {
+            portable.set("probe", "p", EntryOptions::new()).await?;
+            native.get("probe").await?;
+            portable.set("probe", "q", EntryOptions::new()).await?;
+            Ok(native.get("probe").await?.as_deref() == Some(&b"q"[..]))
+        },
+    )
+    .await?;
+
+    native.set("k", "v1", EntryOptions::new()).await?;
+    assert_eq!(
+        portable.get("k").await?.as_deref(),
+        Some(&b"v1"[..]),
+        "portable L1 now holds v1"
+    );
+    native.set("k", "v2", EntryOptions::new()).await?;
+    until(
+        5 * SEC,
+        "the portable process kept serving v1 from L1",
+        async || Ok(portable.get("k").await?.as_deref() == Some(&b"v2"[..])),
+    )
+    .await?;
+
+    assert_eq!(
+        native.get("k").await?.as_deref(),
+        Some(&b"v2"[..]),
+        "native L1 now holds v2"
+    );
+    portable.set("k", "v3", EntryOptions::new()).await?;
+    until(
+        5 * SEC,
+        "the native process kept serving v2 from L1",
+        async || Ok(native.get("k").await?.as_deref() == Some(&b"v3"[..])),
+    )
+    .await?;
+    portable.remove("k").await?;
+    until(
+        5 * SEC,
+        "the native process kept serving v3 after the removal",
+        async || Ok(native.get("k").await?.is_none()),
+    )
+    .await?;
+    Ok(())
+}
+
+/// A memory store whose next read of `held` reads the bytes, then waits for `release`
+/// before answering with them: the read is taken, and answers after, whatever is
+/// written meanwhile.
+#[derive(Debug)]
+struct HeldRead {
+    inner: MemoryStore,
+    held: String,
+    armed: std::sync::atomic::AtomicBool,
+    reached: Notify,
+    release: Notify,
+}
+
+impl Entries for HeldRead {
+    fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
+        async move {
+            let read = self.inner.get(key).await;
+            if key == self.held && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                self.reached.notify_one();
+                self.release.notified().await;
+            }
+            read
+        }
+        .boxed()
+    }
+    fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<u64>>> {
+        self.inner.ttl_ms(key)
+    }
+    fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, corral::Result<()>> {
+        self.inner.set(key, bytes, ttl_ms)
+    }
+    fn swap<'a>(
+        &'a self,
+        name: &'a str,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
+        self.inner.swap(name, bytes, ttl_ms)
+    }
+    fn set_if<'a>(
+        &'a self,
+        name: &'a str,
+        expected: Option<Bytes>,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, corral::Result<bool>> {
+        self.inner.set_if(name, expected, bytes, ttl_ms)
+    }
+    fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<bool>> {
+        self.inner.delete(key)
+    }
+    fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, corral::Result<bool>> {
+        self.inner.delete_if_equal(key, expected)
+    }
+    fn replace_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: Bytes,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, corral::Result<bool>> {
+        self.inner.replace_if_equal(key, expected, bytes, ttl_ms)
+    }
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+}
+
+/// A read that found the old value, and answers only after a `set` of the same key in
+/// this process wrote a newer one, does not put the old value in L1: the next `get`
+/// returns the newer one. Before, the portable body filled L1 with whatever its read
+/// found, and served it until the L1 TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_read_never_fills_l1_over_a_newer_write() -> Result<()> {
+    let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
+    let store = Arc::new(HeldRead {
+        inner: memory.clone(),
+        held: corral_core::names::name("held:", "k", corral_core::names::Kind::Entry),
+        armed: std::sync::atomic::AtomicBool::new(false),
+        reached: Notify::new(),
+        release: Notify::new(),
+    });
+    let cache = PortableCache::builder()
+        .stores(
+            "held:",
+            store.clone() as Arc<dyn Entries>,
+            Arc::new(memory.clone()) as Arc<dyn FlightLock>,
+            Arc::new(memory.clone()) as Arc<dyn Notifications>,
+        )
+        .l1_ttl(Duration::from_secs(3600))
+        .build()?;
+    // "old" is in L2 but not in this process's L1: another process wrote it.
+    let other = Corral::builder()
+        .stores(
+            "held:",
+            Arc::new(memory.clone()),
+            Arc::new(memory.clone()),
+            Arc::new(memory.clone()),
+        )
+        .build()?;
+    other.set("k", "old", EntryOptions::new()).await?;
+    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let reached = store.reached.notified();
+    let reader = {
+        let cache = cache.clone();
+        tokio::spawn(async move { cache.get("k").await })
+    };
+    reached.await;
+    // The read has the old bytes in hand; this process writes a newer value meanwhile.
+    cache.set("k", "new", EntryOptions::new()).await?;
+    store.release.notify_one();
+    let read = reader.await??;
+    assert_eq!(
+        read.as_deref(),
+        Some(&b"old"[..]),
+        "the read answers what it found"
+    );
+    assert_eq!(
+        cache.get("k").await?.as_deref(),
+        Some(&b"new"[..]),
+        "L1 keeps the newer write, not the read's older value"
+    );
+    Ok(())
+}
