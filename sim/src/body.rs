@@ -53,6 +53,15 @@ impl Body {
         }
     }
 
+    /// Soft invalidation (contract §6b.4): the workload's entries have no stale window,
+    /// so it is a removal.
+    pub(crate) async fn expire(&self, key: &str) -> corral::Result<bool> {
+        match self {
+            Body::Native(c) => c.expire(key).await,
+            Body::Portable(c) => c.expire(key).await,
+        }
+    }
+
     pub(crate) async fn get_or_set(
         &self,
         key: &str,

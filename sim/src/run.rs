@@ -101,6 +101,8 @@ enum Op {
     Get(String),
     Set(String),
     Remove(String),
+    /// An `expire` (of an entry without a stale window: a removal).
+    Expire(String),
     GetOrSet(String, LoaderPlan),
 }
 
@@ -203,7 +205,8 @@ fn workload(s: &Scenario, seed: u64, proc: usize, actor: usize) -> Vec<(u64, Op)
             let op = match r.range(0, 99) {
                 0..=29 => Op::Get(key),
                 30..=44 => Op::Set(key),
-                45..=54 => Op::Remove(key),
+                45..=49 => Op::Remove(key),
+                50..=54 => Op::Expire(key),
                 _ => {
                     let base = r.range(5, 60);
                     let plan = if r.chance(f.loader_panic_pm) {
@@ -512,6 +515,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         Op::Get(k) => ("get", k.clone()),
         Op::Set(k) => ("set", k.clone()),
         Op::Remove(k) => ("remove", k.clone()),
+        Op::Expire(k) => ("expire", k.clone()),
         Op::GetOrSet(k, _) => ("get_or_set", k.clone()),
     };
     if name != "set" {
@@ -534,6 +538,9 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                         .map(|r| r.map(|()| (Res::Done(true), Some(value))))
                 }
                 Op::Remove(_) => tokio::time::timeout(bound, cache.remove(&key))
+                    .await
+                    .map(|r| r.map(|b| (Res::Done(b), None))),
+                Op::Expire(_) => tokio::time::timeout(bound, cache.expire(&key))
                     .await
                     .map(|r| r.map(|b| (Res::Done(b), None))),
                 Op::GetOrSet(_, plan) => {
@@ -618,7 +625,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     // A write the caller saw succeed: its place in the store's order.
     let order = match (name, &res, &written) {
         ("set", Res::Done(_), Some(v)) => w.st.lock().value_order.get(v).copied().map(|o| (o, v.clone())),
-        ("remove", Res::Done(_), _) => w.claim_swap(proc, &key).map(|o| (o, "remove".to_owned())),
+        ("remove" | "expire", Res::Done(_), _) => w.claim_swap(proc, &key).map(|o| (o, name.to_owned())),
         _ => None,
     };
     if let Some((order, label)) = order {
@@ -647,7 +654,7 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
     match (&c.res, c.op) {
         (Res::TimedOut, _) => w.violation(format!("deadline: {who} ran past {CALL_BOUND_MS} ms")),
         (Res::Panicked, _) => w.violation(format!("panic escaped: {who}")),
-        (Res::Failed(ErrorKind::Unavailable), "get" | "set" | "remove") => {}
+        (Res::Failed(ErrorKind::Unavailable), "get" | "set" | "remove" | "expire") => {}
         (Res::Failed(ErrorKind::Loader), "get_or_set") => {}
         // Held past the wait, no answer, or lost before the release.
         (Res::Failed(ErrorKind::Timeout | ErrorKind::Unavailable | ErrorKind::LockLost), "lock") => {}

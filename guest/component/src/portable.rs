@@ -37,8 +37,24 @@ fn settings() -> Settings {
 /// (contract §6b.5: the L1 TTL; this body hears no announcements).
 static MOMENTS: Mutex<Option<HashMap<String, (TagMoments, u64)>>> = Mutex::new(None);
 
-/// The prefix's generation as last read, and until when it is trusted.
-static GENERATION: Mutex<Option<(u64, u64)>> = Mutex::new(None);
+/// The prefix's generation as last read, until when it is trusted, and how many times
+/// this process's L1 had moved to another generation then (the `generations` of an
+/// `l1-ticket`): a `clear` by another instance of this process moves that count, and the
+/// generation is read again.
+static GENERATION: Mutex<Option<Known>> = Mutex::new(None);
+
+#[derive(Clone, Copy)]
+struct Known {
+    generation: u64,
+    until: u64,
+    clears: u64,
+}
+
+/// How many times this process's L1 moved to another generation (one `clear` import
+/// call each, from any instance).
+fn l1_clears() -> u64 {
+    l1::ticket("").generations
+}
 
 fn prefix() -> String {
     let prefix = PREFIX.lock().unwrap_or_else(|e| e.into_inner());
@@ -51,16 +67,31 @@ fn prefix() -> String {
 
 /// The prefix's generation (clear): read from the store at most once per L1 TTL.
 fn generation(now: u64) -> Result<u64, types::Error> {
-    if let Some((g, until)) = *GENERATION.lock().unwrap_or_else(|e| e.into_inner())
-        && now < until
+    let known = *GENERATION.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(k) = known
+        && now < k.until
+        && k.clears == l1_clears()
     {
-        return Ok(g);
+        return Ok(k.generation);
     }
     let stored = l2::get(&names::generation(&prefix()))?;
     let g = tags::generation(stored.as_deref());
-    let until = tags::known_until(now, settings().l1_ttl_ms);
-    *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = Some((g, until));
+    if known.is_some_and(|k| k.generation != g) {
+        // Another process cleared: L1 holds values named in another generation.
+        l1::clear();
+    }
+    keep_generation(g, now);
     Ok(g)
+}
+
+/// Trusts `g` for one L1 TTL from `now`, as of this process's L1 clears now.
+fn keep_generation(g: u64, now: u64) {
+    let known = Known {
+        generation: g,
+        until: tags::known_until(now, settings().l1_ttl_ms),
+        clears: l1_clears(),
+    };
+    *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = Some(known);
 }
 
 /// The names of `key`'s data in the current generation, once `key` passed the key rules.
@@ -79,7 +110,7 @@ fn locate_for_flight(key: &str, limits: &Limits) -> Result<names::Names, types::
         GENERATION
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .map_or(0, |(g, _)| g)
+            .map_or(0, |k| k.generation)
     });
     names::locate_in(&prefix(), key, g, limits).map_err(arg_error)
 }
@@ -516,9 +547,8 @@ impl wcache::Guest for Component {
                 }
             };
             if written {
-                *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Some((g, tags::known_until(now, settings().l1_ttl_ms)));
                 l1::clear();
+                keep_generation(g, now);
                 return Ok(());
             }
         }
@@ -545,8 +575,10 @@ impl wcache::Guest for Component {
             .is_some();
         let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
         let written = l2::set(&names.entry, &tombstone, ttl_ms);
-        // Even when the write failed (it may have landed): the other processes drop
-        // their copy.
+        // Again, after the store (even when the write failed: it may have landed): a
+        // read that began before the removal may have filled L1 meanwhile, and the other
+        // processes drop their copy.
+        l1::delete(&key);
         l2::announce_landing(&key);
         written.map(|()| held)
     }
@@ -558,6 +590,8 @@ impl wcache::Guest for Component {
         l1::delete(&key);
         let names = locate(&key, &settings.limits)?;
         let expired = expire_named(&names, &settings);
+        // Again after the store, as a removal does.
+        l1::delete(&key);
         l2::announce_landing(&key);
         expired
     }

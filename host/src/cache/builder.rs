@@ -24,10 +24,6 @@ use crate::store::{Entries, FlightLock, Notifications, Stores};
 #[cfg(feature = "redis")]
 use crate::store::redis::RedisOptions;
 
-/// The longest one command to a store without a timeout of its own may take, as far as
-/// a get-or-set's deadlines go.
-const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(1);
-
 /// Configures and builds a [`Corral`].
 #[derive(Debug)]
 #[must_use]
@@ -318,7 +314,7 @@ impl CorralBuilder {
         let store_timeout = self.redis.as_ref().map(|o| o.response_timeout);
         #[cfg(not(feature = "redis"))]
         let store_timeout: Option<Duration> = None;
-        let store_timeout = store_timeout.unwrap_or(DEFAULT_STORE_TIMEOUT);
+        let store_timeout = store_timeout.unwrap_or(crate::store::DEFAULT_STORE_TIMEOUT);
         let locks = Locks {
             table: MemoryLocks::from_parts(policy.clone(), clock.clone()),
             #[cfg(feature = "redis")]

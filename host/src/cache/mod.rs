@@ -134,16 +134,15 @@ pub(crate) fn l1_invalidation(
     metrics: Arc<Metrics>,
     tags: Arc<tags::TagState>,
 ) -> crate::store::ForeignHook {
-    Arc::new(move |key: Option<String>| match key {
-        Some(key) => {
-            l1.remove(&key);
-            Metrics::bump(&metrics.l1_invalidations);
-        }
-        None => {
+    Arc::new(move |key: Option<String>| {
+        if key.is_none() {
             // Tag and clear announcements may have been missed too.
             tags.forget();
-            l1.clear();
-            Metrics::bump(&metrics.l1_flushes);
+        }
+        l1.hear(key.as_deref());
+        match key {
+            Some(_) => Metrics::bump(&metrics.l1_invalidations),
+            None => Metrics::bump(&metrics.l1_flushes),
         }
     })
 }
@@ -289,63 +288,26 @@ impl Corral {
     /// (the L1 TTL): an announcement that could not reach Redis is made when Redis
     /// answers again.
     fn announce_in_background(&self, key: &str) {
-        let (notifications, owned) = (self.inner.stores.notifications.clone(), key.to_owned());
-        let bound = self.inner.flight.store_timeout;
-        self.retry_in_background(
+        let inner = &*self.inner;
+        inner.retry.announce_in_background(
+            inner.stores.notifications.clone(),
             key,
-            true,
-            "a change could not be announced within the L1 TTL: other processes' copies have lapsed by now",
-            move || {
-                let (notifications, key) = (notifications.clone(), owned.clone());
-                async move {
-                    match tokio::time::timeout(bound, notifications.announce(&key)).await {
-                        Ok(Ok(())) => return true,
-                        Ok(Err(e)) => {
-                            tracing::debug!(key, error = %e, "change announcement failed; retrying")
-                        }
-                        Err(_) => tracing::debug!(key, "change announcement timed out; retrying"),
-                    }
-                    false
-                }
-            },
+            inner.flight.store_timeout,
+            Duration::from_millis(inner.l1_ttl_ms),
         );
     }
 
-    /// Runs `attempt` from a task of its own until it says it is done: at once (unless
-    /// the caller has just tried: `at_once` false), then after the guest's first retry
-    /// wait, doubling up to its longest, for up to the L1 TTL, after which it warns with
-    /// `gave_up`. The one schedule of every change retried in the background. Outside a
-    /// Tokio runtime, nothing is retried.
-    fn retry_in_background<A, F>(&self, key: &str, at_once: bool, gave_up: &'static str, mut attempt: A)
+    /// Runs `attempt` in the background on the one retry schedule
+    /// ([`Retry::in_background`](crate::store::Retry::in_background)), for up to the L1 TTL.
+    fn retry_in_background<A, F>(&self, key: &str, at_once: bool, gave_up: &'static str, attempt: A)
     where
         A: FnMut() -> F + Send + 'static,
         F: Future<Output = bool> + Send + 'static,
     {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let key = key.to_owned();
         let give_up_after = Duration::from_millis(self.inner.l1_ttl_ms);
-        let retry = self.inner.retry;
-        runtime.spawn(async move {
-            let started = tokio::time::Instant::now();
-            let mut backoff = retry.first;
-            let mut wait = !at_once;
-            loop {
-                if wait {
-                    if started.elapsed() + backoff > give_up_after {
-                        tracing::warn!(key, "{gave_up}");
-                        return;
-                    }
-                    tokio::time::sleep(backoff).await;
-                    backoff = retry.next(backoff);
-                }
-                if attempt().await {
-                    return;
-                }
-                wait = true;
-            }
-        });
+        self.inner
+            .retry
+            .in_background(give_up_after, key, at_once, gave_up, attempt);
     }
 
     /// Writes the tombstone of a removal whose write failed, went unanswered or was
@@ -510,6 +472,7 @@ impl Corral {
             ttl_ms,
             watch: Some(self.inner.l1.watch_removal(key)),
         };
+        let before_naming = self.inner.l1.ticket(key);
         let entry = match self.entry_of(key).await {
             Ok(entry) => entry,
             Err(e) => {
@@ -520,9 +483,17 @@ impl Corral {
             }
         };
         unsettled.entry = Some(entry.clone());
-        if unsettled.watch.as_ref().is_some_and(|w| !w.is_current()) {
+        let ended = unsettled.watch.as_ref().is_some_and(|w| !w.is_current());
+        if ended
+            && self
+                .inner
+                .l1
+                .ticket(key)
+                .only_generation_moved_since(before_naming)
+        {
             // Naming it read a new generation, which ended every watch of an entry named
-            // before: this one is named only now.
+            // before: this one is named only now. (A write of the key meanwhile ended it
+            // for good: a retry must not land over that write.)
             unsettled.watch = Some(self.inner.l1.watch_removal(key));
         }
         let entries = &self.inner.stores.entries;
@@ -584,9 +555,18 @@ impl Corral {
                 ExpirePlan::Rewrite(plan) => {
                     let bytes = crate::store::splice(&plan.header, &stored[plan.value_offset as usize..]);
                     let swapped = entries.replace_if_equal(&entry, stored, bytes, plan.store_ttl_ms);
-                    if self.l2_op(swapped).await? {
-                        expired = Some(plan.was_fresh);
-                        break;
+                    match self.l2_op(swapped).await {
+                        Ok(true) => {
+                            expired = Some(plan.was_fresh);
+                            break;
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            // The rewrite may have landed: the other processes hear of it.
+                            self.inner.l1.remove(key);
+                            self.announce_in_background(key);
+                            return Err(e);
+                        }
                     }
                 }
             }

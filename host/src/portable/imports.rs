@@ -52,10 +52,22 @@ pub(crate) struct Backend {
     /// the announcements drops everything ([`l1_invalidation`]).
     pub(crate) l1: crate::store::l1::L1<l1::L1Entry>,
     pub(crate) stores: Stores,
+    /// How a failed change announcement is retried: as the native body does.
+    pub(crate) announcing: Announcing,
     pub(crate) registry: Registry<WitOutcome>,
     /// The `lock` export's table: a [`MemoryLocks`](crate::locks::MemoryLocks), whose
     /// own sweeper removes expired entries in the background (contract §6.2).
     pub(crate) table: crate::locks::MemoryLocks,
+}
+
+/// The schedule and bounds of change announcements retried in the background.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Announcing {
+    pub(crate) retry: crate::store::Retry,
+    /// Each try's bound: the store's timeout.
+    pub(crate) bound: Duration,
+    /// The L1 TTL: other processes' copies have lapsed by then.
+    pub(crate) give_up_after: Duration,
 }
 
 /// What one call brings: its loader, and the flights it leads.
@@ -275,10 +287,7 @@ impl crate::guest::bindings::corral::lock::types::Host for &mut PortableState {}
 /// What the portable body's L1 does with other processes' announcements: as the native
 /// body's L1 does, the key named is dropped, and a gap drops everything.
 pub(crate) fn l1_invalidation(l1: crate::store::l1::L1<l1::L1Entry>) -> crate::store::ForeignHook {
-    Arc::new(move |key: Option<String>| match key {
-        Some(key) => l1.remove(&key),
-        None => l1.clear(),
-    })
+    Arc::new(move |key: Option<String>| l1.hear(key.as_deref()))
 }
 
 fn ticket_in(t: l1::L1Ticket) -> Ticket {
@@ -405,9 +414,23 @@ impl l2::Host for &mut PortableState {
         });
     }
 
+    /// Announced within the store's timeout; one that fails is retried in the
+    /// background, as the native body's are (the change may have landed).
     fn announce_landing(&mut self, key: String) {
         let b = self.backend.clone();
-        let _ = self.io(async move { b.stores.notifications.announce(&key).await });
+        let a = b.announcing;
+        let published = self.io(async move {
+            let published = tokio::time::timeout(a.bound, b.stores.notifications.announce(&key)).await;
+            if !matches!(published, Ok(Ok(()))) {
+                a.retry.announce_in_background(
+                    b.stores.notifications.clone(),
+                    &key,
+                    a.bound,
+                    a.give_up_after,
+                );
+            }
+        });
+        let _ = published;
     }
 }
 

@@ -58,6 +58,12 @@ impl Ticket {
         [self.all, self.generations, self.key]
     }
 
+    /// Whether, since `earlier` (a ticket of the same key), the prefix moved to another
+    /// generation while the key was not written in this process.
+    pub(crate) fn only_generation_moved_since(self, earlier: Ticket) -> bool {
+        self.generations != earlier.generations && self.key == earlier.key
+    }
+
     /// A ticket [`parts`](Self::parts) gave.
     pub(crate) fn from_parts([all, generations, key]: [u64; 3]) -> Self {
         Ticket {
@@ -249,6 +255,16 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
     /// The entry under `key`, as stored (no judgement of its deadline).
     pub(crate) fn peek(&self, key: &str) -> Option<V> {
         self.cache.as_ref()?.get(key)
+    }
+
+    /// Another process's announcement, as a cache hears it: the key it names changed
+    /// (its copy goes, fills in progress are refused), or `None`, a gap in the
+    /// announcements (everything goes).
+    pub(crate) fn hear(&self, key: Option<&str>) {
+        match key {
+            Some(key) => self.remove(key),
+            None => self.clear(),
+        }
     }
 
     /// Drops `key` (a write of it in this process, or another process's write heard

@@ -198,6 +198,10 @@ pub(crate) struct Scripts {
     pub(crate) grace_ms: u64,
 }
 
+/// The longest one command to a store without a timeout of its own may take, as far as
+/// a get-or-set's deadlines go.
+pub(crate) const DEFAULT_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A schedule of background tries (given by the guest's settings): the first wait,
 /// doubled after each try up to `max`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -210,6 +214,80 @@ impl Retry {
     /// The wait after `previous`.
     pub(crate) fn next(&self, previous: std::time::Duration) -> std::time::Duration {
         (previous * 2).min(self.max)
+    }
+
+    /// Runs `attempt` from a task of its own until it says it is done: at once (unless
+    /// the caller has just tried: `at_once` false), then after the first wait, doubling
+    /// up to the longest, for up to `give_up_after` (a cache's L1 TTL), after which it
+    /// warns with `gave_up`. The one schedule of every change either body retries in
+    /// the background. Outside a Tokio runtime, nothing is retried.
+    pub(crate) fn in_background<A, F>(
+        self,
+        give_up_after: std::time::Duration,
+        key: &str,
+        at_once: bool,
+        gave_up: &'static str,
+        mut attempt: A,
+    ) where
+        A: FnMut() -> F + Send + 'static,
+        F: std::future::Future<Output = bool> + Send + 'static,
+    {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let key = key.to_owned();
+        runtime.spawn(async move {
+            let started = tokio::time::Instant::now();
+            let mut backoff = self.first;
+            let mut wait = !at_once;
+            loop {
+                if wait {
+                    if started.elapsed() + backoff > give_up_after {
+                        tracing::warn!(key, "{gave_up}");
+                        return;
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = self.next(backoff);
+                }
+                if attempt().await {
+                    return;
+                }
+                wait = true;
+            }
+        });
+    }
+
+    /// Announces `key` on `notifications` on this schedule, each try within `bound`,
+    /// until one is published: a change whose announcement failed (other processes
+    /// would otherwise serve their copies until their L1 deadline). The caller has just
+    /// tried once.
+    pub(crate) fn announce_in_background(
+        self,
+        notifications: Arc<dyn Notifications>,
+        key: &str,
+        bound: std::time::Duration,
+        give_up_after: std::time::Duration,
+    ) {
+        let owned = key.to_owned();
+        self.in_background(
+            give_up_after,
+            key,
+            true,
+            "a change could not be announced within the L1 TTL: other processes' copies have lapsed by now",
+            move || {
+                let (notifications, key) = (notifications.clone(), owned.clone());
+                async move {
+                    match tokio::time::timeout(bound, notifications.announce(&key)).await {
+                        Ok(Ok(())) => return true,
+                        Ok(Err(e)) => {
+                            tracing::debug!(key, error = %e, "change announcement failed; retrying")
+                        }
+                        Err(_) => tracing::debug!(key, "change announcement timed out; retrying"),
+                    }
+                    false
+                }
+            },
+        );
     }
 }
 

@@ -121,6 +121,7 @@ async fn keep_subscribed(weak: Weak<Shared>) {
                 backoff = retry.first;
                 shared.live.store(true, Ordering::SeqCst);
                 shared.first_attempt.send_replace(true);
+                std::sync::atomic::fence(Ordering::SeqCst);
                 // Whatever was announced while unsubscribed is unknown: drop all of L1.
                 if let Some(hook) = shared.on_foreign.get() {
                     hook(None);
@@ -255,7 +256,11 @@ impl Notifications for RedisNotifications {
 
     fn on_foreign(&self, hook: ForeignHook) {
         let shared = &self.shared;
-        if shared.on_foreign.set(hook).is_ok() && shared.live.load(Ordering::SeqCst) {
+        let set = shared.on_foreign.set(hook).is_ok();
+        // Paired with the fence in `keep_subscribed`: of the hook's registration and the
+        // subscription going live, whichever comes second sees the first.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if set && shared.live.load(Ordering::SeqCst) {
             // Subscribed before the hook was there: what was heard meanwhile went
             // nowhere, so the hook hears of a gap, as after any (re)subscription.
             if let Some(hook) = shared.on_foreign.get() {

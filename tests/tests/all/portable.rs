@@ -93,16 +93,55 @@ async fn the_portable_l1_hears_other_processes_and_is_heard() -> Result<()> {
     Ok(())
 }
 
-/// A memory store whose next read of `held` reads the bytes, then waits for `release`
-/// before answering with them: the read is taken, and answers after, whatever is
-/// written meanwhile.
+/// A memory store whose next read of `held` (once `armed`) reads the bytes, then waits
+/// for `release` before answering with them: the read is taken, and answers after,
+/// whatever is written meanwhile; and whose next write of `held` (once `armed_set`)
+/// waits for `release` before it is applied.
 #[derive(Debug)]
 struct HeldRead {
     inner: MemoryStore,
     held: String,
     armed: std::sync::atomic::AtomicBool,
+    armed_set: std::sync::atomic::AtomicBool,
     reached: Notify,
     release: Notify,
+}
+
+impl HeldRead {
+    fn over(memory: &MemoryStore, key: &str) -> Arc<HeldRead> {
+        Arc::new(HeldRead {
+            inner: memory.clone(),
+            held: corral_core::names::name("held:", key, corral_core::names::Kind::Entry),
+            armed: std::sync::atomic::AtomicBool::new(false),
+            armed_set: std::sync::atomic::AtomicBool::new(false),
+            reached: Notify::new(),
+            release: Notify::new(),
+        })
+    }
+
+    /// A portable cache over it (prefix `held:`), and a native one over the same
+    /// memory: another process.
+    fn caches(self: &Arc<Self>) -> Result<(PortableCache, Corral)> {
+        let memory = &self.inner;
+        let portable = PortableCache::builder()
+            .stores(
+                "held:",
+                self.clone() as Arc<dyn Entries>,
+                Arc::new(memory.clone()) as Arc<dyn FlightLock>,
+                Arc::new(memory.clone()) as Arc<dyn Notifications>,
+            )
+            .l1_ttl(Duration::from_secs(3600))
+            .build()?;
+        let other = Corral::builder()
+            .stores(
+                "held:",
+                Arc::new(memory.clone()),
+                Arc::new(memory.clone()),
+                Arc::new(memory.clone()),
+            )
+            .build()?;
+        Ok((portable, other))
+    }
 }
 
 impl Entries for HeldRead {
@@ -121,7 +160,14 @@ impl Entries for HeldRead {
         self.inner.ttl_ms(key)
     }
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, corral::Result<()>> {
-        self.inner.set(key, bytes, ttl_ms)
+        async move {
+            if key == self.held && self.armed_set.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                self.reached.notify_one();
+                self.release.notified().await;
+            }
+            self.inner.set(key, bytes, ttl_ms).await
+        }
+        .boxed()
     }
     fn swap<'a>(
         &'a self,
@@ -167,31 +213,9 @@ impl Entries for HeldRead {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_portable_read_never_fills_l1_over_a_newer_write() -> Result<()> {
     let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
-    let store = Arc::new(HeldRead {
-        inner: memory.clone(),
-        held: corral_core::names::name("held:", "k", corral_core::names::Kind::Entry),
-        armed: std::sync::atomic::AtomicBool::new(false),
-        reached: Notify::new(),
-        release: Notify::new(),
-    });
-    let cache = PortableCache::builder()
-        .stores(
-            "held:",
-            store.clone() as Arc<dyn Entries>,
-            Arc::new(memory.clone()) as Arc<dyn FlightLock>,
-            Arc::new(memory.clone()) as Arc<dyn Notifications>,
-        )
-        .l1_ttl(Duration::from_secs(3600))
-        .build()?;
+    let store = HeldRead::over(&memory, "k");
+    let (cache, other) = store.caches()?;
     // "old" is in L2 but not in this process's L1: another process wrote it.
-    let other = Corral::builder()
-        .stores(
-            "held:",
-            Arc::new(memory.clone()),
-            Arc::new(memory.clone()),
-            Arc::new(memory.clone()),
-        )
-        .build()?;
     other.set("k", "old", EntryOptions::new()).await?;
     store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
     let reached = store.reached.notified();
@@ -214,5 +238,76 @@ async fn a_portable_read_never_fills_l1_over_a_newer_write() -> Result<()> {
         Some(&b"new"[..]),
         "L1 keeps the newer write, not the read's older value"
     );
+    Ok(())
+}
+
+/// A read that runs while a removal's tombstone is on its way (it finds the old value
+/// and fills L1 before the tombstone lands) does not outlive the removal: when `remove`
+/// returns, this process serves nothing. Before, the portable body dropped its copy only
+/// before the store step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_read_during_a_removal_does_not_outlive_it() -> Result<()> {
+    let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
+    let store = HeldRead::over(&memory, "k");
+    let (cache, other) = store.caches()?;
+    other.set("k", "old", EntryOptions::new()).await?;
+    store.armed_set.store(true, std::sync::atomic::Ordering::SeqCst);
+    let reached = store.reached.notified();
+    let remover = {
+        let cache = cache.clone();
+        tokio::spawn(async move { cache.remove("k").await })
+    };
+    reached.await;
+    // The tombstone waits; a read now finds the old value and fills L1.
+    assert_eq!(cache.get("k").await?.as_deref(), Some(&b"old"[..]));
+    store.release.notify_one();
+    assert!(remover.await??, "the removal found the value");
+    assert_eq!(
+        cache.get("k").await?,
+        None,
+        "nothing is served once remove returned"
+    );
+    Ok(())
+}
+
+/// A `clear` by one instance of a portable cache reaches the others at once: an
+/// instance that knew the old generation reads it again, so it neither serves nor
+/// fills what was stored before the clear. Before, each instance trusted its own
+/// reading of the generation for an L1 TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clear_in_one_portable_instance_reaches_the_others() -> Result<()> {
+    let cache = PortableCache::builder().l1_ttl(Duration::from_secs(3600)).build()?;
+    // Instance X names "k" in the first generation.
+    cache.set("k", "v", EntryOptions::new()).await?;
+    // X is kept busy by a load while another instance, Y, clears.
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let busy = {
+        let cache = cache.clone();
+        let mut started = Some(started_tx);
+        tokio::spawn(async move {
+            cache
+                .get_or_set(
+                    "other",
+                    EntryOptions::new(),
+                    false,
+                    move |_| {
+                        if let Some(started) = started.take() {
+                            let _ = started.send(());
+                        }
+                        go_rx.recv().map_err(|e| e.to_string())?;
+                        Ok(b"x".to_vec())
+                    },
+                    |_| true,
+                )
+                .await
+        })
+    };
+    started_rx.await?;
+    cache.clear().await?;
+    go_tx.send(())?;
+    busy.await??;
+    // The next call runs on X again (the last instance to go idle).
+    assert_eq!(cache.get("k").await?, None, "nothing from before the clear");
     Ok(())
 }
