@@ -50,7 +50,7 @@ mod throttle;
 
 pub use cache::load::{LoadOptions, Served};
 pub use cache::metrics::MetricsSnapshot;
-pub use cache::{Corral, CorralBuilder};
+pub use cache::{Corral, CorralBuilder, Health};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, ErrorKind, Result};
 pub use options::{DEFAULT_PREFIX, EntryMeta, EntryOptions, Inspection};

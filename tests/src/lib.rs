@@ -51,7 +51,8 @@ fn die_with_parent(cmd: &mut Command) {
     }
 }
 
-fn free_port() -> Result<u16> {
+/// A free loopback port (it may be taken again before the caller binds it).
+pub fn free_port() -> Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("binding a probe socket")?;
     Ok(listener.local_addr()?.port())
 }

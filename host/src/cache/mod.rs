@@ -22,6 +22,7 @@ use load::Served;
 
 mod builder;
 mod flight;
+mod health;
 mod judge;
 pub(crate) mod load;
 pub(crate) mod metrics;
@@ -32,6 +33,7 @@ mod typed;
 
 pub use builder::CorralBuilder;
 pub(crate) use builder::Overrides;
+pub use health::Health;
 use metrics::{Metrics, MetricsSnapshot};
 use registry::Registry;
 

@@ -181,6 +181,13 @@ pub trait Notifications: Send + Sync + fmt::Debug + 'static {
     fn on_invalidation(&self, hook: InvalidationHook) {
         let _ = hook;
     }
+
+    /// Whether other processes' announcements are heard now: `Some(live)` for a channel
+    /// that can be down (Redis pub/sub; a fresh one is waited for, within its connect
+    /// and response timeouts), `None` for one that cannot (in-process).
+    fn subscribed(&self) -> BoxFuture<'_, Option<bool>> {
+        Box::pin(std::future::ready(None))
+    }
 }
 
 /// The server-side Lua of a Redis store, as the guest writes it (data, not decisions

@@ -214,17 +214,33 @@ async fn listen(weak: &Weak<Shared>, mut sink: redis::aio::PubSubSink, mut strea
     }
 }
 
+impl RedisNotifications {
+    /// Waits for the first subscription attempt to end, within the connect and response
+    /// timeouts: only a cache's first moments wait; later a missing subscription never
+    /// holds a caller.
+    async fn first_attempt(&self) {
+        let shared = &self.shared;
+        let mut first = shared.first_attempt.subscribe();
+        if !*first.borrow() {
+            let bound = shared.connect_timeout + shared.response_timeout;
+            let _ = tokio::time::timeout(bound, first.wait_for(|done| *done)).await;
+        }
+    }
+}
+
 impl Notifications for RedisNotifications {
+    fn subscribed(&self) -> BoxFuture<'_, Option<bool>> {
+        async move {
+            self.first_attempt().await;
+            Some(self.shared.live.load(Ordering::SeqCst))
+        }
+        .boxed()
+    }
+
     fn watch<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {
         async move {
             let shared = &self.shared;
-            // Only a cache's first moments wait for its first subscription, bounded by
-            // its own deadlines; later a missing subscription never holds a caller.
-            let mut first = shared.first_attempt.subscribe();
-            if !*first.borrow() {
-                let bound = shared.connect_timeout + shared.response_timeout;
-                let _ = tokio::time::timeout(bound, first.wait_for(|done| *done)).await;
-            }
+            self.first_attempt().await;
             if shared.live.load(Ordering::SeqCst) {
                 shared.landings.watch(key)
             } else {

@@ -8,6 +8,7 @@ mod freshness;
 mod locks;
 mod portable;
 mod proxy;
+mod ready;
 mod single_flight;
 mod sliding;
 mod tags;

@@ -276,7 +276,9 @@ async fn a_portable_read_during_a_removal_does_not_outlive_it() -> Result<()> {
 /// reading of the generation for an L1 TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clear_in_one_portable_instance_reaches_the_others() -> Result<()> {
-    let cache = PortableCache::builder().l1_ttl(Duration::from_secs(3600)).build()?;
+    let cache = PortableCache::builder()
+        .l1_ttl(Duration::from_secs(3600))
+        .build()?;
     // Instance X names "k" in the first generation.
     cache.set("k", "v", EntryOptions::new()).await?;
     // X is kept busy by a load while another instance, Y, clears.

@@ -1,0 +1,112 @@
+//! Readiness: `Corral::health` and the fail-fast `build_ready`, against real
+//! redis-server processes (live, frozen, with a password, absent).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use corral::{Corral, ErrorKind, RedisOptions};
+use corral_tests::RedisServer;
+
+fn short(url: String) -> RedisOptions {
+    let mut options = RedisOptions::new(url);
+    options.response_timeout = Duration::from_millis(300);
+    options.connect_timeout = Duration::from_millis(300);
+    options
+}
+
+/// A live Redis is ready; a frozen one (SIGSTOP) is not, and the answer says why and
+/// comes within its deadline; it is ready again once the server resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_ready_with_a_live_redis_and_names_a_frozen_one() -> Result<()> {
+    let server = RedisServer::start()?;
+    let cache = Corral::builder()
+        .redis_options(short(server.url()))
+        .build_ready()
+        .await?;
+    let health = cache.health().await;
+    assert!(health.is_ready(), "{health}");
+    assert_eq!(health.to_string(), "ready");
+
+    server.pause()?;
+    let began = Instant::now();
+    let health = cache.health().await;
+    let took = began.elapsed();
+    server.resume()?;
+    assert!(!health.is_ready() && !health.l2_reachable, "{health:?}");
+    assert!(health.to_string().contains("L2 unreachable"), "{health}");
+    assert!(
+        took < Duration::from_secs(5),
+        "the check ends by its deadline: {took:?}"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cache.health().await.is_ready() {
+        anyhow::ensure!(Instant::now() < deadline, "never ready again after the resume");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// A wrong password: `build` succeeds (every miss then goes to the loader), while
+/// `build_ready` fails fast with `Unavailable`, naming the problem and never the
+/// password; `health` says the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_fails_build_ready_without_printing_it() -> Result<()> {
+    let port = corral_tests::free_port()?;
+    let server = RedisServer::start_with(port, &["--requirepass".to_owned(), "right-secret".to_owned()])?;
+    let url = format!("redis://:not-the-secret@127.0.0.1:{}", server.port());
+    let e = Corral::builder()
+        .redis_options(short(url.clone()))
+        .build_ready()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    println!("build_ready with a wrong password: {e}");
+    let shown = format!("{e} {e:?}");
+    assert!(
+        !shown.contains("not-the-secret") && !shown.contains("right-secret"),
+        "{shown}"
+    );
+    assert!(
+        shown.to_lowercase().contains("pass") || shown.to_lowercase().contains("auth"),
+        "names the cause: {shown}"
+    );
+
+    let cache = Corral::builder().redis_options(short(url)).build()?;
+    let health = cache.health().await;
+    assert!(!health.is_ready() && !health.l2_reachable, "{health:?}");
+    assert!(!format!("{health:?}").contains("not-the-secret"));
+    Ok(())
+}
+
+/// Nothing listening: `build_ready` fails fast with `Unavailable`; `health` is not
+/// ready and not subscribed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_redis_fails_build_ready() -> Result<()> {
+    let port = corral_tests::free_port()?;
+    let url = format!("redis://127.0.0.1:{port}");
+    let began = Instant::now();
+    let e = Corral::builder()
+        .redis_options(short(url.clone()))
+        .build_ready()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(
+        began.elapsed() < Duration::from_secs(10),
+        "fails fast: {:?}",
+        began.elapsed()
+    );
+    let cache = Corral::builder().redis_options(short(url)).build()?;
+    let health = cache.health().await;
+    assert!(!health.l2_reachable && !health.subscribed, "{health:?}");
+    Ok(())
+}
+
+/// The in-memory default is always ready.
+#[tokio::test]
+async fn the_memory_default_is_ready() -> Result<()> {
+    let cache = Corral::builder().build_ready().await?;
+    assert!(cache.health().await.is_ready());
+    Ok(())
+}
