@@ -408,7 +408,7 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
 fn expire_named(names: &names::Names, settings: &Settings) -> Result<bool, types::Error> {
     let remove = |was_fresh: bool| {
         let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
-        l2::set(&names.entry, &tombstone, ttl_ms)?;
+        l2::swap(&names.entry, &tombstone, ttl_ms)?;
         Ok(was_fresh)
     };
     // A few tries over what a concurrent writer leaves; then a removal, which wins.
@@ -569,18 +569,21 @@ impl wcache::Guest for Component {
         corral_core::key::validate(&key, &settings.limits).map_err(arg_error)?;
         l1::delete(&key);
         let names = locate(&key, &settings.limits)?;
-        // A removal leaves a tombstone, as in every body (contract §5.12).
-        let held = l2_read(&names.entry, now_ms(), &settings.limits)?
-            .fresh()
-            .is_some();
+        // A removal leaves a tombstone, as in every body (contract §5.12), and says
+        // whether it replaced a fresh entry: what the swap found, in the same step.
         let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
-        let written = l2::set(&names.entry, &tombstone, ttl_ms);
+        let swapped = l2::swap(&names.entry, &tombstone, ttl_ms);
         // Again, after the store (even when the write failed: it may have landed): a
         // read that began before the removal may have filled L1 meanwhile, and the other
         // processes drop their copy.
         l1::delete(&key);
         l2::announce_landing(&key);
-        written.map(|()| held)
+        Ok(swapped?.is_some_and(|old| {
+            matches!(
+                policy::read(&old, old.len() as u64, now_ms(), &settings.limits, None),
+                ReadOutcome::Fresh(_)
+            )
+        }))
     }
 
     fn expire(key: String) -> Result<bool, types::Error> {

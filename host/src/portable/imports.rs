@@ -342,6 +342,12 @@ impl l2::Host for &mut PortableState {
         self.store(async move { b.stores.entries.delete(&key).await })
     }
 
+    fn swap(&mut self, key: String, value: Vec<u8>, ttl_ms: u64) -> Result<Option<Vec<u8>>, types::Error> {
+        let b = self.backend.clone();
+        self.store(async move { b.stores.entries.swap(&key, value.into(), ttl_ms).await })
+            .map(|old| old.map(|b| b.to_vec()))
+    }
+
     fn delete_if_equal(&mut self, key: String, expected: Vec<u8>) -> Result<bool, types::Error> {
         let b = self.backend.clone();
         self.store(async move { b.stores.entries.delete_if_equal(&key, expected.into()).await })

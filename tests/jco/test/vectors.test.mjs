@@ -148,6 +148,11 @@ function newHost() {
       get: (key) => state.l2.get(key),
       set: (key, value) => { state.l2.set(key, value); },
       delete: (key) => state.l2.delete(key),
+      swap: (key, value) => {
+        const old = state.l2.get(key);
+        state.l2.set(key, value);
+        return old;
+      },
       deleteIfEqual: (key, expected) => same(state.l2.get(key), expected) && state.l2.delete(key),
       replaceIfEqual: (key, expected, value) => {
         if (!same(state.l2.get(key), expected)) return false;

@@ -95,8 +95,8 @@ async fn the_portable_l1_hears_other_processes_and_is_heard() -> Result<()> {
 
 /// A memory store whose next read of `held` (once `armed`) reads the bytes, then waits
 /// for `release` before answering with them: the read is taken, and answers after,
-/// whatever is written meanwhile; and whose next write of `held` (once `armed_set`)
-/// waits for `release` before it is applied.
+/// whatever is written meanwhile; and whose next write of `held` (a `set` or a `swap`,
+/// once `armed_set`) waits for `release` before it is applied.
 #[derive(Debug)]
 struct HeldRead {
     inner: MemoryStore,
@@ -175,7 +175,14 @@ impl Entries for HeldRead {
         bytes: Bytes,
         ttl_ms: u64,
     ) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
-        self.inner.swap(name, bytes, ttl_ms)
+        async move {
+            if name == self.held && self.armed_set.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                self.reached.notify_one();
+                self.release.notified().await;
+            }
+            self.inner.swap(name, bytes, ttl_ms).await
+        }
+        .boxed()
     }
     fn set_if<'a>(
         &'a self,
@@ -311,5 +318,37 @@ async fn a_clear_in_one_portable_instance_reaches_the_others() -> Result<()> {
     busy.await??;
     // The next call runs on X again (the last instance to go idle).
     assert_eq!(cache.get("k").await?, None, "nothing from before the clear");
+    Ok(())
+}
+
+/// A portable `remove` says whether *its* tombstone replaced a fresh value: when another
+/// process removed the key first, it says `false`. Before, it read the key, then wrote
+/// the tombstone with a plain set, and a removal between the two went unseen (here the
+/// read is held while the other process removes). Now the tombstone is one swap: there
+/// is no read to hold, and the answer is what the swap replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_remove_says_what_its_own_tombstone_replaced() -> Result<()> {
+    let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
+    let store = HeldRead::over(&memory, "k");
+    let (cache, other) = store.caches()?;
+    other.set("k", "old", EntryOptions::new()).await?;
+    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let reached = store.reached.notified();
+    let mut remover = {
+        let cache = cache.clone();
+        tokio::spawn(async move { cache.remove("k").await })
+    };
+    let (removed_first, said) = tokio::select! {
+        () = reached => {
+            assert!(other.remove("k").await?, "the other process removes the value first");
+            store.release.notify_one();
+            (true, remover.await??)
+        }
+        said = &mut remover => (false, said??),
+    };
+    assert_eq!(
+        said, !removed_first,
+        "remove says whether its own tombstone replaced the value"
+    );
     Ok(())
 }
