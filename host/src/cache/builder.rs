@@ -315,20 +315,7 @@ impl CorralBuilder {
         #[cfg(not(feature = "redis"))]
         let store_timeout: Option<Duration> = None;
         let store_timeout = store_timeout.unwrap_or(crate::store::DEFAULT_STORE_TIMEOUT);
-        let locks = Locks {
-            table: MemoryLocks::from_parts(policy.clone(), clock.clone()),
-            #[cfg(feature = "redis")]
-            redis: stores.redis.as_ref().map(|store| {
-                let server = Server::shared(store.options(), store.link());
-                RedisLocks::from_parts(
-                    policy.clone(),
-                    clock.clone(),
-                    vec![server],
-                    &store.options().prefix,
-                )
-                .woken_by(stores.notifications.clone())
-            }),
-        };
+        let locks = locks_over(&stores, &policy, &clock);
         let (_, removal_ttl_ms) = policy.removal(settings.lock_ttl_ms, b"")?;
         Ok(Corral {
             inner: Arc::new(Inner {
@@ -360,5 +347,26 @@ impl CorralBuilder {
                 tags,
             }),
         })
+    }
+}
+
+/// The lock APIs of a cache: its own lock table, and leases on its Redis connection
+/// (woken by its announcements) when Redis is the store.
+fn locks_over(stores: &Stores, policy: &Policy, clock: &Arc<dyn crate::Clock>) -> Locks {
+    #[cfg(not(feature = "redis"))]
+    let _ = stores;
+    Locks {
+        table: MemoryLocks::from_parts(policy.clone(), clock.clone()),
+        #[cfg(feature = "redis")]
+        redis: stores.redis.as_ref().map(|store| {
+            let server = Server::shared(store.options(), store.link());
+            RedisLocks::from_parts(
+                policy.clone(),
+                clock.clone(),
+                vec![server],
+                &store.options().prefix,
+            )
+            .woken_by(stores.notifications.clone())
+        }),
     }
 }

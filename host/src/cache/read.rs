@@ -161,41 +161,14 @@ impl Corral {
         })
     }
 
-    /// Reads the entry `name` at `now`, saying on a miss what the key holds.
+    /// Reads the entry `name` at `now`, saying on a miss what the key holds: the read
+    /// the key's hint asks for, the guest's judgement (a tagged entry's tags too), then
+    /// what that judgement leaves to do.
     pub(crate) async fn l2_look(&self, name: &str, now: u64) -> Result<L2Read> {
         let inner = &*self.inner;
-        let entries = &inner.stores.entries;
         let hint = inner.read_hints.get(name);
-        // The read, and the TTL it set if it set one.
-        let (read, slid_ms) = match hint {
-            Some(NextRead::Script) => match entries.read_and_touch(name, now) {
-                Some(touching) => (touching, None),
-                None => (entries.get(name), None),
-            },
-            Some(NextRead::Expiring(ttl_ms)) => match entries.get_and_expire(name, ttl_ms) {
-                Some(expiring) => (expiring, Some(ttl_ms)),
-                None => (entries.get(name), None),
-            },
-            Some(NextRead::Get) | None => (entries.get(name), None),
-        };
-        let nothing = L2Read::Miss { holds: None };
-        let stored = match read.await {
-            Ok(Some(stored)) => stored,
-            Ok(None) => return Ok(nothing),
-            Err(e) if e.kind() == ErrorKind::Corrupt => {
-                Metrics::bump(&inner.metrics.corrupt);
-                crate::throttle::warn_every!(10, name, error = %e, "corrupt entry removed and treated as a miss");
-                self.l2_op(entries.delete_foreign(name)).await?;
-                return Ok(nothing);
-            }
-            Err(e) => return Err(self.l2_failed(e)),
-        };
-        // Removes what the read found, unless it changed meanwhile.
-        let remove = |stored: Bytes| async move {
-            let removed = self.l2_op(entries.delete_if_equal(name, stored.clone())).await?;
-            Ok::<_, crate::Error>(L2Read::Miss {
-                holds: (!removed).then_some(stored),
-            })
+        let Some((stored, slid_ms)) = self.l2_fetch(name, hint, now).await? else {
+            return Ok(L2Read::Miss { holds: None });
         };
         let mut outcome = inner.policy.read(&stored, now, slid_ms)?;
         // A tagged entry is judged by its tags' moments too (contract §6b.5).
@@ -214,9 +187,58 @@ impl Corral {
                         holds: stored,
                     });
                 }
-                TagVerdict::Removed => return remove(stored).await,
+                TagVerdict::Removed => return self.remove_read(name, stored).await,
             }
         }
+        self.l2_settle(name, hint, stored, outcome, stamp).await
+    }
+
+    /// The read `hint` asks for: the bytes found and the TTL the read set, if it set
+    /// one; `None` for nothing. A value of another Redis type is removed: nothing.
+    async fn l2_fetch(
+        &self,
+        name: &str,
+        hint: Option<NextRead>,
+        now: u64,
+    ) -> Result<Option<(Bytes, Option<u64>)>> {
+        let inner = &*self.inner;
+        let entries = &inner.stores.entries;
+        let (read, slid_ms) = match hint {
+            Some(NextRead::Script) => match entries.read_and_touch(name, now) {
+                Some(touching) => (touching, None),
+                None => (entries.get(name), None),
+            },
+            Some(NextRead::Expiring(ttl_ms)) => match entries.get_and_expire(name, ttl_ms) {
+                Some(expiring) => (expiring, Some(ttl_ms)),
+                None => (entries.get(name), None),
+            },
+            Some(NextRead::Get) | None => (entries.get(name), None),
+        };
+        match read.await {
+            Ok(Some(stored)) => Ok(Some((stored, slid_ms))),
+            Ok(None) => Ok(None),
+            Err(e) if e.kind() == ErrorKind::Corrupt => {
+                Metrics::bump(&inner.metrics.corrupt);
+                crate::throttle::warn_every!(10, name, error = %e, "corrupt entry removed and treated as a miss");
+                self.l2_op(entries.delete_foreign(name)).await?;
+                Ok(None)
+            }
+            Err(e) => Err(self.l2_failed(e)),
+        }
+    }
+
+    /// What the guest's judgement of `stored` leaves to do: a touch written back (owed
+    /// if it fails), a stale copy's or a tombstone's TTL given back, expired and corrupt
+    /// bytes removed; and the key's next read noted.
+    async fn l2_settle(
+        &self,
+        name: &str,
+        hint: Option<NextRead>,
+        stored: Bytes,
+        outcome: ReadOutcome,
+        stamp: Option<super::tags::TagStamp>,
+    ) -> Result<L2Read> {
+        let inner = &*self.inner;
         match outcome {
             ReadOutcome::Fresh(hit) => {
                 let value = stored.slice(hit.value_offset as usize..);
@@ -260,13 +282,23 @@ impl Corral {
                 inner.read_hints.note(name, hint, NextRead::Get);
                 Ok(L2Read::Miss { holds: Some(stored) })
             }
-            ReadOutcome::Expired => remove(stored).await,
+            ReadOutcome::Expired => self.remove_read(name, stored).await,
             ReadOutcome::Corrupt(reason) => {
                 Metrics::bump(&inner.metrics.corrupt);
                 crate::throttle::warn_every!(10, name, %reason, "corrupt entry removed and treated as a miss");
-                remove(stored).await
+                self.remove_read(name, stored).await
             }
         }
+    }
+
+    /// Removes what a read found, unless it changed meanwhile: a miss, holding what is
+    /// there now if something else is.
+    async fn remove_read(&self, name: &str, stored: Bytes) -> Result<L2Read> {
+        let entries = &self.inner.stores.entries;
+        let removed = self.l2_op(entries.delete_if_equal(name, stored.clone())).await?;
+        Ok(L2Read::Miss {
+            holds: (!removed).then_some(stored),
+        })
     }
 }
 
