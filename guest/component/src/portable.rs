@@ -628,7 +628,7 @@ impl wcache::Guest for Component {
             return Ok(entry.value);
         }
         let mut refresh_due = false;
-        let mut fly_one = || {
+        let mut fly_one = |leads: bool| {
             let (flight, action) = Flight::start(
                 &key,
                 options_in(options),
@@ -641,12 +641,15 @@ impl wcache::Guest for Component {
             let named = l1::ticket(&key);
             let names = locate_for_flight(&key, &settings.limits)?;
             let mut driver = Driver::new(&key, &names, named, &settings.limits, &tag_list);
+            if leads {
+                driver = driver.leading();
+            }
             let out = driver.run(flight, action);
             refresh_due = driver.refresh_due();
             out
         };
         if bypass {
-            return fly_one();
+            return fly_one(false);
         }
         // One flight per key in the process, whichever instance runs it: the host's
         // flight registry, the same one the native body uses (contract §5.14).
@@ -654,7 +657,9 @@ impl wcache::Guest for Component {
             Joined::Value(v) => Ok(v),
             Joined::Failed(e) => Err(e),
             Joined::Lead => {
-                let out = fly_one();
+                let out = fly_one(true);
+                // (Done already when the flight got as far as its end; a flight that
+                // could not start hands its error on here. A second finish does nothing.)
                 flights::finish(&key, out.as_ref().map(Vec::as_slice));
                 if refresh_due {
                     refresh(&key, options, &settings, &tag_list);

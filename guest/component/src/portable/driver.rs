@@ -10,7 +10,7 @@ use corral_core::tags::{self, Tagged, Verdict};
 use corral_core::{Limits, envelope, names, policy};
 
 use super::{Found, UNBOUNDED, judge, l2_read_holding, now_ms, tagged_out, ticket_since};
-use crate::bindings::corral::cache::{l1, l2, loader, types};
+use crate::bindings::corral::cache::{flights, l1, l2, loader, types};
 
 /// One flight in progress over the imports: the performer of its actions and its
 /// registers.
@@ -43,6 +43,9 @@ pub(super) struct Driver<'a> {
     holds: Option<Vec<u8>>,
     /// The value served is due for its eager refresh (the machine said so at the end).
     refresh_due: bool,
+    /// It leads the process's flight of the key: its followers get the outcome as soon
+    /// as it is known (`flights.finish`).
+    leads: bool,
 }
 
 impl<'a> Driver<'a> {
@@ -70,7 +73,14 @@ impl<'a> Driver<'a> {
             loader_error: String::new(),
             holds: None,
             refresh_due: false,
+            leads: false,
         }
+    }
+
+    /// The flight leads the process's flight of the key (joined as its leader).
+    pub(super) fn leading(mut self) -> Self {
+        self.leads = true;
+        self
     }
 
     /// Whether the machine ended the flight asking for an eager refresh now.
@@ -111,14 +121,20 @@ impl<'a> Driver<'a> {
                     refresh_at_ms,
                     refresh_now,
                 } => {
-                    self.release_and_announce(release, notify);
                     self.refresh_due = refresh_now;
                     let stale_served = matches!(outcome, Outcome::Stale(_));
-                    self.result_of(outcome)?;
-                    if let Some(until_ms) = l1_until_ms {
-                        self.fill_l1(until_ms, refresh_at_ms, stale_served);
+                    let result = self.result_of(outcome).map(|()| std::mem::take(&mut self.value));
+                    // The followers first: the release and the announcement are two store
+                    // round trips, during which a caller joining this flight would get a
+                    // value older than a write acknowledged meanwhile.
+                    if self.leads {
+                        flights::finish(self.key, result.as_ref().map(Vec::as_slice));
                     }
-                    return Ok(std::mem::take(&mut self.value));
+                    self.release_and_announce(release, notify);
+                    if let (Ok(value), Some(until_ms)) = (&result, l1_until_ms) {
+                        self.fill_l1(value, until_ms, refresh_at_ms, stale_served);
+                    }
+                    return result;
                 }
             };
             action = flight.handle(event, now_ms(), self.limits);
@@ -230,7 +246,7 @@ impl<'a> Driver<'a> {
 
     /// Fills L1 until the machine's deadline. A tagged value is judged first: its tags
     /// may have been invalidated since its load began.
-    fn fill_l1(&self, until_ms: u64, refresh_at_ms: Option<u64>, stale_served: bool) {
+    fn fill_l1(&self, value: &[u8], until_ms: u64, refresh_at_ms: Option<u64>, stale_served: bool) {
         let until_ms = match (&self.tagged, stale_served) {
             (Some(t), false) => match judge(Some(t), &UNBOUNDED, now_ms()) {
                 Ok((Verdict::Untouched, until)) => tags::l1_until(until_ms, &[until, self.tags_until]),
@@ -244,7 +260,7 @@ impl<'a> Driver<'a> {
             self.tagged.as_ref().map(tagged_out)
         };
         let entry = l1::L1Entry {
-            value: self.value.clone(),
+            value: value.to_vec(),
             until_ms,
             stale: stale_served,
             refresh_at_ms,
