@@ -196,6 +196,19 @@ impl Error {
         shared.share()
     }
 
+    /// A store failure (`Unavailable`, `Timeout`, `Corrupt`) says which of the cache's
+    /// calls met it: `remove: redis SET GET failed`. Other kinds already name what was
+    /// wrong.
+    pub(crate) fn in_call(mut self, call: &str) -> Self {
+        if matches!(
+            self.kind,
+            ErrorKind::Unavailable | ErrorKind::Timeout | ErrorKind::Corrupt
+        ) {
+            self.message = format!("{call}: {}", self.message);
+        }
+        self
+    }
+
     /// Replaces the message with `context` (the kind, argument and source stay).
     pub fn with_context(mut self, context: impl Into<String>) -> Self {
         self.message = context.into();

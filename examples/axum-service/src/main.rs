@@ -179,7 +179,7 @@ impl From<corral::Error> for ApiError {
             _ if e.is_retryable() => StatusCode::SERVICE_UNAVAILABLE, // Unavailable, Timeout, Quorum
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        // Display names the root cause: "store unavailable: redis GET failed: Connection refused".
+        // Display names the root cause: "store unavailable: get: redis GET failed: Connection refused".
         ApiError(status, e.to_string())
     }
 }

@@ -170,6 +170,11 @@ impl Corral {
             Metrics::bump(&self.inner.metrics.l1_hits);
             return Ok(Some(value));
         }
+        self.get_from_l2(key, now).await.map_err(|e| e.in_call("get"))
+    }
+
+    /// [`get`](Self::get) past an L1 miss, with the store's own messages.
+    async fn get_from_l2(&self, key: &str, now: u64) -> Result<Option<Bytes>> {
         // Before the entry is named: a clear after it (another generation) refuses the fill.
         let ticket = self.inner.l1.ticket(key);
         let entry = self.entry_of(key).await?;
@@ -194,7 +199,9 @@ impl Corral {
     /// [`ErrorKind::InvalidArgument`] naming `key`, `value`, `absolute`, `relative` or
     /// `sliding`; [`ErrorKind::Unavailable`] when the store fails (L1 is then not written).
     pub async fn set(&self, key: &str, value: impl Into<Bytes>, options: EntryOptions) -> Result<()> {
-        self.set_tagged(key, value, options, &[] as &[&str]).await
+        self.write_tagged(key, value.into(), options, &[] as &[&str])
+            .await
+            .map_err(|e| e.in_call("set"))
     }
 
     /// As [`set`](Self::set), the entry carrying `tags` (contract §6b.5): at most 16,
@@ -219,7 +226,19 @@ impl Corral {
         options: EntryOptions,
         tags: &[impl AsRef<str>],
     ) -> Result<()> {
-        let value = value.into();
+        self.write_tagged(key, value.into(), options, tags)
+            .await
+            .map_err(|e| e.in_call("set"))
+    }
+
+    /// [`set_tagged`](Self::set_tagged), with the store's own messages.
+    async fn write_tagged(
+        &self,
+        key: &str,
+        value: Bytes,
+        options: EntryOptions,
+        tags: &[impl AsRef<str>],
+    ) -> Result<()> {
         let now = self.inner.clock.now_ms();
         let mut plan = self.inner.policy.plan_set(key, value.len(), &options, now)?;
         let tagged = if tags.is_empty() {
@@ -433,9 +452,12 @@ impl Corral {
     /// # Errors
     /// As [`get`](Self::get).
     pub async fn refresh(&self, key: &str) -> Result<bool> {
-        let entry = self.entry_of(key).await?;
-        let now = self.inner.clock.now_ms();
-        Ok(self.l2_read(&entry, now).await?.is_some())
+        let refreshed = async {
+            let entry = self.entry_of(key).await?;
+            let now = self.inner.clock.now_ms();
+            Ok(self.l2_read(&entry, now).await?.is_some())
+        };
+        refreshed.await.map_err(|e: Error| e.in_call("refresh"))
     }
 
     /// Removes `key` from both tiers. Says whether L2 held it; a missing entry is not
@@ -454,6 +476,11 @@ impl Corral {
     /// [`ErrorKind::Timeout`]) when the store fails: the removal may not have landed,
     /// and is being retried.
     pub async fn remove(&self, key: &str) -> Result<bool> {
+        self.remove_entry(key).await.map_err(|e| e.in_call("remove"))
+    }
+
+    /// [`remove`](Self::remove), with the store's own messages.
+    async fn remove_entry(&self, key: &str) -> Result<bool> {
         // The key first: a bad key is an argument error and loses nothing. Then this
         // process's copy goes, before the entry is named: naming it may need the store
         // (the prefix's generation), and the copy goes whatever the store does.
@@ -534,6 +561,11 @@ impl Corral {
     /// # Errors
     /// As [`remove`](Self::remove).
     pub async fn expire(&self, key: &str) -> Result<bool> {
+        self.expire_entry(key).await.map_err(|e| e.in_call("expire"))
+    }
+
+    /// [`expire`](Self::expire), with the store's own messages.
+    async fn expire_entry(&self, key: &str) -> Result<bool> {
         // As a removal: this process's copy goes before the entry is named.
         self.inner.policy.validate_key(key)?;
         self.inner.l1.remove(key);
@@ -550,7 +582,7 @@ impl Corral {
             let now = self.inner.clock.now_ms();
             match self.inner.policy.expire(&stored, now)? {
                 ExpirePlan::Remove(was_fresh) => {
-                    self.remove(key).await?;
+                    self.remove_entry(key).await?;
                     Metrics::bump(&self.inner.metrics.expires);
                     return Ok(was_fresh);
                 }
@@ -575,7 +607,7 @@ impl Corral {
         }
         let Some(was_fresh) = expired else {
             // Missing, or rewritten under us each time: a removal (a tombstone) wins.
-            self.remove(key).await?;
+            self.remove_entry(key).await?;
             Metrics::bump(&self.inner.metrics.expires);
             return Ok(false);
         };

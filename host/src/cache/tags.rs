@@ -339,7 +339,9 @@ impl Corral {
     /// [`ErrorKind::InvalidArgument`] naming `tag` (empty, or over 128 bytes);
     /// [`ErrorKind::Unavailable`] when the store fails.
     pub async fn remove_by_tag(&self, tag: &str) -> Result<()> {
-        self.invalidate_tag(tag, true).await
+        self.invalidate_tag(tag, true)
+            .await
+            .map_err(|e| e.in_call("remove_by_tag"))
     }
 
     /// Every entry carrying `tag` is stale from now, in every process: an entry with a
@@ -350,7 +352,9 @@ impl Corral {
     /// # Errors
     /// As [`remove_by_tag`](Self::remove_by_tag).
     pub async fn expire_by_tag(&self, tag: &str) -> Result<()> {
-        self.invalidate_tag(tag, false).await
+        self.invalidate_tag(tag, false)
+            .await
+            .map_err(|e| e.in_call("expire_by_tag"))
     }
 
     async fn invalidate_tag(&self, tag: &str, remove: bool) -> Result<()> {
@@ -414,6 +418,11 @@ impl Corral {
     /// # Errors
     /// [`ErrorKind::Unavailable`] when the store fails.
     pub async fn clear(&self) -> Result<()> {
+        self.clear_generation().await.map_err(|e| e.in_call("clear"))
+    }
+
+    /// [`clear`](Self::clear), with the store's own messages.
+    async fn clear_generation(&self) -> Result<()> {
         let inner = &*self.inner;
         let name = inner.policy.generation_name(&inner.prefix)?;
         let updated = self

@@ -812,6 +812,10 @@ async fn a_failed_remove_is_retried_until_it_lands() -> Result<()> {
     let e = a.remove("k").await.unwrap_err();
     assert!(e.is_retryable(), "the caller learns it may not have landed: {e}");
     assert!(
+        e.to_string().starts_with("store unavailable: remove: "),
+        "names the call: {e}"
+    );
+    assert!(
         a.get("k").await.is_err(),
         "a's L1 copy is gone at once: its get goes to Redis"
     );
