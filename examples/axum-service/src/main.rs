@@ -75,6 +75,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/report", post(make_report))
         .route("/stats", get(stats))
         .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
         .with_state(app);
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
@@ -148,6 +149,18 @@ async fn stats(State(app): State<App>) -> Json<serde_json::Value> {
         "db_reads": app.db.reads.load(Ordering::Relaxed),
         "cache": app.cache.metrics(),
     }))
+}
+
+/// Readiness for a load balancer: 200 when the cache's L2 answers and its subscription
+/// is up, else 503 saying what is wrong (the service still answers, from the database).
+async fn ready(State(app): State<App>) -> (StatusCode, String) {
+    let health = app.cache.health().await;
+    let status = if health.is_ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, health.to_string())
 }
 
 fn user_key(id: u64) -> String {

@@ -20,7 +20,7 @@ struct Pair {
     a: Service,
     b: Service,
     data: PathBuf,
-    _redis: RedisServer,
+    redis: RedisServer,
 }
 
 impl Pair {
@@ -32,7 +32,7 @@ impl Pair {
             a: Service::start(&redis.url(), &data)?,
             b: Service::start(&redis.url(), &data)?,
             data,
-            _redis: redis,
+            redis,
         })
     }
 
@@ -276,5 +276,35 @@ async fn reports_on_both_instances_take_turns_under_rising_fencing_tokens() -> R
     }
     println!("two 300 ms reports, one per instance, one lock: {took:?} in all, tokens {tokens:?}");
     assert_ne!(tokens[0], tokens[1], "each lease has its own token");
+    Ok(())
+}
+
+/// `/ready` is 200 on both instances while Redis answers, 503 saying why while it is
+/// frozen (SIGSTOP), and 200 again once it resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_instances_are_ready_and_say_so_when_redis_freezes() -> Result<()> {
+    let _real_time = corral_tests::real_time().await;
+    let pair = Pair::start("ready")?;
+    for service in [&pair.a, &pair.b] {
+        let (status, body) = service.get("/ready").await?;
+        ensure!(status == 200 && body == "ready", "{status} {body}");
+    }
+    pair.redis.pause()?;
+    let frozen = pair.a.get("/ready").await;
+    pair.redis.resume()?;
+    let (status, body) = frozen?;
+    ensure!(
+        status == 503 && body.contains("L2 unreachable"),
+        "{status} {body}"
+    );
+    let deadline = Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (status, body) = pair.a.get("/ready").await?;
+        if status == 200 {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "never ready again: {status} {body}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     Ok(())
 }
