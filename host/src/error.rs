@@ -54,8 +54,8 @@ type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// 111)`). Store errors never leak a Redis type: the Redis error is only the
 /// [`source`](std::error::Error::source). A loader's error is the source of the error
 /// every caller of its flight gets, the leader and each coalesced follower alike, so
-/// each can downcast it ([`Error::loader_error`]).
-#[derive(Debug)]
+/// each can downcast it ([`Error::loader_error`]). A clone shares the source.
+#[derive(Clone, Debug)]
 pub struct Error {
     kind: ErrorKind,
     message: String,
@@ -182,18 +182,8 @@ impl Error {
 
     /// A copy for another caller of a flight: the same kind, message, argument and
     /// source (the very same loader error, shared).
-    pub(crate) fn share(&self) -> Error {
-        Error {
-            kind: self.kind,
-            message: self.message.clone(),
-            argument: self.argument.clone(),
-            panicked: self.panicked,
-            source: self.source.clone(),
-        }
-    }
-
     pub(crate) fn from_shared(shared: Arc<Error>) -> Self {
-        shared.share()
+        (*shared).clone()
     }
 
     /// A store failure (`Unavailable`, `Timeout`, `Corrupt`) says which of the cache's
@@ -262,5 +252,17 @@ mod tests {
                 .loader_error::<std::io::Error>()
                 .is_none()
         );
+        // A clone is the same error, its source shared.
+        let copy = follower.clone();
+        assert_eq!(
+            (copy.kind(), copy.to_string()),
+            (follower.kind(), follower.to_string())
+        );
+        assert!(copy.loader_error::<std::io::Error>().is_some());
+        // A store failure names the call; an argument error does not need to.
+        let e = Error::new(ErrorKind::Unavailable, "redis SET GET failed").in_call("remove");
+        assert_eq!(e.to_string(), "store unavailable: remove: redis SET GET failed");
+        let e = Error::new(ErrorKind::InvalidArgument, "key is empty").in_call("remove");
+        assert_eq!(e.to_string(), "invalid argument: key is empty");
     }
 }

@@ -19,7 +19,7 @@ pub(super) fn share(guard: LeaderGuard<Outcome>, result: &Result<Served>) {
         // A bad argument is this caller's too: its followers may have asked well.
         Err(e) if e.is_panic() || e.kind() == crate::ErrorKind::InvalidArgument => drop(guard),
         Ok(value) => guard.finish(Ok(value.clone())),
-        Err(e) => guard.finish(Err(Arc::new(e.share()))),
+        Err(e) => guard.finish(Err(Arc::new(e.clone()))),
     }
 }
 
