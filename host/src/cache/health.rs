@@ -68,7 +68,12 @@ impl Corral {
             Ok(name) => {
                 match tokio::time::timeout(inner.flight.store_timeout, stores.entries.get(&name)).await {
                     Ok(Ok(_)) => None,
-                    Ok(Err(e)) => Some(e.to_string()),
+                    // The store's words, without the kind the answer says already.
+                    Ok(Err(e)) => {
+                        let shown = e.to_string();
+                        let kind = format!("{}: ", e.kind());
+                        Some(shown.strip_prefix(&kind).unwrap_or(&shown).to_owned())
+                    }
                     Err(_) => Some(format!(
                         "no answer within the store timeout ({} ms)",
                         inner.flight.store_timeout.as_millis()
