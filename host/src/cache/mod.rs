@@ -331,19 +331,20 @@ impl Corral {
             .in_background(give_up_after, key, at_once, gave_up, attempt);
     }
 
-    /// Writes the tombstone of a removal whose write failed, went unanswered or was
+    /// A removal's tombstone and its TTL: unique (a random nonce), so a load fenced on
+    /// one tombstone never takes another for it.
+    fn tombstone(&self) -> Result<(Bytes, u64)> {
+        let nonce = rand::random::<u128>().to_be_bytes();
+        let (tombstone, ttl_ms) = self.inner.policy.removal(self.inner.flight.lock_ttl_ms, &nonce)?;
+        Ok((Bytes::from(tombstone), ttl_ms))
+    }
+
+    /// Writes a tombstone for a removal whose write failed, went unanswered or was
     /// abandoned by its caller, from a task of its own, on the schedule of announcements
     /// ([`retry_in_background`](Self::retry_in_background)), until it lands, the key
     /// turns out removed already, or a later write of the key ends it (see
     /// [`retry_removal`](Self::retry_removal)).
-    fn remove_in_background(
-        &self,
-        key: &str,
-        entry: Option<String>,
-        tombstone: Bytes,
-        ttl_ms: u64,
-        watch: RemovalWatch,
-    ) {
+    fn remove_in_background(&self, key: &str, entry: Option<String>, watch: RemovalWatch) {
         let (cache, owned, watch) = (self.clone(), key.to_owned(), Arc::new(watch));
         // Counted while it runs (dropped with the task's closure).
         let running = flight::Running::start(&self.inner.background);
@@ -353,14 +354,8 @@ impl Corral {
             "a failed removal could not be written within the L1 TTL: the old value stays in L2 until it expires",
             move || {
                 let _running = &running;
-                let (cache, key, entry, tombstone, watch) = (
-                    cache.clone(),
-                    owned.clone(),
-                    entry.clone(),
-                    tombstone.clone(),
-                    watch.clone(),
-                );
-                async move { cache.retry_removal(&key, entry.as_deref(), tombstone, ttl_ms, &watch).await }
+                let (cache, key, entry, watch) = (cache.clone(), owned.clone(), entry.clone(), watch.clone());
+                async move { cache.retry_removal(&key, entry.as_deref(), &watch).await }
             },
         );
     }
@@ -372,14 +367,7 @@ impl Corral {
     /// wins. A tombstone already there (the first write landed after all, or another
     /// removal's) or nothing at all ends it too. Then the key's L1 copy goes again (a
     /// read may have brought the old value back meanwhile), and the change is announced.
-    async fn retry_removal(
-        &self,
-        key: &str,
-        entry: Option<&str>,
-        tombstone: Bytes,
-        ttl_ms: u64,
-        watch: &RemovalWatch,
-    ) -> bool {
+    async fn retry_removal(&self, key: &str, entry: Option<&str>, watch: &RemovalWatch) -> bool {
         if !watch.is_current() {
             tracing::debug!(key, "a failed removal is not retried: the key was written since");
             return true;
@@ -420,6 +408,12 @@ impl Corral {
                     if !watch.is_current() {
                         return true;
                     }
+                    // A tombstone of its own, not the first write's again: a load fenced
+                    // on the first one (which may have landed, its reply lost) must not
+                    // take this one for it (contract §5.12).
+                    let Ok((tombstone, ttl_ms)) = self.tombstone() else {
+                        return true;
+                    };
                     let write = entries.replace_if_equal(entry, stored, tombstone, ttl_ms);
                     match tokio::time::timeout(bound, write).await {
                         Ok(Ok(true)) => tracing::debug!(key, "a failed removal was written on a retry"),
@@ -488,17 +482,13 @@ impl Corral {
         self.inner.l1.remove(key);
         // A tombstone, not a delete: a load that began before this removal may not fill
         // over it (contract §5.12).
-        let nonce = rand::random::<u128>().to_be_bytes();
-        let (tombstone, ttl_ms) = self.inner.policy.removal(self.inner.flight.lock_ttl_ms, &nonce)?;
-        let tombstone = Bytes::from(tombstone);
+        let (tombstone, ttl_ms) = self.tombstone()?;
         // Watched from before the write: unless the write's outcome is known, the
         // tombstone is written again in the background.
         let mut unsettled = Unsettled {
             cache: self.clone(),
             key: key.to_owned(),
             entry: None,
-            tombstone: tombstone.clone(),
-            ttl_ms,
             watch: Some(self.inner.l1.watch_removal(key)),
         };
         let before_naming = self.inner.l1.ticket(key);
@@ -857,8 +847,6 @@ struct Unsettled {
     /// The entry's name in the store; `None` while it could not be named (the
     /// prefix's generation could not be read): the retry names it.
     entry: Option<String>,
-    tombstone: Bytes,
-    ttl_ms: u64,
     watch: Option<RemovalWatch>,
 }
 
@@ -873,8 +861,7 @@ impl Drop for Unsettled {
     fn drop(&mut self) {
         if let Some(watch) = self.watch.take() {
             let entry = self.entry.take();
-            self.cache
-                .remove_in_background(&self.key, entry, self.tombstone.clone(), self.ttl_ms, watch);
+            self.cache.remove_in_background(&self.key, entry, watch);
         }
     }
 }

@@ -241,12 +241,11 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         };
         let epochs = &self.epochs;
         cache.entry_by_ref(key).and_compute_with(|_| {
-            // Writes of this key since the ticket, or a new generation since the entry
-            // was named (it was written under an older generation's name): dropped. A
-            // mere flush (announcements may have been missed) does not matter: this
-            // value was just written to L2 by this process.
-            let now = epochs.ticket(key);
-            let unchanged = now.key == ticket.key && now.generations == ticket.generations;
+            // Writes of this key since the ticket, a new generation since the entry was
+            // named (it was written under an older generation's name), or a flush (other
+            // processes' announcements may have been missed since the write, a newer
+            // value among them): dropped.
+            let unchanged = epochs.ticket(key) == ticket;
             epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
             if unchanged { Op::Put(entry) } else { Op::Remove }
         });
@@ -448,6 +447,19 @@ mod tests {
         let ticket = l1.ticket("k");
         l1.remove("k");
         assert!(!l1.fill("k", Bytes::from_static(b"older"), u64::MAX, ticket, None));
+        assert_eq!(l1.get("k", 0), None);
+
+        // A set whose write came before a flush (announcements missed since: a newer
+        // value may be in L2 already) does not install its value either.
+        let before_write = l1.ticket("k");
+        l1.clear();
+        l1.insert(
+            "k",
+            Bytes::from_static(b"set before the gap"),
+            u64::MAX,
+            before_write,
+            None,
+        );
         assert_eq!(l1.get("k", 0), None);
 
         let ticket = l1.ticket("k");

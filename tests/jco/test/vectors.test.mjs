@@ -138,7 +138,7 @@ function newHost() {
       set: (key, entry, since) => {
         const now = ticket(key);
         wrote(key);
-        if (now.generations === since.generations && now.writes === since.writes) state.l1.set(key, entry);
+        if (now.flushes === since.flushes && now.generations === since.generations && now.writes === since.writes) state.l1.set(key, entry);
         else state.l1.delete(key);
       },
       delete: (key) => { wrote(key); state.l1.delete(key); },
