@@ -68,14 +68,7 @@ pub struct Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.kind, self.message)?;
-        if let Some(root) = self.root_cause() {
-            let root = root.to_string();
-            if !self.message.contains(&root) {
-                write!(f, ": {root}")?;
-            }
-        }
-        Ok(())
+        write!(f, "{}: {}", self.kind, self.detail())
     }
 }
 
@@ -184,6 +177,15 @@ impl Error {
     /// source (the very same loader error, shared).
     pub(crate) fn from_shared(shared: Arc<Error>) -> Self {
         (*shared).clone()
+    }
+
+    /// What went wrong, without the kind: the message, then the root cause when the
+    /// message does not already say it (`Display` puts the kind before it).
+    pub(crate) fn detail(&self) -> String {
+        match self.root_cause().map(|root| root.to_string()) {
+            Some(root) if !self.message.contains(&root) => format!("{}: {root}", self.message),
+            _ => self.message.clone(),
+        }
     }
 
     /// A store failure (`Unavailable`, `Timeout`, `Corrupt`) says which of the cache's

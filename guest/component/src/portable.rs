@@ -434,6 +434,25 @@ fn expire_named(names: &names::Names, settings: &Settings) -> Result<bool, types
     remove(false)
 }
 
+/// A removal or an expiry of `key`, `change` its store step on the entry's names
+/// (contract §5.12): this process's copy goes before the entry is named (naming may
+/// need the store), and again after the store step, even a failed one (it may have
+/// landed): a read that began before may have filled L1 meanwhile. Then the other
+/// processes hear of it.
+fn dropping(
+    key: &str,
+    settings: &Settings,
+    change: impl FnOnce(&names::Names) -> Result<bool, types::Error>,
+) -> Result<bool, types::Error> {
+    corral_core::key::validate(key, &settings.limits).map_err(arg_error)?;
+    l1::delete(key);
+    let names = locate(key, &settings.limits)?;
+    let changed = change(&names);
+    l1::delete(key);
+    l2::announce_landing(key);
+    changed
+}
+
 fn check_tags(tag_list: &[String]) -> Result<(), types::Error> {
     tags::check(tag_list).map_err(arg_error)
 }
@@ -459,7 +478,6 @@ impl wcache::Guest for Component {
         // Before the entry is named: a clear after it (another generation) refuses the fill.
         let ticket = l1::ticket(&key);
         let names = locate(&key, &limits)?;
-        let ticket = ticket_since(&key, ticket);
         Ok(l2_read(&names.entry, now, &limits)?
             .fresh()
             .map(|(value, meta, tagged, until)| {
@@ -565,38 +583,23 @@ impl wcache::Guest for Component {
 
     fn remove(key: String) -> Result<bool, types::Error> {
         let settings = settings();
-        // The copy goes before the entry is named: naming it may need the store.
-        corral_core::key::validate(&key, &settings.limits).map_err(arg_error)?;
-        l1::delete(&key);
-        let names = locate(&key, &settings.limits)?;
-        // A removal leaves a tombstone, as in every body (contract §5.12), and says
-        // whether it replaced a fresh entry: what the swap found, in the same step.
-        let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
-        let swapped = l2::swap(&names.entry, &tombstone, ttl_ms);
-        // Again, after the store (even when the write failed: it may have landed): a
-        // read that began before the removal may have filled L1 meanwhile, and the other
-        // processes drop their copy.
-        l1::delete(&key);
-        l2::announce_landing(&key);
-        Ok(swapped?.is_some_and(|old| {
-            matches!(
-                policy::read(&old, old.len() as u64, now_ms(), &settings.limits, None),
-                ReadOutcome::Fresh(_)
-            )
-        }))
+        dropping(&key, &settings, |names| {
+            // A removal leaves a tombstone, as in every body (contract §5.12), and says
+            // whether it replaced a fresh entry: what the swap found, in the same step.
+            let (tombstone, ttl_ms) = policy::removal(settings.lock_ttl_ms, &removal_nonce());
+            let old = l2::swap(&names.entry, &tombstone, ttl_ms)?;
+            Ok(old.is_some_and(|old| {
+                matches!(
+                    policy::read(&old, old.len() as u64, now_ms(), &settings.limits, None),
+                    ReadOutcome::Fresh(_)
+                )
+            }))
+        })
     }
 
     fn expire(key: String) -> Result<bool, types::Error> {
         let settings = settings();
-        // The copy goes before the entry is named: naming it may need the store.
-        corral_core::key::validate(&key, &settings.limits).map_err(arg_error)?;
-        l1::delete(&key);
-        let names = locate(&key, &settings.limits)?;
-        let expired = expire_named(&names, &settings);
-        // Again after the store, as a removal does.
-        l1::delete(&key);
-        l2::announce_landing(&key);
-        expired
+        dropping(&key, &settings, |names| expire_named(names, &settings))
     }
 
     fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {

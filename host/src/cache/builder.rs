@@ -310,11 +310,10 @@ impl CorralBuilder {
                 settings.l1_ttl_ms,
                 metrics.clone(),
             ));
-        #[cfg(feature = "redis")]
-        let store_timeout = self.redis.as_ref().map(|o| o.response_timeout);
-        #[cfg(not(feature = "redis"))]
-        let store_timeout: Option<Duration> = None;
-        let store_timeout = store_timeout.unwrap_or(crate::store::DEFAULT_STORE_TIMEOUT);
+        let store_timeout = crate::store::store_timeout(
+            #[cfg(feature = "redis")]
+            self.redis.as_ref(),
+        );
         let locks = locks_over(&stores, &policy, &clock);
         let (_, removal_ttl_ms) = policy.removal(settings.lock_ttl_ms, b"")?;
         Ok(Corral {

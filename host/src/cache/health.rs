@@ -69,11 +69,7 @@ impl Corral {
                 match tokio::time::timeout(inner.flight.store_timeout, stores.entries.get(&name)).await {
                     Ok(Ok(_)) => None,
                     // The store's words, without the kind the answer says already.
-                    Ok(Err(e)) => {
-                        let shown = e.to_string();
-                        let kind = format!("{}: ", e.kind());
-                        Some(shown.strip_prefix(&kind).unwrap_or(&shown).to_owned())
-                    }
+                    Ok(Err(e)) => Some(e.detail()),
                     Err(_) => Some(format!(
                         "no answer within the store timeout ({} ms)",
                         inner.flight.store_timeout.as_millis()

@@ -252,10 +252,6 @@ impl PortableBuilder {
                 crate::guest::policy::retry(&settings),
             )?,
         };
-        #[cfg(feature = "redis")]
-        let store_timeout = self.redis.as_ref().map(|o| o.response_timeout);
-        #[cfg(not(feature = "redis"))]
-        let store_timeout: Option<Duration> = None;
         let loaded = loaded()?;
         let table = crate::locks::MemoryLocks::from_parts(policy.clone(), self.clock.clone());
         let l1 = crate::store::l1::L1::new(settings.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
@@ -273,7 +269,10 @@ impl PortableBuilder {
                     l1,
                     announcing: imports::Announcing {
                         retry: crate::guest::policy::retry(&settings),
-                        bound: store_timeout.unwrap_or(crate::store::DEFAULT_STORE_TIMEOUT),
+                        bound: crate::store::store_timeout(
+                            #[cfg(feature = "redis")]
+                            self.redis.as_ref(),
+                        ),
                         give_up_after: Duration::from_millis(settings.l1_ttl_ms),
                     },
                     stores,

@@ -271,13 +271,13 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
     /// watches the key ([`watch_removal`](Self::watch_removal)).
     pub(crate) fn remove(&self, key: &str) {
         self.epochs.unwatch(key);
-        self.write(key, None);
+        self.drop_key(key);
     }
 
     /// Drops `key`'s copy and refuses fills in progress, as [`remove`](Self::remove),
     /// but ends no watch: what a removal's retry does once its tombstone is there.
     pub(crate) fn drop_copy(&self, key: &str) {
-        self.write(key, None);
+        self.drop_key(key);
     }
 
     /// Watches `key` for a removal whose tombstone may not have been written (contract
@@ -299,7 +299,9 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         }
     }
 
-    fn write(&self, key: &str, entry: Option<V>) {
+    /// A write that drops `key`: its stripe moves on (fills in progress are refused)
+    /// inside moka's per-key compute, so no fill slips in between.
+    fn drop_key(&self, key: &str) {
         let epochs = &self.epochs;
         let Some(cache) = &self.cache else {
             epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
@@ -307,10 +309,7 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         };
         cache.entry_by_ref(key).and_compute_with(|_| {
             epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
-            match entry {
-                Some(entry) => Op::Put(entry),
-                None => Op::Remove,
-            }
+            Op::Remove
         });
     }
 

@@ -209,6 +209,18 @@ pub(crate) struct Scripts {
 /// a get-or-set's deadlines go.
 pub(crate) const DEFAULT_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// How long one store command may take before a body gives up on it: the Redis
+/// options' response timeout, else [`DEFAULT_STORE_TIMEOUT`].
+pub(crate) fn store_timeout(
+    #[cfg(feature = "redis")] redis: Option<&redis::RedisOptions>,
+) -> std::time::Duration {
+    #[cfg(feature = "redis")]
+    if let Some(options) = redis {
+        return options.response_timeout;
+    }
+    DEFAULT_STORE_TIMEOUT
+}
+
 /// A schedule of background tries (given by the guest's settings): the first wait,
 /// doubled after each try up to `max`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -119,6 +119,15 @@ impl HeldRead {
         })
     }
 
+    /// Waits for `release` if `key` is the held one and `armed` was set (it is unset):
+    /// says so on `reached` first.
+    async fn hold(&self, key: &str, armed: &std::sync::atomic::AtomicBool) {
+        if key == self.held && armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            self.reached.notify_one();
+            self.release.notified().await;
+        }
+    }
+
     /// A portable cache over it (prefix `held:`), and a native one over the same
     /// memory: another process.
     fn caches(self: &Arc<Self>) -> Result<(PortableCache, Corral)> {
@@ -148,10 +157,7 @@ impl Entries for HeldRead {
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
         async move {
             let read = self.inner.get(key).await;
-            if key == self.held && self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                self.reached.notify_one();
-                self.release.notified().await;
-            }
+            self.hold(key, &self.armed).await;
             read
         }
         .boxed()
@@ -161,10 +167,7 @@ impl Entries for HeldRead {
     }
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, corral::Result<()>> {
         async move {
-            if key == self.held && self.armed_set.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                self.reached.notify_one();
-                self.release.notified().await;
-            }
+            self.hold(key, &self.armed_set).await;
             self.inner.set(key, bytes, ttl_ms).await
         }
         .boxed()
@@ -176,10 +179,7 @@ impl Entries for HeldRead {
         ttl_ms: u64,
     ) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
         async move {
-            if name == self.held && self.armed_set.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                self.reached.notify_one();
-                self.release.notified().await;
-            }
+            self.hold(name, &self.armed_set).await;
             self.inner.swap(name, bytes, ttl_ms).await
         }
         .boxed()
