@@ -12,6 +12,7 @@ use crate::store::{Retry, Stores, memory};
 /// the prefix its data is named under.
 pub(crate) fn open_stores(
     #[cfg(feature = "redis")] redis: Option<&crate::store::redis::RedisOptions>,
+    memory: Option<memory::MemoryStore>,
     policy: &Policy,
     clock: Arc<dyn crate::Clock>,
     invalidation_interval_ms: u64,
@@ -31,6 +32,6 @@ pub(crate) fn open_stores(
         return Ok((options.prefix.clone(), Stores::redis(store)));
     }
     let _ = (policy, retry);
-    let store = memory::MemoryStore::new(clock, invalidation_interval_ms);
+    let store = memory.unwrap_or_else(|| memory::MemoryStore::new(clock, invalidation_interval_ms));
     Ok((crate::options::DEFAULT_PREFIX.to_owned(), Stores::memory(store)))
 }

@@ -143,6 +143,28 @@ fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), type
     Ok((out, until_all))
 }
 
+/// The `written_at` of a tagged write (a set, or a load) that begins at `now`: after
+/// every invalidation of `tag_list` the store holds now, read afresh (what this instance
+/// keeps may predate another process's invalidation), else, the store failing, after
+/// those kept (contract §6b.5). An untagged write is written at `now`.
+fn written_at(tag_list: &[String], now: u64) -> Result<u64, types::Error> {
+    let until = tags::known_until(now, settings().l1_ttl_ms);
+    let mut known = Vec::with_capacity(tag_list.len());
+    for tag in tag_list {
+        let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
+        if let Ok(stored) = l2::get(&name) {
+            remember(tag, TagMoments::decode(stored.as_deref()), until);
+        }
+        let kept = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
+        known.push(
+            kept.as_ref()
+                .and_then(|m| m.get(tag))
+                .map_or_else(TagMoments::default, |(m, _)| *m),
+        );
+    }
+    Ok(tags::written_at(now, &known))
+}
+
 fn remember(tag: &str, m: TagMoments, until: u64) {
     let mut map = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
     let map = map.get_or_insert_with(HashMap::new);
@@ -501,12 +523,7 @@ impl wcache::Guest for Component {
         let plan = policy::plan_set(&key, value.len() as u64, &options_in(options), now, &limits)
             .map_err(arg_error)?;
         check_tags(&tag_list)?;
-        // After every invalidation of its tags known now (contract §6b.5).
-        let written_at_ms = if tag_list.is_empty() {
-            now
-        } else {
-            tags::written_at(now, &moments(&tag_list, now)?.0)
-        };
+        let written_at_ms = written_at(&tag_list, now)?;
         let tagged = Tagged {
             written_at_ms,
             tags: tag_list,

@@ -262,7 +262,8 @@ mod tests {
     #[test]
     fn every_duration_setting_is_bounded_and_named() {
         let max = LONGEST_DURATION_MS;
-        let cases: [(&str, fn(&mut Settings, u64)); 8] = [
+        type Setter = fn(&mut Settings, u64);
+        let cases: [(&str, Setter); 8] = [
             ("l1_ttl", |s, v| s.l1_ttl_ms = v),
             ("lock_wait", |s, v| s.lock_wait_ms = v),
             ("lock_ttl", |s, v| s.lock_ttl_ms = v),

@@ -438,10 +438,7 @@ mod tests {
         assert!(!was_fresh);
         let again = [header.as_bytes(), &bytes[value_offset..]].concat();
         assert_ne!(again, after);
-        assert_eq!(
-            read(&again, len, NOW + 60_000 + 5_000 - 1, &l, None).is_stale(),
-            true
-        );
+        assert!(read(&again, len, NOW + 60_000 + 5_000 - 1, &l, None).is_stale());
         assert_eq!(read(&again, len, NOW + 65_000, &l, None), ReadOutcome::Expired);
         let plain_opts = EntryOptions {
             max_stale_ms: None,

@@ -19,6 +19,7 @@ use crate::locks::{Locks, MemoryLocks};
 use crate::locks::{RedisLocks, Server};
 use crate::options::{DEFAULT_PREFIX, duration_ms};
 use crate::store::l1::L1;
+use crate::store::memory::MemoryStore;
 use crate::store::{Entries, FlightLock, Notifications, Stores};
 
 #[cfg(feature = "redis")]
@@ -34,6 +35,8 @@ pub struct CorralBuilder {
     redis: Option<RedisOptions>,
     custom: Option<Stores>,
     custom_prefix: Option<String>,
+    /// An in-memory L2 shared with other caches of this process.
+    memory: Option<MemoryStore>,
     /// `Some(false)`: sliding entries keep their moment in the envelope even where the
     /// store could keep it.
     sliding_in_store: Option<bool>,
@@ -91,6 +94,7 @@ impl Default for CorralBuilder {
             redis: None,
             custom: None,
             custom_prefix: None,
+            memory: None,
             sliding_in_store: None,
         }
     }
@@ -126,6 +130,20 @@ impl CorralBuilder {
     #[cfg(feature = "redis")]
     pub fn redis_options(mut self, options: RedisOptions) -> Self {
         self.redis = Some(options);
+        self.memory = None;
+        self
+    }
+
+    /// Use `store` as L2: an in-memory store (the embedded default's kind) shared with
+    /// other caches built on it, as processes share one Redis. Several caches over one
+    /// store are several processes in one: each keeps its own L1 and flights, and hears
+    /// the others' changes. Make it with [`MemoryStore::new`] on this cache's clock.
+    pub fn memory(mut self, store: MemoryStore) -> Self {
+        self.memory = Some(store);
+        #[cfg(feature = "redis")]
+        {
+            self.redis = None;
+        }
         self
     }
 
@@ -286,6 +304,7 @@ impl CorralBuilder {
             None => crate::compose::open_stores(
                 #[cfg(feature = "redis")]
                 self.redis.as_ref(),
+                self.memory,
                 &policy,
                 clock.clone(),
                 settings.invalidation_interval_ms,

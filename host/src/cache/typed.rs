@@ -20,7 +20,10 @@ use crate::{Error, ErrorKind, Result};
 /// reused only while L1 hands out those same bytes (the same allocation, kept alive
 /// here, so it cannot be another value's), so it is never staler than L1 itself.
 #[derive(Clone)]
-pub(crate) struct Decoded(Option<moka::sync::Cache<String, (Bytes, Arc<dyn Any + Send + Sync>)>>);
+pub(crate) struct Decoded(Option<moka::sync::Cache<String, DecodedValue>>);
+
+/// A decoded value and the bytes it was decoded from.
+type DecodedValue = (Bytes, Arc<dyn Any + Send + Sync>);
 
 impl fmt::Debug for Decoded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

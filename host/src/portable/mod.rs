@@ -104,6 +104,8 @@ pub struct PortableBuilder {
     overrides: Overrides,
     /// Stores of the caller's own, and their prefix.
     custom: Option<(String, Stores)>,
+    /// An in-memory L2 shared with other caches of this process.
+    memory: Option<crate::store::memory::MemoryStore>,
     lockstep: bool,
 }
 
@@ -115,6 +117,7 @@ impl Default for PortableBuilder {
             redis: None,
             overrides: Overrides::default(),
             custom: None,
+            memory: None,
             lockstep: false,
         }
     }
@@ -131,6 +134,18 @@ impl PortableBuilder {
     #[cfg(feature = "redis")]
     pub fn redis_options(mut self, options: crate::store::redis::RedisOptions) -> Self {
         self.redis = Some(options);
+        self.memory = None;
+        self
+    }
+
+    /// An in-memory L2 shared with other caches, as
+    /// [`CorralBuilder::memory`](crate::CorralBuilder::memory) takes it.
+    pub fn memory(mut self, store: crate::store::memory::MemoryStore) -> Self {
+        self.memory = Some(store);
+        #[cfg(feature = "redis")]
+        {
+            self.redis = None;
+        }
         self
     }
 
@@ -246,6 +261,7 @@ impl PortableBuilder {
             None => crate::compose::open_stores(
                 #[cfg(feature = "redis")]
                 self.redis.as_ref(),
+                self.memory,
                 &policy,
                 self.clock.clone(),
                 settings.invalidation_interval_ms,

@@ -115,6 +115,13 @@ impl MemoryStore {
         self.len() == 0
     }
 
+    /// Lets the get-or-set lock `name` lapse now, whoever holds it, as it would for a
+    /// holder paused past its TTL; says whether one was held. For tests.
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn lapse_lock(&self, name: &str) -> bool {
+        self.inner.locks[self.index(name)].lock().remove(name).is_some()
+    }
+
     /// What the background invalidation has done so far.
     pub fn invalidation_stats(&self) -> InvalidationStats {
         InvalidationStats {

@@ -5,7 +5,7 @@ import { parentPort, receiveMessageOnPort, workerData } from 'node:worker_thread
 import { once } from 'node:events';
 import { WASIShim } from '@bytecodealliance/preview2-shim/instantiation';
 
-const { component, port, bell, calls, settings, key, options, waitMs } = workerData;
+const { component, port, bell, calls, settings, prefix, key, options, waitMs } = workerData;
 
 /** Calls `iface.fn(...args)` in the main thread and blocks until it answers. */
 function call(iface, fn, args) {
@@ -25,7 +25,7 @@ for (const [iface, fns] of Object.entries(calls)) {
 }
 const { instantiate } = await import(component);
 const cache = (await instantiate(null, imports))['corral:cache/cache@0.2.0'];
-cache.configure(settings, 'corral:');
+cache.configure(settings, prefix);
 parentPort.postMessage('ready');
 await once(parentPort, 'message');
 let result;

@@ -19,6 +19,12 @@
 //   - the worker posts the call's {ok}, {err} or {trap}; this thread ends its flight if
 //     it still led one (a leader gone), and terminates the workers after the step.
 // Every wait is bounded (WAIT_MS in a worker, STEP_MS here) and fails with a message.
+//
+// A vector's steps may name a `process` ("a" by default): each process is an instance
+// with a host of its own (L1, flight registry), and all of them share the world (the
+// clock, L2, the get-or-set locks, the lock table). A process's landing announcement
+// reaches every other process's L1 at once. A loader's `during` steps run, in other
+// processes, inside the load.
 import { test, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { readFile, readdir, mkdtemp, writeFile, mkdir, rm } from 'node:fs/promises';
@@ -40,6 +46,7 @@ const T0 = 1_700_000_000_000n;
 const WAIT_MS = 5_000;
 const STEP_MS = 20_000;
 const MAIN = 'main';
+const PREFIX = 'corral:';
 const CACHE = 'corral:cache/cache@0.2.0';
 const LOCK = 'corral:lock/lock@0.2.0';
 
@@ -57,19 +64,26 @@ async function transpiled(bytes) {
   return { instantiate: (await import(url)).instantiate, url };
 }
 
+/** What every process of a vector shares: the clock, L2, the get-or-set locks, the lock table. */
+function newWorld() {
+  return { now: T0, l2: new Map(), locks: new Map(), table: new Map(), seq: 0, hosts: [], mismatches: [] };
+}
+
 /**
- * One vector's host, in JavaScript: maps for L1, L2 and the lock table, a manual clock,
- * the flight registry, and the loader script of the running step. `imports(caller)` are
- * the imports of the instance of `caller` (MAIN, or a together step's caller index).
+ * One process's host, in JavaScript, in `world`: its L1, its flight registry, the
+ * loader script of its running step. `imports(caller)` are the imports of the instance
+ * of `caller` (MAIN, or a together step's caller index).
  */
-function newHost() {
+function newHost(world) {
   const state = {
-    now: T0, l1: new Map(), l2: new Map(), locks: new Map(), table: new Map(), seq: 0, script: null,
+    l1: new Map(), script: null,
     // L1's fencing (WIT `l1-ticket`): flushes, changes of generation, writes per key.
     flushes: 0n, generations: 0n, writes: new Map(),
   };
   const ticket = (key) => ({ flushes: state.flushes, generations: state.generations, writes: state.writes.get(key) ?? 0n });
   const wrote = (key) => state.writes.set(key, (state.writes.get(key) ?? 0n) + 1n);
+  /** Another process's change of `key`: this L1 drops its copy, and a fill in flight is fenced out. */
+  const hear = (key) => { wrote(key); state.l1.delete(key); };
   // key -> { leader, waiting: [{ caller, resolve }] }: at most one flight per key.
   const flights = new Map();
   // Held-back answers: each gate settles its answer once its condition holds, and says whether it did.
@@ -101,6 +115,9 @@ function newHost() {
 
   /** `caller`'s call returned or trapped: a flight it still leads goes to its first follower. */
   function callEnded(caller) {
+    for (const [name, held] of world.locks) {
+      if (held.holder[0] === host && held.holder[1] === caller) world.locks.delete(name);
+    }
     for (const [key, flight] of flights) {
       flight.waiting = flight.waiting.filter((w) => w.caller !== caller);
       if (flight.leader !== caller) continue;
@@ -145,33 +162,39 @@ function newHost() {
       clear: () => { state.generations += 1n; state.flushes += 1n; state.l1.clear(); },
     },
     'corral:cache/l2': {
-      get: (key) => state.l2.get(key),
-      set: (key, value) => { state.l2.set(key, value); },
-      delete: (key) => state.l2.delete(key),
+      get: (key) => world.l2.get(key),
+      set: (key, value) => { world.l2.set(key, value); },
+      delete: (key) => world.l2.delete(key),
       swap: (key, value) => {
-        const old = state.l2.get(key);
-        state.l2.set(key, value);
+        const old = world.l2.get(key);
+        world.l2.set(key, value);
         return old;
       },
-      deleteIfEqual: (key, expected) => same(state.l2.get(key), expected) && state.l2.delete(key),
+      deleteIfEqual: (key, expected) => same(world.l2.get(key), expected) && world.l2.delete(key),
       replaceIfEqual: (key, expected, value) => {
-        if (!same(state.l2.get(key), expected)) return false;
-        state.l2.set(key, value);
+        if (!same(world.l2.get(key), expected)) return false;
+        world.l2.set(key, value);
         return true;
       },
       // `expected` absent: only where the key holds nothing (a fenced fill).
       setIf: (key, expected, value) => {
-        const held = state.l2.get(key);
+        const held = world.l2.get(key);
         if (expected === undefined || expected === null ? held !== undefined : !same(held, expected)) return false;
-        state.l2.set(key, value);
+        world.l2.set(key, value);
         return true;
       },
-      // One process, whose flight registry runs one flight per key: the lock is always
-      // free here (a leader gone mid-load never released its own, and needs not).
-      tryLock: (key) => { const owner = `owner-${++state.seq}`; state.locks.set(key, owner); return owner; },
-      releaseLock: (key, owner) => state.locks.get(key) === owner && state.locks.delete(key),
+      // Held until released or `ttl` ms on the world's clock; a call that ends releases
+      // what it holds (as a component host does when a call traps).
+      tryLock: (name, ttl) => {
+        const held = world.locks.get(name);
+        if (held && world.now < held.until) return undefined;
+        const owner = `owner-${++world.seq}`;
+        world.locks.set(name, { owner, until: world.now + ttl, holder: [host, caller] });
+        return owner;
+      },
+      releaseLock: (name, owner) => world.locks.get(name)?.owner === owner && world.locks.delete(name),
       waitLanding: () => {},
-      announceLanding: () => {},
+      announceLanding: (key) => world.hosts.filter((h) => h !== host).forEach((h) => h.hear(key)),
     },
     'corral:cache/flights': {
       join: (key) => join(caller, key),
@@ -182,20 +205,22 @@ function newHost() {
       shouldCache: () => state.script.shouldCache(caller),
     },
     'corral:lock/table': {
-      get: (key) => state.table.get(key),
+      get: (key) => world.table.get(key),
       compareAndSwap: (key, expected, next) => {
-        if (!heldEq(state.table.get(key), expected)) return false;
-        state.table.set(key, next);
+        if (!heldEq(world.table.get(key), expected)) return false;
+        world.table.set(key, next);
         return true;
       },
-      compareAndDelete: (key, expected) => heldEq(state.table.get(key), expected) && state.table.delete(key),
+      compareAndDelete: (key, expected) => heldEq(world.table.get(key), expected) && world.table.delete(key),
     },
     'wasi:clocks/wall-clock': {
-      now: () => ({ seconds: state.now / 1000n, nanoseconds: Number(state.now % 1000n) * 1_000_000 }),
+      now: () => ({ seconds: world.now / 1000n, nanoseconds: Number(world.now % 1000n) * 1_000_000 }),
       resolution: () => ({ seconds: 0n, nanoseconds: 1_000_000 }),
     },
   });
-  return { state, imports, callEnded, until, waiting: (key) => flights.get(key)?.waiting.length ?? 0 };
+  const host = { world, state, imports, callEnded, until, hear, waiting: (key) => flights.get(key)?.waiting.length ?? 0 };
+  world.hosts.push(host);
+  return host;
 }
 
 /** The vector's `settings` over the component's defaults (`policy.defaults`). */
@@ -307,8 +332,9 @@ function startCaller(run, step, i) {
       bell,
       calls: Object.fromEntries(Object.entries(imports).map(([iface, fns]) => [iface, Object.keys(fns)])),
       settings: run.settings,
+      prefix: PREFIX,
       key: step.key,
-      options: options(step, run.host.state.now),
+      options: options(step, run.host.world.now),
       waitMs: WAIT_MS,
     },
     transferList: [port2],
@@ -364,9 +390,9 @@ async function together(run, step) {
 
 /** Each op the vectors use: runs a step, returns `{result, loads?}` (nothing for `advance`). */
 const ops = {
-  advance: ({ host }, step) => { host.state.now += BigInt(step.ms); },
+  advance: ({ host }, step) => { host.world.now += BigInt(step.ms); },
   set: ({ host, exports }, step) => {
-    const r = spelled(settle(() => exports[CACHE].setTagged(step.key, utf8(step.value), options(step, host.state.now), step.tags ?? [])));
+    const r = spelled(settle(() => exports[CACHE].setTagged(step.key, utf8(step.value), options(step, host.world.now), step.tags ?? [])));
     return { result: 'error' in r ? r : { ok: true } };
   },
   remove_by_tag: ({ exports }, step) => done(settle(() => exports[CACHE].removeByTag(step.tag))),
@@ -376,48 +402,84 @@ const ops = {
   refresh: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].refresh(step.key))) }),
   remove: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].remove(step.key))) }),
   expire: ({ exports }, step) => ({ result: spelled(settle(() => exports[CACHE].expire(step.key))) }),
-  get_or_set: ({ host, exports }, step) => {
+  get_or_set: ({ host, exports, world }, step) => {
     let loads = 0;
     host.state.script = {
       load: () => {
         loads += 1;
+        // Other processes' steps, inside the load.
+        runSteps(world, step.loader.during ?? [], `${JSON.stringify(step.key)}'s loader:`);
         // A slow loader: the clock moves this much while it runs.
-        host.state.now += BigInt(step.loader.takes_ms ?? 0);
+        host.world.now += BigInt(step.loader.takes_ms ?? 0);
         return scripted(step.loader);
       },
       shouldCache: () => step.should_cache ?? true,
     };
-    const r = settle(() => exports[CACHE].getOrSetTagged(step.key, options(step, host.state.now), step.bypass ?? false, step.tags ?? []));
+    const r = settle(() => exports[CACHE].getOrSetTagged(step.key, options(step, host.world.now), step.bypass ?? false, step.tags ?? []));
     host.callEnded(MAIN);
     return { result: spelled(r, text), loads };
   },
   get_or_set_together: together,
+  // The key's get-or-set lock lapses, as under a leader paused past its TTL.
+  lapse_flight_lock: ({ world, exports, settings }, step) => {
+    const names = exports['corral:cache/policy@0.2.0'].locate(PREFIX, step.key, 0n, settings.limits);
+    return { result: { value: world.locks.delete(names.flightLock) } };
+  },
   try_lock: ({ exports }, step) => ({ result: spelled(settle(() => exports[LOCK].tryLock(step.key, step.owner, BigInt(step.ttl_ms)))) }),
   unlock: ({ exports }, step) => ({ result: spelled(settle(() => exports[LOCK].unlock(step.key, step.owner))) }),
   is_locked_by: ({ exports }, step) => ({ result: spelled(settle(() => exports[LOCK].isLockedBy(step.key, step.owner))) }),
   is_lock_expired: ({ exports }, step) => ({ result: spelled(settle(() => exports[LOCK].isLockExpired(step.key))) }),
 };
 
-/** Runs one vector on a fresh host; returns its step count and mismatches. */
-async function runVector({ instantiate, url }, vector) {
-  const host = newHost();
-  const exports = await instantiate(null, { ...new WASIShim().getImportObject(), ...host.imports(MAIN) });
-  const settings = settingsFor(exports['corral:cache/policy@0.2.0'].defaults(), vector.settings);
-  exports[CACHE].configure(settings, 'corral:');
-  const run = { host, exports, settings, url };
-  const mismatches = [];
-  let steps = 0;
-  for (const [i, step] of vector.steps.entries()) {
-    const ran = await ops[step.op](run, step);
-    if (!ran) continue;
-    steps += 1;
-    const expect = step.callers?.map((c) => c.expect) ?? step.expect;
-    const loadsOk = step.loads === undefined || ran.loads === step.loads;
-    if (!loadsOk || !isDeepStrictEqual(ran.result, expect)) {
-      mismatches.push(`${vector.name} / step ${i} (${step.op}): expected ${JSON.stringify(expect)}, got ${JSON.stringify(ran.result)}${step.loads !== undefined ? `, loads ${ran.loads}/${step.loads}` : ''}`);
-    }
+/** The processes `steps` name (nested ones included), "a" by default. */
+function processesOf(steps, into = new Set()) {
+  for (const step of steps) {
+    into.add(step.process ?? 'a');
+    processesOf(step.loader?.during ?? [], into);
   }
-  return { steps, mismatches };
+  return into;
+}
+
+/** Checks one step's result against its expectations; a mismatch is kept in `world`. */
+function check(world, at, i, step, ran) {
+  const expect = step.callers?.map((c) => c.expect) ?? step.expect;
+  const loadsOk = step.loads === undefined || ran.loads === step.loads;
+  if (!loadsOk || !isDeepStrictEqual(ran.result, expect)) {
+    world.mismatches.push(`${at} step ${i} (${step.op}): expected ${JSON.stringify(expect)}, got ${JSON.stringify(ran.result)}${step.loads !== undefined ? `, loads ${ran.loads}/${step.loads}` : ''}`);
+  }
+}
+
+/** Runs `steps` synchronously (inside a loader: no together step); returns how many ran. */
+function runSteps(world, steps, at) {
+  let ran = 0;
+  for (const [i, step] of steps.entries()) {
+    const out = ops[step.op](world.runs.get(step.process ?? 'a'), step);
+    if (out instanceof Promise) throw new Error(`${at} step ${i}: ${step.op} cannot run inside a loader`);
+    if (!out) continue;
+    ran += 1;
+    world.ran += 1;
+    check(world, at, i, step, out);
+  }
+  return ran;
+}
+
+/** Runs one vector on a fresh world; returns its step count and mismatches. */
+async function runVector({ instantiate, url }, vector) {
+  const world = { ...newWorld(), runs: new Map(), ran: 0 };
+  for (const name of processesOf(vector.steps)) {
+    const host = newHost(world);
+    const exports = await instantiate(null, { ...new WASIShim().getImportObject(), ...host.imports(MAIN) });
+    const settings = settingsFor(exports['corral:cache/policy@0.2.0'].defaults(), vector.settings);
+    exports[CACHE].configure(settings, PREFIX);
+    world.runs.set(name, { host, exports, settings, url, world });
+  }
+  for (const [i, step] of vector.steps.entries()) {
+    const ran = await ops[step.op](world.runs.get(step.process ?? 'a'), step);
+    if (!ran) continue;
+    world.ran += 1;
+    check(world, `${vector.name} /`, i, step, ran);
+  }
+  return { steps: world.ran, mismatches: world.mismatches };
 }
 
 test('the contract vectors pass in the component under jco', async () => {

@@ -2,6 +2,7 @@
 //! component's portable body in wasmtime, each over the in-memory L2 and over a real
 //! redis-server. The same files run in Node through jco (tests/jco); all hosts must agree.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,8 +11,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use corral::locks::MemoryLocks;
 use corral::portable::PortableCache;
+use corral::store::memory::MemoryStore;
 use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions, ManualClock};
+use corral_core::names::{Kind, name};
 use corral_tests::RedisServer;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
 use serde_json::{Value, json};
 
 /// Where every vector's clock starts.
@@ -47,19 +53,52 @@ fn setting(settings: &Value, name: &str) -> Option<u64> {
     settings.get(name).and_then(Value::as_u64)
 }
 
+/// The L2 every process of a vector shares.
+enum SharedL2 {
+    Memory(MemoryStore),
+    /// A redis-server, the vector's keys under `prefix`.
+    Redis {
+        url: String,
+        prefix: String,
+    },
+}
+
+impl SharedL2 {
+    fn prefix(&self) -> &str {
+        match self {
+            SharedL2::Memory(_) => corral::DEFAULT_PREFIX,
+            SharedL2::Redis { prefix, .. } => prefix,
+        }
+    }
+
+    /// Lets `key`'s get-or-set lock lapse, as it does under a leader paused past its
+    /// TTL; says whether one was held.
+    async fn lapse_flight_lock(&self, key: &str) -> Result<bool> {
+        let lock = name(self.prefix(), key, Kind::FlightLock);
+        match self {
+            SharedL2::Memory(store) => Ok(store.lapse_lock(&lock)),
+            SharedL2::Redis { url, .. } => {
+                let mut conn = redis::Client::open(url.as_str())?
+                    .get_multiplexed_async_connection()
+                    .await?;
+                let deleted: u64 = redis::cmd("DEL").arg(&lock).query_async(&mut conn).await?;
+                Ok(deleted == 1)
+            }
+        }
+    }
+}
+
 impl Body {
-    /// A body over the in-memory L2, or over Redis (keys under `prefix`) when given one.
-    fn new(
-        portable: bool,
-        settings: &Value,
-        clock: &ManualClock,
-        redis: Option<(&RedisServer, String)>,
-    ) -> Result<Body> {
-        let redis = redis.map(|(server, prefix)| {
-            let mut o = corral::RedisOptions::new(server.url());
-            o.prefix = prefix;
-            o
-        });
+    /// A body (a process) over the vector's shared L2.
+    fn new(portable: bool, settings: &Value, clock: &ManualClock, l2: &SharedL2) -> Result<Body> {
+        let (memory, redis) = match l2 {
+            SharedL2::Memory(store) => (Some(store.clone()), None),
+            SharedL2::Redis { url, prefix } => {
+                let mut o = corral::RedisOptions::new(url.clone());
+                o.prefix = prefix.clone();
+                (None, Some(o))
+            }
+        };
         let sliding = setting(settings, "default_sliding_ms").map(Duration::from_millis);
         let key_bytes = setting(settings, "max_key_bytes").map(|n| n as u32);
         let value_bytes = setting(settings, "max_value_bytes").map(|n| n as u32);
@@ -90,6 +129,9 @@ impl Body {
             if let Some(o) = redis {
                 b = b.redis_options(o);
             }
+            if let Some(m) = memory {
+                b = b.memory(m);
+            }
             return Ok(Body::Portable(b.build()?));
         }
         let mut b = Corral::builder().clock(clock.clone());
@@ -116,6 +158,9 @@ impl Body {
         }
         if let Some(o) = redis {
             b = b.redis_options(o);
+        }
+        if let Some(m) = memory {
+            b = b.memory(m);
         }
         Ok(Body::Native {
             cache: b.build()?,
@@ -180,12 +225,78 @@ fn text(v: Option<bytes::Bytes>) -> Value {
     })
 }
 
-async fn run_step(
-    body: &Body,
-    step: &Value,
-    clock: &ManualClock,
-    loads: &Arc<AtomicUsize>,
-) -> Result<Option<Value>> {
+/// One vector's world: its processes (a body each, named by the steps' `process`,
+/// "a" by default), the L2 they share and the clock they read. Mismatches of steps run
+/// inside a loader (`during`) are kept here.
+struct World {
+    bodies: BTreeMap<String, Body>,
+    clock: ManualClock,
+    l2: SharedL2,
+    failures: Mutex<Vec<String>>,
+    /// Steps run, nested ones included.
+    ran: AtomicUsize,
+}
+
+/// The processes a vector's steps name, nested steps included.
+fn processes(steps: &[Value], into: &mut Vec<String>) {
+    for step in steps {
+        let p = step["process"].as_str().unwrap_or("a").to_owned();
+        if !into.contains(&p) {
+            into.push(p);
+        }
+        if let Some(during) = step["loader"]["during"].as_array() {
+            processes(during, into);
+        }
+    }
+}
+
+impl World {
+    fn body(&self, step: &Value) -> Result<&Body> {
+        let p = step["process"].as_str().unwrap_or("a");
+        self.bodies.get(p).with_context(|| format!("no process {p:?}"))
+    }
+
+    /// Runs `steps` in order, checking each against its expectations; `at` names them
+    /// in a mismatch.
+    fn run_steps<'a>(self: &'a Arc<Self>, steps: &'a [Value], at: String) -> BoxFuture<'a, Result<()>> {
+        async move {
+            for (i, step) in steps.iter().enumerate() {
+                let loads = Arc::new(AtomicUsize::new(0));
+                let Some(got) = run_step(self, step, &loads).await? else {
+                    continue;
+                };
+                self.ran.fetch_add(1, Ordering::SeqCst);
+                let expect = expectation(step);
+                let mut failures = self.failures.lock();
+                if got != expect {
+                    failures.push(format!(
+                        "{at} step {i} ({}): expected {expect}, got {got}",
+                        step["op"]
+                    ));
+                }
+                if let Some(expected) = step.get("loads").and_then(Value::as_u64) {
+                    let n = loads.load(Ordering::SeqCst) as u64;
+                    if n != expected {
+                        failures.push(format!(
+                            "{at} step {i}: expected {expected} loader call(s), got {n}"
+                        ));
+                    }
+                }
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+}
+
+/// A loader's `during` steps, run by another process while the loader runs: they
+/// interleave with the load at a known point.
+fn during(step: &Value) -> Vec<Value> {
+    step["loader"]["during"].as_array().cloned().unwrap_or_default()
+}
+
+async fn run_step(world: &Arc<World>, step: &Value, loads: &Arc<AtomicUsize>) -> Result<Option<Value>> {
+    let clock = &world.clock;
     let key = step["key"].as_str().unwrap_or_default();
     let owner = step["owner"].as_str().unwrap_or_default();
     let value = step["value"].as_str().unwrap_or_default().as_bytes().to_vec();
@@ -195,11 +306,17 @@ async fn run_step(
         .map(|a| a.iter().filter_map(|t| t.as_str().map(str::to_owned)).collect())
         .unwrap_or_default();
     let tag = step["tag"].as_str().unwrap_or_default();
-    let got = match (step["op"].as_str().context("op")?, body) {
-        ("advance", _) => {
+    let op = step["op"].as_str().context("op")?;
+    match op {
+        "advance" => {
             clock.advance(Duration::from_millis(step["ms"].as_u64().context("ms")?));
             return Ok(None);
         }
+        "lapse_flight_lock" => return Ok(Some(json!({"value": world.l2.lapse_flight_lock(key).await?}))),
+        _ => {}
+    }
+    let body = world.body(step)?;
+    let got = match (op, body) {
         ("set", Body::Native { cache, .. }) if !tags.is_empty() => {
             done(cache.set_tagged(key, value, options(step, now), &tags).await)
         }
@@ -233,6 +350,8 @@ async fn run_step(
             let takes = Duration::from_millis(step["loader"]["takes_ms"].as_u64().unwrap_or(0));
             let counter = loads.clone();
             let clock = clock.clone();
+            // Steps of other processes, run inside the loader (before its clock moves).
+            let (world, during, at) = (world.clone(), during(step), format!("{key:?}'s loader:"));
             let r = match body {
                 Body::Native { cache, eager, .. } => {
                     let o = LoadOptions::new()
@@ -242,6 +361,10 @@ async fn run_step(
                         .should_cache(move |_| cacheable);
                     let load = move || async move {
                         counter.fetch_add(1, Ordering::SeqCst);
+                        world
+                            .run_steps(&during, at)
+                            .await
+                            .map_err(std::io::Error::other)?;
                         clock.advance(takes);
                         loaded.map_err(std::io::Error::other)
                     };
@@ -258,8 +381,13 @@ async fn run_step(
                     }
                 }
                 Body::Portable(p) => {
+                    // The loader runs on the call's blocking thread: it may block on the runtime.
+                    let runtime = tokio::runtime::Handle::current();
                     let load = move |_: &str| {
                         counter.fetch_add(1, Ordering::SeqCst);
+                        runtime
+                            .block_on(world.run_steps(&during, at.clone()))
+                            .map_err(|e| format!("{e:#}"))?;
                         clock.advance(takes);
                         loaded.clone()
                     };
@@ -433,36 +561,36 @@ async fn run_file(file: &str, host: Host, redis: Option<&RedisServer>) -> Result
     let vectors = vectors(file)?;
     for (n, vector) in vectors.iter().enumerate() {
         let name = vector["name"].as_str().unwrap_or("?");
+        let steps = vector["steps"].as_array().context("steps")?;
         let clock = ManualClock::new(T0);
         // One Redis for all vectors: each its own tenant (prefix).
-        let body = Body::new(
-            matches!(host, Host::Wasmtime),
-            &vector["settings"],
-            &clock,
-            redis.map(|r| (r, format!("v{n}:"))),
-        )?;
-        for (i, step) in vector["steps"].as_array().context("steps")?.iter().enumerate() {
-            let loads = Arc::new(AtomicUsize::new(0));
-            let Some(got) = run_step(&body, step, &clock, &loads).await? else {
-                continue;
-            };
-            steps_run += 1;
-            let expect = expectation(step);
-            if got != expect {
-                failures.push(format!(
-                    "{name} / step {i} ({}): expected {expect}, got {got}",
-                    step["op"]
-                ));
-            }
-            if let Some(expected) = step.get("loads").and_then(Value::as_u64) {
-                let n = loads.load(Ordering::SeqCst) as u64;
-                if n != expected {
-                    failures.push(format!(
-                        "{name} / step {i}: expected {expected} loader call(s), got {n}"
-                    ));
-                }
-            }
+        let l2 = match redis {
+            Some(server) => SharedL2::Redis {
+                url: server.url(),
+                prefix: format!("v{n}:"),
+            },
+            None => SharedL2::Memory(MemoryStore::new(
+                Arc::new(clock.clone()),
+                corral_core::Settings::DEFAULT.invalidation_interval_ms,
+            )),
+        };
+        let mut names = Vec::new();
+        processes(steps, &mut names);
+        let mut bodies = BTreeMap::new();
+        for p in names {
+            let body = Body::new(matches!(host, Host::Wasmtime), &vector["settings"], &clock, &l2)?;
+            bodies.insert(p, body);
         }
+        let world = Arc::new(World {
+            bodies,
+            clock,
+            l2,
+            failures: Mutex::new(Vec::new()),
+            ran: AtomicUsize::new(0),
+        });
+        world.run_steps(steps, format!("{name} /")).await?;
+        steps_run += world.ran.load(Ordering::SeqCst);
+        failures.append(&mut world.failures.lock());
     }
     anyhow::ensure!(
         failures.is_empty(),
@@ -516,7 +644,7 @@ macro_rules! vector_files {
 }
 
 vector_files!(
-    coalescing, errors, expiry, freshness, get_or_set, keys, locks, tags
+    coalescing, errors, expiry, freshness, get_or_set, keys, locks, processes, tags
 );
 
 /// As wasmtime's `assert_test_exists`: a vector file without tests fails here.

@@ -9,7 +9,7 @@ use corral_core::flight::{Action, Event, Flight, Outcome};
 use corral_core::tags::{self, Tagged, Verdict};
 use corral_core::{Limits, envelope, names, policy};
 
-use super::{Found, UNBOUNDED, judge, l2_read_holding, now_ms, tagged_out, ticket_since};
+use super::{Found, UNBOUNDED, judge, l2_read_holding, now_ms, tagged_out, ticket_since, written_at};
 use crate::bindings::corral::cache::{flights, l1, l2, loader, types};
 
 /// One flight in progress over the imports: the performer of its actions and its
@@ -26,9 +26,10 @@ pub(super) struct Driver<'a> {
     /// and until when they are known.
     tagged: Option<Tagged>,
     tags_until: u64,
-    /// When the load began: the loaded entry counts as written then (a load that began
-    /// before an invalidation of its tags is older than it, contract §6b.5).
-    load_began: u64,
+    /// When the loaded entry counts as written: when the load began, after every
+    /// invalidation of its tags the store held then (a load that began before an
+    /// invalidation is older than it; one that began after is newer, contract §6b.5).
+    written_at: u64,
     /// The stale copy the last read found (fail-safe).
     stale: Vec<u8>,
     /// This process's writes of the key as of the names, and as of the last L2 step:
@@ -67,7 +68,7 @@ impl<'a> Driver<'a> {
             value: Vec::new(),
             tagged: None,
             tags_until: u64::MAX,
-            load_began: 0,
+            written_at: 0,
             stale: Vec::new(),
             owner: None,
             loader_error: String::new(),
@@ -174,7 +175,9 @@ impl<'a> Driver<'a> {
     }
 
     fn load(&mut self) -> Event {
-        self.load_began = now_ms();
+        let now = now_ms();
+        // A key with a bad tag was refused before its flight began.
+        self.written_at = written_at(self.tag_list, now).unwrap_or(now);
         match loader::load(self.key) {
             Ok(value) => {
                 let cacheable = loader::should_cache(self.key, &value);
@@ -197,7 +200,7 @@ impl<'a> Driver<'a> {
     /// (contract §5.12: a set or removal since that read wins).
     fn write_l2(&mut self, header: &[u8], store_ttl_ms: u64, fenced: bool) -> Event {
         let loaded = Tagged {
-            written_at_ms: self.load_began,
+            written_at_ms: self.written_at,
             tags: self.tag_list.to_vec(),
         };
         let Ok((header, ttl)) = policy::tag_plan(header, store_ttl_ms, &loaded, now_ms(), self.limits) else {

@@ -438,7 +438,7 @@ where
             *self.callers.refresh = Some(guard);
         }
         if let Some(tx) = self.callers.answer.take() {
-            let _ = tx.send(result.as_ref().map(Served::clone).map_err(Error::clone));
+            let _ = tx.send(result.clone());
         }
         self.release_and_announce(&finish).await;
         if !self.options.refresh {
