@@ -64,6 +64,7 @@ fn settings_in(s: types::Settings) -> corral_core::Settings {
         cas_tries: s.cas_tries,
         retry_first_ms: s.retry_first_ms,
         retry_max_ms: s.retry_max_ms,
+        store_timeout_ms: s.store_timeout_ms,
     }
 }
 
@@ -83,6 +84,23 @@ fn settings_out(s: corral_core::Settings) -> types::Settings {
         cas_tries: s.cas_tries,
         retry_first_ms: s.retry_first_ms,
         retry_max_ms: s.retry_max_ms,
+        store_timeout_ms: s.store_timeout_ms,
+    }
+}
+
+fn budget_out(b: corral_core::flight::StoreBudget) -> types::StoreBudget {
+    types::StoreBudget {
+        before_load_ms: b.before_load_ms,
+        after_load_ms: b.after_load_ms,
+        release_ms: b.release_ms,
+    }
+}
+
+fn budget_in(b: types::StoreBudget) -> corral_core::flight::StoreBudget {
+    corral_core::flight::StoreBudget {
+        before_load_ms: b.before_load_ms,
+        after_load_ms: b.after_load_ms,
+        release_ms: b.release_ms,
     }
 }
 
@@ -187,6 +205,14 @@ impl wit::Guest for Component {
 
     fn check_settings(s: types::Settings) -> Result<(), types::Error> {
         settings_in(s).check().map_err(arg_error)
+    }
+
+    fn store_budget_for(s: types::Settings) -> types::StoreBudget {
+        budget_out(settings_in(s).store_budget())
+    }
+
+    fn tag_read_ms(budget: types::StoreBudget, left_ms: u64, first_mark_in_ms: Option<u64>) -> u64 {
+        budget_in(budget).tag_read_ms(left_ms, first_mark_in_ms)
     }
 
     fn validate_key(key: String, l: types::Limits) -> Result<(), types::Error> {

@@ -65,6 +65,43 @@ pub const BACKOFF_INITIAL_MS: u64 = 50;
 /// Longest wait between two looks.
 pub const BACKOFF_MAX_MS: u64 = 1_000;
 
+/// How long, in real time, a get-or-set's store steps may take (contract §5.13). The
+/// body arms each deadline when its phase begins and fails a step that runs past it
+/// (the machine then hears `StoreFailed`, `L2Failed` or `L2WriteFailed`, and degrades).
+/// Real time, not the cache's clock: a manual or stepped clock must not stretch a store
+/// step, nor cut one short.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreBudget {
+    /// The steps before the load (reads, the lock, waits for a landing) share the lock
+    /// wait, and at least one store timeout.
+    pub before_load_ms: u64,
+    /// The steps after the load (the fill) share one store timeout.
+    pub after_load_ms: u64,
+    /// The release and the announcement get one store timeout of their own: the steps
+    /// before may have spent theirs.
+    pub release_ms: u64,
+}
+
+impl StoreBudget {
+    /// The budget of a cache whose lock wait and store timeout are these.
+    pub fn new(lock_wait_ms: u64, store_timeout_ms: u64) -> StoreBudget {
+        StoreBudget {
+            before_load_ms: store_timeout_ms.max(lock_wait_ms),
+            after_load_ms: store_timeout_ms,
+            release_ms: store_timeout_ms,
+        }
+    }
+
+    /// How long a tagged load may spend reading its tags' moments before the loader
+    /// runs: one store timeout, no more than is left of the steps before the load
+    /// (`left_ms`), and no more than half the time to the load's first timeout
+    /// (`first_mark_in_ms`): the loader keeps the rest.
+    pub fn tag_read_ms(&self, left_ms: u64, first_mark_in_ms: Option<u64>) -> u64 {
+        let bound = self.after_load_ms.min(left_ms);
+        first_mark_in_ms.map_or(bound, |mark| bound.min(mark / 2))
+    }
+}
+
 /// The wait before look number `attempt` (0-based): 50 ms doubling to at most 1 s.
 pub fn backoff_ms(attempt: u32) -> u64 {
     BACKOFF_INITIAL_MS
@@ -1740,5 +1777,23 @@ mod tests {
             done.handle(Event::Woken, NOW, &limits),
             Action::Finish { release: false, .. }
         ));
+    }
+
+    #[test]
+    fn the_store_budget_shares_the_lock_wait_before_the_load_and_a_store_timeout_after() {
+        let b = StoreBudget::new(5_000, 1_000);
+        assert_eq!(
+            (b.before_load_ms, b.after_load_ms, b.release_ms),
+            (5_000, 1_000, 1_000)
+        );
+        // A lock wait shorter than one store step still lets one step run.
+        assert_eq!(StoreBudget::new(0, 1_000).before_load_ms, 1_000);
+        assert_eq!(StoreBudget::new(u64::MAX, u64::MAX).before_load_ms, u64::MAX);
+        // A tag read: one store timeout, within what is left, and half the time to the
+        // load's first timeout.
+        assert_eq!(b.tag_read_ms(5_000, None), 1_000);
+        assert_eq!(b.tag_read_ms(300, None), 300);
+        assert_eq!(b.tag_read_ms(5_000, Some(600)), 300);
+        assert_eq!(b.tag_read_ms(5_000, Some(u64::MAX)), 1_000);
     }
 }

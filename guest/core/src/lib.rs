@@ -154,6 +154,11 @@ pub struct Settings {
     pub retry_first_ms: u64,
     /// The longest wait between two background tries (default 2 s).
     pub retry_max_ms: u64,
+    /// The longest one store step (a read, a write, a lock) may take, in real time,
+    /// before it counts as failed (default 1 s; a Redis connection's response timeout
+    /// takes its place). A get-or-set's steps share deadlines built from it
+    /// ([`Settings::store_budget`], contract §5.13).
+    pub store_timeout_ms: u64,
 }
 
 impl Settings {
@@ -178,6 +183,7 @@ impl Settings {
         cas_tries: 32,
         retry_first_ms: 50,
         retry_max_ms: 2_000,
+        store_timeout_ms: 1_000,
     };
 
     /// Checks the settings: the limits (as [`Limits::check`]), every duration (at most
@@ -203,6 +209,7 @@ impl Settings {
             ("fail_safe_throttle", Some(self.fail_safe_throttle_ms), true),
             ("hard_timeout", self.hard_timeout_ms, false),
             ("soft_timeout", self.soft_timeout_ms, false),
+            ("store_timeout", Some(self.store_timeout_ms), false),
         ];
         for (name, ms, zero_ok) in durations {
             if let Some(ms) = ms {
@@ -244,6 +251,13 @@ impl Settings {
     }
 }
 
+impl Settings {
+    /// How long a get-or-set's store steps may take, in real time (contract §5.13).
+    pub fn store_budget(&self) -> flight::StoreBudget {
+        flight::StoreBudget::new(self.lock_wait_ms, self.store_timeout_ms)
+    }
+}
+
 impl Default for Settings {
     fn default() -> Self {
         Settings::DEFAULT
@@ -263,7 +277,8 @@ mod tests {
     fn every_duration_setting_is_bounded_and_named() {
         let max = LONGEST_DURATION_MS;
         type Setter = fn(&mut Settings, u64);
-        let cases: [(&str, Setter); 8] = [
+        let cases: [(&str, Setter); 9] = [
+            ("store_timeout", |s, v| s.store_timeout_ms = v),
             ("l1_ttl", |s, v| s.l1_ttl_ms = v),
             ("lock_wait", |s, v| s.lock_wait_ms = v),
             ("lock_ttl", |s, v| s.lock_ttl_ms = v),

@@ -83,6 +83,21 @@ impl Overrides {
         crate::guest::policy::check_settings(s)?;
         Ok(s)
     }
+
+    /// As [`settings`](Self::settings), for a cache over these stores: a Redis
+    /// connection's response timeout is the one its store steps are held to.
+    pub(crate) fn settings_over(
+        &self,
+        #[cfg(feature = "redis")] redis: Option<&RedisOptions>,
+    ) -> Result<Settings> {
+        let mut s = self.settings()?;
+        s.store_timeout_ms = duration_ms(crate::store::store_timeout(
+            #[cfg(feature = "redis")]
+            redis,
+            s.store_timeout_ms,
+        ));
+        Ok(s)
+    }
 }
 
 impl Default for CorralBuilder {
@@ -288,7 +303,10 @@ impl CorralBuilder {
     /// or a bad Redis URL; [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the guest
     /// component cannot be loaded.
     pub fn build(self) -> Result<Corral> {
-        let mut settings = self.overrides.settings()?;
+        let mut settings = self.overrides.settings_over(
+            #[cfg(feature = "redis")]
+            self.redis.as_ref(),
+        )?;
         // A custom store's TTL clock is its own business: its envelopes keep the moment.
         settings.limits.sliding_in_store = self.sliding_in_store != Some(false)
             && self.custom.is_none()
@@ -329,10 +347,8 @@ impl CorralBuilder {
                 settings.l1_ttl_ms,
                 metrics.clone(),
             ));
-        let store_timeout = crate::store::store_timeout(
-            #[cfg(feature = "redis")]
-            self.redis.as_ref(),
-        );
+        let store_timeout = Duration::from_millis(settings.store_timeout_ms);
+        let store_budget = policy.store_budget(settings)?;
         let locks = locks_over(&stores, &policy, &clock);
         let (_, removal_ttl_ms) = policy.removal(settings.lock_ttl_ms, b"")?;
         Ok(Corral {
@@ -352,6 +368,7 @@ impl CorralBuilder {
                     soft_timeout_ms: settings.soft_timeout_ms,
                     eager_refresh_permille: settings.eager_refresh_permille,
                     store_timeout,
+                    store_budget,
                 },
                 read_hints: super::read::ReadHints::new(settings.l1_capacity, removal_ttl_ms),
                 decoded: super::typed::Decoded::new(settings.l1_capacity, settings.l1_ttl_ms),

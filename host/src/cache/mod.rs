@@ -103,6 +103,8 @@ pub(crate) struct FlightSettings {
     pub(crate) eager_refresh_permille: Option<u32>,
     /// The longest one store command may take (the Redis response timeout).
     pub(crate) store_timeout: std::time::Duration,
+    /// How long a flight's store steps may take, phase by phase (contract §5.13).
+    pub(crate) store_budget: crate::guest::bindings::corral::cache::types::StoreBudget,
 }
 
 impl fmt::Debug for Corral {

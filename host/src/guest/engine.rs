@@ -4,7 +4,7 @@
 //! of hanging a thread), one [`Component`], and for the native body one pre-linked
 //! instance template whose only real imports are WASI's: the portable imports trap if
 //! the pure exports ever called them. The portable body links its own template from
-//! the same component ([`crate::portable`]).
+//! the same component (the `portable` module, above this one).
 //!
 //! The component is not compiled here: `build.rs` compiled it for the target with
 //! Cranelift and the settings of `engine_config.rs`, and the engine deserializes that

@@ -6,7 +6,7 @@
 //! - [`convert`]: between the public types and the WIT types.
 //!
 //! The portable body (the component's own `cache`/`lock` exports) links its imports in
-//! [`crate::portable`]; this module knows nothing of them.
+//! the `portable` module, above this one; this module knows nothing of them.
 
 pub(crate) mod bindings;
 pub(crate) mod convert;

@@ -294,6 +294,30 @@ impl Policy {
         })
     }
 
+    /// How long, in real time, a get-or-set's store steps may take under `settings`
+    /// (contract §5.13).
+    pub(crate) fn store_budget(&self, settings: Settings) -> Result<types::StoreBudget> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_store_budget_for(&mut s.store, settings)
+        })
+    }
+
+    /// How long a tagged load may read its tags' moments before its loader runs.
+    pub(crate) fn tag_read_ms(
+        &self,
+        budget: types::StoreBudget,
+        left_ms: u64,
+        first_mark_in_ms: Option<u64>,
+    ) -> Result<u64> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_tag_read_ms(&mut s.store, budget, left_ms, first_mark_in_ms)
+        })
+    }
+
     /// Checks `key` and names its entry under `prefix` (one name, not four).
     pub(crate) fn locate_entry(&self, prefix: &str, key: &str, generation: u64) -> Result<String> {
         let limits = self.inner.limits;

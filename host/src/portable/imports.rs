@@ -85,6 +85,8 @@ pub(crate) struct CallState {
     pub(crate) lockstep: Option<Lockstep>,
     /// The loader panicked: what its caller gets (the call traps).
     pub(crate) panicked: Option<crate::Error>,
+    /// The deadline the guest armed for this call's store steps (`l2.bound`).
+    pub(crate) deadline: Option<tokio::time::Instant>,
 }
 
 /// A store step a lockstep call hands to its caller's task.
@@ -222,12 +224,25 @@ impl PortableState {
         out
     }
 
-    /// As [`io`](Self::io), for a step whose result is a store result.
+    /// As [`io`](Self::io), for a step whose result is a store result; a step still
+    /// running at the call's deadline (`l2.bound`) fails with a timeout.
     fn store<T: Send + 'static>(
         &mut self,
         step: impl Future<Output = crate::Result<T>> + Send + 'static,
     ) -> Result<T, types::Error> {
-        match self.io(step) {
+        let deadline = self.call.deadline;
+        let bounded = async move {
+            let Some(deadline) = deadline else {
+                return step.await;
+            };
+            tokio::time::timeout_at(deadline, step).await.unwrap_or_else(|_| {
+                Err(crate::Error::new(
+                    crate::ErrorKind::Timeout,
+                    "the store step ran past the get-or-set's deadline",
+                ))
+            })
+        };
+        match self.io(bounded) {
             Some(out) => out.map_err(|e| to_wit(&e)),
             None => Err(gone()),
         }
@@ -410,14 +425,28 @@ impl l2::Host for &mut PortableState {
     fn wait_landing(&mut self, key: String, until_ms: u64) {
         let b = self.backend.clone();
         let pause = Duration::from_millis(until_ms.saturating_sub(b.clock.now_ms()));
+        let deadline = self.call.deadline;
         self.io(async move {
-            let mut watch = b.stores.notifications.watch(&key).await;
-            tokio::select! {
-                biased;
-                () = watch.landed() => {}
-                () = tokio::time::sleep(pause) => {}
+            let waited = async {
+                let mut watch = b.stores.notifications.watch(&key).await;
+                tokio::select! {
+                    biased;
+                    () = watch.landed() => {}
+                    () = tokio::time::sleep(pause) => {}
+                }
+            };
+            match deadline {
+                Some(deadline) => {
+                    let _ = tokio::time::timeout_at(deadline, waited).await;
+                }
+                None => waited.await,
             }
         });
+    }
+
+    /// A bound too far to represent is none.
+    fn bound(&mut self, ms: u64) {
+        self.call.deadline = tokio::time::Instant::now().checked_add(Duration::from_millis(ms));
     }
 
     /// Announced within the store's timeout; one that fails is retried in the

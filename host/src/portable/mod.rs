@@ -248,7 +248,10 @@ impl PortableBuilder {
     /// [`ErrorKind::Guest`] if the component cannot be loaded.
     pub fn build(self) -> Result<PortableCache> {
         crate::require_runtime("the portable cache")?;
-        let mut settings = self.overrides.settings()?;
+        let mut settings = self.overrides.settings_over(
+            #[cfg(feature = "redis")]
+            self.redis.as_ref(),
+        )?;
         #[cfg(feature = "redis")]
         let redis = self.redis.is_some();
         #[cfg(not(feature = "redis"))]
@@ -285,10 +288,7 @@ impl PortableBuilder {
                     l1,
                     announcing: imports::Announcing {
                         retry: crate::guest::policy::retry(&settings),
-                        bound: crate::store::store_timeout(
-                            #[cfg(feature = "redis")]
-                            self.redis.as_ref(),
-                        ),
+                        bound: Duration::from_millis(settings.store_timeout_ms),
                         give_up_after: Duration::from_millis(settings.l1_ttl_ms),
                     },
                     stores,

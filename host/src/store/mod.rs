@@ -205,20 +205,18 @@ pub(crate) struct Scripts {
     pub(crate) grace_ms: u64,
 }
 
-/// The longest one command to a store without a timeout of its own may take, as far as
-/// a get-or-set's deadlines go.
-pub(crate) const DEFAULT_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
-
 /// How long one store command may take before a body gives up on it: the Redis
-/// options' response timeout, else [`DEFAULT_STORE_TIMEOUT`].
+/// options' response timeout, else the settings' store timeout (`default_ms`, the
+/// core's default unless set).
 pub(crate) fn store_timeout(
     #[cfg(feature = "redis")] redis: Option<&redis::RedisOptions>,
+    default_ms: u64,
 ) -> std::time::Duration {
     #[cfg(feature = "redis")]
     if let Some(options) = redis {
         return options.response_timeout;
     }
-    DEFAULT_STORE_TIMEOUT
+    std::time::Duration::from_millis(default_ms)
 }
 
 /// A schedule of background tries (given by the guest's settings): the first wait,

@@ -195,6 +195,8 @@ function newHost(world) {
       releaseLock: (name, owner) => world.locks.get(name)?.owner === owner && world.locks.delete(name),
       waitLanding: () => {},
       announceLanding: (key) => world.hosts.filter((h) => h !== host).forEach((h) => h.hear(key)),
+      // Every step here answers at once: nothing to bound.
+      bound: () => {},
     },
     'corral:cache/flights': {
       join: (key) => join(caller, key),

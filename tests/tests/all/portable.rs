@@ -352,3 +352,70 @@ async fn a_portable_remove_says_what_its_own_tombstone_replaced() -> Result<()> 
     );
     Ok(())
 }
+
+/// A get-or-set's store steps share a deadline in the portable body as in the native
+/// one (contract §5.13): a read that never answers fails at the deadline of the steps
+/// before the load, and the flight goes on to load, instead of holding its caller for
+/// as long as the store hangs. Before, the portable call never ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_step_that_never_answers_ends_at_the_flights_deadline_in_both_bodies() -> Result<()> {
+    let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
+    let store = HeldRead::over(&memory, "k");
+    let wait = Duration::from_millis(300);
+    let portable = PortableCache::builder()
+        .stores(
+            "held:",
+            store.clone() as Arc<dyn Entries>,
+            Arc::new(memory.clone()) as Arc<dyn FlightLock>,
+            Arc::new(memory.clone()) as Arc<dyn Notifications>,
+        )
+        .lock_wait(wait)
+        .build()?;
+    let native = Corral::builder()
+        .stores(
+            "held:",
+            store.clone() as Arc<dyn Entries>,
+            Arc::new(memory.clone()) as Arc<dyn FlightLock>,
+            Arc::new(memory.clone()) as Arc<dyn Notifications>,
+        )
+        .lock_wait(wait)
+        .build()?;
+    let bound = 20 * SEC;
+
+    // The read of "k" is taken and never answered (nothing releases it).
+    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let load = |_: &str| Ok::<_, String>(b"portable".to_vec());
+    let got = tokio::time::timeout(
+        bound,
+        portable.get_or_set("k", EntryOptions::new(), false, load, |_| true),
+    )
+    .await;
+    // A read still held (the call never gave up on it) lets go, so the test can end.
+    store.release.notify_waiters();
+    let got = got.map_err(|_| {
+        anyhow::anyhow!("the portable get-or-set was still waiting on the store after {bound:?}")
+    })??;
+    assert_eq!(&got[..], b"portable");
+
+    memory
+        .delete(&corral_core::names::name(
+            "held:",
+            "k",
+            corral_core::names::Kind::Entry,
+        ))
+        .await?;
+    store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    let got = tokio::time::timeout(
+        bound,
+        native.get_or_set("k", corral::LoadOptions::new(), || async {
+            Ok::<_, std::io::Error>(b"native".to_vec())
+        }),
+    )
+    .await;
+    store.release.notify_waiters();
+    let got = got.map_err(|_| {
+        anyhow::anyhow!("the native get-or-set was still waiting on the store after {bound:?}")
+    })??;
+    assert_eq!(&got[..], b"native");
+    Ok(())
+}

@@ -9,7 +9,9 @@ use corral_core::flight::{Action, Event, Flight, Outcome};
 use corral_core::tags::{self, Tagged, Verdict};
 use corral_core::{Limits, envelope, names, policy};
 
-use super::{Found, UNBOUNDED, judge, l2_read_holding, now_ms, tagged_out, ticket_since, written_at};
+use super::{
+    Found, UNBOUNDED, judge, l2_read_holding, now_ms, settings, tagged_out, ticket_since, written_at,
+};
 use crate::bindings::corral::cache::{flights, l1, l2, loader, types};
 
 /// One flight in progress over the imports: the performer of its actions and its
@@ -91,6 +93,9 @@ impl<'a> Driver<'a> {
 
     /// Runs the flight from its first action to its end.
     pub(super) fn run(&mut self, mut flight: Flight, mut action: Action) -> Result<Vec<u8>, types::Error> {
+        // The store steps of each phase share a deadline (contract §5.13).
+        let budget = settings().store_budget();
+        l2::bound(budget.before_load_ms);
         loop {
             let event = match action {
                 Action::ReadL2 => self.read_l2(),
@@ -108,7 +113,11 @@ impl<'a> Driver<'a> {
                         "the flight asked for an early answer it was never offered".to_string(),
                     ));
                 }
-                Action::Load { .. } => self.load(),
+                Action::Load { .. } => {
+                    let loaded = self.load();
+                    l2::bound(budget.after_load_ms);
+                    loaded
+                }
                 Action::WriteL2 {
                     header,
                     store_ttl_ms,
@@ -131,6 +140,7 @@ impl<'a> Driver<'a> {
                     if self.leads {
                         flights::finish(self.key, result.as_ref().map(Vec::as_slice));
                     }
+                    l2::bound(budget.release_ms);
                     self.release_and_announce(release, notify);
                     if let (Ok(value), Some(until_ms)) = (&result, l1_until_ms) {
                         self.fill_l1(value, until_ms, refresh_at_ms, stale_served);

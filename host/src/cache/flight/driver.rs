@@ -13,7 +13,7 @@ use futures::FutureExt;
 use tokio::sync::oneshot;
 use tokio::time::{Duration, Instant, sleep, timeout_at};
 
-use super::held::{HeldFlight, by, share};
+use super::held::{HeldFlight, by, in_ms, share};
 use super::{BoxError, Served};
 use crate::cache::Corral;
 use crate::cache::load::LoadOptions;
@@ -23,6 +23,7 @@ use crate::cache::registry::{Join, LeaderGuard, Outcome};
 use crate::cache::tags::TagStamp;
 use crate::guest::policy::Tagged;
 use crate::guest::policy::wflight::{Action, Event, Finish, LoadRequest, Outcome as FlightOutcome, Write};
+use crate::options::duration_ms;
 use crate::store::LandingWatch;
 use crate::store::l1::{L1Entry, L1Tagged, Ticket};
 use crate::{Error, ErrorKind, Result};
@@ -95,11 +96,8 @@ where
         now: u64,
     ) -> Self {
         let inner = &*cache.inner;
-        // The steps before the load share the lock wait (at least one store timeout).
-        let before_load = inner
-            .flight
-            .store_timeout
-            .max(Duration::from_millis(inner.flight.lock_wait_ms));
+        // The steps before the load share a deadline (contract §5.13).
+        let before_load = inner.flight.store_budget.before_load_ms;
         Driver {
             cache,
             key,
@@ -108,7 +106,7 @@ where
             held,
             callers,
             now,
-            deadline: Instant::now() + before_load,
+            deadline: in_ms(before_load),
             named,
             l1_ticket: named,
             value: None,
@@ -264,10 +262,12 @@ where
                 .into_iter()
                 .flatten()
                 .min();
-            let mut read_by = self.deadline.min(Instant::now() + inner.flight.store_timeout);
-            if let Some(mark) = first_mark {
-                read_by = read_by.min(Instant::now() + left(mark) / 2);
-            }
+            let left_ms = duration_ms(self.deadline.saturating_duration_since(Instant::now()));
+            let first_mark_in = first_mark.map(|mark| duration_ms(left(mark)));
+            let read_ms = inner
+                .policy
+                .tag_read_ms(inner.flight.store_budget, left_ms, first_mark_in)?;
+            let read_by = in_ms(read_ms);
             self.written_at = self.cache.tagged_write_at(&self.options.tags, read_by).await;
         }
         let began = std::time::Instant::now();
@@ -293,8 +293,7 @@ where
             (None, None) => Some(running.await),
         };
         inner.metrics.load_duration.record(began.elapsed());
-        // The steps after the load get one store timeout.
-        self.deadline = Instant::now() + inner.flight.store_timeout;
+        self.deadline = in_ms(inner.flight.store_budget.after_load_ms);
         Ok(match loaded {
             None => Event::LoadTimedOut,
             // The flight is abandoned (its lock released by `held`).
@@ -486,7 +485,7 @@ where
     /// release that fails, releases it in the background instead of leaving it to its TTL.
     async fn release_and_announce(&mut self, finish: &Finish) {
         let inner = &*self.cache.inner;
-        let closing = Instant::now() + inner.flight.store_timeout;
+        let closing = in_ms(inner.flight.store_budget.release_ms);
         self.held.releasing = finish.release;
         if finish.release
             && let Some(owner) = self.held.owner.clone()

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use tokio::time::{Instant, timeout_at};
+use tokio::time::{Duration, Instant, timeout_at};
 
 use super::Served;
 use crate::cache::Corral;
@@ -21,6 +21,13 @@ pub(super) fn share(guard: LeaderGuard<Outcome>, result: &Result<Served>) {
         Ok(value) => guard.finish(Ok(value.clone())),
         Err(e) => guard.finish(Err(Arc::new(e.clone()))),
     }
+}
+
+/// The deadline `ms` from now; one too far to represent is a century away.
+pub(super) fn in_ms(ms: u64) -> Instant {
+    let now = Instant::now();
+    now.checked_add(Duration::from_millis(ms))
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 /// Runs a store `step` until `deadline`; one still running then has failed.
