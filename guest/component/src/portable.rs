@@ -26,6 +26,10 @@ use driver::Driver;
 /// This instance's settings: the core's defaults until `configure`.
 static SETTINGS: Mutex<Settings> = Mutex::new(Settings::DEFAULT);
 
+/// The origin of this body's tag and clear announcements: any but a native cache's
+/// (a random token each), which skips only its own.
+const ORIGIN: &str = "portable";
+
 /// The prefix this instance names its data under (contract §2.4).
 static PREFIX: Mutex<String> = Mutex::new(String::new());
 
@@ -34,8 +38,25 @@ fn settings() -> Settings {
 }
 
 /// The tag moments this instance read, each with the moment it stops trusting them
-/// (contract §6b.5: the L1 TTL; this body hears no announcements).
-static MOMENTS: Mutex<Option<HashMap<String, (TagMoments, u64)>>> = Mutex::new(None);
+/// (the L1 TTL), and the count of L1's moves to another generation they were read at:
+/// once the host heard a tag or clear announcement (it moves that count), they are
+/// read again (contract §6b.5).
+static MOMENTS: Mutex<Option<Kept>> = Mutex::new(None);
+
+/// Tag moments as read, with `l1_clears()` as it was before the reads.
+struct Kept {
+    clears: u64,
+    moments: HashMap<String, (TagMoments, u64)>,
+}
+
+/// The moments kept of `tag`, unless an invalidation was heard since they were read.
+fn kept(tag: &str) -> Option<(TagMoments, u64)> {
+    let clears = l1_clears();
+    let kept = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
+    kept.as_ref()
+        .filter(|k| k.clears == clears)
+        .and_then(|k| k.moments.get(tag).copied())
+}
 
 /// The prefix's generation as last read, until when it is trusted, and how many times
 /// this process's L1 had moved to another generation then (the `generations` of an
@@ -50,8 +71,8 @@ struct Known {
     clears: u64,
 }
 
-/// How many times this process's L1 moved to another generation (one `clear` import
-/// call each, from any instance).
+/// How many times this process's L1 moved to another generation: a `clear` import call
+/// from any instance, or a tag or clear announcement the host heard (`l1-ticket`).
 fn l1_clears() -> u64 {
     l1::ticket("").generations
 }
@@ -121,19 +142,15 @@ fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), type
     let mut out = Vec::with_capacity(tag_list.len());
     let mut until_all = u64::MAX;
     for tag in tag_list {
-        let kept = MOMENTS
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .and_then(|m| m.get(tag).copied())
-            .filter(|(_, until)| now < *until);
+        let kept = kept(tag).filter(|(_, until)| now < *until);
         let (m, until) = match kept {
             Some(kept) => kept,
             None => {
                 let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
+                let clears = l1_clears();
                 let m = TagMoments::decode(l2::get(&name)?.as_deref());
                 let until = tags::known_until(now, settings().l1_ttl_ms);
-                remember(tag, m, until);
+                remember(tag, m, until, clears);
                 (m, until)
             }
         };
@@ -152,24 +169,38 @@ fn written_at(tag_list: &[String], now: u64) -> Result<u64, types::Error> {
     let mut known = Vec::with_capacity(tag_list.len());
     for tag in tag_list {
         let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
-        if let Ok(stored) = l2::get(&name) {
-            remember(tag, TagMoments::decode(stored.as_deref()), until);
-        }
-        let kept = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
-        known.push(
-            kept.as_ref()
-                .and_then(|m| m.get(tag))
-                .map_or_else(TagMoments::default, |(m, _)| *m),
-        );
+        let clears = l1_clears();
+        let kept = kept(tag).map(|(m, _)| m);
+        let m = match l2::get(&name) {
+            Ok(stored) => {
+                let m = TagMoments::decode(stored.as_deref());
+                remember(tag, m, until, clears);
+                kept.map_or(m, |k| k.merge(&m))
+            }
+            Err(_) => kept.unwrap_or_default(),
+        };
+        known.push(m);
     }
     Ok(tags::written_at(now, &known))
 }
 
-fn remember(tag: &str, m: TagMoments, until: u64) {
-    let mut map = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
-    let map = map.get_or_insert_with(HashMap::new);
-    let merged = map.get(tag).map_or(m, |(old, _)| old.merge(&m));
-    map.insert(tag.to_owned(), (merged, until));
+/// Keeps `m`, read while L1's moves to another generation counted `clears`, until
+/// `until`: merged with what is kept, unless an invalidation was heard meanwhile (then
+/// what was read may predate it, and nothing is kept).
+fn remember(tag: &str, m: TagMoments, until: u64, clears: u64) {
+    if l1_clears() != clears {
+        return;
+    }
+    let mut kept = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
+    if kept.as_ref().is_none_or(|k| k.clears != clears) {
+        *kept = Some(Kept {
+            clears,
+            moments: HashMap::new(),
+        });
+    }
+    let Some(k) = kept.as_mut() else { return };
+    let merged = k.moments.get(tag).map_or(m, |(old, _)| old.merge(&m));
+    k.moments.insert(tag.to_owned(), (merged, until));
 }
 
 /// What `tagged`'s tags say about an entry with `meta` now, and until when L1 may keep
@@ -393,7 +424,8 @@ fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, tagged: Option<&Tagged>, t
     }
 }
 
-/// Moves `tag`'s moment (a removal or an expiry) to now, only over the bytes read.
+/// Moves `tag`'s moment (a removal or an expiry) to now, only over the bytes read
+/// (nothing: only where nothing is), and announces it to the other processes.
 fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
     let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
     let how = if remove {
@@ -405,24 +437,25 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
         let now = now_ms();
         let stored = l2::get(&name)?;
         let m = tags::update(stored.as_deref(), how, now);
-        let ttl = tags::state_ttl_ms(now);
-        let written = match &stored {
-            Some(old) => l2::replace_if_equal(&name, old, &m.encode(), ttl)?,
-            // No compare-and-set on a missing key in this import: a plain set (two
-            // first invalidations at once keep either moment).
-            None => {
-                l2::set(&name, &m.encode(), ttl)?;
-                true
-            }
-        };
-        if written {
-            remember(tag, m, tags::known_until(now, settings().l1_ttl_ms));
+        let clears = l1_clears();
+        if l2::set_if(&name, stored.as_deref(), &m.encode(), tags::state_ttl_ms(now))? {
+            remember(tag, m, tags::known_until(now, settings().l1_ttl_ms), clears);
+            announce(&tags::Message::Tag {
+                tag: tag.to_owned(),
+                moments: m,
+            });
             return Ok(());
         }
     }
     Err(types::Error::Unavailable(format!(
         "the moments of tag {tag:?} kept changing"
     )))
+}
+
+/// Tells the other processes of a tag or clear invalidation (contract §6b.5): they drop
+/// what it invalidates from their L1 at once, instead of within their L1 TTL.
+fn announce(message: &tags::Message) {
+    l2::announce_invalidation(&tags::encode(ORIGIN, message));
 }
 
 /// An expiry of the entry `names` names (contract §6b.4): a stale rewrite only over the
@@ -573,17 +606,10 @@ impl wcache::Guest for Component {
             let now = now_ms();
             let stored = l2::get(&name)?;
             let (bytes, g) = tags::next_generation(stored.as_deref());
-            let ttl = tags::state_ttl_ms(now);
-            let written = match &stored {
-                Some(old) => l2::replace_if_equal(&name, old, &bytes, ttl)?,
-                None => {
-                    l2::set(&name, &bytes, ttl)?;
-                    true
-                }
-            };
-            if written {
+            if l2::set_if(&name, stored.as_deref(), &bytes, tags::state_ttl_ms(now))? {
                 l1::clear();
                 keep_generation(g, now);
+                announce(&tags::Message::Clear { generation: g });
                 return Ok(());
             }
         }

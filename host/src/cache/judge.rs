@@ -32,19 +32,30 @@ struct Judged {
 }
 
 impl Judged {
-    fn of(options: &LoadOptions) -> Option<Judged> {
-        // An absolute point is good until it passes: judged on every call.
-        if options.entry.absolute_ms.is_some() {
-            return None;
-        }
-        Some(Judged {
+    fn of(options: &LoadOptions) -> Judged {
+        Judged {
             entry: options.entry,
             hard_timeout_ms: options.hard_timeout_ms,
             soft_timeout_ms: options.soft_timeout_ms,
             eager_refresh_permille: options.eager_refresh_permille,
             tags: options.tags.clone(),
-        })
+        }
     }
+
+    /// Whether `options` are these (compared in place: the hit path clones nothing).
+    fn is(&self, options: &LoadOptions) -> bool {
+        self.entry == options.entry
+            && self.hard_timeout_ms == options.hard_timeout_ms
+            && self.soft_timeout_ms == options.soft_timeout_ms
+            && self.eager_refresh_permille == options.eager_refresh_permille
+            && (Arc::ptr_eq(&self.tags, &options.tags) || self.tags == options.tags)
+    }
+}
+
+/// Whether a verdict on `options` may be remembered: an absolute point is good until it
+/// passes, so it is judged on every call.
+fn rememberable(options: &LoadOptions) -> bool {
+    options.entry.absolute_ms.is_none()
 }
 
 thread_local! {
@@ -60,12 +71,9 @@ impl Corral {
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
     /// option at fault.
     pub(super) fn judge(&self, key: &str, options: &LoadOptions) -> Result<()> {
-        let judged = Judged::of(options);
-        if let Some(judged) = &judged {
-            let known = ACCEPTED.with(|a| a.borrow().1.iter().flatten().any(|j| j == judged));
-            if known {
-                return Ok(());
-            }
+        let remember = rememberable(options);
+        if remember && ACCEPTED.with(|a| a.borrow().1.iter().flatten().any(|j| j.is(options))) {
+            return Ok(());
         }
         let inner = &*self.inner;
         let config = self.flight_config(options, true);
@@ -75,10 +83,10 @@ impl Corral {
         if !options.tags.is_empty() {
             inner.policy.check_tags(&options.tags)?;
         }
-        if let Some(judged) = judged {
+        if remember {
             ACCEPTED.with(|a| {
                 let (next, slots) = &mut *a.borrow_mut();
-                slots[*next] = Some(judged);
+                slots[*next] = Some(Judged::of(options));
                 *next = (*next + 1) % REMEMBERED;
             });
         }

@@ -305,6 +305,14 @@ pub(crate) fn l1_invalidation(l1: crate::store::l1::L1<l1::L1Entry>) -> crate::s
     Arc::new(move |key: Option<String>| l1.hear(key.as_deref()))
 }
 
+/// What it does with a tag or clear announcement, its own included (contract §6b.5):
+/// everything goes, as after a `clear`, and the guest, seeing L1's generations move,
+/// reads tags and the generation again. The host reads no message: the guest keeps
+/// what they say.
+pub(crate) fn tag_invalidation(l1: crate::store::l1::L1<l1::L1Entry>) -> crate::store::InvalidationHook {
+    Arc::new(move |_message: &str| l1.clear_generation())
+}
+
 fn ticket_in(t: l1::L1Ticket) -> Ticket {
     Ticket::from_parts([t.flushes, t.generations, t.writes])
 }
@@ -440,6 +448,34 @@ impl l2::Host for &mut PortableState {
                     let _ = tokio::time::timeout_at(deadline, waited).await;
                 }
                 None => waited.await,
+            }
+        });
+    }
+
+    /// Published within the store's timeout; one that fails is retried in the
+    /// background, as the native body's tag and clear announcements are.
+    fn announce_invalidation(&mut self, message: String) {
+        let b = self.backend.clone();
+        let a = b.announcing;
+        self.io(async move {
+            let notifications = b.stores.notifications.clone();
+            let publish = move || {
+                let (notifications, message) = (notifications.clone(), message.clone());
+                async move {
+                    matches!(
+                        tokio::time::timeout(a.bound, notifications.publish_invalidation(&message)).await,
+                        Ok(Ok(()))
+                    )
+                }
+            };
+            if !publish().await {
+                a.retry.in_background(
+                    a.give_up_after,
+                    "",
+                    false,
+                    "a tag or clear announcement could not be published within the L1 TTL",
+                    publish,
+                );
             }
         });
     }

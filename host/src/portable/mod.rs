@@ -277,6 +277,9 @@ impl PortableBuilder {
         stores
             .notifications
             .on_foreign(imports::l1_invalidation(l1.clone()));
+        stores
+            .notifications
+            .on_invalidation(imports::tag_invalidation(l1.clone()));
         let cache = PortableCache {
             inner: Arc::new(PortableInner {
                 lockstep: self.lockstep,

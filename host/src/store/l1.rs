@@ -313,7 +313,6 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         });
     }
 
-    /// Drops every entry; fills in progress are refused.
     /// Empties L1 because the prefix moved to another generation (a `clear()`, here or
     /// announced): fills and writes that named their entries before it are refused.
     pub(crate) fn clear_generation(&self) {
@@ -327,6 +326,7 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         self.clear();
     }
 
+    /// Drops every entry; fills in progress are refused.
     pub(crate) fn clear(&self) {
         self.epochs.all.fetch_add(1, Ordering::AcqRel);
         if let Some(cache) = &self.cache {

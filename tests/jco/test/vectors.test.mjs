@@ -159,7 +159,7 @@ function newHost(world) {
         else state.l1.delete(key);
       },
       delete: (key) => { wrote(key); state.l1.delete(key); },
-      clear: () => { state.generations += 1n; state.flushes += 1n; state.l1.clear(); },
+      clear: () => moveGeneration(),
     },
     'corral:cache/l2': {
       get: (key) => world.l2.get(key),
@@ -197,6 +197,8 @@ function newHost(world) {
       announceLanding: (key) => world.hosts.filter((h) => h !== host).forEach((h) => h.hear(key)),
       // Every step here answers at once: nothing to bound.
       bound: () => {},
+      // Every process (this one too) moves its L1 to another generation, as `clear`.
+      announceInvalidation: () => world.hosts.forEach((h) => h.moveGeneration()),
     },
     'corral:cache/flights': {
       join: (key) => join(caller, key),
@@ -220,7 +222,9 @@ function newHost(world) {
       resolution: () => ({ seconds: 0n, nanoseconds: 1_000_000 }),
     },
   });
-  const host = { world, state, imports, callEnded, until, hear, waiting: (key) => flights.get(key)?.waiting.length ?? 0 };
+  /** A tag or clear announcement heard: as the `clear` import. */
+  const moveGeneration = () => { state.generations += 1n; state.flushes += 1n; state.l1.clear(); };
+  const host = { world, state, imports, callEnded, until, hear, moveGeneration, waiting: (key) => flights.get(key)?.waiting.length ?? 0 };
   world.hosts.push(host);
   return host;
 }

@@ -419,3 +419,86 @@ async fn a_store_step_that_never_answers_ends_at_the_flights_deadline_in_both_bo
     assert_eq!(&got[..], b"native");
     Ok(())
 }
+
+/// Tag and clear invalidations reach the other body's L1 at once, both ways (contract
+/// §6b.5): a portable process hears a native process's `remove_by_tag` and `clear`, and
+/// a native process hears a portable one's, well before their L1 TTL (an hour here).
+/// Before, the portable body announced none and heard none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tag_and_clear_invalidations_reach_the_other_bodys_l1_both_ways() -> Result<()> {
+    let server = RedisServer::start()?;
+    let hour = Duration::from_secs(3600);
+    let portable = PortableCache::builder()
+        .redis_options(corral::RedisOptions::new(server.url()))
+        .l1_ttl(hour)
+        .build()?;
+    let native = Corral::builder().redis(server.url()).l1_ttl(hour).build()?;
+    let v = |b: Option<Bytes>| b.map(|b| String::from_utf8_lossy(&b).into_owned());
+    // Both subscribed: a probe each way is heard.
+    until(10 * SEC, "the processes never heard each other", async || {
+        portable.set("probe", "p", EntryOptions::new()).await?;
+        native.get("probe").await?;
+        portable.set("probe", "q", EntryOptions::new()).await?;
+        Ok(v(native.get("probe").await?).as_deref() == Some("q"))
+    })
+    .await?;
+
+    // A native remove_by_tag reaches the portable L1.
+    portable.set_tagged("k", "v", EntryOptions::new(), &["t"]).await?;
+    assert_eq!(
+        v(portable.get("k").await?).as_deref(),
+        Some("v"),
+        "portable L1 holds k"
+    );
+    native.remove_by_tag("t").await?;
+    until(
+        5 * SEC,
+        "the portable process kept serving k after remove_by_tag",
+        async || Ok(portable.get("k").await?.is_none()),
+    )
+    .await?;
+
+    // A portable remove_by_tag reaches the native L1.
+    native.set_tagged("k2", "v", EntryOptions::new(), &["u"]).await?;
+    assert_eq!(
+        v(native.get("k2").await?).as_deref(),
+        Some("v"),
+        "native L1 holds k2"
+    );
+    portable.remove_by_tag("u").await?;
+    until(
+        5 * SEC,
+        "the native process kept serving k2 after remove_by_tag",
+        async || Ok(native.get("k2").await?.is_none()),
+    )
+    .await?;
+
+    // A native clear reaches the portable L1, and a portable clear the native one.
+    native.set("c", "v", EntryOptions::new()).await?;
+    assert_eq!(
+        v(portable.get("c").await?).as_deref(),
+        Some("v"),
+        "portable L1 holds c"
+    );
+    native.clear().await?;
+    until(
+        5 * SEC,
+        "the portable process kept serving c after clear",
+        async || Ok(portable.get("c").await?.is_none()),
+    )
+    .await?;
+    portable.set("d", "v", EntryOptions::new()).await?;
+    assert_eq!(
+        v(native.get("d").await?).as_deref(),
+        Some("v"),
+        "native L1 holds d"
+    );
+    portable.clear().await?;
+    until(
+        5 * SEC,
+        "the native process kept serving d after clear",
+        async || Ok(native.get("d").await?.is_none()),
+    )
+    .await?;
+    Ok(())
+}
