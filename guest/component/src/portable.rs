@@ -89,28 +89,37 @@ fn prefix() -> String {
 /// The prefix's generation (clear): read from the store at most once per L1 TTL.
 fn generation(now: u64) -> Result<u64, types::Error> {
     let known = *GENERATION.lock().unwrap_or_else(|e| e.into_inner());
+    let clears = l1_clears();
     if let Some(k) = known
         && now < k.until
-        && k.clears == l1_clears()
+        && k.clears == clears
     {
         return Ok(k.generation);
     }
     let stored = l2::get(&names::generation(&prefix()))?;
     let g = tags::generation(stored.as_deref());
+    let mut expected = clears;
     if known.is_some_and(|k| k.generation != g) {
         // Another process cleared: L1 holds values named in another generation.
         l1::clear();
+        expected += 1;
     }
-    keep_generation(g, now);
+    keep_generation(g, now, expected);
     Ok(g)
 }
 
-/// Trusts `g` for one L1 TTL from `now`, as of this process's L1 clears now.
-fn keep_generation(g: u64, now: u64) {
+/// Trusts `g` for one L1 TTL from `now`, if this process's L1 clears still count
+/// `expected` (what they were before `g` was read, and this instance's own clear
+/// since): one heard meanwhile may be newer than the read, which then is not kept.
+fn keep_generation(g: u64, now: u64, expected: u64) {
+    if l1_clears() != expected {
+        *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        return;
+    }
     let known = Known {
         generation: g,
         until: tags::known_until(now, settings().l1_ttl_ms),
-        clears: l1_clears(),
+        clears: expected,
     };
     *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = Some(known);
 }
@@ -332,25 +341,29 @@ fn l2_read_holding(name: &str, now: u64, limits: &Limits) -> Result<(Found, Opti
 
 /// The value L1 may serve for `key` at `now`: a stale copy fail-safe re-armed only when
 /// `stale_ok` (a get-or-set; a plain read never returns one).
-fn l1_hit(key: &str, now: u64, stale_ok: bool) -> Result<Option<Vec<u8>>, types::Error> {
-    Ok(l1_entry(key, now, stale_ok)?.map(|e| e.value))
+fn l1_hit(key: &str, now: u64, stale_ok: bool) -> Option<Vec<u8>> {
+    l1_entry(key, now, stale_ok).map(|e| e.value)
 }
 
 /// A tagged entry is judged by its tags again: one invalidated since it was filled is
 /// dropped (the read goes on to L2).
-fn l1_entry(key: &str, now: u64, stale_ok: bool) -> Result<Option<l1::L1Entry>, types::Error> {
-    let Some(e) = l1::get(key).filter(|e| now < e.until_ms && (stale_ok || !e.stale)) else {
-        return Ok(None);
-    };
+fn l1_entry(key: &str, now: u64, stale_ok: bool) -> Option<l1::L1Entry> {
+    let e = l1::get(key).filter(|e| now < e.until_ms && (stale_ok || !e.stale))?;
     if let Some(tagged) = &e.tagged {
         let tagged = tagged_in(tagged.clone());
-        // Only whether a tag touches it matters here: any touch is an L1 miss.
-        if judge(Some(&tagged), &UNBOUNDED, now)?.0 != Verdict::Untouched {
-            l1::delete(key);
-            return Ok(None);
+        // Only whether a tag touches it matters here: any touch is an L1 miss. Tags
+        // that cannot be read now are a miss too: the read goes to L2, and a failing
+        // store is met there as any other read meets it (a get-or-set degrades).
+        match judge(Some(&tagged), &UNBOUNDED, now) {
+            Ok((Verdict::Untouched, _)) => {}
+            Ok(_) => {
+                l1::delete(key);
+                return None;
+            }
+            Err(_) => return None,
         }
     }
-    Ok(Some(e))
+    Some(e)
 }
 
 /// Whether two L1 entries are the same copy (a refresh's disarming replaces only it).
@@ -437,9 +450,11 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
         let now = now_ms();
         let stored = l2::get(&name)?;
         let m = tags::update(stored.as_deref(), how, now);
-        let clears = l1_clears();
         if l2::set_if(&name, stored.as_deref(), &m.encode(), tags::state_ttl_ms(now))? {
-            remember(tag, m, tags::known_until(now, settings().l1_ttl_ms), clears);
+            // Every instance of this process judges again at once, without waiting for
+            // the announcement to come back (a clear of L1 moves their count).
+            l1::clear();
+            remember(tag, m, tags::known_until(now, settings().l1_ttl_ms), l1_clears());
             announce(&tags::Message::Tag {
                 tag: tag.to_owned(),
                 moments: m,
@@ -526,7 +541,7 @@ impl wcache::Guest for Component {
 
     fn get(key: String) -> Result<Option<Vec<u8>>, types::Error> {
         let now = now_ms();
-        if let Some(v) = l1_hit(&key, now, false)? {
+        if let Some(v) = l1_hit(&key, now, false) {
             return Ok(Some(v));
         }
         let limits = settings().limits;
@@ -604,11 +619,12 @@ impl wcache::Guest for Component {
         let name = names::generation(&prefix());
         for _ in 0..settings().cas_tries {
             let now = now_ms();
+            let clears = l1_clears();
             let stored = l2::get(&name)?;
             let (bytes, g) = tags::next_generation(stored.as_deref());
             if l2::set_if(&name, stored.as_deref(), &bytes, tags::state_ttl_ms(now))? {
                 l1::clear();
-                keep_generation(g, now);
+                keep_generation(g, now, clears + 1);
                 announce(&tags::Message::Clear { generation: g });
                 return Ok(());
             }
@@ -657,7 +673,10 @@ impl wcache::Guest for Component {
     ) -> Result<Vec<u8>, types::Error> {
         let settings = settings();
         let now = now_ms();
-        if !bypass && let Some(entry) = l1_entry(&key, now, true)? {
+        // The reads before the flight (an L1 hit's tags, the generation) get one store
+        // timeout, as the native body's; the flight then arms its own deadlines.
+        l2::bound(settings.store_timeout_ms);
+        if !bypass && let Some(entry) = l1_entry(&key, now, true) {
             if entry.refresh_at_ms.is_some_and(|at| now >= at) {
                 // Disarmed first: this copy starts no other refresh. Not a write: only
                 // over the very copy read, and refused if the key is written meanwhile.

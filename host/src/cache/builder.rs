@@ -96,6 +96,16 @@ impl Overrides {
             redis,
             s.store_timeout_ms,
         ));
+        // Only a Redis response timeout can have moved it: it is the one named.
+        if crate::guest::policy::check_settings(s).is_err() {
+            return Err(crate::Error::invalid_argument(
+                "response_timeout",
+                format!(
+                    "must be between 1 ms and 100 years, not {} ms",
+                    s.store_timeout_ms
+                ),
+            ));
+        }
         Ok(s)
     }
 }
@@ -150,9 +160,11 @@ impl CorralBuilder {
     }
 
     /// Use `store` as L2: an in-memory store (the embedded default's kind) shared with
-    /// other caches built on it, as processes share one Redis. Several caches over one
-    /// store are several processes in one: each keeps its own L1 and flights, and hears
-    /// the others' changes. Make it with [`MemoryStore::new`] on this cache's clock.
+    /// other caches built on it, for tests of several processes in one: each cache keeps
+    /// its own L1 and flights over the one store and lock table, and hears the others'
+    /// tag and clear announcements, but not their key changes (an L1 copy another cache
+    /// replaced lives until its L1 TTL). Make it with [`MemoryStore::new`] on this
+    /// cache's clock; the store keeps every cache's announcement hook for its lifetime.
     pub fn memory(mut self, store: MemoryStore) -> Self {
         self.memory = Some(store);
         #[cfg(feature = "redis")]

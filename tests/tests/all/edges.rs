@@ -196,6 +196,29 @@ fn every_builder_duration_at_its_limit_is_an_argument_error_naming_it() {
     }
 }
 
+/// A Redis response timeout is the store timeout a get-or-set's deadlines are built
+/// from: zero or past a century is refused at build, naming it, in both bodies (before,
+/// the native builder took it and the portable one named a `store_timeout` no builder
+/// has).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_timeout_of_zero_or_past_a_century_is_an_argument_error_naming_it() {
+    let century = Duration::from_secs(100 * 365 * 24 * 3600);
+    for bad in [Duration::ZERO, Duration::MAX, century + Duration::from_millis(1)] {
+        let mut options = corral::RedisOptions::new("redis://127.0.0.1:1");
+        options.response_timeout = bad;
+        let native = Corral::builder().redis_options(options.clone()).build().err();
+        let portable = corral::portable::PortableCache::builder()
+            .redis_options(options)
+            .build()
+            .err();
+        for (body, err) in [("native", native), ("portable", portable)] {
+            let err = err.unwrap_or_else(|| panic!("{body}: response_timeout {bad:?} built"));
+            assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{body}: {err}");
+            assert_eq!(err.argument(), Some("response_timeout"), "{body}: {err}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cache_built_with_a_century_of_each_setting_works() -> Result<()> {
     let century = Duration::from_secs(100 * 365 * 24 * 3600);

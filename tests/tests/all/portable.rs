@@ -435,12 +435,27 @@ async fn tag_and_clear_invalidations_reach_the_other_bodys_l1_both_ways() -> Res
     let native = Corral::builder().redis(server.url()).l1_ttl(hour).build()?;
     let v = |b: Option<Bytes>| b.map(|b| String::from_utf8_lossy(&b).into_owned());
     // Both subscribed: a probe each way is heard.
-    until(10 * SEC, "the processes never heard each other", async || {
-        portable.set("probe", "p", EntryOptions::new()).await?;
-        native.get("probe").await?;
-        portable.set("probe", "q", EntryOptions::new()).await?;
-        Ok(v(native.get("probe").await?).as_deref() == Some("q"))
-    })
+    until(
+        10 * SEC,
+        "the native process never heard the portable one",
+        async || {
+            portable.set("probe", "p", EntryOptions::new()).await?;
+            native.get("probe").await?;
+            portable.set("probe", "q", EntryOptions::new()).await?;
+            Ok(v(native.get("probe").await?).as_deref() == Some("q"))
+        },
+    )
+    .await?;
+    until(
+        10 * SEC,
+        "the portable process never heard the native one",
+        async || {
+            native.set("probe2", "p", EntryOptions::new()).await?;
+            portable.get("probe2").await?;
+            native.set("probe2", "q", EntryOptions::new()).await?;
+            Ok(v(portable.get("probe2").await?).as_deref() == Some("q"))
+        },
+    )
     .await?;
 
     // A native remove_by_tag reaches the portable L1.
