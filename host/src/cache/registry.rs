@@ -11,6 +11,12 @@
 //! Followers wait on a oneshot channel each, kept in join order, and are handed the
 //! outcome in that order: no wake-up depends on a random draw, so a simulation with
 //! several followers per flight replays byte for byte.
+//!
+//! A flight is joined only while its key is as it was when the flight began (the key's
+//! L1 [`Ticket`]: no write of it in this process, no change of it heard, no clear since).
+//! Otherwise its outcome may be older than a write acknowledged before the caller came:
+//! the flight is sealed (it finishes for the followers it has) and the caller leads a
+//! new one (contract §5.12).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -20,6 +26,7 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use crate::Error;
+use crate::store::l1::Ticket;
 
 /// What the native body's followers get.
 pub(crate) type Outcome = std::result::Result<super::load::Served, Arc<Error>>;
@@ -33,14 +40,19 @@ pub(crate) enum Shared<T> {
     Gone,
 }
 
-/// One live flight: its leader's mark, and its followers in join order.
+/// One live flight: its leader's mark, the key's ticket when it began, and its
+/// followers in join order.
 struct Flight<T> {
     id: u64,
+    ticket: Ticket,
     followers: Vec<oneshot::Sender<Shared<T>>>,
 }
 
 struct Flights<T> {
     by_key: HashMap<String, Flight<T>>,
+    /// Flights no caller may join any more (their key changed since they began), by id,
+    /// until their leaders finish.
+    sealed: HashMap<u64, Flight<T>>,
     next_id: u64,
 }
 
@@ -62,6 +74,7 @@ impl<T> Default for Registry<T> {
         Registry {
             flights: Arc::new(Mutex::new(Flights {
                 by_key: HashMap::new(),
+                sealed: HashMap::new(),
                 next_id: 0,
             })),
         }
@@ -82,15 +95,28 @@ pub(crate) enum Join<T> {
     Follower(oneshot::Receiver<Shared<T>>),
 }
 
+/// The ticket of flights joined whatever changed since they began: background
+/// refreshes, one per key at a time (their fills are fenced on their own reads).
+pub(crate) const UNCHANGED: Ticket = Ticket::from_parts([0, 0, 0]);
+
 impl<T: Clone> Registry<T> {
-    pub(crate) fn join(&self, key: &str) -> Join<T> {
+    /// Joins the flight of `key`, if one runs and the key is as it was when it began
+    /// (`ticket`, the key's L1 ticket now, says it is unchanged since the flight's);
+    /// else leads one.
+    pub(crate) fn join(&self, key: &str, ticket: Ticket) -> Join<T> {
         let mut flights = self.flights.lock();
+        let flights = &mut *flights;
         if let Some(flight) = flights.by_key.get_mut(key) {
-            let (tx, rx) = oneshot::channel();
-            // Followers that gave up leave their sender behind: drop those first.
-            flight.followers.retain(|f| !f.is_closed());
-            flight.followers.push(tx);
-            return Join::Follower(rx);
+            if ticket.key_unchanged_since(flight.ticket) {
+                let (tx, rx) = oneshot::channel();
+                // Followers that gave up leave their sender behind: drop those first.
+                flight.followers.retain(|f| !f.is_closed());
+                flight.followers.push(tx);
+                return Join::Follower(rx);
+            }
+            if let Some(stale) = flights.by_key.remove(key) {
+                flights.sealed.insert(stale.id, stale);
+            }
         }
         flights.next_id += 1;
         let id = flights.next_id;
@@ -98,6 +124,7 @@ impl<T: Clone> Registry<T> {
             key.to_owned(),
             Flight {
                 id,
+                ticket,
                 followers: Vec::new(),
             },
         );
@@ -111,9 +138,14 @@ impl<T: Clone> Registry<T> {
 
     /// Joins the flight of `key` until this caller leads or gets an outcome: a leader
     /// gone without one sends its followers back here, and the first to return leads.
-    pub(crate) async fn lead_or_follow(&self, key: &str) -> Result<LeaderGuard<T>, T> {
+    /// `ticket` gives the key's L1 ticket at each try.
+    pub(crate) async fn lead_or_follow(
+        &self,
+        key: &str,
+        ticket: impl Fn() -> Ticket,
+    ) -> Result<LeaderGuard<T>, T> {
         loop {
-            match self.join(key) {
+            match self.join(key, ticket()) {
                 Join::Leader(guard) => return Ok(guard),
                 Join::Follower(rx) => match follow(rx).await {
                     Shared::Done(outcome) => return Err(outcome),
@@ -125,9 +157,10 @@ impl<T: Clone> Registry<T> {
 }
 
 impl<T> Registry<T> {
-    /// Flights in progress.
+    /// Flights in progress (sealed ones included).
     pub(crate) fn len(&self) -> usize {
-        self.flights.lock().by_key.len()
+        let flights = self.flights.lock();
+        flights.by_key.len() + flights.sealed.len()
     }
 
     /// Callers waiting on the flight of `key`.
@@ -181,7 +214,10 @@ impl<T> LeaderGuard<T> {
                 .by_key
                 .remove(&self.key)
                 .map_or_else(Vec::new, |f| f.followers),
-            _ => Vec::new(),
+            _ => flights
+                .sealed
+                .remove(&self.id)
+                .map_or_else(Vec::new, |f| f.followers),
         }
     }
 }
@@ -203,13 +239,40 @@ pub(crate) async fn follow<T>(rx: oneshot::Receiver<Shared<T>>) -> Shared<T> {
 mod tests {
     use super::*;
 
+    const T0: Ticket = Ticket::from_parts([0, 0, 0]);
+
+    #[tokio::test]
+    async fn a_flight_whose_key_changed_since_it_began_is_not_joined() {
+        let registry = Registry::<&str>::default();
+        let Join::Leader(old) = registry.join("k", T0) else {
+            panic!("first is leader")
+        };
+        let Join::Follower(early) = registry.join("k", T0) else {
+            panic!("a caller while nothing changed follows")
+        };
+        // The key was written (or a change heard) since the flight began.
+        let later = Ticket::from_parts([0, 0, 1]);
+        let Join::Leader(new) = registry.join("k", later) else {
+            panic!("a caller after a change leads a new flight")
+        };
+        let Join::Follower(late) = registry.join("k", later) else {
+            panic!("and the next caller follows the new one")
+        };
+        assert_eq!(registry.len(), 2);
+        old.finish("old");
+        new.finish("new");
+        assert!(matches!(follow(early).await, Shared::Done("old")));
+        assert!(matches!(follow(late).await, Shared::Done("new")));
+        assert_eq!(registry.len(), 0);
+    }
+
     #[tokio::test]
     async fn followers_get_the_leaders_outcome_and_the_map_empties() {
         let registry = Registry::<&str>::default();
-        let Join::Leader(leader) = registry.join("k") else {
+        let Join::Leader(leader) = registry.join("k", T0) else {
             panic!("first is leader")
         };
-        let Join::Follower(rx) = registry.join("k") else {
+        let Join::Follower(rx) = registry.join("k", T0) else {
             panic!("second follows")
         };
         assert_eq!(registry.len(), 1);
@@ -221,12 +284,12 @@ mod tests {
     #[tokio::test]
     async fn a_dropped_leader_hands_the_flight_to_a_follower() {
         let registry = Registry::<&str>::default();
-        let Join::Leader(leader) = registry.join("k") else {
+        let Join::Leader(leader) = registry.join("k", T0) else {
             panic!()
         };
         let follower = tokio::spawn({
             let registry = registry.clone();
-            async move { registry.lead_or_follow("k").await.map(|g| g.key.clone()) }
+            async move { registry.lead_or_follow("k", || T0).await.map(|g| g.key.clone()) }
         });
         while registry.followers("k") == 0 {
             tokio::task::yield_now().await;

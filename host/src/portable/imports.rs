@@ -510,7 +510,7 @@ impl flights::Host for &mut PortableState {
         let b = self.backend.clone();
         let joined = {
             let key = key.clone();
-            self.io(async move { b.registry.lead_or_follow(&key).await })
+            self.io(async move { b.registry.lead_or_follow(&key, || b.l1.ticket(&key)).await })
         };
         match joined {
             Some(Ok(guard)) => {

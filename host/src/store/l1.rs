@@ -64,8 +64,16 @@ impl Ticket {
         self.generations != earlier.generations && self.key == earlier.key
     }
 
+    /// Whether nothing wrote the key (its stripe) in this process, nor was a change of
+    /// it heard, nor did the prefix move to another generation between `earlier` and
+    /// this ticket. A flush of all of L1 (a gap in the announcements) does not count:
+    /// what was missed is unknown, and every key would count as changed.
+    pub(crate) fn key_unchanged_since(self, earlier: Ticket) -> bool {
+        self.generations == earlier.generations && self.key == earlier.key
+    }
+
     /// A ticket [`parts`](Self::parts) gave.
-    pub(crate) fn from_parts([all, generations, key]: [u64; 3]) -> Self {
+    pub(crate) const fn from_parts([all, generations, key]: [u64; 3]) -> Self {
         Ticket {
             all,
             generations,

@@ -730,3 +730,71 @@ async fn typed_l1_hits_reuse_the_decoded_value() -> Result<()> {
     assert_eq!(PARSED.load(Ordering::SeqCst), 2, "and parsed once");
     Ok(())
 }
+
+/// A caller does not join a flight that began before a change of its key this process
+/// has since heard of (contract §5.12): its outcome may be older than a write
+/// acknowledged before the caller came. Here process a's flight of k loads slowly;
+/// process b sets k meanwhile, and a hears it; a caller in a then leads a flight of its
+/// own and reads b's value, while the first flight's caller still gets its load. Before,
+/// the late caller joined the old flight and got the loaded value (found by the
+/// simulator's tag workload: `corral-sim --portable --scenario network --seed 743`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_after_a_heard_change_does_not_join_an_older_flight() -> Result<()> {
+    let server = RedisServer::start()?;
+    let a = Corral::builder().redis(server.url()).build()?;
+    let b = Corral::builder().redis(server.url()).build()?;
+    // Both subscribed: a hears b.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let heard = a.metrics().l1_invalidations;
+        b.set("probe", "p", EntryOptions::new()).await?;
+        let by = Instant::now() + Duration::from_secs(1);
+        while a.metrics().l1_invalidations == heard && Instant::now() < by {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if a.metrics().l1_invalidations > heard {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "a never heard b");
+    }
+
+    let (gate, entered) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let first = tokio::spawn({
+        let (a, gate, entered) = (a.clone(), gate.clone(), entered.clone());
+        async move {
+            a.get_or_set("k", relative(), || async move {
+                entered.notify_one();
+                gate.notified().await;
+                Ok::<_, std::io::Error>(Bytes::from_static(b"loaded"))
+            })
+            .await
+        }
+    });
+    // The first flight is loading (its loader waits on the gate).
+    tokio::time::timeout(Duration::from_secs(10), entered.notified())
+        .await
+        .context("the first flight never loaded")?;
+    let heard = a.metrics().l1_invalidations;
+    b.set("k", "written", EntryOptions::new().relative(MIN)).await?;
+    let by = Instant::now() + Duration::from_secs(10);
+    while a.metrics().l1_invalidations == heard {
+        anyhow::ensure!(Instant::now() < by, "a never heard b's set");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let late = tokio::time::timeout(
+        Duration::from_secs(5),
+        a.get_or_set("k", relative(), || async {
+            Ok::<_, std::io::Error>(Bytes::from_static(b"late load"))
+        }),
+    )
+    .await;
+    gate.notify_one();
+    let late = late.context("the late caller waited on the first flight")??;
+    assert_eq!(&late[..], b"written", "the late caller reads what b wrote");
+    assert_eq!(
+        &first.await??[..],
+        b"loaded",
+        "the first caller gets its own load"
+    );
+    Ok(())
+}

@@ -19,7 +19,7 @@ use crate::cache::Corral;
 use crate::cache::load::LoadOptions;
 use crate::cache::metrics::Metrics;
 use crate::cache::read::L2Read;
-use crate::cache::registry::{Join, LeaderGuard, Outcome};
+use crate::cache::registry::{Join, LeaderGuard, Outcome, UNCHANGED};
 use crate::cache::tags::TagStamp;
 use crate::guest::policy::Tagged;
 use crate::guest::policy::wflight::{Action, Event, Finish, LoadRequest, Outcome as FlightOutcome, Write};
@@ -432,7 +432,7 @@ where
         // answered, so whoever the caller tells finds it running.
         if finish.refresh_now
             && self.callers.answer.is_some()
-            && let Join::Leader(guard) = self.cache.inner.refreshes.join(self.key)
+            && let Join::Leader(guard) = self.cache.inner.refreshes.join(self.key, UNCHANGED)
         {
             *self.callers.refresh = Some(guard);
         }

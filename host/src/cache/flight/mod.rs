@@ -15,7 +15,7 @@ use self::held::{HeldFlight, share};
 use super::Corral;
 use super::load::{LoadOptions, Served};
 use super::metrics::Metrics;
-use super::registry::{Join, LeaderGuard, Outcome};
+use super::registry::{Join, LeaderGuard, Outcome, UNCHANGED};
 use crate::guest::policy::wflight::{self, Outcome as FlightOutcome, StaleCause};
 use crate::{Error, Result};
 use tokio::sync::oneshot;
@@ -125,7 +125,12 @@ impl Corral {
             }
             return Ok(Served { value, stale });
         }
-        match self.inner.registry.lead_or_follow(key).await {
+        match self
+            .inner
+            .registry
+            .lead_or_follow(key, || self.inner.l1.ticket(key))
+            .await
+        {
             Ok(guard) => {
                 let mut guard = Some(guard);
                 let result = self
@@ -227,7 +232,12 @@ impl Corral {
                 stale: entry.stale,
             });
         }
-        match self.inner.registry.lead_or_follow(key).await {
+        match self
+            .inner
+            .registry
+            .lead_or_follow(key, || self.inner.l1.ticket(key))
+            .await
+        {
             Ok(guard) => {
                 let (tx, rx) = oneshot::channel();
                 let (cache, key, span) = (self.clone(), key.to_owned(), self.flight_span(key));
@@ -282,7 +292,7 @@ impl Corral {
     {
         let guard = match joined {
             Some(guard) => guard,
-            None => match self.inner.refreshes.join(key) {
+            None => match self.inner.refreshes.join(key, UNCHANGED) {
                 Join::Leader(guard) => guard,
                 Join::Follower(_) => return,
             },
