@@ -39,10 +39,30 @@ impl Body {
         }
     }
 
-    pub(crate) async fn set(&self, key: &str, value: String, options: EntryOptions) -> corral::Result<()> {
+    pub(crate) async fn set_tagged(
+        &self,
+        key: &str,
+        value: String,
+        options: EntryOptions,
+        tags: &[String],
+    ) -> corral::Result<()> {
         match self {
-            Body::Native(c) => c.set(key, value, options).await,
-            Body::Portable(c) => c.set(key, value.into_bytes(), options).await,
+            Body::Native(c) => c.set_tagged(key, value, options, tags).await,
+            Body::Portable(c) => c.set_tagged(key, value.into_bytes(), options, tags).await,
+        }
+    }
+
+    pub(crate) async fn remove_by_tag(&self, tag: &str) -> corral::Result<()> {
+        match self {
+            Body::Native(c) => c.remove_by_tag(tag).await,
+            Body::Portable(c) => c.remove_by_tag(tag).await,
+        }
+    }
+
+    pub(crate) async fn clear(&self) -> corral::Result<()> {
+        match self {
+            Body::Native(c) => c.clear().await,
+            Body::Portable(c) => c.clear().await,
         }
     }
 
@@ -66,6 +86,7 @@ impl Body {
         &self,
         key: &str,
         entry: EntryOptions,
+        tags: &[String],
         load: Load,
     ) -> corral::Result<Bytes> {
         match self {
@@ -75,7 +96,8 @@ impl Body {
                     (load.wait)().await;
                     finish().map_err(std::io::Error::other)
                 };
-                c.get_or_set(key, LoadOptions::new().entry(entry), loader).await
+                let options = LoadOptions::new().entry(entry).tags(tags.iter().cloned());
+                c.get_or_set(key, options, loader).await
             }
             Body::Portable(c) => {
                 let mut load = Some(load);
@@ -88,7 +110,8 @@ impl Body {
                     corral::portable::in_caller((load.wait)());
                     finish().map(|b| b.to_vec())
                 };
-                c.get_or_set(key, entry, false, loader, |_| true).await
+                c.get_or_set_tagged(key, entry, false, tags, loader, |_| true)
+                    .await
             }
         }
     }

@@ -104,6 +104,33 @@ enum Op {
     /// An `expire` (of an entry without a stale window: a removal).
     Expire(String),
     GetOrSet(String, LoaderPlan),
+    /// A `set_tagged` with one tag.
+    SetTagged(String, String),
+    /// A get-or-set whose loaded entry carries one tag.
+    GetOrSetTagged(String, String, LoaderPlan),
+    RemoveByTag(String),
+    Clear,
+}
+
+/// The tags the workload uses.
+const TAGS: [&str; 2] = ["t0", "t1"];
+
+/// A value a caller saw written (a `set`, or its own loader's value it got back): its
+/// tags, and when the call returned.
+#[derive(Clone, Debug)]
+struct Written {
+    tags: Vec<String>,
+    t_done: u64,
+    proc: usize,
+}
+
+/// A `remove_by_tag` (`tag`) or `clear` (`None`) a caller saw succeed.
+#[derive(Clone, Debug)]
+struct Invalidated {
+    tag: Option<String>,
+    proc: usize,
+    t_inv: u64,
+    t_ack: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -195,9 +222,22 @@ fn plan(s: &Scenario, seed: u64) -> Plan {
     }
 }
 
+fn loader_plan(r: &mut Rng, s: &Scenario) -> LoaderPlan {
+    let f = &s.faults;
+    let base = r.range(5, 60);
+    if r.chance(f.loader_panic_pm) {
+        LoaderPlan::Panic(base)
+    } else if r.chance(f.loader_fail_pm) {
+        LoaderPlan::Fail(base)
+    } else if r.chance(f.loader_slow_pm) {
+        LoaderPlan::Slow(r.range(300, 2_500))
+    } else {
+        LoaderPlan::Ok(base)
+    }
+}
+
 fn workload(s: &Scenario, seed: u64, proc: usize, actor: usize) -> Vec<(u64, Op)> {
     let mut r = Rng::new(seed, 100 + (proc * 16 + actor) as u64);
-    let f = &s.faults;
     (0..s.ops_per_actor)
         .map(|_| {
             let think = r.range(0, s.think_ms);
@@ -207,19 +247,29 @@ fn workload(s: &Scenario, seed: u64, proc: usize, actor: usize) -> Vec<(u64, Op)
                 30..=44 => Op::Set(key),
                 45..=49 => Op::Remove(key),
                 50..=54 => Op::Expire(key),
-                _ => {
-                    let base = r.range(5, 60);
-                    let plan = if r.chance(f.loader_panic_pm) {
-                        LoaderPlan::Panic(base)
-                    } else if r.chance(f.loader_fail_pm) {
-                        LoaderPlan::Fail(base)
-                    } else if r.chance(f.loader_slow_pm) {
-                        LoaderPlan::Slow(r.range(300, 2_500))
-                    } else {
-                        LoaderPlan::Ok(base)
-                    };
-                    Op::GetOrSet(key, plan)
-                }
+                _ => Op::GetOrSet(key, loader_plan(&mut r, s)),
+            };
+            (think, op)
+        })
+        .collect()
+}
+
+/// The tagger of a process: tagged writes and loads of the same hot keys, reads,
+/// `remove_by_tag` and, rarely, `clear`.
+fn tagger(s: &Scenario, seed: u64, proc: usize) -> Vec<(u64, Op)> {
+    let mut r = Rng::new(seed, 300 + proc as u64);
+    (0..s.ops_per_actor)
+        .map(|_| {
+            let think = r.range(0, s.think_ms);
+            let key = format!("k{}", r.range(0, s.keys as u64 - 1));
+            let tag = TAGS[r.range(0, TAGS.len() as u64 - 1) as usize].to_owned();
+            let op = match r.range(0, 99) {
+                0..=24 => Op::Get(key),
+                25..=49 => Op::SetTagged(key, tag),
+                50..=79 => Op::GetOrSetTagged(key, tag, loader_plan(&mut r, s)),
+                80..=96 => Op::RemoveByTag(tag),
+                _ if s.clears => Op::Clear,
+                _ => Op::RemoveByTag(tag),
             };
             (think, op)
         })
@@ -240,6 +290,9 @@ pub(crate) struct Ctx {
     pub(crate) world: Arc<World>,
     pub(crate) calls: Mutex<Vec<CallRec>>,
     acked: Mutex<Vec<Acked>>,
+    /// Per value, how it was written (its tags, when its call returned).
+    written: Mutex<BTreeMap<String, Written>>,
+    invalidated: Mutex<Vec<Invalidated>>,
     next_call: Mutex<u64>,
     /// Per process, its tasks (actors and their calls): a crash aborts them all.
     pub(crate) tasks: Vec<Mutex<Vec<tokio::task::AbortHandle>>>,
@@ -281,7 +334,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         };
         let native = Corral::builder()
             .clock(clock.clone())
-            .stores("sim:", conn.clone(), conn.clone(), conn.clone())
+            .stores(crate::world::SIM_PREFIX, conn.clone(), conn.clone(), conn.clone())
             .l1_ttl(Duration::from_millis(scenario.l1_ttl_ms))
             .lock_ttl(Duration::from_millis(scenario.lock_ttl_ms))
             .lock_wait(Duration::from_millis(scenario.lock_wait_ms))
@@ -294,7 +347,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         let cache = if scenario.portable {
             let portable = PortableCache::builder()
                 .clock(clock)
-                .stores("sim:", conn.clone(), conn.clone(), conn)
+                .stores(crate::world::SIM_PREFIX, conn.clone(), conn.clone(), conn)
                 .l1_ttl(Duration::from_millis(scenario.l1_ttl_ms))
                 .lock_ttl(Duration::from_millis(scenario.lock_ttl_ms))
                 .lock_wait(Duration::from_millis(scenario.lock_wait_ms))
@@ -310,7 +363,8 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             world: world.clone(),
             proc: p,
         });
-        let locks = RedisLocks::over(vec![server], "sim:").expect("leases over the simulated store");
+        let locks = RedisLocks::over(vec![server], crate::world::SIM_PREFIX)
+            .expect("leases over the simulated store");
         for k in 0..scenario.lock_keys {
             let key = format!("lock{k}");
             world.learn_name(&key, &locks.lock_key(&key).expect("a valid key"));
@@ -359,6 +413,8 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         world: world.clone(),
         calls: Mutex::new(Vec::new()),
         acked: Mutex::new(Vec::new()),
+        written: Mutex::new(BTreeMap::new()),
+        invalidated: Mutex::new(Vec::new()),
         next_call: Mutex::new(0),
         tasks: (0..scenario.procs).map(|_| Mutex::new(Vec::new())).collect(),
     });
@@ -382,6 +438,19 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     for (p, cache) in caches.iter().enumerate() {
         for a in 0..scenario.actors {
             let ops = workload(&scenario, seed, p, a);
+            let (ctx2, cache) = (ctx.clone(), cache.clone());
+            let actor = tokio::spawn(async move {
+                for (think, op) in ops {
+                    tokio::time::sleep(Duration::from_millis(think)).await;
+                    ctx2.world.gate(p).await;
+                    call(&ctx2, p, &cache, op).await;
+                }
+            });
+            ctx.tasks[p].lock().push(actor.abort_handle());
+            actors.push((p, actor));
+        }
+        {
+            let ops = tagger(&scenario, seed, p);
             let (ctx2, cache) = (ctx.clone(), cache.clone());
             let actor = tokio::spawn(async move {
                 for (think, op) in ops {
@@ -430,16 +499,27 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     // Convergence: with faults off and L1 deadlines past, every process reads what
     // the store holds.
     world.calm();
+    // Entries are named in the prefix's current generation (a `clear` moved it).
+    let generation = {
+        let counter = corral_core::names::generation(crate::world::SIM_PREFIX);
+        let alive = (0..caches.len()).find(|&p| !world.is_crashed(p)).unwrap_or(0);
+        corral_core::tags::generation(caches[alive].raw(&counter).await.as_deref())
+    };
     for k in 0..scenario.keys {
         let key = format!("k{k}");
         for (p, cache) in caches.iter().enumerate() {
             if world.is_crashed(p) {
                 continue;
             }
-            let name = world.entry_name(&key);
+            let name = corral_core::names::name_in(
+                crate::world::SIM_PREFIX,
+                &key,
+                corral_core::names::Kind::Entry,
+                generation,
+            );
             let stored = cache.raw(&name).await;
             let want = match stored.as_deref().map(tag_of) {
-                Some(Tag::Value(v)) => Some(v),
+                Some(Tag::Value(v)) if !removed_by_tag(&world, stored.as_deref()) => Some(v),
                 _ => None,
             };
             let got = cache
@@ -457,6 +537,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     }
 
     check_history(&ctx, &scenario, &plan);
+    check_invalidations(&ctx, &scenario, &plan);
     crate::locks::check_orphans(&world);
 
     let metrics_degraded = caches.iter().map(|c| c.degraded()).sum();
@@ -513,10 +594,16 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     let loaded: Arc<Mutex<Option<(String, LoaderPlan)>>> = Arc::default();
     let (name, key) = match &op {
         Op::Get(k) => ("get", k.clone()),
-        Op::Set(k) => ("set", k.clone()),
+        Op::Set(k) | Op::SetTagged(k, _) => ("set", k.clone()),
         Op::Remove(k) => ("remove", k.clone()),
         Op::Expire(k) => ("expire", k.clone()),
-        Op::GetOrSet(k, _) => ("get_or_set", k.clone()),
+        Op::GetOrSet(k, _) | Op::GetOrSetTagged(k, ..) => ("get_or_set", k.clone()),
+        Op::RemoveByTag(t) => ("remove_by_tag", t.clone()),
+        Op::Clear => ("clear", "*".to_owned()),
+    };
+    let tags: Vec<String> = match &op {
+        Op::SetTagged(_, t) | Op::GetOrSetTagged(_, t, _) => vec![t.clone()],
+        _ => Vec::new(),
     };
     if name != "set" {
         w.log(format_args!("p{proc} c{id} {name} {key}"));
@@ -524,26 +611,33 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     let bound = Duration::from_millis(CALL_BOUND_MS);
     let task = {
         let (cache, w, loaded, key) = (cache.clone(), w.clone(), loaded.clone(), key.clone());
+        let tags = tags.clone();
         tokio::spawn(crate::world::CALL.scope(id, async move {
             let res = match op {
                 Op::Get(_) => tokio::time::timeout(bound, cache.get(&key))
                     .await
                     .map(|r| r.map(|v| (Res::Value(show(&v)), None))),
-                Op::Set(_) => {
+                Op::Set(_) | Op::SetTagged(..) => {
                     let value = format!("w{}", w.next_seq());
-                    w.log(format_args!("p{proc} c{id} set {key} = {value}"));
+                    w.log(format_args!("p{proc} c{id} set {key} = {value} {tags:?}"));
                     let options = EntryOptions::new().relative(VALUE_TTL);
-                    tokio::time::timeout(bound, cache.set(&key, value.clone(), options))
+                    tokio::time::timeout(bound, cache.set_tagged(&key, value.clone(), options, &tags))
                         .await
                         .map(|r| r.map(|()| (Res::Done(true), Some(value))))
                 }
+                Op::RemoveByTag(_) => tokio::time::timeout(bound, cache.remove_by_tag(&key))
+                    .await
+                    .map(|r| r.map(|()| (Res::Done(true), None))),
+                Op::Clear => tokio::time::timeout(bound, cache.clear())
+                    .await
+                    .map(|r| r.map(|()| (Res::Done(true), None))),
                 Op::Remove(_) => tokio::time::timeout(bound, cache.remove(&key))
                     .await
                     .map(|r| r.map(|b| (Res::Done(b), None))),
                 Op::Expire(_) => tokio::time::timeout(bound, cache.expire(&key))
                     .await
                     .map(|r| r.map(|b| (Res::Done(b), None))),
-                Op::GetOrSet(_, plan) => {
+                Op::GetOrSet(_, plan) | Op::GetOrSetTagged(_, _, plan) => {
                     let entry = EntryOptions::new().relative(VALUE_TTL);
                     let began = w.now();
                     let ms = match plan {
@@ -584,7 +678,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                         wait: Arc::new(wait_for(w.clone(), proc, ms)),
                         start: Box::new(start),
                     };
-                    tokio::time::timeout(bound, cache.get_or_set(&key, entry, load))
+                    tokio::time::timeout(bound, cache.get_or_set(&key, entry, &tags, load))
                         .await
                         .map(|r| {
                             r.map(|v| (Res::Value(Some(String::from_utf8_lossy(&v).into_owned())), None))
@@ -630,10 +724,34 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     };
     if let Some((order, label)) = order {
         ctx.acked.lock().push(Acked {
-            key,
+            key: key.clone(),
             t_ack: t_end,
             order,
             label,
+        });
+    }
+    // What the tag and clear invariant needs: values written, invalidations made.
+    let mine = match (&res, &written, &rec.loaded) {
+        (Res::Done(_), Some(v), _) => Some(v.clone()),
+        (Res::Value(Some(v)), _, Some((l, _))) if v == l => Some(v.clone()),
+        _ => None,
+    };
+    if let Some(v) = mine {
+        ctx.written.lock().insert(
+            v,
+            Written {
+                tags: tags.clone(),
+                t_done: t_end,
+                proc,
+            },
+        );
+    }
+    if let (Res::Done(_), "remove_by_tag" | "clear") = (&res, name) {
+        ctx.invalidated.lock().push(Invalidated {
+            tag: (name == "remove_by_tag").then(|| key.clone()),
+            proc,
+            t_inv,
+            t_ack: t_end,
         });
     }
     check_call(&w, &rec);
@@ -654,7 +772,10 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
     match (&c.res, c.op) {
         (Res::TimedOut, _) => w.violation(format!("deadline: {who} ran past {CALL_BOUND_MS} ms")),
         (Res::Panicked, _) => w.violation(format!("panic escaped: {who}")),
-        (Res::Failed(ErrorKind::Unavailable), "get" | "set" | "remove" | "expire") => {}
+        (
+            Res::Failed(ErrorKind::Unavailable),
+            "get" | "set" | "remove" | "expire" | "remove_by_tag" | "clear",
+        ) => {}
         (Res::Failed(ErrorKind::Loader), "get_or_set") => {}
         // Held past the wait, no answer, or lost before the release.
         (Res::Failed(ErrorKind::Timeout | ErrorKind::Unavailable | ErrorKind::LockLost), "lock") => {}
@@ -757,4 +878,103 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             break;
         }
     }
+}
+
+/// After the run: once a `remove_by_tag(t)` or a `clear` returned and the announcement
+/// window passed, no process serves a value written (its call returned) before the
+/// invalidation began and carrying `t` (any value, for a clear). Excused: the reader
+/// missed the announcement (lost: until the L1 TTL; its connection down: until it
+/// resubscribed), it was paused meanwhile, or clocks skewed or stepped by more than the
+/// time between the write and the invalidation (contract §6b.5: moments are the
+/// processes' clocks).
+fn check_invalidations(ctx: &Ctx, s: &Scenario, plan: &Plan) {
+    let w = &ctx.world;
+    let calls = ctx.calls.lock();
+    let written = ctx.written.lock();
+    let invalidated = ctx.invalidated.lock();
+    let (gaps, pauses) = {
+        let st = w.st.lock();
+        (st.gaps.clone(), st.paused.clone())
+    };
+    // How far a process's clock may be from the others' (skew both ways, steps).
+    let drift = |p: usize| -> u64 {
+        let steps: u64 = plan
+            .steps
+            .iter()
+            .filter(|(q, _, _)| *q == p)
+            .map(|(_, _, by)| by.unsigned_abs())
+            .sum();
+        plan.skew[p].unsigned_abs() + steps
+    };
+    for c in calls.iter() {
+        let (Res::Value(Some(v)), "get" | "get_or_set") = (&c.res, c.op) else {
+            continue;
+        };
+        let Some(wr) = written.get(v) else {
+            continue;
+        };
+        for inv in invalidated.iter().filter(|i| {
+            i.t_ack + NOTIFY_WINDOW_MS < c.t_inv
+                && wr.t_done < i.t_inv
+                && i.tag.as_ref().is_none_or(|t| wr.tags.contains(t))
+        }) {
+            let what = format!(
+                "p{} c{} {} {} at {} served {v} (written by p{} by {}), but {} by p{} began at {} and returned at {}",
+                c.proc,
+                c.id,
+                c.op,
+                c.key,
+                c.t_inv,
+                wr.proc,
+                wr.t_done,
+                inv.tag
+                    .as_ref()
+                    .map_or("clear".to_owned(), |t| format!("remove_by_tag({t})")),
+                inv.proc,
+                inv.t_inv,
+                inv.t_ack
+            );
+            if inv.t_inv - wr.t_done <= drift(wr.proc) + drift(inv.proc) {
+                w.excuse("invalidation-clock-drift", what);
+                break;
+            }
+            let lag = c.t_inv - inv.t_ack;
+            let resumed = |t: u64| {
+                pauses[c.proc]
+                    .iter()
+                    .find(|&&(x, y)| x <= t && t < y)
+                    .map_or(t, |&(_, y)| y)
+            };
+            let missed = gaps.iter().any(|g| {
+                g.proc == c.proc
+                    && g.key.as_ref().is_none_or(|k| k == crate::world::INVALIDATIONS)
+                    && g.t + 2 * SLOW_NET_MS >= inv.t_inv
+                    && g.t <= c.t_inv
+                    && match g.healed {
+                        None => lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS,
+                        Some(h) => c.t_inv <= resumed(h) + NOTIFY_WINDOW_MS,
+                    }
+            });
+            let paused = pauses[c.proc].iter().any(|&(x, y)| {
+                x <= inv.t_ack + NOTIFY_WINDOW_MS
+                    && y + 2 * SLOW_NET_MS >= inv.t_ack
+                    && c.t_inv <= y + NOTIFY_WINDOW_MS
+            });
+            if paused {
+                w.excuse("invalidated-after-pause", what);
+            } else if missed {
+                w.excuse("invalidated-after-lost-announcement", what);
+            } else {
+                w.violation(format!("served after invalidation: {what}"));
+            }
+            break;
+        }
+    }
+}
+
+/// Whether stored entry bytes carry a tag whose stored moments remove them: the store
+/// still holds them, nobody serves them.
+fn removed_by_tag(world: &World, stored: Option<&[u8]>) -> bool {
+    let now = world.now();
+    stored.is_some_and(|bytes| world.st.lock().removed_by_tag(bytes, now))
 }

@@ -88,6 +88,9 @@ pub struct Scenario {
     /// The processes run the component's own `cache` export (the portable body) in
     /// wasmtime instead of the native `Corral`.
     pub portable: bool,
+    /// The taggers also `clear` (rarely). Off by default: the invariants do not model a
+    /// generation's names yet, so a clear's new namespace reads as overwrites.
+    pub clears: bool,
 }
 
 impl Scenario {
@@ -109,6 +112,7 @@ impl Scenario {
             faults: FaultRates::default(),
             broken: Broken::default(),
             portable: false,
+            clears: false,
         }
     }
 

@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use corral::locks::{LeaseServer, LockScript, Unanswered};
-use corral::store::{Entries, FlightLock, ForeignHook, LandingWatch, Landings, Notifications};
+use corral::store::{
+    Entries, FlightLock, ForeignHook, InvalidationHook, LandingWatch, Landings, Notifications,
+};
 use corral::{Error, ErrorKind};
 use futures::FutureExt;
 use futures::future::BoxFuture;
@@ -49,16 +51,27 @@ pub enum Tag {
     Other,
 }
 
-/// Decodes stored bytes into a [`Tag`] (the envelope's value starts at byte 32).
+/// Decodes stored bytes into a [`Tag`] (the envelope's value follows its header, whose
+/// length the version says: a tagged entry's carries its tags).
 pub fn tag_of(bytes: &[u8]) -> Tag {
     if bytes.len() < 32 && bytes.starts_with(b"CRL\0") {
-        Tag::Tombstone
-    } else if bytes.len() >= 32 && bytes.starts_with(b"CRL") {
-        Tag::Value(String::from_utf8_lossy(&bytes[32..]).into_owned())
-    } else {
-        Tag::Other
+        return Tag::Tombstone;
+    }
+    if !bytes.starts_with(b"CRL") {
+        return Tag::Other;
+    }
+    let limits = corral_core::Limits::default();
+    match corral_core::envelope::decode_header(bytes, bytes.len() as u64, &limits) {
+        Ok(d) => Tag::Value(String::from_utf8_lossy(&bytes[d.value_offset..]).into_owned()),
+        Err(_) => Tag::Other,
     }
 }
+
+/// The prefix every simulated process names its data under.
+pub const SIM_PREFIX: &str = "sim:";
+
+/// The name gaps of the tag and clear channel carry (no user key is named so).
+pub const INVALIDATIONS: &str = "#invalidations";
 
 /// How a version of a key came to be in the store.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,6 +112,9 @@ pub(crate) struct HeldLock {
     pub(crate) since: u64,
     /// The try that took it lost its reply: the flight did not know it held it.
     pub(crate) reply_lost: bool,
+    /// The workload call whose flight took it (a process may run two flights of one
+    /// key: one sealed by a change it heard, and a new one).
+    pub(crate) call: Option<u64>,
 }
 
 /// A lock the store granted (a get-or-set flight lock, or a lease), for the checks that
@@ -193,11 +209,13 @@ pub struct State {
     pub resource: BTreeMap<String, u64>,
 }
 
-/// One process as the network sees it: its landing waiters and its L1 hook.
+/// One process as the network sees it: its landing waiters, its L1 hook, and what it
+/// does with tag and clear announcements.
 #[derive(Default)]
 pub(crate) struct ProcNet {
     pub(crate) landings: Landings,
     pub(crate) hook: Mutex<Option<ForeignHook>>,
+    pub(crate) invalidation_hook: Mutex<Option<InvalidationHook>>,
 }
 
 /// The shared world of one run.
@@ -274,11 +292,6 @@ impl World {
     pub(crate) fn learn_name(&self, key: &str, entry_name: &str) {
         let tag = entry_name.rsplit_once(':').map_or(entry_name, |(t, _)| t);
         self.st.lock().names.insert(tag.to_owned(), key.to_owned());
-    }
-
-    /// The entry name of user key `key` (learned).
-    pub(crate) fn entry_name(&self, key: &str) -> String {
-        self.st.lock().names_of(key).map(|(e, _)| e).unwrap_or_default()
     }
 
     /// The next unique number for a written or loaded value.
@@ -443,7 +456,9 @@ impl World {
                 .as_ref()
                 .and_then(|n| st.locks.get(n))
                 .filter(|l| now < l.until);
-            let locked = held.is_some_and(|l| l.proc == proc && !l.reply_lost && l.since >= began);
+            let locked = held.is_some_and(|l| {
+                l.proc == proc && !l.reply_lost && l.since >= began && l.call.is_none_or(|c| c == call)
+            });
             let mut lock_until = 0;
             if locked {
                 let since = held.map_or(0, |l| l.since);
@@ -479,16 +494,18 @@ impl World {
                     && now < stored.until
                     && stored.since < since
                     && let Tag::Value(v) = tag_of(&stored.bytes)
+                    && !st.removed_by_tag(&stored.bytes, now)
                 {
                     let what = format!(
                         "p{proc} loads {key} although {v} landed at {} before its lock ({since})",
                         stored.since
                     );
+                    // The entry's read, or one the judgement of what it found needs
+                    // (a tag's moments, the generation: names no user key has).
                     if st
                         .last_read_failed
-                        .get(&(call, key.to_owned()))
-                        .copied()
-                        .unwrap_or(false)
+                        .iter()
+                        .any(|((c, k), failed)| *c == call && *failed && (k == key || k.starts_with('{')))
                     {
                         excuses.push(("load-after-failed-read", what));
                     } else {
@@ -557,6 +574,28 @@ impl State {
         if let Some(g) = self.grants.iter_mut().rev().find(|g| g.owner == owner) {
             g.acknowledged = true;
         }
+    }
+
+    /// Whether stored entry bytes carry a tag whose stored moments remove them (a
+    /// `remove_by_tag` after the write): such an entry is a miss to every reader.
+    pub(crate) fn removed_by_tag(&self, bytes: &[u8], now: u64) -> bool {
+        let limits = corral_core::Limits::default();
+        let Ok(decoded) = corral_core::envelope::decode_header(bytes, bytes.len() as u64, &limits) else {
+            return false;
+        };
+        let Some(tagged) = decoded.tagged else {
+            return false;
+        };
+        let moments: Vec<_> = tagged
+            .tags
+            .iter()
+            .map(|tag| {
+                let name = corral_core::names::tag_name(SIM_PREFIX, tag).unwrap_or_default();
+                let stored = self.entries.get(&name).filter(|s| now < s.until);
+                corral_core::tags::TagMoments::decode(stored.map(|s| &s.bytes[..]))
+            })
+            .collect();
+        corral_core::tags::judge(&tagged, &decoded.meta, &moments, 0) != corral_core::tags::Verdict::Untouched
     }
 
     /// The live lock `name`, if any.
@@ -921,6 +960,7 @@ impl FlightLock for Conn {
         let owner = owner.to_owned();
         let this = self.clone();
         let no_nx = self.world.scenario.broken.lock_without_nx;
+        let call = CALL.try_with(|c| *c).ok();
         async move {
             let tried = this
                 .call("try_lock", &n, {
@@ -955,6 +995,7 @@ impl FlightLock for Conn {
                                     // Until the reply reaches the flight (it may be
                                     // lost, or the flight may give up waiting).
                                     reply_lost: true,
+                                    call,
                                 },
                             );
                         }
@@ -1103,6 +1144,89 @@ impl Notifications for Conn {
     fn on_foreign(&self, hook: ForeignHook) {
         *self.world.procs[self.proc].hook.lock() = Some(hook);
     }
+
+    /// A tag or clear announcement: delivered as a key's, to every process (its
+    /// publisher too); a lost one is a gap on [`INVALIDATIONS`].
+    fn publish_invalidation<'a>(&'a self, text: &'a str) -> BoxFuture<'a, corral::Result<()>> {
+        let this = self.clone();
+        let text = text.to_owned();
+        async move {
+            let w = this.world.clone();
+            // Traced without its origin (a random token of the publishing cache).
+            let shown = text.split_once(' ').map_or(text.clone(), |(_, m)| m.to_owned());
+            let deliver = {
+                let w = w.clone();
+                let text = text.clone();
+                move |st: &mut State, now: u64, _: usize| {
+                    for p in 0..w.procs.len() {
+                        if !st.calm && st.rng.chance(w.scenario.faults.notify_lost_pm) {
+                            *st.faults.entry("invalidation-lost").or_default() += 1;
+                            st.gaps.push(Gap {
+                                proc: p,
+                                key: Some(INVALIDATIONS.to_owned()),
+                                t: now,
+                                healed: None,
+                            });
+                            let _ = writeln!(st.trace, "{now:>6} p{p} invalidation {shown:?} lost");
+                            continue;
+                        }
+                        let delay = st.rng.range(0, DELIVERY_MS);
+                        let (w, text, shown) = (w.clone(), text.clone(), shown.clone());
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_millis(delay)).await;
+                            let now = w.now();
+                            if w.is_crashed(p) {
+                                return;
+                            }
+                            if w.is_down(p, now) {
+                                let mut st = w.st.lock();
+                                let back = st.down[p]
+                                    .iter()
+                                    .find(|&&(a, b)| a <= now && now < b)
+                                    .map(|&(_, b)| b);
+                                st.gaps.push(Gap {
+                                    proc: p,
+                                    key: Some(INVALIDATIONS.to_owned()),
+                                    t: now,
+                                    healed: back,
+                                });
+                                return;
+                            }
+                            w.gate(p).await;
+                            if w.is_crashed(p) {
+                                return;
+                            }
+                            let hook = w.procs[p].invalidation_hook.lock().clone();
+                            if let Some(hook) = hook {
+                                w.log(format_args!("p{p} hears {shown:?}"));
+                                hook(&text);
+                            }
+                        });
+                    }
+                    ((), "delivered".to_owned())
+                }
+            };
+            let published = this.call("publish", INVALIDATIONS, deliver).await;
+            if published.is_err() {
+                let now = w.now();
+                let mut st = w.st.lock();
+                for p in 0..w.procs.len() {
+                    st.gaps.push(Gap {
+                        proc: p,
+                        key: Some(INVALIDATIONS.to_owned()),
+                        t: now,
+                        healed: None,
+                    });
+                }
+            }
+            published
+        }
+        .boxed()
+    }
+
+    fn on_invalidation(&self, hook: InvalidationHook) {
+        *self.world.procs[self.proc].invalidation_hook.lock() = Some(hook);
+    }
 }
 
 /// A failed command as a lease sees it: refused (never sent: it did not run), else
@@ -1184,6 +1308,8 @@ impl LeaseServer for Conn {
                                         until: now.saturating_add(number.max(1)),
                                         since: now,
                                         reply_lost: true,
+                                        // A lease: no flight's.
+                                        call: None,
                                     },
                                 );
                                 (counter, format!("taken, token {counter}"))

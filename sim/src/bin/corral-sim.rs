@@ -22,6 +22,7 @@ struct Args {
     trace: bool,
     twice: bool,
     portable: bool,
+    clears: bool,
     stop: bool,
     broken: Option<String>,
 }
@@ -38,6 +39,7 @@ fn parse() -> Result<Args, String> {
         trace: false,
         twice: false,
         portable: false,
+        clears: false,
         stop: false,
         broken: None,
     };
@@ -61,13 +63,14 @@ fn parse() -> Result<Args, String> {
             "--trace" => a.trace = true,
             "--twice" => a.twice = true,
             "--portable" => a.portable = true,
+            "--clears" => a.clears = true,
             "--stop" => a.stop = true,
             "--broken" => a.broken = Some(value("--broken")?),
             "-h" | "--help" => {
                 return Err(
                     "usage: corral-sim [--seeds N] [--from S0] [--seed S] [--procs P] [--keys K] [--callers C] \
                             [--scenario calm|network|loaders|chaos|process] \
-                            [--broken unfenced|mute|no-nx|no-floor] [--portable] [--trace] [--twice] [--stop]"
+                            [--broken unfenced|mute|no-nx|no-floor] [--portable] [--clears] [--trace] [--twice] [--stop]"
                         .into(),
                 );
             }
@@ -102,6 +105,7 @@ fn main() -> ExitCode {
         if args.portable {
             s = s.portable();
         }
+        s.clears = args.clears;
         if let Some(k) = args.keys {
             s.keys = k.max(1);
         }
