@@ -1,7 +1,7 @@
 //! Deterministic simulation of Corral: several processes (each a real [`corral::Corral`]
 //! with its own L1, flight registry, clock and connection) run the production driver
 //! and the real guest over a simulated store and network, on virtual time, with faults
-//! and workloads drawn from one seed. See `README.md` ("Simulation").
+//! and workloads drawn from one seed. See `docs/simulator.md` and `sim/README.md`.
 
 pub(crate) mod body;
 pub(crate) mod locks;

@@ -132,7 +132,7 @@ pub fn renew_after_ms(ttl_ms: u64) -> u64 {
 /// a lost counter, or one that drifted behind, restarts above every earlier token. Any
 /// two majorities share a server, and every release raises each server's counter to
 /// the token it carried, so a later holder's token is larger whenever the earlier
-/// holder released (see the README on fencing under Redlock).
+/// holder released (see docs/locks.md on fencing under Redlock).
 pub fn fencing_token(per_server: &[u64]) -> u64 {
     per_server.iter().copied().max().unwrap_or(0)
 }

@@ -183,8 +183,8 @@ macro_rules! counters {
         /// What a cache has done since it was built. Serializes to a flat JSON object of
         /// counters (`{"l1_hits": 10, ...}`), say for a `/metrics` or health endpoint.
         ///
-        /// The same counts are exported through the `metrics` facade (see the README's
-        /// Telemetry section for their names).
+        /// The same counts are exported through the `metrics` facade (see docs/telemetry.md
+        /// for their names).
         #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
         #[non_exhaustive]
         pub struct MetricsSnapshot {

@@ -268,7 +268,7 @@ impl RedisLocks {
 
     /// Locks on one Redis Cluster reached through its seed nodes: a single-server lease
     /// per key, on the master of the key's slot (the lock and its fencing counter share
-    /// the slot). What a failover does to a held lease: see the README.
+    /// the slot). What a failover does to a held lease: see docs/redis.md.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for no node or a bad URL.

@@ -13,7 +13,7 @@ use tokio::io::AsyncBufReadExt;
 
 const MS: Duration = Duration::from_millis(1);
 
-/// A resource that checks fencing tokens, as the README asks of one: it refuses a token
+/// A resource that checks fencing tokens, as docs/locks.md asks of one: it refuses a token
 /// not above the last it saw, and records any overlap of two holders.
 #[derive(Default)]
 struct Fenced {
