@@ -94,6 +94,9 @@ pub struct Version {
     pub order: u64,
     pub t: u64,
     pub kind: VersionKind,
+    /// The store name it was written under (a `clear` moves a key's entry to another
+    /// name); empty for a restart, which wiped every name.
+    pub name: String,
 }
 
 #[derive(Clone, Debug)]
@@ -148,6 +151,8 @@ pub struct LoadRec {
     pub locked: bool,
     /// When that lock lapses (store time).
     pub lock_until: u64,
+    /// That lock's store name (each generation of the prefix has its own).
+    pub lock_name: String,
 }
 
 /// A lost or undeliverable notification: `key` (or every key: `None`) for `proc` at `t`.
@@ -465,11 +470,13 @@ impl World {
                 lock_until = held.map_or(0, |l| l.until);
                 // Exclusive: no other process's locked load of the key still runs,
                 // unless the lock was lost (lapsed or wiped) since it began.
-                for other in st
-                    .loads
-                    .iter()
-                    .filter(|l| l.key == key && l.locked && l.end.is_none() && l.proc != proc)
-                {
+                for other in st.loads.iter().filter(|l| {
+                    l.key == key
+                        && l.locked
+                        && l.end.is_none()
+                        && l.proc != proc
+                        && Some(&l.lock_name) == lock_name.as_ref()
+                }) {
                     // Lost: lapsed (the loader outlived the lock TTL), or wiped by a restart.
                     let lost = now >= other.lock_until
                         || st
@@ -522,6 +529,7 @@ impl World {
                 end: None,
                 locked,
                 lock_until,
+                lock_name: lock_name.clone().unwrap_or_default(),
             });
             index = st.loads.len() - 1;
             let _ = writeln!(
@@ -609,21 +617,51 @@ impl State {
     }
 
     /// The entry and flight-lock names of `key` (`{tag}:e`, `{tag}:l`).
+    /// The prefix's generation a store name belongs to (`…@g`; none: 0).
+    pub(crate) fn generation_of(name: &str) -> u64 {
+        name.rsplit_once('@')
+            .and_then(|(_, g)| g.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// The generation the version of order `order` was written in, if known.
+    pub(crate) fn generation_at(&self, order: u64) -> Option<u64> {
+        self.versions
+            .values()
+            .flatten()
+            .find(|v| v.order == order && !v.name.is_empty())
+            .map(|v| Self::generation_of(&v.name))
+    }
+
+    /// In the prefix's current generation (a `clear` moves it).
     fn names_of(&self, key: &str) -> Option<(String, String)> {
-        let tag = self.names.iter().find(|(_, k)| *k == key)?.0;
-        Some((format!("{tag}:e"), format!("{tag}:l")))
+        self.names.iter().find(|(_, k)| *k == key)?;
+        let counter = corral_core::names::generation(SIM_PREFIX);
+        let g = corral_core::tags::generation(self.entries.get(&counter).map(|s| &s.bytes[..]));
+        let name = |kind| corral_core::names::name_in(SIM_PREFIX, key, kind, g);
+        Some((
+            name(corral_core::names::Kind::Entry),
+            name(corral_core::names::Kind::FlightLock),
+        ))
     }
 
     fn push_version(&mut self, key: &str, t: u64, kind: VersionKind) -> u64 {
+        self.push_version_of(key, "", t, kind)
+    }
+
+    /// As [`push_version`](Self::push_version), written under the store name `name`.
+    fn push_version_of(&mut self, key: &str, name: &str, t: u64, kind: VersionKind) -> u64 {
         self.order += 1;
         let order = self.order;
         if let VersionKind::Set(v) | VersionKind::Load { value: v, .. } = &kind {
             self.value_order.entry(v.clone()).or_insert(order);
         }
-        self.versions
-            .entry(key.to_owned())
-            .or_default()
-            .push(Version { order, t, kind });
+        self.versions.entry(key.to_owned()).or_default().push(Version {
+            order,
+            t,
+            kind,
+            name: name.to_owned(),
+        });
         order
     }
 
@@ -667,7 +705,7 @@ impl State {
             return;
         }
         let is_remove = kind == VersionKind::Remove;
-        let order = self.push_version(&key, now, kind);
+        let order = self.push_version_of(&key, name, now, kind);
         if is_remove {
             self.pending_swaps.entry((proc, key)).or_default().push(order);
         }
@@ -870,7 +908,7 @@ impl Entries for Conn {
             let was = st.live(&n, now).is_some();
             if st.entries.remove(&n).is_some() {
                 let k = st.key_of(&n);
-                st.push_version(&k, now, VersionKind::Cleanup);
+                st.push_version_of(&k, &n, now, VersionKind::Cleanup);
             }
             (was, format!("{was}"))
         })
@@ -884,7 +922,7 @@ impl Entries for Conn {
             if equal {
                 st.entries.remove(&n);
                 let k = st.key_of(&n);
-                st.push_version(&k, now, VersionKind::Cleanup);
+                st.push_version_of(&k, &n, now, VersionKind::Cleanup);
             }
             (equal, format!("{equal}"))
         })
@@ -932,7 +970,14 @@ fn check_fill_over(st: &mut State, name: &str, bytes: &Bytes, now: u64, plain: b
     let Some(started) = st.loads.iter().find(|l| l.value == value).map(|l| l.start) else {
         return;
     };
-    let Some(last) = st.versions.get(&key).and_then(|v| v.last()).cloned() else {
+    // The last version under this very name (or a restart): one under another
+    // generation's name is another entry.
+    let Some(last) = st
+        .versions
+        .get(&key)
+        .and_then(|v| v.iter().rev().find(|x| x.name == name || x.name.is_empty()))
+        .cloned()
+    else {
         return;
     };
     let newer = matches!(last.kind, VersionKind::Set(_) | VersionKind::Remove) && last.t > started;
