@@ -372,8 +372,8 @@ impl wit::Guest for Component {
         corral_core::tags::generation(stored.as_deref())
     }
 
-    fn next_generation(stored: Option<Vec<u8>>) -> (Vec<u8>, u64) {
-        corral_core::tags::next_generation(stored.as_deref())
+    fn next_generation(stored: Option<Vec<u8>>, now_ms: u64) -> (Vec<u8>, u64) {
+        corral_core::tags::next_generation(stored.as_deref(), now_ms)
     }
 
     fn invalidation_channel(prefix: String) -> String {

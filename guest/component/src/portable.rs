@@ -621,7 +621,7 @@ impl wcache::Guest for Component {
             let now = now_ms();
             let clears = l1_clears();
             let stored = l2::get(&name)?;
-            let (bytes, g) = tags::next_generation(stored.as_deref());
+            let (bytes, g) = tags::next_generation(stored.as_deref(), now);
             if l2::set_if(&name, stored.as_deref(), &bytes, tags::state_ttl_ms(now))? {
                 l1::clear();
                 keep_generation(g, now, clears + 1);

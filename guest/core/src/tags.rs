@@ -309,10 +309,14 @@ pub fn generation(stored: Option<&[u8]>) -> u64 {
         .unwrap_or(0)
 }
 
-/// What `clear` writes over a counter holding `stored` (only over those very bytes:
-/// compare-and-set), and the generation it starts.
-pub fn next_generation(stored: Option<&[u8]>) -> (Vec<u8>, u64) {
-    let next = generation(stored).saturating_add(1);
+/// What `clear` writes at `now_ms` over a counter holding `stored` (only over those
+/// very bytes: compare-and-set), and the generation it starts: one past the stored one,
+/// or the clock's millisecond if that is later. So a counter a store restart emptied
+/// does not count up again through numbers processes that still know an older
+/// generation write under: their values, written before the clear, would be read after
+/// it.
+pub fn next_generation(stored: Option<&[u8]>, now_ms: u64) -> (Vec<u8>, u64) {
+    let next = generation(stored).saturating_add(1).max(now_ms);
     (next.to_string().into_bytes(), next)
 }
 
@@ -484,12 +488,22 @@ mod tests {
     }
 
     #[test]
-    fn generations_count_up_from_zero() {
+    fn generations_move_past_the_stored_one_and_the_clock() {
         assert_eq!(generation(None), 0);
-        let (bytes, g) = next_generation(None);
+        let (bytes, g) = next_generation(None, 0);
         assert_eq!((g, generation(Some(&bytes))), (1, 1));
-        assert_eq!(next_generation(Some(b"41")).1, 42);
+        assert_eq!(next_generation(Some(b"41"), 0).1, 42);
         assert_eq!(generation(Some(b"junk")), 0);
+        const T: u64 = 1_700_000_000_000;
+        // An emptied counter (a store restart) starts from the clock, not from 1.
+        assert_eq!(next_generation(None, T).1, T);
+        assert_eq!(next_generation(Some(b"41"), T).1, T);
+        // A counter ahead of this clock still moves on.
+        assert_eq!(next_generation(Some((T + 5).to_string().as_bytes()), T).1, T + 6);
+        assert_eq!(
+            next_generation(Some(u64::MAX.to_string().as_bytes()), T).1,
+            u64::MAX
+        );
     }
 
     #[test]

@@ -426,7 +426,7 @@ impl Corral {
         let inner = &*self.inner;
         let name = inner.policy.generation_name(&inner.prefix)?;
         let updated = self
-            .compare_and_set(&name, |stored, _| inner.policy.next_generation(stored))
+            .compare_and_set(&name, |stored, now| inner.policy.next_generation(stored, now))
             .await?;
         let Some((generation, now)) = updated else {
             return Err(Error::new(

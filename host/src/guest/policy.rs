@@ -451,11 +451,11 @@ impl Policy {
     }
 
     /// What `clear` writes over a counter holding `stored`, and the new generation.
-    pub(crate) fn next_generation(&self, stored: Option<&[u8]>) -> Result<(Vec<u8>, u64)> {
+    pub(crate) fn next_generation(&self, stored: Option<&[u8]>, now_ms: u64) -> Result<(Vec<u8>, u64)> {
         self.call(|s| {
             s.guest
                 .corral_cache_policy()
-                .call_next_generation(&mut s.store, stored)
+                .call_next_generation(&mut s.store, stored, now_ms)
         })
     }
 
