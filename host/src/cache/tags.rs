@@ -65,14 +65,22 @@ impl TagState {
     }
 
     /// A clear moved the prefix to `generation`: this cache's own (`own`: what the store
-    /// holds now), or one announced (kept only if newer than what is known). Counted, so
-    /// a generation read that began before it is not kept ([`Self::keep_read`]).
+    /// holds now, kept as it is), or one announced: kept if newer than what is known;
+    /// if older, the counter went back (a store restart emptied it, and a clear counted
+    /// from there), so what is known is stale and the next call reads it again. Counted,
+    /// so a generation read that began before it is not kept ([`Self::keep_read`]).
     fn hear_clear(&self, generation: u64, until: u64, own: bool) {
         let mut heard = self.clears_heard.lock();
         *heard += 1;
-        if own || generation > self.generation.load(Ordering::Acquire) {
+        let known = self.generation.load(Ordering::Acquire);
+        if own {
+            self.generation.store(generation, Ordering::Release);
+            self.generation_until.store(until, Ordering::Release);
+        } else if generation > known {
             self.generation.fetch_max(generation, Ordering::AcqRel);
             self.generation_until.store(until, Ordering::Release);
+        } else if generation < known {
+            self.generation_until.store(0, Ordering::Release);
         }
     }
 
@@ -470,5 +478,29 @@ impl Corral {
             "a tag or clear announcement could not be published within the L1 TTL",
             publish,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clear_heard_below_the_known_generation_makes_it_read_again() {
+        let state = TagState::new();
+        let until = 10_000;
+        state.hear_clear(1_700_000_000_500, until, false);
+        assert_eq!(state.generation_now(), 1_700_000_000_500);
+        assert!(state.generation_until.load(Ordering::Acquire) > 0, "kept");
+        // A store restart emptied the counter, and a clock behind ours cleared from there.
+        state.hear_clear(1_700_000_000_100, until, false);
+        assert_eq!(
+            state.generation_until.load(Ordering::Acquire),
+            0,
+            "the known generation is stale: read again"
+        );
+        // This cache's own clear is what the store holds, lower or not.
+        state.hear_clear(1_700_000_000_050, until, true);
+        assert_eq!(state.generation_now(), 1_700_000_000_050);
     }
 }

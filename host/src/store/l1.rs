@@ -5,11 +5,12 @@
 //!
 //! Fills are fenced too (contract §5.12): a reader takes a [`Ticket`] before it reads L2
 //! and fills L1 only if no set, removal or invalidation of the key happened in this
-//! process since. Writes bump a per-key epoch (striped: a collision only skips a fill)
-//! inside moka's per-key compute, so a fill and a write of one key never interleave.
-//! The stripes are picked by a fixed-key hasher: which keys share one is the same in
-//! every process and every run (a simulation replays byte for byte); a shared stripe
-//! still only skips a fill, never serves a wrong value.
+//! process since. Writes bump a per-key epoch (striped: a collision only skips a fill,
+//! or seals a flight of the other key, which the next caller then leads anew) inside
+//! moka's per-key compute, so a fill and a write of one key never interleave. The
+//! stripes are picked by a fixed-key hasher: which keys share one is the same in every
+//! process and every run (a simulation replays byte for byte); a shared stripe costs a
+//! skipped fill or an extra flight, never a wrong value.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
