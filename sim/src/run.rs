@@ -436,21 +436,11 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     }
     let mut actors = Vec::new();
     for (p, cache) in caches.iter().enumerate() {
-        for a in 0..scenario.actors {
-            let ops = workload(&scenario, seed, p, a);
-            let (ctx2, cache) = (ctx.clone(), cache.clone());
-            let actor = tokio::spawn(async move {
-                for (think, op) in ops {
-                    tokio::time::sleep(Duration::from_millis(think)).await;
-                    ctx2.world.gate(p).await;
-                    call(&ctx2, p, &cache, op).await;
-                }
-            });
-            ctx.tasks[p].lock().push(actor.abort_handle());
-            actors.push((p, actor));
-        }
-        {
-            let ops = tagger(&scenario, seed, p);
+        // The callers, then the tagger.
+        let plans = (0..scenario.actors)
+            .map(|a| workload(&scenario, seed, p, a))
+            .chain(std::iter::once(tagger(&scenario, seed, p)));
+        for ops in plans {
             let (ctx2, cache) = (ctx.clone(), cache.clone());
             let actor = tokio::spawn(async move {
                 for (think, op) in ops {

@@ -1087,6 +1087,107 @@ impl FlightLock for Conn {
     }
 }
 
+/// One `PUBLISH` as the network carries it: to every process, each delivery delayed,
+/// lost, undeliverable while the process is down, or held while it is paused.
+struct Publication {
+    /// The name its gaps (and its command) carry: the key, or [`INVALIDATIONS`].
+    gap_key: String,
+    /// What the trace says of a delivery lost on its way to a process.
+    lost_line: String,
+    lost_fault: &'static str,
+    /// Nobody hears it, on purpose (the `mute` broken store): no fault, no gap.
+    mute: bool,
+    /// What process `p` does once it is delivered.
+    hear: Hear,
+}
+
+/// What a process does with a publication delivered to it.
+type Hear = Arc<dyn Fn(&World, usize) + Send + Sync>;
+
+impl Conn {
+    async fn publish(&self, publication: Publication) -> corral::Result<()> {
+        let w = self.world.clone();
+        let gap_key = publication.gap_key.clone();
+        let deliver = {
+            let w = w.clone();
+            move |st: &mut State, now: u64, _: usize| {
+                let Publication {
+                    gap_key,
+                    lost_line,
+                    lost_fault,
+                    mute,
+                    hear,
+                } = publication;
+                // Redis delivers at the moment it applies the PUBLISH.
+                for p in 0..w.procs.len() {
+                    let lost = mute || (!st.calm && st.rng.chance(w.scenario.faults.notify_lost_pm));
+                    if lost {
+                        if !mute {
+                            *st.faults.entry(lost_fault).or_default() += 1;
+                            st.gaps.push(Gap {
+                                proc: p,
+                                key: Some(gap_key.clone()),
+                                t: now,
+                                healed: None,
+                            });
+                            let _ = writeln!(st.trace, "{now:>6} p{p} {lost_line}");
+                        }
+                        continue;
+                    }
+                    let delay = st.rng.range(0, DELIVERY_MS);
+                    let (w, gap_key, hear) = (w.clone(), gap_key.clone(), hear.clone());
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(delay)).await;
+                        let now = w.now();
+                        if w.is_crashed(p) {
+                            return;
+                        }
+                        if w.is_down(p, now) {
+                            // Undeliverable: the process resubscribes (and drops its L1)
+                            // when its connection comes back.
+                            let mut st = w.st.lock();
+                            let back = st.down[p]
+                                .iter()
+                                .find(|&&(a, b)| a <= now && now < b)
+                                .map(|&(_, b)| b);
+                            st.gaps.push(Gap {
+                                proc: p,
+                                key: Some(gap_key),
+                                t: now,
+                                healed: back,
+                            });
+                            return;
+                        }
+                        // A paused process reads its socket when it resumes.
+                        w.gate(p).await;
+                        if w.is_crashed(p) {
+                            return;
+                        }
+                        hear(&w, p);
+                    });
+                }
+                ((), "delivered".to_owned())
+            }
+        };
+        let published = self.call("publish", &gap_key, deliver).await;
+        if published.is_err() {
+            // Refused or dropped before the store: nobody heard it. (A lost reply was
+            // delivered all the same; recording a gap then is conservative.)
+            let now = w.now();
+            let mut st = w.st.lock();
+            for p in 0..w.procs.len() {
+                st.gaps.push(Gap {
+                    proc: p,
+                    key: Some(gap_key.clone()),
+                    t: now,
+                    healed: None,
+                });
+            }
+        }
+        published
+    }
+}
+
 impl Notifications for Conn {
     fn watch<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {
         let w = &self.world;
@@ -1099,90 +1200,23 @@ impl Notifications for Conn {
     }
 
     fn announce<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<()>> {
-        let this = self.clone();
-        let key = key.to_owned();
-        async move {
-            let w = this.world.clone();
-            let origin = this.proc;
-            let deliver = {
-                let w = w.clone();
-                let key = key.clone();
-                move |st: &mut State, now: u64, _: usize| {
-                    // Redis delivers at the moment it applies the PUBLISH.
-                    for p in 0..w.procs.len() {
-                        let mute = w.scenario.broken.mute_notifications;
-                        let lost = mute || (!st.calm && st.rng.chance(w.scenario.faults.notify_lost_pm));
-                        if lost {
-                            if !mute {
-                                *st.faults.entry("notify-lost").or_default() += 1;
-                                st.gaps.push(Gap {
-                                    proc: p,
-                                    key: Some(key.clone()),
-                                    t: now,
-                                    healed: None,
-                                });
-                                let _ = writeln!(st.trace, "{now:>6} p{p} notification {key} lost");
-                            }
-                            continue;
-                        }
-                        let delay = st.rng.range(0, DELIVERY_MS);
-                        let (w, key) = (w.clone(), key.clone());
-                        tokio::spawn(async move {
-                            tokio::time::sleep(Duration::from_millis(delay)).await;
-                            let now = w.now();
-                            if w.is_crashed(p) {
-                                return;
-                            }
-                            if w.is_down(p, now) {
-                                // Undeliverable: the process resubscribes (and drops
-                                // its L1) when its connection comes back.
-                                let mut st = w.st.lock();
-                                let back = st.down[p]
-                                    .iter()
-                                    .find(|&&(a, b)| a <= now && now < b)
-                                    .map(|&(_, b)| b);
-                                st.gaps.push(Gap {
-                                    proc: p,
-                                    key: Some(key.clone()),
-                                    t: now,
-                                    healed: back,
-                                });
-                                return;
-                            }
-                            // A paused process reads its socket when it resumes.
-                            w.gate(p).await;
-                            if w.is_crashed(p) {
-                                return;
-                            }
-                            w.procs[p].landings.announce(&key);
-                            if p != origin {
-                                let hook = w.procs[p].hook.lock().clone();
-                                if let Some(hook) = hook {
-                                    hook(Some(key.clone()));
-                                }
-                            }
-                        });
+        let origin = self.proc;
+        let heard = key.to_owned();
+        self.publish(Publication {
+            gap_key: key.to_owned(),
+            lost_line: format!("notification {key} lost"),
+            lost_fault: "notify-lost",
+            mute: self.world.scenario.broken.mute_notifications,
+            hear: Arc::new(move |w, p| {
+                w.procs[p].landings.announce(&heard);
+                if p != origin {
+                    let hook = w.procs[p].hook.lock().clone();
+                    if let Some(hook) = hook {
+                        hook(Some(heard.clone()));
                     }
-                    ((), "delivered".to_owned())
                 }
-            };
-            let published = this.call("publish", &key, deliver).await;
-            if published.is_err() {
-                // Refused or dropped before the store: nobody heard it. (A lost reply
-                // was delivered all the same; recording a gap then is conservative.)
-                let now = w.now();
-                let mut st = w.st.lock();
-                for p in 0..w.procs.len() {
-                    st.gaps.push(Gap {
-                        proc: p,
-                        key: Some(key.clone()),
-                        t: now,
-                        healed: None,
-                    });
-                }
-            }
-            published
-        }
+            }),
+        })
         .boxed()
     }
 
@@ -1193,79 +1227,22 @@ impl Notifications for Conn {
     /// A tag or clear announcement: delivered as a key's, to every process (its
     /// publisher too); a lost one is a gap on [`INVALIDATIONS`].
     fn publish_invalidation<'a>(&'a self, text: &'a str) -> BoxFuture<'a, corral::Result<()>> {
-        let this = self.clone();
+        // Traced without its origin (a random token of the publishing cache).
+        let shown = text.split_once(' ').map_or(text, |(_, m)| m).to_owned();
         let text = text.to_owned();
-        async move {
-            let w = this.world.clone();
-            // Traced without its origin (a random token of the publishing cache).
-            let shown = text.split_once(' ').map_or(text.clone(), |(_, m)| m.to_owned());
-            let deliver = {
-                let w = w.clone();
-                let text = text.clone();
-                move |st: &mut State, now: u64, _: usize| {
-                    for p in 0..w.procs.len() {
-                        if !st.calm && st.rng.chance(w.scenario.faults.notify_lost_pm) {
-                            *st.faults.entry("invalidation-lost").or_default() += 1;
-                            st.gaps.push(Gap {
-                                proc: p,
-                                key: Some(INVALIDATIONS.to_owned()),
-                                t: now,
-                                healed: None,
-                            });
-                            let _ = writeln!(st.trace, "{now:>6} p{p} invalidation {shown:?} lost");
-                            continue;
-                        }
-                        let delay = st.rng.range(0, DELIVERY_MS);
-                        let (w, text, shown) = (w.clone(), text.clone(), shown.clone());
-                        tokio::spawn(async move {
-                            tokio::time::sleep(Duration::from_millis(delay)).await;
-                            let now = w.now();
-                            if w.is_crashed(p) {
-                                return;
-                            }
-                            if w.is_down(p, now) {
-                                let mut st = w.st.lock();
-                                let back = st.down[p]
-                                    .iter()
-                                    .find(|&&(a, b)| a <= now && now < b)
-                                    .map(|&(_, b)| b);
-                                st.gaps.push(Gap {
-                                    proc: p,
-                                    key: Some(INVALIDATIONS.to_owned()),
-                                    t: now,
-                                    healed: back,
-                                });
-                                return;
-                            }
-                            w.gate(p).await;
-                            if w.is_crashed(p) {
-                                return;
-                            }
-                            let hook = w.procs[p].invalidation_hook.lock().clone();
-                            if let Some(hook) = hook {
-                                w.log(format_args!("p{p} hears {shown:?}"));
-                                hook(&text);
-                            }
-                        });
-                    }
-                    ((), "delivered".to_owned())
+        self.publish(Publication {
+            gap_key: INVALIDATIONS.to_owned(),
+            lost_line: format!("invalidation {shown:?} lost"),
+            lost_fault: "invalidation-lost",
+            mute: false,
+            hear: Arc::new(move |w, p| {
+                let hook = w.procs[p].invalidation_hook.lock().clone();
+                if let Some(hook) = hook {
+                    w.log(format_args!("p{p} hears {shown:?}"));
+                    hook(&text);
                 }
-            };
-            let published = this.call("publish", INVALIDATIONS, deliver).await;
-            if published.is_err() {
-                let now = w.now();
-                let mut st = w.st.lock();
-                for p in 0..w.procs.len() {
-                    st.gaps.push(Gap {
-                        proc: p,
-                        key: Some(INVALIDATIONS.to_owned()),
-                        t: now,
-                        healed: None,
-                    });
-                }
-            }
-            published
-        }
+            }),
+        })
         .boxed()
     }
 
