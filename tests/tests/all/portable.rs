@@ -31,20 +31,20 @@ async fn until(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Res
     Ok(())
 }
 
-/// A native process's `set` reaches a portable process's L1, and the other way round:
-/// each drops its copy when it hears of the other's write, well before its L1 TTL (an
-/// hour here). Before, the portable body's L1 heard nothing and its writes announced
-/// nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_portable_l1_hears_other_processes_and_is_heard() -> Result<()> {
-    let server = RedisServer::start()?;
+/// A portable and a native process over one redis-server, each with an hour of L1.
+fn over_one_redis(server: &RedisServer) -> Result<(PortableCache, Corral)> {
     let hour = Duration::from_secs(3600);
     let portable = PortableCache::builder()
         .redis_options(corral::RedisOptions::new(server.url()))
         .l1_ttl(hour)
         .build()?;
     let native = Corral::builder().redis(server.url()).l1_ttl(hour).build()?;
-    // Both subscribed: a probe each way is heard.
+    Ok((portable, native))
+}
+
+/// Waits until both are subscribed: a probe each way is heard (a changed value read
+/// after the old one was in L1).
+async fn until_each_hears_the_other(portable: &PortableCache, native: &Corral) -> Result<()> {
     until(
         10 * SEC,
         "the native process never heard the portable one",
@@ -56,6 +56,28 @@ async fn the_portable_l1_hears_other_processes_and_is_heard() -> Result<()> {
         },
     )
     .await?;
+    until(
+        10 * SEC,
+        "the portable process never heard the native one",
+        async || {
+            native.set("probe2", "p", EntryOptions::new()).await?;
+            portable.get("probe2").await?;
+            native.set("probe2", "q", EntryOptions::new()).await?;
+            Ok(portable.get("probe2").await?.as_deref() == Some(&b"q"[..]))
+        },
+    )
+    .await
+}
+
+/// A native process's `set` reaches a portable process's L1, and the other way round:
+/// each drops its copy when it hears of the other's write, well before its L1 TTL (an
+/// hour here). Before, the portable body's L1 heard nothing and its writes announced
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_portable_l1_hears_other_processes_and_is_heard() -> Result<()> {
+    let server = RedisServer::start()?;
+    let (portable, native) = over_one_redis(&server)?;
+    until_each_hears_the_other(&portable, &native).await?;
 
     native.set("k", "v1", EntryOptions::new()).await?;
     assert_eq!(
@@ -427,36 +449,9 @@ async fn a_store_step_that_never_answers_ends_at_the_flights_deadline_in_both_bo
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tag_and_clear_invalidations_reach_the_other_bodys_l1_both_ways() -> Result<()> {
     let server = RedisServer::start()?;
-    let hour = Duration::from_secs(3600);
-    let portable = PortableCache::builder()
-        .redis_options(corral::RedisOptions::new(server.url()))
-        .l1_ttl(hour)
-        .build()?;
-    let native = Corral::builder().redis(server.url()).l1_ttl(hour).build()?;
+    let (portable, native) = over_one_redis(&server)?;
     let v = |b: Option<Bytes>| b.map(|b| String::from_utf8_lossy(&b).into_owned());
-    // Both subscribed: a probe each way is heard.
-    until(
-        10 * SEC,
-        "the native process never heard the portable one",
-        async || {
-            portable.set("probe", "p", EntryOptions::new()).await?;
-            native.get("probe").await?;
-            portable.set("probe", "q", EntryOptions::new()).await?;
-            Ok(v(native.get("probe").await?).as_deref() == Some("q"))
-        },
-    )
-    .await?;
-    until(
-        10 * SEC,
-        "the portable process never heard the native one",
-        async || {
-            native.set("probe2", "p", EntryOptions::new()).await?;
-            portable.get("probe2").await?;
-            native.set("probe2", "q", EntryOptions::new()).await?;
-            Ok(v(portable.get("probe2").await?).as_deref() == Some("q"))
-        },
-    )
-    .await?;
+    until_each_hears_the_other(&portable, &native).await?;
 
     // A native remove_by_tag reaches the portable L1.
     portable.set_tagged("k", "v", EntryOptions::new(), &["t"]).await?;

@@ -731,6 +731,19 @@ async fn typed_l1_hits_reuse_the_decoded_value() -> Result<()> {
     Ok(())
 }
 
+/// Whether `cache` hears another process's change (its L1 invalidations pass `heard`)
+/// within `within`.
+async fn hears_after(cache: &Corral, heard: u64, within: Duration) -> bool {
+    let by = Instant::now() + within;
+    while cache.metrics().l1_invalidations <= heard {
+        if Instant::now() >= by {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    true
+}
+
 /// A caller does not join a flight that began before a change of its key this process
 /// has since heard of (contract §5.12): its outcome may be older than a write
 /// acknowledged before the caller came. Here process a's flight of k loads slowly;
@@ -748,11 +761,7 @@ async fn a_caller_after_a_heard_change_does_not_join_an_older_flight() -> Result
     loop {
         let heard = a.metrics().l1_invalidations;
         b.set("probe", "p", EntryOptions::new()).await?;
-        let by = Instant::now() + Duration::from_secs(1);
-        while a.metrics().l1_invalidations == heard && Instant::now() < by {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        if a.metrics().l1_invalidations > heard {
+        if hears_after(&a, heard, Duration::from_secs(1)).await {
             break;
         }
         anyhow::ensure!(Instant::now() < deadline, "a never heard b");
@@ -776,11 +785,10 @@ async fn a_caller_after_a_heard_change_does_not_join_an_older_flight() -> Result
         .context("the first flight never loaded")?;
     let heard = a.metrics().l1_invalidations;
     b.set("k", "written", EntryOptions::new().relative(MIN)).await?;
-    let by = Instant::now() + Duration::from_secs(10);
-    while a.metrics().l1_invalidations == heard {
-        anyhow::ensure!(Instant::now() < by, "a never heard b's set");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    anyhow::ensure!(
+        hears_after(&a, heard, Duration::from_secs(10)).await,
+        "a never heard b's set"
+    );
     let late = tokio::time::timeout(
         Duration::from_secs(5),
         a.get_or_set("k", relative(), || async {
