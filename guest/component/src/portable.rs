@@ -49,9 +49,9 @@ struct Kept {
     moments: HashMap<String, (TagMoments, u64)>,
 }
 
-/// The moments kept of `tag`, unless an invalidation was heard since they were read.
-fn kept(tag: &str) -> Option<(TagMoments, u64)> {
-    let clears = l1_clears();
+/// The moments kept of `tag`, unless an invalidation was heard since they were read
+/// (L1's clears count, `clears` now, moved).
+fn kept(tag: &str, clears: u64) -> Option<(TagMoments, u64)> {
     let kept = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
     kept.as_ref()
         .filter(|k| k.clears == clears)
@@ -150,13 +150,14 @@ fn locate_for_flight(key: &str, limits: &Limits) -> Result<names::Names, types::
 fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), types::Error> {
     let mut out = Vec::with_capacity(tag_list.len());
     let mut until_all = u64::MAX;
+    // One count for the whole judgement (an import call, not one per tag).
+    let clears = l1_clears();
     for tag in tag_list {
-        let kept = kept(tag).filter(|(_, until)| now < *until);
+        let kept = kept(tag, clears).filter(|(_, until)| now < *until);
         let (m, until) = match kept {
             Some(kept) => kept,
             None => {
                 let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
-                let clears = l1_clears();
                 let m = TagMoments::decode(l2::get(&name)?.as_deref());
                 let until = tags::known_until(now, settings().l1_ttl_ms);
                 remember(tag, m, until, clears);
@@ -176,10 +177,10 @@ fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), type
 fn written_at(tag_list: &[String], now: u64) -> Result<u64, types::Error> {
     let until = tags::known_until(now, settings().l1_ttl_ms);
     let mut known = Vec::with_capacity(tag_list.len());
+    let clears = l1_clears();
     for tag in tag_list {
         let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
-        let clears = l1_clears();
-        let kept = kept(tag).map(|(m, _)| m);
+        let kept = kept(tag, clears).map(|(m, _)| m);
         let m = match l2::get(&name) {
             Ok(stored) => {
                 let m = TagMoments::decode(stored.as_deref());
