@@ -8,12 +8,10 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use corral_core::flight::Flight;
 use corral_core::policy::{self, ReadOutcome, Touch};
 use corral_core::tags::{self, TagMoments, Tagged, Verdict};
 use corral_core::{EntryMeta, Limits, Settings, envelope, flight, lock, names};
 
-use super::bindings::corral::cache::flights::{self, Joined};
 use super::bindings::corral::cache::{l1, l2, types};
 use super::bindings::corral::lock::table;
 use super::bindings::exports::corral::cache::cache as wcache;
@@ -21,7 +19,7 @@ use super::bindings::exports::corral::lock::lock as wlock;
 use super::{Component, arg_error, options_in, settings_in};
 
 mod driver;
-use driver::Driver;
+mod two_phase;
 
 /// This instance's settings: the core's defaults until `configure`.
 static SETTINGS: Mutex<Settings> = Mutex::new(Settings::DEFAULT);
@@ -380,24 +378,6 @@ const UNBOUNDED: EntryMeta = EntryMeta {
     stale_ms: None,
 };
 
-/// Eager refresh (contract §6b.3) in a synchronous body: the refresh flight runs here,
-/// after the hit, before the call returns (a component call cannot leave work behind);
-/// its decisions are the same: the lock without waiting, a failure changes nothing.
-fn refresh(key: &str, options: types::EntryOptions, settings: &Settings, tag_list: &[String]) {
-    let config = flight::FlightConfig {
-        refresh: true,
-        ..settings.flight(false)
-    };
-    let Ok((flight, action)) = Flight::start(key, options_in(options), config, now_ms(), &settings.limits)
-    else {
-        return;
-    };
-    let named = l1::ticket(key);
-    if let Ok(names) = locate(key, &settings.limits) {
-        let _ = Driver::new(key, &names, named, &settings.limits, tag_list).run(flight, action);
-    }
-}
-
 /// How a value reaches L1, with the ticket taken before the L2 step it comes from
 /// (contract §5.12).
 #[derive(Clone, Copy)]
@@ -662,77 +642,16 @@ impl wcache::Guest for Component {
         dropping(&key, &settings, |names| expire_named(names, &settings))
     }
 
-    fn get_or_set(key: String, options: types::EntryOptions, bypass: bool) -> Result<Vec<u8>, types::Error> {
-        Self::get_or_set_tagged(key, options, bypass, Vec::new())
-    }
+    type Load = two_phase::Loading;
+    type Follower = two_phase::Following;
 
-    fn get_or_set_tagged(
+    fn begin(
         key: String,
         options: types::EntryOptions,
         bypass: bool,
-        tag_list: Vec<String>,
-    ) -> Result<Vec<u8>, types::Error> {
-        let settings = settings();
-        let now = now_ms();
-        // The reads before the flight (an L1 hit's tags, the generation) get one store
-        // timeout, as the native body's; the flight then arms its own deadlines.
-        l2::bound(settings.store_timeout_ms);
-        if !bypass && let Some(entry) = l1_entry(&key, now, true) {
-            if entry.refresh_at_ms.is_some_and(|at| now >= at) {
-                // Disarmed first: this copy starts no other refresh. Not a write: only
-                // over the very copy read, and refused if the key is written meanwhile.
-                let ticket = l1::ticket(&key);
-                if l1::get(&key).is_some_and(|again| same_copy(&again, &entry)) {
-                    let disarmed = l1::L1Entry {
-                        refresh_at_ms: None,
-                        ..entry.clone()
-                    };
-                    l1::fill(&key, &disarmed, ticket);
-                }
-                refresh(&key, options, &settings, &tag_list);
-            }
-            return Ok(entry.value);
-        }
-        let mut refresh_due = false;
-        let mut fly_one = |leads: bool| {
-            let (flight, action) = Flight::start(
-                &key,
-                options_in(options),
-                settings.flight(bypass),
-                now_ms(),
-                &settings.limits,
-            )
-            .map_err(arg_error)?;
-            check_tags(&tag_list)?;
-            let named = l1::ticket(&key);
-            let names = locate_for_flight(&key, &settings.limits)?;
-            let mut driver = Driver::new(&key, &names, named, &settings.limits, &tag_list);
-            if leads {
-                driver = driver.leading();
-            }
-            let out = driver.run(flight, action);
-            refresh_due = driver.refresh_due();
-            out
-        };
-        if bypass {
-            return fly_one(false);
-        }
-        // One flight per key in the process, whichever instance runs it: the host's
-        // flight registry, the same one the native body uses (contract §5.14).
-        match flights::join(&key) {
-            Joined::Value(v) => Ok(v),
-            Joined::Failed(e) => Err(e),
-            Joined::Lead => {
-                let out = fly_one(true);
-                // (Done already when the flight got as far as its end; a flight that
-                // could not start hands its error on here. A second finish does nothing.)
-                flights::finish(&key, out.as_ref().map(Vec::as_slice));
-                if refresh_due {
-                    refresh(&key, options, &settings, &tag_list);
-                }
-                out
-            }
-        }
+        tags: Vec<String>,
+    ) -> Result<wcache::Begun, types::Error> {
+        two_phase::begin(key, options, bypass, tags)
     }
 }
 

@@ -1,18 +1,15 @@
-//! The host side of the portable body's imports (`l1`, `l2`, `flights`, `loader`, the
-//! lock `table`), as wasmtime's wasi-keyvalue does it: a shared [`Backend`], a per-call
+//! The host side of the portable body's imports (`l1`, `l2`, `flights`, the lock
+//! `table`), as wasmtime's wasi-keyvalue does it: a shared [`Backend`], a per-call
 //! [`CallState`], and one `add_to_linker`.
 //!
 //! Imports block on the stores: a portable call runs on a blocking thread, or, in
 //! lockstep ([`super::PortableBuilder::lockstep`]), on a thread whose every store step
-//! the caller's task performs while that thread waits. A call whose caller went away
-//! traps at its next loader call or return (contract §5.11), and every flight it led is
-//! handed on when the call ends. A loader that panics traps its call the same way; the
-//! caller gets the panic as a loader error.
+//! the caller's task performs while that thread waits. Every flight a call led and did
+//! not end is handed on when the call ends.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -28,7 +25,7 @@ use crate::cache::registry::{LeaderGuard, Registry};
 use crate::clock::Clock;
 use crate::guest::bindings::Guest;
 use crate::guest::bindings::corral::cache::flights::{self, Joined};
-use crate::guest::bindings::corral::cache::{l1, l2, loader, types};
+use crate::guest::bindings::corral::cache::{l1, l2, types};
 use crate::guest::bindings::corral::lock::table;
 use crate::guest::bindings::corral::lock::types::Held;
 use crate::guest::convert::to_wit;
@@ -37,11 +34,6 @@ use crate::store::l1::Ticket;
 
 /// What a flight's followers get in the portable body: what `flights.finish` passed.
 pub(crate) type WitOutcome = Result<Vec<u8>, types::Error>;
-
-/// The loader of one portable get-or-set.
-pub(crate) type Loader = Box<dyn FnMut(&str) -> Result<Vec<u8>, String> + Send>;
-/// The caching verdict of one portable get-or-set.
-pub(crate) type ShouldCache = Box<dyn Fn(&[u8]) -> bool + Send>;
 
 /// What every instance of one portable cache shares.
 pub(crate) struct Backend {
@@ -70,12 +62,10 @@ pub(crate) struct Announcing {
     pub(crate) give_up_after: Duration,
 }
 
-/// What one call brings: its loader, and the flights it leads.
+/// What one call brings: the flights it leads, the locks it holds.
 #[derive(Default)]
 pub(crate) struct CallState {
-    pub(crate) loader: Option<Loader>,
-    pub(crate) should_cache: Option<ShouldCache>,
-    /// Set when the caller went away: the call traps at its next loader return.
+    /// Set when the caller went away: the call ends at its load (contract §5.11).
     pub(crate) cancelled: Arc<AtomicBool>,
     /// The flights this call leads, until it finishes them.
     pub(crate) leading: HashMap<String, LeaderGuard<WitOutcome>>,
@@ -528,41 +518,10 @@ impl flights::Host for &mut PortableState {
             guard.finish(outcome);
         }
     }
-}
 
-impl loader::Host for &mut PortableState {
-    fn load(&mut self, key: String) -> wasmtime::Result<Result<Vec<u8>, String>> {
-        if self.call.cancelled.load(Ordering::SeqCst) {
-            return Err(wasmtime::format_err!("the caller went away before the load"));
-        }
-        let lockstep = self.call.lockstep.clone();
-        let out = match self.call.loader.as_mut() {
-            Some(load) => {
-                let run = AssertUnwindSafe(|| load(&key));
-                let out = match &lockstep {
-                    Some(link) => link.enter(|| std::panic::catch_unwind(run)),
-                    None => std::panic::catch_unwind(run),
-                };
-                match out {
-                    Ok(out) => out,
-                    Err(panic) => {
-                        // The call traps: its flights go to a follower, its locks are
-                        // released, and its caller gets the panic (contract §5.11).
-                        self.call.panicked = Some(crate::Error::loader_panicked(&*panic));
-                        return Err(wasmtime::format_err!("the loader panicked"));
-                    }
-                }
-            }
-            None => Err("no loader was given".into()),
-        };
-        if self.call.cancelled.load(Ordering::SeqCst) {
-            return Err(wasmtime::format_err!("the caller went away mid-load"));
-        }
-        Ok(out)
-    }
-
-    fn should_cache(&mut self, _key: String, value: Vec<u8>) -> bool {
-        self.call.should_cache.as_ref().is_none_or(|p| p(&value))
+    /// The guard goes without an outcome: a follower leads.
+    fn abandon(&mut self, key: String) {
+        self.call.leading.remove(&key);
     }
 }
 

@@ -25,6 +25,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::guest::Policy;
 use crate::guest::bindings::GuestPre;
 use crate::guest::bindings::corral::cache::types;
+use crate::guest::bindings::exports::corral::cache::cache::Begun;
 use crate::guest::convert::{from_wit, options_in};
 use crate::guest::engine::{Loaded, PORTABLE_BUDGET_TICKS, Slot, instantiate, loaded, trap};
 use crate::options::{EntryOptions, duration_ms};
@@ -363,6 +364,63 @@ async fn lockstep<R: Send + 'static>(
     }
 }
 
+/// A portable get-or-set's own origin: the loader the caller gave, run between the
+/// phases of the component's get-or-set (`begin`, then the end of its `load`).
+struct Origin {
+    loader: Loader,
+    should_cache: ShouldCache,
+}
+
+/// The loader of one portable get-or-set.
+type Loader = Box<dyn FnMut(&str) -> std::result::Result<Vec<u8>, String> + Send>;
+/// The caching verdict of one portable get-or-set.
+type ShouldCache = Box<dyn Fn(&[u8]) -> bool + Send>;
+
+impl Origin {
+    /// Runs the loader for the component's `load` and ends it with what the loader
+    /// gave. A caller gone before or during the load, or a loader that panics, drops the
+    /// load instead (the component releases its flight lock, and a follower leads) and
+    /// ends the call (contract §5.11); a panic reaches the caller as a loader error.
+    fn load(
+        &mut self,
+        s: &mut Slot<PortableState>,
+        load: wasmtime::component::ResourceAny,
+        key: &str,
+    ) -> wasmtime::Result<std::result::Result<Vec<u8>, types::Error>> {
+        let cancelled = s.store.data().call.cancelled.clone();
+        if cancelled.load(Ordering::SeqCst) {
+            load.resource_drop(&mut s.store)?;
+            return Err(wasmtime::format_err!("the caller went away before the load"));
+        }
+        let lockstep = s.store.data().call.lockstep.clone();
+        let run = std::panic::AssertUnwindSafe(|| (self.loader)(key));
+        let out = match &lockstep {
+            Some(link) => link.enter(|| std::panic::catch_unwind(run)),
+            None => std::panic::catch_unwind(run),
+        };
+        let out = match out {
+            Ok(out) => out,
+            Err(panic) => {
+                s.store.data_mut().call.panicked = Some(Error::loader_panicked(&*panic));
+                load.resource_drop(&mut s.store)?;
+                return Err(wasmtime::format_err!("the loader panicked"));
+            }
+        };
+        if cancelled.load(Ordering::SeqCst) {
+            load.resource_drop(&mut s.store)?;
+            return Err(wasmtime::format_err!("the caller went away mid-load"));
+        }
+        let cache = s.guest.corral_cache_cache().load();
+        match out {
+            Ok(value) => {
+                let cacheable = (self.should_cache)(&value);
+                cache.call_complete(&mut s.store, load, &value, cacheable)
+            }
+            Err(reason) => cache.call_fail(&mut s.store, load, &reason),
+        }
+    }
+}
+
 /// Marks a call cancelled when its caller's future is dropped before it returned.
 struct CancelOnDrop(Arc<std::sync::atomic::AtomicBool>, bool);
 
@@ -602,20 +660,34 @@ impl PortableCache {
         let tags: Vec<String> = tags.iter().map(|t| t.as_ref().to_owned()).collect();
         let key = key.to_owned();
         let options = options_in(&options);
-        let call = CallState {
-            loader: Some(Box::new(loader)),
-            should_cache: Some(Box::new(should_cache)),
-            ..CallState::default()
+        let mut origin = Origin {
+            loader: Box::new(loader),
+            should_cache: Box::new(should_cache),
         };
         let v = self
-            .call_with(call, move |s| {
-                s.guest.corral_cache_cache().call_get_or_set_tagged(
-                    &mut s.store,
-                    &key,
-                    options,
-                    bypass,
-                    &tags,
-                )
+            .call(move |s| {
+                let begun =
+                    s.guest
+                        .corral_cache_cache()
+                        .call_begin(&mut s.store, &key, options, bypass, &tags)?;
+                match begun {
+                    Err(e) => Ok(Err(e)),
+                    Ok(Begun::Hit(value)) => Ok(Ok(value)),
+                    Ok(Begun::Lead(load)) => origin.load(s, load, &key),
+                    // The refresh runs in the call that found the value due, after the
+                    // hit, before it returns: a call leaves no work behind.
+                    Ok(Begun::Refresh((value, load))) => {
+                        let _refreshed = origin.load(s, load, &key)?;
+                        Ok(Ok(value))
+                    }
+                    // Only a caller of the same instance leads: this call is its only one.
+                    Ok(Begun::Wait(follower)) => {
+                        follower.resource_drop(&mut s.store)?;
+                        Err(wasmtime::format_err!(
+                            "the component made a caller of a fresh instance follow"
+                        ))
+                    }
+                }
             })
             .await?;
         Ok(Bytes::from(v))

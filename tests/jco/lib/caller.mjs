@@ -4,8 +4,9 @@
 import { parentPort, receiveMessageOnPort, workerData } from 'node:worker_threads';
 import { once } from 'node:events';
 import { WASIShim } from '@bytecodealliance/preview2-shim/instantiation';
+import { getOrSet } from './get-or-set.mjs';
 
-const { component, port, bell, calls, settings, prefix, key, options, waitMs } = workerData;
+const { component, port, bell, calls, origin, settings, prefix, key, options, waitMs } = workerData;
 
 /** Calls `iface.fn(...args)` in the main thread and blocks until it answers. */
 function call(iface, fn, args) {
@@ -21,8 +22,13 @@ function call(iface, fn, args) {
 
 const imports = new WASIShim().getImportObject();
 for (const [iface, fns] of Object.entries(calls)) {
-  imports[iface] = Object.fromEntries(fns.map((fn) => [fn, (...args) => call(iface, fn, args)]));
+  const answered = Object.fromEntries(fns.map((fn) => [fn, (...args) => call(iface, fn, args)]));
+  // The caller's own origin is no import of the component: its get-or-set calls it
+  // between the phases.
+  if (iface !== origin) imports[iface] = answered;
 }
+const load = (k) => call(origin, 'load', [k]);
+const shouldCache = (value) => call(origin, 'shouldCache', [value]);
 const { instantiate } = await import(component);
 const cache = (await instantiate(null, imports))['corral:cache/cache@0.2.0'];
 cache.configure(settings, prefix);
@@ -30,7 +36,7 @@ parentPort.postMessage('ready');
 await once(parentPort, 'message');
 let result;
 try {
-  result = { ok: cache.getOrSet(key, options, false) };
+  result = { ok: getOrSet(cache, key, options, false, [], { load, shouldCache }) };
 } catch (e) {
   result = e?.payload !== undefined ? { err: e.payload } : { trap: String(e?.message ?? e) };
 }

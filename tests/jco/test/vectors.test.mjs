@@ -3,14 +3,15 @@
 // file wasmtime loads (CORRAL_GUEST_WASM) is transpiled here at test time.
 //
 // A vector's host state (L1, L2, the lock table, the flight registry, the manual clock,
-// the loader script) lives in this thread, and its sequential steps run here, on one
-// instance. A `get_or_set_together` step needs several calls blocked inside the
+// the loader script of the callers' origin) lives in this thread, and its sequential
+// steps run here, on one instance. A `get_or_set_together` step needs several calls blocked inside the
 // component at once, which one JS thread cannot do: each of its callers runs in a worker
 // thread (../lib/caller.mjs) with an instance of its own, configured alike, whose Corral
 // imports and wall clock are this thread's, called synchronously:
 //   - the worker instantiates and configures, posts 'ready', and waits for 'go';
-//   - on 'go' it calls get-or-set. Each import call posts {iface, fn, args} on the
-//     worker's MessagePort and blocks in Atomics.wait on a shared Int32 (the bell);
+//   - on 'go' it runs a get-or-set (../lib/get-or-set.mjs). Each import call, and its
+//     origin's load, posts {iface, fn, args} on the worker's MessagePort and blocks in
+//     Atomics.wait on a shared Int32 (the bell);
 //   - this thread posts {value} or {trap} on the port, then rings the bell (stores 1,
 //     notifies); the worker takes the answer with receiveMessageOnPort, and throws on
 //     {trap}, which traps its call. Some answers are held back: a follower's `join`
@@ -36,6 +37,7 @@ import { isDeepStrictEqual } from 'node:util';
 import { MessageChannel, Worker } from 'node:worker_threads';
 import { transpile } from '@bytecodealliance/jco';
 import { WASIShim } from '@bytecodealliance/preview2-shim/instantiation';
+import { getOrSet, drop } from '../lib/get-or-set.mjs';
 
 const here = dirname(fileURLToPath(import.meta.url));
 const root = resolve(here, '..', '..', '..');
@@ -47,8 +49,14 @@ const WAIT_MS = 5_000;
 const STEP_MS = 20_000;
 const MAIN = 'main';
 const PREFIX = 'corral:';
+// The pseudo-interface of a caller's own origin (its loader), answered by this thread.
+const ORIGIN = 'origin';
 const CACHE = 'corral:cache/cache@0.2.0';
 const LOCK = 'corral:lock/lock@0.2.0';
+
+/** The folders of transpiled modules, removed once every test of the file ended. */
+const outDirs = [];
+after(() => Promise.all(outDirs.map((out) => rm(out, { recursive: true, force: true }))));
 
 /** Transpiles the component once; returns its `instantiate` and the module's URL. */
 async function transpiled(bytes) {
@@ -59,7 +67,7 @@ async function transpiled(bytes) {
     await writeFile(join(out, name), data);
   }
   // The core modules are read at each instantiation: keep them until the tests end.
-  after(() => rm(out, { recursive: true, force: true }));
+  outDirs.push(out);
   const url = pathToFileURL(join(out, 'corral.js')).href;
   return { instantiate: (await import(url)).instantiate, url };
 }
@@ -113,6 +121,25 @@ function newHost(world) {
     flight.waiting.forEach((w) => w.resolve(joined));
   }
 
+  /** The flight of `key` goes from its leader to its first follower, if any. */
+  function handOn(key, flight) {
+    const next = flight.waiting.shift();
+    if (!next) {
+      flights.delete(key);
+      return;
+    }
+    flight.leader = next.caller;
+    next.resolve({ tag: 'lead' });
+  }
+
+  /** `caller` dropped the load of the flight of `key` it leads. */
+  function abandon(caller, key) {
+    const flight = flights.get(key);
+    if (flight?.leader !== caller) return;
+    handOn(key, flight);
+    poke();
+  }
+
   /** `caller`'s call returned or trapped: a flight it still leads goes to its first follower. */
   function callEnded(caller) {
     for (const [name, held] of world.locks) {
@@ -120,14 +147,7 @@ function newHost(world) {
     }
     for (const [key, flight] of flights) {
       flight.waiting = flight.waiting.filter((w) => w.caller !== caller);
-      if (flight.leader !== caller) continue;
-      const next = flight.waiting.shift();
-      if (!next) {
-        flights.delete(key);
-        continue;
-      }
-      flight.leader = next.caller;
-      next.resolve({ tag: 'lead' });
+      if (flight.leader === caller) handOn(key, flight);
     }
     poke();
   }
@@ -203,8 +223,11 @@ function newHost(world) {
     'corral:cache/flights': {
       join: (key) => join(caller, key),
       finish: (key, outcome) => finish(caller, key, outcome),
+      abandon: (key) => abandon(caller, key),
     },
-    'corral:cache/loader': {
+    // Not an import: the caller's own origin, which its get-or-set calls between the
+    // phases (a worker's, through the same channel as its imports).
+    [ORIGIN]: {
       load: (key) => state.script.load(caller, key),
       shouldCache: () => state.script.shouldCache(caller),
     },
@@ -337,6 +360,7 @@ function startCaller(run, step, i) {
       port: port2,
       bell,
       calls: Object.fromEntries(Object.entries(imports).map(([iface, fns]) => [iface, Object.keys(fns)])),
+      origin: ORIGIN,
       settings: run.settings,
       prefix: PREFIX,
       key: step.key,
@@ -421,7 +445,8 @@ const ops = {
       },
       shouldCache: () => step.should_cache ?? true,
     };
-    const r = settle(() => exports[CACHE].getOrSetTagged(step.key, options(step, host.world.now), step.bypass ?? false, step.tags ?? []));
+    const origin = { load: (key) => host.state.script.load(MAIN, key), shouldCache: () => host.state.script.shouldCache(MAIN) };
+    const r = settle(() => getOrSet(exports[CACHE], step.key, options(step, host.world.now), step.bypass ?? false, step.tags ?? [], origin));
     host.callEnded(MAIN);
     return { result: spelled(r, text), loads };
   },
@@ -474,7 +499,8 @@ async function runVector({ instantiate, url }, vector) {
   const world = { ...newWorld(), runs: new Map(), ran: 0 };
   for (const name of processesOf(vector.steps)) {
     const host = newHost(world);
-    const exports = await instantiate(null, { ...new WASIShim().getImportObject(), ...host.imports(MAIN) });
+    const { [ORIGIN]: _origin, ...imports } = host.imports(MAIN);
+    const exports = await instantiate(null, { ...new WASIShim().getImportObject(), ...imports });
     const settings = settingsFor(exports['corral:cache/policy@0.2.0'].defaults(), vector.settings);
     exports[CACHE].configure(settings, PREFIX);
     world.runs.set(name, { host, exports, settings, url, world });
@@ -523,4 +549,80 @@ test('the contract vectors pass in the component under jco', async () => {
   console.log(`component under jco: ${vectors} vectors, ${steps} steps, ${mismatches.length} mismatches`);
   assert.ok(vectors >= 40, 'at least 40 vectors');
   assert.deepStrictEqual(mismatches, []);
+});
+
+/** The transpiled component, once for every test of this file. */
+let transpiledOnce;
+const component = () => (transpiledOnce ??= readFile(wasmPath).then(transpiled));
+
+/** One process (an instance and its host) over a fresh world, configured with the defaults. */
+async function oneProcess() {
+  const { instantiate } = await component();
+  const world = newWorld();
+  const host = newHost(world);
+  const { [ORIGIN]: _origin, ...imports } = host.imports(MAIN);
+  const exports = await instantiate(null, { ...new WASIShim().getImportObject(), ...imports });
+  exports[CACHE].configure(exports['corral:cache/policy@0.2.0'].defaults(), PREFIX);
+  return { world, host, cache: exports[CACHE] };
+}
+
+const FOR_A_MINUTE = { relativeMs: 60_000n };
+
+test('a second caller of a key in the same instance follows the load the first holds', async () => {
+  const { cache } = await oneProcess();
+  const first = cache.begin('k', FOR_A_MINUTE, false, []);
+  assert.equal(first.tag, 'lead');
+  assert.equal(first.val.key(), 'k');
+  const second = cache.begin('k', FOR_A_MINUTE, false, []);
+  assert.equal(second.tag, 'wait', 'the instance cannot block on a load only its own caller can end');
+  assert.deepStrictEqual(second.val.outcome(), { tag: 'pending' });
+  assert.equal(text(cache.Load.complete(first.val, utf8('v'), true)), 'v');
+  const outcome = second.val.outcome();
+  assert.equal(outcome.tag, 'ready');
+  assert.equal(text(outcome.val.val), 'v');
+  const third = cache.begin('k', FOR_A_MINUTE, false, []);
+  assert.equal(third.tag, 'hit');
+  assert.equal(text(third.val), 'v');
+});
+
+test('a dropped load releases its flight lock and its follower leads in its place', async () => {
+  const { world, cache } = await oneProcess();
+  const first = cache.begin('k', FOR_A_MINUTE, false, []);
+  assert.equal(first.tag, 'lead');
+  assert.equal(world.locks.size, 1, 'the leader holds the flight lock during its load');
+  const second = cache.begin('k', FOR_A_MINUTE, false, []);
+  drop(first.val);
+  assert.equal(world.locks.size, 0, 'the dropped load released the flight lock');
+  const outcome = second.val.outcome();
+  assert.equal(outcome.tag, 'lead', 'the follower leads once the load was dropped');
+  assert.equal(text(cache.Load.complete(outcome.val, utf8('w'), true)), 'w');
+  assert.equal(text(cache.get('k')), 'w');
+});
+
+test('a failed load reaches its follower and caches nothing', async () => {
+  const { world, cache } = await oneProcess();
+  const first = cache.begin('k', FOR_A_MINUTE, false, []);
+  const second = cache.begin('k', FOR_A_MINUTE, false, []);
+  const failed = settle(() => cache.Load.fail(first.val, 'origin down'));
+  assert.deepStrictEqual(failed.err, { tag: 'loader-failed', val: 'origin down' });
+  const outcome = second.val.outcome();
+  assert.equal(outcome.tag, 'ready');
+  assert.deepStrictEqual(outcome.val, { tag: 'err', val: { tag: 'loader-failed', val: 'origin down' } });
+  assert.equal(cache.get('k'), undefined);
+  assert.equal(world.locks.size, 0);
+});
+
+test('a load ended twice, or a bad key, is a typed error and never a trap', async () => {
+  const { cache } = await oneProcess();
+  const bad = settle(() => cache.begin('', FOR_A_MINUTE, false, []));
+  assert.equal(bad.err?.tag, 'invalid-argument');
+  assert.equal(bad.err.val.name, 'key');
+  const badTags = settle(() => cache.begin('k', FOR_A_MINUTE, false, ['']));
+  assert.equal(badTags.err?.tag, 'invalid-argument');
+  assert.equal(badTags.err.val.name, 'tags');
+  // The failed begin handed its flight on: the key is led again at once.
+  const again = cache.begin('k', FOR_A_MINUTE, false, []);
+  assert.equal(again.tag, 'lead');
+  assert.equal(text(cache.Load.complete(again.val, utf8('v'), false)), 'v');
+  assert.equal(cache.get('k'), undefined, 'an uncacheable value is served, not cached');
 });

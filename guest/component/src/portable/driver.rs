@@ -4,6 +4,11 @@
 //! happened. It decides nothing the contract governs: what to fence, what L1 keeps and
 //! until when, whether a refresh is due, all come with the actions. What it keeps are
 //! registers, the bytes the actions brought.
+//!
+//! The load is the caller's: the driver stops at the machine's `load` action
+//! ([`Step::Load`]) and goes on when the caller ends the load ([`Driver::loaded`],
+//! [`Driver::failed`]), in a later call of the instance (`cache.begin`, then the end of
+//! its `load` resource).
 
 use corral_core::flight::{Action, Event, Flight, Outcome};
 use corral_core::tags::{self, Tagged, Verdict};
@@ -12,16 +17,25 @@ use corral_core::{Limits, envelope, names, policy};
 use super::{
     Found, UNBOUNDED, judge, l2_read_holding, now_ms, settings, tagged_out, ticket_since, written_at,
 };
-use crate::bindings::corral::cache::{flights, l1, l2, loader, types};
+use crate::bindings::corral::cache::{flights, l1, l2, types};
 
-/// One flight in progress over the imports: the performer of its actions and its
-/// registers.
-pub(super) struct Driver<'a> {
-    key: &'a str,
-    names: &'a names::Names,
-    limits: &'a Limits,
+/// Where a flight's run stopped.
+pub(super) enum Step {
+    /// At the load: the caller loads the value and ends the load.
+    Load,
+    /// At its end: what the caller gets.
+    Done(Result<Vec<u8>, types::Error>),
+}
+
+/// One flight in progress over the imports: the machine, the performer of its actions,
+/// and its registers.
+pub(super) struct Driver {
+    flight: Flight,
+    key: String,
+    names: names::Names,
+    limits: Limits,
     /// The tags a loaded value is written with.
-    tag_list: &'a [String],
+    tag_list: Vec<String>,
     /// The value of the last L2 hit, or the loaded value.
     value: Vec<u8>,
     /// The tags of what L1 is filled with: those the L2 hit carried, or the load's own,
@@ -51,16 +65,18 @@ pub(super) struct Driver<'a> {
     leads: bool,
 }
 
-impl<'a> Driver<'a> {
+impl Driver {
     /// `named`: the key's ticket taken before `names` were.
     pub(super) fn new(
-        key: &'a str,
-        names: &'a names::Names,
+        flight: Flight,
+        key: String,
+        names: names::Names,
         named: l1::L1Ticket,
-        limits: &'a Limits,
-        tag_list: &'a [String],
+        limits: Limits,
+        tag_list: Vec<String>,
     ) -> Self {
         Driver {
+            flight,
             named,
             l1_ticket: named,
             key,
@@ -81,9 +97,8 @@ impl<'a> Driver<'a> {
     }
 
     /// The flight leads the process's flight of the key (joined as its leader).
-    pub(super) fn leading(mut self) -> Self {
+    pub(super) fn lead(&mut self) {
         self.leads = true;
-        self
     }
 
     /// Whether the machine ended the flight asking for an eager refresh now.
@@ -91,32 +106,78 @@ impl<'a> Driver<'a> {
         self.refresh_due
     }
 
-    /// Runs the flight from its first action to its end.
-    pub(super) fn run(&mut self, mut flight: Flight, mut action: Action) -> Result<Vec<u8>, types::Error> {
+    /// The key of the flight.
+    pub(super) fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Runs the flight from its first action to its load or its end.
+    pub(super) fn start(&mut self, action: Action) -> Step {
         // The store steps of each phase share a deadline (contract §5.13).
-        let budget = settings().store_budget();
-        l2::bound(budget.before_load_ms);
+        l2::bound(settings().store_budget().before_load_ms);
+        self.run(action)
+    }
+
+    /// The caller's load brought `value`, which it judged `cacheable` or not: the flight
+    /// goes on to its end.
+    pub(super) fn loaded(&mut self, value: Vec<u8>, cacheable: bool) -> Step {
+        let len = value.len() as u64;
+        self.value = value;
+        self.resume(Event::Loaded {
+            len,
+            cacheable,
+            expiry: None,
+        })
+    }
+
+    /// The caller's load failed with `reason`: the flight goes on to its end.
+    pub(super) fn failed(&mut self, reason: String) -> Step {
+        self.loader_error = reason;
+        self.resume(Event::LoadFailed)
+    }
+
+    /// The caller dropped the load: the flight lock goes (owner-checked, announced, so
+    /// the next leader need not wait out its TTL), and the process's flight of the key
+    /// to one of its followers (contract §5.11).
+    pub(super) fn abandon(&mut self) {
+        let holds_lock = self.flight.abandon();
+        l2::bound(settings().store_budget().release_ms);
+        self.release_and_announce(holds_lock, holds_lock);
+        if self.leads {
+            flights::abandon(&self.key);
+        }
+    }
+
+    fn resume(&mut self, event: Event) -> Step {
+        l2::bound(settings().store_budget().after_load_ms);
+        let action = self.flight.handle(event, now_ms(), &self.limits);
+        self.run(action)
+    }
+
+    fn run(&mut self, mut action: Action) -> Step {
         loop {
             let event = match action {
                 Action::ReadL2 => self.read_l2(),
                 Action::TryLock { ttl_ms } => self.try_lock(ttl_ms),
                 Action::Wait { until_ms } => {
-                    l2::wait_landing(self.key, until_ms);
+                    l2::wait_landing(&self.key, until_ms);
                     Event::Woken
                 }
-                // The loader import cannot be stopped from here: it answers when it does,
-                // and the machine judges an answer past the hard timeout a timeout. It
-                // never reports `load-slow` or `load-overdue` (this body's settings never
-                // ask for background completion), so it is never asked to answer early.
+                // The caller's load cannot be stopped from here: it ends when the caller
+                // ends it, and the machine judges an end past the hard timeout a timeout.
+                // It never reports `load-slow` or `load-overdue` (this body's settings
+                // never ask for background completion), so it is never asked to answer
+                // early.
                 Action::AnswerStale { .. } | Action::KeepLoading | Action::AnswerTimedOut => {
-                    return Err(types::Error::Other(
+                    return Step::Done(Err(types::Error::Other(
                         "the flight asked for an early answer it was never offered".to_string(),
-                    ));
+                    )));
                 }
                 Action::Load { .. } => {
-                    let loaded = self.load();
-                    l2::bound(budget.after_load_ms);
-                    loaded
+                    let now = now_ms();
+                    // A key with a bad tag was refused before its flight began.
+                    self.written_at = written_at(&self.tag_list, now).unwrap_or(now);
+                    return Step::Load;
                 }
                 Action::WriteL2 {
                     header,
@@ -138,23 +199,23 @@ impl<'a> Driver<'a> {
                     // round trips, during which a caller joining this flight would get a
                     // value older than a write acknowledged meanwhile.
                     if self.leads {
-                        flights::finish(self.key, result.as_ref().map(Vec::as_slice));
+                        flights::finish(&self.key, result.as_ref().map(Vec::as_slice));
                     }
-                    l2::bound(budget.release_ms);
+                    l2::bound(settings().store_budget().release_ms);
                     self.release_and_announce(release, notify);
                     if let (Ok(value), Some(until_ms)) = (&result, l1_until_ms) {
                         self.fill_l1(value, until_ms, refresh_at_ms, stale_served);
                     }
-                    return result;
+                    return Step::Done(result);
                 }
             };
-            action = flight.handle(event, now_ms(), self.limits);
+            action = self.flight.handle(event, now_ms(), &self.limits);
         }
     }
 
     fn read_l2(&mut self) -> Event {
-        self.l1_ticket = ticket_since(self.key, self.named);
-        let Ok((found, held)) = l2_read_holding(&self.names.entry, now_ms(), self.limits) else {
+        self.l1_ticket = ticket_since(&self.key, self.named);
+        let Ok((found, held)) = l2_read_holding(&self.names.entry, now_ms(), &self.limits) else {
             return Event::L2Failed;
         };
         self.holds = held;
@@ -184,40 +245,19 @@ impl<'a> Driver<'a> {
         }
     }
 
-    fn load(&mut self) -> Event {
-        let now = now_ms();
-        // A key with a bad tag was refused before its flight began.
-        self.written_at = written_at(self.tag_list, now).unwrap_or(now);
-        match loader::load(self.key) {
-            Ok(value) => {
-                let cacheable = loader::should_cache(self.key, &value);
-                let len = value.len() as u64;
-                self.value = value;
-                Event::Loaded {
-                    len,
-                    cacheable,
-                    expiry: None,
-                }
-            }
-            Err(e) => {
-                self.loader_error = e;
-                Event::LoadFailed
-            }
-        }
-    }
-
     /// Writes the loaded value; a fenced write lands only over what the last read found
     /// (contract §5.12: a set or removal since that read wins).
     fn write_l2(&mut self, header: &[u8], store_ttl_ms: u64, fenced: bool) -> Event {
         let loaded = Tagged {
             written_at_ms: self.written_at,
-            tags: self.tag_list.to_vec(),
+            tags: self.tag_list.clone(),
         };
-        let Ok((header, ttl)) = policy::tag_plan(header, store_ttl_ms, &loaded, now_ms(), self.limits) else {
+        let Ok((header, ttl)) = policy::tag_plan(header, store_ttl_ms, &loaded, now_ms(), &self.limits)
+        else {
             return Event::L2WriteFailed;
         };
         let stored = envelope::splice(&header, &self.value);
-        self.l1_ticket = ticket_since(self.key, self.named);
+        self.l1_ticket = ticket_since(&self.key, self.named);
         if !self.tag_list.is_empty() {
             self.tagged = Some(loaded);
             self.tags_until = u64::MAX;
@@ -238,7 +278,7 @@ impl<'a> Driver<'a> {
             let _ = l2::release_lock(&self.names.flight_lock, &owner);
         }
         if notify {
-            l2::announce_landing(self.key);
+            l2::announce_landing(&self.key);
         }
     }
 
@@ -279,6 +319,6 @@ impl<'a> Driver<'a> {
             refresh_at_ms,
             tagged,
         };
-        l1::fill(self.key, &entry, self.l1_ticket);
+        l1::fill(&self.key, &entry, self.l1_ticket);
     }
 }
