@@ -25,6 +25,7 @@ mod error;
 pub mod expiry;
 pub mod flight;
 pub mod key;
+pub mod kv;
 pub mod lock;
 pub mod names;
 pub mod policy;

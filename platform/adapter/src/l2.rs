@@ -1,0 +1,162 @@
+//! The `l2` import on a `wasi:keyvalue` bucket: plain reads and writes of records, and
+//! every conditional change as a compare-and-swap over what was read ([`change`]).
+
+use std::cell::OnceCell;
+use std::hash::BuildHasher;
+
+use corral_core::kv;
+
+use crate::bindings::exports::corral::cache::l2;
+use crate::bindings::exports::corral::cache::types::Error;
+use crate::bindings::wasi::keyvalue::atomics::{self, Cas, CasError};
+use crate::bindings::wasi::keyvalue::store::{self, Bucket};
+use crate::{Adapter, now_ms};
+
+/// The environment variable naming the bucket.
+const STORE_VAR: &str = "CORRAL_KEYVALUE_STORE";
+/// The bucket opened when it names none: Spin's default store label.
+const DEFAULT_STORE: &str = "default";
+
+thread_local! {
+    static BUCKET: OnceCell<Result<Bucket, String>> = const { OnceCell::new() };
+}
+
+fn store_error(e: store::Error) -> Error {
+    Error::Unavailable(match e {
+        store::Error::NoSuchStore => "the key-value store does not exist".to_owned(),
+        store::Error::AccessDenied => "the key-value store refused access".to_owned(),
+        store::Error::Other(text) => format!("the key-value store failed: {text}"),
+    })
+}
+
+/// Runs `f` on this instance's bucket, opened at its first use.
+pub(crate) fn with_bucket<T>(f: impl FnOnce(&Bucket) -> Result<T, Error>) -> Result<T, Error> {
+    BUCKET.with(|cell| {
+        let opened = cell.get_or_init(|| {
+            let name = std::env::var(STORE_VAR).unwrap_or_else(|_| DEFAULT_STORE.to_owned());
+            store::open(&name).map_err(|e| format!("{:?}", store_error(e)))
+        });
+        match opened {
+            Ok(bucket) => f(bucket),
+            Err(e) => Err(Error::Unavailable(e.clone())),
+        }
+    })
+}
+
+/// Changes what `name` holds in one compare-and-swap: `decide` sees what it holds now
+/// (`kv::live`) and says what record to write, if any, and what to answer. When the key
+/// changed between the read and the swap, it is read and decided again, up to the
+/// core's compare-and-swap tries.
+pub(crate) fn change<T>(
+    name: &str,
+    mut decide: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, T),
+) -> Result<T, Error> {
+    for _ in 0..corral_core::Settings::DEFAULT.cas_tries {
+        let (cas, current) = with_bucket(|bucket| {
+            let cas = Cas::new(bucket, name).map_err(store_error)?;
+            let current = cas.current().map_err(store_error)?;
+            Ok((cas, current))
+        })?;
+        let live = current.as_deref().and_then(|stored| kv::live(stored, now_ms()));
+        let (write, answer) = decide(live);
+        let Some(record) = write else {
+            return Ok(answer);
+        };
+        match atomics::swap(cas, &record) {
+            Ok(()) => return Ok(answer),
+            Err(CasError::CasFailed(_)) => continue,
+            Err(CasError::StoreError(e)) => return Err(store_error(e)),
+        }
+    }
+    Err(Error::Unavailable(format!("{name:?} kept changing")))
+}
+
+/// A fresh random owner token for the get-or-set lock: 128 bits from the instance's
+/// random seeds (`wasi:random`).
+fn owner_token() -> String {
+    let a = std::collections::hash_map::RandomState::new().hash_one(now_ms());
+    let b = std::collections::hash_map::RandomState::new().hash_one(a);
+    format!("{a:016x}{b:016x}")
+}
+
+impl l2::Guest for Adapter {
+    fn get(name: String) -> Result<Option<Vec<u8>>, Error> {
+        let stored = with_bucket(|bucket| bucket.get(&name).map_err(store_error))?;
+        let now = now_ms();
+        Ok(stored.and_then(|stored: Vec<u8>| kv::live(&stored, now).map(|v| v.to_vec())))
+    }
+
+    fn set(name: String, value: Vec<u8>, ttl_ms: u64) -> Result<(), Error> {
+        let record = kv::record(kv::until(now_ms(), ttl_ms), &value);
+        with_bucket(|bucket| bucket.set(&name, &record).map_err(store_error))
+    }
+
+    fn delete(name: String) -> Result<bool, Error> {
+        change(&name, |live| (live.map(|_| kv::tombstone()), live.is_some()))
+    }
+
+    fn delete_if_equal(name: String, expected: Vec<u8>) -> Result<bool, Error> {
+        change(&name, |live| {
+            let equal = live == Some(&expected[..]);
+            (equal.then(kv::tombstone), equal)
+        })
+    }
+
+    fn replace_if_equal(name: String, expected: Vec<u8>, value: Vec<u8>, ttl_ms: u64) -> Result<bool, Error> {
+        change(&name, |live| {
+            let equal = live == Some(&expected[..]);
+            (
+                equal.then(|| kv::record(kv::until(now_ms(), ttl_ms), &value)),
+                equal,
+            )
+        })
+    }
+
+    fn swap(name: String, value: Vec<u8>, ttl_ms: u64) -> Result<Option<Vec<u8>>, Error> {
+        change(&name, |live| {
+            let record = kv::record(kv::until(now_ms(), ttl_ms), &value);
+            (Some(record), live.map(<[u8]>::to_vec))
+        })
+    }
+
+    fn set_if(name: String, expected: Option<Vec<u8>>, value: Vec<u8>, ttl_ms: u64) -> Result<bool, Error> {
+        change(&name, |live| {
+            let equal = live == expected.as_deref();
+            (
+                equal.then(|| kv::record(kv::until(now_ms(), ttl_ms), &value)),
+                equal,
+            )
+        })
+    }
+
+    fn try_lock(name: String, ttl_ms: u64) -> Result<Option<String>, Error> {
+        let owner = owner_token();
+        change(&name, |live| match live {
+            Some(_) => (None, None),
+            None => {
+                let record = kv::record(kv::until(now_ms(), ttl_ms), owner.as_bytes());
+                (Some(record), Some(owner.clone()))
+            }
+        })
+    }
+
+    fn release_lock(name: String, owner: String) -> Result<bool, Error> {
+        change(&name, |live| {
+            let ours = live == Some(owner.as_bytes());
+            (ours.then(kv::tombstone), ours)
+        })
+    }
+
+    /// No host offers a watcher: the wait ends at `until-ms`, the flight machine's next
+    /// look (its backoff, 50 ms doubling to 1 s), and the flight reads again.
+    fn wait_landing(_key: String, until_ms: u64) {
+        let left = until_ms.saturating_sub(now_ms());
+        std::thread::sleep(std::time::Duration::from_millis(left));
+    }
+
+    fn announce_landing(_key: String) {}
+
+    fn announce_invalidation(_message: String) {}
+
+    fn bound(_ms: u64) {}
+}
