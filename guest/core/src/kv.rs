@@ -35,7 +35,8 @@ pub fn until(now_ms: u64, ttl_ms: u64) -> u64 {
 
 /// What `stored` holds at `now_ms`: its bytes, or none once its moment came. Bytes too
 /// short to be a record were not written by Corral: they count as they are, never gone
-/// (the cache judges them, and removes them as foreign).
+/// (the cache judges them, and removes them as foreign). Longer foreign bytes cannot be
+/// told from a record: their first 8 bytes are read as its moment.
 pub fn live(stored: &[u8], now_ms: u64) -> Option<&[u8]> {
     let Some((moment, payload)) = stored.split_first_chunk::<MOMENT_LEN>() else {
         return Some(stored);

@@ -2,7 +2,6 @@
 //! every conditional change as a compare-and-swap over what was read ([`change`]).
 
 use std::cell::OnceCell;
-use std::hash::BuildHasher;
 
 use corral_core::kv;
 
@@ -18,7 +17,7 @@ const STORE_VAR: &str = "CORRAL_KEYVALUE_STORE";
 const DEFAULT_STORE: &str = "default";
 
 thread_local! {
-    static BUCKET: OnceCell<Result<Bucket, String>> = const { OnceCell::new() };
+    static BUCKET: OnceCell<Bucket> = const { OnceCell::new() };
 }
 
 fn store_error(e: store::Error) -> Error {
@@ -29,16 +28,17 @@ fn store_error(e: store::Error) -> Error {
     })
 }
 
-/// Runs `f` on this instance's bucket, opened at its first use.
+/// Runs `f` on this instance's bucket, opened at its first use (a failed open is tried
+/// again at the next use).
 pub(crate) fn with_bucket<T>(f: impl FnOnce(&Bucket) -> Result<T, Error>) -> Result<T, Error> {
     BUCKET.with(|cell| {
-        let opened = cell.get_or_init(|| {
+        if cell.get().is_none() {
             let name = std::env::var(STORE_VAR).unwrap_or_else(|_| DEFAULT_STORE.to_owned());
-            store::open(&name).map_err(|e| format!("{:?}", store_error(e)))
-        });
-        match opened {
-            Ok(bucket) => f(bucket),
-            Err(e) => Err(Error::Unavailable(e.clone())),
+            let _ = cell.set(store::open(&name).map_err(store_error)?);
+        }
+        match cell.get() {
+            Some(bucket) => f(bucket),
+            None => Err(Error::Unavailable("the key-value store is not open".to_owned())),
         }
     })
 }
@@ -71,12 +71,13 @@ pub(crate) fn change<T>(
     Err(Error::Unavailable(format!("{name:?} kept changing")))
 }
 
-/// A fresh random owner token for the get-or-set lock: 128 bits from the instance's
-/// random seeds (`wasi:random`).
+/// A fresh random owner token for the get-or-set lock: 128 bits from `wasi:random/random`
+/// (which hosts must not make deterministic).
 fn owner_token() -> String {
-    let a = std::collections::hash_map::RandomState::new().hash_one(now_ms());
-    let b = std::collections::hash_map::RandomState::new().hash_one(a);
-    format!("{a:016x}{b:016x}")
+    crate::bindings::wasi::random::random::get_random_bytes(16)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 impl l2::Guest for Adapter {

@@ -636,7 +636,7 @@ test('a failed load reaches its follower and caches nothing', async () => {
   assert.equal(world.locks.size, 0);
 });
 
-test('a load ended twice, or a bad key, is a typed error and never a trap', async () => {
+test('a bad key or bad tags is a typed error, and the failed begin hands its flight on', async () => {
   const { cache } = await oneProcess();
   const bad = settle(() => cache.begin('', FOR_A_MINUTE, false, []));
   assert.equal(bad.err?.tag, 'invalid-argument');
@@ -656,17 +656,22 @@ const composedPath = process.env.CORRAL_WASI_WASM ?? join(root, 'target', 'platf
 // Its processes share nothing but the store: no landing or invalidation is announced
 // (no host offers a watcher), so vectors of several processes or callers, which expect
 // them heard at once, are not its to keep.
-const COMPOSED_FILES = ['errors.json', 'expiry.json', 'freshness.json', 'get_or_set.json', 'keys.json', 'locks.json', 'tags.json'];
-
-test('the contract vectors pass in the composed corral-wasi component (keyvalue adapter, wasi imports only)', async (t) => {
-  let bytes;
+/** The composed component's bytes; none (the test skipped) when it is not built and not required. */
+async function composedBytes(t) {
   try {
-    bytes = await readFile(composedPath);
+    return await readFile(composedPath);
   } catch (e) {
     if (process.env.CORRAL_WASI_REQUIRED) throw e;
     t.skip(`${composedPath} is not built (scripts/platform builds it)`);
-    return;
+    return undefined;
   }
+}
+
+const COMPOSED_FILES = ['errors.json', 'expiry.json', 'freshness.json', 'get_or_set.json', 'keys.json', 'locks.json', 'tags.json'];
+
+test('the contract vectors pass in the composed corral-wasi component (keyvalue adapter, wasi imports only)', async (t) => {
+  const bytes = await composedBytes(t);
+  if (!bytes) return;
   const component = await transpiled(bytes);
   const dir = process.env.CORRAL_VECTORS_DIR ?? join(root, 'tests', 'vectors');
   const mismatches = [];
@@ -690,14 +695,8 @@ test('the contract vectors pass in the composed corral-wasi component (keyvalue 
 });
 
 test('the composed component imports only wasi:* interfaces and exports the cache and the locks', async (t) => {
-  let bytes;
-  try {
-    bytes = await readFile(composedPath);
-  } catch (e) {
-    if (process.env.CORRAL_WASI_REQUIRED) throw e;
-    t.skip(`${composedPath} is not built (scripts/platform builds it)`);
-    return;
-  }
+  const bytes = await composedBytes(t);
+  if (!bytes) return;
   const wit = await componentWit(bytes);
   const imports = [...wit.matchAll(/^\s*import ([^;]+);/gm)].map((m) => m[1]);
   const exports = [...wit.matchAll(/^\s*export ([^;]+);/gm)].map((m) => m[1]);
@@ -705,4 +704,40 @@ test('the composed component imports only wasi:* interfaces and exports the cach
   assert.ok(imports.some((i) => i.startsWith('wasi:keyvalue/atomics@')), 'it imports wasi:keyvalue atomics');
   assert.deepStrictEqual(imports.filter((i) => !i.startsWith('wasi:')), [], 'nothing but wasi:* is imported');
   for (const name of ['corral:cache/cache@0.2.0', 'corral:lock/lock@0.2.0']) assert.ok(exports.includes(name), `it exports ${name}`);
+});
+
+test('a caller that began after the key changed never gets the value of a load that began before', async () => {
+  const { cache } = await oneProcess();
+  const first = cache.begin('k', FOR_A_MINUTE, false, []);
+  assert.equal(first.tag, 'lead');
+  cache.remove('k');
+  const second = cache.begin('k', FOR_A_MINUTE, false, []);
+  assert.equal(second.tag, 'wait');
+  assert.equal(text(cache.Load.complete(first.val, utf8('old'), true)), 'old', 'the load that began first gets its own value');
+  const outcome = second.val.outcome();
+  assert.equal(outcome.tag, 'lead', `the later caller leads a load of its own, not ${JSON.stringify(outcome)}`);
+  assert.equal(text(cache.Load.complete(outcome.val, utf8('new'), true)), 'new');
+  assert.equal(text(cache.get('k')), 'new');
+});
+
+test('a bad argument is refused while another caller of the instance holds the key\'s load', async () => {
+  const { cache } = await oneProcess();
+  const first = cache.begin('k', FOR_A_MINUTE, false, []);
+  const bad = settle(() => cache.begin('k', FOR_A_MINUTE, false, ['']));
+  assert.equal(bad.err?.tag, 'invalid-argument', `not ${JSON.stringify(bad)}`);
+  assert.equal(bad.err.val.name, 'tags');
+  cache.Load.complete(first.val, utf8('v'), true);
+});
+
+test('a follower that led in a dropped load\'s place answers that load\'s outcome from then on', async () => {
+  const { cache } = await oneProcess();
+  const first = cache.begin('k', FOR_A_MINUTE, false, []);
+  const second = cache.begin('k', FOR_A_MINUTE, false, []);
+  drop(first.val);
+  const led = second.val.outcome();
+  assert.equal(led.tag, 'lead');
+  assert.equal(text(cache.Load.complete(led.val, utf8('v'), false)), 'v');
+  const again = second.val.outcome();
+  assert.equal(again.tag, 'ready', `asked again, not ${JSON.stringify(again)}`);
+  assert.equal(text(again.val.val), 'v');
 });

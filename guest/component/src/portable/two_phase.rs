@@ -6,6 +6,8 @@
 //! key whose load another caller of the instance holds follows that load (`wait`)
 //! instead of blocking the instance on the process's flight registry, which that load's
 //! own end could never reach. Followers in other instances meet through the registry.
+//! As there (contract §5.3), a follower takes the load's outcome only if its key is as
+//! it was when the load began; else, once that load ended, it leads one of its own.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -22,8 +24,9 @@ use crate::bindings::exports::corral::cache::cache::{self as wcache, Begun, Foll
 use crate::{arg_error, options_in};
 
 /// What a load's followers in this instance learn of it.
-#[derive(Default)]
 struct Shared {
+    /// The key's L1 ticket when the load's flight began.
+    ticket: l1::L1Ticket,
     /// How it ended.
     outcome: RefCell<Option<Result<Vec<u8>, types::Error>>>,
     /// It was dropped without an end.
@@ -67,9 +70,12 @@ impl Loading {
         };
         let result = match end(&mut driver) {
             Step::Done(result) => result,
-            Step::Load => Err(types::Error::Other(
-                "the flight asked for a second load".to_string(),
-            )),
+            Step::Load => {
+                driver.abandon();
+                Err(types::Error::Other(
+                    "the flight asked for a second load".to_string(),
+                ))
+            }
         };
         if let Some(shared) = &loading.shared {
             *shared.outcome.borrow_mut() = Some(result.clone());
@@ -122,28 +128,59 @@ impl wcache::GuestLoad for Loading {
 /// A caller waiting for the load another caller of this instance holds.
 pub(crate) struct Following {
     shared: RefCell<Rc<Shared>>,
+    /// The key's L1 ticket when this caller began (or led in a load's place).
+    since: RefCell<l1::L1Ticket>,
     request: Request,
+    /// What this caller got once it led in its own right: asked again, the same.
+    settled: RefCell<Option<Result<Vec<u8>, types::Error>>>,
+}
+
+/// Whether the key is as it was at `then` (its writes, heard changes and clears; a
+/// flush of all of L1 after a gap in the announcements does not count, every key would).
+fn key_unchanged(then: &l1::L1Ticket, now: &l1::L1Ticket) -> bool {
+    then.writes == now.writes && then.generations == now.generations
 }
 
 impl wcache::GuestFollower for Following {
     fn outcome(&self) -> Followed {
+        if let Some(settled) = self.settled.borrow().clone() {
+            return Followed::Ready(settled);
+        }
         let shared = self.shared.borrow().clone();
-        if let Some(outcome) = shared.outcome.borrow().clone() {
-            return Followed::Ready(outcome);
+        let ended = shared.outcome.borrow().clone();
+        match ended {
+            Some(outcome) if key_unchanged(&shared.ticket, &self.since.borrow()) => {
+                return Followed::Ready(outcome);
+            }
+            // The key changed after that load began: its value may be older than the
+            // change, and this caller came after it.
+            Some(_) => {}
+            None if !*shared.dropped.borrow() => return Followed::Pending,
+            None => {}
         }
-        if !*shared.dropped.borrow() {
-            return Followed::Pending;
-        }
-        // Dropped: another follower may have taken its place already; else this one does.
-        if let Some(newer) = open(&self.request.key) {
+        // Another follower may have taken its place already; else this one does.
+        if let Some(newer) = open(&self.request.key)
+            && !Rc::ptr_eq(&newer, &shared)
+        {
             *self.shared.borrow_mut() = newer;
             return Followed::Pending;
         }
+        let settle = |outcome: Result<Vec<u8>, types::Error>| {
+            *self.settled.borrow_mut() = Some(outcome.clone());
+            Followed::Ready(outcome)
+        };
         match lead(self.request.clone()) {
-            Ok(Begun::Lead(load)) => Followed::Lead(load),
-            Ok(Begun::Hit(value) | Begun::Refresh((value, _))) => Followed::Ready(Ok(value)),
+            Ok(Begun::Lead(load)) => {
+                // From now on this caller follows the load it holds.
+                if let Some(own) = open(&self.request.key) {
+                    *self.since.borrow_mut() = own.ticket;
+                    *self.shared.borrow_mut() = own;
+                }
+                Followed::Lead(load)
+            }
+            Ok(Begun::Hit(value) | Begun::Refresh((value, _))) => settle(Ok(value)),
             Ok(Begun::Wait(_)) => Followed::Pending,
-            Err(e) => Followed::Ready(Err(e)),
+            Err(e) => settle(Err(e)),
         }
     }
 }
@@ -157,6 +194,16 @@ pub(crate) fn begin(
 ) -> Result<Begun, types::Error> {
     let settings = settings();
     let now = now_ms();
+    // Judged first, the same whether the key is in L1, led in this instance, or cold.
+    Flight::start(
+        &key,
+        options_in(options),
+        settings.flight(bypass),
+        now,
+        &settings.limits,
+    )
+    .map_err(arg_error)?;
+    check_tags(&tags)?;
     // The reads before the flight (an L1 hit's tags, the generation) get one store
     // timeout, as the native body's; the flight then arms its own deadlines.
     l2::bound(settings.store_timeout_ms);
@@ -188,7 +235,9 @@ pub(crate) fn begin(
     if let Some(shared) = open(&request.key) {
         return Ok(Begun::Wait(wcache::Follower::new(Following {
             shared: RefCell::new(shared),
+            since: RefCell::new(l1::ticket(&request.key)),
             request,
+            settled: RefCell::new(None),
         })));
     }
     lead(request)
@@ -220,6 +269,7 @@ fn fly(request: Request, settings: &Settings, role: Role) -> Result<Begun, types
         refresh: role == Role::Refresh,
         ..settings.flight(request.bypass)
     };
+    let ticket = l1::ticket(&request.key);
     let (mut driver, action) = match start(&request, settings, config) {
         Ok(started) => started,
         Err(e) => {
@@ -236,7 +286,11 @@ fn fly(request: Request, settings: &Settings, role: Role) -> Result<Begun, types
     match driver.start(action) {
         Step::Load => {
             let shared = (role == Role::Leader).then(|| {
-                let shared = Rc::new(Shared::default());
+                let shared = Rc::new(Shared {
+                    ticket,
+                    outcome: RefCell::new(None),
+                    dropped: RefCell::new(false),
+                });
                 OPEN.with(|open| open.borrow_mut().insert(request.key.clone(), shared.clone()));
                 shared
             });
