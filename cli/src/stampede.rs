@@ -61,7 +61,7 @@ pub struct Report {
 pub async fn run(cache: &Corral, key: &str, callers: usize, loader: Duration, progress: bool) -> Report {
     let loads = Arc::new(AtomicUsize::new(0));
     let done = Arc::new(AtomicUsize::new(0));
-    let commands_before = cache.redis_store().map(|r| r.commands_sent());
+    let commands_before = cache.redis_commands_sent();
     let began = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..callers {
@@ -119,7 +119,7 @@ pub async fn run(cache: &Corral, key: &str, callers: usize, loader: Duration, pr
         errors,
         latencies,
         wall: began.elapsed(),
-        redis_commands: commands_before.and_then(|b| cache.redis_store().map(|r| r.commands_sent() - b)),
+        redis_commands: commands_before.and_then(|b| cache.redis_commands_sent().map(|now| now - b)),
         flights_left: cache.flights_in_progress(),
         metrics: cache.metrics(),
     }

@@ -680,9 +680,9 @@ impl Corral {
         self.inner.metrics.snapshot()
     }
 
-    /// Get-or-set flights in progress in this process: 0 whenever none runs (the
-    /// registry keeps no entry for a finished or abandoned flight).
-    #[cfg(any(test, feature = "test-util"))]
+    /// Get-or-set flights in progress in this process, eager refreshes included: 0
+    /// whenever none runs (the registry keeps no entry for a finished or abandoned
+    /// flight). A gauge a service may export beside [`metrics`](Self::metrics).
     pub fn flights_in_progress(&self) -> usize {
         self.inner.registry.len() + self.inner.refreshes.len()
     }
@@ -727,6 +727,14 @@ impl Corral {
     #[cfg(any(test, feature = "test-util"))]
     pub fn memory_store(&self) -> Option<&crate::store::memory::MemoryStore> {
         self.inner.stores.memory.as_ref()
+    }
+
+    /// Commands this cache's Redis store has sent so far (a script counts as one), when
+    /// Redis is the backend: what a workload costs the server. The announcements'
+    /// subscription and the lock APIs' leases are not counted.
+    #[cfg(feature = "redis")]
+    pub fn redis_commands_sent(&self) -> Option<u64> {
+        self.inner.stores.redis.as_ref().map(|r| r.commands_sent())
     }
 
     /// The Redis store, when that is the backend.
