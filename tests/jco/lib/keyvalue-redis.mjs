@@ -21,17 +21,33 @@ const worker = new Worker(new URL('./redis-worker.mjs', import.meta.url), {
   transferList: [port2],
 });
 worker.unref();
+let workerError = null;
+worker.on('error', (e) => { workerError = e; });
+let nextId = 0;
 
-/** Sends one command and blocks until its reply; a failure is the interface's `other` error. */
+/** Sends one command and blocks until its reply; a failure is the interface's `other`
+ * error. A reply that comes after its command timed out is dropped, never taken for the
+ * next command's. */
 function redis(...args) {
+  if (workerError) throw { tag: 'other', val: `the redis worker failed: ${workerError.message}` };
+  const id = ++nextId;
+  const deadline = performance.now() + timeoutMs;
   Atomics.store(bell, 0, 0);
-  port1.postMessage(args);
-  if (Atomics.wait(bell, 0, 0, timeoutMs) === 'timed-out') {
-    throw { tag: 'other', val: `redis did not answer ${args[0]} within ${timeoutMs} ms` };
+  port1.postMessage({ id, args });
+  for (;;) {
+    const message = receiveMessageOnPort(port1)?.message;
+    if (message === undefined) {
+      const left = deadline - performance.now();
+      if (left <= 0 || Atomics.wait(bell, 0, 0, left) === 'timed-out') {
+        throw { tag: 'other', val: `redis did not answer ${args[0]} within ${timeoutMs} ms` };
+      }
+      Atomics.store(bell, 0, 0);
+      continue;
+    }
+    if (message.id !== id) continue;
+    if ('error' in message) throw { tag: 'other', val: message.error };
+    return message.value;
   }
-  const reply = receiveMessageOnPort(port1).message;
-  if ('error' in reply) throw { tag: 'other', val: reply.error };
-  return reply.value;
 }
 
 const SWAP = `local cur = redis.call('GET', KEYS[1])
@@ -75,13 +91,18 @@ export const atomics = {
   Cas,
   swap(cas, value) {
     const present = cas.seen !== undefined;
-    const swapped = redis('EVAL', SWAP, '1', cas.name, present ? '1' : '0', present ? cas.seen : '', value);
-    if (swapped !== 1n) {
-      const again = new Cas();
+    let swapped;
+    const again = new Cas();
+    try {
+      swapped = redis('EVAL', SWAP, '1', cas.name, present ? '1' : '0', present ? cas.seen : '', value);
+      if (swapped === 1n) return;
       again.name = cas.name;
       again.seen = redis('GET', cas.name) ?? undefined;
-      throw { tag: 'cas-failed', val: again };
+    } catch (e) {
+      // `swap`'s own error type: a store failure is `store-error`.
+      throw { tag: 'store-error', val: e };
     }
+    throw { tag: 'cas-failed', val: again };
   },
   increment(bucket, key, delta) {
     return redis('INCRBY', bucket.prefix + key, delta.toString());

@@ -9,8 +9,8 @@
 //      same request is a hit;
 //   2. 500 concurrent requests for one cold id, split over both hosts, make exactly one
 //      origin call and all get the origin's value;
-//   3. a PUT through one host is served by the other within the app's L1 TTL (1 s) plus
-//      one poll.
+//   3. a PUT through one host is served by the other within the app's L1 TTL (1 s), plus
+//      1 s for the requests in flight on a busy machine.
 // The last line reads `platform: N origin calls for 500 requests over 2 hosts`.
 import { spawn } from 'node:child_process';
 import { createServer } from 'node:http';
@@ -29,6 +29,7 @@ const REQUESTS = 500;
 const ORIGIN_MS = 200;
 const L1_TTL_MS = 1000;
 const POLL_MS = 20;
+const SLACK_MS = 1000;
 
 const children = [];
 const fail = (why) => {
@@ -42,6 +43,9 @@ function stop() {
   }
 }
 process.on('exit', stop);
+// A run cancelled (a CI timeout, ^C) stops what it started too.
+process.on('SIGINT', () => process.exit(130));
+process.on('SIGTERM', () => process.exit(143));
 
 async function freePort() {
   const server = createTcpServer().listen(0, '127.0.0.1');
@@ -52,8 +56,8 @@ async function freePort() {
 }
 
 /** Starts `cmd` in a process group of its own (so that its children stop with it). */
-function start(cmd, args, env = {}) {
-  const child = spawn(cmd, args, { env: { ...process.env, ...env }, detached: true, stdio: ['ignore', 'pipe', 'pipe'] });
+function start(cmd, args, env = {}, stdio = ['ignore', 'pipe', 'pipe']) {
+  const child = spawn(cmd, args, { env: { ...process.env, ...env }, detached: true, stdio });
   children.push(child);
   return child;
 }
@@ -77,6 +81,7 @@ async function redisUp(port) {
   for (let i = 0; i < 100; i += 1) {
     const ok = await new Promise((done) => {
       const s = createConnection({ host: '127.0.0.1', port }, () => s.write('PING\r\n'));
+      s.setTimeout(500, () => { s.destroy(); done(false); });
       s.on('data', (d) => { s.destroy(); done(d.toString().startsWith('+PONG')); });
       s.on('error', () => done(false));
     });
@@ -108,7 +113,7 @@ await once(origin, 'listening');
 const originAt = `127.0.0.1:${origin.address().port}`;
 
 const redisPort = await freePort();
-start(process.env.REDIS_SERVER_BIN ?? 'redis-server', ['--port', String(redisPort), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no']);
+start(process.env.REDIS_SERVER_BIN ?? 'redis-server', ['--port', String(redisPort), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {}, 'ignore');
 await redisUp(redisPort);
 
 const hosts = [];
@@ -145,11 +150,13 @@ console.log(`platform: 2 jco serve hosts (${hosts.join(', ')}), redis-server on 
     const t0 = performance.now();
     const res = await fetch(`${hosts[i % 2]}/items/cold`);
     const body = await res.text();
-    return { ms: performance.now() - t0, status: res.status, body };
+    return { ms: performance.now() - t0, status: res.status, body, how: res.headers.get('x-corral') };
   }));
   const wall = performance.now() - started;
   const bad = results.filter((r) => r.status !== 200 || r.body !== 'item cold from the origin');
   if (bad.length) fail(`${bad.length} of ${REQUESTS} requests got something else, first: ${bad[0].status} ${bad[0].body}`);
+  const loaded = results.filter((r) => r.how === 'loaded').length;
+  if (loaded !== 1) fail(`${loaded} requests say they loaded the value`);
   const ms = results.map((r) => r.ms).sort((a, b) => a - b);
   console.log(`platform: ${REQUESTS} requests for one cold id over 2 hosts: p50 ${percentile(ms, 50).toFixed(1)} ms, p99 ${percentile(ms, 99).toFixed(1)} ms, max ${ms[ms.length - 1].toFixed(1)} ms, all in ${wall.toFixed(0)} ms`);
 }
@@ -158,6 +165,9 @@ if (coldCalls !== 1) fail(`${coldCalls} origin calls for one cold id`);
 
 // 3. A write through one host, served by the other.
 {
+  // Host 1 holds the old value in L1 when the write lands.
+  const before = await fetch(`${hosts[1]}/items/cold`);
+  if ((await before.text()) !== 'item cold from the origin' || before.headers.get('x-corral') !== 'hit') fail('host 1 did not hold the old value');
   const put = await fetch(`${hosts[0]}/items/cold`, { method: 'PUT', body: 'written through host 0' });
   if (put.status !== 204) fail(`PUT: ${put.status} ${await put.text()}`);
   const t0 = performance.now();
@@ -169,7 +179,8 @@ if (coldCalls !== 1) fail(`${coldCalls} origin calls for one cold id`);
   }
   const after = performance.now() - t0;
   if (seen !== 'written through host 0') fail(`host 1 still served "${seen}" ${after.toFixed(0)} ms after the PUT`);
-  if (after > L1_TTL_MS + 500) fail(`host 1 served the write only after ${after.toFixed(0)} ms (bound: the L1 TTL, ${L1_TTL_MS} ms)`);
+  // The bound is the L1 TTL, plus the requests in flight meanwhile on a busy machine.
+  if (after > L1_TTL_MS + SLACK_MS) fail(`host 1 served the write only after ${after.toFixed(0)} ms (bound: the L1 TTL, ${L1_TTL_MS} ms)`);
   console.log(`platform: a PUT through host 0 was served by host 1 after ${after.toFixed(0)} ms (bound: the L1 TTL, ${L1_TTL_MS} ms)`);
 }
 

@@ -1,6 +1,6 @@
 // The Redis connection of keyvalue-redis.mjs, in a worker thread: it performs each
-// command the main thread posts on its port (one at a time: the main thread blocks until
-// the answer), posts the reply, and rings the bell. RESP2 over one TCP connection.
+// command the main thread posts on its port, posts the reply with the command's id, and
+// rings the bell. RESP2 over one TCP connection, opened again after it is lost.
 import { workerData } from 'node:worker_threads';
 import { createConnection } from 'node:net';
 
@@ -35,7 +35,7 @@ function parse(buf, at) {
       }
       return [items, pos];
     }
-    default: throw new Error(`unexpected RESP byte ${buf[at]}`);
+    default: return [{ error: `unexpected RESP byte ${buf[at]}` }, buf.length];
   }
 }
 
@@ -54,25 +54,38 @@ const answer = (message) => {
   Atomics.notify(bell, 0);
 };
 
+// Commands sent and not answered yet, in order: each reply answers the oldest. A reply
+// carries its command's id, so the main thread can drop one it stopped waiting for.
+const sent = [];
 let pending = Buffer.alloc(0);
-let waiting = null;
-const socket = createConnection({ host, port: redisPort });
-socket.on('data', (chunk) => {
-  pending = Buffer.concat([pending, chunk]);
-  const parsed = parse(pending, 0);
-  if (!parsed || !waiting) return;
-  pending = pending.subarray(parsed[1]);
-  waiting = null;
-  const [value] = parsed;
-  answer(value && typeof value === 'object' && 'error' in value ? { error: value.error } : { value });
-});
-socket.on('error', (e) => {
-  if (waiting) {
-    waiting = null;
-    answer({ error: `redis: ${e.message}` });
-  }
-});
-port.on('message', (args) => {
-  waiting = args;
+let socket = null;
+
+function connect() {
+  const s = createConnection({ host, port: redisPort });
+  s.on('data', (chunk) => {
+    pending = Buffer.concat([pending, chunk]);
+    for (let parsed = parse(pending, 0); parsed; parsed = parse(pending, 0)) {
+      pending = pending.subarray(parsed[1]);
+      const id = sent.shift();
+      if (id === undefined) continue;
+      const [value] = parsed;
+      answer(value && typeof value === 'object' && 'error' in value ? { id, error: value.error } : { id, value });
+    }
+  });
+  // A connection that fails or closes fails what it still owes; the next command opens
+  // a new one (a restarted server is reached again).
+  const lost = (why) => {
+    if (socket === s) socket = null;
+    pending = Buffer.alloc(0);
+    for (const id of sent.splice(0)) answer({ id, error: `redis: ${why}` });
+  };
+  s.on('error', (e) => lost(e.message));
+  s.on('close', () => lost('the connection closed'));
+  return s;
+}
+
+port.on('message', ({ id, args }) => {
+  socket ??= connect();
+  sent.push(id);
   socket.write(encode(args));
 });
