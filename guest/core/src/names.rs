@@ -149,6 +149,33 @@ pub fn tag_name(prefix: &str, tag_: &str) -> Result<String, ArgError> {
     Ok(name(prefix, tag_, Kind::Tag))
 }
 
+/// What kind of a key's data `name` names, read back from the name (`…}:e`, `…}:e@3`):
+/// none for a name of the prefix's own (the generation, the channels) or not Corral's.
+/// A store that cannot change data only over what was read tells entries from the rest
+/// by it.
+pub fn kind_of(name: &str) -> Option<Kind> {
+    let (head, last) = name.rsplit_once(':')?;
+    if !head.ends_with('}') {
+        return None;
+    }
+    let mut rest = last.chars();
+    let kind = match rest.next()? {
+        'e' => Kind::Entry,
+        'l' => Kind::FlightLock,
+        'k' => Kind::Lock,
+        'f' => Kind::Fence,
+        't' => Kind::Tag,
+        _ => return None,
+    };
+    let suffix = rest.as_str();
+    let generation_ok = suffix.is_empty()
+        || matches!(kind, Kind::Entry | Kind::FlightLock)
+            && suffix
+                .strip_prefix('@')
+                .is_some_and(|g| !g.is_empty() && g.bytes().all(|b| b.is_ascii_digit()));
+    generation_ok.then_some(kind)
+}
+
 /// The generation counter of `prefix` (clear): `{<n>:<prefix>}:g`.
 pub fn generation(prefix: &str) -> String {
     format!("{}:g", tag(prefix, ""))
@@ -184,6 +211,29 @@ fn tag(prefix: &str, key: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_names_kind_reads_back_from_it_and_only_from_corrals_names() {
+        let limits = Limits::default();
+        for g in [0, 7] {
+            let n = locate_in("corral:", "a:b}:e", g, &limits).unwrap();
+            assert_eq!(kind_of(&n.entry), Some(Kind::Entry), "{}", n.entry);
+            assert_eq!(kind_of(&n.flight_lock), Some(Kind::FlightLock));
+            assert_eq!(kind_of(&n.lock), Some(Kind::Lock));
+            assert_eq!(kind_of(&n.fence), Some(Kind::Fence));
+        }
+        assert_eq!(kind_of(&tag_name("corral:", "t").unwrap()), Some(Kind::Tag));
+        for other in [
+            generation("corral:"),
+            invalidations("corral:"),
+            channel("corral:"),
+        ] {
+            assert_eq!(kind_of(&other), None, "{other}");
+        }
+        for foreign in ["", "e", "x:e", "{a}:e@", "{a}:e@1x", "{a}:k@1", "{a}:q"] {
+            assert_eq!(kind_of(foreign), None, "{foreign}");
+        }
+    }
     use proptest::prelude::*;
 
     #[test]

@@ -7,6 +7,7 @@ use corral_core::kv;
 
 use crate::bindings::exports::corral::cache::l2;
 use crate::bindings::exports::corral::cache::types::Error;
+#[cfg(not(feature = "draft"))]
 use crate::bindings::wasi::keyvalue::atomics::{self, Cas, CasError};
 use crate::bindings::wasi::keyvalue::store::{self, Bucket};
 use crate::{Adapter, now_ms};
@@ -14,7 +15,11 @@ use crate::{Adapter, now_ms};
 /// The environment variable naming the bucket.
 const STORE_VAR: &str = "CORRAL_KEYVALUE_STORE";
 /// The bucket opened when it names none: Spin's default store label.
+#[cfg(not(feature = "draft"))]
 const DEFAULT_STORE: &str = "default";
+/// The bucket opened when it names none: wasmtime's in-memory store has only `""`.
+#[cfg(feature = "draft")]
+const DEFAULT_STORE: &str = "";
 
 thread_local! {
     static BUCKET: OnceCell<Bucket> = const { OnceCell::new() };
@@ -47,6 +52,7 @@ pub(crate) fn with_bucket<T>(f: impl FnOnce(&Bucket) -> Result<T, Error>) -> Res
 /// (`kv::live`) and says what record to write, if any, and what to answer. When the key
 /// changed between the read and the swap, it is read and decided again, up to the
 /// core's compare-and-swap tries.
+#[cfg(not(feature = "draft"))]
 pub(crate) fn change<T>(
     name: &str,
     mut decide: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, T),
@@ -70,6 +76,30 @@ pub(crate) fn change<T>(
     }
     Err(Error::Unavailable(format!("{name:?} kept changing")))
 }
+
+/// Changes what `name` holds without compare-and-swap (`draft`): a read, then a write.
+/// Another instance's write between the two is lost; only what may be lost (a removal's
+/// tombstone, a lock) goes this way, never a value a read could be fenced on.
+#[cfg(feature = "draft")]
+pub(crate) fn change<T>(
+    name: &str,
+    decide: impl FnOnce(Option<&[u8]>) -> (Option<Vec<u8>>, T),
+) -> Result<T, Error> {
+    with_bucket(|bucket| {
+        let current = bucket.get(name).map_err(store_error)?;
+        let live = current.as_deref().and_then(|stored| kv::live(stored, now_ms()));
+        let (write, answer) = decide(live);
+        if let Some(record) = write {
+            bucket.set(name, &record).map_err(store_error)?;
+        }
+        Ok(answer)
+    })
+}
+
+/// Whether a change that must land only over what was read can be made: not without
+/// compare-and-swap (`draft`), where it is refused (a touch or a conditional removal is
+/// not made; a fenced write fails).
+const CONDITIONAL: bool = cfg!(not(feature = "draft"));
 
 /// A fresh random owner token for the get-or-set lock: 128 bits from `wasi:random/random`
 /// (which hosts must not make deterministic).
@@ -97,6 +127,9 @@ impl l2::Guest for Adapter {
     }
 
     fn delete_if_equal(name: String, expected: Vec<u8>) -> Result<bool, Error> {
+        if !CONDITIONAL {
+            return Ok(false);
+        }
         change(&name, |live| {
             let equal = live == Some(&expected[..]);
             (equal.then(kv::tombstone), equal)
@@ -104,6 +137,9 @@ impl l2::Guest for Adapter {
     }
 
     fn replace_if_equal(name: String, expected: Vec<u8>, value: Vec<u8>, ttl_ms: u64) -> Result<bool, Error> {
+        if !CONDITIONAL {
+            return Ok(false);
+        }
         change(&name, |live| {
             let equal = live == Some(&expected[..]);
             (
@@ -120,7 +156,21 @@ impl l2::Guest for Adapter {
         })
     }
 
+    /// Without compare-and-swap (`draft`): an entry's fenced write (a load's fill) is
+    /// not written, and says it landed when the store still holds what the flight read,
+    /// so the value stays in this instance's L1 only (never over a newer write the store
+    /// holds, never in the store where it could land over one); any other (a tag's
+    /// moments, the generation) fails, saying why, instead of being lost.
     fn set_if(name: String, expected: Option<Vec<u8>>, value: Vec<u8>, ttl_ms: u64) -> Result<bool, Error> {
+        if !CONDITIONAL {
+            if corral_core::names::kind_of(&name) == Some(corral_core::names::Kind::Entry) {
+                return Ok(Self::get(name)? == expected);
+            }
+            return Err(Error::Unavailable(
+                "wasi:keyvalue@0.2.0-draft has no compare-and-swap: a write made only over what was read cannot be made"
+                    .to_owned(),
+            ));
+        }
         change(&name, |live| {
             let equal = live == expected.as_deref();
             (

@@ -17,17 +17,43 @@
 //!   timeouts bound them.
 //!
 //! The store is the `wasi:keyvalue` bucket named by `CORRAL_KEYVALUE_STORE` (default
-//! `default`, Spin's default label).
+//! `default`, Spin's default label; `""`, wasmtime's only one, with `draft`).
+//!
+//! With the feature `draft`, the adapter is built on `wasi:keyvalue@0.2.0-draft`
+//! (wasmtime's `-S keyvalue`, wasmCloud), which has no compare-and-swap. It promises
+//! less, and never a wrong value:
+//! - a change that must land only over what was read is not made in the store: a load's
+//!   fill stays in this instance's L1 (when the store still holds what the flight read),
+//!   sliding touches and conditional removals are skipped, and tag invalidations and
+//!   `clear` fail (`unavailable`, saying why) rather than be lost;
+//! - `set`, removals, the get-or-set lock and the lock table are read-then-write: two
+//!   instances may both take a lock (a second load, never shared), and the `lock`
+//!   export's locks are exclusive only within an instance.
 
 #![cfg(target_arch = "wasm32")]
 
 /// The generated bindings. The canonical-ABI glue they contain is `unsafe` by nature;
 /// it is allowed here and nowhere else.
 #[allow(unsafe_code)]
+#[cfg(not(feature = "draft"))]
 mod bindings {
     wit_bindgen::generate!({
         path: "../wit",
         world: "corral:platform/keyvalue-adapter",
+        generate_all,
+    });
+
+    use super::Adapter;
+    export!(Adapter);
+}
+
+/// The bindings of the `@0.2.0-draft` flavour (feature `draft`).
+#[allow(unsafe_code)]
+#[cfg(feature = "draft")]
+mod bindings {
+    wit_bindgen::generate!({
+        path: "../wit-draft",
+        world: "corral:platform-draft/keyvalue-adapter",
         generate_all,
     });
 
