@@ -1,5 +1,5 @@
 //! Locks (contract §6): an in-memory lock table, leases on one Redis or on several
-//! (Redlock) with a watchdog and fencing tokens, and the keyed semaphore. Every decision
+//! (Redlock) with a watchdog and fencing tokens. Every decision
 //! (who wins, when a lock is expired, when to retry, whether a quorum holds, when to
 //! renew, which fencing token) is the guest's; this module performs the I/O.
 //!
@@ -10,14 +10,12 @@
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
-mod semaphore;
 
 pub use memory::MemoryLocks;
 #[cfg(feature = "redis")]
 pub(crate) use redis::Server;
 #[cfg(feature = "redis")]
 pub use redis::{Lease, LockOptions, RedisLocks};
-pub use semaphore::{KeyPermit, KeyedSemaphore};
 
 /// Which of the guest's lock scripts (`corral-core`'s `script::LOCK_*`) a lease runs on
 /// one server.

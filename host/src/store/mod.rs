@@ -24,8 +24,11 @@ use crate::Result;
 mod breaker;
 pub(crate) mod l1;
 mod landing;
-#[cfg(feature = "redis")]
+// The Redis connection type is no part of the API: only tests reach it.
+#[cfg(all(feature = "redis", any(test, feature = "test-util")))]
 pub mod link;
+#[cfg(all(feature = "redis", not(any(test, feature = "test-util"))))]
+pub(crate) mod link;
 pub mod memory;
 #[cfg(feature = "redis")]
 mod owners;
