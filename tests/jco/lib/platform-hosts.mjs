@@ -12,14 +12,10 @@
 //   3. a PUT through one host is served by the other within the app's L1 TTL (1 s), plus
 //      1 s for the requests in flight on a busy machine.
 // The last line reads `platform: N origin calls for 500 requests over 2 hosts`.
-import { spawn } from 'node:child_process';
-import { createServer } from 'node:http';
-import { createConnection, createServer as createTcpServer } from 'node:net';
+import { createConnection } from 'node:net';
 import { resolve, dirname } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { once } from 'node:events';
-import { readFile } from 'node:fs/promises';
-import { componentWit } from '@bytecodealliance/jco';
+import { fail, firstRead, freePort, printed, start, startOrigin, stop, wasiOnly } from './platform-run.mjs';
 
 const here = dirname(fileURLToPath(import.meta.url));
 const app = resolve(process.argv[2] ?? 'target/platform/app.wasm');
@@ -30,52 +26,6 @@ const ORIGIN_MS = 200;
 const L1_TTL_MS = 1000;
 const POLL_MS = 20;
 const SLACK_MS = 1000;
-
-const children = [];
-const fail = (why) => {
-  console.error(`platform: FAILED: ${why}`);
-  stop();
-  process.exit(1);
-};
-function stop() {
-  for (const child of children) {
-    try { process.kill(-child.pid, 'SIGKILL'); } catch { /* gone */ }
-  }
-}
-process.on('exit', stop);
-// A run cancelled (a CI timeout, ^C) stops what it started too.
-process.on('SIGINT', () => process.exit(130));
-process.on('SIGTERM', () => process.exit(143));
-
-async function freePort() {
-  const server = createTcpServer().listen(0, '127.0.0.1');
-  await once(server, 'listening');
-  const { port } = server.address();
-  server.close();
-  return port;
-}
-
-/** Starts `cmd` in a process group of its own (so that its children stop with it). */
-function start(cmd, args, env = {}, stdio = ['ignore', 'pipe', 'pipe']) {
-  const child = spawn(cmd, args, { env: { ...process.env, ...env }, detached: true, stdio });
-  children.push(child);
-  return child;
-}
-
-/** Resolves once `child` printed `text` on stdout or stderr, within `ms`. */
-function printed(child, text, ms) {
-  return new Promise((ok, no) => {
-    let seen = '';
-    const timer = setTimeout(() => no(new Error(`no "${text}" within ${ms} ms; it printed: ${seen.slice(-2000)}`)), ms);
-    const look = (chunk) => {
-      seen += chunk;
-      if (seen.includes(text)) { clearTimeout(timer); ok(); }
-    };
-    child.stdout.on('data', look);
-    child.stderr.on('data', look);
-    child.on('exit', (code) => { clearTimeout(timer); no(new Error(`exited with ${code}: ${seen.slice(-2000)}`)); });
-  });
-}
 
 async function redisUp(port) {
   for (let i = 0; i < 100; i += 1) {
@@ -94,23 +44,10 @@ async function redisUp(port) {
 const percentile = (sorted, p) => sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))];
 
 // 0. The application, composed, imports nothing but `wasi:*`.
-{
-  const wit = await componentWit(await readFile(app));
-  const imports = [...wit.matchAll(/^\s*import ([^;]+);/gm)].map((m) => m[1]);
-  const foreign = imports.filter((i) => !i.startsWith('wasi:'));
-  if (foreign.length) fail(`${app} imports ${foreign.join(', ')}`);
-  console.log(`platform: ${app} imports ${imports.length} interfaces, all wasi:*`);
-}
+await wasiOnly(app);
 
 // The origin: slow, counting its calls per id.
-const calls = new Map();
-const origin = createServer((req, res) => {
-  const id = decodeURIComponent(req.url.replace(/^\/items\//, ''));
-  calls.set(id, (calls.get(id) ?? 0) + 1);
-  setTimeout(() => res.end(`item ${id} from the origin`), ORIGIN_MS);
-}).listen(0, '127.0.0.1');
-await once(origin, 'listening');
-const originAt = `127.0.0.1:${origin.address().port}`;
+const { calls, at: originAt, close: closeOrigin } = await startOrigin(ORIGIN_MS);
 
 const redisPort = await freePort();
 start(process.env.REDIS_SERVER_BIN ?? 'redis-server', ['--port', String(redisPort), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {}, 'ignore');
@@ -133,15 +70,7 @@ for (let i = 0; i < 2; i += 1) {
 console.log(`platform: 2 jco serve hosts (${hosts.join(', ')}), redis-server on ${redisPort}, origin on ${originAt} (${ORIGIN_MS} ms a call)`);
 
 // 1. The origin's value, and a hit on a second read within the request.
-{
-  const res = await fetch(`${hosts[0]}/items/first`);
-  const body = await res.text();
-  if (res.status !== 200 || body !== 'item first from the origin') fail(`GET /items/first: ${res.status} ${body}`);
-  if (res.headers.get('x-corral') !== 'loaded' || res.headers.get('x-corral-again') !== 'hit') {
-    fail(`GET /items/first: x-corral ${res.headers.get('x-corral')}, x-corral-again ${res.headers.get('x-corral-again')}`);
-  }
-  console.log('platform: GET /items/first answered the origin\'s value (loaded), and a second read within the request was a hit');
-}
+await firstRead(hosts[0], 'jco serve');
 
 // 2. One cold id, 500 concurrent requests over both hosts.
 {
@@ -185,6 +114,6 @@ if (coldCalls !== 1) fail(`${coldCalls} origin calls for one cold id`);
 }
 
 stop();
-origin.close();
+closeOrigin();
 console.log(`platform: ${coldCalls} origin calls for ${REQUESTS} requests over 2 hosts`);
 process.exit(0);

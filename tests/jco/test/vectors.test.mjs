@@ -35,10 +35,11 @@ import { join, dirname, resolve } from 'node:path';
 import { fileURLToPath, pathToFileURL } from 'node:url';
 import { isDeepStrictEqual } from 'node:util';
 import { MessageChannel, Worker } from 'node:worker_threads';
-import { componentWit, transpile } from '@bytecodealliance/jco';
+import { transpile } from '@bytecodealliance/jco';
 import { WASIShim } from '@bytecodealliance/preview2-shim/instantiation';
 import { getOrSet, drop } from '../lib/get-or-set.mjs';
 import { keyvalue } from '../lib/keyvalue.mjs';
+import { worldOf } from '../lib/world.mjs';
 
 const here = dirname(fileURLToPath(import.meta.url));
 const root = resolve(here, '..', '..', '..');
@@ -697,9 +698,7 @@ test('the contract vectors pass in the composed corral-wasi component (keyvalue 
 test('the composed component imports only wasi:* interfaces and exports the cache and the locks', async (t) => {
   const bytes = await composedBytes(t);
   if (!bytes) return;
-  const wit = await componentWit(bytes);
-  const imports = [...wit.matchAll(/^\s*import ([^;]+);/gm)].map((m) => m[1]);
-  const exports = [...wit.matchAll(/^\s*export ([^;]+);/gm)].map((m) => m[1]);
+  const { imports, exports } = await worldOf(bytes);
   console.log(`composed imports: ${imports.join(', ')}`);
   assert.ok(imports.some((i) => i.startsWith('wasi:keyvalue/atomics@')), 'it imports wasi:keyvalue atomics');
   assert.deepStrictEqual(imports.filter((i) => !i.startsWith('wasi:')), [], 'nothing but wasi:* is imported');
