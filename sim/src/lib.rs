@@ -4,7 +4,9 @@
 //! and workloads drawn from one seed. See `docs/simulator.md` and `sim/README.md`.
 
 pub(crate) mod body;
+pub(crate) mod keyspace;
 pub(crate) mod locks;
+pub(crate) mod lua;
 pub mod report;
 pub mod rng;
 pub mod run;
@@ -13,7 +15,7 @@ pub mod world;
 
 pub use report::Totals;
 pub use run::{Outcome, run_seed};
-pub use scenario::{Broken, FaultRates, Scenario};
+pub use scenario::{BROKEN, Broken, FaultRates, Scenario};
 
 /// Keeps the simulated loaders' deliberate panics off stderr (other panics still print).
 pub fn quiet_loader_panics() {

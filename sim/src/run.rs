@@ -166,6 +166,8 @@ struct Acked {
 
 struct Plan {
     down: Vec<Vec<(u64, u64)>>,
+    /// Per process, the spans its subscription alone is down.
+    deaf: Vec<Vec<(u64, u64)>>,
     restart: Option<u64>,
     skew: Vec<i64>,
     steps: Vec<(usize, u64, i64)>,
@@ -212,8 +214,16 @@ fn plan(s: &Scenario, seed: u64) -> Plan {
     let crash = r
         .chance(f.crash_pm)
         .then(|| (r.range(0, s.procs as u64 - 1) as usize, r.range(0, HORIZON_MS)));
+    let mut deaf = vec![Vec::new(); s.procs];
+    for spans in deaf.iter_mut() {
+        if r.chance(f.deaf_pm) {
+            let a = r.range(0, HORIZON_MS);
+            spans.push((a, a + r.range(100, 2_000)));
+        }
+    }
     Plan {
         down,
+        deaf,
         restart,
         skew,
         steps,
@@ -310,7 +320,13 @@ impl Ctx {
 async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     crate::quiet_loader_panics();
     let plan = plan(&scenario, seed);
-    let world = World::new(scenario.clone(), seed, plan.down.clone(), plan.paused.clone());
+    let world = World::new(
+        scenario.clone(),
+        seed,
+        plan.down.clone(),
+        plan.deaf.clone(),
+        plan.paused.clone(),
+    );
     world.log(format_args!(
         "seed {seed} scenario {} procs {}",
         scenario.name, scenario.procs
@@ -377,6 +393,17 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         for &(a, b) in spans {
             world.fault("conn-down");
             world.log(format_args!("plan: p{p} connection down {a}..{b}"));
+            let w = world.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(b)).await;
+                w.resubscribed(p);
+            });
+        }
+    }
+    for (p, spans) in plan.deaf.iter().enumerate() {
+        for &(a, b) in spans {
+            world.fault("subscription-drop");
+            world.log(format_args!("plan: p{p} subscription down {a}..{b}"));
             let w = world.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(b)).await;
@@ -538,18 +565,9 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         *l = (*l).max(c.t_end - c.t_inv);
     }
     let st = world.st.lock();
-    let b = scenario.broken;
-    let broken = match (
-        b.unfenced_set_if,
-        b.mute_notifications,
-        b.lock_without_nx,
-        b.unfloored_fences,
-    ) {
-        (true, ..) => " --broken unfenced",
-        (_, true, ..) => " --broken mute",
-        (_, _, true, _) => " --broken no-nx",
-        (.., true) => " --broken no-floor",
-        _ => "",
+    let broken = match scenario.broken.name {
+        "" => String::new(),
+        name => format!(" --broken {name}"),
     };
     let broken = format!("{broken}{}", if scenario.portable { " --portable" } else { "" });
     Outcome {

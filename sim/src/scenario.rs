@@ -11,6 +11,9 @@ pub struct FaultRates {
     pub notify_lost_pm: u32,
     /// Per process and run: its connection goes down for 100..2000 ms.
     pub down_pm: u32,
+    /// Per process and run: its subscription alone drops for 100..2000 ms (commands
+    /// flow; notifications to it are lost; it resubscribes and drops its L1 after).
+    pub deaf_pm: u32,
     /// Per run: the store restarts empty once.
     pub restart_pm: u32,
     /// Per process and run: its wall clock is skewed (±300 ms), and, again, stepped
@@ -34,6 +37,8 @@ pub struct FaultRates {
 /// A deliberately broken store, to show the invariants catch what they claim to.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Broken {
+    /// Its name on the command line (`--broken NAME`); empty for the real store.
+    pub name: &'static str,
     /// `set_if` ignores `expected`: fenced fills become plain sets.
     pub unfenced_set_if: bool,
     /// Notifications are never delivered (and not recorded as faults), so L1 copies
@@ -42,23 +47,140 @@ pub struct Broken {
     /// `try_lock` always takes the lock (`SET` without `NX`): no single flight across
     /// processes.
     pub lock_without_nx: bool,
-    /// Lease fencing counters are not raised to the store's clock: after a restart they
-    /// start again from 1, below tokens granted before.
-    pub unfloored_fences: bool,
+    /// A planted bug in one of the guest's Lua scripts, which the store runs as given.
+    pub patch: Option<Patch>,
 }
 
+/// One of the guest's Lua scripts (`corral_core::script`), as the simulated store runs
+/// them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Script {
+    ReadAndTouch,
+    DeleteIfEqual,
+    ReplaceIfEqual,
+    LockAcquire,
+    LockRelease,
+    LockExtend,
+}
+
+impl Script {
+    /// The script's text, exactly as every body sends it.
+    pub fn text(self) -> &'static str {
+        use corral_core::script;
+        match self {
+            Script::ReadAndTouch => script::READ_AND_TOUCH,
+            Script::DeleteIfEqual => script::DELETE_IF_EQUAL,
+            Script::ReplaceIfEqual => script::REPLACE_IF_EQUAL,
+            Script::LockAcquire => script::LOCK_ACQUIRE,
+            Script::LockRelease => script::LOCK_RELEASE,
+            Script::LockExtend => script::LOCK_EXTEND,
+        }
+    }
+}
+
+/// A small bug planted in a script's text: `find` (which must occur in it) replaced by
+/// `replace`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Patch {
+    pub script: Script,
+    pub find: &'static str,
+    pub replace: &'static str,
+}
+
+impl Patch {
+    /// The patched text.
+    ///
+    /// # Panics
+    /// When `find` is not in the script: the planted bug no longer applies.
+    pub fn apply(&self) -> String {
+        let text = self.script.text();
+        assert!(
+            text.contains(self.find),
+            "{:?} no longer contains {:?}: the planted bug needs updating",
+            self.script,
+            self.find
+        );
+        text.replacen(self.find, self.replace, 1)
+    }
+}
+
+/// The broken stores, by name, and what each breaks.
+pub const BROKEN: &[(&str, &str)] = &[
+    ("unfenced", "set_if ignores what it expects: fills are not fenced"),
+    ("mute", "notifications are never delivered"),
+    ("no-nx", "the flight lock is taken without NX"),
+    (
+        "no-floor",
+        "Lua: the lease acquire does not raise the fencing counter to the store clock",
+    ),
+    (
+        "acquire-no-nx",
+        "Lua: the lease acquire takes the lock without NX",
+    ),
+    (
+        "release-unchecked",
+        "Lua: the lease release deletes the lock whoever holds it",
+    ),
+    (
+        "extend-unchecked",
+        "Lua: the lease extend resets the TTL whoever holds it",
+    ),
+    (
+        "delete-unchecked",
+        "Lua: delete-if-equal (flight lock release) deletes whatever is there",
+    ),
+    (
+        "replace-unchecked",
+        "Lua: replace-if-equal (fenced fill) writes over whatever is there",
+    ),
+];
+
 impl Broken {
-    /// A broken store by name: `unfenced`, `mute`, `no-nx`, `no-floor`.
+    /// A broken store by name (see [`BROKEN`]).
     pub fn named(name: &str) -> Option<Broken> {
-        let mut b = Broken::default();
-        match name {
+        let (name, _) = BROKEN.iter().find(|(n, _)| *n == name)?;
+        let mut b = Broken {
+            name,
+            ..Broken::default()
+        };
+        let patch = |script, find, replace| {
+            Some(Patch {
+                script,
+                find,
+                replace,
+            })
+        };
+        match *name {
             "unfenced" => b.unfenced_set_if = true,
             "mute" => b.mute_notifications = true,
             "no-nx" => b.lock_without_nx = true,
-            "no-floor" => b.unfloored_fences = true,
+            "no-floor" => {
+                b.patch = patch(
+                    Script::LockAcquire,
+                    "if below(counter, floor) then",
+                    "if false then",
+                );
+            }
+            "acquire-no-nx" => b.patch = patch(Script::LockAcquire, "'NX', 'PX'", "'PX'"),
+            "release-unchecked" => {
+                b.patch = patch(Script::LockRelease, "if holder == ARGV[1] then", "if holder then");
+            }
+            "extend-unchecked" => {
+                b.patch = patch(Script::LockExtend, "if holder == ARGV[1] then", "if holder then");
+            }
+            "delete-unchecked" => b.patch = patch(Script::DeleteIfEqual, "== ARGV[1] then", "~= nil then"),
+            "replace-unchecked" => b.patch = patch(Script::ReplaceIfEqual, "== ARGV[1] then", "~= nil then"),
             _ => return None,
         }
         Some(b)
+    }
+
+    /// The text the store runs for `script`: the guest's, or this store's planted bug.
+    pub fn script(&self, script: Script) -> std::borrow::Cow<'static, str> {
+        match self.patch {
+            Some(p) if p.script == script => std::borrow::Cow::Owned(p.apply()),
+            _ => std::borrow::Cow::Borrowed(script.text()),
+        }
     }
 }
 
@@ -129,6 +251,7 @@ impl Scenario {
             reply_lost_pm: 30,
             notify_lost_pm: 50,
             down_pm: 250,
+            deaf_pm: 250,
             ..FaultRates::default()
         };
         s
@@ -155,6 +278,7 @@ impl Scenario {
             reply_lost_pm: 25,
             notify_lost_pm: 50,
             down_pm: 200,
+            deaf_pm: 200,
             restart_pm: 250,
             clock_pm: 300,
             loader_slow_pm: 150,

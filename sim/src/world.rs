@@ -23,8 +23,10 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 
+use crate::keyspace::{Step, Write};
+use crate::lua::{Keyspace as _, Reply};
 use crate::rng::Rng;
-use crate::scenario::Scenario;
+use crate::scenario::{Broken, Scenario, Script};
 
 tokio::task_local! {
     /// The workload call a task runs (its store commands are that call's).
@@ -100,9 +102,9 @@ pub struct Version {
 }
 
 #[derive(Clone, Debug)]
-struct Stored {
-    bytes: Bytes,
-    until: u64,
+pub(crate) struct Stored {
+    pub(crate) bytes: Bytes,
+    pub(crate) until: u64,
     /// The virtual time this version was applied.
     since: u64,
 }
@@ -173,7 +175,7 @@ pub struct State {
     rng: Rng,
     pub(crate) calm: bool,
     pub trace: String,
-    entries: BTreeMap<String, Stored>,
+    pub(crate) entries: BTreeMap<String, Stored>,
     pub(crate) locks: BTreeMap<String, HeldLock>,
     order: u64,
     seq: u64,
@@ -196,6 +198,8 @@ pub struct State {
     pub excused: BTreeMap<&'static str, u64>,
     /// Per process, the spans its connection is down.
     pub(crate) down: Vec<Vec<(u64, u64)>>,
+    /// Per process, the spans its subscription alone is down (commands flow).
+    pub(crate) deaf: Vec<Vec<(u64, u64)>>,
     /// Per process, the spans it is paused (none of its tasks gets past a gate).
     pub(crate) paused: Vec<Vec<(u64, u64)>>,
     /// Per process, when it crashed.
@@ -207,7 +211,7 @@ pub struct State {
     /// Owner tokens a release was sent for (or tried: refused, lost, whatever came of it).
     pub release_attempts: std::collections::BTreeSet<String>,
     /// Lease fencing counters, by store name (gone with a restart, as without persistence).
-    fences: BTreeMap<String, u64>,
+    pub(crate) fences: BTreeMap<String, u64>,
     /// When the store restarted.
     pub restarts: Vec<u64>,
     /// The fenced resource: per lock key, the highest token it accepted.
@@ -242,6 +246,7 @@ impl World {
         scenario: Scenario,
         seed: u64,
         down: Vec<Vec<(u64, u64)>>,
+        deaf: Vec<Vec<(u64, u64)>>,
         paused: Vec<Vec<(u64, u64)>>,
     ) -> Arc<Self> {
         let procs = (0..scenario.procs).map(|_| ProcNet::default()).collect();
@@ -268,6 +273,7 @@ impl World {
                 violations: Vec::new(),
                 excused: BTreeMap::new(),
                 down,
+                deaf,
                 paused,
                 crashed,
                 names: BTreeMap::new(),
@@ -324,6 +330,21 @@ impl World {
     pub(crate) fn is_down(&self, proc: usize, t: u64) -> bool {
         let st = self.st.lock();
         !st.calm && st.down[proc].iter().any(|&(a, b)| a <= t && t < b)
+    }
+
+    /// When `proc` hears its channel again, if it cannot at `t`: its connection or its
+    /// subscription alone is down (it resubscribes, and drops its L1, at the end).
+    pub(crate) fn deaf_until(&self, proc: usize, t: u64) -> Option<u64> {
+        let st = self.st.lock();
+        if st.calm {
+            return None;
+        }
+        st.down[proc]
+            .iter()
+            .chain(&st.deaf[proc])
+            .filter(|&&(a, b)| a <= t && t < b)
+            .map(|&(_, b)| b)
+            .max()
     }
 
     /// Waits while `proc` is paused: every store command, reply, delivery, loader and
@@ -611,7 +632,7 @@ impl State {
         self.locks.get(name).filter(|l| now < l.until)
     }
 
-    fn key_of(&self, name: &str) -> String {
+    pub(crate) fn key_of(&self, name: &str) -> String {
         let tag = name.rsplit_once(':').map_or(name, |(t, _)| t);
         self.names.get(tag).cloned().unwrap_or_else(|| name.to_owned())
     }
@@ -650,7 +671,7 @@ impl State {
     }
 
     /// As [`push_version`](Self::push_version), written under the store name `name`.
-    fn push_version_of(&mut self, key: &str, name: &str, t: u64, kind: VersionKind) -> u64 {
+    pub(crate) fn push_version_of(&mut self, key: &str, name: &str, t: u64, kind: VersionKind) -> u64 {
         self.order += 1;
         let order = self.order;
         if let VersionKind::Set(v) | VersionKind::Load { value: v, .. } = &kind {
@@ -665,7 +686,7 @@ impl State {
         order
     }
 
-    fn live(&mut self, name: &str, now: u64) -> Option<Bytes> {
+    pub(crate) fn live(&mut self, name: &str, now: u64) -> Option<Bytes> {
         match self.entries.get(name) {
             Some(s) if now < s.until => Some(s.bytes.clone()),
             Some(_) => {
@@ -677,7 +698,7 @@ impl State {
     }
 
     /// Writes `bytes` under `name`, recording the version; `fenced` for a `set_if`.
-    fn write(&mut self, proc: usize, name: &str, bytes: Bytes, ttl: u64, now: u64, fenced: bool) {
+    pub(crate) fn write(&mut self, proc: usize, name: &str, bytes: Bytes, ttl: u64, now: u64, fenced: bool) {
         let key = self.key_of(name);
         let kind = match tag_of(&bytes) {
             Tag::Value(v) if v.starts_with("load") => VersionKind::Load { value: v, fenced },
@@ -799,25 +820,34 @@ impl Conn {
     }
 }
 
-impl Entries for Conn {
-    fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
+impl Conn {
+    /// A read of `key` by `read` at the store, noted per workload call: failed until
+    /// it returns (a read the flight abandons at its deadline failed).
+    fn tracked_read<'a>(
+        &'a self,
+        what: &'static str,
+        key: &'a str,
+        read: impl FnOnce(&mut State, u64, usize, &str) -> Option<Bytes> + Send + 'a,
+    ) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
         let name = key.to_owned();
         let this = self.clone();
         // The call this read is part of (the task it runs in): another call's read of
         // the key in the same process says nothing about this one's.
         let call = CALL.try_with(|c| *c).ok();
         async move {
-            // Failed until it returns: a read the flight abandons at its deadline failed.
-            if let Some(call) = call {
-                let mut st = this.world.st.lock();
-                let k = st.key_of(&name);
-                st.last_read_failed.insert((call, k), true);
-            }
+            let note = |failed: bool| {
+                if let Some(call) = call {
+                    let mut st = this.world.st.lock();
+                    let k = st.key_of(&name);
+                    st.last_read_failed.insert((call, k), failed);
+                }
+            };
+            note(true);
             let got = this
-                .call("get", &name, {
+                .call(what, &name, {
                     let name = name.clone();
-                    move |st, now, _| {
-                        let b = st.live(&name, now);
+                    move |st, now, p| {
+                        let b = read(st, now, p, &name);
                         let s = b
                             .as_ref()
                             .map_or("nil".to_owned(), |b| format!("{:?}", tag_of(b)));
@@ -825,14 +855,16 @@ impl Entries for Conn {
                     }
                 })
                 .await;
-            if let Some(call) = call {
-                let mut st = this.world.st.lock();
-                let k = st.key_of(&name);
-                st.last_read_failed.insert((call, k), got.is_err());
-            }
+            note(got.is_err());
             got
         }
         .boxed()
+    }
+}
+
+impl Entries for Conn {
+    fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
+        self.tracked_read("get", key, |st, now, _, n| st.live(n, now))
     }
 
     fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<u64>>> {
@@ -885,18 +917,40 @@ impl Entries for Conn {
         ttl_ms: u64,
     ) -> BoxFuture<'a, corral::Result<bool>> {
         let n = name.to_owned();
-        let broken = self.world.scenario.broken.unfenced_set_if;
+        let broken = self.world.scenario.broken;
         self.call("set_if", name, move |st, now, p| {
-            let current = st.live(&n, now);
-            let unchanged = broken || current == expected;
             let s = format!("{:?}", tag_of(&bytes));
-            if unchanged {
-                check_fill_over(st, &n, &bytes, now, false);
-                st.write(p, &n, bytes, ttl_ms, now, true);
-            }
+            let px = ttl_ms.max(1).to_string();
+            let mut step = Step::new(st, now, p, Write::Fenced);
+            let reply = match expected {
+                _ if broken.unfenced_set_if => {
+                    step.command(&args(&[b"SET", n.as_bytes(), &bytes, b"PX", px.as_bytes()]))
+                }
+                None => step.command(&args(&[
+                    b"SET",
+                    n.as_bytes(),
+                    &bytes,
+                    b"NX",
+                    b"PX",
+                    px.as_bytes(),
+                ])),
+                Some(expected) => script(
+                    &mut step,
+                    &broken,
+                    Script::ReplaceIfEqual,
+                    &[&n],
+                    &[&expected, &bytes, px.as_bytes()],
+                ),
+            };
+            let written = answered(st, now, "set_if", &reply, |r| match r {
+                Reply::Status(_) | Reply::Int(1) => Some(true),
+                Reply::Nil | Reply::Int(0) => Some(false),
+                _ => None,
+            })
+            .unwrap_or(false);
             (
-                unchanged,
-                format!("{} {s}", if unchanged { "written" } else { "refused" }),
+                written,
+                format!("{} {s}", if written { "written" } else { "refused" }),
             )
         })
         .boxed()
@@ -904,12 +958,9 @@ impl Entries for Conn {
 
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<bool>> {
         let n = key.to_owned();
-        self.call("delete", key, move |st, now, _| {
-            let was = st.live(&n, now).is_some();
-            if st.entries.remove(&n).is_some() {
-                let k = st.key_of(&n);
-                st.push_version_of(&k, &n, now, VersionKind::Cleanup);
-            }
+        self.call("delete", key, move |st, now, p| {
+            let reply = Step::new(st, now, p, Write::Plain).command(&args(&[b"DEL", n.as_bytes()]));
+            let was = reply == Reply::Int(1);
             (was, format!("{was}"))
         })
         .boxed()
@@ -917,13 +968,11 @@ impl Entries for Conn {
 
     fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, corral::Result<bool>> {
         let n = key.to_owned();
-        self.call("delete_if_equal", key, move |st, now, _| {
-            let equal = st.live(&n, now).is_some_and(|b| b == expected);
-            if equal {
-                st.entries.remove(&n);
-                let k = st.key_of(&n);
-                st.push_version_of(&k, &n, now, VersionKind::Cleanup);
-            }
+        let broken = self.world.scenario.broken;
+        self.call("delete_if_equal", key, move |st, now, p| {
+            let mut step = Step::new(st, now, p, Write::Plain);
+            let reply = script(&mut step, &broken, Script::DeleteIfEqual, &[&n], &[&expected]);
+            let equal = answered(st, now, "delete_if_equal", &reply, int).unwrap_or(0) == 1;
             (equal, format!("{equal}"))
         })
         .boxed()
@@ -937,14 +986,61 @@ impl Entries for Conn {
         ttl_ms: u64,
     ) -> BoxFuture<'a, corral::Result<bool>> {
         let n = key.to_owned();
+        let broken = self.world.scenario.broken;
         self.call("replace_if_equal", key, move |st, now, p| {
-            let equal = st.live(&n, now).is_some_and(|b| b == expected);
-            if equal {
-                st.write(p, &n, bytes, ttl_ms, now, false);
-            }
+            let px = ttl_ms.max(1).to_string();
+            let mut step = Step::new(st, now, p, Write::Touch);
+            let reply = script(
+                &mut step,
+                &broken,
+                Script::ReplaceIfEqual,
+                &[&n],
+                &[&expected, &bytes, px.as_bytes()],
+            );
+            let equal = answered(st, now, "replace_if_equal", &reply, int).unwrap_or(0) == 1;
             (equal, format!("{equal}"))
         })
         .boxed()
+    }
+
+    fn read_and_touch<'a>(
+        &'a self,
+        key: &'a str,
+        now_ms: u64,
+    ) -> Option<BoxFuture<'a, corral::Result<Option<Bytes>>>> {
+        let broken = self.world.scenario.broken;
+        Some(self.tracked_read("read_and_touch", key, move |st, now, p, n| {
+            let (at, grace) = (
+                now_ms.to_string(),
+                corral_core::expiry::STORE_TTL_GRACE_MS.to_string(),
+            );
+            let mut step = Step::new(st, now, p, Write::Touch);
+            let reply = script(
+                &mut step,
+                &broken,
+                Script::ReadAndTouch,
+                &[n],
+                &[at.as_bytes(), grace.as_bytes()],
+            );
+            answered(st, now, "read_and_touch", &reply, bulk).flatten()
+        }))
+    }
+
+    fn get_and_expire<'a>(
+        &'a self,
+        key: &'a str,
+        ttl_ms: u64,
+    ) -> Option<BoxFuture<'a, corral::Result<Option<Bytes>>>> {
+        Some(self.tracked_read("getex", key, move |st, now, p, n| {
+            let px = ttl_ms.max(1).to_string();
+            let reply = Step::new(st, now, p, Write::Touch).command(&args(&[
+                b"GETEX",
+                n.as_bytes(),
+                b"PX",
+                px.as_bytes(),
+            ]));
+            answered(st, now, "getex", &reply, bulk).flatten()
+        }))
     }
 
     fn name(&self) -> &'static str {
@@ -959,7 +1055,7 @@ impl Entries for Conn {
 ///
 /// `plain` for a load written with a plain set: neither body does that (the workload
 /// has no bypass), so it is a violation too.
-fn check_fill_over(st: &mut State, name: &str, bytes: &Bytes, now: u64, plain: bool) {
+pub(crate) fn check_fill_over(st: &mut State, name: &str, bytes: &Bytes, now: u64, plain: bool) {
     let Tag::Value(value) = tag_of(bytes) else {
         return;
     };
@@ -1012,46 +1108,22 @@ impl FlightLock for Conn {
                     let n = n.clone();
                     let owner = owner.clone();
                     move |st, now, p| {
-                        let current = st.locks.get(&n).cloned();
-                        let free = no_nx || current.as_ref().is_none_or(|l| now >= l.until);
-                        if free {
-                            if current.as_ref().is_some_and(|l| now >= l.until) {
-                                // A lapsed lock taken over: its holder lost it.
-                                let k = st.key_of(&n);
-                                st.lock_losses.entry(k).or_default().push(now);
-                            }
-                            let key = st.key_of(&n);
-                            st.grants.push(Grant {
-                                name: n.clone(),
-                                key,
-                                proc: p,
-                                owner: owner.clone(),
-                                t: now,
-                                acknowledged: false,
-                                fencing: 0,
-                            });
-                            st.locks.insert(
-                                n,
-                                HeldLock {
-                                    owner,
-                                    proc: p,
-                                    until: now.saturating_add(ttl_ms.max(1)),
-                                    since: now,
-                                    // Until the reply reaches the flight (it may be
-                                    // lost, or the flight may give up waiting).
-                                    reply_lost: true,
-                                    call,
-                                },
-                            );
+                        let px = ttl_ms.max(1).to_string();
+                        let mut command = args(&[
+                            b"SET",
+                            n.as_bytes(),
+                            owner.as_bytes(),
+                            b"NX",
+                            b"PX",
+                            px.as_bytes(),
+                        ]);
+                        if no_nx {
+                            command.remove(3);
                         }
-                        (
-                            free,
-                            if free {
-                                "taken".to_owned()
-                            } else {
-                                "busy".to_owned()
-                            },
-                        )
+                        let mut step = Step::new(st, now, p, Write::Plain);
+                        step.call = call;
+                        let taken = matches!(step.command(&command), Reply::Status(_));
+                        (taken, if taken { "taken" } else { "busy" }.to_owned())
                     }
                 })
                 .await;
@@ -1072,18 +1144,64 @@ impl FlightLock for Conn {
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, corral::Result<bool>> {
         let n = key.to_owned();
         let owner = owner.to_owned();
+        let broken = self.world.scenario.broken;
         self.world.st.lock().release_attempts.insert(owner.clone());
-        self.call("release", key, move |st, now, _| {
-            let held = st
-                .locks
-                .get(&n)
-                .is_some_and(|l| l.owner == owner && now < l.until);
-            if held {
-                st.locks.remove(&n);
-            }
+        self.call("release", key, move |st, now, p| {
+            let mut step = Step::new(st, now, p, Write::Plain);
+            let reply = script(
+                &mut step,
+                &broken,
+                Script::DeleteIfEqual,
+                &[&n],
+                &[owner.as_bytes()],
+            );
+            let held = answered(st, now, "release", &reply, int).unwrap_or(0) == 1;
             (held, format!("{held}"))
         })
         .boxed()
+    }
+}
+
+/// `parts` as a command's arguments.
+fn args(parts: &[&[u8]]) -> Vec<Vec<u8>> {
+    parts.iter().map(|p| p.to_vec()).collect()
+}
+
+/// Runs `which` (or this store's planted bug in it) in the step, as `EVALSHA` does.
+fn script(step: &mut Step<'_>, broken: &Broken, which: Script, keys: &[&str], argv: &[&[u8]]) -> Reply {
+    crate::lua::eval(&broken.script(which), keys, argv, step)
+}
+
+/// A reply as its command's caller reads it (`read`). A reply of another shape (an
+/// error from a script, say) is a violation: the store's code sent what it should not.
+fn answered<T>(
+    st: &mut State,
+    now: u64,
+    what: &str,
+    reply: &Reply,
+    read: impl FnOnce(&Reply) -> Option<T>,
+) -> Option<T> {
+    let got = read(reply);
+    if got.is_none() {
+        let what = format!("store: {what} answered {reply:?}");
+        let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
+        st.violations.push(what);
+    }
+    got
+}
+
+fn int(reply: &Reply) -> Option<i64> {
+    match reply {
+        Reply::Int(i) => Some(*i),
+        _ => None,
+    }
+}
+
+fn bulk(reply: &Reply) -> Option<Option<Bytes>> {
+    match reply {
+        Reply::Nil => Some(None),
+        Reply::Bulk(b) => Some(Some(Bytes::copy_from_slice(b))),
+        _ => None,
     }
 }
 
@@ -1142,19 +1260,15 @@ impl Conn {
                         if w.is_crashed(p) {
                             return;
                         }
-                        if w.is_down(p, now) {
+                        if let Some(back) = w.deaf_until(p, now) {
                             // Undeliverable: the process resubscribes (and drops its L1)
-                            // when its connection comes back.
+                            // when its connection or subscription comes back.
                             let mut st = w.st.lock();
-                            let back = st.down[p]
-                                .iter()
-                                .find(|&&(a, b)| a <= now && now < b)
-                                .map(|&(_, b)| b);
                             st.gaps.push(Gap {
                                 proc: p,
                                 key: Some(gap_key),
                                 t: now,
-                                healed: back,
+                                healed: Some(back),
                             });
                             return;
                         }
@@ -1191,7 +1305,7 @@ impl Conn {
 impl Notifications for Conn {
     fn watch<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {
         let w = &self.world;
-        let watch = if w.is_down(self.proc, w.now()) {
+        let watch = if w.deaf_until(self.proc, w.now()).is_some() {
             LandingWatch::never()
         } else {
             w.procs[self.proc].landings.watch(key)
@@ -1264,12 +1378,12 @@ const CRASHED: &str = "process crashed";
 
 /// The store's clock as Redis's `TIME` gives it to a script: microseconds since the Unix
 /// epoch (the simulated epoch starts at [`crate::run::EPOCH_MS`]).
-fn store_time_us(now: u64) -> u64 {
+pub(crate) fn store_time_us(now: u64) -> u64 {
     (crate::run::EPOCH_MS + now) * 1_000
 }
 
-/// The lease scripts (`corral-core`'s `script::LOCK_*`), as a Redis runs them: each one
-/// atomic step on the store, at the moment the request arrives.
+/// The lease scripts (`corral-core`'s `script::LOCK_*`), as a Redis runs them: the
+/// script's text in Lua, one atomic step on the store at the moment the request arrives.
 impl LeaseServer for Conn {
     fn run<'a>(
         &'a self,
@@ -1278,112 +1392,87 @@ impl LeaseServer for Conn {
         args: &'a [&'a str],
     ) -> BoxFuture<'a, Result<u64, Unanswered>> {
         let lock = keys.first().cloned().unwrap_or_default();
-        let fence = keys.get(1).cloned().unwrap_or_default();
         let owner = args.first().map(|a| (*a).to_owned()).unwrap_or_default();
-        let number = args.get(1).and_then(|a| a.parse::<u64>().ok()).unwrap_or(0);
-        let no_floor = self.world.scenario.broken.unfloored_fences;
-        match script {
-            LockScript::Acquire => {
-                let this = self.clone();
-                let name = lock.clone();
-                async move {
-                    let got = this
-                        .call("acquire", &name, {
-                            let owner = owner.clone();
-                            move |st, now, p| {
-                                if st.live_lock(&lock, now).is_some() {
-                                    return (0, "busy".to_owned());
-                                }
-                                // SET NX PX, then the counter raised to TIME (µs) and INCR.
-                                let floor = if no_floor { 0 } else { store_time_us(now) };
-                                let counter = st.fences.get(&fence).copied().unwrap_or(0).max(floor) + 1;
-                                st.fences.insert(fence, counter);
-                                let key = st.key_of(&lock);
-                                let regressed = st
-                                    .grants
-                                    .iter()
-                                    .filter(|g| g.key == key && g.fencing > 0)
-                                    .map(|g| g.fencing)
-                                    .max()
-                                    .filter(|&m| m >= counter);
-                                if let Some(m) = regressed {
-                                    let what = format!(
-                                        "fencing: p{p} got token {counter} for {key} after {m} was granted"
-                                    );
-                                    let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
-                                    st.violations.push(what);
-                                }
-                                st.grants.push(Grant {
-                                    name: lock.clone(),
-                                    key,
-                                    proc: p,
-                                    owner: owner.clone(),
-                                    t: now,
-                                    acknowledged: false,
-                                    fencing: counter,
-                                });
-                                st.locks.insert(
-                                    lock,
-                                    HeldLock {
-                                        owner,
-                                        proc: p,
-                                        until: now.saturating_add(number.max(1)),
-                                        since: now,
-                                        reply_lost: true,
-                                        // A lease: no flight's.
-                                        call: None,
-                                    },
-                                );
-                                (counter, format!("taken, token {counter}"))
-                            }
-                        })
-                        .await;
-                    if let Ok(v) = got
-                        && v > 0
-                    {
-                        this.world.st.lock().acknowledge(&owner);
-                    }
-                    got.map_err(unanswered)
-                }
-                .boxed()
-            }
-            LockScript::Release => {
-                self.world.st.lock().release_attempts.insert(owner.clone());
-                let (this, name) = (self.clone(), lock.clone());
-                async move {
-                    this.call("unlock", &name, move |st, now, _| {
-                        if number > 0 && st.fences.get(&fence).copied().unwrap_or(0) < number {
-                            st.fences.insert(fence, number);
-                        }
-                        let held = st.live_lock(&lock, now).is_some_and(|l| l.owner == owner);
-                        if held {
-                            st.locks.remove(&lock);
-                        }
-                        (u64::from(held), format!("{held}"))
-                    })
-                    .await
-                    .map_err(unanswered)
-                }
-                .boxed()
-            }
-            LockScript::Extend => {
-                let (this, name) = (self.clone(), lock.clone());
-                async move {
-                    this.call("extend", &name, move |st, now, _| {
-                        let held = match st.locks.get_mut(&lock) {
-                            Some(l) if now < l.until && l.owner == owner => {
-                                l.until = now.saturating_add(number.max(1));
-                                true
-                            }
-                            _ => false,
-                        };
-                        (u64::from(held), format!("{held}"))
-                    })
-                    .await
-                    .map_err(unanswered)
-                }
-                .boxed()
-            }
+        let keys = keys.to_vec();
+        let argv: Vec<Vec<u8>> = args.iter().map(|a| a.as_bytes().to_vec()).collect();
+        let broken = self.world.scenario.broken;
+        let (which, what) = match script {
+            LockScript::Acquire => (Script::LockAcquire, "acquire"),
+            LockScript::Release => (Script::LockRelease, "unlock"),
+            LockScript::Extend => (Script::LockExtend, "extend"),
+        };
+        if script == LockScript::Release {
+            self.world.st.lock().release_attempts.insert(owner.clone());
         }
+        let this = self.clone();
+        async move {
+            let taker = owner.clone();
+            let got = this
+                .call(what, &lock, move |st, now, p| {
+                    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    let argv: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
+                    let reply = self::script(
+                        &mut Step::new(st, now, p, Write::Plain),
+                        &broken,
+                        which,
+                        &keys,
+                        &argv,
+                    );
+                    match script {
+                        LockScript::Acquire => {
+                            let token = answered(st, now, what, &reply, |r| match r {
+                                Reply::Int(0) => Some(0),
+                                Reply::Bulk(b) => std::str::from_utf8(b).ok()?.parse::<u64>().ok(),
+                                _ => None,
+                            })
+                            .unwrap_or(0);
+                            if token > 0 {
+                                granted(st, now, p, &taker, token);
+                                (token, format!("taken, token {token}"))
+                            } else {
+                                (0, "busy".to_owned())
+                            }
+                        }
+                        LockScript::Release | LockScript::Extend => {
+                            let done = answered(st, now, what, &reply, int).unwrap_or(0) == 1;
+                            (u64::from(done), format!("{done}"))
+                        }
+                    }
+                })
+                .await;
+            if script == LockScript::Acquire
+                && let Ok(token) = got
+                && token > 0
+            {
+                this.world.st.lock().acknowledge(&owner);
+            }
+            got.map_err(unanswered)
+        }
+        .boxed()
     }
+}
+
+/// A lease acquire's grant (recorded when its `SET` took the lock) gets its fencing
+/// token, which must rise above every token granted for the key before.
+fn granted(st: &mut State, now: u64, p: usize, owner: &str, token: u64) {
+    let Some(at) = st.grants.iter().rposition(|g| g.owner == owner && g.proc == p) else {
+        let what = format!("fencing: p{p} got token {token} with no lock taken");
+        let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
+        st.violations.push(what);
+        return;
+    };
+    let key = st.grants[at].key.clone();
+    let regressed = st
+        .grants
+        .iter()
+        .filter(|g| g.key == key && g.fencing > 0)
+        .map(|g| g.fencing)
+        .max()
+        .filter(|&m| m >= token);
+    if let Some(m) = regressed {
+        let what = format!("fencing: p{p} got token {token} for {key} after {m} was granted");
+        let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
+        st.violations.push(what);
+    }
+    st.grants[at].fencing = token;
 }

@@ -127,6 +127,25 @@ fn fence_counters_not_floored_at_the_store_clock_regress_after_a_restart() {
     assert!(what.starts_with("fencing"), "{what}");
 }
 
+/// Bugs planted in the guest's Lua, which the store runs as given (`corral_sim::BROKEN`):
+/// each is caught, by the invariant it breaks.
+#[test]
+fn bugs_planted_in_the_lua_scripts_are_caught() {
+    for (name, invariant) in [
+        ("acquire-no-nx", "lease"),
+        ("release-unchecked", "lease"),
+        ("extend-unchecked", "lease"),
+        ("delete-unchecked", "single-flight"),
+        ("replace-unchecked", "fenced-fill"),
+    ] {
+        let broken = Broken::named(name).unwrap();
+        let (seed, what) =
+            first_failing(broken).unwrap_or_else(|| panic!("{name}: not caught within 200 seeds"));
+        println!("{name}: seed {seed} ({} seeds): {what}", seed + 1);
+        assert!(what.starts_with(invariant), "{name}: {what}");
+    }
+}
+
 #[test]
 fn the_portable_body_holds_its_invariants_and_replays() {
     let started = Instant::now();

@@ -70,7 +70,7 @@ fn parse() -> Result<Args, String> {
                 return Err(
                     "usage: corral-sim [--seeds N] [--from S0] [--seed S] [--procs P] [--keys K] [--callers C] \
                             [--scenario calm|network|loaders|chaos|process] \
-                            [--broken unfenced|mute|no-nx|no-floor] [--portable] [--clears] [--trace] [--twice] [--stop]"
+                            [--broken NAME] [--portable] [--clears] [--trace] [--twice] [--stop]"
                         .into(),
                 );
             }
@@ -92,14 +92,17 @@ fn main() -> ExitCode {
         let mut s = match &args.scenario {
             Some(name) => Scenario::named(name).unwrap_or_else(|| {
                 eprintln!("unknown scenario {name}");
-                std::process::exit(2)
+                std::process::exit(64)
             }),
             None => Scenario::for_seed(seed),
         };
         if let Some(b) = &args.broken {
             s.broken = corral_sim::Broken::named(b).unwrap_or_else(|| {
-                eprintln!("unknown broken store {b}");
-                std::process::exit(2)
+                eprintln!("unknown broken store {b}; one of:");
+                for (name, what) in corral_sim::BROKEN {
+                    eprintln!("  {name:<18} {what}");
+                }
+                std::process::exit(64)
             });
         }
         if args.portable {

@@ -1,0 +1,296 @@
+//! The simulated server's keyspace: the Redis commands Corral's Lua sends (`GET`, `SET`
+//! with `NX`/`PX`/`GET`, `DEL`, `INCR`, `TIME`, `TYPE`, `PEXPIRE`, `PTTL`, `GETEX`,
+//! `SETRANGE`, `PUBLISH`), over the world's records. A name says where its data lives
+//! (`corral_core::names::kind_of`): flight locks and lease locks among the locks, fencing
+//! counters among the counters, the rest (entries, tag moments, the generation counter)
+//! among the entries. Every write is recorded for the invariants as the store applies it,
+//! so a script that writes what it should not is seen doing so.
+
+use bytes::Bytes;
+use corral_core::names::{Kind, kind_of};
+
+use crate::lua::{Keyspace, Reply};
+use crate::world::{Grant, HeldLock, State, VersionKind, check_fill_over};
+
+/// What an entry written through this step is, for the invariants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Write {
+    /// A plain write (`set`, `swap`): a load written so is unfenced.
+    Plain,
+    /// A conditional write (`set_if`): a load's fenced fill.
+    Fenced,
+    /// A read's touch written back (same value).
+    Touch,
+}
+
+/// One atomic step of the server, by one process at one moment.
+pub(crate) struct Step<'a> {
+    pub(crate) st: &'a mut State,
+    pub(crate) now: u64,
+    pub(crate) proc: usize,
+    /// The workload call whose flight sends this step (a flight lock records it).
+    pub(crate) call: Option<u64>,
+    pub(crate) write: Write,
+}
+
+enum Home {
+    Entries,
+    Locks,
+    Fences,
+}
+
+fn home(name: &str) -> Home {
+    match kind_of(name) {
+        Some(Kind::FlightLock | Kind::Lock) => Home::Locks,
+        Some(Kind::Fence) => Home::Fences,
+        _ => Home::Entries,
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn number(b: &[u8]) -> Option<u64> {
+    std::str::from_utf8(b).ok()?.parse().ok()
+}
+
+impl<'a> Step<'a> {
+    pub(crate) fn new(st: &'a mut State, now: u64, proc: usize, write: Write) -> Self {
+        Step {
+            st,
+            now,
+            proc,
+            call: None,
+            write,
+        }
+    }
+
+    fn get(&mut self, name: &str) -> Reply {
+        match home(name) {
+            Home::Entries => self
+                .st
+                .live(name, self.now)
+                .map_or(Reply::Nil, |b| Reply::Bulk(b.to_vec())),
+            Home::Locks => self
+                .st
+                .live_lock(name, self.now)
+                .map_or(Reply::Nil, |l| Reply::Bulk(l.owner.clone().into_bytes())),
+            Home::Fences => self
+                .st
+                .fences
+                .get(name)
+                .map_or(Reply::Nil, |c| Reply::Bulk(c.to_string().into_bytes())),
+        }
+    }
+
+    /// `SET name value [NX] [PX ms] [GET]`.
+    fn set(&mut self, args: &[Vec<u8>]) -> Reply {
+        let (name, value) = (text(&args[1]), &args[2]);
+        let mut nx = false;
+        let mut get = false;
+        let mut px = None;
+        let mut rest = args[3..].iter();
+        while let Some(a) = rest.next() {
+            match a.to_ascii_uppercase().as_slice() {
+                b"NX" => nx = true,
+                b"GET" => get = true,
+                b"PX" => match rest.next().and_then(|ms| number(ms)).filter(|&ms| ms > 0) {
+                    Some(ms) => px = Some(ms),
+                    None => return Reply::error("ERR invalid expire time in 'set' command"),
+                },
+                _ => return Reply::error("ERR syntax error"),
+            }
+        }
+        let old = self.get(&name);
+        if nx && old != Reply::Nil {
+            return Reply::Nil;
+        }
+        let now = self.now;
+        match home(&name) {
+            Home::Entries => {
+                let bytes = Bytes::copy_from_slice(value);
+                let ttl = px.unwrap_or(u64::MAX / 4);
+                match self.write {
+                    Write::Fenced => check_fill_over(self.st, &name, &bytes, now, false),
+                    Write::Plain => check_fill_over(self.st, &name, &bytes, now, true),
+                    Write::Touch => {}
+                }
+                self.st
+                    .write(self.proc, &name, bytes, ttl, now, self.write == Write::Fenced);
+            }
+            Home::Locks => {
+                if self.st.locks.get(&name).is_some_and(|l| l.until <= now) {
+                    // A lapsed lock taken over: its holder lost it. (One still held and
+                    // overwritten, by a command without NX, is not excused.)
+                    let key = self.st.key_of(&name);
+                    self.st.lock_losses.entry(key).or_default().push(now);
+                }
+                let key = self.st.key_of(&name);
+                self.st.grants.push(Grant {
+                    name: name.clone(),
+                    key,
+                    proc: self.proc,
+                    owner: text(value),
+                    t: now,
+                    acknowledged: false,
+                    fencing: 0,
+                });
+                self.st.locks.insert(
+                    name.clone(),
+                    HeldLock {
+                        owner: text(value),
+                        proc: self.proc,
+                        until: now.saturating_add(px.unwrap_or(u64::MAX / 4)),
+                        since: now,
+                        // Until the reply reaches its taker (it may be lost).
+                        reply_lost: true,
+                        call: self.call,
+                    },
+                );
+            }
+            Home::Fences => match number(value) {
+                Some(c) => {
+                    self.st.fences.insert(name, c);
+                }
+                None => return Reply::error(format!("sim: {name} set to {:?}, not a counter", text(value))),
+            },
+        }
+        if get { old } else { Reply::ok() }
+    }
+
+    fn del(&mut self, name: &str) -> Reply {
+        let was = self.get(name) != Reply::Nil;
+        match home(name) {
+            Home::Entries => {
+                if self.st.entries.remove(name).is_some() {
+                    let key = self.st.key_of(name);
+                    self.st
+                        .push_version_of(&key, name, self.now, VersionKind::Cleanup);
+                }
+            }
+            Home::Locks => {
+                self.st.locks.remove(name);
+            }
+            Home::Fences => {
+                self.st.fences.remove(name);
+            }
+        }
+        Reply::Int(i64::from(was))
+    }
+
+    fn incr(&mut self, name: &str) -> Reply {
+        let Home::Fences = home(name) else {
+            return Reply::error(format!("sim: INCR of {name}, which is not a counter"));
+        };
+        let current = self.st.fences.get(name).copied().unwrap_or(0);
+        match current.checked_add(1).filter(|&c| c <= i64::MAX as u64) {
+            Some(c) => {
+                self.st.fences.insert(name.to_owned(), c);
+                Reply::Int(c as i64)
+            }
+            None => Reply::error("ERR increment or decrement would overflow"),
+        }
+    }
+
+    /// `PEXPIRE name ms`, and `GETEX name PX ms`'s expiry.
+    fn pexpire(&mut self, name: &str, ms: u64) -> Reply {
+        let now = self.now;
+        let until = now.saturating_add(ms.max(1));
+        let set = match home(name) {
+            Home::Entries => match self.st.entries.get_mut(name).filter(|s| now < s.until) {
+                Some(s) => {
+                    s.until = until;
+                    true
+                }
+                None => false,
+            },
+            Home::Locks => match self.st.locks.get_mut(name).filter(|l| now < l.until) {
+                Some(l) => {
+                    l.until = until;
+                    true
+                }
+                None => false,
+            },
+            Home::Fences => self.st.fences.contains_key(name),
+        };
+        Reply::Int(i64::from(set))
+    }
+
+    fn setrange(&mut self, name: &str, offset: usize, field: &[u8]) -> Reply {
+        let now = self.now;
+        let Some(stored) = self.st.entries.get_mut(name).filter(|s| now < s.until) else {
+            return Reply::error(format!("sim: SETRANGE of {name}, which holds nothing"));
+        };
+        let mut bytes = stored.bytes.to_vec();
+        if bytes.len() < offset + field.len() {
+            bytes.resize(offset + field.len(), 0);
+        }
+        bytes[offset..offset + field.len()].copy_from_slice(field);
+        stored.bytes = Bytes::from(bytes);
+        Reply::Int(stored.bytes.len() as i64)
+    }
+}
+
+impl Keyspace for Step<'_> {
+    fn command(&mut self, args: &[Vec<u8>]) -> Reply {
+        let name = args.get(1).map(|n| text(n)).unwrap_or_default();
+        let arity = |n: usize| args.len() >= n;
+        match args[0].to_ascii_uppercase().as_slice() {
+            b"GET" if arity(2) => self.get(&name),
+            b"SET" if arity(3) => self.set(args),
+            b"DEL" if arity(2) => self.del(&name),
+            b"INCR" if arity(2) => self.incr(&name),
+            b"TYPE" if arity(2) => Reply::Status(
+                if self.get(&name) == Reply::Nil {
+                    "none"
+                } else {
+                    "string"
+                }
+                .into(),
+            ),
+            b"PEXPIRE" if arity(3) => match number(&args[2]) {
+                Some(ms) => self.pexpire(&name, ms),
+                None => Reply::error("ERR value is not an integer or out of range"),
+            },
+            b"GETEX" if args.len() == 4 && args[2].eq_ignore_ascii_case(b"PX") => {
+                let found = self.get(&name);
+                if found != Reply::Nil
+                    && let Some(ms) = number(&args[3])
+                {
+                    self.pexpire(&name, ms);
+                }
+                found
+            }
+            b"PTTL" if arity(2) => {
+                let now = self.now;
+                let left = match home(&name) {
+                    Home::Entries => self
+                        .st
+                        .entries
+                        .get(&name)
+                        .filter(|s| now < s.until)
+                        .map(|s| s.until - now),
+                    Home::Locks => self.st.live_lock(&name, now).map(|l| l.until - now),
+                    Home::Fences => None,
+                };
+                Reply::Int(left.map_or(-2, |l| l as i64))
+            }
+            b"SETRANGE" if arity(4) => match number(&args[2]) {
+                Some(offset) => self.setrange(&name, offset as usize, &args[3]),
+                None => Reply::error("ERR offset is out of range"),
+            },
+            b"TIME" => {
+                let us = crate::world::store_time_us(self.now);
+                Reply::Array(vec![
+                    Reply::Bulk((us / 1_000_000).to_string().into_bytes()),
+                    Reply::Bulk((us % 1_000_000).to_string().into_bytes()),
+                ])
+            }
+            // Lease releases announce on a channel no simulated lease waiter hears:
+            // waiters wake by their timers.
+            b"PUBLISH" if arity(3) => Reply::Int(0),
+            _ => Reply::error(format!("ERR sim: unknown command or arity '{}'", text(&args[0]))),
+        }
+    }
+}
