@@ -10,7 +10,9 @@ use bytes::Bytes;
 use corral_core::names::{Kind, kind_of};
 
 use crate::lua::{Keyspace, Reply};
-use crate::world::{Grant, HeldLock, State, VersionKind, check_fill_over};
+use std::fmt::Write as _;
+
+use crate::world::{Grant, HeldLock, State, Tag, VersionKind, check_fill_over, tag_of};
 
 /// What an entry written through this step is, for the invariants.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +33,15 @@ pub(crate) struct Step<'a> {
     /// The workload call whose flight sends this step (a flight lock records it).
     pub(crate) call: Option<u64>,
     pub(crate) write: Write,
+    /// The sender's clock, when the command carries it (read-and-touch's `now`).
+    pub(crate) clock_ms: Option<u64>,
+}
+
+fn meta_of(bytes: &[u8]) -> Option<corral_core::expiry::EntryMeta> {
+    let limits = corral_core::Limits::default();
+    corral_core::envelope::decode_header(bytes, bytes.len() as u64, &limits)
+        .ok()
+        .map(|d| d.meta)
 }
 
 enum Home {
@@ -63,6 +74,7 @@ impl<'a> Step<'a> {
             proc,
             call: None,
             write,
+            clock_ms: None,
         }
     }
 
@@ -118,6 +130,7 @@ impl<'a> Step<'a> {
                 }
                 self.st
                     .write(self.proc, &name, bytes, ttl, now, self.write == Write::Fenced);
+                self.judge_envelope(&name);
             }
             Home::Locks => {
                 if self.st.locks.get(&name).is_some_and(|l| l.until <= now) {
@@ -222,13 +235,75 @@ impl<'a> Step<'a> {
         let Some(stored) = self.st.entries.get_mut(name).filter(|s| now < s.until) else {
             return Reply::error(format!("sim: SETRANGE of {name}, which holds nothing"));
         };
+        let before = stored.bytes.clone();
         let mut bytes = stored.bytes.to_vec();
         if bytes.len() < offset + field.len() {
             bytes.resize(offset + field.len(), 0);
         }
         bytes[offset..offset + field.len()].copy_from_slice(field);
         stored.bytes = Bytes::from(bytes);
-        Reply::Int(stored.bytes.len() as i64)
+        let after = stored.bytes.clone();
+        let len = after.len();
+        self.judge_envelope(name);
+        self.judge_touch(name, &before, &after);
+        Reply::Int(len as i64)
+    }
+
+    /// A touch in place (read-and-touch's `SETRANGE`): it never moves the expiry of an
+    /// entry that had expired by the toucher's own clock (an idle sliding entry stays
+    /// expired).
+    fn judge_touch(&mut self, name: &str, before: &[u8], after: &[u8]) {
+        let (Some(clock), Some(old), Some(new)) = (self.clock_ms, meta_of(before), meta_of(after)) else {
+            return;
+        };
+        if old.expires_at_ms <= clock && new.expires_at_ms > old.expires_at_ms {
+            let now = self.now;
+            let what = format!(
+                "touch: {name} expired at {} revived at {clock} (to {})",
+                old.expires_at_ms, new.expires_at_ms
+            );
+            let _ = writeln!(self.st.trace, "{now:>6} VIOLATION {what}");
+            self.st.violations.push(what);
+        }
+    }
+
+    /// An entry just written: its envelope must decode, and a sliding entry's expiry
+    /// must not pass its absolute point (no touch moves it there). The first write of a
+    /// value records its expiry, for the expiry invariant.
+    fn judge_envelope(&mut self, name: &str) {
+        if kind_of(name) != Some(Kind::Entry) {
+            return;
+        }
+        let Some(bytes) = self.st.entries.get(name).map(|s| s.bytes.clone()) else {
+            return;
+        };
+        let now = self.now;
+        let limits = corral_core::Limits::default();
+        let violation = match tag_of(&bytes) {
+            Tag::Tombstone => None,
+            Tag::Other => Some(format!(
+                "envelope: {name} written with bytes that are not an envelope"
+            )),
+            Tag::Value(v) => {
+                match corral_core::envelope::decode_header(&bytes, bytes.len() as u64, &limits) {
+                    Err(c) => Some(format!("envelope: {name} written corrupt ({c:?})")),
+                    Ok(d) => {
+                        self.st.value_meta.entry(v.clone()).or_insert(d.meta);
+                        match (d.meta.sliding_ms, d.meta.absolute_ms) {
+                            (Some(_), Some(absolute)) if d.meta.expires_at_ms > absolute => Some(format!(
+                                "touch: {v} under {name} expires at {}, past its absolute point {absolute}",
+                                d.meta.expires_at_ms
+                            )),
+                            _ => None,
+                        }
+                    }
+                }
+            }
+        };
+        if let Some(what) = violation {
+            let _ = writeln!(self.st.trace, "{now:>6} VIOLATION {what}");
+            self.st.violations.push(what);
+        }
     }
 }
 
@@ -249,8 +324,16 @@ impl Keyspace for Step<'_> {
                 }
                 .into(),
             ),
-            b"PEXPIRE" if arity(3) => match number(&args[2]) {
-                Some(ms) => self.pexpire(&name, ms),
+            b"PEXPIRE" if arity(3) => match std::str::from_utf8(&args[2])
+                .ok()
+                .and_then(|t| t.parse::<i64>().ok())
+            {
+                // A time not in the future deletes the key, as on Redis.
+                Some(ms) if ms <= 0 => match self.get(&name) {
+                    Reply::Nil => Reply::Int(0),
+                    _ => self.del(&name),
+                },
+                Some(ms) => self.pexpire(&name, ms as u64),
                 None => Reply::error("ERR value is not an integer or out of range"),
             },
             b"GETEX" if args.len() == 4 && args[2].eq_ignore_ascii_case(b"PX") => {

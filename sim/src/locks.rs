@@ -158,6 +158,7 @@ pub(crate) async fn session(ctx: &Arc<Ctx>, proc: usize, locks: &RedisLocks, s: 
         t_end,
         res,
         loaded: None,
+        clocks: (0, 0),
     };
     crate::run::check_call(&w, &rec);
     ctx.calls.lock().push(rec);

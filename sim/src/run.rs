@@ -110,7 +110,57 @@ enum Op {
     GetOrSetTagged(String, String, LoaderPlan),
     RemoveByTag(String),
     Clear,
+    /// A `set` of a freshness key, with its expiry.
+    SetFor(String, Expiry),
+    /// A get-or-set of a freshness key, with its loaded entry's expiry.
+    GetOrSetFor(String, Expiry, LoaderPlan),
 }
+
+/// How a freshness key's entry expires: a short relative expiry, sliding within it, or
+/// with a fail-safe window after it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Expiry {
+    relative_ms: u64,
+    sliding_ms: Option<u64>,
+    stale_ms: Option<u64>,
+}
+
+impl Expiry {
+    fn draw(r: &mut Rng) -> Self {
+        let relative_ms = r.range(300, 3_000);
+        match r.range(0, 2) {
+            0 => Expiry {
+                relative_ms,
+                sliding_ms: Some(r.range(100, 800)),
+                stale_ms: None,
+            },
+            1 => Expiry {
+                relative_ms,
+                sliding_ms: None,
+                stale_ms: Some(r.range(300, 2_000)),
+            },
+            _ => Expiry {
+                relative_ms,
+                sliding_ms: Some(r.range(100, 800)),
+                stale_ms: Some(r.range(300, 2_000)),
+            },
+        }
+    }
+
+    fn options(self) -> EntryOptions {
+        let mut o = EntryOptions::new().relative(Duration::from_millis(self.relative_ms));
+        if let Some(ms) = self.sliding_ms {
+            o = o.sliding(Duration::from_millis(ms));
+        }
+        if let Some(ms) = self.stale_ms {
+            o = o.fail_safe(Duration::from_millis(ms));
+        }
+        o
+    }
+}
+
+/// The keys of the freshness workload (short expiries; not in the convergence check).
+pub(crate) const FRESH_KEYS: [&str; 2] = ["f0", "f1"];
 
 /// The tags the workload uses.
 const TAGS: [&str; 2] = ["t0", "t1"];
@@ -153,6 +203,8 @@ pub(crate) struct CallRec {
     pub(crate) res: Res,
     /// The value this call's own loader produced, and what it was told to do.
     pub(crate) loaded: Option<(String, LoaderPlan)>,
+    /// Its process's clock when it began and when it returned.
+    pub(crate) clocks: (u64, u64),
 }
 
 /// A write a caller saw succeed: its key, when it returned, its order in the store.
@@ -286,6 +338,33 @@ fn tagger(s: &Scenario, seed: u64, proc: usize) -> Vec<(u64, Op)> {
         .collect()
 }
 
+/// The freshener of a process: reads, writes and loads of the freshness keys, whose
+/// entries expire within the run (sliding, absolute, fail-safe stale windows), with
+/// loaders that fail more often than the others', so stale copies get served.
+fn freshener(s: &Scenario, seed: u64, proc: usize) -> Vec<(u64, Op)> {
+    let mut r = Rng::new(seed, 500 + proc as u64);
+    (0..s.ops_per_actor)
+        .map(|_| {
+            let think = r.range(0, s.think_ms);
+            let key = FRESH_KEYS[r.range(0, FRESH_KEYS.len() as u64 - 1) as usize].to_owned();
+            let op = match r.range(0, 99) {
+                0..=34 => Op::Get(key),
+                35..=54 => Op::SetFor(key, Expiry::draw(&mut r)),
+                _ => {
+                    let expiry = Expiry::draw(&mut r);
+                    let plan = if r.chance(250) {
+                        LoaderPlan::Fail(r.range(5, 60))
+                    } else {
+                        loader_plan(&mut r, s)
+                    };
+                    Op::GetOrSetFor(key, expiry, plan)
+                }
+            };
+            (think, op)
+        })
+        .collect()
+}
+
 /// Runs `seed` of `scenario` on a fresh current-thread runtime with paused time.
 pub fn run_seed(scenario: &Scenario, seed: u64) -> Outcome {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -304,6 +383,8 @@ pub(crate) struct Ctx {
     written: Mutex<BTreeMap<String, Written>>,
     invalidated: Mutex<Vec<Invalidated>>,
     next_call: Mutex<u64>,
+    /// Per process, its clock.
+    clocks: Vec<SimClock>,
     /// Per process, its tasks (actors and their calls): a crash aborts them all.
     pub(crate) tasks: Vec<Mutex<Vec<tokio::task::AbortHandle>>>,
 }
@@ -334,6 +415,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     let mut caches = Vec::new();
     let mut lockers = Vec::new();
     let mut skews = Vec::new();
+    let mut clocks = Vec::new();
     for p in 0..scenario.procs {
         let conn = Arc::new(Conn {
             world: world.clone(),
@@ -348,6 +430,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             start: world.start,
             skew: skew.clone(),
         };
+        clocks.push(clock.clone());
         let native = Corral::builder()
             .clock(clock.clone())
             .stores(crate::world::SIM_PREFIX, conn.clone(), conn.clone(), conn.clone())
@@ -356,8 +439,8 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             .lock_wait(Duration::from_millis(scenario.lock_wait_ms))
             .build()
             .expect("a simulated process");
-        for k in 0..scenario.keys {
-            let key = format!("k{k}");
+        let keys = (0..scenario.keys).map(|k| format!("k{k}"));
+        for key in keys.chain(FRESH_KEYS.iter().map(|k| (*k).to_owned())) {
             world.learn_name(&key, &native.entry_name(&key).expect("a valid key"));
         }
         let cache = if scenario.portable {
@@ -443,6 +526,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         written: Mutex::new(BTreeMap::new()),
         invalidated: Mutex::new(Vec::new()),
         next_call: Mutex::new(0),
+        clocks,
         tasks: (0..scenario.procs).map(|_| Mutex::new(Vec::new())).collect(),
     });
     if let Some((p, at)) = plan.crash {
@@ -466,7 +550,8 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         // The callers, then the tagger.
         let plans = (0..scenario.actors)
             .map(|a| workload(&scenario, seed, p, a))
-            .chain(std::iter::once(tagger(&scenario, seed, p)));
+            .chain(std::iter::once(tagger(&scenario, seed, p)))
+            .chain(std::iter::once(freshener(&scenario, seed, p)));
         for ops in plans {
             let (ctx2, cache) = (ctx.clone(), cache.clone());
             let actor = tokio::spawn(async move {
@@ -554,6 +639,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     }
 
     check_history(&ctx, &scenario, &plan);
+    check_expiry(&ctx);
     check_invalidations(&ctx, &scenario, &plan);
     crate::locks::check_orphans(&world);
 
@@ -602,10 +688,10 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     let loaded: Arc<Mutex<Option<(String, LoaderPlan)>>> = Arc::default();
     let (name, key) = match &op {
         Op::Get(k) => ("get", k.clone()),
-        Op::Set(k) | Op::SetTagged(k, _) => ("set", k.clone()),
+        Op::Set(k) | Op::SetTagged(k, _) | Op::SetFor(k, _) => ("set", k.clone()),
         Op::Remove(k) => ("remove", k.clone()),
         Op::Expire(k) => ("expire", k.clone()),
-        Op::GetOrSet(k, _) | Op::GetOrSetTagged(k, ..) => ("get_or_set", k.clone()),
+        Op::GetOrSet(k, _) | Op::GetOrSetTagged(k, ..) | Op::GetOrSetFor(k, ..) => ("get_or_set", k.clone()),
         Op::RemoveByTag(t) => ("remove_by_tag", t.clone()),
         Op::Clear => ("clear", "*".to_owned()),
     };
@@ -616,6 +702,11 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     if name != "set" {
         w.log(format_args!("p{proc} c{id} {name} {key}"));
     }
+    let entry = match &op {
+        Op::SetFor(_, e) | Op::GetOrSetFor(_, e, _) => e.options(),
+        _ => EntryOptions::new().relative(VALUE_TTL),
+    };
+    let clock_inv = ctx.clocks[proc].now_ms();
     let bound = Duration::from_millis(CALL_BOUND_MS);
     let task = {
         let (cache, w, loaded, key) = (cache.clone(), w.clone(), loaded.clone(), key.clone());
@@ -625,11 +716,10 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                 Op::Get(_) => tokio::time::timeout(bound, cache.get(&key))
                     .await
                     .map(|r| r.map(|v| (Res::Value(show(&v)), None))),
-                Op::Set(_) | Op::SetTagged(..) => {
+                Op::Set(_) | Op::SetTagged(..) | Op::SetFor(..) => {
                     let value = format!("w{}", w.next_seq());
                     w.log(format_args!("p{proc} c{id} set {key} = {value} {tags:?}"));
-                    let options = EntryOptions::new().relative(VALUE_TTL);
-                    tokio::time::timeout(bound, cache.set_tagged(&key, value.clone(), options, &tags))
+                    tokio::time::timeout(bound, cache.set_tagged(&key, value.clone(), entry, &tags))
                         .await
                         .map(|r| r.map(|()| (Res::Done(true), Some(value))))
                 }
@@ -645,8 +735,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                 Op::Expire(_) => tokio::time::timeout(bound, cache.expire(&key))
                     .await
                     .map(|r| r.map(|b| (Res::Done(b), None))),
-                Op::GetOrSet(_, plan) | Op::GetOrSetTagged(_, _, plan) => {
-                    let entry = EntryOptions::new().relative(VALUE_TTL);
+                Op::GetOrSet(_, plan) | Op::GetOrSetTagged(_, _, plan) | Op::GetOrSetFor(_, _, plan) => {
                     let began = w.now();
                     let ms = match plan {
                         LoaderPlan::Ok(ms)
@@ -711,6 +800,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     // The caller sees the result when its process runs.
     w.gate(proc).await;
     let t_end = w.now();
+    let clock_end = ctx.clocks[proc].now_ms();
     w.log(format_args!(
         "p{proc} c{id} {name} {key} -> {res:?} [{t_inv}..{t_end}]"
     ));
@@ -723,6 +813,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         t_end,
         res: res.clone(),
         loaded: loaded.lock().clone(),
+        clocks: (clock_inv, clock_end),
     };
     // A write the caller saw succeed: its place in the store's order.
     let order = match (name, &res, &written) {
@@ -793,13 +884,79 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
     if let Some((value, plan)) = &c.loaded {
         let ok = match (plan, &c.res) {
             (LoaderPlan::Panic(_) | LoaderPlan::Fail(_), Res::Failed(ErrorKind::Loader)) => true,
+            // Fail-safe: the stale copy of an entry written with a window (the window is
+            // checked by `check_expiry`).
+            (LoaderPlan::Panic(_) | LoaderPlan::Fail(_), Res::Value(Some(v))) => {
+                v != value
+                    && w.st
+                        .lock()
+                        .value_meta
+                        .get(v)
+                        .is_some_and(|m| m.stale_ms.is_some())
+            }
             (LoaderPlan::Ok(_) | LoaderPlan::Slow(_), Res::Value(Some(v))) => v == value,
             _ => false,
         };
         if !ok {
+            let meta = match &c.res {
+                Res::Value(Some(v)) => w.st.lock().value_meta.get(v).copied(),
+                _ => None,
+            };
+            let meta = meta.map_or(String::new(), |m| format!(" ({m:?})"));
             w.violation(format!(
-                "loader outcome: {who} ran its loader ({plan:?}, {value}) and got {:?}",
+                "loader outcome: {who} ran its loader ({plan:?}, {value}) and got {:?}{meta}",
                 c.res
+            ));
+        }
+    }
+}
+
+/// After the run: no value was served past its expiry by the reader's own clock (a
+/// plain `get`), or past the end of its fail-safe window (a get-or-set), by the
+/// expiry its envelope carried when first written (a sliding entry: its absolute
+/// point, which no touch moves). A flight's own outcome (a load that ended during the
+/// call) is exempt: a caller gets what its flight loaded. The reader's clock at the
+/// moment it judged is at least the lower of its clock at the call's start and at its
+/// end less the call's span (a clock step back inside the call).
+fn check_expiry(ctx: &Ctx) {
+    let w = &ctx.world;
+    let calls = ctx.calls.lock();
+    let (metas, loads) = {
+        let st = w.st.lock();
+        (st.value_meta.clone(), st.loads.clone())
+    };
+    for c in calls.iter() {
+        let Res::Value(Some(v)) = &c.res else {
+            continue;
+        };
+        let Some(meta) = metas.get(v) else { continue };
+        let flight_outcome = loads
+            .iter()
+            .any(|l| l.value == *v && l.end.is_some_and(|e| c.t_inv <= e && e <= c.t_end));
+        if flight_outcome {
+            continue;
+        }
+        let fresh_end = match meta.sliding_ms {
+            Some(_) => meta.absolute_ms.unwrap_or(u64::MAX),
+            None => meta.expires_at_ms,
+        };
+        let end = if c.op == "get" {
+            fresh_end
+        } else {
+            fresh_end.saturating_add(meta.stale_ms.unwrap_or(0))
+        };
+        let (clock_inv, clock_end) = c.clocks;
+        let judged_at_least = clock_inv.min(clock_end.saturating_sub(c.t_end - c.t_inv));
+        if judged_at_least >= end {
+            w.violation(format!(
+                "expiry: p{} c{} {} {} at {} served {v} at its clock >= {judged_at_least}, {} ms past {} ({meta:?})",
+                c.proc,
+                c.id,
+                c.op,
+                c.key,
+                c.t_inv,
+                judged_at_least - end,
+                if c.op == "get" { "its expiry" } else { "its stale window" },
             ));
         }
     }

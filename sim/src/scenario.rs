@@ -133,6 +133,11 @@ pub const BROKEN: &[(&str, &str)] = &[
         "replace-unchecked",
         "Lua: replace-if-equal (fenced fill) writes over whatever is there",
     ),
+    (
+        "touch-past-absolute",
+        "Lua: read-and-touch slides an expiry past the absolute point",
+    ),
+    ("touch-expired", "Lua: read-and-touch serves an expired entry"),
 ];
 
 impl Broken {
@@ -170,6 +175,16 @@ impl Broken {
             }
             "delete-unchecked" => b.patch = patch(Script::DeleteIfEqual, "== ARGV[1] then", "~= nil then"),
             "replace-unchecked" => b.patch = patch(Script::ReplaceIfEqual, "== ARGV[1] then", "~= nil then"),
+            "touch-past-absolute" => {
+                b.patch = patch(
+                    Script::ReadAndTouch,
+                    "if absolute > 0 and absolute < target then target = absolute end",
+                    "",
+                );
+            }
+            "touch-expired" => {
+                b.patch = patch(Script::ReadAndTouch, "if now >= expires then", "if false then")
+            }
             _ => return None,
         }
         Some(b)

@@ -216,6 +216,8 @@ pub struct State {
     pub restarts: Vec<u64>,
     /// The fenced resource: per lock key, the highest token it accepted.
     pub resource: BTreeMap<String, u64>,
+    /// Per value, the expiry its envelope carried when first written.
+    pub value_meta: BTreeMap<String, corral_core::expiry::EntryMeta>,
 }
 
 /// One process as the network sees it: its landing waiters, its L1 hook, and what it
@@ -282,6 +284,7 @@ impl World {
                 fences: BTreeMap::new(),
                 restarts: Vec::new(),
                 resource: BTreeMap::new(),
+                value_meta: BTreeMap::new(),
             }),
             procs,
         })
@@ -523,6 +526,7 @@ impl World {
                     && stored.since < since
                     && let Tag::Value(v) = tag_of(&stored.bytes)
                     && !st.removed_by_tag(&stored.bytes, now)
+                    && fresh_whatever_the_clock(&stored.bytes, since)
                 {
                     let what = format!(
                         "p{proc} loads {key} although {v} landed at {} before its lock ({since})",
@@ -733,6 +737,18 @@ impl State {
     }
 }
 
+/// The most a process's clock is off the simulated time: a skew and a step.
+pub(crate) const CLOCK_ERROR_MS: u64 = 300 + 3_000;
+
+/// Whether entry bytes were fresh at virtual time `t` by any process's clock (an entry
+/// of the freshness workload may have expired by the reader's, and been reloaded).
+fn fresh_whatever_the_clock(bytes: &[u8], t: u64) -> bool {
+    let limits = corral_core::Limits::default();
+    corral_core::envelope::decode_header(bytes, bytes.len() as u64, &limits).is_ok_and(|d| {
+        d.meta.sliding_ms.is_none() && d.meta.expires_at_ms > crate::run::EPOCH_MS + t + CLOCK_ERROR_MS
+    })
+}
+
 /// One process's connection to the store: the store traits, over the simulated network.
 #[derive(Clone)]
 pub struct Conn {
@@ -884,8 +900,12 @@ impl Entries for Conn {
         let name = key.to_owned();
         self.call("set", key, move |st, now, p| {
             let s = format!("{:?}", tag_of(&bytes));
-            check_fill_over(st, &name, &bytes, now, true);
-            st.write(p, &name, bytes, ttl_ms, now, false);
+            let px = ttl_ms.max(1).to_string();
+            let command = args(&[b"SET", name.as_bytes(), &bytes, b"PX", px.as_bytes()]);
+            let reply = Step::new(st, now, p, Write::Plain).command(&command);
+            answered(st, now, "set", &reply, |r| {
+                matches!(r, Reply::Status(_)).then_some(())
+            });
             ((), format!("ok {s}"))
         })
         .boxed()
@@ -899,11 +919,14 @@ impl Entries for Conn {
     ) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
         let n = name.to_owned();
         self.call("swap", name, move |st, now, p| {
-            let old = st.live(&n, now);
+            let px = ttl_ms.max(1).to_string();
+            let command = args(&[b"SET", n.as_bytes(), &bytes, b"PX", px.as_bytes(), b"GET"]);
+            // A removal's tombstone, or an `expire`'s stale rewrite of the same value.
+            let reply = Step::new(st, now, p, Write::Touch).command(&command);
+            let old = answered(st, now, "swap", &reply, bulk).flatten();
             let s = old
                 .as_ref()
                 .map_or("nil".to_owned(), |b| format!("{:?}", tag_of(b)));
-            st.write(p, &n, bytes, ttl_ms, now, false);
             (old, format!("was {s}"))
         })
         .boxed()
@@ -1015,6 +1038,7 @@ impl Entries for Conn {
                 corral_core::expiry::STORE_TTL_GRACE_MS.to_string(),
             );
             let mut step = Step::new(st, now, p, Write::Touch);
+            step.clock_ms = Some(now_ms);
             let reply = script(
                 &mut step,
                 &broken,

@@ -137,6 +137,8 @@ fn bugs_planted_in_the_lua_scripts_are_caught() {
         ("extend-unchecked", "lease"),
         ("delete-unchecked", "single-flight"),
         ("replace-unchecked", "fenced-fill"),
+        ("touch-past-absolute", "envelope"),
+        ("touch-expired", "touch"),
     ] {
         let broken = Broken::named(name).unwrap();
         let (seed, what) =
