@@ -116,6 +116,32 @@ impl Body {
         }
     }
 
+    /// A get-or-set with timeouts or eager refresh: the native body's `fetch` (its
+    /// loader may run on after the call; `stale` is told whether the value served is a
+    /// stale copy); the portable body, which has neither, runs a plain get-or-set.
+    pub(crate) async fn fetch(
+        &self,
+        key: &str,
+        entry: EntryOptions,
+        options: LoadOptions,
+        load: Load,
+        stale: &parking_lot::Mutex<Option<bool>>,
+    ) -> corral::Result<Bytes> {
+        match self {
+            Body::Native(c) => {
+                let loader = move || async move {
+                    let finish = (load.start)();
+                    (load.wait)().await;
+                    finish().map_err(std::io::Error::other)
+                };
+                let served = c.fetch_served(key, options, loader).await?;
+                *stale.lock() = Some(served.stale);
+                Ok(served.value)
+            }
+            Body::Portable(_) => self.get_or_set(key, entry, &[], load).await,
+        }
+    }
+
     /// The raw bytes under a store name.
     pub(crate) async fn raw(&self, name: &str) -> Option<Bytes> {
         match self {

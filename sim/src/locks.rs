@@ -159,6 +159,8 @@ pub(crate) async fn session(ctx: &Arc<Ctx>, proc: usize, locks: &RedisLocks, s: 
         res,
         loaded: None,
         clocks: (0, 0),
+        stale: None,
+        detached: false,
     };
     crate::run::check_call(&w, &rec);
     ctx.calls.lock().push(rec);

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use corral::locks::RedisLocks;
 use corral::portable::PortableCache;
-use corral::{Clock, Corral, EntryOptions, ErrorKind};
+use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions};
 
 use crate::body::{Body, Finish, Load, wait_for};
 use parking_lot::Mutex;
@@ -112,8 +112,9 @@ enum Op {
     Clear,
     /// A `set` of a freshness key, with its expiry.
     SetFor(String, Expiry),
-    /// A get-or-set of a freshness key, with its loaded entry's expiry.
-    GetOrSetFor(String, Expiry, LoaderPlan),
+    /// A get-or-set of a freshness key, with its loaded entry's expiry and what else
+    /// it asks (the native body's `fetch`).
+    GetOrSetFor(String, Expiry, LoaderPlan, Detach),
 }
 
 /// How a freshness key's entry expires: a short relative expiry, sliding within it, or
@@ -154,6 +155,54 @@ impl Expiry {
         }
         if let Some(ms) = self.stale_ms {
             o = o.fail_safe(Duration::from_millis(ms));
+        }
+        o
+    }
+}
+
+/// What a freshness get-or-set asks beyond its entry's expiry: loader timeouts,
+/// background completion, eager refresh. The native body runs it through `fetch`; the
+/// portable body, which has none of them, runs a plain get-or-set.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Detach {
+    soft_ms: Option<u64>,
+    hard_ms: Option<u64>,
+    background: bool,
+    refresh_permille: Option<u64>,
+}
+
+impl Detach {
+    fn draw(r: &mut Rng, expiry: &Expiry) -> Self {
+        let mut d = Detach::default();
+        if expiry.stale_ms.is_some() && r.chance(400) {
+            d.soft_ms = Some(r.range(20, 600));
+        }
+        if r.chance(300) {
+            d.hard_ms = Some(r.range(100, 2_000));
+            d.background = r.chance(500);
+        }
+        if r.chance(400) {
+            d.refresh_permille = Some(r.range(300, 900));
+        }
+        d
+    }
+
+    pub(crate) fn is_plain(&self) -> bool {
+        self.soft_ms.is_none() && self.hard_ms.is_none() && self.refresh_permille.is_none()
+    }
+
+    pub(crate) fn options(&self, entry: EntryOptions) -> LoadOptions {
+        let mut o = LoadOptions::new().entry(entry);
+        if let Some(ms) = self.soft_ms {
+            o = o.soft_timeout(Duration::from_millis(ms));
+        }
+        if let Some(ms) = self.hard_ms {
+            o = o
+                .hard_timeout(Duration::from_millis(ms))
+                .background_completion(self.background);
+        }
+        if let Some(pm) = self.refresh_permille {
+            o = o.eager_refresh(pm as f64 / 1000.0);
         }
         o
     }
@@ -205,6 +254,11 @@ pub(crate) struct CallRec {
     pub(crate) loaded: Option<(String, LoaderPlan)>,
     /// Its process's clock when it began and when it returned.
     pub(crate) clocks: (u64, u64),
+    /// Whether the value served was a stale copy, when the body said.
+    pub(crate) stale: Option<bool>,
+    /// A get-or-set with timeouts or eager refresh: its loader may run on after it, or
+    /// be cut, and the caller may get a stale copy, the current value or `Timeout`.
+    pub(crate) detached: bool,
 }
 
 /// A write a caller saw succeed: its key, when it returned, its order in the store.
@@ -357,7 +411,8 @@ fn freshener(s: &Scenario, seed: u64, proc: usize) -> Vec<(u64, Op)> {
                     } else {
                         loader_plan(&mut r, s)
                     };
-                    Op::GetOrSetFor(key, expiry, plan)
+                    let detach = Detach::draw(&mut r, &expiry);
+                    Op::GetOrSetFor(key, expiry, plan, detach)
                 }
             };
             (think, op)
@@ -686,6 +741,8 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     let id = ctx.next_id();
     let t_inv = w.now();
     let loaded: Arc<Mutex<Option<(String, LoaderPlan)>>> = Arc::default();
+    // Whether the value served is a stale copy, when the body says.
+    let stale: Arc<Mutex<Option<bool>>> = Arc::default();
     let (name, key) = match &op {
         Op::Get(k) => ("get", k.clone()),
         Op::Set(k) | Op::SetTagged(k, _) | Op::SetFor(k, _) => ("set", k.clone()),
@@ -702,15 +759,19 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     if name != "set" {
         w.log(format_args!("p{proc} c{id} {name} {key}"));
     }
+    let op_detach = match &op {
+        Op::GetOrSetFor(.., d) => Some(*d),
+        _ => None,
+    };
     let entry = match &op {
-        Op::SetFor(_, e) | Op::GetOrSetFor(_, e, _) => e.options(),
+        Op::SetFor(_, e) | Op::GetOrSetFor(_, e, ..) => e.options(),
         _ => EntryOptions::new().relative(VALUE_TTL),
     };
     let clock_inv = ctx.clocks[proc].now_ms();
     let bound = Duration::from_millis(CALL_BOUND_MS);
     let task = {
         let (cache, w, loaded, key) = (cache.clone(), w.clone(), loaded.clone(), key.clone());
-        let tags = tags.clone();
+        let (tags, stale) = (tags.clone(), stale.clone());
         tokio::spawn(crate::world::CALL.scope(id, async move {
             let res = match op {
                 Op::Get(_) => tokio::time::timeout(bound, cache.get(&key))
@@ -735,7 +796,8 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                 Op::Expire(_) => tokio::time::timeout(bound, cache.expire(&key))
                     .await
                     .map(|r| r.map(|b| (Res::Done(b), None))),
-                Op::GetOrSet(_, plan) | Op::GetOrSetTagged(_, _, plan) | Op::GetOrSetFor(_, _, plan) => {
+                Op::GetOrSet(_, plan) | Op::GetOrSetTagged(_, _, plan) | Op::GetOrSetFor(_, _, plan, _) => {
+                    let detach = op_detach.unwrap_or_default();
                     let began = w.now();
                     let ms = match plan {
                         LoaderPlan::Ok(ms)
@@ -775,11 +837,13 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                         wait: Arc::new(wait_for(w.clone(), proc, ms)),
                         start: Box::new(start),
                     };
-                    tokio::time::timeout(bound, cache.get_or_set(&key, entry, &tags, load))
-                        .await
-                        .map(|r| {
-                            r.map(|v| (Res::Value(Some(String::from_utf8_lossy(&v).into_owned())), None))
-                        })
+                    let got = if detach.is_plain() {
+                        tokio::time::timeout(bound, cache.get_or_set(&key, entry, &tags, load)).await
+                    } else {
+                        let options = detach.options(entry);
+                        tokio::time::timeout(bound, cache.fetch(&key, entry, options, load, &stale)).await
+                    };
+                    got.map(|r| r.map(|v| (Res::Value(Some(String::from_utf8_lossy(&v).into_owned())), None)))
                 }
             };
             match res {
@@ -814,6 +878,8 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         res: res.clone(),
         loaded: loaded.lock().clone(),
         clocks: (clock_inv, clock_end),
+        stale: *stale.lock(),
+        detached: matches!(&op_detach, Some(d) if !d.is_plain()),
     };
     // A write the caller saw succeed: its place in the store's order.
     let order = match (name, &res, &written) {
@@ -876,6 +942,7 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
             "get" | "set" | "remove" | "expire" | "remove_by_tag" | "clear",
         ) => {}
         (Res::Failed(ErrorKind::Loader), "get_or_set") => {}
+        (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.detached => {}
         // Held past the wait, no answer, or lost before the release.
         (Res::Failed(ErrorKind::Timeout | ErrorKind::Unavailable | ErrorKind::LockLost), "lock") => {}
         (Res::Failed(kind), _) => w.violation(format!("error kind: {who} failed with {kind:?}")),
@@ -883,6 +950,9 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
     }
     if let Some((value, plan)) = &c.loaded {
         let ok = match (plan, &c.res) {
+            // Cut by a timeout, or answered before its loader ended (a stale copy, the
+            // current value while a refresh runs): the expiry check judges the value.
+            (_, Res::Value(Some(_)) | Res::Failed(ErrorKind::Timeout)) if c.detached => true,
             (LoaderPlan::Panic(_) | LoaderPlan::Fail(_), Res::Failed(ErrorKind::Loader)) => true,
             // Fail-safe: the stale copy of an entry written with a window (the window is
             // checked by `check_expiry`).
@@ -940,7 +1010,9 @@ fn check_expiry(ctx: &Ctx) {
             Some(_) => meta.absolute_ms.unwrap_or(u64::MAX),
             None => meta.expires_at_ms,
         };
-        let end = if c.op == "get" {
+        // A plain get, or a get-or-set that says the value is not a stale copy: fresh.
+        let fresh_only = c.op == "get" || c.stale == Some(false);
+        let end = if fresh_only {
             fresh_end
         } else {
             fresh_end.saturating_add(meta.stale_ms.unwrap_or(0))
@@ -956,7 +1028,7 @@ fn check_expiry(ctx: &Ctx) {
                 c.key,
                 c.t_inv,
                 judged_at_least - end,
-                if c.op == "get" { "its expiry" } else { "its stale window" },
+                if fresh_only { "its expiry" } else { "its stale window" },
             ));
         }
     }
