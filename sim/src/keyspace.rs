@@ -35,6 +35,9 @@ pub(crate) struct Step<'a> {
     pub(crate) write: Write,
     /// The sender's clock, when the command carries it (read-and-touch's `now`).
     pub(crate) clock_ms: Option<u64>,
+    /// The server (`Conn::server`): a Redlock server keeps its locks and counters under
+    /// names of its own (`s{n}|{name}`).
+    pub(crate) server: usize,
 }
 
 fn meta_of(bytes: &[u8]) -> Option<corral_core::expiry::EntryMeta> {
@@ -75,6 +78,7 @@ impl<'a> Step<'a> {
             call: None,
             write,
             clock_ms: None,
+            server: 0,
         }
     }
 
@@ -309,7 +313,17 @@ impl<'a> Step<'a> {
 
 impl Keyspace for Step<'_> {
     fn command(&mut self, args: &[Vec<u8>]) -> Reply {
-        let name = args.get(1).map(|n| text(n)).unwrap_or_default();
+        let mut name = args.get(1).map(|n| text(n)).unwrap_or_default();
+        let own;
+        let args = if self.server > 0 && matches!(home(&name), Home::Locks | Home::Fences) {
+            name = format!("s{}|{name}", self.server);
+            let mut a = args.to_vec();
+            a[1] = name.clone().into_bytes();
+            own = a;
+            &own[..]
+        } else {
+            args
+        };
         let arity = |n: usize| args.len() >= n;
         match args[0].to_ascii_uppercase().as_slice() {
             b"GET" if arity(2) => self.get(&name),

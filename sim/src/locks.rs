@@ -185,18 +185,35 @@ async fn use_resource(w: &Arc<World>, proc: usize, id: u64, key: &str, lease: &L
     let valid = !lease.is_lost() && !lease.valid_for().is_zero();
     let (wiped, holds, best, accepted, newer) = {
         let mut st = w.st.lock();
-        let grant = st
+        // The grants that could be this lease's: its token, on this key, to this
+        // process (on Redlock each server counts on its own: two servers may hand out
+        // one number at one microsecond, to different owners).
+        let owners: Vec<(String, u64)> = st
             .grants
             .iter()
-            .rev()
-            .find(|g| g.key == key && g.fencing == token)
-            .cloned();
-        let wiped = grant
-            .as_ref()
-            .is_some_and(|g| st.restarts.iter().any(|&r| r >= g.t));
-        let holds = grant
-            .as_ref()
-            .is_some_and(|g| st.live_lock(&g.name, now).is_some_and(|l| l.owner == g.owner));
+            .filter(|g| g.key == key && g.fencing == token && g.proc == proc)
+            .map(|g| (g.owner.clone(), g.t))
+            .collect();
+        // A restart since any of the lease's grants (on Redlock, one per server).
+        let wiped = owners.iter().any(|(owner, _)| {
+            st.grants
+                .iter()
+                .filter(|o| o.owner == *owner)
+                .any(|o| st.restarts.iter().any(|&r| r >= o.t))
+        });
+        // Held by its owner on a majority of the lease servers (one: the store).
+        let servers = w.scenario.lease_servers;
+        let holds = owners.iter().any(|(owner, _)| {
+            let base = st.lock_name_of(key);
+            let holding = (1..=servers)
+                .map(|s| match servers {
+                    1 => base.clone(),
+                    _ => format!("s{s}|{base}"),
+                })
+                .filter(|name| st.live_lock(name, now).is_some_and(|l| l.owner == *owner))
+                .count();
+            holding > servers / 2
+        });
         let best = st.resource.get(key).copied().unwrap_or(0);
         let accepted = token >= best;
         if accepted {

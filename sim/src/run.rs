@@ -53,7 +53,8 @@ pub struct Outcome {
     pub keys: usize,
     /// Callers per process (when not the scenario's own).
     pub callers: Option<usize>,
-    /// ` --broken NAME` when the store was deliberately broken, ` --portable` for the
+    /// ` --broken NAME` when the store was deliberately broken, ` --no-clears` without
+    /// `clear` in the workload, ` --portable` for the
     /// portable body, else empty.
     pub broken: String,
     pub scenario: &'static str,
@@ -274,6 +275,8 @@ struct Plan {
     down: Vec<Vec<(u64, u64)>>,
     /// Per process, the spans its subscription alone is down.
     deaf: Vec<Vec<(u64, u64)>>,
+    /// A Redlock server that stalls, and when.
+    stall: Option<(usize, u64, u64)>,
     restart: Option<u64>,
     skew: Vec<i64>,
     steps: Vec<(usize, u64, i64)>,
@@ -327,9 +330,16 @@ fn plan(s: &Scenario, seed: u64) -> Plan {
             spans.push((a, a + r.range(100, 2_000)));
         }
     }
+    // A minority of Redlock's servers: one stalls.
+    let stall = (s.lease_servers > 1 && r.chance(f.stall_pm)).then(|| {
+        let server = r.range(1, s.lease_servers as u64) as usize;
+        let a = r.range(0, HORIZON_MS);
+        (server, a, a + r.range(300, 3_000))
+    });
     Plan {
         down,
         deaf,
+        stall,
         restart,
         skew,
         steps,
@@ -475,6 +485,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         let conn = Arc::new(Conn {
             world: world.clone(),
             proc: p,
+            server: 0,
         });
         let skew = Arc::new(AtomicI64::new(plan.skew[p]));
         if plan.skew[p] != 0 {
@@ -513,12 +524,23 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         } else {
             Body::Native(native)
         };
-        let server: Arc<dyn corral::locks::LeaseServer> = Arc::new(Conn {
-            world: world.clone(),
-            proc: p,
-        });
-        let locks = RedisLocks::over(vec![server], crate::world::SIM_PREFIX)
-            .expect("leases over the simulated store");
+        // One lease server: the store itself; several (Redlock): servers of their own.
+        let servers: Vec<usize> = match scenario.lease_servers {
+            1 => vec![0],
+            n => (1..=n).collect(),
+        };
+        let servers = servers
+            .into_iter()
+            .map(|server| {
+                Arc::new(Conn {
+                    world: world.clone(),
+                    proc: p,
+                    server,
+                }) as Arc<dyn corral::locks::LeaseServer>
+            })
+            .collect();
+        let locks =
+            RedisLocks::over(servers, crate::world::SIM_PREFIX).expect("leases over the simulated store");
         for k in 0..scenario.lock_keys {
             let key = format!("lock{k}");
             world.learn_name(&key, &locks.lock_key(&key).expect("a valid key"));
@@ -548,6 +570,11 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
                 w.resubscribed(p);
             });
         }
+    }
+    if let Some((server, a, b)) = plan.stall {
+        world.fault("server-stall-planned");
+        world.log(format_args!("plan: lease server s{server} stalled {a}..{b}"));
+        world.st.lock().stalls.push((server, a, b));
     }
     if let Some(at) = plan.restart {
         world.log(format_args!("plan: store restarts at {at}"));
@@ -710,7 +737,11 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         "" => String::new(),
         name => format!(" --broken {name}"),
     };
-    let broken = format!("{broken}{}", if scenario.portable { " --portable" } else { "" });
+    let broken = format!(
+        "{broken}{}{}",
+        if scenario.portable { " --portable" } else { "" },
+        if scenario.clears { "" } else { " --no-clears" }
+    );
     Outcome {
         seed,
         broken,
@@ -809,7 +840,8 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                         let (w, key, loaded) = (w.clone(), key.clone(), loaded.clone());
                         move || -> Finish {
                             let value = format!("load{}", w.next_seq());
-                            let index = w.load_started(id, proc, &key, &value, began);
+                            let refresh = detach.refresh_permille.is_some();
+                            let index = w.load_started(id, proc, &key, &value, began, refresh);
                             let end = EndGuard(w.clone(), index);
                             *loaded.lock() = Some((value.clone(), plan.clone()));
                             if let LoaderPlan::Slow(_) = plan {
@@ -944,7 +976,12 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
         (Res::Failed(ErrorKind::Loader), "get_or_set") => {}
         (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.detached => {}
         // Held past the wait, no answer, or lost before the release.
-        (Res::Failed(ErrorKind::Timeout | ErrorKind::Unavailable | ErrorKind::LockLost), "lock") => {}
+        (
+            Res::Failed(
+                ErrorKind::Timeout | ErrorKind::Unavailable | ErrorKind::LockLost | ErrorKind::Quorum,
+            ),
+            "lock",
+        ) => {}
         (Res::Failed(kind), _) => w.violation(format!("error kind: {who} failed with {kind:?}")),
         _ => {}
     }

@@ -29,6 +29,9 @@ pub struct FaultRates {
     /// Per run: one process crashes (its tasks are dropped mid-flight, its locks left to
     /// expire; it sends and hears nothing more).
     pub crash_pm: u32,
+    /// Per run and lease server (Redlock): one server stalls for 300..3000 ms (requests
+    /// reach it and are never answered: a minority, the others answer).
+    pub stall_pm: u32,
     /// Per use of the fenced resource: the holder's process pauses right after it
     /// checked its lease (300..4000 ms), the moment no lease can see.
     pub pause_holder_pm: u32,
@@ -220,13 +223,14 @@ pub struct Scenario {
     pub lock_sessions: usize,
     pub lock_keys: usize,
     pub lease_ttl_ms: u64,
+    /// The servers each lease is taken on: 1, or several for Redlock (a majority holds).
+    pub lease_servers: usize,
     pub faults: FaultRates,
     pub broken: Broken,
     /// The processes run the component's own `cache` export (the portable body) in
     /// wasmtime instead of the native `Corral`.
     pub portable: bool,
-    /// The taggers also `clear` (rarely). Off by default: the invariants do not model a
-    /// generation's names yet, so a clear's new namespace reads as overwrites.
+    /// The taggers also `clear` (rarely). On by default (`--no-clears` turns it off).
     pub clears: bool,
 }
 
@@ -246,10 +250,11 @@ impl Scenario {
             lock_sessions: 3,
             lock_keys: 2,
             lease_ttl_ms: 1_200,
+            lease_servers: 1,
             faults: FaultRates::default(),
             broken: Broken::default(),
             portable: false,
-            clears: false,
+            clears: true,
         }
     }
 
@@ -301,6 +306,7 @@ impl Scenario {
             loader_panic_pm: 40,
             pause_pm: 100,
             crash_pm: 150,
+            stall_pm: 0,
             pause_holder_pm: 100,
         };
         s
@@ -319,6 +325,24 @@ impl Scenario {
         s
     }
 
+    /// Leases on three servers (Redlock): one may stall, replies get lost, holders
+    /// pause past their leases, the store restarts.
+    pub fn redlock() -> Self {
+        let mut s = Self::base("redlock");
+        s.lease_servers = 3;
+        s.lockers = 2;
+        s.faults = FaultRates {
+            delay_pm: 60,
+            reply_lost_pm: 30,
+            restart_pm: 100,
+            pause_pm: 150,
+            pause_holder_pm: 250,
+            stall_pm: 600,
+            ..FaultRates::default()
+        };
+        s
+    }
+
     /// The scenarios the suite and the binary cycle through, by seed.
     pub fn all() -> Vec<Scenario> {
         vec![
@@ -327,10 +351,11 @@ impl Scenario {
             Self::loaders(),
             Self::chaos(),
             Self::process(),
+            Self::redlock(),
         ]
     }
 
-    /// A scenario by name (`calm`, `network`, `loaders`, `chaos`, `process`).
+    /// A scenario by name (`calm`, `network`, `loaders`, `chaos`, `process`, `redlock`).
     pub fn named(name: &str) -> Option<Scenario> {
         Self::all().into_iter().find(|s| s.name == name)
     }

@@ -200,6 +200,8 @@ pub struct State {
     pub(crate) down: Vec<Vec<(u64, u64)>>,
     /// Per process, the spans its subscription alone is down (commands flow).
     pub(crate) deaf: Vec<Vec<(u64, u64)>>,
+    /// Lease servers stalled: (server, from, to).
+    pub(crate) stalls: Vec<(usize, u64, u64)>,
     /// Per process, the spans it is paused (none of its tasks gets past a gate).
     pub(crate) paused: Vec<Vec<(u64, u64)>>,
     /// Per process, when it crashed.
@@ -276,6 +278,7 @@ impl World {
                 excused: BTreeMap::new(),
                 down,
                 deaf,
+                stalls: Vec::new(),
                 paused,
                 crashed,
                 names: BTreeMap::new(),
@@ -333,6 +336,16 @@ impl World {
     pub(crate) fn is_down(&self, proc: usize, t: u64) -> bool {
         let st = self.st.lock();
         !st.calm && st.down[proc].iter().any(|&(a, b)| a <= t && t < b)
+    }
+
+    /// When server `server` resumes, if it is stalled at `t`.
+    pub(crate) fn stalled_until(&self, server: usize, t: u64) -> Option<u64> {
+        let st = self.st.lock();
+        st.stalls
+            .iter()
+            .filter(|&&(s, a, b)| s == server && a <= t && t < b)
+            .map(|&(_, _, b)| b)
+            .max()
     }
 
     /// When `proc` hears its channel again, if it cannot at `t`: its connection or its
@@ -473,7 +486,18 @@ impl World {
     /// Runs a load's bookkeeping at its start; returns the record's index. `began` is
     /// when its call began: a lock its process took before that belongs to another
     /// flight of the process (one that handed its outcome on and is still releasing).
-    pub(crate) fn load_started(&self, call: u64, proc: usize, key: &str, value: &str, began: u64) -> usize {
+    ///
+    /// `refresh`: the call asked for eager refresh, so its load may be a refresh of a
+    /// fresh value (which the once-per-fill-window check does not apply to).
+    pub(crate) fn load_started(
+        &self,
+        call: u64,
+        proc: usize,
+        key: &str,
+        value: &str,
+        began: u64,
+        refresh: bool,
+    ) -> usize {
         let now = self.now();
         let mut problems = Vec::new();
         let mut excuses = Vec::new();
@@ -520,7 +544,8 @@ impl World {
                 // Once per fill window: nothing fresh had landed before this flight took
                 // the lock (its double-check read would have found it), unless that
                 // read failed.
-                if let Some((entry, _)) = st.names_of(key)
+                if !refresh
+                    && let Some((entry, _)) = st.names_of(key)
                     && let Some(stored) = st.entries.get(&entry)
                     && now < stored.until
                     && stored.since < since
@@ -637,8 +662,18 @@ impl State {
     }
 
     pub(crate) fn key_of(&self, name: &str) -> String {
+        // A Redlock server's copy of a lock name: `s{n}|{name}`.
+        let name = name.split_once('|').map_or(name, |(_, n)| n);
         let tag = name.rsplit_once(':').map_or(name, |(t, _)| t);
         self.names.get(tag).cloned().unwrap_or_else(|| name.to_owned())
+    }
+
+    /// The lease lock's store name of lock key `key` (`{tag}:k`).
+    pub(crate) fn lock_name_of(&self, key: &str) -> String {
+        self.names
+            .iter()
+            .find(|(_, k)| *k == key)
+            .map_or_else(|| key.to_owned(), |(tag, _)| format!("{tag}:k"))
     }
 
     /// The entry and flight-lock names of `key` (`{tag}:e`, `{tag}:l`).
@@ -754,6 +789,9 @@ fn fresh_whatever_the_clock(bytes: &[u8], t: u64) -> bool {
 pub struct Conn {
     pub(crate) world: Arc<World>,
     pub(crate) proc: usize,
+    /// Which server it talks to: 0, the store; 1.. the lease servers of Redlock (their
+    /// locks and counters are their own; the store's restarts wipe them too).
+    pub(crate) server: usize,
 }
 
 impl std::fmt::Debug for Conn {
@@ -775,11 +813,16 @@ impl Conn {
         &self,
         what: &'static str,
         name: &str,
-        apply: impl FnOnce(&mut State, u64, usize) -> Applied<T> + Send,
+        apply: impl FnOnce(&mut State, u64, usize) -> Applied<T> + Send + 'static,
     ) -> corral::Result<T> {
         let w = &self.world;
         let p = self.proc;
         let key = w.st.lock().key_of(name);
+        // Who sends it, and to which server when not the store.
+        let who = match self.server {
+            0 => format!("p{p}"),
+            s => format!("p{p}@s{s}"),
+        };
         w.gate(p).await;
         if w.is_crashed(p) {
             // A dead process sends nothing (the library's background tasks outlive it here).
@@ -789,7 +832,7 @@ impl Conn {
         if w.is_down(p, w.now()) {
             tokio::time::sleep(Duration::from_millis(1)).await;
             w.fault("refused");
-            w.log(format_args!("p{p} {what} {key} -> refused (connection down)"));
+            w.log(format_args!("{who} {what} {key} -> refused (connection down)"));
             return Err(unavailable(REFUSED));
         }
         let (there, slow) = w.latency();
@@ -801,13 +844,37 @@ impl Conn {
             // Dropped on the way: never applied; the client times out.
             w.fault("conn-drop");
             w.log(format_args!(
-                "p{p} {what} {key} -> request lost (connection dropped)"
+                "{who} {what} {key} -> request lost (connection dropped)"
             ));
             tokio::time::sleep(Duration::from_millis(
                 REPLY_TIMEOUT_MS - there.min(REPLY_TIMEOUT_MS),
             ))
             .await;
             return Err(unavailable("connection dropped"));
+        }
+        if let Some(end) = w.stalled_until(self.server, w.now()) {
+            // A stalled server (SIGSTOP) applies what reached it when it resumes; the
+            // caller gives up at its response timeout.
+            w.fault("server-stall");
+            let give_up = w.now() + REPLY_TIMEOUT_MS - there.min(REPLY_TIMEOUT_MS);
+            if end > give_up {
+                let late = w.clone();
+                let who = who.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(end - late.now())).await;
+                    let now = late.now();
+                    let (_, summary) = {
+                        let mut st = late.st.lock();
+                        apply(&mut st, now, p)
+                    };
+                    late.log(format_args!(
+                        "{who} {what} {key} applied late, the server resumed ({summary}) -> nobody waits"
+                    ));
+                });
+                tokio::time::sleep(Duration::from_millis(give_up - w.now())).await;
+                return Err(unavailable("server stalled: timed out"));
+            }
+            tokio::time::sleep(Duration::from_millis(end - w.now())).await;
         }
         let now = w.now();
         let (out, summary) = {
@@ -817,7 +884,7 @@ impl Conn {
         if w.draw(w.scenario.faults.reply_lost_pm) {
             w.fault("reply-lost");
             w.log(format_args!(
-                "p{p} {what} {key} applied ({summary}) -> reply lost"
+                "{who} {what} {key} applied ({summary}) -> reply lost"
             ));
             tokio::time::sleep(Duration::from_millis(REPLY_TIMEOUT_MS)).await;
             return Err(unavailable("reply lost: timed out"));
@@ -827,7 +894,7 @@ impl Conn {
             w.fault("delay");
         }
         w.log(format_args!(
-            "p{p} {what} {key} -> {summary} (sent -{there}, reply +{back})"
+            "{who} {what} {key} -> {summary} (sent -{there}, reply +{back})"
         ));
         tokio::time::sleep(Duration::from_millis(back)).await;
         // A reply reaching a paused process is read when it resumes.
@@ -843,7 +910,7 @@ impl Conn {
         &'a self,
         what: &'static str,
         key: &'a str,
-        read: impl FnOnce(&mut State, u64, usize, &str) -> Option<Bytes> + Send + 'a,
+        read: impl FnOnce(&mut State, u64, usize, &str) -> Option<Bytes> + Send + 'static,
     ) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
         let name = key.to_owned();
         let this = self.clone();
@@ -1429,19 +1496,16 @@ impl LeaseServer for Conn {
             self.world.st.lock().release_attempts.insert(owner.clone());
         }
         let this = self.clone();
+        let server = self.server;
         async move {
             let taker = owner.clone();
             let got = this
                 .call(what, &lock, move |st, now, p| {
                     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
                     let argv: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
-                    let reply = self::script(
-                        &mut Step::new(st, now, p, Write::Plain),
-                        &broken,
-                        which,
-                        &keys,
-                        &argv,
-                    );
+                    let mut step = Step::new(st, now, p, Write::Plain);
+                    step.server = server;
+                    let reply = self::script(&mut step, &broken, which, &keys, &argv);
                     match script {
                         LockScript::Acquire => {
                             let token = answered(st, now, what, &reply, |r| match r {
@@ -1485,11 +1549,12 @@ fn granted(st: &mut State, now: u64, p: usize, owner: &str, token: u64) {
         st.violations.push(what);
         return;
     };
-    let key = st.grants[at].key.clone();
+    // Per server: Redlock's servers count on their own.
+    let (key, name) = (st.grants[at].key.clone(), st.grants[at].name.clone());
     let regressed = st
         .grants
         .iter()
-        .filter(|g| g.key == key && g.fencing > 0)
+        .filter(|g| g.name == name && g.fencing > 0)
         .map(|g| g.fencing)
         .max()
         .filter(|&m| m >= token);

@@ -1,5 +1,5 @@
 //! `corral-sim [--seeds N] [--from S0] [--seed S] [--scenario NAME] [--procs P] [--keys K]
-//! [--callers C] [--portable] [--broken NAME] [--trace] [--twice] [--stop]`
+//! [--callers C] [--portable] [--broken NAME] [--no-clears] [--trace] [--twice] [--stop]`
 //!
 //! Runs N seeds (cycling through the scenarios unless one is named), or one seed, and
 //! ends with a table. A failing seed prints its replay command and its trace; `--stop`
@@ -39,7 +39,7 @@ fn parse() -> Result<Args, String> {
         trace: false,
         twice: false,
         portable: false,
-        clears: false,
+        clears: true,
         stop: false,
         broken: None,
     };
@@ -63,14 +63,14 @@ fn parse() -> Result<Args, String> {
             "--trace" => a.trace = true,
             "--twice" => a.twice = true,
             "--portable" => a.portable = true,
-            "--clears" => a.clears = true,
+            "--no-clears" => a.clears = false,
             "--stop" => a.stop = true,
             "--broken" => a.broken = Some(value("--broken")?),
             "-h" | "--help" => {
                 return Err(
                     "usage: corral-sim [--seeds N] [--from S0] [--seed S] [--procs P] [--keys K] [--callers C] \
-                            [--scenario calm|network|loaders|chaos|process] \
-                            [--broken NAME] [--portable] [--clears] [--trace] [--twice] [--stop]"
+                            [--scenario calm|network|loaders|chaos|process|redlock] \
+                            [--broken NAME] [--portable] [--no-clears] [--trace] [--twice] [--stop]"
                         .into(),
                 );
             }
