@@ -40,6 +40,9 @@ pub(crate) struct Step<'a> {
     pub(crate) server: usize,
 }
 
+/// A key written without `PX` never expires (as far as a run can tell).
+const NO_EXPIRY: u64 = u64::MAX / 4;
+
 fn meta_of(bytes: &[u8]) -> Option<corral_core::expiry::EntryMeta> {
     let limits = corral_core::Limits::default();
     corral_core::envelope::decode_header(bytes, bytes.len() as u64, &limits)
@@ -126,7 +129,7 @@ impl<'a> Step<'a> {
         match home(&name) {
             Home::Entries => {
                 let bytes = Bytes::copy_from_slice(value);
-                let ttl = px.unwrap_or(u64::MAX / 4);
+                let ttl = px.unwrap_or(NO_EXPIRY);
                 match self.write {
                     Write::Fenced => check_fill_over(self.st, &name, &bytes, now, false),
                     Write::Plain => check_fill_over(self.st, &name, &bytes, now, true),
@@ -158,7 +161,7 @@ impl<'a> Step<'a> {
                     HeldLock {
                         owner: text(value),
                         proc: self.proc,
-                        until: now.saturating_add(px.unwrap_or(u64::MAX / 4)),
+                        until: now.saturating_add(px.unwrap_or(NO_EXPIRY)),
                         since: now,
                         // Until the reply reaches its taker (it may be lost).
                         reply_lost: true,
@@ -324,11 +327,19 @@ impl Keyspace for Step<'_> {
         } else {
             args
         };
-        let arity = |n: usize| args.len() >= n;
+        let arity = |n: usize| args.len() == n;
         match args[0].to_ascii_uppercase().as_slice() {
             b"GET" if arity(2) => self.get(&name),
-            b"SET" if arity(3) => self.set(args),
-            b"DEL" if arity(2) => self.del(&name),
+            b"SET" if args.len() >= 3 => self.set(args),
+            b"DEL" if args.len() >= 2 => {
+                let mut deleted = 0;
+                for n in &args[1..] {
+                    if let Reply::Int(d) = self.del(&text(n)) {
+                        deleted += d;
+                    }
+                }
+                Reply::Int(deleted)
+            }
             b"INCR" if arity(2) => self.incr(&name),
             b"TYPE" if arity(2) => Reply::Status(
                 if self.get(&name) == Reply::Nil {
@@ -347,31 +358,46 @@ impl Keyspace for Step<'_> {
                     Reply::Nil => Reply::Int(0),
                     _ => self.del(&name),
                 },
+                Some(_) if matches!(home(&name), Home::Fences) => Reply::error(format!(
+                    "ERR sim: an expiry on the counter {name} is not simulated"
+                )),
                 Some(ms) => self.pexpire(&name, ms as u64),
                 None => Reply::error("ERR value is not an integer or out of range"),
             },
-            b"GETEX" if args.len() == 4 && args[2].eq_ignore_ascii_case(b"PX") => {
-                let found = self.get(&name);
-                if found != Reply::Nil
-                    && let Some(ms) = number(&args[3])
+            b"GETEX" if arity(2) => self.get(&name),
+            b"GETEX" if arity(4) && args[2].eq_ignore_ascii_case(b"PX") => {
+                match std::str::from_utf8(&args[3])
+                    .ok()
+                    .and_then(|t| t.parse::<i64>().ok())
                 {
-                    self.pexpire(&name, ms);
+                    None => Reply::error("ERR value is not an integer or out of range"),
+                    Some(ms) if ms <= 0 => Reply::error("ERR invalid expire time in 'getex' command"),
+                    Some(ms) => {
+                        let found = self.get(&name);
+                        if found != Reply::Nil {
+                            self.pexpire(&name, ms as u64);
+                        }
+                        found
+                    }
                 }
-                found
             }
             b"PTTL" if arity(2) => {
                 let now = self.now;
-                let left = match home(&name) {
+                let until = match home(&name) {
                     Home::Entries => self
                         .st
                         .entries
                         .get(&name)
                         .filter(|s| now < s.until)
-                        .map(|s| s.until - now),
-                    Home::Locks => self.st.live_lock(&name, now).map(|l| l.until - now),
-                    Home::Fences => None,
+                        .map(|s| s.until),
+                    Home::Locks => self.st.live_lock(&name, now).map(|l| l.until),
+                    Home::Fences => self.st.fences.get(&name).map(|_| NO_EXPIRY),
                 };
-                Reply::Int(left.map_or(-2, |l| l as i64))
+                match until {
+                    None => Reply::Int(-2),
+                    Some(u) if u >= NO_EXPIRY => Reply::Int(-1),
+                    Some(u) => Reply::Int((u - now) as i64),
+                }
             }
             b"SETRANGE" if arity(4) => match number(&args[2]) {
                 Some(offset) => self.setrange(&name, offset as usize, &args[3]),

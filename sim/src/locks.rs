@@ -161,6 +161,7 @@ pub(crate) async fn session(ctx: &Arc<Ctx>, proc: usize, locks: &RedisLocks, s: 
         clocks: (0, 0),
         stale: None,
         detached: false,
+        hard_ms: None,
     };
     crate::run::check_call(&w, &rec);
     ctx.calls.lock().push(rec);
@@ -273,7 +274,13 @@ pub(crate) fn check_orphans(w: &World) {
         (st.grants.clone(), st.release_attempts.clone(), st.crashed.clone())
     };
     for g in grants {
-        if attempts.contains(&g.owner) {
+        // The server that granted it: `s{n}|…` on Redlock, else the store.
+        let server = g
+            .name
+            .split_once('|')
+            .and_then(|(s, _)| s.strip_prefix('s')?.parse().ok())
+            .unwrap_or(0);
+        if attempts.contains(&(server, g.owner.clone())) {
             continue;
         }
         let what = format!(

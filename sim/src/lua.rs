@@ -13,7 +13,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use mlua::{Function, Lua, MultiValue, Table, Value};
+use mlua::{Function, Lua, LuaOptions, MultiValue, StdLib, Table, Value};
 
 /// A reply as a Redis server sends it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,7 +45,34 @@ pub(crate) trait Keyspace {
 thread_local! {
     /// One Lua per thread (a seed's world runs on one thread), and each script's text
     /// compiled once, as Redis keeps `SCRIPT LOAD`ed scripts.
-    static LUA: (Lua, RefCell<HashMap<String, Function>>) = (Lua::new(), RefCell::new(HashMap::new()));
+    static LUA: (Lua, RefCell<HashMap<String, Function>>) = (redis_lua(), RefCell::new(HashMap::new()));
+}
+
+/// A Lua as Redis sets one up: the base, table, string and math libraries only (no `os`,
+/// `io` or `package`), and globals protected, so a script that assigns or reads an
+/// undeclared global (a `local` forgotten) fails here as it fails on Redis, and leaves
+/// nothing behind for the next seed.
+fn redis_lua() -> Lua {
+    let lua = Lua::new_with(
+        StdLib::TABLE | StdLib::STRING | StdLib::MATH,
+        LuaOptions::default(),
+    )
+    .expect("a Lua 5.1 state");
+    lua.load(
+        r#"
+setmetatable(_G, {
+  __newindex = function(_, name)
+    error("Script attempted to create global variable '" .. tostring(name) .. "'", 2)
+  end,
+  __index = function(_, name)
+    error("Script attempted to access nonexistent global variable '" .. tostring(name) .. "'", 2)
+  end,
+})
+"#,
+    )
+    .exec()
+    .expect("protected globals");
+    lua
 }
 
 /// Runs `script` with `KEYS` and `ARGV` over `keyspace`, as `EVAL` does: its reply, or
@@ -77,12 +104,13 @@ fn run(
         }
     };
     let globals = lua.globals();
-    globals.set("KEYS", lua.create_sequence_from(keys.iter().copied())?)?;
+    // Set past the protection, as Redis sets them.
+    globals.raw_set("KEYS", lua.create_sequence_from(keys.iter().copied())?)?;
     let args = argv
         .iter()
         .map(|a| lua.create_string(a))
         .collect::<mlua::Result<Vec<_>>>()?;
-    globals.set("ARGV", lua.create_sequence_from(args)?)?;
+    globals.raw_set("ARGV", lua.create_sequence_from(args)?)?;
     let keyspace = RefCell::new(keyspace);
     lua.scope(|scope| {
         let redis = lua.create_table()?;
@@ -126,7 +154,7 @@ fn run(
                 Ok(t)
             })?,
         )?;
-        globals.set("redis", redis)?;
+        globals.raw_set("redis", redis)?;
         let out: Value = function.call(())?;
         from_lua(&out)
     })
@@ -257,6 +285,14 @@ mod tests {
             Reply::Error("CORRAL_X no".into())
         );
         assert_eq!(eval("return 12.9", &[], &[], &mut ks), Reply::Int(12));
+        // Globals are protected, and `os` is not there, as on Redis.
+        for script in ["x = 1 return x", "return undeclared", "return os.time()"] {
+            let got = eval(script, &[], &[], &mut ks);
+            assert!(
+                matches!(&got, Reply::Error(e) if e.contains("global variable")),
+                "{script}: {got:?}"
+            );
+        }
         // An array ends at its first nil; `false` is a nil reply inside it.
         assert_eq!(
             eval("return {1, 'a', false, nil, 2}", &[], &[], &mut ks),

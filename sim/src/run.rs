@@ -260,6 +260,19 @@ pub(crate) struct CallRec {
     /// A get-or-set with timeouts or eager refresh: its loader may run on after it, or
     /// be cut, and the caller may get a stale copy, the current value or `Timeout`.
     pub(crate) detached: bool,
+    /// Its hard loader timeout, if it set one: the only way it may end in `Timeout`.
+    pub(crate) hard_ms: Option<u64>,
+}
+
+impl CallRec {
+    /// Whether the call asked for a hard timeout and ran at least that long, by the
+    /// simulated time or by its process's clock (the guest judges a load's answer by
+    /// the cache's clock, so a clock stepped forward during a load times it out).
+    fn hard_timeout_ran_out(&self) -> bool {
+        let (clock_inv, clock_end) = self.clocks;
+        self.hard_ms
+            .is_some_and(|h| self.t_end - self.t_inv >= h || clock_end.saturating_sub(clock_inv) >= h)
+    }
 }
 
 /// A write a caller saw succeed: its key, when it returned, its order in the store.
@@ -912,6 +925,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         clocks: (clock_inv, clock_end),
         stale: *stale.lock(),
         detached: matches!(&op_detach, Some(d) if !d.is_plain()),
+        hard_ms: op_detach.and_then(|d| d.hard_ms),
     };
     // A write the caller saw succeed: its place in the store's order.
     let order = match (name, &res, &written) {
@@ -974,7 +988,8 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
             "get" | "set" | "remove" | "expire" | "remove_by_tag" | "clear",
         ) => {}
         (Res::Failed(ErrorKind::Loader), "get_or_set") => {}
-        (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.detached => {}
+        // A hard timeout that ran out (its loader started after the call began).
+        (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.hard_timeout_ran_out() => {}
         // Held past the wait, no answer, or lost before the release.
         (
             Res::Failed(
@@ -989,7 +1004,8 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
         let ok = match (plan, &c.res) {
             // Cut by a timeout, or answered before its loader ended (a stale copy, the
             // current value while a refresh runs): the expiry check judges the value.
-            (_, Res::Value(Some(_)) | Res::Failed(ErrorKind::Timeout)) if c.detached => true,
+            (_, Res::Value(Some(_))) if c.detached => true,
+            (_, Res::Failed(ErrorKind::Timeout)) => c.hard_timeout_ran_out(),
             (LoaderPlan::Panic(_) | LoaderPlan::Fail(_), Res::Failed(ErrorKind::Loader)) => true,
             // Fail-safe: the stale copy of an entry written with a window (the window is
             // checked by `check_expiry`).

@@ -211,7 +211,8 @@ pub struct State {
     /// Every lock the store granted, in its order.
     pub grants: Vec<Grant>,
     /// Owner tokens a release was sent for (or tried: refused, lost, whatever came of it).
-    pub release_attempts: std::collections::BTreeSet<String>,
+    /// Per server (`Conn::server`), since Redlock's grants are per server.
+    pub release_attempts: std::collections::BTreeSet<(usize, String)>,
     /// Lease fencing counters, by store name (gone with a restart, as without persistence).
     pub(crate) fences: BTreeMap<String, u64>,
     /// When the store restarted.
@@ -501,6 +502,11 @@ impl World {
         let now = self.now();
         let mut problems = Vec::new();
         let mut excuses = Vec::new();
+        let clock_error_ms = if self.scenario.faults.clock_pm > 0 {
+            CLOCK_ERROR_MS
+        } else {
+            0
+        };
         let index;
         {
             let mut st = self.st.lock();
@@ -551,7 +557,7 @@ impl World {
                     && stored.since < since
                     && let Tag::Value(v) = tag_of(&stored.bytes)
                     && !st.removed_by_tag(&stored.bytes, now)
-                    && fresh_whatever_the_clock(&stored.bytes, since)
+                    && fresh_whatever_the_clock(&stored.bytes, since, clock_error_ms)
                 {
                     let what = format!(
                         "p{proc} loads {key} although {v} landed at {} before its lock ({since})",
@@ -775,12 +781,15 @@ impl State {
 /// The most a process's clock is off the simulated time: a skew and a step.
 pub(crate) const CLOCK_ERROR_MS: u64 = 300 + 3_000;
 
-/// Whether entry bytes were fresh at virtual time `t` by any process's clock (an entry
-/// of the freshness workload may have expired by the reader's, and been reloaded).
-fn fresh_whatever_the_clock(bytes: &[u8], t: u64) -> bool {
+/// Whether entry bytes were fresh at virtual time `t` by any process's clock, and still
+/// are when the double-check read that follows the lock arrives (a slow trip later):
+/// an entry of the freshness workload may have expired by the reader's clock, and been
+/// reloaded. `clock_error_ms`: how far the scenario's clocks may be off.
+fn fresh_whatever_the_clock(bytes: &[u8], t: u64, clock_error_ms: u64) -> bool {
     let limits = corral_core::Limits::default();
     corral_core::envelope::decode_header(bytes, bytes.len() as u64, &limits).is_ok_and(|d| {
-        d.meta.sliding_ms.is_none() && d.meta.expires_at_ms > crate::run::EPOCH_MS + t + CLOCK_ERROR_MS
+        d.meta.sliding_ms.is_none()
+            && d.meta.expires_at_ms > crate::run::EPOCH_MS + t + clock_error_ms + SLOW_NET_MS
     })
 }
 
@@ -1236,7 +1245,11 @@ impl FlightLock for Conn {
         let n = key.to_owned();
         let owner = owner.to_owned();
         let broken = self.world.scenario.broken;
-        self.world.st.lock().release_attempts.insert(owner.clone());
+        self.world
+            .st
+            .lock()
+            .release_attempts
+            .insert((self.server, owner.clone()));
         self.call("release", key, move |st, now, p| {
             let mut step = Step::new(st, now, p, Write::Plain);
             let reply = script(
@@ -1493,7 +1506,11 @@ impl LeaseServer for Conn {
             LockScript::Extend => (Script::LockExtend, "extend"),
         };
         if script == LockScript::Release {
-            self.world.st.lock().release_attempts.insert(owner.clone());
+            self.world
+                .st
+                .lock()
+                .release_attempts
+                .insert((self.server, owner.clone()));
         }
         let this = self.clone();
         let server = self.server;
