@@ -184,7 +184,7 @@ async fn use_resource(w: &Arc<World>, proc: usize, id: u64, key: &str, lease: &L
     let now = w.now();
     // The lease's own verdict at the moment its holder's write lands.
     let valid = !lease.is_lost() && !lease.valid_for().is_zero();
-    let (wiped, holds, best, accepted, newer) = {
+    let (wiped, holds, best, accepted, newer, best_from_wiped) = {
         let mut st = w.st.lock();
         // The grants that could be this lease's: its token, on this key, to this
         // process (on Redlock each server counts on its own: two servers may hand out
@@ -217,8 +217,14 @@ async fn use_resource(w: &Arc<World>, proc: usize, id: u64, key: &str, lease: &L
         });
         let best = st.resource.get(key).copied().unwrap_or(0);
         let accepted = token >= best;
+        // The resource moved past this holder by one whose lease a restart wiped (it
+        // believed in a majority the restart took away, and wrote a higher token).
+        let best_from_wiped = st.wiped_writes.contains(&(key.to_owned(), best));
         if accepted {
             st.resource.insert(key.to_owned(), token);
+            if wiped && valid && !holds {
+                st.wiped_writes.insert((key.to_owned(), token));
+            }
         }
         let newer = st
             .grants
@@ -226,7 +232,7 @@ async fn use_resource(w: &Arc<World>, proc: usize, id: u64, key: &str, lease: &L
             .filter(|g| g.key == key && g.fencing > token)
             .map(|g| g.fencing)
             .max();
-        (wiped, holds, best, accepted, newer)
+        (wiped, holds, best, accepted, newer, best_from_wiped)
     };
     let verdict = if accepted { "accepted" } else { "REFUSED" };
     w.log(format_args!(
@@ -244,7 +250,7 @@ async fn use_resource(w: &Arc<World>, proc: usize, id: u64, key: &str, lease: &L
     }
     if valid && !accepted {
         let what = format!("{who}: a valid holder refused, the resource is at {best}");
-        if wiped {
+        if wiped || best_from_wiped {
             w.excuse("valid-holder-fenced-after-restart", what);
         } else {
             w.violation(format!("fencing: {what}"));

@@ -219,6 +219,9 @@ pub struct State {
     pub restarts: Vec<u64>,
     /// The fenced resource: per lock key, the highest token it accepted.
     pub resource: BTreeMap<String, u64>,
+    /// Tokens the fenced resource accepted from a holder whose lease a restart wiped
+    /// (by lock key).
+    pub(crate) wiped_writes: std::collections::BTreeSet<(String, u64)>,
     /// Per value, the expiry its envelope carried when first written.
     pub value_meta: BTreeMap<String, corral_core::expiry::EntryMeta>,
 }
@@ -289,6 +292,7 @@ impl World {
                 restarts: Vec::new(),
                 resource: BTreeMap::new(),
                 value_meta: BTreeMap::new(),
+                wiped_writes: Default::default(),
             }),
             procs,
         })
@@ -565,11 +569,11 @@ impl World {
                     );
                     // The entry's read, or one the judgement of what it found needs
                     // (a tag's moments, the generation: names no user key has).
-                    if st
-                        .last_read_failed
-                        .iter()
-                        .any(|((c, k), failed)| *c == call && *failed && (k == key || k.starts_with('{')))
-                    {
+                    if st.last_read_failed.iter().any(|((c, k), failed)| {
+                        (*c == call || *c == DETACHED_CALLS + proc as u64)
+                            && *failed
+                            && (k == key || k.starts_with('{'))
+                    }) {
                         excuses.push(("load-after-failed-read", what));
                     } else {
                         problems.push(what);
@@ -778,6 +782,10 @@ impl State {
     }
 }
 
+/// Reads made outside any workload call (a `fetch` flight runs in a task of its own)
+/// are noted under this number plus their process's.
+const DETACHED_CALLS: u64 = 1 << 40;
+
 /// The most a process's clock is off the simulated time: a skew and a step.
 pub(crate) const CLOCK_ERROR_MS: u64 = 300 + 3_000;
 
@@ -924,15 +932,14 @@ impl Conn {
         let name = key.to_owned();
         let this = self.clone();
         // The call this read is part of (the task it runs in): another call's read of
-        // the key in the same process says nothing about this one's.
-        let call = CALL.try_with(|c| *c).ok();
+        // the key in the same process says nothing about this one's. A flight in a task
+        // of its own (`fetch`) runs outside any call: its reads count for its process.
+        let call = CALL.try_with(|c| *c).unwrap_or(DETACHED_CALLS + self.proc as u64);
         async move {
             let note = |failed: bool| {
-                if let Some(call) = call {
-                    let mut st = this.world.st.lock();
-                    let k = st.key_of(&name);
-                    st.last_read_failed.insert((call, k), failed);
-                }
+                let mut st = this.world.st.lock();
+                let k = st.key_of(&name);
+                st.last_read_failed.insert((call, k), failed);
             };
             note(true);
             let got = this
