@@ -31,6 +31,20 @@ pub(crate) struct Load {
     pub(crate) start: Box<dyn FnOnce() -> Finish + Send>,
 }
 
+/// A [`Load`] as the native body calls loaders: an async closure that may outlive its
+/// call (`fetch`).
+fn native_loader(
+    load: Load,
+) -> impl FnOnce() -> futures::future::BoxFuture<'static, Result<Bytes, std::io::Error>> + Send + 'static {
+    move || {
+        Box::pin(async move {
+            let finish = (load.start)();
+            (load.wait)().await;
+            finish().map_err(std::io::Error::other)
+        })
+    }
+}
+
 impl Body {
     pub(crate) async fn get(&self, key: &str) -> corral::Result<Option<Bytes>> {
         match self {
@@ -91,11 +105,7 @@ impl Body {
     ) -> corral::Result<Bytes> {
         match self {
             Body::Native(c) => {
-                let loader = move || async move {
-                    let finish = (load.start)();
-                    (load.wait)().await;
-                    finish().map_err(std::io::Error::other)
-                };
+                let loader = native_loader(load);
                 let options = LoadOptions::new().entry(entry).tags(tags.iter().cloned());
                 c.get_or_set(key, options, loader).await
             }
@@ -129,11 +139,7 @@ impl Body {
     ) -> corral::Result<Bytes> {
         match self {
             Body::Native(c) => {
-                let loader = move || async move {
-                    let finish = (load.start)();
-                    (load.wait)().await;
-                    finish().map_err(std::io::Error::other)
-                };
+                let loader = native_loader(load);
                 let served = c.fetch_served(key, options, loader).await?;
                 *stale.lock() = Some(served.stale);
                 Ok(served.value)
