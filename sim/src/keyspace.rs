@@ -10,7 +10,6 @@ use bytes::Bytes;
 use corral_core::names::{Kind, kind_of};
 
 use crate::lua::{Keyspace, Reply};
-use std::fmt::Write as _;
 
 use crate::world::{Grant, HeldLock, State, Tag, VersionKind, check_fill_over, tag_of};
 
@@ -40,10 +39,29 @@ pub(crate) struct Step<'a> {
     pub(crate) server: usize,
 }
 
+/// Lease server `server`'s copy of the lock or counter `name`: a Redlock server (1..)
+/// keeps its own, as `s{server}|{name}`; the store (0) keeps `name`.
+pub(crate) fn on_server(server: usize, name: &str) -> String {
+    match server {
+        0 => name.to_owned(),
+        s => format!("s{s}|{name}"),
+    }
+}
+
+/// The server a stored lock or counter name is on, and the name as the lock code gave it
+/// (see [`on_server`]).
+pub(crate) fn server_of(stored: &str) -> (usize, &str) {
+    stored
+        .split_once('|')
+        .and_then(|(s, name)| Some((s.strip_prefix('s')?.parse().ok()?, name)))
+        .unwrap_or((0, stored))
+}
+
 /// A key written without `PX` never expires (as far as a run can tell).
 const NO_EXPIRY: u64 = u64::MAX / 4;
 
-fn meta_of(bytes: &[u8]) -> Option<corral_core::expiry::EntryMeta> {
+/// The expiry metadata of envelope bytes, if they decode.
+pub(crate) fn meta_of(bytes: &[u8]) -> Option<corral_core::expiry::EntryMeta> {
     let limits = corral_core::Limits::default();
     corral_core::envelope::decode_header(bytes, bytes.len() as u64, &limits)
         .ok()
@@ -269,8 +287,7 @@ impl<'a> Step<'a> {
                 "touch: {name} expired at {} revived at {clock} (to {})",
                 old.expires_at_ms, new.expires_at_ms
             );
-            let _ = writeln!(self.st.trace, "{now:>6} VIOLATION {what}");
-            self.st.violations.push(what);
+            self.st.violation(now, what);
         }
     }
 
@@ -285,31 +302,25 @@ impl<'a> Step<'a> {
             return;
         };
         let now = self.now;
-        let limits = corral_core::Limits::default();
-        let violation = match tag_of(&bytes) {
-            Tag::Tombstone => None,
-            Tag::Other => Some(format!(
-                "envelope: {name} written with bytes that are not an envelope"
-            )),
-            Tag::Value(v) => {
-                match corral_core::envelope::decode_header(&bytes, bytes.len() as u64, &limits) {
-                    Err(c) => Some(format!("envelope: {name} written corrupt ({c:?})")),
-                    Ok(d) => {
-                        self.st.value_meta.entry(v.clone()).or_insert(d.meta);
-                        match (d.meta.sliding_ms, d.meta.absolute_ms) {
-                            (Some(_), Some(absolute)) if d.meta.expires_at_ms > absolute => Some(format!(
-                                "touch: {v} under {name} expires at {}, past its absolute point {absolute}",
-                                d.meta.expires_at_ms
-                            )),
-                            _ => None,
-                        }
-                    }
+        // `tag_of` names a value only for bytes that decode.
+        let violation = match (tag_of(&bytes), meta_of(&bytes)) {
+            (Tag::Tombstone, _) => None,
+            (Tag::Value(v), Some(meta)) => {
+                self.st.value_meta.entry(v.clone()).or_insert(meta);
+                match (meta.sliding_ms, meta.absolute_ms) {
+                    (Some(_), Some(absolute)) if meta.expires_at_ms > absolute => Some(format!(
+                        "touch: {v} under {name} expires at {}, past its absolute point {absolute}",
+                        meta.expires_at_ms
+                    )),
+                    _ => None,
                 }
             }
+            _ => Some(format!(
+                "envelope: {name} written with bytes that are not an envelope"
+            )),
         };
         if let Some(what) = violation {
-            let _ = writeln!(self.st.trace, "{now:>6} VIOLATION {what}");
-            self.st.violations.push(what);
+            self.st.violation(now, what);
         }
     }
 }
@@ -319,7 +330,7 @@ impl Keyspace for Step<'_> {
         let mut name = args.get(1).map(|n| text(n)).unwrap_or_default();
         let own;
         let args = if self.server > 0 && matches!(home(&name), Home::Locks | Home::Fences) {
-            name = format!("s{}|{name}", self.server);
+            name = on_server(self.server, &name);
             let mut a = args.to_vec();
             a[1] = name.clone().into_bytes();
             own = a;

@@ -19,6 +19,7 @@ use std::time::Duration;
 use corral::ErrorKind;
 use corral::locks::{Lease, LockOptions, RedisLocks};
 
+use crate::keyspace::{on_server, server_of};
 use crate::rng::Rng;
 use crate::run::{CALL_BOUND_MS, CallRec, Ctx, Res};
 use crate::scenario::Scenario;
@@ -160,8 +161,7 @@ pub(crate) async fn session(ctx: &Arc<Ctx>, proc: usize, locks: &RedisLocks, s: 
         loaded: None,
         clocks: (0, 0),
         stale: None,
-        detached: false,
-        hard_ms: None,
+        detach: None,
     };
     crate::run::check_call(&w, &rec);
     ctx.calls.lock().push(rec);
@@ -204,13 +204,14 @@ async fn use_resource(w: &Arc<World>, proc: usize, id: u64, key: &str, lease: &L
         });
         // Held by its owner on a majority of the lease servers (one: the store).
         let servers = w.scenario.lease_servers;
+        let lock = st.lock_name_of(key);
+        let copies: Vec<String> = match servers {
+            1 => vec![lock],
+            n => (1..=n).map(|s| on_server(s, &lock)).collect(),
+        };
         let holds = owners.iter().any(|(owner, _)| {
-            let base = st.lock_name_of(key);
-            let holding = (1..=servers)
-                .map(|s| match servers {
-                    1 => base.clone(),
-                    _ => format!("s{s}|{base}"),
-                })
+            let holding = copies
+                .iter()
                 .filter(|name| st.live_lock(name, now).is_some_and(|l| l.owner == *owner))
                 .count();
             holding > servers / 2
@@ -281,11 +282,7 @@ pub(crate) fn check_orphans(w: &World) {
     };
     for g in grants {
         // The server that granted it: `s{n}|…` on Redlock, else the store.
-        let server = g
-            .name
-            .split_once('|')
-            .and_then(|(s, _)| s.strip_prefix('s')?.parse().ok())
-            .unwrap_or(0);
+        let (server, _) = server_of(&g.name);
         if attempts.contains(&(server, g.owner.clone())) {
             continue;
         }

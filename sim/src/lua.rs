@@ -58,6 +58,14 @@ fn redis_lua() -> Lua {
         LuaOptions::default(),
     )
     .expect("a Lua 5.1 state");
+    let redis = lua.create_table().expect("the redis table");
+    for (name, field) in [("error_reply", "err"), ("status_reply", "ok")] {
+        let reply = lua
+            .create_function(move |lua, text: mlua::LuaString| one_field(lua, field, text))
+            .expect("a reply builder");
+        redis.raw_set(name, reply).expect("the redis table");
+    }
+    lua.globals().raw_set("redis", redis).expect("the redis table");
     lua.load(
         r#"
 setmetatable(_G, {
@@ -112,49 +120,29 @@ fn run(
         .collect::<mlua::Result<Vec<_>>>()?;
     globals.raw_set("ARGV", lua.create_sequence_from(args)?)?;
     let keyspace = RefCell::new(keyspace);
+    let redis: Table = globals.raw_get("redis")?;
     lua.scope(|scope| {
-        let redis = lua.create_table()?;
-        let send = |lua: &Lua, args: MultiValue| -> mlua::Result<Reply> {
+        let send = |args: MultiValue| -> mlua::Result<Reply> {
             let args = args.iter().map(argument).collect::<mlua::Result<Vec<_>>>()?;
             if args.is_empty() {
                 return Err(mlua::Error::runtime(
                     "Please specify at least one argument for redis.call()",
                 ));
             }
-            let _ = lua;
             Ok(keyspace.borrow_mut().command(&args))
         };
-        redis.set(
+        // Only these two reach the keyspace: they live for this script's run.
+        redis.raw_set(
             "call",
-            scope.create_function(move |lua, args: MultiValue| match send(lua, args)? {
+            scope.create_function(move |lua, args: MultiValue| match send(args)? {
                 Reply::Error(e) => Err(mlua::Error::runtime(e)),
                 reply => to_lua(lua, reply),
             })?,
         )?;
-        redis.set(
+        redis.raw_set(
             "pcall",
-            scope.create_function(move |lua, args: MultiValue| {
-                let reply = send(lua, args)?;
-                to_lua(lua, reply)
-            })?,
+            scope.create_function(move |lua, args: MultiValue| to_lua(lua, send(args)?))?,
         )?;
-        redis.set(
-            "error_reply",
-            lua.create_function(|lua, text: mlua::LuaString| {
-                let t = lua.create_table()?;
-                t.set("err", text)?;
-                Ok(t)
-            })?,
-        )?;
-        redis.set(
-            "status_reply",
-            lua.create_function(|lua, text: mlua::LuaString| {
-                let t = lua.create_table()?;
-                t.set("ok", text)?;
-                Ok(t)
-            })?,
-        )?;
-        globals.raw_set("redis", redis)?;
         let out: Value = function.call(())?;
         from_lua(&out)
     })
@@ -187,16 +175,8 @@ fn to_lua(lua: &Lua, reply: Reply) -> mlua::Result<Value> {
         Reply::Nil => Value::Boolean(false),
         Reply::Int(i) => Value::Number(i as f64),
         Reply::Bulk(b) => Value::String(lua.create_string(b)?),
-        Reply::Status(s) => {
-            let t = lua.create_table()?;
-            t.set("ok", s)?;
-            Value::Table(t)
-        }
-        Reply::Error(e) => {
-            let t = lua.create_table()?;
-            t.set("err", e)?;
-            Value::Table(t)
-        }
+        Reply::Status(s) => Value::Table(one_field(lua, "ok", s)?),
+        Reply::Error(e) => Value::Table(one_field(lua, "err", e)?),
         Reply::Array(items) => {
             let t = lua.create_table()?;
             for (i, item) in items.into_iter().enumerate() {
@@ -205,6 +185,13 @@ fn to_lua(lua: &Lua, reply: Reply) -> mlua::Result<Value> {
             Value::Table(t)
         }
     })
+}
+
+/// `{ [field] = value }`: how Lua holds a status (`ok`) or an error (`err`) reply.
+fn one_field(lua: &Lua, field: &str, value: impl mlua::IntoLua) -> mlua::Result<Table> {
+    let t = lua.create_table()?;
+    t.set(field, value)?;
+    Ok(t)
 }
 
 fn from_lua(v: &Value) -> mlua::Result<Reply> {

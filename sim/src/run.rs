@@ -257,20 +257,24 @@ pub(crate) struct CallRec {
     pub(crate) clocks: (u64, u64),
     /// Whether the value served was a stale copy, when the body said.
     pub(crate) stale: Option<bool>,
-    /// A get-or-set with timeouts or eager refresh: its loader may run on after it, or
-    /// be cut, and the caller may get a stale copy, the current value or `Timeout`.
-    pub(crate) detached: bool,
-    /// Its hard loader timeout, if it set one: the only way it may end in `Timeout`.
-    pub(crate) hard_ms: Option<u64>,
+    /// What a freshness get-or-set asked beyond its entry (timeouts, eager refresh).
+    pub(crate) detach: Option<Detach>,
 }
 
 impl CallRec {
+    /// A get-or-set with timeouts or eager refresh: its loader may run on after it, or
+    /// be cut, and the caller may get a stale copy, the current value or `Timeout`.
+    fn detached(&self) -> bool {
+        self.detach.is_some_and(|d| !d.is_plain())
+    }
+
     /// Whether the call asked for a hard timeout and ran at least that long, by the
     /// simulated time or by its process's clock (the guest judges a load's answer by
     /// the cache's clock, so a clock stepped forward during a load times it out).
     fn hard_timeout_ran_out(&self) -> bool {
         let (clock_inv, clock_end) = self.clocks;
-        self.hard_ms
+        self.detach
+            .and_then(|d| d.hard_ms)
             .is_some_and(|h| self.t_end - self.t_inv >= h || clock_end.saturating_sub(clock_inv) >= h)
     }
 }
@@ -562,26 +566,22 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         caches.push(cache);
         skews.push(skew);
     }
-    for (p, spans) in plan.down.iter().enumerate() {
-        for &(a, b) in spans {
-            world.fault("conn-down");
-            world.log(format_args!("plan: p{p} connection down {a}..{b}"));
-            let w = world.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(b)).await;
-                w.resubscribed(p);
-            });
-        }
-    }
-    for (p, spans) in plan.deaf.iter().enumerate() {
-        for &(a, b) in spans {
-            world.fault("subscription-drop");
-            world.log(format_args!("plan: p{p} subscription down {a}..{b}"));
-            let w = world.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(b)).await;
-                w.resubscribed(p);
-            });
+    // A connection down, or a subscription alone: the process resubscribes (and drops
+    // its L1) when it comes back.
+    for (gaps, fault, what) in [
+        (&plan.down, "conn-down", "connection"),
+        (&plan.deaf, "subscription-drop", "subscription"),
+    ] {
+        for (p, spans) in gaps.iter().enumerate() {
+            for &(a, b) in spans {
+                world.fault(fault);
+                world.log(format_args!("plan: p{p} {what} down {a}..{b}"));
+                let w = world.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(b)).await;
+                    w.resubscribed(p);
+                });
+            }
         }
     }
     if let Some((server, a, b)) = plan.stall {
@@ -924,8 +924,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         loaded: loaded.lock().clone(),
         clocks: (clock_inv, clock_end),
         stale: *stale.lock(),
-        detached: matches!(&op_detach, Some(d) if !d.is_plain()),
-        hard_ms: op_detach.and_then(|d| d.hard_ms),
+        detach: op_detach,
     };
     // A write the caller saw succeed: its place in the store's order.
     let order = match (name, &res, &written) {
@@ -1004,7 +1003,7 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
         let ok = match (plan, &c.res) {
             // Cut by a timeout, or answered before its loader ended (a stale copy, the
             // current value while a refresh runs): the expiry check judges the value.
-            (_, Res::Value(Some(_))) if c.detached => true,
+            (_, Res::Value(Some(_))) if c.detached() => true,
             (_, Res::Failed(ErrorKind::Timeout)) => c.hard_timeout_ran_out(),
             (LoaderPlan::Panic(_) | LoaderPlan::Fail(_), Res::Failed(ErrorKind::Loader)) => true,
             // Fail-safe: the stale copy of an entry written with a window (the window is

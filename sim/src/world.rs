@@ -637,6 +637,13 @@ impl World {
 }
 
 impl State {
+    /// A violation found while the store applies a command at `now` (the world's
+    /// [`World::violation`] takes the lock this already holds).
+    pub(crate) fn violation(&mut self, now: u64, what: String) {
+        let _ = writeln!(self.trace, "{now:>6} VIOLATION {what}");
+        self.violations.push(what);
+    }
+
     /// The grant to `owner` reached its caller.
     fn acknowledge(&mut self, owner: &str) {
         if let Some(g) = self.grants.iter_mut().rev().find(|g| g.owner == owner) {
@@ -673,7 +680,7 @@ impl State {
 
     pub(crate) fn key_of(&self, name: &str) -> String {
         // A Redlock server's copy of a lock name: `s{n}|{name}`.
-        let name = name.split_once('|').map_or(name, |(_, n)| n);
+        let (_, name) = crate::keyspace::server_of(name);
         let tag = name.rsplit_once(':').map_or(name, |(t, _)| t);
         self.names.get(tag).cloned().unwrap_or_else(|| name.to_owned())
     }
@@ -794,10 +801,9 @@ pub(crate) const CLOCK_ERROR_MS: u64 = 300 + 3_000;
 /// an entry of the freshness workload may have expired by the reader's clock, and been
 /// reloaded. `clock_error_ms`: how far the scenario's clocks may be off.
 fn fresh_whatever_the_clock(bytes: &[u8], t: u64, clock_error_ms: u64) -> bool {
-    let limits = corral_core::Limits::default();
-    corral_core::envelope::decode_header(bytes, bytes.len() as u64, &limits).is_ok_and(|d| {
-        d.meta.sliding_ms.is_none()
-            && d.meta.expires_at_ms > crate::run::EPOCH_MS + t + clock_error_ms + SLOW_NET_MS
+    crate::keyspace::meta_of(bytes).is_some_and(|meta| {
+        meta.sliding_ms.is_none()
+            && meta.expires_at_ms > crate::run::EPOCH_MS + t + clock_error_ms + SLOW_NET_MS
     })
 }
 
@@ -1192,8 +1198,7 @@ pub(crate) fn check_fill_over(st: &mut State, name: &str, bytes: &Bytes, now: u6
             if plain { " with a plain set" } else { "" }
         );
         let what = format!("fenced-fill: {what}");
-        let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
-        st.violations.push(what);
+        st.violation(now, what);
     }
 }
 
@@ -1295,8 +1300,7 @@ fn answered<T>(
     let got = read(reply);
     if got.is_none() {
         let what = format!("store: {what} answered {reply:?}");
-        let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
-        st.violations.push(what);
+        st.violation(now, what);
     }
     got
 }
@@ -1569,8 +1573,7 @@ impl LeaseServer for Conn {
 fn granted(st: &mut State, now: u64, p: usize, owner: &str, token: u64) {
     let Some(at) = st.grants.iter().rposition(|g| g.owner == owner && g.proc == p) else {
         let what = format!("fencing: p{p} got token {token} with no lock taken");
-        let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
-        st.violations.push(what);
+        st.violation(now, what);
         return;
     };
     // Per server: Redlock's servers count on their own.
@@ -1584,8 +1587,7 @@ fn granted(st: &mut State, now: u64, p: usize, owner: &str, token: u64) {
         .filter(|&m| m >= token);
     if let Some(m) = regressed {
         let what = format!("fencing: p{p} got token {token} for {key} after {m} was granted");
-        let _ = writeln!(st.trace, "{now:>6} VIOLATION {what}");
-        st.violations.push(what);
+        st.violation(now, what);
     }
     st.grants[at].fencing = token;
 }
