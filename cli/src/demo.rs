@@ -20,7 +20,7 @@ pub async fn run() -> Result<(), Failure> {
         .l1_ttl(Duration::from_secs(1))
         .build()?;
     let key = "report:2026-q3";
-    let report = stampede::run(&cache, key, 1_000, Duration::from_millis(200), true).await;
+    let report = stampede::run(&cache, key, 1_000, Duration::from_millis(200), None, true).await;
     out!("{}\n", report.table())?;
 
     let mut tiers = Table::new();

@@ -115,6 +115,13 @@ pub enum Command {
         /// How long to wait for another process's load before loading uncached.
         #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
         lock_wait: Duration,
+        /// Bulk calls over this many keys (KEY:0 .. KEY:<N-1>): each caller asks for a
+        /// random --batch of them through one get_or_set_many.
+        #[arg(long, requires = "batch")]
+        keys: Option<usize>,
+        /// How many of the --keys each caller asks for.
+        #[arg(long, requires = "keys")]
+        batch: Option<usize>,
     },
     /// Run COMMAND only while holding the lock KEY: a distributed flock(1) for cron jobs.
     ///
@@ -254,8 +261,15 @@ async fn run_cache(cli: &Cli) -> Result<(), Failure> {
             json,
             wait_for_go,
             lock_wait: _,
+            keys,
+            batch,
         } => {
+            let bulk = match (keys, batch) {
+                (Some(keys), Some(batch)) => Some(stampede::Bulk::new(*keys, *batch)?),
+                _ => None,
+            };
             let request = stampede::Request {
+                bulk,
                 callers: *callers,
                 loader: Duration::from_millis(*loader_ms),
                 key: key.clone(),

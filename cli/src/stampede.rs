@@ -1,8 +1,10 @@
-//! `corral stampede`: N concurrent get-or-set calls at one cold key, and the report of
-//! what they cost (loads, latency, Redis commands).
+//! `corral stampede`: N concurrent get-or-set calls at one cold key (or, with `--keys`,
+//! bulk get-or-set calls at random subsets of many cold keys), and the report of what
+//! they cost (loads, latency, Redis commands).
 
-use std::sync::Arc;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use comfy_table::Table;
@@ -22,6 +24,29 @@ pub struct Request {
     pub json: bool,
     /// Say "ready" on stderr once connected, then wait for a line on stdin.
     pub wait_for_go: bool,
+    /// Bulk calls: each caller asks for a random `batch` of `keys` keys.
+    pub bulk: Option<Bulk>,
+}
+
+/// A bulk stampede: each caller asks for `batch` distinct keys drawn at random from
+/// `keys` keys (`KEY:0` .. `KEY:<keys - 1>`) through one `get_or_set_many`.
+#[derive(Clone, Copy, Debug)]
+pub struct Bulk {
+    pub keys: usize,
+    pub batch: usize,
+}
+
+impl Bulk {
+    /// Checks the shape: at least one key, and a batch of 1 to `keys` keys.
+    pub fn new(keys: usize, batch: usize) -> Result<Self, Failure> {
+        if keys == 0 || batch == 0 || batch > keys {
+            return Err(Failure::new(
+                code::USAGE,
+                format!("--batch must be between 1 and --keys ({keys}), not {batch}"),
+            ));
+        }
+        Ok(Bulk { keys, batch })
+    }
 }
 
 /// Runs `corral stampede` on `cache` and prints the report.
@@ -38,7 +63,15 @@ pub async fn command(cache: &Corral, request: Request) -> Result<(), Failure> {
             .read_line(&mut line)
             .map_err(|e| Failure::new(code::USAGE, format!("waiting for go on stdin: {e}")))?;
     }
-    let report = run(cache, &key, request.callers, request.loader, !request.json).await;
+    let report = run(
+        cache,
+        &key,
+        request.callers,
+        request.loader,
+        request.bulk,
+        !request.json,
+    )
+    .await;
     if request.json {
         out!("{}", report.json())
     } else {
@@ -50,6 +83,10 @@ pub async fn command(cache: &Corral, request: Request) -> Result<(), Failure> {
 pub struct Report {
     callers: usize,
     loader_calls: usize,
+    /// Distinct keys this process's loader produced, and how many it produced in all
+    /// (the same when no key was loaded twice here).
+    keys_loaded: usize,
+    key_loads: usize,
     errors: usize,
     latencies: Vec<Duration>,
     wall: Duration,
@@ -58,29 +95,70 @@ pub struct Report {
     metrics: corral::MetricsSnapshot,
 }
 
-pub async fn run(cache: &Corral, key: &str, callers: usize, loader: Duration, progress: bool) -> Report {
+pub async fn run(
+    cache: &Corral,
+    key: &str,
+    callers: usize,
+    loader: Duration,
+    bulk: Option<Bulk>,
+    progress: bool,
+) -> Report {
     let loads = Arc::new(AtomicUsize::new(0));
+    let loaded = Arc::new(Mutex::new(Loaded::default()));
     let done = Arc::new(AtomicUsize::new(0));
     let commands_before = cache.redis_commands_sent();
     let began = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..callers {
-        let (cache, loads, done, key) = (cache.clone(), loads.clone(), done.clone(), key.to_owned());
+    let options = || EntryOptions::new().relative(Duration::from_secs(600));
+    let seed = u64::from(std::process::id()) ^ corral::SystemClock.now_ms().rotate_left(20);
+    for caller in 0..callers {
+        let (cache, loads, loaded, done, key) = (
+            cache.clone(),
+            loads.clone(),
+            loaded.clone(),
+            done.clone(),
+            key.to_owned(),
+        );
         tasks.spawn(async move {
             let start = Instant::now();
-            let r = cache
-                .get_or_set(
-                    &key,
-                    EntryOptions::new().relative(Duration::from_secs(600)),
-                    || async move {
-                        let n = loads.fetch_add(1, Ordering::SeqCst) + 1;
-                        tokio::time::sleep(loader).await;
-                        Ok::<_, std::io::Error>(format!("report #{n}"))
-                    },
-                )
-                .await;
+            let ok = match bulk {
+                None => {
+                    let key_for_loader = key.clone();
+                    cache
+                        .get_or_set(&key, options(), || async move {
+                            let n = loads.fetch_add(1, Ordering::SeqCst) + 1;
+                            loaded
+                                .lock()
+                                .expect("no panics")
+                                .note(std::slice::from_ref(&key_for_loader));
+                            tokio::time::sleep(loader).await;
+                            Ok::<_, std::io::Error>(format!("report #{n}"))
+                        })
+                        .await
+                        .is_ok()
+                }
+                Some(bulk) => {
+                    let keys = draw(seed.wrapping_add(caller as u64), bulk)
+                        .into_iter()
+                        .map(|i| format!("{key}:{i}"));
+                    let answers = cache
+                        .get_or_set_many(keys, options(), |keys: Vec<String>| {
+                            let (loads, loaded) = (loads.clone(), loaded.clone());
+                            async move {
+                                let n = loads.fetch_add(1, Ordering::SeqCst) + 1;
+                                loaded.lock().expect("no panics").note(&keys);
+                                tokio::time::sleep(loader).await;
+                                let values: HashMap<String, String> =
+                                    keys.into_iter().map(|k| (k, format!("report #{n}"))).collect();
+                                Ok::<_, std::io::Error>(values)
+                            }
+                        })
+                        .await;
+                    answers.is_ok_and(|answers| answers.iter().all(|a| matches!(a, Ok(Some(_)))))
+                }
+            };
             done.fetch_add(1, Ordering::Relaxed);
-            (start.elapsed(), r.is_ok())
+            (start.elapsed(), ok)
         });
     }
     // Long runs show progress on stderr (stdout stays for the result).
@@ -113,9 +191,12 @@ pub async fn run(cache: &Corral, key: &str, callers: usize, loader: Duration, pr
         t.abort();
     }
     latencies.sort();
+    let loaded = loaded.lock().expect("no panics");
     Report {
         callers,
         loader_calls: loads.load(Ordering::SeqCst),
+        keys_loaded: loaded.distinct.len(),
+        key_loads: loaded.all,
         errors,
         latencies,
         wall: began.elapsed(),
@@ -123,6 +204,40 @@ pub async fn run(cache: &Corral, key: &str, callers: usize, loader: Duration, pr
         flights_left: cache.flights_in_progress(),
         metrics: cache.metrics(),
     }
+}
+
+/// The keys a process's loader produced.
+#[derive(Default)]
+struct Loaded {
+    distinct: BTreeSet<String>,
+    all: usize,
+}
+
+impl Loaded {
+    fn note(&mut self, keys: &[String]) {
+        self.all += keys.len();
+        self.distinct.extend(keys.iter().cloned());
+    }
+}
+
+/// `bulk.batch` distinct key numbers below `bulk.keys`, drawn from `seed` (splitmix64,
+/// a partial Fisher-Yates shuffle).
+fn draw(seed: u64, bulk: Bulk) -> Vec<usize> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut all: Vec<usize> = (0..bulk.keys).collect();
+    for i in 0..bulk.batch {
+        let j = i + (next() % (bulk.keys - i) as u64) as usize;
+        all.swap(i, j);
+    }
+    all.truncate(bulk.batch);
+    all
 }
 
 impl Report {
@@ -142,6 +257,8 @@ impl Report {
         serde_json::json!({
             "callers": self.callers,
             "loader_calls": self.loader_calls,
+            "keys_loaded": self.keys_loaded,
+            "key_loads": self.key_loads,
             "errors": self.errors,
             "p50_ms": Self::ms(self.percentile(50.0)),
             "p99_ms": Self::ms(self.percentile(99.0)),
@@ -159,6 +276,7 @@ impl Report {
             .set_header(["stampede", "this process"]);
         t.add_row(["callers".to_string(), self.callers.to_string()]);
         t.add_row(["loader calls".to_string(), self.loader_calls.to_string()]);
+        t.add_row(["keys loaded".to_string(), self.keys_loaded.to_string()]);
         t.add_row(["errors".to_string(), self.errors.to_string()]);
         t.add_row([
             "p50 latency".to_string(),

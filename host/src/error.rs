@@ -153,7 +153,12 @@ impl Error {
         if self.kind != ErrorKind::Loader {
             return None;
         }
-        self.source.as_deref()?.downcast_ref::<E>()
+        let source = self.source.as_deref()?;
+        source.downcast_ref::<E>().or_else(|| {
+            // A batch loader's error, shared by the keys of its call.
+            let shared = source.downcast_ref::<crate::cache::BatchLoaderError>()?;
+            shared.0.downcast_ref::<E>()
+        })
     }
 
     /// The loader panicked; `payload` is what it panicked with.

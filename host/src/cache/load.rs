@@ -46,6 +46,8 @@ pub struct LoadOptions {
     pub(crate) refresh: bool,
     /// The tags a loaded entry carries (contract §6b.5).
     pub(crate) tags: Arc<[String]>,
+    /// The most keys one call of a batch loader gets; `None`: no limit.
+    pub(crate) max_batch: Option<usize>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -60,6 +62,7 @@ impl fmt::Debug for LoadOptions {
             .field("eager_refresh_permille", &self.eager_refresh_permille)
             .field("background_completion", &self.background_completion)
             .field("tags", &self.tags)
+            .field("max_batch", &self.max_batch)
             .finish()
     }
 }
@@ -178,6 +181,15 @@ impl LoadOptions {
     /// [`InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `eager_refresh`).
     pub fn eager_refresh(mut self, fraction: f64) -> Self {
         self.eager_refresh_permille = Some(permille(fraction));
+        self
+    }
+
+    /// The most keys one loader call of [`get_or_set_many`](crate::Corral::get_or_set_many)
+    /// gets: more misses are loaded in several calls, made at once. At least 1 (0 is an
+    /// [`InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `max_batch`); no
+    /// limit by default. A single-key get-or-set ignores it.
+    pub fn max_batch(mut self, keys: usize) -> Self {
+        self.max_batch = Some(keys);
         self
     }
 

@@ -33,6 +33,7 @@ mod typed;
 
 pub use builder::CorralBuilder;
 pub(crate) use builder::Overrides;
+pub(crate) use flight::BatchLoaderError;
 pub use health::Health;
 use metrics::{Metrics, MetricsSnapshot};
 use registry::Registry;

@@ -165,9 +165,71 @@ impl Corral {
     /// the key's hint asks for, the guest's judgement (a tagged entry's tags too), then
     /// what that judgement leaves to do.
     pub(crate) async fn l2_look(&self, name: &str, now: u64) -> Result<L2Read> {
+        let hint = self.inner.read_hints.get(name);
+        let fetched = self.l2_fetch(name, hint, now).await?;
+        self.l2_judge(name, hint, fetched, now).await
+    }
+
+    /// Reads the entries `names` at `now`, as [`l2_look`](Self::l2_look) reads each: the
+    /// keys a plain `GET` reads share one `MGET` per node; the others (a sliding entry's
+    /// `GETEX` or read-and-touch) are read each with its own command, all at once.
+    pub(crate) async fn l2_look_many(&self, names: &[&str], now: u64) -> Vec<Result<L2Read>> {
         let inner = &*self.inner;
-        let hint = inner.read_hints.get(name);
-        let Some((stored, slid_ms)) = self.l2_fetch(name, hint, now).await? else {
+        let hints: Vec<Option<NextRead>> = names.iter().map(|n| inner.read_hints.get(n)).collect();
+        let plain: Vec<&str> = names
+            .iter()
+            .zip(&hints)
+            .filter(|(_, hint)| matches!(hint, None | Some(NextRead::Get)))
+            .map(|(name, _)| *name)
+            .collect();
+        let mut shared = match self.l2_op(inner.stores.entries.get_many(&plain)).await {
+            Ok(found) => found.into_iter().map(Ok).collect::<Vec<_>>(),
+            Err(e) => vec![Err(e); plain.len()],
+        }
+        .into_iter();
+        // A loop, not a closure: the futures' borrows stay of one lifetime (a closure's
+        // would be higher-ranked, and the future not provably `Send`).
+        let mut looks = Vec::with_capacity(names.len());
+        for (&name, &hint) in names.iter().zip(&hints) {
+            let fetched = match hint {
+                None | Some(NextRead::Get) => shared.next(),
+                Some(_) => None,
+            };
+            looks.push(self.l2_look_fetched(name, hint, fetched, now));
+        }
+        futures::future::join_all(looks).await
+    }
+
+    /// One key of [`l2_look_many`](Self::l2_look_many): judged, when its bytes came
+    /// with the others', else read on its own.
+    async fn l2_look_fetched(
+        &self,
+        name: &str,
+        hint: Option<NextRead>,
+        fetched: Option<Result<Option<Bytes>>>,
+        now: u64,
+    ) -> Result<L2Read> {
+        match fetched {
+            Some(read) => {
+                let fetched = read?.map(|stored| (stored, None));
+                self.l2_judge(name, hint, fetched, now).await
+            }
+            None => self.l2_look(name, now).await,
+        }
+    }
+
+    /// What a read of `name` (with `hint`) that `fetched` these bytes (and the TTL it
+    /// set) found: the guest's judgement (a tagged entry's tags too), then what that
+    /// judgement leaves to do.
+    async fn l2_judge(
+        &self,
+        name: &str,
+        hint: Option<NextRead>,
+        fetched: Option<(Bytes, Option<u64>)>,
+        now: u64,
+    ) -> Result<L2Read> {
+        let inner = &*self.inner;
+        let Some((stored, slid_ms)) = fetched else {
             return Ok(L2Read::Miss { holds: None });
         };
         let mut outcome = inner.policy.read(&stored, now, slid_ms)?;

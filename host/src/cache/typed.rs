@@ -1,6 +1,7 @@
 //! Typed values: a serde JSON codec layered on the byte API.
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -178,6 +179,74 @@ impl Corral {
             })
             .await?;
         decode(key, &bytes)
+    }
+
+    /// [`get_or_set_many`](Corral::get_or_set_many) with a typed loader; values travel
+    /// as JSON. A key the loader leaves out is a `None`, as a loaded `None` is for
+    /// [`get_or_set_json`](Corral::get_or_set_json): not cached, unless the options ask
+    /// for negative caching ([`LoadOptions::cache_none_for`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct Product { name: String }
+    /// let ids = vec!["product:1".to_string(), "product:2".to_string()];
+    /// let products: Vec<corral::Result<Option<Product>>> = cache
+    ///     .get_or_set_many_json(&ids, corral::EntryOptions::new(), |keys| async move {
+    ///         // SELECT ... WHERE id IN (keys)
+    ///         let rows = keys.into_iter().map(|k| (k.clone(), Product { name: k }));
+    ///         Ok::<_, std::io::Error>(rows.collect::<Vec<_>>())
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`get_or_set_many`](Corral::get_or_set_many); per key,
+    /// [`ErrorKind::Corrupt`] when a cached value is not `T`'s JSON.
+    pub async fn get_or_set_many_json<T, K, L, Fut, I, E>(
+        &self,
+        keys: impl IntoIterator<Item = K>,
+        options: impl Into<LoadOptions>,
+        loader: L,
+    ) -> Result<Vec<Result<Option<T>>>>
+    where
+        T: Serialize + DeserializeOwned,
+        K: AsRef<str>,
+        L: Fn(Vec<String>) -> Fut,
+        Fut: Future<Output = std::result::Result<I, E>>,
+        I: IntoIterator<Item = (String, T)>,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    {
+        let keys: Vec<String> = keys.into_iter().map(|k| k.as_ref().to_owned()).collect();
+        let mut options = options.into();
+        options.typed = true;
+        let loader = &loader;
+        let answers = self
+            .get_or_set_many(&keys, options, |asked: Vec<String>| async move {
+                let mut values: std::collections::HashMap<String, Vec<u8>> = HashMap::new();
+                for (key, value) in loader(asked.clone()).await.map_err(Into::into)? {
+                    values.insert(key, serde_json::to_vec(&value)?);
+                }
+                // A key left out is a `None`: JSON null, which the typed verdict judges.
+                let all: Vec<(String, Vec<u8>)> = asked
+                    .into_iter()
+                    .map(|key| {
+                        let value = values.remove(&key).unwrap_or_else(|| b"null".to_vec());
+                        (key, value)
+                    })
+                    .collect();
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(all)
+            })
+            .await?;
+        Ok(keys
+            .iter()
+            .zip(answers)
+            .map(|(key, answer)| match answer? {
+                Some(bytes) => decode::<Option<T>>(key, &bytes),
+                None => Ok(None),
+            })
+            .collect())
     }
 
     /// [`get_or_set_json`](Corral::get_or_set_json), sharing the decoded value: an L1

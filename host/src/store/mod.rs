@@ -53,6 +53,23 @@ pub trait Entries: Send + Sync + fmt::Debug + 'static {
     /// ...) is an [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) error.
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>>;
 
+    /// The bytes under each of `keys`, in order, as [`get`](Self::get) reads them, in as
+    /// few round trips as the store allows (Redis: one `MGET` per node). A key holding a
+    /// value of another Redis type reads as nothing here; the get-or-set's own read
+    /// after its lock meets it and removes it.
+    fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<Bytes>>>> {
+        Box::pin(async move {
+            let mut found = Vec::with_capacity(keys.len());
+            for key in keys {
+                found.push(match self.get(key).await {
+                    Err(e) if e.kind() == crate::ErrorKind::Corrupt => None,
+                    read => read?,
+                });
+            }
+            Ok(found)
+        })
+    }
+
     /// Reads `key` and applies a read's sliding touch on the server, atomically, in one
     /// round trip, when the store can (Redis runs the guest's read-and-touch script);
     /// `None` when it cannot, and the caller reads with [`get`](Self::get) and writes

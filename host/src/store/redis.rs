@@ -282,6 +282,49 @@ impl Entries for RedisStore {
         .boxed()
     }
 
+    fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<Bytes>>>> {
+        async move {
+            // One MGET per node, all at once (a cluster's client splits each per slot).
+            let mut groups: Vec<(Option<Arc<str>>, Vec<usize>)> = Vec::new();
+            for (i, key) in keys.iter().enumerate() {
+                let node = self.healing.node_of(key);
+                match groups.iter_mut().find(|(n, _)| *n == node) {
+                    Some((_, members)) => members.push(i),
+                    None => groups.push((node, vec![i])),
+                }
+            }
+            let reads = groups.iter().map(|(_, members)| async move {
+                let (mut conn, at) = self.conn(keys[members[0]])?;
+                self.count(1);
+                let mut mget = redis::cmd("MGET");
+                for &i in members {
+                    mget.arg(keys[i]);
+                }
+                let found: Vec<Option<Vec<u8>>> = mget
+                    .query_async(&mut conn)
+                    .await
+                    .seen(self, &at)
+                    .map_err(read_failed("MGET", &at))?;
+                if found.len() != members.len() {
+                    return Err(Error::new(
+                        ErrorKind::Unavailable,
+                        format!("redis MGET of {} keys answered {}", members.len(), found.len()),
+                    ));
+                }
+                Ok::<_, Error>(found)
+            });
+            let answers = futures::future::try_join_all(reads).await?;
+            let mut found = vec![None; keys.len()];
+            for ((_, members), answer) in groups.iter().zip(answers) {
+                for (&i, bytes) in members.iter().zip(answer) {
+                    found[i] = bytes.map(Bytes::from);
+                }
+            }
+            Ok(found)
+        }
+        .boxed()
+    }
+
     fn swap<'a>(&'a self, name: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<Option<Bytes>>> {
         async move {
             let (mut conn, at) = self.conn(name)?;

@@ -1,6 +1,7 @@
 //! Corral's integration tests: one binary of modules (as wasmtime's crates/wasi/tests/all).
 
 mod backends;
+mod batch;
 mod cluster;
 mod contract;
 mod edges;

@@ -13,6 +13,7 @@ use futures::FutureExt;
 use tokio::sync::oneshot;
 use tokio::time::{Duration, Instant, sleep, timeout_at};
 
+use super::batch::Quiet;
 use super::held::{HeldFlight, by, in_ms, share};
 use super::{BoxError, Served};
 use crate::cache::Corral;
@@ -38,6 +39,20 @@ pub(super) struct Callers<'a, F> {
     pub(super) answer: &'a mut Option<oneshot::Sender<Result<Served>>>,
     /// The refreshes' registry lead, when the value served is due for a refresh now.
     pub(super) refresh: &'a mut Option<LeaderGuard<Outcome>>,
+    /// The batch this flight is one key of ([`Corral::get_or_set_many`]): told when the
+    /// flight waits for another process, so the batch's loads need not wait for it.
+    pub(super) batch: Option<&'a Quiet>,
+}
+
+/// A flight's first L2 read, made before it began, together with the reads of the
+/// other keys of its batch: the read, the tickets taken before it, and the deadline of
+/// the store steps before the load, which it began.
+pub(super) struct FirstRead {
+    pub(super) named: Ticket,
+    pub(super) l1_ticket: Ticket,
+    pub(super) tag_epoch: u64,
+    pub(super) read: Result<L2Read>,
+    pub(super) deadline: Instant,
 }
 
 /// One flight in progress: the performer of its actions and its registers.
@@ -75,6 +90,8 @@ pub(super) struct Driver<'a, F> {
     read_tag_epoch: u64,
     /// The callers got the stale copy before the load ended (counted then).
     served_stale_early: bool,
+    /// The first read, made before the flight began (a batch's).
+    first_read: Option<FirstRead>,
 }
 
 impl<'a, F, Fut, V, E> Driver<'a, F>
@@ -94,10 +111,14 @@ where
         callers: Callers<'a, F>,
         named: Ticket,
         now: u64,
+        first_read: Option<FirstRead>,
     ) -> Self {
         let inner = &*cache.inner;
         // The steps before the load share a deadline (contract §5.13).
         let before_load = inner.flight.store_budget.before_load_ms;
+        let deadline = first_read
+            .as_ref()
+            .map_or_else(|| in_ms(before_load), |r| r.deadline);
         Driver {
             cache,
             key,
@@ -106,7 +127,7 @@ where
             held,
             callers,
             now,
-            deadline: in_ms(before_load),
+            deadline,
             named,
             l1_ticket: named,
             value: None,
@@ -120,6 +141,7 @@ where
             written_at: now,
             read_tag_epoch: inner.l1.tag_epoch(),
             served_stale_early: false,
+            first_read,
         }
     }
 
@@ -130,7 +152,10 @@ where
             let event = match action {
                 Action::ReadL2 => self.read_l2().await,
                 Action::TryLock(ttl_ms) => self.try_lock(ttl_ms).await,
-                Action::Wait(until_ms) => self.wait(until_ms).await,
+                Action::Wait(until_ms) => {
+                    let _idle = self.callers.batch.map(Quiet::idle);
+                    self.wait(until_ms).await
+                }
                 Action::Load(request) => self.load(request).await?,
                 Action::WriteL2(write) => self.write_l2(write).await?,
                 Action::Finish(finish) => return self.finish(finish).await,
@@ -160,9 +185,19 @@ where
 
     async fn read_l2(&mut self) -> Event {
         let inner = &*self.cache.inner;
-        self.l1_ticket = inner.l1.ticket_since(self.key, self.named);
-        self.read_tag_epoch = inner.l1.tag_epoch();
-        match by(self.deadline, self.cache.l2_look(self.entry_name, self.now)).await {
+        let read = match self.first_read.take() {
+            Some(first) => {
+                self.l1_ticket = first.l1_ticket;
+                self.read_tag_epoch = first.tag_epoch;
+                first.read
+            }
+            None => {
+                self.l1_ticket = inner.l1.ticket_since(self.key, self.named);
+                self.read_tag_epoch = inner.l1.tag_epoch();
+                by(self.deadline, self.cache.l2_look(self.entry_name, self.now)).await
+            }
+        };
+        match read {
             Ok(L2Read::Hit(value, meta, holds, tags)) => {
                 self.value = Some(value);
                 self.stamp = tags;

@@ -32,12 +32,17 @@ pub(super) fn in_ms(ms: u64) -> Instant {
 
 /// Runs a store `step` until `deadline`; one still running then has failed.
 pub(super) async fn by<T>(deadline: Instant, step: impl Future<Output = Result<T>>) -> Result<T> {
-    timeout_at(deadline, step).await.unwrap_or_else(|_| {
-        Err(Error::new(
-            crate::ErrorKind::Timeout,
-            "the get-or-set's deadline for store steps passed",
-        ))
-    })
+    timeout_at(deadline, step)
+        .await
+        .unwrap_or_else(|_| Err(past_deadline()))
+}
+
+/// What a store step still running at its deadline failed with.
+pub(super) fn past_deadline() -> Error {
+    Error::new(
+        crate::ErrorKind::Timeout,
+        "the get-or-set's deadline for store steps passed",
+    )
 }
 
 /// A leader's flight in progress. Dropped before it finishes (the caller's future was

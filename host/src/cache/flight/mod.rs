@@ -2,6 +2,8 @@
 //! registry), and its leader runs the guest's flight machine through the native driver
 //! ([`driver`]), which performs each action and decides nothing (contract §5).
 
+mod batch;
+pub(crate) use batch::BatchLoaderError;
 mod driver;
 mod held;
 
@@ -10,12 +12,13 @@ use std::sync::Arc;
 use bytes::Bytes;
 use tracing::Instrument;
 
-use self::driver::{Callers, Driver};
+use self::driver::{Callers, Driver, FirstRead};
 use self::held::{HeldFlight, share};
 use super::Corral;
 use super::load::{LoadOptions, Served};
 use super::metrics::Metrics;
 use super::registry::{Join, LeaderGuard, Outcome, UNCHANGED};
+use crate::guest::policy::StoreNames;
 use crate::guest::policy::wflight::{self, Outcome as FlightOutcome, StaleCause};
 use crate::{Error, Result};
 use tokio::sync::oneshot;
@@ -95,20 +98,7 @@ impl Corral {
         E: Into<BoxError>,
     {
         let options = options.into();
-        // Both need the load to outlive the call, which only `fetch` can promise.
-        for (set, name) in [
-            (options.soft_timeout_ms.is_some(), "soft_timeout"),
-            (options.eager_refresh_permille.is_some(), "eager_refresh"),
-            (options.background_completion, "background_completion"),
-        ] {
-            if set {
-                return Err(Error::invalid_argument(
-                    name,
-                    "needs a loader that may run on after the call returns: use Corral::fetch, \
-                     whose loader is Send + 'static",
-                ));
-            }
-        }
+        Self::in_caller_only(&options)?;
         self.judge(key, &options)?;
         if options.bypass {
             return self
@@ -274,6 +264,25 @@ impl Corral {
         }
     }
 
+    /// Checks that `options` ask for nothing that needs the load to outlive the call,
+    /// which only `fetch` can promise.
+    fn in_caller_only(options: &LoadOptions) -> Result<()> {
+        for (set, name) in [
+            (options.soft_timeout_ms.is_some(), "soft_timeout"),
+            (options.eager_refresh_permille.is_some(), "eager_refresh"),
+            (options.background_completion, "background_completion"),
+        ] {
+            if set {
+                return Err(Error::invalid_argument(
+                    name,
+                    "needs a loader that may run on after the call returns: use Corral::fetch, \
+                     whose loader is Send + 'static",
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Starts one eager refresh of `key` in the background (contract §6b.3), unless a
     /// flight of the key already runs in this process. It takes the flight lock without
     /// waiting: if another process holds it, that one refreshes, and this does nothing.
@@ -347,8 +356,9 @@ impl Corral {
             followers,
             answer,
             refresh: &mut refresh,
+            batch: None,
         };
-        let result = self.fly(key, options, callers).await;
+        let result = self.fly(key, options, callers, None).await;
         Led {
             result,
             loader,
@@ -362,6 +372,7 @@ impl Corral {
         key: &str,
         options: &LoadOptions,
         callers: Callers<'_, F>,
+        first: Option<(StoreNames, FirstRead)>,
     ) -> Result<Served>
     where
         F: FnOnce() -> Fut,
@@ -376,11 +387,26 @@ impl Corral {
         if !options.tags.is_empty() {
             inner.policy.check_tags(&options.tags)?;
         }
-        // Taken before the names: L1 is never filled across a clear after them.
-        let named = inner.l1.ticket(key);
-        let names = self.locate(key).await?;
+        let (named, names, first_read) = match first {
+            Some((names, read)) => (read.named, names, Some(read)),
+            None => {
+                // Taken before the names: L1 is never filled across a clear after them.
+                let named = inner.l1.ticket(key);
+                (named, self.locate(key).await?, None)
+            }
+        };
         let held = HeldFlight::new(self, key, &names.flight_lock, state);
-        let driver = Driver::new(self, key, options, &names.entry, held, callers, named, now);
+        let driver = Driver::new(
+            self,
+            key,
+            options,
+            &names.entry,
+            held,
+            callers,
+            named,
+            now,
+            first_read,
+        );
         driver.run(action).await
     }
 

@@ -1,0 +1,546 @@
+//! Bulk get-or-set (`get_or_set_many`): many keys, one load each, however the callers'
+//! keys overlap, in one process and across processes; one round trip for L2 hits.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions};
+use corral_tests::{Backend, Fixture, PREFIX, command_calls, corral_bin, real_time};
+use tokio::sync::Notify;
+
+fn relative() -> LoadOptions {
+    EntryOptions::new().relative(Duration::from_secs(60)).into()
+}
+
+fn named(range: std::ops::Range<usize>) -> Vec<String> {
+    range.map(|i| format!("k{i}")).collect()
+}
+
+/// What a loader was asked for, call by call.
+#[derive(Clone, Default)]
+struct Calls(Arc<Mutex<Vec<Vec<String>>>>);
+
+impl Calls {
+    fn note(&self, keys: &[String]) {
+        self.0.lock().unwrap().push(keys.to_vec());
+    }
+
+    fn all(&self) -> Vec<Vec<String>> {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// How many times each key was loaded.
+    fn per_key(&self) -> BTreeMap<String, usize> {
+        let mut counts = BTreeMap::new();
+        for key in self.all().into_iter().flatten() {
+            *counts.entry(key).or_default() += 1;
+        }
+        counts
+    }
+}
+
+/// A loader that answers `value:<key>` for every key, noting its calls.
+fn answering(
+    calls: &Calls,
+) -> impl Fn(Vec<String>) -> std::future::Ready<Result<Vec<(String, String)>, std::io::Error>> {
+    let calls = calls.clone();
+    move |keys| {
+        calls.note(&keys);
+        std::future::ready(Ok(keys
+            .into_iter()
+            .map(|k| (k.clone(), format!("value:{k}")))
+            .collect()))
+    }
+}
+
+fn values(answers: Vec<corral::Result<Option<Bytes>>>) -> Result<Vec<Option<String>>> {
+    answers
+        .into_iter()
+        .map(|a| Ok(a?.map(|b| String::from_utf8_lossy(&b).into_owned())))
+        .collect()
+}
+
+async fn overlapping_callers_load_each_key_once(backend: Backend) -> Result<()> {
+    let f = Fixture::new(backend)?;
+    let calls = Calls::default();
+    let mut tasks = tokio::task::JoinSet::new();
+    for caller in 0..60 {
+        // Windows of 10 of 40 keys, each overlapping its neighbours'.
+        let keys: Vec<String> = (0..10).map(|i| format!("k{}", (caller * 3 + i) % 40)).collect();
+        let (cache, calls) = (f.cache.clone(), calls.clone());
+        tasks.spawn(async move {
+            let answers = cache
+                .get_or_set_many(&keys, relative(), |asked: Vec<String>| {
+                    calls.note(&asked);
+                    async move {
+                        tokio::task::yield_now().await;
+                        let found: HashMap<String, String> = asked
+                            .into_iter()
+                            .map(|k| (k.clone(), format!("value:{k}")))
+                            .collect();
+                        Ok::<_, std::io::Error>(found)
+                    }
+                })
+                .await?;
+            anyhow::Ok((keys, values(answers)?))
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        let (keys, values) = done??;
+        for (key, value) in keys.iter().zip(values) {
+            assert_eq!(value.as_deref(), Some(format!("value:{key}").as_str()));
+        }
+    }
+    let per_key = calls.per_key();
+    assert_eq!(per_key.len(), 40, "every key loaded: {per_key:?}");
+    assert!(
+        per_key.values().all(|&n| n == 1),
+        "each key loaded once: {per_key:?}"
+    );
+    assert_eq!(f.cache.flights_in_progress(), 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_callers_load_each_key_once_memory() -> Result<()> {
+    overlapping_callers_load_each_key_once(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_callers_load_each_key_once_redis() -> Result<()> {
+    overlapping_callers_load_each_key_once(Backend::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_callers_load_each_key_once_cluster() -> Result<()> {
+    overlapping_callers_load_each_key_once(Backend::Cluster).await
+}
+
+/// A caller asking for {a, b} while another leads {b, c} waits for b and leads a.
+async fn a_caller_waits_for_the_keys_another_leads(backend: Backend) -> Result<()> {
+    let f = Fixture::new(backend)?;
+    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let first = {
+        let (cache, loading, release) = (f.cache.clone(), loading.clone(), release.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["b", "c"], relative(), |keys: Vec<String>| {
+                    let (loading, release) = (loading.clone(), release.clone());
+                    async move {
+                        loading.notify_one();
+                        release.notified().await;
+                        Ok::<_, std::io::Error>(keys.into_iter().map(|k| (k.clone(), format!("first:{k}"))))
+                    }
+                })
+                .await
+        })
+    };
+    loading.notified().await;
+    let calls = Calls::default();
+    let second = {
+        let (cache, calls) = (f.cache.clone(), calls.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["a", "b"], relative(), answering(&calls))
+                .await
+        })
+    };
+    // b is joined before a's load is made: once the loader ran, b waits on the first.
+    while calls.all().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(f.cache.followers_of("b"), 1, "the second caller waits for b");
+    release.notify_one();
+    let second = values(second.await??)?;
+    assert_eq!(second, [Some("value:a".into()), Some("first:b".into())]);
+    assert_eq!(
+        calls.all(),
+        [["a".to_string()]],
+        "the second caller loaded a only"
+    );
+    assert_eq!(
+        values(first.await??)?,
+        [Some("first:b".into()), Some("first:c".into())]
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_waits_for_the_keys_another_leads_memory() -> Result<()> {
+    a_caller_waits_for_the_keys_another_leads(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_waits_for_the_keys_another_leads_redis() -> Result<()> {
+    a_caller_waits_for_the_keys_another_leads(Backend::Redis).await
+}
+
+async fn keys_the_loader_leaves_out_are_absent_and_not_cached(backend: Backend) -> Result<()> {
+    let f = Fixture::new(backend)?;
+    let keys = named(0..6);
+    let calls = Calls::default();
+    let evens = |calls: &Calls| {
+        let calls = calls.clone();
+        move |asked: Vec<String>| {
+            calls.note(&asked);
+            let found: Vec<(String, &'static str)> = asked
+                .into_iter()
+                .filter(|k| k.trim_start_matches('k').parse::<u32>().unwrap() % 2 == 0)
+                .map(|k| (k, "found"))
+                .collect();
+            std::future::ready(Ok::<_, std::io::Error>(found))
+        }
+    };
+    let answers = values(f.cache.get_or_set_many(&keys, relative(), evens(&calls)).await?)?;
+    let found = Some("found".to_string());
+    assert_eq!(
+        answers,
+        [found.clone(), None, found.clone(), None, found.clone(), None]
+    );
+    assert_eq!(calls.all(), [keys.clone()], "one loader call for the six");
+    // The absent keys were not cached: asked again, they are loaded again, alone.
+    let answers = values(f.cache.get_or_set_many(&keys, relative(), evens(&calls)).await?)?;
+    assert_eq!(answers[1], None);
+    assert_eq!(calls.all()[1], ["k1", "k3", "k5"]);
+    for key in ["k1", "k3", "k5"] {
+        assert!(!f.stored(key).await?, "{key} is not stored");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_the_loader_leaves_out_are_absent_and_not_cached_memory() -> Result<()> {
+    keys_the_loader_leaves_out_are_absent_and_not_cached(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_the_loader_leaves_out_are_absent_and_not_cached_redis() -> Result<()> {
+    keys_the_loader_leaves_out_are_absent_and_not_cached(Backend::Redis).await
+}
+
+#[derive(Debug)]
+struct Down(u32);
+
+impl std::fmt::Display for Down {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "database {} is down", self.0)
+    }
+}
+
+impl std::error::Error for Down {}
+
+async fn a_loader_error_is_every_led_keys_error(backend: Backend) -> Result<()> {
+    let f = Fixture::new(backend)?;
+    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let batch = {
+        let (cache, loading, release) = (f.cache.clone(), loading.clone(), release.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["a", "b"], relative(), |_: Vec<String>| {
+                    let (loading, release) = (loading.clone(), release.clone());
+                    async move {
+                        loading.notify_one();
+                        release.notified().await;
+                        Err::<Vec<(String, Vec<u8>)>, _>(Down(7))
+                    }
+                })
+                .await
+        })
+    };
+    loading.notified().await;
+    // A single-key caller of b joins the batch's flight and gets its error too.
+    let single = {
+        let cache = f.cache.clone();
+        tokio::spawn(async move {
+            cache
+                .get_or_set("b", relative(), || async { Ok::<_, std::io::Error>("never") })
+                .await
+        })
+    };
+    while f.cache.followers_of("b") == 0 {
+        tokio::task::yield_now().await;
+    }
+    release.notify_one();
+    for answer in batch.await??.into_iter().chain([single.await?.map(Some)]) {
+        let e = answer.expect_err("the loader failed");
+        assert_eq!(e.kind(), ErrorKind::Loader, "{e}");
+        assert_eq!(e.loader_error::<Down>().map(|d| d.0), Some(7), "{e:?}");
+        assert_eq!(e.to_string(), "loader failed: database 7 is down");
+    }
+    assert_eq!(f.cache.get("a").await?, None, "nothing cached");
+    assert_eq!(f.cache.flights_in_progress(), 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_error_is_every_led_keys_error_memory() -> Result<()> {
+    a_loader_error_is_every_led_keys_error(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_error_is_every_led_keys_error_redis() -> Result<()> {
+    a_loader_error_is_every_led_keys_error(Backend::Redis).await
+}
+
+/// A key removed while its batch loads keeps the removal: the load is returned to its
+/// caller, but lands in neither tier (contract §5.12).
+async fn a_key_removed_mid_batch_stays_removed(backend: Backend) -> Result<()> {
+    let f = Fixture::new(backend)?;
+    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let batch = {
+        let (cache, loading, release) = (f.cache.clone(), loading.clone(), release.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["a", "b"], relative(), |keys: Vec<String>| {
+                    let (loading, release) = (loading.clone(), release.clone());
+                    async move {
+                        loading.notify_one();
+                        release.notified().await;
+                        Ok::<_, std::io::Error>(keys.into_iter().map(|k| (k, "loaded")))
+                    }
+                })
+                .await
+        })
+    };
+    loading.notified().await;
+    f.cache.remove("b").await?;
+    release.notify_one();
+    let answers = values(batch.await??)?;
+    assert_eq!(answers, [Some("loaded".into()), Some("loaded".into())]);
+    assert!(f.stored("a").await?, "a landed");
+    assert!(!f.stored("b").await?, "the removal of b wins over its load");
+    assert_eq!(f.cache.get("b").await?, None, "nor is b in L1");
+    assert_eq!(f.cache.metrics().fills_refused, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_removed_mid_batch_stays_removed_memory() -> Result<()> {
+    a_key_removed_mid_batch_stays_removed(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_removed_mid_batch_stays_removed_redis() -> Result<()> {
+    a_key_removed_mid_batch_stays_removed(Backend::Redis).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_batch_splits_the_loader_calls() -> Result<()> {
+    let f = Fixture::new(Backend::Memory)?;
+    let calls = Calls::default();
+    let keys = named(0..25);
+    let answers = f
+        .cache
+        .get_or_set_many(&keys, relative().max_batch(10), answering(&calls))
+        .await?;
+    assert!(answers.iter().all(|a| matches!(a, Ok(Some(_)))));
+    let mut sizes: Vec<usize> = calls.all().iter().map(Vec::len).collect();
+    sizes.sort_unstable();
+    assert_eq!(sizes, [5, 10, 10]);
+    assert_eq!(calls.per_key().len(), 25);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_arguments_are_named_before_anything_runs() -> Result<()> {
+    let f = Fixture::new(Backend::Memory)?;
+    let calls = Calls::default();
+    f.cache.set("ok", "cached", EntryOptions::new()).await?;
+    let e = f
+        .cache
+        .get_or_set_many(["ok", "", "other"], relative(), answering(&calls))
+        .await
+        .expect_err("an empty key");
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert_eq!(e.argument(), Some("key"), "{e}");
+    let e = f
+        .cache
+        .get_or_set_many(["ok"], relative().max_batch(0), answering(&calls))
+        .await
+        .expect_err("max_batch 0");
+    assert_eq!(e.argument(), Some("max_batch"), "{e}");
+    let e = f
+        .cache
+        .get_or_set_many(
+            ["ok"],
+            relative().soft_timeout(Duration::from_millis(10)),
+            answering(&calls),
+        )
+        .await
+        .expect_err("a soft timeout needs fetch");
+    assert_eq!(e.argument(), Some("soft_timeout"), "{e}");
+    assert!(calls.all().is_empty(), "no loader ran");
+    // An empty batch is answered with nothing; a key asked twice is answered twice.
+    let none: [&str; 0] = [];
+    assert!(
+        f.cache
+            .get_or_set_many(none, relative(), answering(&calls))
+            .await?
+            .is_empty()
+    );
+    let twice = values(
+        f.cache
+            .get_or_set_many(["x", "x"], relative(), answering(&calls))
+            .await?,
+    )?;
+    assert_eq!(twice, [Some("value:x".into()), Some("value:x".into())]);
+    assert_eq!(calls.all(), [["x".to_string()]]);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_l2_hits_cost_one_mget() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    let server = f.redis.as_ref().context("a redis fixture")?;
+    let calls = Calls::default();
+    let keys = named(0..100);
+    f.cache
+        .get_or_set_many(&keys, relative(), answering(&calls))
+        .await?;
+    // Another process: the same Redis and prefix, its L1 cold.
+    let mut options = corral::RedisOptions::new(server.url());
+    options.prefix = PREFIX.into();
+    let reader = Corral::builder()
+        .clock(f.clock.clone())
+        .redis_options(options)
+        .build()?;
+    reader.get("warm-up").await?;
+    let count = |command: &'static str| command_calls(server, command);
+    let before = [count("mget").await?, count("get").await?, count("evalsha").await?];
+    let sent_before = reader.redis_commands_sent().context("a redis cache")?;
+    let answers = values(
+        reader
+            .get_or_set_many(&keys, relative(), answering(&calls))
+            .await?,
+    )?;
+    let after = [count("mget").await?, count("get").await?, count("evalsha").await?];
+    assert!(
+        answers
+            .iter()
+            .zip(&keys)
+            .all(|(v, k)| v.as_deref() == Some(format!("value:{k}").as_str()))
+    );
+    assert_eq!(calls.all().len(), 1, "no load: all 100 were L2 hits");
+    assert_eq!(
+        [after[0] - before[0], after[1] - before[1], after[2] - before[2]],
+        [1, 0, 0],
+        "one MGET, no GET, no script"
+    );
+    assert_eq!(
+        reader.redis_commands_sent().unwrap() - sent_before,
+        1,
+        "one command in all"
+    );
+    assert_eq!(reader.metrics().l2_hits, 100);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_typed_twin_caches_absence_when_asked() -> Result<()> {
+    #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
+    struct Product {
+        name: String,
+    }
+    let f = Fixture::new(Backend::Redis)?;
+    let calls = Calls::default();
+    let load = |calls: &Calls| {
+        let calls = calls.clone();
+        move |asked: Vec<String>| {
+            calls.note(&asked);
+            let found: Vec<(String, Product)> = asked
+                .into_iter()
+                .filter(|k| k != "gone")
+                .map(|k| (k.clone(), Product { name: k }))
+                .collect();
+            std::future::ready(Ok::<_, std::io::Error>(found))
+        }
+    };
+    let options = || relative().cache_none_for(Duration::from_secs(5));
+    for _ in 0..2 {
+        let answers = f
+            .cache
+            .get_or_set_many_json::<Product, _, _, _, _, _>(["p1", "gone"], options(), load(&calls))
+            .await?;
+        let answers: Vec<Option<Product>> = answers.into_iter().collect::<corral::Result<_>>()?;
+        assert_eq!(answers, [Some(Product { name: "p1".into() }), None]);
+    }
+    assert_eq!(calls.all().len(), 1, "the absence was cached too");
+    Ok(())
+}
+
+/// Four `corral stampede --keys 100 --batch 10` processes of 250 callers each, started
+/// at once over the Redis that `redis_args` name: every key is loaded exactly once in
+/// all. Returns the keys each process loaded.
+async fn four_bulk_processes(redis_args: &[&str]) -> Result<Vec<u64>> {
+    let key = format!("bulk-{}-{}", std::process::id(), corral::SystemClock.now_ms());
+    let mut children = Vec::new();
+    for _ in 0..4 {
+        let child = Command::new(corral_bin())
+            .args(["stampede", "--keys", "100", "--batch", "10", "--callers", "250"])
+            .args(["--loader-ms", "200", "--key", &key])
+            .args(redis_args)
+            .args(["--json", "--wait-for-go"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("spawning corral stampede")?;
+        children.push(child);
+    }
+    // A barrier, not a sleep: each process says "ready" once connected, then all go.
+    for child in &mut children {
+        let mut line = String::new();
+        BufReader::new(child.stderr.as_mut().expect("piped")).read_line(&mut line)?;
+        assert_eq!(line.trim(), "ready", "{line}");
+    }
+    for child in &mut children {
+        writeln!(child.stdin.as_mut().expect("piped"), "go")?;
+    }
+    let mut loaded = Vec::new();
+    let mut key_loads = 0;
+    for child in children {
+        let out = child.wait_with_output()?;
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let report: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("one JSON object on stdout")?;
+        assert_eq!(report["errors"], 0, "{report}");
+        loaded.push(report["keys_loaded"].as_u64().context("keys_loaded")?);
+        key_loads += report["key_loads"].as_u64().context("key_loads")?;
+    }
+    assert_eq!(
+        loaded.iter().sum::<u64>(),
+        100,
+        "every key loaded, once: {loaded:?}"
+    );
+    assert_eq!(key_loads, 100, "no key loaded twice in one process");
+    Ok(loaded)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_processes_load_each_of_a_hundred_keys_once() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = corral_tests::RedisServer::start()?;
+    let loaded = four_bulk_processes(&["--redis", &server.url()]).await?;
+    println!("4 x 250 callers, batches of 10 of 100 keys: keys loaded per process {loaded:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_processes_load_each_of_a_hundred_keys_once_on_a_cluster() -> Result<()> {
+    let _real_time = real_time().await;
+    let nodes = corral_tests::RedisCluster::shared()?;
+    let prefix = format!("bulk-{}:", std::process::id());
+    let mut args: Vec<&str> = nodes
+        .iter()
+        .flat_map(|n| ["--redis-cluster", n.as_str()])
+        .collect();
+    args.extend(["--prefix", &prefix]);
+    let loaded = four_bulk_processes(&args).await?;
+    println!("4 x 250 callers on a cluster, batches of 10 of 100 keys: keys loaded per process {loaded:?}");
+    Ok(())
+}
