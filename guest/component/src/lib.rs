@@ -285,6 +285,47 @@ impl wit::Guest for Component {
         })
     }
 
+    fn locate_entries(
+        prefix: String,
+        keys: Vec<String>,
+        generation: u64,
+        l: types::Limits,
+    ) -> Result<Vec<String>, (u32, types::Error)> {
+        corral_core::names::entries_in(&prefix, &keys, generation, &limits(l))
+            .map_err(|(at, e)| (u32::try_from(at).unwrap_or(u32::MAX), arg_error(e)))
+    }
+
+    fn read_many(
+        reads: Vec<wit::FirstRead>,
+        now_ms: u64,
+        l: types::Limits,
+        l1_ttl_ms: u64,
+    ) -> Vec<wit::Judged> {
+        let reads: Vec<corral_core::batch::FirstRead<'_>> = reads
+            .iter()
+            .map(|r| corral_core::batch::FirstRead {
+                head: &r.head,
+                total_len: r.total_len,
+                slid_ms: r.slid_ms,
+            })
+            .collect();
+        corral_core::batch::read_many(&reads, now_ms, &limits(l), l1_ttl_ms)
+            .into_iter()
+            .map(|j| wit::Judged {
+                outcome: read_outcome(j.outcome),
+                l1_until_ms: j.l1_until_ms,
+            })
+            .collect()
+    }
+
+    fn check_max_batch(max_batch: u64) -> Result<(), types::Error> {
+        corral_core::batch::check_max_batch(max_batch).map_err(arg_error)
+    }
+
+    fn batch_calls(ready: u64, max_batch: Option<u64>) -> Vec<u64> {
+        corral_core::batch::calls(ready, max_batch)
+    }
+
     fn removal(lock_ttl_ms: u64, nonce: Vec<u8>) -> (Vec<u8>, u64) {
         policy::removal(lock_ttl_ms, &nonce)
     }

@@ -20,6 +20,7 @@
 
 #![deny(missing_docs)]
 
+pub mod batch;
 pub mod envelope;
 mod error;
 pub mod expiry;

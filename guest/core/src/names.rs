@@ -83,22 +83,65 @@ pub fn locate(prefix: &str, key: &str, limits: &Limits) -> Result<Names, ArgErro
 pub fn locate_in(prefix: &str, key: &str, generation: u64, limits: &Limits) -> Result<Names, ArgError> {
     key::validate(key, limits)?;
     let tag = tag(prefix, key);
-    let named = |kind: Kind| format!("{tag}:{}", kind.letter());
-    let suffix = suffix(generation);
     Ok(Names {
-        entry: format!("{}{suffix}", named(Kind::Entry)),
-        flight_lock: format!("{}{suffix}", named(Kind::FlightLock)),
-        lock: named(Kind::Lock),
-        fence: named(Kind::Fence),
+        entry: named(&tag, Kind::Entry, generation),
+        flight_lock: named(&tag, Kind::FlightLock, generation),
+        lock: named(&tag, Kind::Lock, generation),
+        fence: named(&tag, Kind::Fence, generation),
     })
 }
 
-/// What a generation adds to the names it changes: nothing for 0, `@<g>` after.
-fn suffix(generation: u64) -> String {
-    if generation == 0 {
-        String::new()
-    } else {
-        format!("@{generation}")
+/// The entry names of `keys` under `prefix` in `generation`, in order, once every key
+/// passed the key rules (a batch's reads need only these).
+///
+/// # Errors
+/// The position of the first bad key, and the [`ArgError`] naming `key`.
+pub fn entries_in<S: AsRef<str>>(
+    prefix: &str,
+    keys: &[S],
+    generation: u64,
+    limits: &Limits,
+) -> Result<Vec<String>, (usize, ArgError)> {
+    keys.iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let key = key.as_ref();
+            key::validate(key, limits).map_err(|e| (i, e))?;
+            Ok(named(&tag(prefix, key), Kind::Entry, generation))
+        })
+        .collect()
+}
+
+/// `<tag>:<kind>`, with the generation's `@<g>` for the kinds it changes (entries and
+/// flight locks, from generation 1). Built by hand: this runs for every key of every
+/// operation, and formatting machinery costs the guest more than the bytes.
+fn named(tag: &str, kind: Kind, generation: u64) -> String {
+    let mut name = String::with_capacity(tag.len() + 24);
+    name.push_str(tag);
+    name.push(':');
+    name.push(kind.letter());
+    if generation > 0 && matches!(kind, Kind::Entry | Kind::FlightLock) {
+        name.push('@');
+        push_decimal(&mut name, generation);
+    }
+    name
+}
+
+/// Appends `n` in decimal.
+fn push_decimal(to: &mut String, n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[at..] {
+        to.push(char::from(d));
     }
 }
 
@@ -133,11 +176,7 @@ pub fn name(prefix: &str, key: &str, kind: Kind) -> String {
 
 /// As [`name`], in `generation`.
 pub fn name_in(prefix: &str, key: &str, kind: Kind, generation: u64) -> String {
-    let base = format!("{}:{}", tag(prefix, key), kind.letter());
-    match kind {
-        Kind::Entry | Kind::FlightLock => format!("{base}{}", suffix(generation)),
-        Kind::Lock | Kind::Fence | Kind::Tag => base,
-    }
+    named(&tag(prefix, key), kind, generation)
 }
 
 /// Where `tag`'s invalidation moments live under `prefix`: `{<n>:<prefix><tag>}:t`.
@@ -195,7 +234,7 @@ pub fn channel(prefix: &str) -> String {
 fn tag(prefix: &str, key: &str) -> String {
     let mut tag = String::with_capacity(prefix.len() + key.len() + 8);
     tag.push('{');
-    tag.push_str(&prefix.len().to_string());
+    push_decimal(&mut tag, prefix.len() as u64);
     tag.push(':');
     for c in prefix.chars().chain(key.chars()) {
         match c {
@@ -211,6 +250,23 @@ fn tag(prefix: &str, key: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_carry_any_generation_and_batch_entries_match_one_by_one() {
+        let limits = Limits::default();
+        assert_eq!(
+            name_in("p:", "k", Kind::Entry, u64::MAX),
+            format!("{{2:p:k}}:e@{}", u64::MAX)
+        );
+        assert_eq!(name_in("p:", "k", Kind::Lock, 7), "{2:p:k}:k");
+        let keys = ["a", "b}\\", "user:42"];
+        let entries = entries_in("corral:", &keys, 3, &limits).unwrap();
+        for (key, entry) in keys.iter().zip(&entries) {
+            assert_eq!(*entry, locate_in("corral:", key, 3, &limits).unwrap().entry);
+        }
+        let (at, e) = entries_in("p:", &["a", " "], 0, &limits).unwrap_err();
+        assert_eq!((at, e.arg), (1, crate::Arg::Key));
+    }
 
     #[test]
     fn a_names_kind_reads_back_from_it_and_only_from_corrals_names() {

@@ -796,6 +796,25 @@ impl Corral {
         self.inner.policy.locate(&self.inner.prefix, key, generation)
     }
 
+    /// The entry names of a batch's keys, all checked and named in one call, in the
+    /// generation [`locate`](Self::locate) would use.
+    pub(crate) async fn locate_entries(&self, keys: &[String]) -> Result<Vec<String>> {
+        let policy = &self.inner.policy;
+        let generation = match self.known_generation() {
+            Some(g) => g,
+            None => {
+                // The keys first: a bad key is an argument error, even with the store down.
+                policy.locate_entries(&self.inner.prefix, keys, 0)?;
+                let bound = self.inner.flight.store_timeout;
+                match tokio::time::timeout(bound, self.generation()).await {
+                    Ok(Ok(g)) => g,
+                    _ => self.inner.tags.generation_now(),
+                }
+            }
+        };
+        policy.locate_entries(&self.inner.prefix, keys, generation)
+    }
+
     /// Checks `key` and names its entry in the store, in the current generation.
     pub(crate) async fn entry_of(&self, key: &str) -> Result<String> {
         // The key first: a bad key is an argument error, even with the store down.

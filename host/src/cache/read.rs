@@ -19,7 +19,7 @@ use bytes::Bytes;
 
 use super::Corral;
 use super::metrics::Metrics;
-use crate::guest::policy::{NextRead, ReadOutcome, TagVerdict, Touch, WitMeta};
+use crate::guest::policy::{Judged, NextRead, ReadOutcome, TagVerdict, Touch, WitMeta};
 use crate::{ErrorKind, Result};
 
 /// How each key was last found to need reading: a lossy, lock-free table of guesses.
@@ -111,6 +111,10 @@ impl ReadHints {
     }
 }
 
+/// What one read of a batch found, and for a fresh entry judged with the others, how
+/// long L1 may serve it.
+pub(crate) type Looked = (L2Read, Option<u64>);
+
 /// What one L2 read found.
 #[derive(Debug)]
 pub(crate) enum L2Read {
@@ -171,9 +175,11 @@ impl Corral {
     }
 
     /// Reads the entries `names` at `now`, as [`l2_look`](Self::l2_look) reads each: the
-    /// keys a plain `GET` reads share one `MGET` per node; the others (a sliding entry's
-    /// `GETEX` or read-and-touch) are read each with its own command, all at once.
-    pub(crate) async fn l2_look_many(&self, names: &[&str], now: u64) -> Vec<Result<L2Read>> {
+    /// keys a plain `GET` reads share one `MGET` per node, judged by the guest in one
+    /// call; the others (a sliding entry's `GETEX` or read-and-touch) are read each with
+    /// its own command, all at once. A fresh entry judged with the others comes with the
+    /// moment until which L1 may serve it (contract §5.14).
+    pub(crate) async fn l2_look_many(&self, names: &[&str], now: u64) -> Vec<Result<Looked>> {
         let inner = &*self.inner;
         let hints: Vec<Option<NextRead>> = names.iter().map(|n| inner.read_hints.get(n)).collect();
         let plain: Vec<&str> = names
@@ -182,45 +188,143 @@ impl Corral {
             .filter(|(_, hint)| matches!(hint, None | Some(NextRead::Get)))
             .map(|(name, _)| *name)
             .collect();
-        let mut shared = match self.l2_op(inner.stores.entries.get_many(&plain)).await {
-            Ok(found) => found.into_iter().map(Ok).collect::<Vec<_>>(),
-            Err(e) => vec![Err(e); plain.len()],
-        }
-        .into_iter();
+        let mut shared = self.shared_reads(&plain, now).await.into_iter();
+        let mut found: Vec<Option<Result<Looked>>> = Vec::with_capacity(names.len());
+        // The keys that need more than their judgement (a touch, tags, a removal, a read
+        // of their own) go on as futures, the rest are settled here.
         // A loop, not a closure: the futures' borrows stay of one lifetime (a closure's
         // would be higher-ranked, and the future not provably `Send`).
-        let mut looks = Vec::with_capacity(names.len());
-        for (&name, &hint) in names.iter().zip(&hints) {
+        let mut looks = Vec::new();
+        for (i, (&name, &hint)) in names.iter().zip(&hints).enumerate() {
             let fetched = match hint {
                 None | Some(NextRead::Get) => shared.next(),
                 Some(_) => None,
             };
-            looks.push(self.l2_look_fetched(name, hint, fetched, now));
+            match fetched {
+                Some(Err(e)) => found.push(Some(Err(e))),
+                Some(Ok(None)) => found.push(Some(Ok((L2Read::Miss { holds: None }, None)))),
+                Some(Ok(Some((stored, judged)))) => {
+                    match Self::plain_hit(name, hint, stored, judged, &inner.read_hints) {
+                        Ok(hit) => found.push(Some(Ok(hit))),
+                        Err((stored, judged)) => {
+                            found.push(None);
+                            looks.push((
+                                i,
+                                self.l2_look_fetched(name, hint, Some(Ok(Some((stored, judged)))), now),
+                            ));
+                        }
+                    }
+                }
+                None => {
+                    found.push(None);
+                    looks.push((i, self.l2_look_fetched(name, hint, None, now)));
+                }
+            }
         }
-        futures::future::join_all(looks).await
+        let (at, looks): (Vec<usize>, Vec<_>) = looks.into_iter().unzip();
+        for (i, look) in at.into_iter().zip(futures::future::join_all(looks).await) {
+            found[i] = Some(look);
+        }
+        found
+            .into_iter()
+            .map(|f| {
+                f.unwrap_or_else(|| {
+                    Err(crate::Error::guest(
+                        "a batch read went unanswered",
+                        "broken contract",
+                    ))
+                })
+            })
+            .collect()
     }
 
-    /// One key of [`l2_look_many`](Self::l2_look_many): judged, when its bytes came
-    /// with the others', else read on its own.
+    /// A fresh entry that needs nothing more than its judgement (no touch to write
+    /// back, no tags to judge): the hit, settled as [`l2_settle`](Self::l2_settle)
+    /// settles it, with how long L1 may serve it. Anything else comes back as it was.
+    #[allow(clippy::result_large_err)]
+    fn plain_hit(
+        name: &str,
+        hint: Option<NextRead>,
+        stored: Bytes,
+        judged: Judged,
+        hints: &ReadHints,
+    ) -> std::result::Result<(L2Read, Option<u64>), (Bytes, Judged)> {
+        match judged.outcome {
+            ReadOutcome::Fresh(hit) if hit.touch.is_none() && hit.tagged.is_none() => {
+                hints.note(name, hint, hit.next_read);
+                let value = stored.slice(hit.value_offset as usize..);
+                Ok((
+                    L2Read::Hit(value, hit.meta, stored, None),
+                    Some(judged.l1_until_ms),
+                ))
+            }
+            outcome => Err((
+                stored,
+                Judged {
+                    outcome,
+                    l1_until_ms: judged.l1_until_ms,
+                },
+            )),
+        }
+    }
+
+    /// The bytes under `names`, in one `MGET` per node, each judged (all in one call).
+    async fn shared_reads(&self, names: &[&str], now: u64) -> Vec<Result<Option<(Bytes, Judged)>>> {
+        let inner = &*self.inner;
+        if names.is_empty() {
+            return Vec::new();
+        }
+        let found: Vec<Result<Option<Bytes>>> = inner
+            .stores
+            .entries
+            .get_many(names)
+            .await
+            .into_iter()
+            .map(|read| read.map_err(|e| self.l2_failed(e)))
+            .collect();
+        let reads: Vec<(&[u8], Option<u64>)> = found
+            .iter()
+            .filter_map(|read| read.as_ref().ok().and_then(Option::as_ref))
+            .map(|b| (&b[..], None))
+            .collect();
+        let mut judged = match inner.policy.read_many(&reads, now, inner.l1_ttl_ms) {
+            Ok(judged) => judged.into_iter(),
+            Err(e) => return names.iter().map(|_| Err(e.clone())).collect(),
+        };
+        found
+            .into_iter()
+            .map(|read| match read? {
+                Some(b) => Ok(judged.next().map(|j| (b, j))),
+                None => Ok(None),
+            })
+            .collect()
+    }
+
+    /// One key of [`l2_look_many`](Self::l2_look_many): judged with the others, when its
+    /// bytes came with theirs, else read on its own.
     async fn l2_look_fetched(
         &self,
         name: &str,
         hint: Option<NextRead>,
-        fetched: Option<Result<Option<Bytes>>>,
+        fetched: Option<Result<Option<(Bytes, Judged)>>>,
         now: u64,
-    ) -> Result<L2Read> {
+    ) -> Result<(L2Read, Option<u64>)> {
         match fetched {
-            Some(read) => {
-                let fetched = read?.map(|stored| (stored, None));
-                self.l2_judge(name, hint, fetched, now).await
-            }
-            None => self.l2_look(name, now).await,
+            Some(read) => match read? {
+                Some((stored, judged)) => {
+                    let l1_until =
+                        matches!(judged.outcome, ReadOutcome::Fresh(_)).then_some(judged.l1_until_ms);
+                    let read = self.l2_judged(name, hint, stored, judged.outcome, now).await?;
+                    Ok((read, l1_until))
+                }
+                None => Ok((L2Read::Miss { holds: None }, None)),
+            },
+            None => Ok((self.l2_look(name, now).await?, None)),
         }
     }
 
     /// What a read of `name` (with `hint`) that `fetched` these bytes (and the TTL it
-    /// set) found: the guest's judgement (a tagged entry's tags too), then what that
-    /// judgement leaves to do.
+    /// set) found: the guest's judgement, then what it leaves to do.
     async fn l2_judge(
         &self,
         name: &str,
@@ -228,11 +332,24 @@ impl Corral {
         fetched: Option<(Bytes, Option<u64>)>,
         now: u64,
     ) -> Result<L2Read> {
-        let inner = &*self.inner;
         let Some((stored, slid_ms)) = fetched else {
             return Ok(L2Read::Miss { holds: None });
         };
-        let mut outcome = inner.policy.read(&stored, now, slid_ms)?;
+        let outcome = self.inner.policy.read(&stored, now, slid_ms)?;
+        self.l2_judged(name, hint, stored, outcome, now).await
+    }
+
+    /// What the guest's judgement `outcome` of the bytes `stored` under `name` leaves to
+    /// do: a tagged entry's tags judged, then the judgement settled.
+    async fn l2_judged(
+        &self,
+        name: &str,
+        hint: Option<NextRead>,
+        stored: Bytes,
+        mut outcome: ReadOutcome,
+        now: u64,
+    ) -> Result<L2Read> {
+        let inner = &*self.inner;
         // A tagged entry is judged by its tags' moments too (contract §6b.5).
         let mut stamp = None;
         if let ReadOutcome::Fresh(hit) | ReadOutcome::Stale(hit) = &mut outcome

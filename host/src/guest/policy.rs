@@ -93,8 +93,8 @@ pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
 pub(crate) use types::Tagged;
 pub(crate) use wit::{
-    ExpirePlan, Freshness as WitFreshness, NextRead, Plan, ReadOutcome, StoreNames, TagMessage, TagMoments,
-    TagVerdict, Touch,
+    ExpirePlan, FirstRead, Freshness as WitFreshness, Judged, NextRead, Plan, ReadOutcome, StoreNames,
+    TagMessage, TagMoments, TagVerdict, Touch,
 };
 
 impl Policy {
@@ -283,6 +283,81 @@ impl Policy {
                 .call_locate(&mut s.store, prefix, key, generation, limits)
         })?
         .map_err(from_wit)
+    }
+
+    /// Checks every key of a batch and names its entry under `prefix`, in order, in
+    /// one call (contract §5.14).
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key`,
+    /// saying the bad key's position.
+    pub(crate) fn locate_entries(
+        &self,
+        prefix: &str,
+        keys: &[String],
+        generation: u64,
+    ) -> Result<Vec<String>> {
+        let limits = self.inner.limits;
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_locate_entries(&mut s.store, prefix, keys, generation, limits)
+        })?
+        .map_err(|(at, e)| match e {
+            types::Error::InvalidArgument(a) => {
+                crate::Error::invalid_argument(a.name, format!("{} (the key at position {at})", a.reason))
+            }
+            other => from_wit(other),
+        })
+    }
+
+    /// Judges a batch's first reads (the bytes each found, and the TTL each read set if
+    /// it set one) at `now_ms`, in one call (contract §5.14): each read's outcome, and
+    /// for a fresh entry how long L1 may serve it.
+    pub(crate) fn read_many(
+        &self,
+        reads: &[(&[u8], Option<u64>)],
+        now_ms: u64,
+        l1_ttl_ms: u64,
+    ) -> Result<Vec<Judged>> {
+        let limits = self.inner.limits;
+        let header_len = self.inner.header_len;
+        let reads: Vec<FirstRead> = reads
+            .iter()
+            .map(|(stored, slid_ms)| FirstRead {
+                head: stored[..stored.len().min(header_len)].to_vec(),
+                total_len: stored.len() as u64,
+                slid_ms: *slid_ms,
+            })
+            .collect();
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_read_many(&mut s.store, &reads, now_ms, limits, l1_ttl_ms)
+        })
+    }
+
+    /// Checks a batch's `max_batch`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `max_batch`.
+    pub(crate) fn check_max_batch(&self, max_batch: u64) -> Result<()> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_check_max_batch(&mut s.store, max_batch)
+        })?
+        .map_err(from_wit)
+    }
+
+    /// How keys that reached their loads together split into loader calls: the calls'
+    /// sizes, in order.
+    pub(crate) fn batch_calls(&self, ready: u64, max_batch: Option<u64>) -> Result<Vec<u64>> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_batch_calls(&mut s.store, ready, max_batch)
+        })
     }
 
     /// What a removal writes (a tombstone carrying `nonce`) and its store TTL.

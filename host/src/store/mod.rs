@@ -54,19 +54,19 @@ pub trait Entries: Send + Sync + fmt::Debug + 'static {
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>>;
 
     /// The bytes under each of `keys`, in order, as [`get`](Self::get) reads them, in as
-    /// few round trips as the store allows (Redis: one `MGET` per node). A key holding a
-    /// value of another Redis type reads as nothing here; the get-or-set's own read
-    /// after its lock meets it and removes it.
-    fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<Bytes>>>> {
+    /// few round trips as the store allows (Redis: one `MGET` per node), each key with
+    /// its own result: a node that fails fails its keys only. A key holding a value of
+    /// another Redis type reads as nothing here; the get-or-set's own read after its
+    /// lock meets it and removes it.
+    fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Vec<Result<Option<Bytes>>>> {
         Box::pin(async move {
-            let mut found = Vec::with_capacity(keys.len());
-            for key in keys {
-                found.push(match self.get(key).await {
-                    Err(e) if e.kind() == crate::ErrorKind::Corrupt => None,
-                    read => read?,
-                });
-            }
-            Ok(found)
+            let reads = keys.iter().map(|key| async move {
+                match self.get(key).await {
+                    Err(e) if e.kind() == crate::ErrorKind::Corrupt => Ok(None),
+                    read => read,
+                }
+            });
+            futures::future::join_all(reads).await
         })
     }
 

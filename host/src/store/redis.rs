@@ -282,9 +282,10 @@ impl Entries for RedisStore {
         .boxed()
     }
 
-    fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Result<Vec<Option<Bytes>>>> {
+    fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Vec<Result<Option<Bytes>>>> {
         async move {
-            // One MGET per node, all at once (a cluster's client splits each per slot).
+            // One MGET per node, all at once (a cluster's client splits each per slot);
+            // a node that fails fails its own keys only.
             let mut groups: Vec<(Option<Arc<str>>, Vec<usize>)> = Vec::new();
             for (i, key) in keys.iter().enumerate() {
                 let node = self.healing.node_of(key);
@@ -313,14 +314,23 @@ impl Entries for RedisStore {
                 }
                 Ok::<_, Error>(found)
             });
-            let answers = futures::future::try_join_all(reads).await?;
-            let mut found = vec![None; keys.len()];
+            let answers = futures::future::join_all(reads).await;
+            let mut found: Vec<Result<Option<Bytes>>> = keys.iter().map(|_| Ok(None)).collect();
             for ((_, members), answer) in groups.iter().zip(answers) {
-                for (&i, bytes) in members.iter().zip(answer) {
-                    found[i] = bytes.map(Bytes::from);
+                match answer {
+                    Ok(values) => {
+                        for (&i, bytes) in members.iter().zip(values) {
+                            found[i] = Ok(bytes.map(Bytes::from));
+                        }
+                    }
+                    Err(e) => {
+                        for &i in members {
+                            found[i] = Err(e.clone());
+                        }
+                    }
                 }
             }
-            Ok(found)
+            found
         }
         .boxed()
     }

@@ -409,6 +409,16 @@ async fn a_hundred_l2_hits_cost_one_mget() -> Result<()> {
         .clock(f.clock.clone())
         .redis_options(options)
         .build()?;
+    // Once it listens (its first subscription flushes L1 and forgets the generation),
+    // it learns the generation: the batch below sends nothing else.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while reader.metrics().l1_flushes < 1 {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the reader never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     reader.get("warm-up").await?;
     let count = |command: &'static str| command_calls(server, command);
     let before = [count("mget").await?, count("get").await?, count("evalsha").await?];
@@ -542,5 +552,90 @@ async fn four_processes_load_each_of_a_hundred_keys_once_on_a_cluster() -> Resul
     args.extend(["--prefix", &prefix]);
     let loaded = four_bulk_processes(&args).await?;
     println!("4 x 250 callers on a cluster, batches of 10 of 100 keys: keys loaded per process {loaded:?}");
+    Ok(())
+}
+
+/// A loader that panics as it is called (before its future exists) fails every key of
+/// its call with the panic; none is left waiting, and the keys are free afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_panicking_as_it_is_called_fails_its_keys_and_hangs_none() -> Result<()> {
+    let f = Fixture::new(Backend::Memory)?;
+    let batch = f
+        .cache
+        .get_or_set_many(["a", "b", "c"], relative(), |keys: Vec<String>| {
+            assert!(keys.len() < 2, "a loader that expects one key at a time");
+            std::future::ready(Ok::<_, std::io::Error>(Vec::<(String, Vec<u8>)>::new()))
+        });
+    let answers = tokio::time::timeout(Duration::from_secs(10), batch)
+        .await
+        .context("the batch hung")??;
+    for answer in answers {
+        let e = answer.expect_err("the loader panicked");
+        assert_eq!(e.kind(), ErrorKind::Loader, "{e}");
+        assert!(e.to_string().contains("panicked"), "{e}");
+    }
+    assert_eq!(f.cache.flights_in_progress(), 0, "no flight left behind");
+    let calls = Calls::default();
+    let answers = values(
+        f.cache
+            .get_or_set_many(["a"], relative(), answering(&calls))
+            .await?,
+    )?;
+    assert_eq!(answers, [Some("value:a".into())]);
+    Ok(())
+}
+
+/// Bypassed keys (no L1, no registry, no lock) are still loaded together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bypassed_keys_are_loaded_in_one_call() -> Result<()> {
+    let f = Fixture::new(Backend::Memory)?;
+    let calls = Calls::default();
+    let keys = named(0..10);
+    let answers = values(
+        f.cache
+            .get_or_set_many(&keys, relative().bypass(true), answering(&calls))
+            .await?,
+    )?;
+    assert!(answers.iter().all(Option::is_some));
+    assert_eq!(calls.all(), [keys], "one call for the ten");
+    Ok(())
+}
+
+/// A single-key caller that waited for a key a batch's loader left out loads it with
+/// its own loader, rather than getting the batch's "absent".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_key_caller_loads_what_a_batch_left_out() -> Result<()> {
+    let f = Fixture::new(Backend::Memory)?;
+    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let batch = {
+        let (cache, loading, release) = (f.cache.clone(), loading.clone(), release.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["k"], relative(), |_: Vec<String>| {
+                    let (loading, release) = (loading.clone(), release.clone());
+                    async move {
+                        loading.notify_one();
+                        release.notified().await;
+                        Ok::<_, std::io::Error>(Vec::<(String, Vec<u8>)>::new())
+                    }
+                })
+                .await
+        })
+    };
+    loading.notified().await;
+    let single = {
+        let cache = f.cache.clone();
+        tokio::spawn(async move {
+            cache
+                .get_or_set("k", relative(), || async { Ok::<_, std::io::Error>("its own") })
+                .await
+        })
+    };
+    while f.cache.followers_of("k") == 0 {
+        tokio::task::yield_now().await;
+    }
+    release.notify_one();
+    assert_eq!(values(batch.await??)?, [None], "absent for the batch");
+    assert_eq!(single.await??, "its own");
     Ok(())
 }

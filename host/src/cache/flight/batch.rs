@@ -30,10 +30,14 @@ use super::driver::{Callers, FirstRead};
 use super::held::{in_ms, past_deadline, share};
 use super::{BoxError, Served};
 use crate::cache::Corral;
+use crate::cache::L1Fill;
 use crate::cache::load::LoadOptions;
 use crate::cache::metrics::Metrics;
+use crate::cache::read::L2Read;
 use crate::cache::registry::{self, Join, LeaderGuard, Outcome};
-use crate::guest::policy::StoreNames;
+use crate::cache::tags::TagStamp;
+use crate::guest::policy::WitMeta;
+use crate::store::l1::Ticket;
 use crate::{Error, ErrorKind, Result};
 
 /// What the loader returned for one call of a batch: every key of the call shares it.
@@ -197,25 +201,27 @@ impl Drop for Idle<'_> {
 /// The loader of one batch and its calls. `call` starts one loader call (what it
 /// answers, judged by [`chunk_of`]); the flights of its keys share it, and it runs on
 /// while any of them waits for it.
-struct Loads<'a, M, C: Future> {
+struct Loads<'a, M, C: Future, S> {
     keys: &'a [String],
     call: M,
-    max_batch: usize,
+    /// How many keys ready together go into each call (the guest's `batch-calls`).
+    split: S,
     quiet: Quiet,
     /// Per key, the call that loads it, once made (taken by the key's flight).
     calls: Mutex<Vec<Option<Shared<C>>>>,
 }
 
-impl<'a, M, C> Loads<'a, M, C>
+impl<'a, M, C, S> Loads<'a, M, C, S>
 where
     M: Fn(Vec<String>) -> C,
     C: Future<Output = Chunk>,
+    S: Fn(u64) -> Result<Vec<u64>>,
 {
-    fn new(keys: &'a [String], call: M, max_batch: usize) -> Self {
+    fn new(keys: &'a [String], call: M, split: S) -> Self {
         Loads {
             keys,
             call,
-            max_batch: max_batch.max(1),
+            split,
             quiet: Quiet::new(),
             calls: Mutex::new(keys.iter().map(|_| None).collect()),
         }
@@ -262,13 +268,26 @@ where
         if due.is_empty() {
             return;
         }
-        let made: Vec<(&[usize], Shared<C>)> = due
-            .chunks(self.max_batch)
-            .map(|group| {
-                let keys = group.iter().map(|&i| self.keys[i].clone()).collect();
-                (group, (self.call)(keys).shared())
-            })
-            .collect();
+        // Should the guest fail to say, one call for them all.
+        let sizes = (self.split)(due.len() as u64).unwrap_or_else(|_| vec![due.len() as u64]);
+        let mut rest = &due[..];
+        let mut made: Vec<(&[usize], Shared<C>)> = Vec::with_capacity(sizes.len());
+        for size in sizes {
+            let size = usize::try_from(size)
+                .unwrap_or(usize::MAX)
+                .clamp(1, rest.len().max(1));
+            let (group, after) = rest.split_at(size.min(rest.len()));
+            rest = after;
+            if group.is_empty() {
+                break;
+            }
+            let keys = group.iter().map(|&i| self.keys[i].clone()).collect();
+            made.push((group, (self.call)(keys).shared()));
+        }
+        if !rest.is_empty() {
+            let keys = rest.iter().map(|&i| self.keys[i].clone()).collect();
+            made.push((rest, (self.call)(keys).shared()));
+        }
         let mut calls = self.calls.lock();
         for (group, call) in made {
             for &i in group {
@@ -355,31 +374,33 @@ impl Corral {
         E: Into<BoxError>,
     {
         let options = options.into();
+        let inner = &*self.inner;
         Self::in_caller_only(&options)?;
-        if options.max_batch == Some(0) {
-            return Err(Error::invalid_argument("max_batch", "must be at least 1"));
+        if let Some(max) = options.max_batch {
+            inner.policy.check_max_batch(max as u64)?;
         }
         // Each key once, in the order first asked for.
-        let mut distinct: Vec<String> = Vec::new();
-        let mut index_of: HashMap<String, usize> = HashMap::new();
-        let mut asked = Vec::new();
-        for key in keys {
+        let keys: Vec<K> = keys.into_iter().collect();
+        let mut distinct: Vec<String> = Vec::with_capacity(keys.len());
+        let mut index_of: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+        let mut asked = Vec::with_capacity(keys.len());
+        for key in &keys {
             let key = key.as_ref();
-            let index = match index_of.get(key) {
-                Some(&i) => i,
-                None => {
-                    // Every key, not only the first: the judgement of options is
-                    // remembered, and a remembered one does not look at the key.
-                    self.inner.policy.validate_key(key)?;
-                    self.judge(key, &options)?;
-                    index_of.insert(key.to_owned(), distinct.len());
-                    distinct.push(key.to_owned());
-                    distinct.len() - 1
-                }
-            };
+            let index = *index_of.entry(key).or_insert_with(|| {
+                distinct.push(key.to_owned());
+                distinct.len() - 1
+            });
             asked.push(index);
         }
-        let answers = self.many(&distinct, &options, &loader).await;
+        let Some(first) = distinct.first() else {
+            return Ok(Vec::new());
+        };
+        self.judge(first, &options)?;
+        // Taken before the names: L1 is never filled across a clear after them.
+        let named: Vec<Ticket> = distinct.iter().map(|k| inner.l1.ticket(k)).collect();
+        // Every key checked and named before anything runs (contract §5.14).
+        let entries = self.locate_entries(&distinct).await?;
+        let answers = self.many(&distinct, &entries, &named, &options, &loader).await;
         Ok(asked
             .into_iter()
             .map(|i| match &answers[i] {
@@ -390,10 +411,13 @@ impl Corral {
             .collect())
     }
 
-    /// Every key of `keys` (distinct), answered.
+    /// Every key of `keys` (distinct, their entries named `entries`, their L1 tickets
+    /// as of the names `named`), answered.
     async fn many<L, Fut, I, V, E>(
         &self,
         keys: &[String],
+        entries: &[String],
+        named: &[Ticket],
         options: &LoadOptions,
         loader: &L,
     ) -> Vec<Result<Served>>
@@ -405,46 +429,78 @@ impl Corral {
         E: Into<BoxError>,
     {
         let inner = &*self.inner;
+        // A loader that panics as it is called, before its future exists, panics for
+        // the keys of that call alike: nothing escapes into the batch.
         let call = |keys: Vec<String>| {
-            let running = AssertUnwindSafe(loader(keys)).catch_unwind();
-            async move { chunk_of(running.await) }
+            let started = std::panic::catch_unwind(AssertUnwindSafe(|| loader(keys)));
+            async move {
+                match started {
+                    Ok(running) => chunk_of(AssertUnwindSafe(running).catch_unwind().await),
+                    Err(panic) => Chunk::Panicked(panic_text(&*panic).into()),
+                }
+            }
         };
-        let loads = Loads::new(keys, call, options.max_batch.unwrap_or(usize::MAX));
+        let max_batch = options.max_batch.map(|n| n as u64);
+        let loads = Loads::new(keys, call, |ready| inner.policy.batch_calls(ready, max_batch));
         let mut answers: Vec<Option<Result<Served>>> = keys.iter().map(|_| None).collect();
         let now = inner.clock.now_ms();
-        let mut parts = Vec::new();
+        let mut parts: Vec<(usize, Part, Option<FirstRead>)> = Vec::new();
+        let mut guards: HashMap<usize, LeaderGuard<Outcome>> = HashMap::new();
         for (i, key) in keys.iter().enumerate() {
             if options.bypass {
-                parts.push((i, Part::Lead(None)));
-                continue;
-            }
-            if let Some((value, stale)) = inner.l1.get_served(key, now) {
+                parts.push((i, Part::Lead(None), None));
+            } else if let Some((value, stale)) = inner.l1.get_served(key, now) {
                 Metrics::bump(&inner.metrics.l1_hits);
                 if stale {
                     Metrics::bump(&inner.metrics.stale_served);
                 }
                 answers[i] = Some(Ok(Served { value, stale }));
-                continue;
+            } else {
+                match self.join_flight(key) {
+                    Part::Lead(Some(guard)) => {
+                        guards.insert(i, guard);
+                    }
+                    part => parts.push((i, part, None)),
+                }
             }
-            parts.push((i, self.join_flight(key)));
+        }
+        // The led keys' first reads, together. A fresh hit is answered from its read
+        // alone (and so are the callers waiting for it); the other keys lead their
+        // flights with that read.
+        let mut led: Vec<usize> = guards.keys().copied().collect();
+        led.sort_unstable();
+        for (i, first, l1_until) in self.first_reads(keys, entries, named, &led).await {
+            let guard = guards.remove(&i);
+            match first.read {
+                Ok(L2Read::Hit(value, meta, _, stamp)) => {
+                    Metrics::bump(&inner.metrics.l2_hits);
+                    let served = Ok(Served { value, stale: false });
+                    if let Some(guard) = guard {
+                        share(guard, &served);
+                    }
+                    if let Ok(hit) = &served {
+                        self.fill_hit(&keys[i], &hit.value, meta, l1_until, first.l1_ticket, stamp, now)
+                            .await;
+                    }
+                    answers[i] = Some(served);
+                }
+                _ => parts.push((i, Part::Lead(guard), Some(first))),
+            }
         }
         // The led keys hold their seats from now: no load is made before every one of
-        // them has read L2.
-        let led: Vec<usize> = parts
+        // them has reached its load or a wait.
+        let mut seats: HashMap<usize, Seat<'_>> = parts
             .iter()
-            .filter(|(_, part)| matches!(part, Part::Lead(Some(_))))
-            .map(|(i, _)| *i)
+            .filter(|(_, part, _)| matches!(part, Part::Lead(_)))
+            .map(|(i, _, _)| (*i, loads.quiet.seat()))
             .collect();
-        let mut seats: HashMap<usize, Seat<'_>> = led.iter().map(|&i| (i, loads.quiet.seat())).collect();
-        let mut firsts = self.first_reads(keys, &led).await;
         // A loop, not a closure: the futures' borrows stay of one lifetime (a closure's
         // would be higher-ranked, and the future not provably `Send`).
         let mut indices = Vec::with_capacity(parts.len());
         let mut flights = Vec::with_capacity(parts.len());
-        for (i, part) in parts {
-            let (seat, first) = (seats.remove(&i), firsts.remove(&i));
+        for (i, part, first) in parts {
             indices.push(i);
-            flights.push(self.one_of_many(i, &keys[i], options, &loads, part, seat, first));
+            flights.push(self.one_of_many(i, &keys[i], options, &loads, part, seats.remove(&i), first));
         }
         let answered = futures::future::join_all(flights).await;
         for (i, answer) in indices.into_iter().zip(answered) {
@@ -463,6 +519,39 @@ impl Corral {
             .collect()
     }
 
+    /// Fills L1 with a hit a batch's first read found, until `l1_until` (the guest's,
+    /// when the read was judged with the others), no longer than its tags are known.
+    #[allow(clippy::too_many_arguments)]
+    async fn fill_hit(
+        &self,
+        key: &str,
+        value: &Bytes,
+        meta: WitMeta,
+        l1_until: Option<u64>,
+        ticket: Ticket,
+        stamp: Option<TagStamp>,
+        now: u64,
+    ) {
+        let l1 = &self.inner.l1;
+        if !l1.is_on() {
+            return;
+        }
+        let Some(until) = l1_until else {
+            let filled = self
+                .fill_l1(key, value, meta, now, L1Fill::Read(ticket), stamp)
+                .await;
+            if let Err(e) = filled {
+                tracing::debug!(key, error = %e, "L1 not filled");
+            }
+            return;
+        };
+        let (until, tagged) = match stamp {
+            Some(s) => (until.min(s.until_ms), s.tagged),
+            None => (until, None),
+        };
+        l1.fill(key, value.clone(), until, ticket, tagged);
+    }
+
     /// Joins the flight of `key` in this process, or leads it.
     fn join_flight(&self, key: &str) -> Part {
         let inner = &*self.inner;
@@ -472,44 +561,46 @@ impl Corral {
         }
     }
 
-    /// The first L2 reads of the keys `led` (indices into `keys`), made together, each
-    /// with the tickets taken before it and the deadline it began.
-    async fn first_reads(&self, keys: &[String], led: &[usize]) -> HashMap<usize, (StoreNames, FirstRead)> {
+    /// The first L2 reads of the keys `to_read` (indices into `keys`), made together,
+    /// each with the tickets taken before it, the deadline it began, and for a fresh
+    /// entry judged with the others, how long L1 may serve it.
+    async fn first_reads(
+        &self,
+        keys: &[String],
+        entries: &[String],
+        named: &[Ticket],
+        to_read: &[usize],
+    ) -> Vec<(usize, FirstRead, Option<u64>)> {
         let inner = &*self.inner;
         let deadline = in_ms(inner.flight.store_budget.before_load_ms);
-        let mut located = Vec::with_capacity(led.len());
-        for &i in led {
-            // Taken before the names: L1 is never filled across a clear after them.
-            let named = inner.l1.ticket(&keys[i]);
-            // A key that cannot be named now is named, or fails, in its own flight.
-            if let Ok(names) = self.locate(&keys[i]).await {
-                located.push((i, named, names));
-            }
-        }
         let tag_epoch = inner.l1.tag_epoch();
-        let tickets: Vec<_> = located
+        let tickets: Vec<Ticket> = to_read
             .iter()
-            .map(|(i, named, _)| inner.l1.ticket_since(&keys[*i], *named))
+            .map(|&i| inner.l1.ticket_since(&keys[i], named[i]))
             .collect();
-        let entries: Vec<&str> = located.iter().map(|(_, _, names)| names.entry.as_str()).collect();
+        let entries: Vec<&str> = to_read.iter().map(|&i| entries[i].as_str()).collect();
         let now = inner.clock.now_ms();
         let reads = match tokio::time::timeout_at(deadline, self.l2_look_many(&entries, now)).await {
             Ok(reads) => reads,
             Err(_) => entries.iter().map(|_| Err(past_deadline())).collect(),
         };
-        located
-            .into_iter()
+        to_read
+            .iter()
             .zip(tickets)
             .zip(reads)
-            .map(|(((i, named, names), l1_ticket), read)| {
+            .map(|((&i, l1_ticket), read)| {
+                let (read, l1_until) = match read {
+                    Ok((read, l1_until)) => (Ok(read), l1_until),
+                    Err(e) => (Err(e), None),
+                };
                 let first = FirstRead {
-                    named,
+                    named: named[i],
                     l1_ticket,
                     tag_epoch,
                     read,
                     deadline,
                 };
-                (i, (names, first))
+                (i, first, l1_until)
             })
             .collect()
     }
@@ -517,19 +608,20 @@ impl Corral {
     /// One key of a batch, answered: followed, or led (then its flight's loader is the
     /// batch's).
     #[allow(clippy::too_many_arguments)]
-    async fn one_of_many<M, C>(
+    async fn one_of_many<M, C, S>(
         &self,
         index: usize,
         key: &str,
         options: &LoadOptions,
-        loads: &Loads<'_, M, C>,
+        loads: &Loads<'_, M, C, S>,
         mut part: Part,
         mut seat: Option<Seat<'_>>,
-        first: Option<(StoreNames, FirstRead)>,
+        mut first: Option<FirstRead>,
     ) -> Result<Served>
     where
         M: Fn(Vec<String>) -> C,
         C: Future<Output = Chunk>,
+        S: Fn(u64) -> Result<Vec<u64>>,
     {
         loop {
             match part {
@@ -538,8 +630,12 @@ impl Corral {
                         Metrics::bump(&self.inner.metrics.coalesced);
                         return outcome.map_err(Error::from_shared);
                     }
-                    // Its leader went away without an outcome: join again.
-                    registry::Shared::Gone => part = self.join_flight(key),
+                    // Its leader went away without an outcome: join again (and read
+                    // anew, should this caller lead now).
+                    registry::Shared::Gone => {
+                        first = None;
+                        part = self.join_flight(key);
+                    }
                 },
                 Part::Lead(guard) => {
                     let _seat = seat.take().unwrap_or_else(|| loads.quiet.seat());
@@ -581,10 +677,10 @@ mod send_check {
     #[allow(dead_code, unused_must_use)]
     fn futures_are_send(c: &Corral, keys: &[String], o: &LoadOptions) {
         send(c.l2_look_many(&[], 0));
-        send(c.first_reads(keys, &[]));
+        send(c.first_reads(keys, &[], &[], &[]));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
-        send(c.many(keys, o, &loader));
-        let loads = Loads::new(keys, |_| async { Chunk::Panicked("".into()) }, 1);
+        send(c.many(keys, &[], &[], o, &loader));
+        let loads = Loads::new(keys, |_| async { Chunk::Panicked("".into()) }, |n| Ok(vec![n]));
         send(loads.load(0));
         send(c.one_of_many(0, "k", o, &loads, Part::Lead(None), None, None));
     }

@@ -18,7 +18,6 @@ use super::Corral;
 use super::load::{LoadOptions, Served};
 use super::metrics::Metrics;
 use super::registry::{Join, LeaderGuard, Outcome, UNCHANGED};
-use crate::guest::policy::StoreNames;
 use crate::guest::policy::wflight::{self, Outcome as FlightOutcome, StaleCause};
 use crate::{Error, Result};
 use tokio::sync::oneshot;
@@ -115,12 +114,7 @@ impl Corral {
             }
             return Ok(Served { value, stale });
         }
-        match self
-            .inner
-            .registry
-            .lead_or_follow(key, || self.inner.l1.ticket(key))
-            .await
-        {
+        match self.lead_or_follow(key).await {
             Ok(guard) => {
                 let mut guard = Some(guard);
                 let result = self
@@ -222,12 +216,7 @@ impl Corral {
                 stale: entry.stale,
             });
         }
-        match self
-            .inner
-            .registry
-            .lead_or_follow(key, || self.inner.l1.ticket(key))
-            .await
-        {
+        match self.lead_or_follow(key).await {
             Ok(guard) => {
                 let (tx, rx) = oneshot::channel();
                 let (cache, key, span) = (self.clone(), key.to_owned(), self.flight_span(key));
@@ -260,6 +249,23 @@ impl Corral {
             Err(outcome) => {
                 Metrics::bump(&self.inner.metrics.coalesced);
                 outcome.map_err(Error::from_shared)
+            }
+        }
+    }
+
+    /// Joins the flight of `key` in this process until this caller leads or gets an
+    /// outcome. A key a batch's loader left out is no outcome for a caller with a loader
+    /// of its own: it joins again, and loads the key if nobody else does.
+    async fn lead_or_follow(&self, key: &str) -> std::result::Result<LeaderGuard<Outcome>, Outcome> {
+        loop {
+            match self
+                .inner
+                .registry
+                .lead_or_follow(key, || self.inner.l1.ticket(key))
+                .await
+            {
+                Err(Err(e)) if e.is_absent() => continue,
+                joined => return joined,
             }
         }
     }
@@ -372,7 +378,7 @@ impl Corral {
         key: &str,
         options: &LoadOptions,
         callers: Callers<'_, F>,
-        first: Option<(StoreNames, FirstRead)>,
+        first: Option<FirstRead>,
     ) -> Result<Served>
     where
         F: FnOnce() -> Fut,
@@ -387,26 +393,14 @@ impl Corral {
         if !options.tags.is_empty() {
             inner.policy.check_tags(&options.tags)?;
         }
-        let (named, names, first_read) = match first {
-            Some((names, read)) => (read.named, names, Some(read)),
-            None => {
-                // Taken before the names: L1 is never filled across a clear after them.
-                let named = inner.l1.ticket(key);
-                (named, self.locate(key).await?, None)
-            }
-        };
+        // Taken before the names (a batch's, before its first read named the entry): L1
+        // is never filled across a clear after them.
+        let named = first
+            .as_ref()
+            .map_or_else(|| inner.l1.ticket(key), |read| read.named);
+        let names = self.locate(key).await?;
         let held = HeldFlight::new(self, key, &names.flight_lock, state);
-        let driver = Driver::new(
-            self,
-            key,
-            options,
-            &names.entry,
-            held,
-            callers,
-            named,
-            now,
-            first_read,
-        );
+        let driver = Driver::new(self, key, options, &names.entry, held, callers, named, now, first);
         driver.run(action).await
     }
 

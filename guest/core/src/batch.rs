@@ -1,0 +1,135 @@
+//! Many keys at once (contract §5.14): what a bulk get-or-set decides for all its keys
+//! in one step, so a body asks once per batch, not once per key.
+//!
+//! Each key of a batch is still a flight of its own ([`crate::flight`]), with every
+//! promise of one. What is decided here for the batch as a whole:
+//! - every key is checked and its entry named before anything runs
+//!   ([`names::entries_in`]): a bad key fails the call, naming its position, whatever is
+//!   cached;
+//! - the keys' first reads, made together, are judged together ([`read_many`]): a
+//!   fresh hit is answered from that read alone (L1 serves it until its
+//!   [`l1_deadline`](crate::flight::l1_deadline)); every other key goes on to its flight;
+//! - the loader is called with the keys that reach their loads together, at most
+//!   `max_batch` per call ([`calls`]).
+
+#[cfg(doc)]
+use crate::names;
+use crate::policy::{self, ReadOutcome};
+use crate::{Arg, ArgError, Limits, flight};
+
+/// What a first read found for one key of a batch: the stored bytes' head, their whole
+/// length, and the TTL the read set if it slid the entry (`GETEX`).
+#[derive(Clone, Copy, Debug)]
+pub struct FirstRead<'a> {
+    /// The stored bytes (their head is enough: see [`policy::read`]).
+    pub head: &'a [u8],
+    /// The length of the stored bytes.
+    pub total_len: u64,
+    /// The TTL the read set, if it set one.
+    pub slid_ms: Option<u64>,
+}
+
+/// One first read, judged: the outcome [`policy::read`] gives, and for a fresh entry
+/// the moment until which L1 may serve it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Judged {
+    /// The judgement of the bytes.
+    pub outcome: ReadOutcome,
+    /// For a fresh entry, how long L1 may serve it; 0 otherwise.
+    pub l1_until_ms: u64,
+}
+
+/// Judges the first reads of a batch's keys at `now_ms`, in order.
+pub fn read_many(reads: &[FirstRead<'_>], now_ms: u64, limits: &Limits, l1_ttl_ms: u64) -> Vec<Judged> {
+    reads
+        .iter()
+        .map(|read| {
+            let outcome = policy::read(read.head, read.total_len, now_ms, limits, read.slid_ms);
+            let l1_until_ms = match &outcome {
+                ReadOutcome::Fresh(hit) => flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
+                _ => 0,
+            };
+            Judged { outcome, l1_until_ms }
+        })
+        .collect()
+}
+
+/// Checks a batch's `max_batch`: at least one key per loader call.
+///
+/// # Errors
+/// An [`ArgError`] naming `max_batch`.
+pub fn check_max_batch(max_batch: u64) -> Result<(), ArgError> {
+    if max_batch == 0 {
+        return Err(ArgError::new(
+            Arg::Setting("max_batch"),
+            "must be at least 1 key per loader call",
+        ));
+    }
+    Ok(())
+}
+
+/// How `ready` keys that reached their loads together are split into loader calls: the
+/// sizes of the calls, in order, each at most `max_batch` (no limit when `None`).
+pub fn calls(ready: u64, max_batch: Option<u64>) -> Vec<u64> {
+    let size = max_batch.unwrap_or(u64::MAX).max(1);
+    let mut left = ready;
+    let mut sizes = Vec::new();
+    while left > 0 {
+        let call = left.min(size);
+        sizes.push(call);
+        left -= call;
+    }
+    sizes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::expiry::EntryOptions;
+
+    #[test]
+    fn calls_split_by_max_batch() {
+        assert_eq!(calls(25, Some(10)), [10, 10, 5]);
+        assert_eq!(calls(3, None), [3]);
+        assert_eq!(calls(0, Some(4)), Vec::<u64>::new());
+        assert_eq!(calls(2, Some(0)), [1, 1], "a call has one key at least");
+        assert_eq!(calls(u64::MAX, None), [u64::MAX]);
+    }
+
+    #[test]
+    fn max_batch_zero_is_named() {
+        let e = check_max_batch(0).unwrap_err();
+        assert_eq!(e.arg.name(), "max_batch");
+        assert!(check_max_batch(1).is_ok());
+    }
+
+    #[test]
+    fn fresh_reads_get_their_l1_deadline_and_the_rest_none() {
+        let limits = Limits::default();
+        let now = 1_000_000;
+        let options = EntryOptions {
+            relative_ms: Some(60_000),
+            ..EntryOptions::default()
+        };
+        let plan = policy::plan_set("k", 3, &options, now, &limits).unwrap();
+        let mut stored = plan.header.to_vec();
+        stored.extend_from_slice(b"abc");
+        let reads = [
+            FirstRead {
+                head: &stored,
+                total_len: stored.len() as u64,
+                slid_ms: None,
+            },
+            FirstRead {
+                head: b"not an envelope",
+                total_len: 15,
+                slid_ms: None,
+            },
+        ];
+        let judged = read_many(&reads, now + 10, &limits, 5_000);
+        assert!(matches!(judged[0].outcome, ReadOutcome::Fresh(_)));
+        assert_eq!(judged[0].l1_until_ms, now + 10 + 5_000);
+        assert!(matches!(judged[1].outcome, ReadOutcome::Corrupt(_)));
+        assert_eq!(judged[1].l1_until_ms, 0);
+    }
+}

@@ -1,0 +1,255 @@
+//! Many keys at once, side by side in one run, on one real redis-server:
+//! - 100 keys that are L2 hits (L1 off): one `get_or_set_many`, 100 concurrent
+//!   `get_or_set` calls, and a raw redis-rs `MGET` of the same 100 entries;
+//! - a cold stampede of 4 caches (4 registries and L1s, as 4 processes would have) x 250
+//!   callers, each asking for 10 random keys of 100: through the bulk call, and through
+//!   10 concurrent single-key calls per caller. Commands sent, loader calls, p99.
+//!
+//! `cargo bench -p corral-tests --bench batch`. Prints Markdown tables for
+//! BENCHMARKS.md. Rounds alternate the contenders so drift in this VM hits them alike.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use corral::{Corral, EntryOptions, LoadOptions};
+use corral_tests::RedisServer;
+use redis::aio::ConnectionManager;
+
+const KEYS: usize = 100;
+const BATCHES_PER_ROUND: usize = 300;
+const ROUNDS: usize = 7;
+
+#[derive(Clone, Copy, Debug)]
+enum Reader {
+    RawMget,
+    Bulk,
+    Singles,
+}
+
+fn options() -> LoadOptions {
+    EntryOptions::new().relative(Duration::from_secs(3600)).into()
+}
+
+async fn read_all(
+    reader: Reader,
+    cache: &Corral,
+    keys: &[String],
+    names: &[String],
+    raw: &ConnectionManager,
+) {
+    match reader {
+        Reader::RawMget => {
+            let mut conn = raw.clone();
+            let found: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
+                .arg(names)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            assert!(found.iter().all(Option::is_some));
+        }
+        Reader::Bulk => {
+            let found = cache
+                .get_or_set_many(keys, options(), |_: Vec<String>| async {
+                    Err::<Vec<(String, Vec<u8>)>, _>(std::io::Error::other("all are hits"))
+                })
+                .await
+                .unwrap();
+            assert!(found.iter().all(|v| matches!(v, Ok(Some(_)))));
+        }
+        Reader::Singles => {
+            let reads = keys.iter().map(|k| {
+                cache.get_or_set(k, options(), || async {
+                    Err::<Vec<u8>, _>(std::io::Error::other("a hit"))
+                })
+            });
+            let found = futures::future::join_all(reads).await;
+            assert!(found.iter().all(Result::is_ok));
+        }
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// What one cold stampede cost.
+struct Stampede {
+    loader_calls: usize,
+    keys_loaded: usize,
+    commands: u64,
+    p99: Duration,
+    wall: Duration,
+}
+
+/// 4 caches x 250 callers, each asking for 10 random keys of 100 cold ones.
+async fn stampede(url: &str, prefix: &str, bulk: bool) -> Result<Stampede> {
+    let mut caches = Vec::new();
+    for _ in 0..4 {
+        let mut options = corral::RedisOptions::new(url);
+        options.prefix = prefix.into();
+        let cache = Corral::builder().redis_options(options).build()?;
+        cache.get("warm-up").await?;
+        caches.push(cache);
+    }
+    let before: u64 = caches.iter().filter_map(Corral::redis_commands_sent).sum();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let keys_loaded = Arc::new(AtomicUsize::new(0));
+    let began = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    for caller in 0..1_000 {
+        let cache = caches[caller % 4].clone();
+        let mut picked: Vec<String> = Vec::new();
+        while picked.len() < 10 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let key = format!("k{}", seed % KEYS as u64);
+            if !picked.contains(&key) {
+                picked.push(key);
+            }
+        }
+        let (calls, keys_loaded) = (calls.clone(), keys_loaded.clone());
+        tasks.spawn(async move {
+            let start = Instant::now();
+            if bulk {
+                let loader = |keys: Vec<String>| {
+                    let (calls, keys_loaded) = (calls.clone(), keys_loaded.clone());
+                    async move {
+                        calls.fetch_add(1, Ordering::Relaxed);
+                        keys_loaded.fetch_add(keys.len(), Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Ok::<_, std::io::Error>(
+                            keys.into_iter()
+                                .map(|k| (k, vec![7u8; 64]))
+                                .collect::<HashMap<_, _>>(),
+                        )
+                    }
+                };
+                let found = cache.get_or_set_many(&picked, options(), loader).await.unwrap();
+                assert!(found.iter().all(|v| matches!(v, Ok(Some(_)))));
+            } else {
+                let reads = picked.iter().map(|k| {
+                    let (calls, keys_loaded) = (calls.clone(), keys_loaded.clone());
+                    cache.get_or_set(k, options(), move || async move {
+                        calls.fetch_add(1, Ordering::Relaxed);
+                        keys_loaded.fetch_add(1, Ordering::Relaxed);
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Ok::<_, std::io::Error>(vec![7u8; 64])
+                    })
+                });
+                for found in futures::future::join_all(reads).await {
+                    found.unwrap();
+                }
+            }
+            start.elapsed()
+        });
+    }
+    let mut latencies = Vec::new();
+    while let Some(took) = tasks.join_next().await {
+        latencies.push(took?);
+    }
+    let wall = began.elapsed();
+    latencies.sort();
+    let after: u64 = caches.iter().filter_map(Corral::redis_commands_sent).sum();
+    Ok(Stampede {
+        loader_calls: calls.load(Ordering::Relaxed),
+        keys_loaded: keys_loaded.load(Ordering::Relaxed),
+        commands: after - before,
+        p99: latencies[latencies.len() * 99 / 100 - 1],
+        wall,
+    })
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<()> {
+    if std::env::args().any(|a| a == "--list") {
+        return Ok(()); // `cargo test --benches` lists benches; nothing to list here.
+    }
+    let server = RedisServer::start()?;
+    let writer = Corral::builder().redis(server.url()).build()?;
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("hit{i}")).collect();
+    writer
+        .get_or_set_many(&keys, options(), |asked: Vec<String>| async move {
+            Ok::<_, std::io::Error>(asked.into_iter().map(|k| (k, vec![7u8; 64])).collect::<Vec<_>>())
+        })
+        .await?;
+    let names: Vec<String> = keys
+        .iter()
+        .map(|k| writer.entry_name(k))
+        .collect::<corral::Result<_>>()?;
+    // L1 off: every call reads L2.
+    let cache = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
+    let raw = redis::Client::open(server.url())?
+        .get_connection_manager()
+        .await?;
+
+    let contenders = [
+        ("raw redis-rs `MGET` of the 100 entries", Reader::RawMget),
+        ("Corral `get_or_set_many` of 100 keys", Reader::Bulk),
+        ("100 concurrent Corral `get_or_set`", Reader::Singles),
+    ];
+    // CORRAL_BENCH_ONLY=<n> runs contender n alone, long, for a profiler.
+    if let Some(n) = std::env::var("CORRAL_BENCH_ONLY")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        let started = Instant::now();
+        for _ in 0..10_000 {
+            read_all(contenders[n].1, &cache, &keys, &names, &raw).await;
+        }
+        println!(
+            "{}: {:.0} µs per 100 keys",
+            contenders[n].0,
+            started.elapsed().as_secs_f64() * 1e6 / 10_000.0
+        );
+        return Ok(());
+    }
+    for (_, reader) in contenders {
+        for _ in 0..20 {
+            read_all(reader, &cache, &keys, &names, &raw).await;
+        }
+    }
+    let mut per_batch: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
+    for round in 0..ROUNDS {
+        for (i, (_, reader)) in contenders.iter().enumerate() {
+            let started = Instant::now();
+            for _ in 0..BATCHES_PER_ROUND {
+                read_all(*reader, &cache, &keys, &names, &raw).await;
+            }
+            per_batch[i].push(started.elapsed().as_secs_f64() * 1e6 / BATCHES_PER_ROUND as f64);
+        }
+        eprintln!("round {}/{ROUNDS} done", round + 1);
+    }
+    let raw_us = median(per_batch[0].clone());
+    println!(
+        "| 100 L2 hits ({BATCHES_PER_ROUND} batches x {ROUNDS} rounds, median) | µs per 100 keys | vs raw `MGET` |"
+    );
+    println!("| --- | ---: | ---: |");
+    for (i, (name, _)) in contenders.iter().enumerate() {
+        let us = median(per_batch[i].clone());
+        println!("| {name} | {us:.0} | {:.2}x |", us / raw_us);
+    }
+
+    println!();
+    println!(
+        "| cold stampede: 4 caches x 250 callers x 10 of 100 keys, loader 50 ms | loader calls | keys loaded | Redis commands | p99 | wall |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    for (name, bulk) in [
+        ("`get_or_set_many`", true),
+        ("10 concurrent `get_or_set` per caller", false),
+    ] {
+        let prefix = format!("stampede-{bulk}:");
+        let s = stampede(&server.url(), &prefix, bulk).await?;
+        println!(
+            "| {name} | {} | {} | {} | {:.0?} | {:.0?} |",
+            s.loader_calls, s.keys_loaded, s.commands, s.p99, s.wall
+        );
+    }
+    Ok(())
+}
