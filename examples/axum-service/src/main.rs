@@ -3,6 +3,11 @@
 //! - `GET /users/{id}`: the user, through `get_or_set_json` in front of a slow database
 //!   (200 ms a query). However many requests miss at once, on however many instances,
 //!   the database sees one query.
+//! - `GET /users?ids=1,2,3`: a list, through `get_or_set_many_json`: the users no
+//!   cache holds are read from the database in one query (one per instance that leads
+//!   some of them), and each user once across every instance, however the lists of
+//!   concurrent requests overlap. A user the database lacks is `null` in the list (and
+//!   remembered as such for 30 s).
 //! - `PUT /users/{id}` with `{"name": ".."}`: writes the database, then removes the cached
 //!   copy (invalidate on write). Every instance serves the new row from then on.
 //! - `POST /report`: one instance at a time, under a Redis lease with a fencing token.
@@ -34,6 +39,8 @@ use serde::{Deserialize, Serialize};
 
 /// How long a user stays cached (a `PUT` removes it sooner).
 const USER_TTL: Duration = Duration::from_secs(300);
+/// How long an unknown id is remembered as unknown by `GET /users?ids=..`.
+const UNKNOWN_TTL: Duration = Duration::from_secs(30);
 /// How long `POST /report` waits for another instance's report to finish.
 const REPORT_WAIT: Duration = Duration::from_secs(5);
 
@@ -71,6 +78,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         db: Arc::new(Database::open(args.data)?),
     };
     let router = Router::new()
+        .route("/users", get(list_users))
         .route("/users/{id}", get(get_user).put(put_user))
         .route("/report", post(make_report))
         .route("/stats", get(stats))
@@ -96,6 +104,44 @@ async fn get_user(State(app): State<App>, Path(id): Path<u64>) -> Result<Json<Us
         .get_or_set_json(&user_key(id), LoadOptions::relative(USER_TTL), || app.db.user(id))
         .await?;
     Ok(Json(user))
+}
+
+/// `GET /users?ids=1,2,3`: the users in order, `null` for an unknown id. The ids no
+/// cache tier holds are loaded in one database query, each once across every caller
+/// and every instance.
+async fn list_users(
+    State(app): State<App>,
+    uri: axum::http::Uri,
+) -> Result<Json<Vec<Option<User>>>, ApiError> {
+    let ids = uri
+        .query()
+        .and_then(|q| q.split('&').find_map(|pair| pair.strip_prefix("ids=")))
+        .ok_or_else(|| ApiError::bad_request("give the ids: /users?ids=1,2,3"))?;
+    let ids: Vec<u64> = ids
+        .split(',')
+        .map(|id| id.trim().parse())
+        .collect::<Result<_, _>>()
+        .map_err(|_| ApiError::bad_request("ids must be numbers separated by commas"))?;
+    let keys: Vec<String> = ids.iter().map(|&id| user_key(id)).collect();
+    let users = app
+        .cache
+        .get_or_set_many_json(
+            &keys,
+            LoadOptions::relative(USER_TTL)
+                .max_batch(100)
+                .cache_none_for(UNKNOWN_TTL),
+            |keys| {
+                let db = app.db.clone();
+                async move {
+                    let ids: Vec<u64> = keys.iter().filter_map(|k| id_of(k)).collect();
+                    let found = db.users(&ids).await?;
+                    Ok::<_, BoxError>(found.into_iter().map(|u| (user_key(u.id), u)))
+                }
+            },
+        )
+        .await?;
+    let users = users.into_iter().collect::<corral::Result<Vec<_>>>()?;
+    Ok(Json(users))
 }
 
 /// `PUT /users/{id}`: the database first, then the cache. `remove` returns once the
@@ -167,6 +213,11 @@ fn user_key(id: u64) -> String {
     format!("user:{id}")
 }
 
+/// The id a user's key names.
+fn id_of(key: &str) -> Option<u64> {
+    key.strip_prefix("user:")?.parse().ok()
+}
+
 /// An error as an HTTP response.
 #[derive(Debug)]
 struct ApiError(StatusCode, String);
@@ -178,6 +229,10 @@ fn fail<T>(status: StatusCode, message: &str) -> Result<T, ApiError> {
 impl ApiError {
     fn internal(e: impl std::fmt::Display) -> Self {
         ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+    }
+
+    fn bad_request(why: &str) -> Self {
+        ApiError(StatusCode::BAD_REQUEST, why.to_owned())
     }
 }
 
@@ -248,6 +303,26 @@ impl Database {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Err(NotFound(id).into()),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// One slow query for many users: those it finds (an unknown id is left out).
+    async fn users(&self, ids: &[u64]) -> Result<Vec<User>, BoxError> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let dir = self.dir.clone();
+        let ids = ids.to_vec();
+        let rows = tokio::task::spawn_blocking(move || {
+            let mut found = Vec::new();
+            for id in ids {
+                match std::fs::read(dir.join(format!("{id}.json"))) {
+                    Ok(row) => found.push(serde_json::from_slice(&row)?),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(BoxError::from(e)),
+                }
+            }
+            Ok(found)
+        });
+        rows.await?
     }
 
     async fn save(&self, user: &User) -> io::Result<()> {

@@ -308,3 +308,41 @@ async fn both_instances_are_ready_and_say_so_when_redis_freezes() -> Result<()> 
     }
     Ok(())
 }
+
+/// Overlapping lists over two instances: every user is read from the database once in
+/// all, in batches (one query per instance that leads some of them); an unknown id is
+/// `null` in its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_lists_read_each_user_once() -> Result<()> {
+    let _real_time = corral_tests::real_time().await;
+    let pair = Pair::start("lists")?;
+    for id in 1..=6 {
+        put_user(&pair.a, id, &format!("user {id}")).await?;
+    }
+    let mut calls = JoinSet::new();
+    for i in 0..40 {
+        let addr = if i % 2 == 0 { pair.a.addr } else { pair.b.addr };
+        // Lists of three neighbours, all overlapping; 99 is unknown.
+        let first = 1 + i % 5;
+        let path = format!("/users?ids={},{},99,{}", first, first + 1, (first + 2).min(6));
+        calls.spawn(async move { http(addr, "GET", &path, "").await.map(|reply| (path, reply)) });
+    }
+    while let Some(reply) = calls.join_next().await {
+        let (path, (status, body)) = reply??;
+        ensure!(status == 200, "{path}: {status} {body}");
+        let users: Vec<Value> = serde_json::from_str(&body)?;
+        ensure!(users.len() == 4 && users[2].is_null(), "{path}: {body}");
+        ensure!(
+            users[0]["name"].as_str().is_some_and(|n| n.starts_with("user ")),
+            "{path}: {body}"
+        );
+    }
+    let db_reads = pair.db_reads().await?;
+    println!("40 overlapping lists over two instances: {db_reads} database queries");
+    // Seven ids (six users and the unknown one), each read once across both
+    // instances: at most seven queries, fewer as ids that miss together share one.
+    ensure!(db_reads <= 7, "each id once, in batches: {db_reads} queries");
+    let (status, body) = pair.a.get("/users?ids=1,x").await?;
+    ensure!(status == 400, "a bad id is a bad request: {status} {body}");
+    Ok(())
+}

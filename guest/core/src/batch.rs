@@ -1,4 +1,4 @@
-//! Many keys at once (contract §5.14): what a bulk get-or-set decides for all its keys
+//! Many keys at once (contract §5.16): what a bulk get-or-set decides for all its keys
 //! in one step, so a body asks once per batch, not once per key.
 //!
 //! Each key of a batch is still a flight of its own ([`crate::flight`]), with every

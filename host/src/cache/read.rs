@@ -178,7 +178,7 @@ impl Corral {
     /// keys a plain `GET` reads share one `MGET` per node, judged by the guest in one
     /// call; the others (a sliding entry's `GETEX` or read-and-touch) are read each with
     /// its own command, all at once. A fresh entry judged with the others comes with the
-    /// moment until which L1 may serve it (contract §5.14).
+    /// moment until which L1 may serve it (contract §5.16).
     pub(crate) async fn l2_look_many(&self, names: &[&str], now: u64) -> Vec<Result<Looked>> {
         let inner = &*self.inner;
         let hints: Vec<Option<NextRead>> = names.iter().map(|n| inner.read_hints.get(n)).collect();

@@ -286,7 +286,7 @@ impl Policy {
     }
 
     /// Checks every key of a batch and names its entry under `prefix`, in order, in
-    /// one call (contract §5.14).
+    /// one call (contract §5.16).
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key`,
@@ -312,7 +312,7 @@ impl Policy {
     }
 
     /// Judges a batch's first reads (the bytes each found, and the TTL each read set if
-    /// it set one) at `now_ms`, in one call (contract §5.14): each read's outcome, and
+    /// it set one) at `now_ms`, in one call (contract §5.16): each read's outcome, and
     /// for a fresh entry how long L1 may serve it.
     pub(crate) fn read_many(
         &self,

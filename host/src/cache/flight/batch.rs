@@ -398,7 +398,7 @@ impl Corral {
         self.judge(first, &options)?;
         // Taken before the names: L1 is never filled across a clear after them.
         let named: Vec<Ticket> = distinct.iter().map(|k| inner.l1.ticket(k)).collect();
-        // Every key checked and named before anything runs (contract §5.14).
+        // Every key checked and named before anything runs (contract §5.16).
         let entries = self.locate_entries(&distinct).await?;
         let answers = self.many(&distinct, &entries, &named, &options, &loader).await;
         Ok(asked
@@ -445,7 +445,8 @@ impl Corral {
         let mut answers: Vec<Option<Result<Served>>> = keys.iter().map(|_| None).collect();
         let now = inner.clock.now_ms();
         let mut parts: Vec<(usize, Part, Option<FirstRead>)> = Vec::new();
-        let mut guards: HashMap<usize, LeaderGuard<Outcome>> = HashMap::new();
+        let mut guards: Vec<Option<LeaderGuard<Outcome>>> = keys.iter().map(|_| None).collect();
+        let mut led = Vec::new();
         for (i, key) in keys.iter().enumerate() {
             if options.bypass {
                 parts.push((i, Part::Lead(None), None));
@@ -458,7 +459,8 @@ impl Corral {
             } else {
                 match self.join_flight(key) {
                     Part::Lead(Some(guard)) => {
-                        guards.insert(i, guard);
+                        guards[i] = Some(guard);
+                        led.push(i);
                     }
                     part => parts.push((i, part, None)),
                 }
@@ -467,10 +469,8 @@ impl Corral {
         // The led keys' first reads, together. A fresh hit is answered from its read
         // alone (and so are the callers waiting for it); the other keys lead their
         // flights with that read.
-        let mut led: Vec<usize> = guards.keys().copied().collect();
-        led.sort_unstable();
         for (i, first, l1_until) in self.first_reads(keys, entries, named, &led).await {
-            let guard = guards.remove(&i);
+            let guard = guards[i].take();
             match first.read {
                 Ok(L2Read::Hit(value, meta, _, stamp)) => {
                     Metrics::bump(&inner.metrics.l2_hits);
@@ -489,18 +489,19 @@ impl Corral {
         }
         // The led keys hold their seats from now: no load is made before every one of
         // them has reached its load or a wait.
-        let mut seats: HashMap<usize, Seat<'_>> = parts
-            .iter()
-            .filter(|(_, part, _)| matches!(part, Part::Lead(_)))
-            .map(|(i, _, _)| (*i, loads.quiet.seat()))
-            .collect();
+        let mut seats: Vec<Option<Seat<'_>>> = keys.iter().map(|_| None).collect();
+        for (i, part, _) in &parts {
+            if matches!(part, Part::Lead(_)) {
+                seats[*i] = Some(loads.quiet.seat());
+            }
+        }
         // A loop, not a closure: the futures' borrows stay of one lifetime (a closure's
         // would be higher-ranked, and the future not provably `Send`).
         let mut indices = Vec::with_capacity(parts.len());
         let mut flights = Vec::with_capacity(parts.len());
         for (i, part, first) in parts {
             indices.push(i);
-            flights.push(self.one_of_many(i, &keys[i], options, &loads, part, seats.remove(&i), first));
+            flights.push(self.one_of_many(i, &keys[i], options, &loads, part, seats[i].take(), first));
         }
         let answered = futures::future::join_all(flights).await;
         for (i, answer) in indices.into_iter().zip(answered) {
