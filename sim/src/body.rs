@@ -31,6 +31,14 @@ pub(crate) struct Load {
     pub(crate) start: Box<dyn FnOnce() -> Finish + Send>,
 }
 
+/// A batch loader, as both bodies can run it: the keys asked for, and after its wait,
+/// a value per key it found (or its error, or a panic).
+pub(crate) type BatchLoad = Arc<
+    dyn Fn(Vec<String>) -> futures::future::BoxFuture<'static, Result<Vec<(String, Bytes)>, String>>
+        + Send
+        + Sync,
+>;
+
 /// A [`Load`] as the native body calls loaders: an async closure that may outlive its
 /// call (`fetch`).
 fn native_loader(
@@ -122,6 +130,51 @@ impl Body {
                 };
                 c.get_or_set_tagged(key, entry, false, tags, loader, |_| true)
                     .await
+            }
+        }
+    }
+
+    /// A get-or-set of many keys: the native body's `get_or_set_many`; the portable
+    /// body, which has no batch call, runs a get-or-set per key, in turn, each with a
+    /// call of the loader for its key (a key left out is its loader's failure).
+    pub(crate) async fn get_or_set_many(
+        &self,
+        keys: &[String],
+        entry: EntryOptions,
+        load: BatchLoad,
+    ) -> corral::Result<Vec<corral::Result<Option<Bytes>>>> {
+        match self {
+            Body::Native(c) => {
+                let loader = |asked: Vec<String>| {
+                    let running = load(asked);
+                    async move { running.await.map_err(std::io::Error::other) }
+                };
+                c.get_or_set_many(keys, LoadOptions::new().entry(entry), loader)
+                    .await
+            }
+            Body::Portable(c) => {
+                let mut answers = Vec::with_capacity(keys.len());
+                for key in keys {
+                    let load = load.clone();
+                    let loader = move |key: &str| -> Result<Vec<u8>, String> {
+                        // The wait runs on the caller's (paused) runtime; a panic is the
+                        // loader's, here, as a single key's.
+                        let running = std::panic::AssertUnwindSafe(load(vec![key.to_owned()]));
+                        let found = corral::portable::in_caller(futures::FutureExt::catch_unwind(running))
+                            .ok_or_else(|| "sim: the caller went away".to_owned())?
+                            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+                        found
+                            .into_iter()
+                            .find(|(k, _)| k == key)
+                            .map(|(_, v)| v.to_vec())
+                            .ok_or_else(|| "sim: left out".to_owned())
+                    };
+                    let got = c
+                        .get_or_set_tagged(key, entry, false, &[] as &[String], loader, |_| true)
+                        .await;
+                    answers.push(got.map(Some));
+                }
+                Ok(answers)
             }
         }
     }

@@ -116,6 +116,9 @@ enum Op {
     /// A get-or-set of a freshness key, with its loaded entry's expiry and what else
     /// it asks (the native body's `fetch`).
     GetOrSetFor(String, Expiry, LoaderPlan, Detach),
+    /// A get-or-set of several distinct keys at once; the loader leaves out the key at
+    /// this position, if any.
+    GetOrSetMany(Vec<String>, LoaderPlan, Option<usize>),
 }
 
 /// How a freshness key's entry expires: a short relative expiry, sliding within it, or
@@ -397,6 +400,38 @@ fn workload(s: &Scenario, seed: u64, proc: usize, actor: usize) -> Vec<(u64, Op)
         .collect()
 }
 
+/// The batcher of a process (with `--batches`): get-or-sets of 2 or more distinct hot
+/// keys at once (overlapping the callers' keys and each other's), a quarter of them
+/// with a key the loader leaves out; between them, reads and writes of those keys.
+fn batcher(s: &Scenario, seed: u64, proc: usize) -> Vec<(u64, Op)> {
+    if !s.batches || s.keys < 2 {
+        return Vec::new();
+    }
+    let mut r = Rng::new(seed, 900 + proc as u64);
+    (0..s.ops_per_actor)
+        .map(|_| {
+            let think = r.range(0, s.think_ms);
+            let op = match r.range(0, 9) {
+                0 => Op::Set(format!("k{}", r.range(0, s.keys as u64 - 1))),
+                1 => Op::Remove(format!("k{}", r.range(0, s.keys as u64 - 1))),
+                _ => {
+                    let size = r.range(2, s.keys.min(4) as u64) as usize;
+                    let mut keys: Vec<String> = Vec::with_capacity(size);
+                    while keys.len() < size {
+                        let key = format!("k{}", r.range(0, s.keys as u64 - 1));
+                        if !keys.contains(&key) {
+                            keys.push(key);
+                        }
+                    }
+                    let left_out = r.chance(250).then(|| r.range(0, size as u64 - 1) as usize);
+                    Op::GetOrSetMany(keys, loader_plan(&mut r, s), left_out)
+                }
+            };
+            (think, op)
+        })
+        .collect()
+}
+
 /// The tagger of a process: tagged writes and loads of the same hot keys, reads,
 /// `remove_by_tag` and, rarely, `clear`.
 fn tagger(s: &Scenario, seed: u64, proc: usize) -> Vec<(u64, Op)> {
@@ -646,7 +681,8 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         let plans = (0..scenario.actors)
             .map(|a| workload(&scenario, seed, p, a))
             .chain(std::iter::once(tagger(&scenario, seed, p)))
-            .chain(std::iter::once(freshener(&scenario, seed, p)));
+            .chain(std::iter::once(freshener(&scenario, seed, p)))
+            .chain(std::iter::once(batcher(&scenario, seed, p)));
         for ops in plans {
             let (ctx2, cache) = (ctx.clone(), cache.clone());
             let actor = tokio::spawn(async move {
@@ -755,6 +791,11 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         if scenario.portable { " --portable" } else { "" },
         if scenario.clears { "" } else { " --no-clears" }
     );
+    let broken = if scenario.batches {
+        format!("{broken} --batches")
+    } else {
+        broken
+    };
     Outcome {
         seed,
         broken,
@@ -781,6 +822,9 @@ fn show(v: &Option<Bytes>) -> Option<String> {
 /// One call of the workload, bounded, in a task of its own (a panic that escapes the
 /// library is caught at the join and is a violation).
 async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
+    if let Op::GetOrSetMany(keys, plan, left_out) = op {
+        return call_many(ctx, proc, cache, keys, plan, left_out).await;
+    }
     let w = ctx.world.clone();
     let id = ctx.next_id();
     let t_inv = w.now();
@@ -795,6 +839,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         Op::GetOrSet(k, _) | Op::GetOrSetTagged(k, ..) | Op::GetOrSetFor(k, ..) => ("get_or_set", k.clone()),
         Op::RemoveByTag(t) => ("remove_by_tag", t.clone()),
         Op::Clear => ("clear", "*".to_owned()),
+        Op::GetOrSetMany(..) => unreachable!("call_many runs it"),
     };
     let tags: Vec<String> = match &op {
         Op::SetTagged(_, t) | Op::GetOrSetTagged(_, t, _) => vec![t.clone()],
@@ -840,6 +885,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                 Op::Expire(_) => tokio::time::timeout(bound, cache.expire(&key))
                     .await
                     .map(|r| r.map(|b| (Res::Done(b), None))),
+                Op::GetOrSetMany(..) => unreachable!("call_many runs it"),
                 Op::GetOrSet(_, plan) | Op::GetOrSetTagged(_, _, plan) | Op::GetOrSetFor(_, _, plan, _) => {
                     let detach = op_detach.unwrap_or_default();
                     let began = w.now();
@@ -966,6 +1012,131 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     }
     check_call(&w, &rec);
     ctx.calls.lock().push(rec);
+}
+
+/// A get-or-set of several keys, bounded, in a task of its own: one loader call per
+/// batch of keys led together, each key's load recorded as a single key's is, and one
+/// record per key, judged as a get-or-set of that key.
+async fn call_many(
+    ctx: &Arc<Ctx>,
+    proc: usize,
+    cache: &Body,
+    keys: Vec<String>,
+    plan: LoaderPlan,
+    left_out: Option<usize>,
+) {
+    let w = ctx.world.clone();
+    // One id for the batch: its flights' reads run in its task, and count for it.
+    let id = ctx.next_id();
+    let t_inv = w.now();
+    let clock_inv = ctx.clocks[proc].now_ms();
+    w.log(format_args!("p{proc} c{id} get_or_set_many {keys:?}"));
+    let loaded: Arc<Mutex<BTreeMap<String, (String, LoaderPlan)>>> = Arc::default();
+    let ms = match plan {
+        LoaderPlan::Ok(ms) | LoaderPlan::Fail(ms) | LoaderPlan::Panic(ms) | LoaderPlan::Slow(ms) => ms,
+    };
+    let absent = left_out.map(|i| keys[i].clone());
+    let load: crate::body::BatchLoad = {
+        let (w, loaded, plan) = (w.clone(), loaded.clone(), plan.clone());
+        let wait = Arc::new(wait_for(w.clone(), proc, ms));
+        Arc::new(move |asked: Vec<String>| {
+            let mut ends = Vec::with_capacity(asked.len());
+            let mut values = Vec::with_capacity(asked.len());
+            for key in asked {
+                let value = format!("load{}", w.next_seq());
+                let index = w.load_started(id, proc, &key, &value, t_inv, false);
+                ends.push(EndGuard(w.clone(), index));
+                if absent.as_ref() != Some(&key) {
+                    loaded.lock().insert(key.clone(), (value.clone(), plan.clone()));
+                    values.push((key, Bytes::from(value)));
+                }
+            }
+            if let LoaderPlan::Slow(_) = plan {
+                w.fault("loader-slow");
+            }
+            w.log(format_args!(
+                "p{proc} c{id} loads {:?}",
+                values.iter().map(|(k, _)| k).collect::<Vec<_>>()
+            ));
+            let (w, plan, wait) = (w.clone(), plan.clone(), wait.clone());
+            Box::pin(async move {
+                wait().await;
+                let _ends = ends;
+                match plan {
+                    LoaderPlan::Fail(_) => {
+                        w.fault("loader-fail");
+                        w.log(format_args!("p{proc} c{id} loader fails"));
+                        Err("sim: loader failed".to_owned())
+                    }
+                    LoaderPlan::Panic(_) => {
+                        w.fault("loader-panic");
+                        w.log(format_args!("p{proc} c{id} loader panics"));
+                        panic!("sim: loader panic");
+                    }
+                    _ => Ok(values),
+                }
+            })
+        })
+    };
+    let bound = Duration::from_millis(CALL_BOUND_MS);
+    let task = {
+        let (cache, asked) = (cache.clone(), keys.clone());
+        let entry = EntryOptions::new().relative(VALUE_TTL);
+        tokio::spawn(crate::world::CALL.scope(id, async move {
+            tokio::time::timeout(bound, cache.get_or_set_many(&asked, entry, load)).await
+        }))
+    };
+    ctx.tasks[proc].lock().push(task.abort_handle());
+    let answers: Vec<Res> = match task.await {
+        Err(_) => vec![Res::Panicked; keys.len()],
+        Ok(Err(_elapsed)) => vec![Res::TimedOut; keys.len()],
+        Ok(Ok(Err(e))) => {
+            w.log(format_args!("p{proc} c{id} error: {e}"));
+            vec![Res::Failed(e.kind()); keys.len()]
+        }
+        Ok(Ok(Ok(answers))) => answers
+            .into_iter()
+            .map(|a| match a {
+                Ok(v) => Res::Value(v.as_deref().map(|b| String::from_utf8_lossy(b).into_owned())),
+                Err(e) => Res::Failed(e.kind()),
+            })
+            .collect(),
+    };
+    w.gate(proc).await;
+    let t_end = w.now();
+    let clock_end = ctx.clocks[proc].now_ms();
+    for (key, res) in keys.into_iter().zip(answers) {
+        w.log(format_args!(
+            "p{proc} c{id} get_or_set {key} -> {res:?} [{t_inv}..{t_end}]"
+        ));
+        let rec = CallRec {
+            id,
+            proc,
+            op: "get_or_set",
+            key: key.clone(),
+            t_inv,
+            t_end,
+            res: res.clone(),
+            loaded: loaded.lock().get(&key).cloned(),
+            clocks: (clock_inv, clock_end),
+            stale: None,
+            detach: None,
+        };
+        if let (Res::Value(Some(v)), Some((l, _))) = (&res, &rec.loaded)
+            && v == l
+        {
+            ctx.written.lock().insert(
+                v.clone(),
+                Written {
+                    tags: Vec::new(),
+                    t_done: t_end,
+                    proc,
+                },
+            );
+        }
+        check_call(&w, &rec);
+        ctx.calls.lock().push(rec);
+    }
 }
 
 struct EndGuard(Arc<World>, usize);

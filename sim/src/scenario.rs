@@ -232,6 +232,9 @@ pub struct Scenario {
     pub portable: bool,
     /// The taggers also `clear` (rarely). On by default (`--no-clears` turns it off).
     pub clears: bool,
+    /// One more actor per process asks for overlapping batches of the hot keys through
+    /// `get_or_set_many` (`--batches`).
+    pub batches: bool,
 }
 
 impl Scenario {
@@ -255,6 +258,7 @@ impl Scenario {
             broken: Broken::default(),
             portable: false,
             clears: true,
+            batches: false,
         }
     }
 

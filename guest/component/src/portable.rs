@@ -62,6 +62,11 @@ fn kept(tag: &str, clears: u64) -> Option<(TagMoments, u64)> {
 /// generation is read again.
 static GENERATION: Mutex<Option<Known>> = Mutex::new(None);
 
+/// The newest generation this process read or wrote, trusted or not (generations only
+/// move forward): what a get-or-set names its data in when the generation cannot be
+/// read, never an older one than it has seen.
+static LAST_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 #[derive(Clone, Copy)]
 struct Known {
     generation: u64,
@@ -110,6 +115,7 @@ fn generation(now: u64) -> Result<u64, types::Error> {
 /// `expected` (what they were before `g` was read, and this instance's own clear
 /// since): one heard meanwhile may be newer than the read, which then is not kept.
 fn keep_generation(g: u64, now: u64, expected: u64) {
+    LAST_GENERATION.fetch_max(g, std::sync::atomic::Ordering::AcqRel);
     if l1_clears() != expected {
         *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = None;
         return;
@@ -130,16 +136,13 @@ fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
 }
 
 /// As [`locate`], for a get-or-set: when the generation cannot be read (the store is
-/// failing), the last one known (or the first), so the flight degrades as it would
-/// without tags and clear instead of failing (contract §5.8), as the native body does.
+/// failing), the newest one known (or the first), so the flight degrades as it would
+/// without tags and clear instead of failing (contract §5.8), as the native body does,
+/// and never reads or fills a generation a `clear` it saw left behind.
 fn locate_for_flight(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
     corral_core::key::validate(key, limits).map_err(arg_error)?;
-    let g = generation(now_ms()).unwrap_or_else(|_| {
-        GENERATION
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .map_or(0, |k| k.generation)
-    });
+    let g =
+        generation(now_ms()).unwrap_or_else(|_| LAST_GENERATION.load(std::sync::atomic::Ordering::Acquire));
     names::locate_in(&prefix(), key, g, limits).map_err(arg_error)
 }
 

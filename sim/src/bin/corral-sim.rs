@@ -1,5 +1,5 @@
 //! `corral-sim [--seeds N] [--from S0] [--seed S] [--scenario NAME] [--procs P] [--keys K]
-//! [--callers C] [--portable] [--broken NAME] [--no-clears] [--trace] [--twice] [--stop]`
+//! [--callers C] [--portable] [--broken NAME] [--no-clears] [--batches] [--trace] [--twice] [--stop]`
 //!
 //! Runs N seeds (cycling through the scenarios unless one is named), or one seed, and
 //! ends with a table. A failing seed prints its replay command and its trace; `--stop`
@@ -23,6 +23,7 @@ struct Args {
     twice: bool,
     portable: bool,
     clears: bool,
+    batches: bool,
     stop: bool,
     broken: Option<String>,
 }
@@ -40,6 +41,7 @@ fn parse() -> Result<Args, String> {
         twice: false,
         portable: false,
         clears: true,
+        batches: false,
         stop: false,
         broken: None,
     };
@@ -64,13 +66,14 @@ fn parse() -> Result<Args, String> {
             "--twice" => a.twice = true,
             "--portable" => a.portable = true,
             "--no-clears" => a.clears = false,
+            "--batches" => a.batches = true,
             "--stop" => a.stop = true,
             "--broken" => a.broken = Some(value("--broken")?),
             "-h" | "--help" => {
                 return Err(
                     "usage: corral-sim [--seeds N] [--from S0] [--seed S] [--procs P] [--keys K] [--callers C] \
                             [--scenario calm|network|loaders|chaos|process|redlock] \
-                            [--broken NAME] [--portable] [--no-clears] [--trace] [--twice] [--stop]"
+                            [--broken NAME] [--portable] [--no-clears] [--batches] [--trace] [--twice] [--stop]"
                         .into(),
                 );
             }
@@ -109,6 +112,7 @@ fn main() -> ExitCode {
             s = s.portable();
         }
         s.clears = args.clears;
+        s.batches = args.batches;
         if let Some(k) = args.keys {
             s.keys = k.max(1);
         }
