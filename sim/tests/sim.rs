@@ -189,10 +189,8 @@ fn the_portable_body_holds_its_invariants_and_replays() {
 
 /// Overlapping batches (`get_or_set_many`, a key the loader leaves out now and then)
 /// beside the single-key callers hold every invariant in the native body, and replay.
-/// (The portable body, which runs a batch as get-or-sets in turn, fails some seeds of
-/// this workload: an instance that never read the prefix's generation names a key in
-/// generation 0 when its read fails, and serves a value a `clear` left behind; an open
-/// point of the contract.)
+/// (The portable body, which runs a batch as get-or-sets in turn, still fails a seed
+/// of 600 of this workload, 307: an open point of the contract.)
 #[test]
 fn batches_hold_every_invariant_and_replay() {
     let mut totals = Totals::default();
@@ -226,13 +224,20 @@ fn batches_hold_every_invariant_and_replay() {
 const BATCH_SEEDS: u64 = 300;
 
 /// A portable instance whose generation read fails names its keys in the newest
-/// generation it saw, never an older one: with generation 0 (before the fix), this seed
-/// served a value a `clear` had left behind (`served after invalidation: p2 c151
+/// generation it saw, never an older one (and one that never saw one degrades): with
+/// generation 0 (before the fix), this seed and seed 61 served a value a `clear` had
+/// left behind (`served after invalidation: p2 c151
 /// get_or_set k2 at 2618 served w10 ..., but clear by p3 began at 979`).
 #[test]
 fn a_portable_flight_never_names_a_generation_older_than_it_saw() {
-    let mut scenario = Scenario::for_seed(19).portable();
-    scenario.batches = true;
-    let outcome = run_seed(&scenario, 19);
-    assert!(outcome.violations.is_empty(), "{}", outcome.violations.join("\n"));
+    for seed in [19, 61] {
+        let mut scenario = Scenario::for_seed(seed).portable();
+        scenario.batches = true;
+        let outcome = run_seed(&scenario, seed);
+        assert!(
+            outcome.violations.is_empty(),
+            "seed {seed}: {}",
+            outcome.violations.join("\n")
+        );
+    }
 }

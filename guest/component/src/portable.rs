@@ -136,14 +136,22 @@ fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
 }
 
 /// As [`locate`], for a get-or-set: when the generation cannot be read (the store is
-/// failing), the newest one known (or the first), so the flight degrades as it would
+/// failing), the newest one this instance saw, so the flight degrades as it would
 /// without tags and clear instead of failing (contract §5.8), as the native body does,
-/// and never reads or fills a generation a `clear` it saw left behind.
-fn locate_for_flight(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
+/// and never reads or fills a generation a `clear` it saw left behind. Says whether the
+/// names are known: an instance that never saw a generation cannot name the key at all,
+/// and its flight treats every store step as failed.
+fn locate_for_flight(key: &str, limits: &Limits) -> Result<(names::Names, bool), types::Error> {
     corral_core::key::validate(key, limits).map_err(arg_error)?;
-    let g =
-        generation(now_ms()).unwrap_or_else(|_| LAST_GENERATION.load(std::sync::atomic::Ordering::Acquire));
-    names::locate_in(&prefix(), key, g, limits).map_err(arg_error)
+    let (g, known) = match generation(now_ms()) {
+        Ok(g) => (g, true),
+        Err(_) => {
+            let last = LAST_GENERATION.load(std::sync::atomic::Ordering::Acquire);
+            (last, last > 0)
+        }
+    };
+    let names = names::locate_in(&prefix(), key, g, limits).map_err(arg_error)?;
+    Ok((names, known))
 }
 
 /// The moments of `tags` at `now`: kept ones while trusted, else read from the store.

@@ -63,6 +63,9 @@ pub(super) struct Driver {
     /// It leads the process's flight of the key: its followers get the outcome as soon
     /// as it is known (`flights.finish`).
     leads: bool,
+    /// The key's data could not be named (the prefix's generation unknown and unread):
+    /// every store step fails, and the flight degrades (contract §5.8).
+    unnamed: bool,
 }
 
 impl Driver {
@@ -93,7 +96,13 @@ impl Driver {
             holds: None,
             refresh_due: false,
             leads: false,
+            unnamed: false,
         }
+    }
+
+    /// The key's data could not be named: the flight's store steps all fail.
+    pub(super) fn unnamed(&mut self) {
+        self.unnamed = true;
     }
 
     /// The flight leads the process's flight of the key (joined as its leader).
@@ -215,6 +224,9 @@ impl Driver {
 
     fn read_l2(&mut self) -> Event {
         self.l1_ticket = ticket_since(&self.key, self.named);
+        if self.unnamed {
+            return Event::L2Failed;
+        }
         let Ok((found, held)) = l2_read_holding(&self.names.entry, now_ms(), &self.limits) else {
             return Event::L2Failed;
         };
@@ -235,6 +247,9 @@ impl Driver {
     }
 
     fn try_lock(&mut self, ttl_ms: u64) -> Event {
+        if self.unnamed {
+            return Event::LockFailed;
+        }
         match l2::try_lock(&self.names.flight_lock, ttl_ms) {
             Ok(Some(token)) => {
                 self.owner = Some(token);
@@ -256,6 +271,9 @@ impl Driver {
         else {
             return Event::L2WriteFailed;
         };
+        if self.unnamed {
+            return Event::L2WriteFailed;
+        }
         let stored = envelope::splice(&header, &self.value);
         self.l1_ticket = ticket_since(&self.key, self.named);
         if !self.tag_list.is_empty() {

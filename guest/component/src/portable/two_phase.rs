@@ -325,12 +325,12 @@ fn start(
     .map_err(arg_error)?;
     check_tags(&request.tags)?;
     let named = l1::ticket(&request.key);
-    let names = if config.refresh {
-        locate(&request.key, &settings.limits)?
+    let (names, named_known) = if config.refresh {
+        (locate(&request.key, &settings.limits)?, true)
     } else {
         locate_for_flight(&request.key, &settings.limits)?
     };
-    let driver = Driver::new(
+    let mut driver = Driver::new(
         flight,
         request.key.clone(),
         names,
@@ -338,6 +338,9 @@ fn start(
         settings.limits,
         request.tags.clone(),
     );
+    if !named_known {
+        driver.unnamed();
+    }
     Ok((driver, action))
 }
 
