@@ -80,6 +80,44 @@ impl std::error::Error for Error {
     }
 }
 
+/// The batch loader returned no value for a key: the key is absent (`None`), and
+/// nothing is cached for it.
+#[derive(Debug)]
+pub(crate) struct Absent;
+
+impl fmt::Display for Absent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the batch loader returned no value for this key")
+    }
+}
+
+impl std::error::Error for Absent {}
+
+/// A batch loader's error, the same for every key of its call.
+#[derive(Debug)]
+pub(crate) struct BatchLoaderError(pub(crate) Arc<Source>);
+
+impl fmt::Display for BatchLoaderError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for BatchLoaderError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+/// What a panic's `payload` says, if it says it in words.
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string payload".to_owned())
+}
+
 /// `Result<T, corral::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -156,18 +194,20 @@ impl Error {
         let source = self.source.as_deref()?;
         source.downcast_ref::<E>().or_else(|| {
             // A batch loader's error, shared by the keys of its call.
-            let shared = source.downcast_ref::<crate::cache::BatchLoaderError>()?;
+            let shared = source.downcast_ref::<BatchLoaderError>()?;
             shared.0.downcast_ref::<E>()
         })
     }
 
+    /// A batch loader left this key out (see
+    /// [`Corral::get_or_set_many`](crate::Corral::get_or_set_many)).
+    pub(crate) fn is_absent(&self) -> bool {
+        self.loader_error::<Absent>().is_some()
+    }
+
     /// The loader panicked; `payload` is what it panicked with.
     pub(crate) fn loader_panicked(payload: &(dyn std::any::Any + Send)) -> Self {
-        let what = payload
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a non-string payload".to_owned());
+        let what = panic_text(payload);
         let mut e = Error::new(ErrorKind::Loader, format!("the loader panicked: {what}"));
         e.panicked = true;
         e

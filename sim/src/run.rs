@@ -97,6 +97,15 @@ pub(crate) enum LoaderPlan {
     Panic(u64),
 }
 
+impl LoaderPlan {
+    /// How long the loader takes, ms.
+    fn ms(&self) -> u64 {
+        match *self {
+            LoaderPlan::Ok(ms) | LoaderPlan::Fail(ms) | LoaderPlan::Panic(ms) | LoaderPlan::Slow(ms) => ms,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Get(String),
@@ -889,12 +898,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                 Op::GetOrSet(_, plan) | Op::GetOrSetTagged(_, _, plan) | Op::GetOrSetFor(_, _, plan, _) => {
                     let detach = op_detach.unwrap_or_default();
                     let began = w.now();
-                    let ms = match plan {
-                        LoaderPlan::Ok(ms)
-                        | LoaderPlan::Fail(ms)
-                        | LoaderPlan::Panic(ms)
-                        | LoaderPlan::Slow(ms) => ms,
-                    };
+                    let ms = plan.ms();
                     let start = {
                         let (w, key, loaded) = (w.clone(), key.clone(), loaded.clone());
                         move || -> Finish {
@@ -908,19 +912,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                             }
                             Box::new(move || {
                                 let _end = end;
-                                match plan {
-                                    LoaderPlan::Fail(_) => {
-                                        w.fault("loader-fail");
-                                        w.log(format_args!("p{proc} c{id} loader fails"));
-                                        Err("sim: loader failed".to_owned())
-                                    }
-                                    LoaderPlan::Panic(_) => {
-                                        w.fault("loader-panic");
-                                        w.log(format_args!("p{proc} c{id} loader panics"));
-                                        panic!("sim: loader panic");
-                                    }
-                                    _ => Ok(Bytes::from(value)),
-                                }
+                                plan_ends(&w, proc, id, &plan).map(|()| Bytes::from(value))
                             })
                         }
                     };
@@ -1032,9 +1024,7 @@ async fn call_many(
     let clock_inv = ctx.clocks[proc].now_ms();
     w.log(format_args!("p{proc} c{id} get_or_set_many {keys:?}"));
     let loaded: Arc<Mutex<BTreeMap<String, (String, LoaderPlan)>>> = Arc::default();
-    let ms = match plan {
-        LoaderPlan::Ok(ms) | LoaderPlan::Fail(ms) | LoaderPlan::Panic(ms) | LoaderPlan::Slow(ms) => ms,
-    };
+    let ms = plan.ms();
     let absent = left_out.map(|i| keys[i].clone());
     let load: crate::body::BatchLoad = {
         let (w, loaded, plan) = (w.clone(), loaded.clone(), plan.clone());
@@ -1062,19 +1052,7 @@ async fn call_many(
             Box::pin(async move {
                 wait().await;
                 let _ends = ends;
-                match plan {
-                    LoaderPlan::Fail(_) => {
-                        w.fault("loader-fail");
-                        w.log(format_args!("p{proc} c{id} loader fails"));
-                        Err("sim: loader failed".to_owned())
-                    }
-                    LoaderPlan::Panic(_) => {
-                        w.fault("loader-panic");
-                        w.log(format_args!("p{proc} c{id} loader panics"));
-                        panic!("sim: loader panic");
-                    }
-                    _ => Ok(values),
-                }
+                plan_ends(&w, proc, id, &plan).map(|()| values)
             })
         })
     };
@@ -1136,6 +1114,24 @@ async fn call_many(
         }
         check_call(&w, &rec);
         ctx.calls.lock().push(rec);
+    }
+}
+
+/// How a loader of call `id` ends, as its plan says: it fails, it panics, or it
+/// answers (the caller's value).
+fn plan_ends(w: &World, proc: usize, id: u64, plan: &LoaderPlan) -> Result<(), String> {
+    match plan {
+        LoaderPlan::Fail(_) => {
+            w.fault("loader-fail");
+            w.log(format_args!("p{proc} c{id} loader fails"));
+            Err("sim: loader failed".to_owned())
+        }
+        LoaderPlan::Panic(_) => {
+            w.fault("loader-panic");
+            w.log(format_args!("p{proc} c{id} loader panics"));
+            panic!("sim: loader panic");
+        }
+        LoaderPlan::Ok(_) | LoaderPlan::Slow(_) => Ok(()),
     }
 }
 

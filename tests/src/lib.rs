@@ -231,6 +231,41 @@ pub fn corral_bin() -> std::path::PathBuf {
     bin
 }
 
+/// Runs `processes` `corral stampede ARGS --json --wait-for-go` processes started at
+/// one barrier (each says "ready" once connected, then all are told to go: no sleep),
+/// and returns their JSON reports, each checked to have succeeded.
+pub fn stampedes_at_a_barrier(processes: usize, args: &[&str]) -> Result<Vec<serde_json::Value>> {
+    use std::io::Write;
+    let mut children = Vec::with_capacity(processes);
+    for _ in 0..processes {
+        let child = Command::new(corral_bin())
+            .arg("stampede")
+            .args(args)
+            .args(["--json", "--wait-for-go"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("spawning corral stampede")?;
+        children.push(child);
+    }
+    for child in &mut children {
+        let mut line = String::new();
+        BufReader::new(child.stderr.as_mut().context("piped")?).read_line(&mut line)?;
+        anyhow::ensure!(line.trim() == "ready", "a stampede said {line:?}, not ready");
+    }
+    for child in &mut children {
+        writeln!(child.stdin.as_mut().context("piped")?, "go")?;
+    }
+    let mut reports = Vec::with_capacity(processes);
+    for child in children {
+        let out = child.wait_with_output()?;
+        anyhow::ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        reports.push(serde_json::from_slice(&out.stdout).context("one JSON object on stdout")?);
+    }
+    Ok(reports)
+}
+
 /// Server-side command count (`INFO stats` total_commands_processed).
 pub async fn commands_processed(server: &RedisServer) -> Result<u64> {
     let mut conn = server.connection().await?;

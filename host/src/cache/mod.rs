@@ -33,7 +33,6 @@ mod typed;
 
 pub use builder::CorralBuilder;
 pub(crate) use builder::Overrides;
-pub(crate) use flight::BatchLoaderError;
 pub use health::Health;
 use metrics::{Metrics, MetricsSnapshot};
 use registry::Registry;
@@ -782,37 +781,33 @@ impl Corral {
     /// the last one known, so the flight goes on to degrade as it would (§5.8); the
     /// read is bounded by one store timeout.
     pub(crate) async fn locate(&self, key: &str) -> Result<StoreNames> {
-        let generation = match self.known_generation() {
-            Some(g) => g,
-            None => {
-                self.inner.policy.validate_key(key)?;
-                let bound = self.inner.flight.store_timeout;
-                match tokio::time::timeout(bound, self.generation()).await {
-                    Ok(Ok(g)) => g,
-                    _ => self.inner.tags.generation_now(),
-                }
-            }
-        };
-        self.inner.policy.locate(&self.inner.prefix, key, generation)
+        let policy = &self.inner.policy;
+        let generation = self.flight_generation(|| policy.validate_key(key)).await?;
+        policy.locate(&self.inner.prefix, key, generation)
+    }
+
+    /// The generation a get-or-set names its data in: the known one, else one read
+    /// within a store timeout, else the last one known. `check` runs first when it must
+    /// be read: a bad key is an argument error, even with the store down.
+    async fn flight_generation(&self, check: impl FnOnce() -> Result<()>) -> Result<u64> {
+        if let Some(g) = self.known_generation() {
+            return Ok(g);
+        }
+        check()?;
+        let bound = self.inner.flight.store_timeout;
+        Ok(match tokio::time::timeout(bound, self.generation()).await {
+            Ok(Ok(g)) => g,
+            _ => self.inner.tags.generation_now(),
+        })
     }
 
     /// The entry names of a batch's keys, all checked and named in one call, in the
     /// generation [`locate`](Self::locate) would use.
     pub(crate) async fn locate_entries(&self, keys: &[String]) -> Result<Vec<String>> {
-        let policy = &self.inner.policy;
-        let generation = match self.known_generation() {
-            Some(g) => g,
-            None => {
-                // The keys first: a bad key is an argument error, even with the store down.
-                policy.locate_entries(&self.inner.prefix, keys, 0)?;
-                let bound = self.inner.flight.store_timeout;
-                match tokio::time::timeout(bound, self.generation()).await {
-                    Ok(Ok(g)) => g,
-                    _ => self.inner.tags.generation_now(),
-                }
-            }
-        };
-        policy.locate_entries(&self.inner.prefix, keys, generation)
+        let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
+        let check = || policy.locate_entries(prefix, keys, 0).map(drop);
+        let generation = self.flight_generation(check).await?;
+        policy.locate_entries(prefix, keys, generation)
     }
 
     /// Checks `key` and names its entry in the store, in the current generation.
@@ -848,23 +843,36 @@ impl Corral {
         how: L1Fill,
         stamp: Option<tags::TagStamp>,
     ) -> Result<()> {
-        let l1 = &self.inner.l1;
-        if !l1.is_on() {
+        if !self.inner.l1.is_on() {
             return Ok(());
         }
-        let mut until = self.inner.policy.l1_deadline(meta, now, self.inner.l1_ttl_ms)?;
+        let until = self.inner.policy.l1_deadline(meta, now, self.inner.l1_ttl_ms)?;
+        self.fill_l1_until(key, value, until, how, stamp);
+        Ok(())
+    }
+
+    /// Puts `value` in L1 until `until` (the guest's deadline), fenced as
+    /// [`fill_l1`](Self::fill_l1) fences it.
+    pub(crate) fn fill_l1_until(
+        &self,
+        key: &str,
+        value: &Bytes,
+        mut until: u64,
+        how: L1Fill,
+        stamp: Option<tags::TagStamp>,
+    ) {
         // No longer than the tags' moments are known (the guest's `tag-known-until`).
         let tagged = stamp.and_then(|s| {
             until = until.min(s.until_ms);
             s.tagged
         });
+        let l1 = &self.inner.l1;
         match how {
             L1Fill::Read(ticket) => {
                 l1.fill(key, value.clone(), until, ticket, tagged);
             }
             L1Fill::Write(ticket) => l1.insert(key, value.clone(), until, ticket, tagged),
         }
-        Ok(())
     }
 }
 

@@ -201,23 +201,25 @@ impl Corral {
                 Some(_) => None,
             };
             match fetched {
-                Some(Err(e)) => found.push(Some(Err(e))),
-                Some(Ok(None)) => found.push(Some(Ok((L2Read::Miss { holds: None }, None)))),
-                Some(Ok(Some((stored, judged)))) => {
-                    match Self::plain_hit(name, hint, stored, judged, &inner.read_hints) {
-                        Ok(hit) => found.push(Some(Ok(hit))),
-                        Err((stored, judged)) => {
-                            found.push(None);
-                            looks.push((
-                                i,
-                                self.l2_look_fetched(name, hint, Some(Ok(Some((stored, judged)))), now),
-                            ));
-                        }
-                    }
+                // A fresh entry with no touch to write back and no tags to judge: its
+                // judgement leaves nothing to do.
+                Some(Ok(Some((
+                    stored,
+                    Judged {
+                        outcome: ReadOutcome::Fresh(hit),
+                        l1_until_ms,
+                    },
+                )))) if hit.touch.is_none() && hit.tagged.is_none() => {
+                    inner.read_hints.note(name, hint, hit.next_read);
+                    let value = stored.slice(hit.value_offset as usize..);
+                    found.push(Some(Ok((
+                        L2Read::Hit(value, hit.meta, stored, None),
+                        Some(l1_until_ms),
+                    ))));
                 }
-                None => {
+                fetched => {
                     found.push(None);
-                    looks.push((i, self.l2_look_fetched(name, hint, None, now)));
+                    looks.push((i, self.l2_look_fetched(name, hint, fetched, now)));
                 }
             }
         }
@@ -236,36 +238,6 @@ impl Corral {
                 })
             })
             .collect()
-    }
-
-    /// A fresh entry that needs nothing more than its judgement (no touch to write
-    /// back, no tags to judge): the hit, settled as [`l2_settle`](Self::l2_settle)
-    /// settles it, with how long L1 may serve it. Anything else comes back as it was.
-    #[allow(clippy::result_large_err)]
-    fn plain_hit(
-        name: &str,
-        hint: Option<NextRead>,
-        stored: Bytes,
-        judged: Judged,
-        hints: &ReadHints,
-    ) -> std::result::Result<(L2Read, Option<u64>), (Bytes, Judged)> {
-        match judged.outcome {
-            ReadOutcome::Fresh(hit) if hit.touch.is_none() && hit.tagged.is_none() => {
-                hints.note(name, hint, hit.next_read);
-                let value = stored.slice(hit.value_offset as usize..);
-                Ok((
-                    L2Read::Hit(value, hit.meta, stored, None),
-                    Some(judged.l1_until_ms),
-                ))
-            }
-            outcome => Err((
-                stored,
-                Judged {
-                    outcome,
-                    l1_until_ms: judged.l1_until_ms,
-                },
-            )),
-        }
     }
 
     /// The bytes under `names`, in one `MGET` per node, each judged (all in one call).
@@ -308,7 +280,7 @@ impl Corral {
         hint: Option<NextRead>,
         fetched: Option<Result<Option<(Bytes, Judged)>>>,
         now: u64,
-    ) -> Result<(L2Read, Option<u64>)> {
+    ) -> Result<Looked> {
         match fetched {
             Some(read) => match read? {
                 Some((stored, judged)) => {

@@ -224,7 +224,7 @@ impl Corral {
         let loader = &loader;
         let answers = self
             .get_or_set_many(&keys, options, |asked: Vec<String>| async move {
-                let mut values: std::collections::HashMap<String, Vec<u8>> = HashMap::new();
+                let mut values: HashMap<String, Vec<u8>> = HashMap::new();
                 for (key, value) in loader(asked.clone()).await.map_err(Into::into)? {
                     values.insert(key, serde_json::to_vec(&value)?);
                 }

@@ -2,15 +2,13 @@
 //! keys overlap, in one process and across processes; one round trip for L2 hits.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions};
-use corral_tests::{Backend, Fixture, PREFIX, command_calls, corral_bin, real_time};
+use corral_tests::{Backend, Fixture, PREFIX, command_calls, real_time, stampedes_at_a_barrier};
 use tokio::sync::Notify;
 
 fn relative() -> LoadOptions {
@@ -63,6 +61,40 @@ fn values(answers: Vec<corral::Result<Option<Bytes>>>) -> Result<Vec<Option<Stri
         .into_iter()
         .map(|a| Ok(a?.map(|b| String::from_utf8_lossy(&b).into_owned())))
         .collect()
+}
+
+/// What a batch answers.
+type Answers = corral::Result<Vec<corral::Result<Option<Bytes>>>>;
+
+/// A batch of `keys` in a task of its own, held at its loader: returns once the loader
+/// was called, with the batch's task and the gate that lets the loader answer
+/// `answer(keys)`.
+async fn held_batch<E>(
+    cache: &Corral,
+    keys: &'static [&'static str],
+    answer: fn(Vec<String>) -> Result<Vec<(String, String)>, E>,
+) -> (tokio::task::JoinHandle<Answers>, Arc<Notify>)
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let batch = {
+        let (cache, loading, release) = (cache.clone(), loading.clone(), release.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(keys, relative(), |keys: Vec<String>| {
+                    let (loading, release) = (loading.clone(), release.clone());
+                    async move {
+                        loading.notify_one();
+                        release.notified().await;
+                        answer(keys)
+                    }
+                })
+                .await
+        })
+    };
+    loading.notified().await;
+    (batch, release)
 }
 
 async fn overlapping_callers_load_each_key_once(backend: Backend) -> Result<()> {
@@ -124,23 +156,14 @@ async fn overlapping_callers_load_each_key_once_cluster() -> Result<()> {
 /// A caller asking for {a, b} while another leads {b, c} waits for b and leads a.
 async fn a_caller_waits_for_the_keys_another_leads(backend: Backend) -> Result<()> {
     let f = Fixture::new(backend)?;
-    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let first = {
-        let (cache, loading, release) = (f.cache.clone(), loading.clone(), release.clone());
-        tokio::spawn(async move {
-            cache
-                .get_or_set_many(["b", "c"], relative(), |keys: Vec<String>| {
-                    let (loading, release) = (loading.clone(), release.clone());
-                    async move {
-                        loading.notify_one();
-                        release.notified().await;
-                        Ok::<_, std::io::Error>(keys.into_iter().map(|k| (k.clone(), format!("first:{k}"))))
-                    }
-                })
-                .await
-        })
-    };
-    loading.notified().await;
+    let (first, release) = held_batch(&f.cache, &["b", "c"], |keys| {
+        Ok::<_, std::io::Error>(
+            keys.into_iter()
+                .map(|k| (k.clone(), format!("first:{k}")))
+                .collect(),
+        )
+    })
+    .await;
     let calls = Calls::default();
     let second = {
         let (cache, calls) = (f.cache.clone(), calls.clone());
@@ -236,23 +259,7 @@ impl std::error::Error for Down {}
 
 async fn a_loader_error_is_every_led_keys_error(backend: Backend) -> Result<()> {
     let f = Fixture::new(backend)?;
-    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let batch = {
-        let (cache, loading, release) = (f.cache.clone(), loading.clone(), release.clone());
-        tokio::spawn(async move {
-            cache
-                .get_or_set_many(["a", "b"], relative(), |_: Vec<String>| {
-                    let (loading, release) = (loading.clone(), release.clone());
-                    async move {
-                        loading.notify_one();
-                        release.notified().await;
-                        Err::<Vec<(String, Vec<u8>)>, _>(Down(7))
-                    }
-                })
-                .await
-        })
-    };
-    loading.notified().await;
+    let (batch, release) = held_batch(&f.cache, &["a", "b"], |_| Err(Down(7))).await;
     // A single-key caller of b joins the batch's flight and gets its error too.
     let single = {
         let cache = f.cache.clone();
@@ -291,23 +298,10 @@ async fn a_loader_error_is_every_led_keys_error_redis() -> Result<()> {
 /// caller, but lands in neither tier (contract §5.12).
 async fn a_key_removed_mid_batch_stays_removed(backend: Backend) -> Result<()> {
     let f = Fixture::new(backend)?;
-    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let batch = {
-        let (cache, loading, release) = (f.cache.clone(), loading.clone(), release.clone());
-        tokio::spawn(async move {
-            cache
-                .get_or_set_many(["a", "b"], relative(), |keys: Vec<String>| {
-                    let (loading, release) = (loading.clone(), release.clone());
-                    async move {
-                        loading.notify_one();
-                        release.notified().await;
-                        Ok::<_, std::io::Error>(keys.into_iter().map(|k| (k, "loaded")))
-                    }
-                })
-                .await
-        })
-    };
-    loading.notified().await;
+    let (batch, release) = held_batch(&f.cache, &["a", "b"], |keys| {
+        Ok::<_, std::io::Error>(keys.into_iter().map(|k| (k, "loaded".to_owned())).collect())
+    })
+    .await;
     f.cache.remove("b").await?;
     release.notify_one();
     let answers = values(batch.await??)?;
@@ -488,36 +482,12 @@ async fn the_typed_twin_caches_absence_when_asked() -> Result<()> {
 /// all. Returns the keys each process loaded.
 async fn four_bulk_processes(redis_args: &[&str]) -> Result<Vec<u64>> {
     let key = format!("bulk-{}-{}", std::process::id(), corral::SystemClock.now_ms());
-    let mut children = Vec::new();
-    for _ in 0..4 {
-        let child = Command::new(corral_bin())
-            .args(["stampede", "--keys", "100", "--batch", "10", "--callers", "250"])
-            .args(["--loader-ms", "200", "--key", &key])
-            .args(redis_args)
-            .args(["--json", "--wait-for-go"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("spawning corral stampede")?;
-        children.push(child);
-    }
-    // A barrier, not a sleep: each process says "ready" once connected, then all go.
-    for child in &mut children {
-        let mut line = String::new();
-        BufReader::new(child.stderr.as_mut().expect("piped")).read_line(&mut line)?;
-        assert_eq!(line.trim(), "ready", "{line}");
-    }
-    for child in &mut children {
-        writeln!(child.stdin.as_mut().expect("piped"), "go")?;
-    }
+    let mut args = vec!["--keys", "100", "--batch", "10", "--callers", "250"];
+    args.extend(["--loader-ms", "200", "--key", &key]);
+    args.extend(redis_args);
     let mut loaded = Vec::new();
     let mut key_loads = 0;
-    for child in children {
-        let out = child.wait_with_output()?;
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let report: serde_json::Value =
-            serde_json::from_slice(&out.stdout).context("one JSON object on stdout")?;
+    for report in stampedes_at_a_barrier(4, &args)? {
         assert_eq!(report["errors"], 0, "{report}");
         loaded.push(report["keys_loaded"].as_u64().context("keys_loaded")?);
         key_loads += report["key_loads"].as_u64().context("key_loads")?;
@@ -606,23 +576,7 @@ async fn bypassed_keys_are_loaded_in_one_call() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_key_caller_loads_what_a_batch_left_out() -> Result<()> {
     let f = Fixture::new(Backend::Memory)?;
-    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let batch = {
-        let (cache, loading, release) = (f.cache.clone(), loading.clone(), release.clone());
-        tokio::spawn(async move {
-            cache
-                .get_or_set_many(["k"], relative(), |_: Vec<String>| {
-                    let (loading, release) = (loading.clone(), release.clone());
-                    async move {
-                        loading.notify_one();
-                        release.notified().await;
-                        Ok::<_, std::io::Error>(Vec::<(String, Vec<u8>)>::new())
-                    }
-                })
-                .await
-        })
-    };
-    loading.notified().await;
+    let (batch, release) = held_batch(&f.cache, &["k"], |_| Ok::<_, std::io::Error>(Vec::new())).await;
     let single = {
         let cache = f.cache.clone();
         tokio::spawn(async move {

@@ -1,8 +1,6 @@
 //! Tiered get-or-set with single flight (contract §5), against the in-memory L2 and
 //! real redis-server processes; the multi-process stampede spawns real OS processes.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -10,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use corral::{Corral, EntryOptions, ErrorKind, LoadOptions};
-use corral_tests::{Backend, Fixture, RedisServer, commands_processed, corral_bin, real_time};
+use corral_tests::{Backend, Fixture, RedisServer, commands_processed, real_time, stampedes_at_a_barrier};
 use tokio::sync::Notify;
 
 const MIN: Duration = Duration::from_secs(60);
@@ -107,43 +105,11 @@ async fn four_processes_share_one_load_on_a_cluster() -> Result<()> {
 /// Four `corral stampede` processes of 250 callers each on one cold key, started at
 /// once over the Redis that `redis_args` name: one load in all, a few commands each.
 async fn four_processes(redis_args: &[&str]) -> Result<(u64, u64)> {
-    let mut children = Vec::new();
-    for _ in 0..4 {
-        let child = Command::new(corral_bin())
-            .args([
-                "stampede",
-                "--callers",
-                "250",
-                "--loader-ms",
-                "500",
-                "--key",
-                "shared",
-            ])
-            .args(redis_args)
-            .args(["--json", "--wait-for-go"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("spawning corral stampede")?;
-        children.push(child);
-    }
-    // A barrier, not a sleep: each process says "ready" once connected, then all go at once.
-    for child in &mut children {
-        let mut line = String::new();
-        BufReader::new(child.stderr.as_mut().expect("piped")).read_line(&mut line)?;
-        assert_eq!(line.trim(), "ready", "{line}");
-    }
-    for child in &mut children {
-        writeln!(child.stdin.as_mut().expect("piped"), "go")?;
-    }
+    let mut args = vec!["--callers", "250", "--loader-ms", "500", "--key", "shared"];
+    args.extend(redis_args);
     let mut loads = 0;
     let mut client_commands = 0;
-    for child in children {
-        let out = child.wait_with_output()?;
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let report: serde_json::Value =
-            serde_json::from_slice(&out.stdout).context("one JSON object on stdout")?;
+    for report in stampedes_at_a_barrier(4, &args)? {
         loads += report["loader_calls"].as_u64().context("loader_calls")?;
         client_commands += report["redis_commands"].as_u64().context("redis_commands")?;
         assert_eq!(report["callers"], 250);

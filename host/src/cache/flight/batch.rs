@@ -15,7 +15,6 @@
 //!   call of its own. `max_batch` splits a call.
 
 use std::collections::{BTreeSet, HashMap};
-use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
@@ -36,9 +35,10 @@ use crate::cache::metrics::Metrics;
 use crate::cache::read::L2Read;
 use crate::cache::registry::{self, Join, LeaderGuard, Outcome};
 use crate::cache::tags::TagStamp;
+use crate::error::{Absent, BatchLoaderError, panic_text};
 use crate::guest::policy::WitMeta;
 use crate::store::l1::Ticket;
-use crate::{Error, ErrorKind, Result};
+use crate::{Error, Result};
 
 /// What the loader returned for one call of a batch: every key of the call shares it.
 #[derive(Clone)]
@@ -61,43 +61,6 @@ where
         Ok(Ok(values)) => Chunk::Loaded(Arc::new(values.into_iter().map(|(k, v)| (k, v.into())).collect())),
         Ok(Err(e)) => Chunk::Failed(Arc::new(e.into())),
         Err(panic) => Chunk::Panicked(panic_text(&*panic).into()),
-    }
-}
-
-fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a non-string payload".to_owned())
-}
-
-/// The batch loader returned no value for a key: the key is absent (`None`), and
-/// nothing is cached for it.
-#[derive(Debug)]
-pub(crate) struct Absent;
-
-impl fmt::Display for Absent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("the batch loader returned no value for this key")
-    }
-}
-
-impl std::error::Error for Absent {}
-
-/// A batch loader's error, the same for every key of its call.
-#[derive(Debug)]
-pub(crate) struct BatchLoaderError(pub(crate) Arc<BoxError>);
-
-impl fmt::Display for BatchLoaderError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.0, f)
-    }
-}
-
-impl std::error::Error for BatchLoaderError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.0.source()
     }
 }
 
@@ -257,6 +220,11 @@ where
         }
     }
 
+    /// One loader call for the keys at `group`.
+    fn call_for(&self, group: &[usize]) -> Shared<C> {
+        (self.call)(group.iter().map(|&i| self.keys[i].clone()).collect()).shared()
+    }
+
     fn take_call(&self, index: usize) -> Option<Shared<C>> {
         self.calls.lock()[index].take()
     }
@@ -272,21 +240,20 @@ where
         let sizes = (self.split)(due.len() as u64).unwrap_or_else(|_| vec![due.len() as u64]);
         let mut rest = &due[..];
         let mut made: Vec<(&[usize], Shared<C>)> = Vec::with_capacity(sizes.len());
-        for size in sizes {
-            let size = usize::try_from(size)
-                .unwrap_or(usize::MAX)
-                .clamp(1, rest.len().max(1));
-            let (group, after) = rest.split_at(size.min(rest.len()));
-            rest = after;
-            if group.is_empty() {
+        for size in sizes
+            .into_iter()
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX).max(1))
+        {
+            if rest.is_empty() {
                 break;
             }
-            let keys = group.iter().map(|&i| self.keys[i].clone()).collect();
-            made.push((group, (self.call)(keys).shared()));
+            let (group, after) = rest.split_at(size.min(rest.len()));
+            made.push((group, self.call_for(group)));
+            rest = after;
         }
+        // Keys the sizes left out (none, from the guest) are one more call.
         if !rest.is_empty() {
-            let keys = rest.iter().map(|&i| self.keys[i].clone()).collect();
-            made.push((rest, (self.call)(keys).shared()));
+            made.push((rest, self.call_for(rest)));
         }
         let mut calls = self.calls.lock();
         for (group, call) in made {
@@ -443,50 +410,8 @@ impl Corral {
         let max_batch = options.max_batch.map(|n| n as u64);
         let loads = Loads::new(keys, call, |ready| inner.policy.batch_calls(ready, max_batch));
         let mut answers: Vec<Option<Result<Served>>> = keys.iter().map(|_| None).collect();
-        let now = inner.clock.now_ms();
-        let mut parts: Vec<(usize, Part, Option<FirstRead>)> = Vec::new();
-        let mut guards: Vec<Option<LeaderGuard<Outcome>>> = keys.iter().map(|_| None).collect();
-        let mut led = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
-            if options.bypass {
-                parts.push((i, Part::Lead(None), None));
-            } else if let Some((value, stale)) = inner.l1.get_served(key, now) {
-                Metrics::bump(&inner.metrics.l1_hits);
-                if stale {
-                    Metrics::bump(&inner.metrics.stale_served);
-                }
-                answers[i] = Some(Ok(Served { value, stale }));
-            } else {
-                match self.join_flight(key) {
-                    Part::Lead(Some(guard)) => {
-                        guards[i] = Some(guard);
-                        led.push(i);
-                    }
-                    part => parts.push((i, part, None)),
-                }
-            }
-        }
-        // The led keys' first reads, together. A fresh hit is answered from its read
-        // alone (and so are the callers waiting for it); the other keys lead their
-        // flights with that read.
-        for (i, first, l1_until) in self.first_reads(keys, entries, named, &led).await {
-            let guard = guards[i].take();
-            match first.read {
-                Ok(L2Read::Hit(value, meta, _, stamp)) => {
-                    Metrics::bump(&inner.metrics.l2_hits);
-                    let served = Ok(Served { value, stale: false });
-                    if let Some(guard) = guard {
-                        share(guard, &served);
-                    }
-                    if let Ok(hit) = &served {
-                        self.fill_hit(&keys[i], &hit.value, meta, l1_until, first.l1_ticket, stamp, now)
-                            .await;
-                    }
-                    answers[i] = Some(served);
-                }
-                _ => parts.push((i, Part::Lead(guard), Some(first))),
-            }
-        }
+        let (mut parts, led) = self.join_batch(keys, options, &mut answers);
+        parts.extend(self.answer_hits(keys, entries, named, led, &mut answers).await);
         // The led keys hold their seats from now: no load is made before every one of
         // them has reached its load or a wait.
         let mut seats: Vec<Option<Seat<'_>>> = keys.iter().map(|_| None).collect();
@@ -520,10 +445,78 @@ impl Corral {
             .collect()
     }
 
+    /// Answers a batch's L1 hits (in `answers`), and joins this process's flights of the
+    /// other keys: those it follows, and bypassed ones, to fly; those it leads, with
+    /// their registry leads, to read first.
+    #[allow(clippy::type_complexity)]
+    fn join_batch(
+        &self,
+        keys: &[String],
+        options: &LoadOptions,
+        answers: &mut [Option<Result<Served>>],
+    ) -> (
+        Vec<(usize, Part, Option<FirstRead>)>,
+        Vec<(usize, LeaderGuard<Outcome>)>,
+    ) {
+        let inner = &*self.inner;
+        let now = inner.clock.now_ms();
+        let (mut parts, mut led) = (Vec::new(), Vec::new());
+        for (i, key) in keys.iter().enumerate() {
+            if options.bypass {
+                parts.push((i, Part::Lead(None), None));
+            } else if let Some((value, stale)) = inner.l1.get_served(key, now) {
+                Metrics::bump(&inner.metrics.l1_hits);
+                if stale {
+                    Metrics::bump(&inner.metrics.stale_served);
+                }
+                answers[i] = Some(Ok(Served { value, stale }));
+            } else {
+                match self.join_flight(key) {
+                    Part::Lead(Some(guard)) => led.push((i, guard)),
+                    part => parts.push((i, part, None)),
+                }
+            }
+        }
+        (parts, led)
+    }
+
+    /// The `led` keys' first reads, together. A fresh hit is answered from its read
+    /// alone (in `answers`, and its followers); the other keys come back to lead their
+    /// flights with that read.
+    async fn answer_hits(
+        &self,
+        keys: &[String],
+        entries: &[String],
+        named: &[Ticket],
+        led: Vec<(usize, LeaderGuard<Outcome>)>,
+        answers: &mut [Option<Result<Served>>],
+    ) -> Vec<(usize, Part, Option<FirstRead>)> {
+        let inner = &*self.inner;
+        let now = inner.clock.now_ms();
+        let to_read: Vec<usize> = led.iter().map(|(i, _)| *i).collect();
+        let reads = self.first_reads(keys, entries, named, &to_read).await;
+        let mut parts = Vec::new();
+        for ((i, guard), (_, first, l1_until)) in led.into_iter().zip(reads) {
+            match first.read {
+                Ok(L2Read::Hit(value, meta, _, stamp)) => {
+                    Metrics::bump(&inner.metrics.l2_hits);
+                    // Its followers first, as a flight's finish answers them.
+                    let served = Served { value, stale: false };
+                    share(guard, &Ok(served.clone()));
+                    let ticket = first.l1_ticket;
+                    self.fill_hit(&keys[i], &served.value, meta, l1_until, ticket, stamp, now);
+                    answers[i] = Some(Ok(served));
+                }
+                _ => parts.push((i, Part::Lead(Some(guard)), Some(first))),
+            }
+        }
+        parts
+    }
+
     /// Fills L1 with a hit a batch's first read found, until `l1_until` (the guest's,
-    /// when the read was judged with the others), no longer than its tags are known.
+    /// when the read was judged with the others; else asked now).
     #[allow(clippy::too_many_arguments)]
-    async fn fill_hit(
+    fn fill_hit(
         &self,
         key: &str,
         value: &Bytes,
@@ -533,24 +526,15 @@ impl Corral {
         stamp: Option<TagStamp>,
         now: u64,
     ) {
-        let l1 = &self.inner.l1;
-        if !l1.is_on() {
+        let inner = &*self.inner;
+        if !inner.l1.is_on() {
             return;
         }
-        let Some(until) = l1_until else {
-            let filled = self
-                .fill_l1(key, value, meta, now, L1Fill::Read(ticket), stamp)
-                .await;
-            if let Err(e) = filled {
-                tracing::debug!(key, error = %e, "L1 not filled");
-            }
-            return;
+        let until = match l1_until.map_or_else(|| inner.policy.l1_deadline(meta, now, inner.l1_ttl_ms), Ok) {
+            Ok(until) => until,
+            Err(e) => return tracing::debug!(key, error = %e, "L1 not filled"),
         };
-        let (until, tagged) = match stamp {
-            Some(s) => (until.min(s.until_ms), s.tagged),
-            None => (until, None),
-        };
-        l1.fill(key, value.clone(), until, ticket, tagged);
+        self.fill_l1_until(key, value, until, L1Fill::Read(ticket), stamp);
     }
 
     /// Joins the flight of `key` in this process, or leads it.
@@ -661,13 +645,6 @@ impl Corral {
                 }
             }
         }
-    }
-}
-
-impl Error {
-    /// A batch loader left this key out (see [`Corral::get_or_set_many`]).
-    pub(crate) fn is_absent(&self) -> bool {
-        self.kind() == ErrorKind::Loader && self.loader_error::<Absent>().is_some()
     }
 }
 

@@ -3,7 +3,6 @@
 //! ([`driver`]), which performs each action and decides nothing (contract §5).
 
 mod batch;
-pub(crate) use batch::BatchLoaderError;
 mod driver;
 mod held;
 
