@@ -16,7 +16,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 
 use super::Scripts;
-use super::breaker::{Breaker, Breakers, is_connection_failure};
+use super::breaker::{Breaker, Breakers, Probed, Prober, is_connection_failure};
 use super::link::{Connection, Healing, Link};
 use super::pubsub::RedisNotifications;
 pub use super::redis_options::{RedisOptions, redact};
@@ -97,6 +97,57 @@ fn read_failed<'a>(what: &'static str, at: &'a Breaker) -> impl Fn(redis::RedisE
     }
 }
 
+/// How a breaker's background probe asks Redis: one `PING` to the server it guards (on a
+/// cluster, to the master's address), within `timeout`. An answer of any kind (even an
+/// error reply) is the server up; a failure of the connection counts on the link as a
+/// command's would (timeouts in a row replace it) and, on a cluster, has the masters
+/// learnt again. An address the cluster no longer has as a master is `Gone`.
+fn prober(healing: Healing, commands: Arc<AtomicU64>, timeout: std::time::Duration) -> Prober {
+    Arc::new(move |node: Option<Arc<str>>| {
+        let healing = healing.clone();
+        let commands = commands.clone();
+        async move {
+            if let (Some(node), Some(masters)) = (&node, healing.masters())
+                && !masters.contains(node)
+            {
+                return Probed::Gone;
+            }
+            commands.fetch_add(1, Ordering::Relaxed);
+            let answer = tokio::time::timeout(timeout, ping(healing.current(), node.as_deref())).await;
+            let (probed, timed_out) = match &answer {
+                Ok(Ok(())) => (Probed::Up, false),
+                Ok(Err(e)) if !is_connection_failure(e) => (Probed::Up, false),
+                Ok(Err(e)) => (Probed::Down, e.is_timeout()),
+                Err(_) => (Probed::Down, true),
+            };
+            healing.observe(timed_out);
+            if probed == Probed::Down {
+                healing.relearn();
+            }
+            probed
+        }
+        .boxed()
+    })
+}
+
+/// `PING` on `link`: to the cluster node at `node` (`host:port`) when it names one.
+async fn ping(mut link: Link, node: Option<&str>) -> redis::RedisResult<()> {
+    use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+    let address = node
+        .and_then(|n| n.rsplit_once(':'))
+        .and_then(|(host, port)| Some((host.to_owned(), port.parse::<u16>().ok()?)));
+    match (&mut link, address) {
+        (Link::Cluster(cluster), Some((host, port))) => cluster
+            .route_command(
+                redis::cmd("PING"),
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port }),
+            )
+            .await
+            .map(drop),
+        _ => redis::cmd("PING").query_async::<()>(&mut link).await,
+    }
+}
+
 /// Deletes `KEYS[1]` only if it holds something other than a string: 1 if it did.
 const DELETE_FOREIGN: &str =
     "if redis.call('TYPE', KEYS[1]).ok ~= 'string' then return redis.call('DEL', KEYS[1]) end return 0";
@@ -116,6 +167,11 @@ impl RedisStore {
         // One command link for entries, the flight lock, announcements and the cache's
         // leases, so a replacement after timeouts heals them all.
         let healing = Healing::new(connection)?;
+        let prober = prober(
+            healing.clone(),
+            commands.clone(),
+            options.connect_timeout + options.response_timeout,
+        );
         Ok(RedisStore {
             notifications: RedisNotifications::new(
                 subscribers,
@@ -130,6 +186,7 @@ impl RedisStore {
             breakers: Arc::new(Breakers::new(
                 options.breaker_threshold,
                 options.breaker_cool_down,
+                prober,
             )),
             options: options.clone(),
             read_and_touch: Arc::new(Script::new(&scripts.read_and_touch)),

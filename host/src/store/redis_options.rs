@@ -27,7 +27,8 @@ pub struct RedisOptions {
     /// get-or-set loads uncached) until a probe succeeds; 0 turns the breaker off.
     /// Default 3.
     pub breaker_threshold: u32,
-    /// How long the breaker stays open before it lets one call through as a probe.
+    /// How often an open breaker probes Redis (a `PING` in the background: no call waits
+    /// on it; every call is refused until a probe is answered).
     /// Default 1 s.
     pub breaker_cool_down: Duration,
 }

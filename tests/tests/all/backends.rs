@@ -155,16 +155,16 @@ async fn a_dead_redis_is_a_typed_retryable_error_and_recovery_follows() -> Resul
     Ok(())
 }
 
-/// The probe after the cool-down goes out while Redis is still frozen and its caller
-/// gives up (a request timeout drops the future): the breaker never hears how it ended.
-/// The slot lapses after one more cool-down, so once Redis is back a later call probes and
-/// closes it (before the fix the breaker stayed open for good).
+/// Redis frozen (SIGSTOP) under a steady stream of misses, for ten cool-downs: once the
+/// breaker is open no call waits on Redis again, not even once per cool-down (the probe
+/// runs in the background; it used to ride a caller's request, which then waited out the
+/// response timeout). Once Redis is back, the probe closes the breaker with no call made.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_probe_whose_caller_gives_up_does_not_keep_the_breaker_open() -> Result<()> {
+async fn once_the_breaker_is_open_no_call_waits_on_a_probe() -> Result<()> {
     let server = RedisServer::start()?;
     let mut options = corral::RedisOptions::new(server.url());
     options.response_timeout = Duration::from_millis(200);
-    options.breaker_cool_down = Duration::from_millis(300);
+    options.breaker_cool_down = Duration::from_millis(100);
     let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
     cache.set("k", "v", EntryOptions::new()).await?;
     let store = cache.redis_store().expect("redis");
@@ -173,29 +173,41 @@ async fn a_probe_whose_caller_gives_up_does_not_keep_the_breaker_open() -> Resul
         cache.get("k").await.unwrap_err();
     }
     ensure!(store.breaker().0, "open after three failures");
-    // Past the cool-down, the next call is the probe; its caller drops it at 20 ms.
-    let mut abandoned = false;
-    for _ in 0..50 {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        if tokio::time::timeout(Duration::from_millis(20), cache.get("k"))
-            .await
-            .is_err()
-        {
-            abandoned = true;
-            break;
-        }
+    let degraded = cache.metrics().degraded;
+    let mut slowest = Duration::ZERO;
+    for i in 0..40 {
+        let started = Instant::now();
+        let v = cache
+            .get_or_set(&format!("miss-{i}"), EntryOptions::new(), || async {
+                Ok::<_, std::io::Error>("from the database")
+            })
+            .await?;
+        slowest = slowest.max(started.elapsed());
+        ensure!(v == "from the database");
+        // Paced over ten cool-downs (pacing the workload, not waiting for anything).
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    ensure!(abandoned, "no call was let through as a probe");
+    println!("breaker open, Redis frozen: the slowest of 40 misses took {slowest:?}");
+    ensure!(
+        slowest < Duration::from_millis(100),
+        "a call waited on Redis (a call sent takes the 200 ms response timeout): {slowest:?}"
+    );
+    ensure!(
+        cache.metrics().degraded - degraded == 40,
+        "each miss loaded, uncached"
+    );
+    ensure!(store.breaker().0, "still open: Redis is frozen");
     server.resume()?;
-    let mut closed = false;
-    for _ in 0..60 {
-        if cache.get("k").await.is_ok() {
-            closed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.breaker().0 {
+        ensure!(
+            Instant::now() < deadline,
+            "no probe closed it: {:?}",
+            store.breaker()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    ensure!(closed, "still open: {:?}", store.breaker());
+    ensure!(cache.get("k").await?.as_deref() == Some(&b"v"[..]));
     Ok(())
 }
 

@@ -42,10 +42,11 @@ impl Calls {
     }
 }
 
+/// What a test's batch loader answers: a value per key it found.
+type Loaded<E> = Result<Vec<(String, String)>, E>;
+
 /// A loader that answers `value:<key>` for every key, noting its calls.
-fn answering(
-    calls: &Calls,
-) -> impl Fn(Vec<String>) -> std::future::Ready<Result<Vec<(String, String)>, std::io::Error>> {
+fn answering(calls: &Calls) -> impl Fn(Vec<String>) -> std::future::Ready<Loaded<std::io::Error>> {
     let calls = calls.clone();
     move |keys| {
         calls.note(&keys);
@@ -72,7 +73,7 @@ type Answers = corral::Result<Vec<corral::Result<Option<Bytes>>>>;
 async fn held_batch<E>(
     cache: &Corral,
     keys: &'static [&'static str],
-    answer: fn(Vec<String>) -> Result<Vec<(String, String)>, E>,
+    answer: fn(Vec<String>) -> Loaded<E>,
 ) -> (tokio::task::JoinHandle<Answers>, Arc<Notify>)
 where
     E: std::error::Error + Send + Sync + 'static,
@@ -225,7 +226,11 @@ async fn keys_the_loader_leaves_out_are_absent_and_not_cached(backend: Backend) 
         answers,
         [found.clone(), None, found.clone(), None, found.clone(), None]
     );
-    assert_eq!(calls.all(), [keys.clone()], "one loader call for the six");
+    assert_eq!(
+        calls.all(),
+        std::slice::from_ref(&keys),
+        "one loader call for the six"
+    );
     // The absent keys were not cached: asked again, they are loaded again, alone.
     let answers = values(f.cache.get_or_set_many(&keys, relative(), evens(&calls)).await?)?;
     assert_eq!(answers[1], None);
