@@ -52,6 +52,8 @@ pub struct Request<'a> {
     pub watchdog: Option<Duration>,
     /// How long to wait for the lock (0: one try).
     pub wait: Duration,
+    /// First come, first served across processes (`LockOptions::fair`).
+    pub fair: bool,
     /// How long the command may take to stop after a signal, before SIGKILL.
     pub grace: Duration,
     /// The program and its arguments.
@@ -60,7 +62,7 @@ pub struct Request<'a> {
 
 impl Request<'_> {
     fn options(&self) -> LockOptions {
-        let options = LockOptions::new().wait(self.wait);
+        let options = LockOptions::new().wait(self.wait).fair(self.fair);
         match (self.ttl, self.watchdog) {
             (Some(ttl), _) => options.ttl(ttl),
             (None, Some(ttl)) => options.watchdog(ttl),

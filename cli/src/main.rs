@@ -148,6 +148,10 @@ pub enum Command {
         /// How long to wait for the lock.
         #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
         wait: Duration,
+        /// Wait in line: first come, first served across every process waiting for KEY
+        /// with --fair (a queue in Redis).
+        #[arg(long)]
+        fair: bool,
         /// How long COMMAND's processes may take to stop after a signal, before SIGKILL.
         #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
         grace: Duration,
@@ -190,6 +194,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             ttl,
             watchdog,
             wait,
+            fair,
             grace,
             command,
         } => {
@@ -205,6 +210,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 ttl: *ttl,
                 watchdog: *watchdog,
                 wait: *wait,
+                fair: *fair,
                 grace: *grace,
                 command,
             };

@@ -62,6 +62,7 @@ pub enum Script {
     DeleteIfEqual,
     ReplaceIfEqual,
     LockAcquire,
+    LockAcquireFair,
     LockRelease,
     LockExtend,
 }
@@ -75,6 +76,7 @@ impl Script {
             Script::DeleteIfEqual => script::DELETE_IF_EQUAL,
             Script::ReplaceIfEqual => script::REPLACE_IF_EQUAL,
             Script::LockAcquire => script::LOCK_ACQUIRE,
+            Script::LockAcquireFair => script::LOCK_ACQUIRE_FAIR,
             Script::LockRelease => script::LOCK_RELEASE,
             Script::LockExtend => script::LOCK_EXTEND,
         }

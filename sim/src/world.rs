@@ -1513,6 +1513,7 @@ impl LeaseServer for Conn {
         let broken = self.world.scenario.broken;
         let (which, what) = match script {
             LockScript::Acquire => (Script::LockAcquire, "acquire"),
+            LockScript::AcquireFair => (Script::LockAcquireFair, "acquire"),
             LockScript::Release => (Script::LockRelease, "unlock"),
             LockScript::Extend => (Script::LockExtend, "extend"),
         };
@@ -1535,7 +1536,7 @@ impl LeaseServer for Conn {
                     step.server = server;
                     let reply = self::script(&mut step, &broken, which, &keys, &argv);
                     match script {
-                        LockScript::Acquire => {
+                        LockScript::Acquire | LockScript::AcquireFair => {
                             let token = answered(st, now, what, &reply, |r| match r {
                                 Reply::Int(0) => Some(0),
                                 Reply::Bulk(b) => std::str::from_utf8(b).ok()?.parse::<u64>().ok(),
@@ -1556,7 +1557,7 @@ impl LeaseServer for Conn {
                     }
                 })
                 .await;
-            if script == LockScript::Acquire
+            if matches!(script, LockScript::Acquire | LockScript::AcquireFair)
                 && let Ok(token) = got
                 && token > 0
             {

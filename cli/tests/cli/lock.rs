@@ -394,6 +394,95 @@ fn a_lock_held_by_another_owner_exits_75() {
     assert_eq!(holder.finish().status.code(), Some(143));
 }
 
+/// The queue of the lock "job" under the default prefix (contract §2.4), as its lines.
+fn queued(url: &str) -> Vec<String> {
+    let queue: Option<String> = redis_cmd(url, &["GET", "{7:corral:job}:q"]);
+    queue.unwrap_or_default().lines().map(str::to_owned).collect()
+}
+
+/// `corral lock --fair --wait 60s` on "job", in the background, once the queue holds
+/// `ahead` waiters; returns once it is queued behind them.
+fn fair_waiter(url: &str, script: &str, file: &std::path::Path, ahead: usize) -> Running {
+    let waiter = lock_in_background(url, "job", &["--fair", "--wait", "60s"], script, file);
+    eventually("the waiter queued", || {
+        (queued(url).len() == ahead + 1).then_some(())
+    });
+    waiter
+}
+
+/// Fair waiters in separate processes get the lock in the order they came (a queue in
+/// Redis, contract §6): six `corral lock --fair` processes, each started once the one
+/// before it is queued, while another holds the lock. Without the queue, whichever
+/// tried first after each release won, in any order.
+#[test]
+fn fair_waiters_in_separate_processes_are_served_in_the_order_they_came() {
+    let server = redis_server();
+    let url = server.url();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    let holder = lock_in_background(&url, "job", &[], WITH_GRANDCHILD, &marker);
+    pid_in(&marker);
+    let order = dir.path("order");
+    let names: Vec<String> = (0..6).map(|i| format!("w{i}")).collect();
+    let waiters: Vec<Running> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| fair_waiter(&url, &format!(r#"echo {name} >> "$1""#), &order, i))
+        .collect();
+    holder.signal(Signal::SIGTERM);
+    assert_eq!(holder.finish().status.code(), Some(143));
+    for waiter in waiters {
+        let out = waiter.finish();
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    }
+    let served = std::fs::read_to_string(&order).unwrap();
+    assert_eq!(
+        served.lines().collect::<Vec<_>>(),
+        names,
+        "first come, first served"
+    );
+    assert!(queued(&url).is_empty(), "the queue is deleted once empty");
+}
+
+/// A fair waiter that gives up (its --wait runs out) leaves the queue at once; one
+/// killed while queued (SIGKILL: it cannot leave) holds up those behind it only until
+/// its place lapses, 3 s after its last try, never for good.
+#[test]
+fn a_fair_waiter_that_gives_up_leaves_the_queue_and_a_killed_ones_place_lapses() {
+    let server = redis_server();
+    let url = server.url();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    let holder = lock_in_background(&url, "job", &[], WITH_GRANDCHILD, &marker);
+    pid_in(&marker);
+
+    let out = run(
+        &[
+            "lock", "--key", "job", "--fair", "--wait", "300ms", "--redis", &url, "--", "true",
+        ],
+        None,
+    );
+    assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
+    assert!(queued(&url).is_empty(), "it left: {:?}", queued(&url));
+
+    let ran = dir.path("ran");
+    let killed = fair_waiter(&url, r#"echo killed >> "$1""#, &ran, 0);
+    let next = fair_waiter(&url, r#"echo next >> "$1""#, &ran, 1);
+    killed.signal(Signal::SIGKILL);
+    let _ = killed.finish();
+    holder.signal(Signal::SIGTERM);
+    assert_eq!(holder.finish().status.code(), Some(143));
+    let released = Instant::now();
+    let out = next.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    println!(
+        "the next waiter got the lock {:?} after the release",
+        released.elapsed()
+    );
+    assert_eq!(std::fs::read_to_string(&ran).unwrap(), "next\n");
+    assert!(queued(&url).is_empty());
+}
+
 #[test]
 fn a_signal_while_waiting_for_the_lock_ends_the_wait_and_exits_128_plus_it() {
     let server = redis_server();

@@ -282,6 +282,7 @@ impl wit::Guest for Component {
             flight_lock: n.flight_lock,
             lock: n.lock,
             fence: n.fence,
+            queue: n.queue,
         })
     }
 
@@ -770,6 +771,10 @@ mod lock {
             core::orphan_window_ms(ttl_ms)
         }
 
+        fn fair_waiter(started_us: u64, token: String) -> String {
+            core::fair_waiter(started_us, &token)
+        }
+
         fn has_quorum(count: u32, servers: u32) -> bool {
             core::has_quorum(count, servers)
         }
@@ -786,6 +791,7 @@ mod lock {
             use corral_core::script;
             wit::LockScripts {
                 acquire: script::LOCK_ACQUIRE.to_string(),
+                acquire_fair: script::LOCK_ACQUIRE_FAIR.to_string(),
                 release: script::LOCK_RELEASE.to_string(),
                 extend: script::LOCK_EXTEND.to_string(),
             }

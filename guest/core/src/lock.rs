@@ -87,6 +87,16 @@ pub fn drift_ms(ttl_ms: u64) -> u64 {
     ttl_ms / 100 + 2
 }
 
+/// The id a fair acquire waits under in a lock's queue (contract §6): the moment it
+/// started waiting (`started_us`, µs on the wall clock, as 16 digits), then its `token`.
+/// A queue keeps its waiters in the order of their ids, so the servers of a Redlock,
+/// each with its own queue, agree on who is ahead (in the order of arrival, each a
+/// waiter would head one server's queue and none win a majority), and a waiter that a
+/// server missed is put back in its place there at its next try.
+pub fn fair_waiter(started_us: u64, token: &str) -> String {
+    format!("{started_us:016}-{token}")
+}
+
 /// The majority of `servers`.
 pub fn quorum(servers: u32) -> u32 {
     servers / 2 + 1
@@ -142,6 +152,19 @@ mod tests {
     use super::*;
 
     const NOW: u64 = 1_000_000;
+
+    #[test]
+    fn fair_waiters_sort_as_they_started_waiting() {
+        let (early, late) = (fair_waiter(999_999, "ff"), fair_waiter(1_000_000, "00"));
+        assert_eq!(early, "0000000000999999-ff");
+        assert!(early < late, "the earlier start first, whatever the tokens");
+        let now_us = 1_795_555_370_387_128;
+        assert_eq!(
+            fair_waiter(now_us, "t").len(),
+            18,
+            "16 digits for the coming centuries"
+        );
+    }
 
     fn held(owner: &str, expires_at_ms: u64) -> Held {
         Held {

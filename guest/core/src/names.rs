@@ -38,6 +38,8 @@ pub enum Kind {
     Lock,
     /// The fencing counter of a user lock (`f`).
     Fence,
+    /// The waiters' queue of a fair user lock (`q`).
+    Queue,
     /// A tag's invalidation moments (`t`; the "key" is the tag).
     Tag,
 }
@@ -49,6 +51,7 @@ impl Kind {
             Kind::FlightLock => 'l',
             Kind::Lock => 'k',
             Kind::Fence => 'f',
+            Kind::Queue => 'q',
             Kind::Tag => 't',
         }
     }
@@ -65,6 +68,8 @@ pub struct Names {
     pub lock: String,
     /// The user lock's fencing counter.
     pub fence: String,
+    /// The user lock's queue of fair waiters.
+    pub queue: String,
 }
 
 /// The names of `key`'s data under `prefix`, once `key` passed the key rules.
@@ -88,6 +93,7 @@ pub fn locate_in(prefix: &str, key: &str, generation: u64, limits: &Limits) -> R
         flight_lock: named(&tag, Kind::FlightLock, generation),
         lock: named(&tag, Kind::Lock, generation),
         fence: named(&tag, Kind::Fence, generation),
+        queue: named(&tag, Kind::Queue, generation),
     })
 }
 
@@ -203,6 +209,7 @@ pub fn kind_of(name: &str) -> Option<Kind> {
         'l' => Kind::FlightLock,
         'k' => Kind::Lock,
         'f' => Kind::Fence,
+        'q' => Kind::Queue,
         't' => Kind::Tag,
         _ => return None,
     };
@@ -277,6 +284,7 @@ mod tests {
             assert_eq!(kind_of(&n.flight_lock), Some(Kind::FlightLock));
             assert_eq!(kind_of(&n.lock), Some(Kind::Lock));
             assert_eq!(kind_of(&n.fence), Some(Kind::Fence));
+            assert_eq!(kind_of(&n.queue), Some(Kind::Queue));
         }
         assert_eq!(kind_of(&tag_name("corral:", "t").unwrap()), Some(Kind::Tag));
         for other in [
@@ -346,9 +354,9 @@ mod tests {
         #[test]
         fn distinct_triples_get_distinct_names(
             p1 in ".{0,6}", k1 in ".{1,6}", p2 in ".{0,6}", k2 in ".{1,6}",
-            kind1 in 0..5usize, kind2 in 0..5usize, g1 in 0..3u64, g2 in 0..3u64,
+            kind1 in 0..6usize, kind2 in 0..6usize, g1 in 0..3u64, g2 in 0..3u64,
         ) {
-            let kinds = [Kind::Entry, Kind::FlightLock, Kind::Lock, Kind::Fence, Kind::Tag];
+            let kinds = [Kind::Entry, Kind::FlightLock, Kind::Lock, Kind::Fence, Kind::Tag, Kind::Queue];
             // Only entries and flight locks have generations.
             let g1 = if kind1 < 2 { g1 } else { 0 };
             let g2 = if kind2 < 2 { g2 } else { 0 };
@@ -363,7 +371,7 @@ mod tests {
             let n = n.unwrap();
             let tag = hash_tag(&n.entry).to_owned();
             prop_assert!(!tag.is_empty());
-            for other in [&n.flight_lock, &n.lock, &n.fence] {
+            for other in [&n.flight_lock, &n.lock, &n.fence, &n.queue] {
                 prop_assert_eq!(hash_tag(other), tag.as_str());
             }
         }

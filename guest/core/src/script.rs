@@ -100,6 +100,37 @@ end
     };
 }
 
+/// The Lua that takes a lock, shared by [`LOCK_ACQUIRE`] and [`LOCK_ACQUIRE_FAIR`]:
+/// `take()` takes `KEYS[1]` for the owner `ARGV[1]` for `ARGV[2]` ms if it is free and
+/// returns the new fencing token (a decimal string, from `KEYS[2]`), else 0, or an error
+/// reply (`CORRAL_FENCE_EXHAUSTED`, `CORRAL_FOREIGN`).
+macro_rules! lock_take {
+    () => {
+        r#"
+local function take()
+  local counter, refused = counter_of(KEYS[2])
+  if refused then return refused end
+  if counter == '9223372036854775807' then
+    return redis.error_reply('CORRAL_FENCE_EXHAUSTED ' .. KEYS[2] .. ' is at the largest token Redis can count to')
+  end
+  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    local t = redis.call('TIME')
+    local floor = t[1] .. string.format('%06d', tonumber(t[2]))
+    if below(counter, floor) then
+      redis.call('SET', KEYS[2], floor)
+    end
+    -- INCR's reply would reach the caller through a Lua number: the string, exactly.
+    redis.call('INCR', KEYS[2])
+    return redis.call('GET', KEYS[2])
+  end
+  local _, busy = holder_of(KEYS[1])
+  if busy then return busy end
+  return 0
+end
+"#
+    };
+}
+
 /// The largest fencing token: Redis's largest integer (`INCR` refuses to go past it).
 pub const MAX_FENCING_TOKEN: u64 = i64::MAX as u64;
 
@@ -119,27 +150,93 @@ pub const MAX_FENCING_TOKEN: u64 = i64::MAX as u64;
 /// reply (`CORRAL_FENCE_EXHAUSTED`) instead of taking a lock it could give no larger
 /// token. Another Redis type under either name is refused (`CORRAL_FOREIGN`), and so
 /// is a busy lock key holding another type (`SET NX` alone would call it held).
-pub const LOCK_ACQUIRE: &str = concat!(
+pub const LOCK_ACQUIRE: &str = concat!(lock_prelude!(), lock_take!(), "return take()\n");
+
+/// [`FAIR_STALE_MS`], as a literal the fair acquire's text is built with.
+macro_rules! fair_stale_ms {
+    () => {
+        3000
+    };
+}
+
+/// How long a fair waiter keeps its place in a lock's queue after its last try (ms):
+/// three times the longest wait between two tries ([`crate::flight::BACKOFF_MAX_MS`]),
+/// so a waiter that is alive never loses its place, and one that died (or gave up
+/// without saying so) holds up those behind it for at most this long.
+pub const FAIR_STALE_MS: u64 = fair_stale_ms!();
+
+/// A fair lock's acquire: first come, first served across every process. `KEYS[1]`: the
+/// lock, `KEYS[2]`: its fencing counter, `KEYS[3]`: its queue. `ARGV[1]`: the owner
+/// token, `ARGV[2]`: the TTL (ms), as for [`LOCK_ACQUIRE`]; `ARGV[3]`: the waiter (one
+/// id for all the tries of one acquire); `ARGV[4]`: what to do:
+/// - `wait`: take the lock if it is free and no one is queued ahead (the queue is empty,
+///   or this waiter is at its head); else queue at the back, or keep this waiter's place;
+/// - `try`: take the lock if it is free and no one is queued; never queue;
+/// - `leave`: give this waiter's place up (an acquire that stopped waiting): 0.
+///
+/// Answers as [`LOCK_ACQUIRE`] does: the fencing token, 0, or an error reply. The queue
+/// is one string, a line `<waiter> <until>` per waiter in the order of the waiters' ids
+/// ([`crate::lock::fair_waiter`]: when each started waiting), `until` in ms
+/// on the server's clock (`TIME`): each try of a waiter moves its `until` to
+/// [`FAIR_STALE_MS`] past now, and a waiter whose `until` passed is dropped. The key
+/// expires that long after its last write and is deleted once empty; an acquire that
+/// finds no queue and takes the lock writes nothing to it.
+pub const LOCK_ACQUIRE_FAIR: &str = concat!(
     lock_prelude!(),
+    lock_take!(),
     r#"
-local counter, refused = counter_of(KEYS[2])
-if refused then return refused end
-if counter == '9223372036854775807' then
-  return redis.error_reply('CORRAL_FENCE_EXHAUSTED ' .. KEYS[2] .. ' is at the largest token Redis can count to')
-end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local t = redis.call('TIME')
-  local floor = t[1] .. string.format('%06d', tonumber(t[2]))
-  if below(counter, floor) then
-    redis.call('SET', KEYS[2], floor)
+local q = redis.pcall('GET', KEYS[3])
+if type(q) == 'table' then return foreign(KEYS[3], 'a ' .. redis.call('TYPE', KEYS[3]).ok) end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local waiters, untils, mine, changed = {}, {}, nil, false
+for waiter, until_ in string.gmatch(q or '', '(%S+) (%d+)\n') do
+  if tonumber(until_) > now then
+    waiters[#waiters + 1] = waiter
+    untils[#waiters] = until_
+    if waiter == ARGV[3] then mine = #waiters end
+  else
+    changed = true
   end
-  -- INCR's reply would reach the caller through a Lua number: the string, exactly.
-  redis.call('INCR', KEYS[2])
-  return redis.call('GET', KEYS[2])
 end
-local _, busy = holder_of(KEYS[1])
-if busy then return busy end
-return 0
+local result = 0
+if ARGV[4] ~= 'leave' and (#waiters == 0 or mine == 1) then
+  result = take()
+  if type(result) == 'table' then return result end
+end
+if mine and (result ~= 0 or ARGV[4] == 'leave') then
+  table.remove(waiters, mine)
+  table.remove(untils, mine)
+  changed = true
+elseif ARGV[4] == 'wait' and result == 0 then
+  if not mine then
+    mine = #waiters + 1
+    for i = 1, #waiters do
+      if ARGV[3] < waiters[i] then
+        mine = i
+        break
+      end
+    end
+    table.insert(waiters, mine, ARGV[3])
+    table.insert(untils, mine, '')
+  end
+  untils[mine] = string.format('%d', now + "#,
+    fair_stale_ms!(),
+    r#")
+  changed = true
+end
+if changed then
+  if #waiters == 0 then
+    redis.call('DEL', KEYS[3])
+  else
+    local lines = {}
+    for i = 1, #waiters do lines[i] = waiters[i] .. ' ' .. untils[i] .. '\n' end
+    redis.call('SET', KEYS[3], table.concat(lines), 'PX', "#,
+    fair_stale_ms!(),
+    r#")
+  end
+end
+return result
 "#
 );
 
@@ -212,6 +309,17 @@ mod tests {
         );
         let floor = LOCK_ACQUIRE.find("'TIME'").unwrap();
         assert!(floor < LOCK_ACQUIRE.find("'INCR'").unwrap(), "floor, then INCR");
+    }
+
+    #[test]
+    fn a_fair_waiter_keeps_its_place_across_three_of_the_longest_waits_between_tries() {
+        assert_eq!(FAIR_STALE_MS, 3 * crate::flight::BACKOFF_MAX_MS);
+        assert_eq!(LOCK_ACQUIRE_FAIR.matches(&format!("{FAIR_STALE_MS})")).count(), 2);
+        // The fair acquire takes the lock exactly as the plain one does.
+        let take = LOCK_ACQUIRE.find("local function take()").unwrap();
+        assert!(
+            LOCK_ACQUIRE_FAIR.contains(&LOCK_ACQUIRE[take..LOCK_ACQUIRE.len() - "return take()\n".len()])
+        );
     }
 
     #[test]

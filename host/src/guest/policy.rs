@@ -695,6 +695,14 @@ impl Policy {
         })
     }
 
+    pub(crate) fn lock_fair_waiter(&self, started_us: u64, token: &str) -> Result<String> {
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_fair_waiter(&mut s.store, started_us, token)
+        })
+    }
+
     pub(crate) fn lock_next_try(&self, attempt: u32, now_ms: u64, deadline_ms: u64) -> Result<Option<u64>> {
         self.call(|s| {
             s.guest

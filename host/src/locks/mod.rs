@@ -27,6 +27,12 @@ pub enum LockScript {
     /// least the server's clock in microseconds and increments it: the new counter, or
     /// 0 when another owner holds the lock.
     Acquire,
+    /// `LOCK_ACQUIRE_FAIR`. `keys`: the lock, its fencing counter, its queue; `args`:
+    /// the owner token, the TTL in ms, the waiter, and `wait`, `try` or `leave`. As
+    /// `Acquire`, but first come, first served: only the head of the queue (or anyone,
+    /// when no one is queued) may take the lock; `wait` queues the waiter when it does
+    /// not take it, `leave` gives its place up (0).
+    AcquireFair,
     /// `LOCK_RELEASE`. `keys`: the lock, its fencing counter; `args`: the owner token,
     /// a fencing token the counter is first raised to (`0`: none). Deletes the lock if
     /// the owner holds it: 1, else 0.

@@ -91,10 +91,14 @@ impl LockOptions {
         self
     }
 
-    /// First come, first served within this process: callers of this `RedisLocks` that
-    /// ask for the same key queue in the order they asked, and only the head of the
-    /// queue tries Redis (until its lease is released or dropped). Across processes the
-    /// first try after a release wins, as without it. Default: off.
+    /// First come, first served across every process: waiters for the key queue in
+    /// Redis in the order they first tried, and only the head of the queue may take the
+    /// lock when it is free (a fair [`RedisLocks::try_acquire`] takes it only when no
+    /// one is queued). A waiter keeps its place while it keeps trying (its tries come
+    /// at least once a second); one that stops trying without leaving (its process died)
+    /// is dropped from the queue 3 s after its last try (contract §6). Every acquirer of
+    /// a key must be fair for the order to hold: an unfair one takes a free lock
+    /// whoever waits. Default: off.
     pub fn fair(mut self, fair: bool) -> Self {
         self.fair = fair;
         self
@@ -146,6 +150,7 @@ struct Inner {
     policy: Policy,
     prefix: String,
     acquire: Script,
+    acquire_fair: Script,
     release: Script,
     extend: Script,
     /// The origin of the millisecond timeline the guest's schedules are computed on:
@@ -154,9 +159,6 @@ struct Inner {
     /// Where releases are announced and waiters wake (the landing channel of the
     /// prefix); `None` for Redlock and custom servers, whose waiters poll.
     landings: Option<Arc<dyn Notifications>>,
-    /// This process's queue per key, for fair leases (the entry goes with the last
-    /// waiter).
-    queues: Mutex<std::collections::HashMap<String, std::sync::Weak<tokio::sync::Mutex<()>>>>,
 }
 
 impl fmt::Debug for RedisLocks {
@@ -322,6 +324,7 @@ impl RedisLocks {
         RedisLocks {
             inner: Arc::new(Inner {
                 acquire: Script::new(&scripts.acquire),
+                acquire_fair: Script::new(&scripts.acquire_fair),
                 release: Script::new(&scripts.release),
                 extend: Script::new(&scripts.extend),
                 servers,
@@ -329,7 +332,6 @@ impl RedisLocks {
                 prefix: prefix.to_owned(),
                 origin: Instant::now(),
                 landings: None,
-                queues: Mutex::new(std::collections::HashMap::new()),
             }),
         }
     }
@@ -387,14 +389,14 @@ impl RedisLocks {
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for a bad key.
     pub fn lock_key(&self, key: &str) -> Result<String> {
-        Ok(self.names(key)?[0].clone())
+        Ok(self.names(key)?.0[0].clone())
     }
 
-    /// The lock's and its fencing counter's names: one hash slot, so every script that
-    /// touches both is single-slot on a Redis Cluster.
-    fn names(&self, key: &str) -> Result<[String; 2]> {
+    /// The lock's and its fencing counter's names, and its queue's (fair leases): one
+    /// hash slot, so every script that touches them is single-slot on a Redis Cluster.
+    fn names(&self, key: &str) -> Result<([String; 2], String)> {
         let n = self.inner.policy.locate(&self.inner.prefix, key, 0)?;
-        Ok([n.lock, n.fence])
+        Ok(([n.lock, n.fence], n.queue))
     }
 
     /// Runs `script` on every server in parallel, each bounded by the connection's
@@ -459,6 +461,8 @@ impl RedisLocks {
         let inner = &self.inner;
         let which = if std::ptr::eq(script, &inner.acquire) {
             LockScript::Acquire
+        } else if std::ptr::eq(script, &inner.acquire_fair) {
+            LockScript::AcquireFair
         } else if std::ptr::eq(script, &inner.release) {
             LockScript::Release
         } else {
@@ -567,7 +571,8 @@ impl RedisLocks {
     pub async fn try_acquire(&self, key: &str, options: LockOptions) -> Result<Option<Lease>> {
         let (ttl_ms, watchdog) = options.lease();
         self.inner.policy.lock_check_request(key, ttl_ms)?;
-        self.attempt(key, ttl_ms, watchdog).await
+        let queue = options.fair.then_some(Queue::Try);
+        self.attempt(key, ttl_ms, watchdog, queue).await
     }
 
     /// Takes the lock of `key`, trying until `options.wait` runs out (50 ms doubling to
@@ -585,40 +590,35 @@ impl RedisLocks {
         let deadline = self
             .mono_ms(Instant::now())
             .saturating_add(duration_ms(options.wait));
-        let turn = if options.fair {
-            let queue = self.queue(key);
-            let waited = tokio::time::timeout_at(self.instant(deadline), queue.lock_owned()).await;
-            match waited {
-                Ok(turn) => Some(turn),
-                Err(_) => {
-                    return Err(Error::new(
-                        ErrorKind::Timeout,
-                        format!(
-                            "lock {key:?} is held by another owner (waited {:?} in this process's queue)",
-                            options.wait
-                        ),
-                    ));
-                }
-            }
-        } else {
-            None
+        // A fair acquire's place in the queue, under one id for all its tries.
+        let place = match options.fair {
+            true => Some(Place {
+                locks: self,
+                key,
+                waiter: policy.lock_fair_waiter(started_waiting_us(), &crate::lock_token())?,
+                done: false,
+            }),
+            false => None,
         };
+        let queue = place.as_ref().map(|p| Queue::Wait(&p.waiter));
         let mut attempt = 0;
         let lock_name = match &self.inner.landings {
-            Some(_) => Some(self.names(key)?[0].clone()),
+            Some(_) => Some(self.names(key)?.0[0].clone()),
             None => None,
         };
-        loop {
+        let last_error = loop {
             // Registered before the try, so a release between the try and the wait
             // is not missed.
             let mut landing = match (&self.inner.landings, &lock_name) {
                 (Some(landings), Some(name)) => Some(landings.watch(name).await),
                 _ => None,
             };
-            let outcome = self.attempt(key, ttl_ms, watchdog).await;
-            let last_error = match outcome {
-                Ok(Some(mut lease)) => {
-                    lease._turn = turn;
+            let last_error = match self.attempt(key, ttl_ms, watchdog, queue).await {
+                Ok(Some(lease)) => {
+                    // The winning try left the queue.
+                    if let Some(place) = place {
+                        place.taken();
+                    }
                     return Ok(lease);
                 }
                 Ok(None) => Error::new(
@@ -629,11 +629,11 @@ impl RedisLocks {
                     ),
                 ),
                 Err(e) if matches!(e.kind(), ErrorKind::Quorum | ErrorKind::Unavailable) => e,
-                Err(e) => return Err(e),
+                Err(e) => break e,
             };
             let now = self.mono_ms(Instant::now());
             let Some(next) = policy.lock_next_try(attempt, now, deadline)? else {
-                return Err(last_error);
+                break last_error;
             };
             attempt += 1;
             // Woken by the holder's release, or by the backoff's timer if the release's
@@ -646,19 +646,26 @@ impl RedisLocks {
                 },
                 None => tokio::time::sleep_until(self.instant(next)).await,
             }
+        };
+        if let Some(place) = place {
+            place.leave().await;
         }
+        Err(last_error)
     }
 
-    /// This process's queue for `key` (fair leases).
-    fn queue(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut queues = self.inner.queues.lock();
-        queues.retain(|_, q| q.strong_count() > 0);
-        if let Some(q) = queues.get(key).and_then(std::sync::Weak::upgrade) {
-            return q;
+    /// Gives `waiter`'s place in the queue of `key` up, on every server (a failure is
+    /// only logged: a place not given up lapses, contract §6).
+    async fn leave(&self, key: &str, waiter: &str) {
+        let Ok(([lock, fence], queue)) = self.names(key) else {
+            return;
+        };
+        let keys = [lock, fence, queue];
+        let replies = self
+            .everywhere(&self.inner.acquire_fair, &keys, &["", "0", waiter, "leave"])
+            .await;
+        if let Some(Reply::Down { cause, .. }) = replies.iter().find(|r| r.value().is_none()) {
+            tracing::debug!(key, cause = %cause, "a fair waiter's place could not be given up: it lapses");
         }
-        let q = Arc::new(tokio::sync::Mutex::new(()));
-        queues.insert(key.to_owned(), Arc::downgrade(&q));
-        q
     }
 
     /// How long a release of an unsettled acquire keeps trying (asked only when needed:
@@ -668,12 +675,19 @@ impl RedisLocks {
         Duration::from_millis(ms)
     }
 
-    async fn attempt(&self, key: &str, ttl_ms: u64, watchdog: bool) -> Result<Option<Lease>> {
+    /// One try at the lock of `key`: through the fair queue when `queue` says how.
+    async fn attempt(
+        &self,
+        key: &str,
+        ttl_ms: u64,
+        watchdog: bool,
+        queue: Option<Queue<'_>>,
+    ) -> Result<Option<Lease>> {
         let inner = &self.inner;
         // The token exists before anything is sent: whatever becomes of the replies, or
         // of this future, the attempt can be released, owner-checked.
         let token = crate::lock_token();
-        let keys = self.names(key)?;
+        let (keys, queue_name) = self.names(key)?;
         let ttl_arg = ttl_ms.to_string();
         let sent = Instant::now();
         let unsettled = Unsettled {
@@ -684,7 +698,18 @@ impl RedisLocks {
             ttl_ms,
             settled: false,
         };
-        let replies = self.everywhere(&inner.acquire, &keys, &[&token, &ttl_arg]).await;
+        let replies = match queue {
+            None => self.everywhere(&inner.acquire, &keys, &[&token, &ttl_arg]).await,
+            Some(queue) => {
+                let (waiter, how) = match queue {
+                    Queue::Wait(waiter) => (waiter, "wait"),
+                    Queue::Try => (token.as_str(), "try"),
+                };
+                let keys = [keys[0].clone(), keys[1].clone(), queue_name];
+                let args = [token.as_str(), ttl_arg.as_str(), waiter, how];
+                self.everywhere(&inner.acquire_fair, &keys, &args).await
+            }
+        };
         let received = Instant::now();
         let elapsed = ms(received - sent);
         let counters: Vec<u64> = replies
@@ -746,6 +771,71 @@ impl RedisLocks {
     }
 }
 
+/// The moment a fair acquire starts waiting, in µs on the system's wall clock (a fair
+/// queue orders its waiters by it across processes and servers: real time, whatever
+/// clock the cache runs on), strictly later than the one before in this process.
+fn started_waiting_us() -> u64 {
+    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    let before = LAST
+        .fetch_update(
+            std::sync::atomic::Ordering::AcqRel,
+            std::sync::atomic::Ordering::Acquire,
+            |last| Some(now.max(last.saturating_add(1))),
+        )
+        .unwrap_or(now);
+    now.max(before.saturating_add(1))
+}
+
+/// How a try goes through a fair lock's queue (`LOCK_ACQUIRE_FAIR`).
+#[derive(Clone, Copy)]
+enum Queue<'a> {
+    /// An acquire's try as the waiter it names: queued (or kept in its place) unless
+    /// it takes the lock.
+    Wait(&'a str),
+    /// A lone try: it takes the lock only if no one is queued, and never queues.
+    Try,
+}
+
+/// A fair acquire's place in its lock's queue. The try that takes the lock leaves the
+/// queue in the same step ([`Place::taken`]); an acquire that gives up leaves it
+/// ([`Place::leave`]); one whose future is dropped leaves it in the background.
+struct Place<'a> {
+    locks: &'a RedisLocks,
+    key: &'a str,
+    waiter: String,
+    done: bool,
+}
+
+impl Place<'_> {
+    fn taken(mut self) {
+        self.done = true;
+    }
+
+    async fn leave(mut self) {
+        self.done = true;
+        self.locks.leave(self.key, &self.waiter).await;
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let (locks, key, waiter) = (
+            self.locks.clone(),
+            self.key.to_owned(),
+            std::mem::take(&mut self.waiter),
+        );
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { locks.leave(&key, &waiter).await });
+        }
+    }
+}
+
 /// An acquire in flight: dropped before [`settle`](Unsettled::settle) (the caller gave
 /// up, or a step failed), it releases the attempt's token on every server in the
 /// background, owner-checked, until the orphan window ends.
@@ -787,9 +877,6 @@ pub struct Lease {
     monitor: Option<JoinHandle<()>>,
     watchdog: bool,
     released: bool,
-    /// A fair lease's place at the head of this process's queue for the key: the next
-    /// in line goes when it drops (after the release).
-    _turn: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
 struct LeaseShared {
@@ -849,7 +936,6 @@ impl Lease {
             monitor,
             watchdog,
             released: false,
-            _turn: None,
         }
     }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
 use corral::locks::{LockOptions, MemoryLocks, RedisLocks};
 use corral::{ErrorKind, ManualClock};
 use corral_tests::{RedisServer, corral_bin, real_time};
@@ -826,6 +826,79 @@ async fn fair_waiters_in_one_process_are_served_first_come_first_served() -> Res
             assert_eq!(order, ["late", "early"], "without it, the quicker try wins");
         }
     }
+    Ok(())
+}
+
+/// The servers of a fair Redlock agree on who is ahead, whatever order the waiters
+/// reached them in: each queue is kept in the order of the waiters' ids (when each
+/// started waiting, contract §6). Kept in the order of arrival, two waiters reaching two
+/// servers in opposite orders would each head one queue, and neither would ever take a
+/// majority. Also: a waiter's place is kept across its tries, `leave` gives it up, and a
+/// `try` never queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fair_queues_on_several_servers_agree_whatever_order_the_waiters_reached_them_in() -> Result<()> {
+    use corral_core::{lock::fair_waiter, names, script::LOCK_ACQUIRE_FAIR};
+    let (a, b) = (RedisServer::start()?, RedisServer::start()?);
+    let [lock, fence, queue] = [names::Kind::Lock, names::Kind::Fence, names::Kind::Queue]
+        .map(|kind| names::name(corral::DEFAULT_PREFIX, "job", kind));
+    let (first, second) = (fair_waiter(1_000, "bb"), fair_waiter(2_000, "aa"));
+    let script = redis::Script::new(LOCK_ACQUIRE_FAIR);
+    let run = |url: String, owner: &'static str, waiter: String, how: &'static str| {
+        let (script, lock, fence, queue) = (script.clone(), lock.clone(), fence.clone(), queue.clone());
+        async move {
+            let mut conn = redis::Client::open(url)?
+                .get_multiplexed_async_connection()
+                .await?;
+            let reply: redis::Value = script
+                .key(lock)
+                .key(fence)
+                .key(queue)
+                .arg(owner)
+                .arg(10_000)
+                .arg(waiter)
+                .arg(how)
+                .invoke_async(&mut conn)
+                .await?;
+            anyhow::Ok(reply)
+        }
+    };
+    let queued = |url: String| {
+        let queue = queue.clone();
+        async move {
+            let mut conn = redis::Client::open(url)?
+                .get_multiplexed_async_connection()
+                .await?;
+            let q: Option<String> = redis::cmd("GET").arg(queue).query_async(&mut conn).await?;
+            anyhow::Ok(
+                q.unwrap_or_default()
+                    .lines()
+                    .map(|l| l.split(' ').next().unwrap_or("").to_owned())
+                    .collect::<Vec<_>>(),
+            )
+        }
+    };
+    for server in [&a, &b] {
+        ensure!(run(server.url(), "holder", fair_waiter(1, "h"), "wait").await? != redis::Value::Int(0));
+    }
+    // Server a hears the first waiter first; server b hears the second first.
+    for (server, order) in [(&a, [&first, &second]), (&b, [&second, &first])] {
+        for waiter in order {
+            ensure!(run(server.url(), "w", waiter.clone(), "wait").await? == redis::Value::Int(0));
+        }
+    }
+    for server in [&a, &b] {
+        ensure!(
+            queued(server.url()).await? == [first.clone(), second.clone()],
+            "{:?}",
+            queued(server.url()).await?
+        );
+    }
+    // A second try keeps the place; a lone try never queues; leaving gives it up.
+    run(a.url(), "w", second.clone(), "wait").await?;
+    run(a.url(), "t", fair_waiter(500, "try"), "try").await?;
+    ensure!(queued(a.url()).await? == [first.clone(), second.clone()]);
+    run(a.url(), "w", first.clone(), "leave").await?;
+    ensure!(queued(a.url()).await? == std::slice::from_ref(&second));
     Ok(())
 }
 
