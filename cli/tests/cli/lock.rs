@@ -444,6 +444,61 @@ fn fair_waiters_in_separate_processes_are_served_in_the_order_they_came() {
     assert!(queued(&url).is_empty(), "the queue is deleted once empty");
 }
 
+/// Ten `corral lock --wait 30s` processes on one key, each holding it for 300 ms: every
+/// release is announced before its process exits (the announcement is made by the
+/// release's own script, so a process that exits right after its release owes nothing)
+/// and wakes the next waiter, instead of the waiter sleeping out its backoff step (50 ms
+/// doubling to 1 s: polling took 7.9 s for ten). The bound on the span from the first
+/// acquire to the last release (3 s of holding) is generous: it asserts the wake-ups,
+/// not a speed.
+#[test]
+fn ten_processes_hand_the_lock_on_at_each_release_and_every_release_is_announced() {
+    let server = redis_server();
+    let url = server.url();
+    let dir = TempDir::new();
+    let times = dir.path("times");
+    let holders: Vec<Running> = (0..10)
+        .map(|_| {
+            lock_in_background(
+                &url,
+                "job",
+                &["--wait", "30s"],
+                r#"date +%s%N >> "$1"; sleep 0.3; date +%s%N >> "$1""#,
+                &times,
+            )
+        })
+        .collect();
+    for holder in holders {
+        let out = holder.finish();
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    }
+    let stamps: Vec<u128> = std::fs::read_to_string(&times)
+        .unwrap()
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    assert_eq!(stamps.len(), 20);
+    let took = Duration::from_nanos((stamps[19] - stamps[0]) as u64);
+    // Start, end, start, end, ...: the gap between one's end and the next one's start.
+    let gaps_ms: Vec<u128> = stamps[1..]
+        .chunks(2)
+        .filter(|pair| pair.len() == 2)
+        .map(|pair| pair[1].saturating_sub(pair[0]) / 1_000_000)
+        .collect();
+    let stats: String = redis_cmd(&url, &["INFO", "commandstats"]);
+    let published = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_publish:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or("0")
+        .to_owned();
+    println!(
+        "from the first acquire to the last release: {took:?}; hand-off gaps (ms) {gaps_ms:?}; {published} releases announced"
+    );
+    assert_eq!(published, "10", "every release announced");
+    assert!(took < Duration::from_millis(5_000), "{took:?}: waiters polled");
+}
+
 /// A fair waiter that gives up (its --wait runs out) leaves the queue at once; one
 /// killed while queued (SIGKILL: it cannot leave) holds up those behind it only until
 /// its place lapses, 3 s after its last try, never for good.

@@ -294,7 +294,9 @@ mod tests {
         ] {
             assert_eq!(kind_of(&other), None, "{other}");
         }
-        for foreign in ["", "e", "x:e", "{a}:e@", "{a}:e@1x", "{a}:k@1", "{a}:q"] {
+        for foreign in [
+            "", "e", "x:e", "{a}:e@", "{a}:e@1x", "{a}:k@1", "{a}:q@1", "{a}:z",
+        ] {
             assert_eq!(kind_of(foreign), None, "{foreign}");
         }
     }
