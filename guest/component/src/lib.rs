@@ -475,6 +475,10 @@ impl wit::Guest for Component {
         corral_core::script::DELETE_IF_EQUAL.to_string()
     }
 
+    fn redis_lock_and_peek_script() -> String {
+        corral_core::script::LOCK_AND_PEEK.to_string()
+    }
+
     fn redis_replace_if_equal_script() -> String {
         corral_core::script::REPLACE_IF_EQUAL.to_string()
     }

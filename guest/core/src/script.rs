@@ -49,9 +49,29 @@ return v
 /// `KEYS[1]`: the key. `ARGV[1]`: the bytes it must hold. Deletes the key only if it
 /// still holds exactly those bytes; returns 1 when deleted, else 0. Used to remove a
 /// corrupt entry without removing a good one written since, and to release a lock.
+/// Optionally `ARGV[2]`, `ARGV[3]`: a channel and a message published in the same step,
+/// whether or not it deleted (a flight's release announcing its landing: one command,
+/// and nothing owed once it returned). A publish that fails (a user without channel
+/// rights) never fails the delete: waiters fall back to their timers.
 pub const DELETE_IF_EQUAL: &str = r#"
+local deleted = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+  deleted = redis.call('DEL', KEYS[1])
+end
+if ARGV[2] then redis.pcall('PUBLISH', ARGV[2], ARGV[3]) end
+return deleted
+"#;
+
+/// A get-or-set's lock with the double-check's first look (contract §5.2). `KEYS[1]`: the
+/// flight lock, `KEYS[2]`: its entry (one slot). `ARGV[1]`: the owner token, `ARGV[2]`:
+/// the TTL (ms). Takes the lock if free (`SET NX PX`) and, in the same step, says
+/// whether anything is under the entry: 0 busy; 1 taken and the entry is empty (that
+/// look is the double-check: no other flight fills the entry while the lock is held,
+/// and a `set` meanwhile is caught by the fenced fill, §5.12); 2 taken and something is
+/// there (the double-check reads it).
+pub const LOCK_AND_PEEK: &str = r#"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1 + redis.call('EXISTS', KEYS[2])
 end
 return 0
 "#;
@@ -155,14 +175,15 @@ pub const LOCK_ACQUIRE: &str = concat!(lock_prelude!(), lock_take!(), "return ta
 /// [`FAIR_STALE_MS`], as a literal the fair acquire's text is built with.
 macro_rules! fair_stale_ms {
     () => {
-        3000
+        5000
     };
 }
 
 /// How long a fair waiter keeps its place in a lock's queue after its last try (ms):
-/// three times the longest wait between two tries ([`crate::flight::BACKOFF_MAX_MS`]),
-/// so a waiter that is alive never loses its place, and one that died (or gave up
-/// without saying so) holds up those behind it for at most this long.
+/// five times the longest wait between two tries ([`crate::flight::BACKOFF_MAX_MS`]), so
+/// a waiter that is alive keeps its place even when each try also waits out a slow
+/// server (the default response and connect timeouts add 1.5 s), and one that died (or
+/// gave up without saying so) holds up those behind it for at most this long.
 pub const FAIR_STALE_MS: u64 = fair_stale_ms!();
 
 /// A fair lock's acquire: first come, first served across every process. `KEYS[1]`: the
@@ -189,15 +210,33 @@ local q = redis.pcall('GET', KEYS[3])
 if type(q) == 'table' then return foreign(KEYS[3], 'a ' .. redis.call('TYPE', KEYS[3]).ok) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local waiters, untils, mine, changed = {}, {}, nil, false
+local stale = "#,
+    fair_stale_ms!(),
+    r#"
+local waiters, untils, mine, changed, joined = {}, {}, nil, false, false
 for waiter, until_ in string.gmatch(q or '', '(%S+) (%d+)\n') do
-  if tonumber(until_) > now then
+  -- An until past now + stale was written before the server's clock stepped back.
+  local u = math.min(tonumber(until_), now + stale)
+  if u > now then
     waiters[#waiters + 1] = waiter
-    untils[#waiters] = until_
+    untils[#waiters] = u
     if waiter == ARGV[3] then mine = #waiters end
   else
     changed = true
   end
+end
+-- A new waiter takes its place by its id first: at the head, it may take the lock now.
+if ARGV[4] == 'wait' and not mine then
+  mine = #waiters + 1
+  for i = 1, #waiters do
+    if ARGV[3] < waiters[i] then
+      mine = i
+      break
+    end
+  end
+  table.insert(waiters, mine, ARGV[3])
+  table.insert(untils, mine, 0)
+  joined = true
 end
 local result = 0
 if ARGV[4] ~= 'leave' and (#waiters == 0 or mine == 1) then
@@ -207,22 +246,10 @@ end
 if mine and (result ~= 0 or ARGV[4] == 'leave') then
   table.remove(waiters, mine)
   table.remove(untils, mine)
-  changed = true
-elseif ARGV[4] == 'wait' and result == 0 then
-  if not mine then
-    mine = #waiters + 1
-    for i = 1, #waiters do
-      if ARGV[3] < waiters[i] then
-        mine = i
-        break
-      end
-    end
-    table.insert(waiters, mine, ARGV[3])
-    table.insert(untils, mine, '')
-  end
-  untils[mine] = string.format('%d', now + "#,
-    fair_stale_ms!(),
-    r#")
+  -- (Joined and taken in one step: the queue is as it was.)
+  if not joined then changed = true end
+elseif ARGV[4] == 'wait' then
+  untils[mine] = now + stale
   changed = true
 end
 if changed then
@@ -230,10 +257,8 @@ if changed then
     redis.call('DEL', KEYS[3])
   else
     local lines = {}
-    for i = 1, #waiters do lines[i] = waiters[i] .. ' ' .. untils[i] .. '\n' end
-    redis.call('SET', KEYS[3], table.concat(lines), 'PX', "#,
-    fair_stale_ms!(),
-    r#")
+    for i = 1, #waiters do lines[i] = waiters[i] .. ' ' .. string.format('%.0f', untils[i]) .. '\n' end
+    redis.call('SET', KEYS[3], table.concat(lines), 'PX', stale)
   end
 end
 return result
@@ -312,9 +337,12 @@ mod tests {
     }
 
     #[test]
-    fn a_fair_waiter_keeps_its_place_across_three_of_the_longest_waits_between_tries() {
-        assert_eq!(FAIR_STALE_MS, 3 * crate::flight::BACKOFF_MAX_MS);
-        assert_eq!(LOCK_ACQUIRE_FAIR.matches(&format!("{FAIR_STALE_MS})")).count(), 2);
+    fn a_fair_waiter_keeps_its_place_across_five_of_the_longest_waits_between_tries() {
+        assert_eq!(FAIR_STALE_MS, 5 * crate::flight::BACKOFF_MAX_MS);
+        assert!(LOCK_ACQUIRE_FAIR.contains(&format!("local stale = {FAIR_STALE_MS}\n")));
+        // Numbers past 2^31 are never formatted with %d (a C long, 32 bits on some
+        // builds of Lua).
+        assert!(!LOCK_ACQUIRE_FAIR.contains("'%d'"));
         // The fair acquire takes the lock exactly as the plain one does.
         let take = LOCK_ACQUIRE.find("local function take()").unwrap();
         assert!(

@@ -110,6 +110,7 @@ impl Policy {
         let delete_if_equal_script = p
             .call_redis_delete_if_equal_script(&mut slot.store)
             .map_err(trap)?;
+        let lock_and_peek_script = p.call_redis_lock_and_peek_script(&mut slot.store).map_err(trap)?;
         let replace_if_equal_script = p
             .call_redis_replace_if_equal_script(&mut slot.store)
             .map_err(trap)?;
@@ -129,6 +130,7 @@ impl Policy {
                 scripts: crate::store::Scripts {
                     read_and_touch: read_script,
                     delete_if_equal: delete_if_equal_script,
+                    lock_and_peek: lock_and_peek_script,
                     replace_if_equal: replace_if_equal_script,
                     grace_ms,
                 },

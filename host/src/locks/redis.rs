@@ -92,13 +92,13 @@ impl LockOptions {
     }
 
     /// First come, first served across every process: waiters for the key queue in
-    /// Redis in the order they first tried, and only the head of the queue may take the
-    /// lock when it is free (a fair [`RedisLocks::try_acquire`] takes it only when no
-    /// one is queued). A waiter keeps its place while it keeps trying (its tries come
-    /// at least once a second); one that stops trying without leaving (its process died)
-    /// is dropped from the queue 3 s after its last try (contract §6). Every acquirer of
-    /// a key must be fair for the order to hold: an unfair one takes a free lock
-    /// whoever waits. Default: off.
+    /// Redis in the order they started waiting (by their machines' clocks), and only the
+    /// head of the queue may take the lock when it is free (a fair
+    /// [`RedisLocks::try_acquire`], or a wait of zero, takes it only when no one is
+    /// queued). A waiter keeps its place while it keeps trying; one that stops trying
+    /// without leaving (its process died) is dropped from the queue 5 s after its last
+    /// try (contract §6.3). Every acquirer of a key must be fair for the order to hold:
+    /// an unfair one takes a free lock whoever waits. Default: off.
     pub fn fair(mut self, fair: bool) -> Self {
         self.fair = fair;
         self
@@ -590,8 +590,9 @@ impl RedisLocks {
         let deadline = self
             .mono_ms(Instant::now())
             .saturating_add(duration_ms(options.wait));
-        // A fair acquire's place in the queue, under one id for all its tries.
-        let place = match options.fair {
+        // A fair acquire's place in the queue, under one id for all its tries (a fair
+        // acquire that waits not at all is one lone try: it never queues).
+        let place = match options.fair && !options.wait.is_zero() {
             true => Some(Place {
                 locks: self,
                 key,
@@ -600,7 +601,10 @@ impl RedisLocks {
             }),
             false => None,
         };
-        let queue = place.as_ref().map(|p| Queue::Wait(&p.waiter));
+        let queue = match &place {
+            Some(place) => Some(Queue::Wait(&place.waiter)),
+            None => options.fair.then_some(Queue::Try),
+        };
         let mut attempt = 0;
         let lock_name = match &self.inner.landings {
             Some(_) => Some(self.names(key)?.0[0].clone()),
@@ -617,7 +621,7 @@ impl RedisLocks {
                 Ok(Some(lease)) => {
                     // The winning try left the queue.
                     if let Some(place) = place {
-                        place.taken();
+                        place.taken(self.inner.servers.len());
                     }
                     return Ok(lease);
                 }
@@ -810,8 +814,12 @@ struct Place<'a> {
 }
 
 impl Place<'_> {
-    fn taken(mut self) {
-        self.done = true;
+    /// The lock was taken: the winning try left the queue where it took the lock. Under
+    /// Redlock a server that answered 0 (or not at all) may keep the waiter queued, at
+    /// the head, holding up the next winner there: it leaves them all, in the
+    /// background.
+    fn taken(mut self, servers: usize) {
+        self.done = servers < 2;
     }
 
     async fn leave(mut self) {

@@ -112,6 +112,10 @@ impl Breaker {
         if !self.open.load(Ordering::Acquire) {
             return Ok(());
         }
+        // Its probe task may have gone (its runtime shut down): start another.
+        if !self.probing.load(Ordering::SeqCst) {
+            self.start_probing();
+        }
         self.refused.fetch_add(1, Ordering::Relaxed);
         let next = self.next_probe_ms.load(Ordering::Relaxed);
         Err(Error::new(
@@ -142,7 +146,7 @@ impl Breaker {
         let n = self.failures.fetch_add(1, Ordering::AcqRel).saturating_add(1);
         if n >= self.threshold
             && !self.open.load(Ordering::Acquire)
-            && !self.open.swap(true, Ordering::AcqRel)
+            && !self.open.swap(true, Ordering::SeqCst)
         {
             self.opened.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
@@ -157,7 +161,7 @@ impl Breaker {
 
     fn close(&self, why: &'static str) {
         self.failures.store(0, Ordering::Relaxed);
-        if self.open.swap(false, Ordering::AcqRel) {
+        if self.open.swap(false, Ordering::SeqCst) {
             tracing::info!(node = self.node.as_deref(), "{why}");
         }
     }
@@ -170,25 +174,31 @@ impl Breaker {
             self.now_ms().saturating_add(millis(self.cool_down)),
             Ordering::Relaxed,
         );
-        if self.probing.swap(true, Ordering::AcqRel) {
+        if self.probing.swap(true, Ordering::SeqCst) {
             return;
         }
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(probe_while_open(self.me.clone(), Instant::now() + self.cool_down));
+                let task = Probing {
+                    breaker: self.me.clone(),
+                    holds_the_slot: true,
+                };
+                runtime.spawn(probe_while_open(task, Instant::now() + self.cool_down));
             }
-            Err(_) => self.probing.store(false, Ordering::Release),
+            Err(_) => self.probing.store(false, Ordering::SeqCst),
         }
     }
 
     /// Whether the probe task goes on: while open. Leaving, it gives its slot up, and
-    /// takes it back if the breaker opened again meanwhile and no other task took it.
+    /// takes it back if the breaker opened again meanwhile and no other task took it
+    /// (sequentially consistent with [`record`](Self::record)'s opening: of the two, one
+    /// sees the other).
     fn keep_probing(&self) -> bool {
-        if self.is_open() {
+        if self.open.load(Ordering::SeqCst) {
             return true;
         }
-        self.probing.store(false, Ordering::Release);
-        self.is_open() && !self.probing.swap(true, Ordering::AcqRel)
+        self.probing.store(false, Ordering::SeqCst);
+        self.open.load(Ordering::SeqCst) && !self.probing.swap(true, Ordering::SeqCst)
     }
 
     /// The cluster node it guards (`host:port`), if it guards one.
@@ -222,17 +232,36 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// The probe task of one breaker: while it is open, one probe at `first`, then one per
-/// cool-down; an answer closes it. Ends once the breaker is closed or gone (its store
-/// dropped).
-async fn probe_while_open(me: Weak<Breaker>, first: Instant) {
+/// A breaker's probe task, as it holds its breaker. Dropped while it holds the
+/// breaker's probing slot (its runtime shut down, a probe panicked), it gives the slot
+/// up, so the next refused call starts another task.
+struct Probing {
+    breaker: Weak<Breaker>,
+    holds_the_slot: bool,
+}
+
+impl Drop for Probing {
+    fn drop(&mut self) {
+        if self.holds_the_slot
+            && let Some(breaker) = self.breaker.upgrade()
+        {
+            breaker.probing.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The probe task of one breaker: while it is open, one probe at `first`, then one a
+/// cool-down after the last one ended; an answer closes it. Ends once the breaker is
+/// closed or gone (its store dropped).
+async fn probe_while_open(mut task: Probing, first: Instant) {
     let mut next = first;
     loop {
         tokio::time::sleep_until(next).await;
-        let Some(breaker) = me.upgrade() else {
+        let Some(breaker) = task.breaker.upgrade() else {
             return;
         };
         if !breaker.keep_probing() {
+            task.holds_the_slot = false;
             return;
         }
         let found = (breaker.prober)(breaker.node.clone()).await;
@@ -247,6 +276,7 @@ async fn probe_while_open(me: Weak<Breaker>, first: Instant) {
             Probed::Down => tracing::debug!(node = breaker.node.as_deref(), "probe: Redis still failing"),
         }
         if !breaker.keep_probing() {
+            task.holds_the_slot = false;
             return;
         }
     }
@@ -339,6 +369,7 @@ pub(crate) fn is_connection_failure(e: &redis::RedisError) -> bool {
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_cluster_error()
+        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
         || matches!(e.code(), Some("CLUSTERDOWN" | "LOADING" | "MASTERDOWN"))
 }
 
@@ -477,6 +508,35 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1_000)).await;
         settle().await;
         assert_eq!(server.asked(), 2);
+    }
+
+    #[test]
+    fn a_probe_task_lost_with_its_runtime_is_started_again_by_the_next_refused_call() {
+        let server = Arc::new(Server::default());
+        let b = {
+            let gone = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .unwrap();
+            gone.block_on(async {
+                let b = breaker(1, &server);
+                b.record(true);
+                b
+            })
+        };
+        assert!(b.is_open());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            server.answers(Probed::Up);
+            assert!(b.admit().is_err(), "refused, and a new task started");
+            tokio::time::advance(Duration::from_millis(1_000)).await;
+            settle().await;
+            assert!(!b.is_open(), "its probe closed it: {}", server.asked());
+        });
     }
 
     #[tokio::test(start_paused = true)]

@@ -155,6 +155,37 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
 
     /// Releases the lock of `key` if `owner` holds it; says whether it did.
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>>;
+
+    /// As [`try_lock`](Self::try_lock), and in the same step, once taken, whether
+    /// anything is under `entry` (the key's entry, one slot with the lock): `Ok(None)`
+    /// busy, `Ok(Some(present))` taken. An empty entry needs no double-check read after
+    /// the lock: this look, made with it, is that read. `None`: this store cannot, and
+    /// the caller reads after the lock.
+    fn try_lock_peeking<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        ttl_ms: u64,
+        entry: &'a str,
+    ) -> Option<BoxFuture<'a, Result<Option<bool>>>> {
+        let _ = (key, owner, ttl_ms, entry);
+        None
+    }
+
+    /// As [`release`](Self::release), and publishes `message` on `channel` (a landing's
+    /// announcement, [`Notifications::announcement`]) in the same step, whether or not
+    /// it released: one command for both. `None`: this store cannot, and the caller
+    /// announces on its own.
+    fn release_announcing<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        channel: &'a str,
+        message: &'a str,
+    ) -> Option<BoxFuture<'a, Result<bool>>> {
+        let _ = (key, owner, channel, message);
+        None
+    }
 }
 
 /// What a cache does with another process's announcement: the key it names, or `None`
@@ -217,8 +248,11 @@ pub trait Notifications: Send + Sync + fmt::Debug + 'static {
 pub(crate) struct Scripts {
     /// Read and apply the sliding touch atomically.
     pub(crate) read_and_touch: String,
-    /// Owner-checked delete (corrupt-entry removal, lock release).
+    /// Owner-checked delete (corrupt-entry removal, lock release, with its landing's
+    /// announcement).
     pub(crate) delete_if_equal: String,
+    /// The get-or-set lock with the double-check's first look.
+    pub(crate) lock_and_peek: String,
     /// Compare-and-replace (a read's touch written back).
     pub(crate) replace_if_equal: String,
     /// The grace a store TTL gets past the expiry moment.

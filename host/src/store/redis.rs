@@ -34,6 +34,7 @@ pub struct RedisStore {
     options: RedisOptions,
     read_and_touch: Arc<Script>,
     delete_if_equal: Arc<Script>,
+    lock_and_peek: Arc<Script>,
     replace_if_equal: Arc<Script>,
     delete_foreign: Arc<Script>,
     grace_ms: u64,
@@ -99,7 +100,7 @@ fn read_failed<'a>(what: &'static str, at: &'a Breaker) -> impl Fn(redis::RedisE
 
 /// How a breaker's background probe asks Redis: one `PING` to the server it guards (on a
 /// cluster, to the master's address), within `timeout`. An answer of any kind (even an
-/// error reply) is the server up; a failure of the connection counts on the link as a
+/// error reply from the server) is the server up; a failure of the connection counts on the link as a
 /// command's would (timeouts in a row replace it) and, on a cluster, has the masters
 /// learnt again. An address the cluster no longer has as a master is `Gone`.
 fn prober(healing: Healing, commands: Arc<AtomicU64>, timeout: std::time::Duration) -> Prober {
@@ -116,7 +117,9 @@ fn prober(healing: Healing, commands: Arc<AtomicU64>, timeout: std::time::Durati
             let answer = tokio::time::timeout(timeout, ping(healing.current(), node.as_deref())).await;
             let (probed, timed_out) = match &answer {
                 Ok(Ok(())) => (Probed::Up, false),
-                Ok(Err(e)) if !is_connection_failure(e) => (Probed::Up, false),
+                // An error the server replied with (not one the client made up: on a
+                // cluster, "no connection to that node" while it is being reconnected).
+                Ok(Err(e)) if e.code().is_some() && !is_connection_failure(e) => (Probed::Up, false),
                 Ok(Err(e)) => (Probed::Down, e.is_timeout()),
                 Err(_) => (Probed::Down, true),
             };
@@ -191,6 +194,7 @@ impl RedisStore {
             options: options.clone(),
             read_and_touch: Arc::new(Script::new(&scripts.read_and_touch)),
             delete_if_equal: Arc::new(Script::new(&scripts.delete_if_equal)),
+            lock_and_peek: Arc::new(Script::new(&scripts.lock_and_peek)),
             replace_if_equal: Arc::new(Script::new(&scripts.replace_if_equal)),
             delete_foreign: Arc::new(Script::new(DELETE_FOREIGN)),
             grace_ms: scripts.grace_ms,
@@ -575,20 +579,64 @@ impl FlightLock for RedisStore {
     }
 
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
-        async move {
-            let (mut conn, at) = self.conn(key)?;
-            self.count(1);
-            let n: u64 = self
-                .delete_if_equal
-                .key(key)
-                .arg(owner)
-                .invoke_async(&mut conn)
-                .await
-                .seen(self, &at)
-                .map_err(unavailable("lock release", &at))?;
-            Ok(n > 0)
+        self.release_with(key, owner, None).boxed()
+    }
+
+    fn try_lock_peeking<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        ttl_ms: u64,
+        entry: &'a str,
+    ) -> Option<BoxFuture<'a, Result<Option<bool>>>> {
+        Some(
+            async move {
+                let (mut conn, at) = self.conn(key)?;
+                self.count(1);
+                let taken: u64 = self
+                    .lock_and_peek
+                    .key(key)
+                    .key(entry)
+                    .arg(owner)
+                    .arg(ttl_ms.max(1))
+                    .invoke_async(&mut conn)
+                    .await
+                    .seen(self, &at)
+                    .map_err(unavailable("lock-and-peek", &at))?;
+                Ok((taken > 0).then_some(taken > 1))
+            }
+            .boxed(),
+        )
+    }
+
+    fn release_announcing<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        channel: &'a str,
+        message: &'a str,
+    ) -> Option<BoxFuture<'a, Result<bool>>> {
+        Some(self.release_with(key, owner, Some((channel, message))).boxed())
+    }
+}
+
+impl RedisStore {
+    /// The flight lock's owner-checked release (`DELETE_IF_EQUAL`), publishing
+    /// `announce` (a channel and a message) in the same script when given.
+    async fn release_with(&self, key: &str, owner: &str, announce: Option<(&str, &str)>) -> Result<bool> {
+        let (mut conn, at) = self.conn(key)?;
+        self.count(1);
+        let mut call = self.delete_if_equal.key(key);
+        call.arg(owner);
+        if let Some((channel, message)) = announce {
+            call.arg(channel).arg(message);
         }
-        .boxed()
+        let n: u64 = call
+            .invoke_async(&mut conn)
+            .await
+            .seen(self, &at)
+            .map_err(unavailable("lock release", &at))?;
+        Ok(n > 0)
     }
 }
 

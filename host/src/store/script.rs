@@ -1,5 +1,7 @@
 //! Lua scripts, run by their hash (`EVALSHA`), and by their body (`EVAL`, on the same
-//! key, so routed to the same node) where the node answers `NOSCRIPT`. Never with a
+//! key, so routed to the same node) where the node answers `NOSCRIPT`. A script's first
+//! call in a process goes by its body at once: a fresh process (a `corral lock`, a
+//! short-lived job) would otherwise pay a `NOSCRIPT` round trip per script. Never with a
 //! `SCRIPT LOAD`: a cluster client sends that to every node, so while any node is down
 //! it fails, and with it every call of a script some live node had not run yet. An
 //! `EVAL` also leaves the script in that node's cache, so its next call is an
@@ -9,6 +11,7 @@
 //! `invoke_async`), which only falls back to `SCRIPT LOAD`.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use redis::aio::ConnectionLike;
 use redis::{Cmd, FromRedisValue, RedisResult, ToRedisArgs};
@@ -18,6 +21,8 @@ use redis::{Cmd, FromRedisValue, RedisResult, ToRedisArgs};
 pub(crate) struct Script {
     code: Arc<str>,
     hash: Arc<str>,
+    /// Sent once already (by its body): later calls go by its hash.
+    sent: Arc<AtomicBool>,
 }
 
 impl Script {
@@ -25,6 +30,7 @@ impl Script {
         Script {
             code: code.into(),
             hash: redis::Script::new(code).get_hash().into(),
+            sent: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -74,11 +80,16 @@ impl Invocation<'_> {
         cmd
     }
 
-    /// Runs the script by its hash, or by its body where the node does not have it.
+    /// Runs the script by its hash, or by its body the first time and where the node
+    /// does not have it.
     pub(crate) async fn invoke_async<T: FromRedisValue>(
         &self,
         con: &mut (impl ConnectionLike + Send),
     ) -> RedisResult<T> {
+        // Later calls on the same connection queue behind this one, so they find it.
+        if !self.script.sent.load(Ordering::Relaxed) && !self.script.sent.swap(true, Ordering::AcqRel) {
+            return self.command("EVAL", &self.script.code).query_async(con).await;
+        }
         match self.command("EVALSHA", &self.script.hash).query_async(con).await {
             Err(e) if e.code() == Some("NOSCRIPT") => {
                 self.command("EVAL", &self.script.code).query_async(con).await

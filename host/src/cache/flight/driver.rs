@@ -90,7 +90,8 @@ pub(super) struct Driver<'a, F> {
     read_tag_epoch: u64,
     /// The callers got the stale copy before the load ended (counted then).
     served_stale_early: bool,
-    /// The first read, made before the flight began (a batch's).
+    /// The next read, made already: before the flight began (a batch's), or by the
+    /// lock that found the entry empty (the double-check's).
     first_read: Option<FirstRead>,
 }
 
@@ -233,15 +234,32 @@ where
         // owner-checked, all the same.
         let owner = self.held.owner.insert(crate::lock_token()).clone();
         self.held.unanswered = true;
-        let lock = inner
-            .stores
-            .flight_lock
-            .try_lock(self.held.lock_name, &owner, ttl_ms);
-        let tried = by(self.deadline, lock).await;
+        // Where the store can, the lock looks at the entry in the same step: taken over
+        // an empty entry, that look is the double-check's read (the tickets, as a read's,
+        // taken before it is sent).
+        let (l1_ticket, tag_epoch) = (inner.l1.ticket_since(self.key, self.named), inner.l1.tag_epoch());
+        let lock = inner.stores.flight_lock.as_ref();
+        let tried = match lock.try_lock_peeking(self.held.lock_name, &owner, ttl_ms, self.entry_name) {
+            Some(peeking) => by(self.deadline, peeking).await,
+            None => by(self.deadline, lock.try_lock(self.held.lock_name, &owner, ttl_ms))
+                .await
+                .map(|taken| taken.then_some(true)),
+        };
         self.held.unanswered = false;
         match tried {
-            Ok(true) => Event::LockAcquired,
-            Ok(false) => {
+            Ok(Some(present)) => {
+                if !present {
+                    self.first_read = Some(FirstRead {
+                        named: self.named,
+                        l1_ticket,
+                        tag_epoch,
+                        read: Ok(L2Read::Miss { holds: None }),
+                        deadline: self.deadline,
+                    });
+                }
+                Event::LockAcquired
+            }
+            Ok(None) => {
                 self.held.owner = None;
                 Event::LockBusy(watching)
             }
@@ -522,13 +540,32 @@ where
         let inner = &*self.cache.inner;
         let closing = in_ms(inner.flight.store_budget.release_ms);
         self.held.releasing = finish.release;
+        // Where the store can, the release publishes the landing's announcement in the
+        // same command (an announcement whose outcome is unknown is made again below:
+        // a second one only wakes waiters twice).
+        let mut announced = false;
         if finish.release
             && let Some(owner) = self.held.owner.clone()
         {
-            let release = inner.stores.flight_lock.release(self.held.lock_name, &owner);
+            let stores = &inner.stores;
+            let announcement = finish
+                .notify
+                .then(|| stores.notifications.announcement(self.key))
+                .flatten();
+            let release = match &announcement {
+                Some((channel, message)) => {
+                    stores
+                        .flight_lock
+                        .release_announcing(self.held.lock_name, &owner, channel, message)
+                }
+                None => None,
+            };
+            announced = release.is_some();
+            let release = release.unwrap_or_else(|| stores.flight_lock.release(self.held.lock_name, &owner));
             match by(closing, release).await {
                 Ok(_) => self.held.owner = None,
                 Err(e) => {
+                    announced = false;
                     crate::throttle::warn_every!(10, self.key, error = %e, "lock release failed; retried in the background");
                     self.held.release_in_background();
                 }
@@ -536,6 +573,7 @@ where
         }
         self.held.done = true;
         if finish.notify
+            && !announced
             && let Err(e) = by(closing, inner.stores.notifications.announce(self.key)).await
         {
             tracing::debug!(key = self.key, error = %e, "landing announcement failed; waiters fall back to polling");
