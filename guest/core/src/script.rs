@@ -51,24 +51,27 @@ return v
 /// corrupt entry without removing a good one written since, and to release a lock.
 /// Optionally `ARGV[2]`, `ARGV[3]`: a channel and a message published in the same step,
 /// whether or not it deleted (a flight's release announcing its landing: one command,
-/// and nothing owed once it returned). A publish that fails (a user without channel
-/// rights) never fails the delete: waiters fall back to their timers.
+/// and nothing owed once it returned); 2 is then added when the publish succeeded. A
+/// publish that fails (a user without channel rights) never fails the delete: the
+/// caller announces on its own.
 pub const DELETE_IF_EQUAL: &str = r#"
 local deleted = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   deleted = redis.call('DEL', KEYS[1])
 end
-if ARGV[2] then redis.pcall('PUBLISH', ARGV[2], ARGV[3]) end
+if ARGV[2] then
+  local published = redis.pcall('PUBLISH', ARGV[2], ARGV[3])
+  if type(published) == 'number' then deleted = deleted + 2 end
+end
 return deleted
 "#;
 
-/// A get-or-set's lock with the double-check's first look (contract §5.2). `KEYS[1]`: the
+/// A get-or-set's lock with the double-check's first look (contract §5.4). `KEYS[1]`: the
 /// flight lock, `KEYS[2]`: its entry (one slot). `ARGV[1]`: the owner token, `ARGV[2]`:
 /// the TTL (ms). Takes the lock if free (`SET NX PX`) and, in the same step, says
 /// whether anything is under the entry: 0 busy; 1 taken and the entry is empty (that
-/// look is the double-check: no other flight fills the entry while the lock is held,
-/// and a `set` meanwhile is caught by the fenced fill, §5.12); 2 taken and something is
-/// there (the double-check reads it).
+/// look is the double-check read: any write after it is caught by the fenced fill,
+/// §5.12); 2 taken and something is there (the double-check reads it).
 pub const LOCK_AND_PEEK: &str = r#"
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return 1 + redis.call('EXISTS', KEYS[2])

@@ -160,7 +160,8 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
     /// anything is under `entry` (the key's entry, one slot with the lock): `Ok(None)`
     /// busy, `Ok(Some(present))` taken. An empty entry needs no double-check read after
     /// the lock: this look, made with it, is that read. `None`: this store cannot, and
-    /// the caller reads after the lock.
+    /// the caller reads after the lock. Only for a store whose lock and entries are on
+    /// the same server (a Redis store's own).
     fn try_lock_peeking<'a>(
         &'a self,
         key: &'a str,
@@ -174,8 +175,9 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
 
     /// As [`release`](Self::release), and publishes `message` on `channel` (a landing's
     /// announcement, [`Notifications::announcement`]) in the same step, whether or not
-    /// it released: one command for both. `None`: this store cannot, and the caller
-    /// announces on its own.
+    /// it released: one command for both. Says whether it published (else the caller
+    /// announces on its own). `None`: this store cannot. Only for a store whose lock,
+    /// entries and landing channel are on the same server (a Redis store's own).
     fn release_announcing<'a>(
         &'a self,
         key: &'a str,

@@ -622,7 +622,8 @@ impl FlightLock for RedisStore {
 
 impl RedisStore {
     /// The flight lock's owner-checked release (`DELETE_IF_EQUAL`), publishing
-    /// `announce` (a channel and a message) in the same script when given.
+    /// `announce` (a channel and a message) in the same script when given: whether it
+    /// released, or with `announce`, whether it published.
     async fn release_with(&self, key: &str, owner: &str, announce: Option<(&str, &str)>) -> Result<bool> {
         let (mut conn, at) = self.conn(key)?;
         self.count(1);
@@ -636,7 +637,10 @@ impl RedisStore {
             .await
             .seen(self, &at)
             .map_err(unavailable("lock release", &at))?;
-        Ok(n > 0)
+        Ok(match announce {
+            Some(_) => n & 2 != 0,
+            None => n & 1 != 0,
+        })
     }
 }
 

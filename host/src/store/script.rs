@@ -86,9 +86,14 @@ impl Invocation<'_> {
         &self,
         con: &mut (impl ConnectionLike + Send),
     ) -> RedisResult<T> {
-        // Later calls on the same connection queue behind this one, so they find it.
+        // Later calls on the same connection queue behind this one, so they find it
+        // (on other servers, a `NOSCRIPT` sends it by body there too).
         if !self.script.sent.load(Ordering::Relaxed) && !self.script.sent.swap(true, Ordering::AcqRel) {
-            return self.command("EVAL", &self.script.code).query_async(con).await;
+            match self.command("EVAL", &self.script.code).query_async(con).await {
+                // A user allowed `EVALSHA` only (its scripts loaded by an operator).
+                Err(e) if e.code() == Some("NOPERM") => {}
+                done => return done,
+            }
         }
         match self.command("EVALSHA", &self.script.hash).query_async(con).await {
             Err(e) if e.code() == Some("NOSCRIPT") => {

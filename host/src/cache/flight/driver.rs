@@ -90,8 +90,9 @@ pub(super) struct Driver<'a, F> {
     read_tag_epoch: u64,
     /// The callers got the stale copy before the load ended (counted then).
     served_stale_early: bool,
-    /// The next read, made already: before the flight began (a batch's), or by the
-    /// lock that found the entry empty (the double-check's).
+    /// The first read, made before the flight began (a batch's), or the double-check's,
+    /// made by the lock that found the entry empty: it answers the next action only, if
+    /// that is the read.
     first_read: Option<FirstRead>,
 }
 
@@ -150,6 +151,10 @@ where
     pub(super) async fn run(mut self, mut action: Action) -> Result<Served> {
         loop {
             trace_action(&action);
+            if !matches!(action, Action::ReadL2) {
+                // A read made ahead answers only the read that comes next.
+                self.first_read = None;
+            }
             let event = match action {
                 Action::ReadL2 => self.read_l2().await,
                 Action::TryLock(ttl_ms) => self.try_lock(ttl_ms).await,
@@ -541,8 +546,8 @@ where
         let closing = in_ms(inner.flight.store_budget.release_ms);
         self.held.releasing = finish.release;
         // Where the store can, the release publishes the landing's announcement in the
-        // same command (an announcement whose outcome is unknown is made again below:
-        // a second one only wakes waiters twice).
+        // same command; one it did not publish (refused, or its outcome unknown) is made
+        // on its own below, best effort (a second one only wakes waiters twice).
         let mut announced = false;
         if finish.release
             && let Some(owner) = self.held.owner.clone()
@@ -560,12 +565,14 @@ where
                 }
                 None => None,
             };
-            announced = release.is_some();
+            let announcing = release.is_some();
             let release = release.unwrap_or_else(|| stores.flight_lock.release(self.held.lock_name, &owner));
             match by(closing, release).await {
-                Ok(_) => self.held.owner = None,
+                Ok(published) => {
+                    self.held.owner = None;
+                    announced = announcing && published;
+                }
                 Err(e) => {
-                    announced = false;
                     crate::throttle::warn_every!(10, self.key, error = %e, "lock release failed; retried in the background");
                     self.held.release_in_background();
                 }
