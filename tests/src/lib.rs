@@ -286,6 +286,12 @@ pub async fn command_calls(server: &RedisServer, command: &str) -> Result<u64> {
         .arg("commandstats")
         .query_async(&mut conn)
         .await?;
+    calls_in(&info, command)
+}
+
+/// How many times `command` ran, as `info` (the text of `INFO commandstats`) says; 0
+/// when it names none.
+pub fn calls_in(info: &str, command: &str) -> Result<u64> {
     let prefix = format!("cmdstat_{command}:calls=");
     Ok(info
         .lines()

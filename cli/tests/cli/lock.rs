@@ -353,9 +353,7 @@ fn a_command_that_is_not_executable_exits_126_and_releases_the_lock() {
 fn a_lock_held_by_another_owner_exits_75() {
     let server = redis_server();
     let dir = TempDir::new();
-    let marker = dir.path("pid");
-    let holder = lock_in_background(&server.url(), "job", &[], WITH_GRANDCHILD, &marker);
-    pid_in(&marker);
+    let holder = holding_job(&server.url(), &dir);
 
     let out = run(
         &["lock", "--key", "job", "--redis", &server.url(), "--", "true"],
@@ -394,6 +392,15 @@ fn a_lock_held_by_another_owner_exits_75() {
     assert_eq!(holder.finish().status.code(), Some(143));
 }
 
+/// `corral lock` holding "job" (unfair) with a command that waits until signalled;
+/// returns once the command runs.
+fn holding_job(url: &str, dir: &TempDir) -> Running {
+    let marker = dir.path("pid");
+    let holder = lock_in_background(url, "job", &[], WITH_GRANDCHILD, &marker);
+    pid_in(&marker);
+    holder
+}
+
 /// The queue of the lock "job" under the default prefix (contract §2.4), as its lines.
 fn queued(url: &str) -> Vec<String> {
     let queue: Option<String> = redis_cmd(url, &["GET", "{7:corral:job}:q"]);
@@ -419,9 +426,7 @@ fn fair_waiters_in_separate_processes_are_served_in_the_order_they_came() {
     let server = redis_server();
     let url = server.url();
     let dir = TempDir::new();
-    let marker = dir.path("pid");
-    let holder = lock_in_background(&url, "job", &[], WITH_GRANDCHILD, &marker);
-    pid_in(&marker);
+    let holder = holding_job(&url, &dir);
     let order = dir.path("order");
     let names: Vec<String> = (0..6).map(|i| format!("w{i}")).collect();
     let waiters: Vec<Running> = names
@@ -486,30 +491,23 @@ fn ten_processes_hand_the_lock_on_at_each_release_and_every_release_is_announced
         .map(|pair| pair[1].saturating_sub(pair[0]) / 1_000_000)
         .collect();
     let stats: String = redis_cmd(&url, &["INFO", "commandstats"]);
-    let published = stats
-        .lines()
-        .find_map(|l| l.strip_prefix("cmdstat_publish:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .unwrap_or("0")
-        .to_owned();
+    let published = corral_tests::calls_in(&stats, "publish").unwrap();
     println!(
         "from the first acquire to the last release: {took:?}; hand-off gaps (ms) {gaps_ms:?}; {published} releases announced"
     );
-    assert_eq!(published, "10", "every release announced");
+    assert_eq!(published, 10, "every release announced");
     assert!(took < Duration::from_millis(5_000), "{took:?}: waiters polled");
 }
 
 /// A fair waiter that gives up (its --wait runs out) leaves the queue at once; one
 /// killed while queued (SIGKILL: it cannot leave) holds up those behind it only until
-/// its place lapses, 3 s after its last try, never for good.
+/// its place lapses, 5 s after its last try, never for good.
 #[test]
 fn a_fair_waiter_that_gives_up_leaves_the_queue_and_a_killed_ones_place_lapses() {
     let server = redis_server();
     let url = server.url();
     let dir = TempDir::new();
-    let marker = dir.path("pid");
-    let holder = lock_in_background(&url, "job", &[], WITH_GRANDCHILD, &marker);
-    pid_in(&marker);
+    let holder = holding_job(&url, &dir);
 
     let out = run(
         &[

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use corral::{Corral, EntryOptions, ErrorKind, LoadOptions};
-use corral_tests::{Backend, Fixture, RedisServer, commands_processed, real_time, stampedes_at_a_barrier};
+use corral_tests::{
+    Backend, Fixture, RedisServer, command_calls, commands_processed, real_time, stampedes_at_a_barrier,
+};
 use tokio::sync::Notify;
 
 const MIN: Duration = Duration::from_secs(60);
@@ -85,22 +87,7 @@ async fn a_thousand_callers_get_one_load_redis() -> Result<()> {
 async fn a_cold_stampede_costs_four_commands_and_the_prefixes_generation_read() -> Result<()> {
     let server = RedisServer::start()?;
     let cache = corral::Corral::builder().redis(server.url()).build()?;
-    let count = |name: &'static str| {
-        let server = &server;
-        async move {
-            let stats: String = redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async(&mut server.connection().await?)
-                .await?;
-            anyhow::Ok(
-                stats
-                    .lines()
-                    .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:calls=")))
-                    .and_then(|rest| rest.split(',').next())
-                    .map_or(0, |n| n.parse::<u64>().unwrap_or(0)),
-            )
-        }
-    };
+    let count = |command: &'static str| command_calls(&server, command);
     let (calls, _) = stampede(&cache, "cold", 1_000, Duration::from_millis(100)).await?;
     assert_eq!(calls, 1);
     let sent = cache.redis_commands_sent().context("a Redis cache")?;
