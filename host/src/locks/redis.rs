@@ -679,6 +679,30 @@ impl RedisLocks {
         Duration::from_millis(ms)
     }
 
+    /// One acquire on every server for `token`: `LOCK_ACQUIRE`, or through the fair
+    /// queue (`queue_name`) when `queue` says how.
+    async fn acquire_round(
+        &self,
+        keys: &[String; 2],
+        queue_name: String,
+        token: &str,
+        ttl_ms: u64,
+        queue: Option<Queue<'_>>,
+    ) -> Vec<Reply> {
+        let inner = &self.inner;
+        let ttl_arg = ttl_ms.to_string();
+        let Some(queue) = queue else {
+            return self.everywhere(&inner.acquire, keys, &[token, &ttl_arg]).await;
+        };
+        let (waiter, how) = match queue {
+            Queue::Wait(waiter) => (waiter, "wait"),
+            Queue::Try => (token, "try"),
+        };
+        let keys = [keys[0].clone(), keys[1].clone(), queue_name];
+        let args = [token, ttl_arg.as_str(), waiter, how];
+        self.everywhere(&inner.acquire_fair, &keys, &args).await
+    }
+
     /// One try at the lock of `key`: through the fair queue when `queue` says how.
     async fn attempt(
         &self,
@@ -692,7 +716,6 @@ impl RedisLocks {
         // of this future, the attempt can be released, owner-checked.
         let token = crate::lock_token();
         let (keys, queue_name) = self.names(key)?;
-        let ttl_arg = ttl_ms.to_string();
         let sent = Instant::now();
         let unsettled = Unsettled {
             locks: self,
@@ -702,18 +725,7 @@ impl RedisLocks {
             ttl_ms,
             settled: false,
         };
-        let replies = match queue {
-            None => self.everywhere(&inner.acquire, &keys, &[&token, &ttl_arg]).await,
-            Some(queue) => {
-                let (waiter, how) = match queue {
-                    Queue::Wait(waiter) => (waiter, "wait"),
-                    Queue::Try => (token.as_str(), "try"),
-                };
-                let keys = [keys[0].clone(), keys[1].clone(), queue_name];
-                let args = [token.as_str(), ttl_arg.as_str(), waiter, how];
-                self.everywhere(&inner.acquire_fair, &keys, &args).await
-            }
-        };
+        let replies = self.acquire_round(&keys, queue_name, &token, ttl_ms, queue).await;
         let received = Instant::now();
         let elapsed = ms(received - sent);
         let counters: Vec<u64> = replies
