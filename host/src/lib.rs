@@ -41,6 +41,7 @@ mod cache;
 mod clock;
 mod compose;
 mod error;
+mod gather;
 pub mod guest;
 pub mod locks;
 mod options;

@@ -26,7 +26,10 @@ enum Reader {
     RawConfigured,
     /// A raw `GETEX PX`: what a sliding read costs Redis at the least.
     RawGetex,
+    /// Every caller reads the same key.
     Corral(&'static str),
+    /// Each caller reads a key of its own (`{prefix}{caller}`): nothing to share.
+    CorralOwn(&'static str),
 }
 
 /// Server CPU seconds so far (user + sys, main thread included).
@@ -43,7 +46,7 @@ async fn server_cpu(conn: &mut ConnectionManager) -> Result<f64> {
     Ok(field("used_cpu_user:")? + field("used_cpu_sys:")?)
 }
 
-async fn read(reader: Reader, cache: &Corral, raw: &[ConnectionManager; 2]) {
+async fn read(reader: Reader, caller: usize, cache: &Corral, raw: &[ConnectionManager; 2]) {
     match reader {
         Reader::Raw | Reader::RawConfigured => {
             let mut conn = raw[matches!(reader, Reader::RawConfigured) as usize].clone();
@@ -65,6 +68,14 @@ async fn read(reader: Reader, cache: &Corral, raw: &[ConnectionManager; 2]) {
             let v = cache.get(key).await.unwrap().expect("a hit");
             assert_eq!(v.len(), 64);
         }
+        Reader::CorralOwn(prefix) => {
+            let v = cache
+                .get(&format!("{prefix}{caller}"))
+                .await
+                .unwrap()
+                .expect("a hit");
+            assert_eq!(v.len(), 64);
+        }
     }
 }
 
@@ -80,11 +91,11 @@ async fn measure(
     let cpu0 = server_cpu(probe).await?;
     let started = Instant::now();
     let tasks: Vec<_> = (0..callers)
-        .map(|_| {
+        .map(|caller| {
             let (cache, raw) = (cache.clone(), raw.clone());
             tokio::spawn(async move {
                 for _ in 0..ops {
-                    read(reader, &cache, &raw).await;
+                    read(reader, caller, &cache, &raw).await;
                 }
             })
         })
@@ -148,6 +159,16 @@ async fn main() -> Result<()> {
     cache
         .set("sliding", vec![7u8; 64], EntryOptions::new().sliding(hour))
         .await?;
+    for caller in 0..CALLERS {
+        let relative = EntryOptions::new().relative(hour);
+        cache
+            .set(&format!("relative-{caller}"), vec![7u8; 64], relative)
+            .await?;
+        let sliding = EntryOptions::new().sliding(hour);
+        cache
+            .set(&format!("sliding-{caller}"), vec![7u8; 64], sliding)
+            .await?;
+    }
     let info = redis::IntoConnectionInfo::into_connection_info(server.url().as_str())?
         .set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
     let client = redis::Client::open(info)?;
@@ -175,6 +196,14 @@ async fn main() -> Result<()> {
         ("raw redis-rs `GETEX PX`", Reader::RawGetex),
         ("Corral `get`, relative entry (`GET`)", Reader::Corral("relative")),
         ("Corral `get`, sliding entry (`GETEX`)", Reader::Corral("sliding")),
+        (
+            "Corral `get`, relative, a key per caller",
+            Reader::CorralOwn("relative-"),
+        ),
+        (
+            "Corral `get`, sliding, a key per caller",
+            Reader::CorralOwn("sliding-"),
+        ),
     ];
     // CORRAL_BENCH_ONLY=<n> runs contender n alone, long, for a profiler.
     if let Some(n) = std::env::var("CORRAL_BENCH_ONLY")

@@ -22,6 +22,7 @@ use load::Served;
 
 mod builder;
 mod flight;
+mod gathered;
 mod health;
 mod judge;
 pub(crate) mod load;
@@ -71,6 +72,13 @@ pub(crate) struct Inner {
     pub(crate) cas_tries: u32,
     /// How each key read lately is to be read next (`GET`, `GETEX` or the script).
     pub(crate) read_hints: read::ReadHints,
+    /// `get`'s L2 reads that reach the cache together, read together (named in one
+    /// guest call, read in one request, judged in one guest call); `None` when the
+    /// store is in memory and a read costs no round trip.
+    pub(crate) gets: Option<gathered::Gets>,
+    /// How each key `get` read lately is to be read next, by key: only the plain ones
+    /// are gathered.
+    pub(crate) key_hints: read::ReadHints,
     /// Typed values decoded from the bytes L1 holds, reused while L1 holds those very
     /// bytes (see [`Corral::get_or_set_json_shared`]).
     pub(crate) decoded: typed::Decoded,
@@ -179,16 +187,20 @@ impl Corral {
     async fn get_from_l2(&self, key: &str, now: u64) -> Result<Option<Bytes>> {
         // Before the entry is named: a clear after it (another generation) refuses the fill.
         let ticket = self.inner.l1.ticket(key);
-        let entry = self.entry_of(key).await?;
         let m = &self.inner.metrics;
-        match self.l2_read(&entry, now).await? {
-            Some((value, meta, stamp)) => {
+        match self.look_gathered(key, now).await? {
+            (read::L2Read::Hit(value, meta, _, stamp), l1_until) => {
                 Metrics::bump(&m.l2_hits);
-                self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket), stamp)
-                    .await?;
+                match l1_until {
+                    Some(until) => self.fill_l1_until(key, &value, until, L1Fill::Read(ticket), stamp),
+                    None => {
+                        self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket), stamp)
+                            .await?
+                    }
+                }
                 Ok(Some(value))
             }
-            None => {
+            _ => {
                 Metrics::bump(&m.misses);
                 Ok(None)
             }

@@ -67,7 +67,9 @@ pub struct Policy {
 
 struct Inner {
     loaded: &'static Loaded,
-    slots: Mutex<Vec<Slot<PolicyState>>>,
+    // Boxed on purpose: a slot moves out of the pool and back around every call.
+    #[allow(clippy::vec_box)]
+    slots: Mutex<Vec<Box<Slot<PolicyState>>>>,
     /// Instances this handle had to create (for diagnostics: they are recycled).
     created: std::sync::atomic::AtomicU64,
     limits: types::Limits,
@@ -152,7 +154,7 @@ impl Policy {
         // thread keeps one of its own (no lock on the hot path), and the pool serves the
         // rare call that finds it busy.
         thread_local! {
-            static LOCAL: RefCell<Option<Slot<PolicyState>>> = const { RefCell::new(None) };
+            static LOCAL: RefCell<Option<Box<Slot<PolicyState>>>> = const { RefCell::new(None) };
         }
         let local = LOCAL.with(|l| l.try_borrow_mut().ok().and_then(|mut l| l.take()));
         let mut slot = match local.or_else(|| self.inner.slots.lock().pop()) {

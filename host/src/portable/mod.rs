@@ -84,7 +84,9 @@ struct PortableInner {
     backend: Arc<Backend>,
     settings: types::Settings,
     prefix: String,
-    idle: Mutex<Vec<Slot<PortableState>>>,
+    // Boxed on purpose: an instance moves out of the pool and back around every call.
+    #[allow(clippy::vec_box)]
+    idle: Mutex<Vec<Box<Slot<PortableState>>>>,
 }
 
 impl fmt::Debug for PortableCache {
@@ -313,7 +315,7 @@ impl PortableBuilder {
 
 impl PortableInner {
     /// An idle instance, or a new one configured with this cache's settings.
-    fn instance(&self) -> Result<Slot<PortableState>> {
+    fn instance(&self) -> Result<Box<Slot<PortableState>>> {
         if let Some(slot) = self.idle.lock().pop() {
             return Ok(slot);
         }

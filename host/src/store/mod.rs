@@ -53,6 +53,13 @@ pub trait Entries: Send + Sync + fmt::Debug + 'static {
     /// ...) is an [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) error.
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>>;
 
+    /// Whether reads that reach this store together are worth sending together
+    /// ([`get_many`](Self::get_many)): true for a store across a network, where every
+    /// request costs a round trip; false (the default) for one in memory.
+    fn gathers(&self) -> bool {
+        false
+    }
+
     /// The bytes under each of `keys`, in order, as [`get`](Self::get) reads them, in as
     /// few round trips as the store allows (Redis: one `MGET` per node), each key with
     /// its own result: a node that fails fails its keys only. A key holding a value of

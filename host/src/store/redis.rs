@@ -22,6 +22,7 @@ use super::pubsub::RedisNotifications;
 pub use super::redis_options::{RedisOptions, redact};
 use super::script::Script;
 use super::{Entries, FlightLock};
+use crate::gather::{Follower, Gather};
 use crate::{Error, ErrorKind, Result};
 
 /// The Redis store. Cheap to clone.
@@ -40,6 +41,9 @@ pub struct RedisStore {
     grace_ms: u64,
     commands: Arc<AtomicU64>,
     notifications: RedisNotifications,
+    /// Entry reads gathered into one pipeline (one server only: a cluster's pipeline
+    /// must stay in one slot).
+    gather: Option<Arc<Reads>>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -95,6 +99,42 @@ fn read_failed<'a>(what: &'static str, at: &'a Breaker) -> impl Fn(redis::RedisE
         } else {
             Error::unavailable(failed(what, at), e)
         }
+    }
+}
+
+/// Entry reads gathering: each asks with its key and what it reads.
+type Reads = Gather<(String, Read), Result<Option<Bytes>>>;
+type ReadFollower = Follower<(String, Read), Result<Option<Bytes>>>;
+
+/// What an entry read asks of Redis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Read {
+    /// The bytes (`GET`).
+    Get,
+    /// The bytes, setting the key's TTL to this many ms (`GETEX PX`).
+    Expire(u64),
+}
+
+/// The command for one read.
+fn read_command(key: &str, read: Read) -> redis::Cmd {
+    match read {
+        Read::Get => {
+            let mut get = redis::cmd("GET");
+            get.arg(key);
+            get
+        }
+        Read::Expire(ttl_ms) => {
+            let mut getex = redis::cmd("GETEX");
+            getex.arg(key).arg("PX").arg(ttl_ms.max(1));
+            getex
+        }
+    }
+}
+
+fn read_name(read: Read) -> &'static str {
+    match read {
+        Read::Get => "GET",
+        Read::Expire(_) => "GETEX",
     }
 }
 
@@ -170,6 +210,7 @@ impl RedisStore {
         // One command link for entries, the flight lock, announcements and the cache's
         // leases, so a replacement after timeouts heals them all.
         let healing = Healing::new(connection)?;
+        let gather = (!healing.connection().is_cluster()).then(Arc::default);
         let prober = prober(
             healing.clone(),
             commands.clone(),
@@ -199,6 +240,7 @@ impl RedisStore {
             delete_foreign: Arc::new(Script::new(DELETE_FOREIGN)),
             grace_ms: scripts.grace_ms,
             commands,
+            gather,
         })
     }
 
@@ -248,6 +290,98 @@ impl RedisStore {
         Ok((self.healing.current(), at))
     }
 
+    /// Reads `key` as `read` asks, with the reads that reach this store at the same
+    /// moment ([`gather`](crate::gather)).
+    async fn read(&self, key: &str, read: Read) -> Result<Option<Bytes>> {
+        let Some(gather) = &self.gather else {
+            return self.read_alone(key, read).await;
+        };
+        let together = async |followers: Vec<ReadFollower>| {
+            let mut answers = self.read_together(key, read, &followers).await.into_iter();
+            let mine = answers.next();
+            for (follower, found) in followers.into_iter().zip(answers) {
+                // A follower that stopped waiting needs no answer.
+                let _ = follower.reply.send(found);
+            }
+            mine
+        };
+        gather
+            .run(|| (key.to_owned(), read), || self.read_alone(key, read), together)
+            .await
+    }
+
+    /// One read, one command.
+    async fn read_alone(&self, key: &str, read: Read) -> Result<Option<Bytes>> {
+        let (mut conn, at) = self.conn(key)?;
+        self.count(1);
+        let found: Option<Vec<u8>> = read_command(key, read)
+            .query_async(&mut conn)
+            .await
+            .seen(self, &at)
+            .map_err(read_failed(read_name(read), &at))?;
+        Ok(found.map(Bytes::from))
+    }
+
+    /// `key`'s read and the followers', in that order, in one pipeline: each with its
+    /// own answer (a key of another Redis type fails its own read only).
+    async fn read_together(
+        &self,
+        key: &str,
+        read: Read,
+        followers: &[ReadFollower],
+    ) -> Vec<Result<Option<Bytes>>> {
+        let all = 1 + followers.len();
+        let (mut conn, at) = match self.conn(key) {
+            Ok(admitted) => admitted,
+            Err(e) => return vec![Err(e); all],
+        };
+        // The same read asked for twice is sent once: every asker called before it is
+        // sent, so its answer is as good as a read of its own.
+        let mut unique: Vec<(&str, Read)> = vec![(key, read)];
+        let mut seen = std::collections::HashMap::from([((key, read), 0)]);
+        let at_unique: Vec<usize> = std::iter::once(0)
+            .chain(followers.iter().map(|f| {
+                let asked = (f.query.0.as_str(), f.query.1);
+                *seen.entry(asked).or_insert_with(|| {
+                    unique.push(asked);
+                    unique.len() - 1
+                })
+            }))
+            .collect();
+        self.count(unique.len() as u64);
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for &(key, read) in &unique {
+            pipe.add_command(read_command(key, read));
+        }
+        let answers: Vec<redis::RedisResult<Option<Vec<u8>>>> =
+            match pipe.query_async(&mut conn).await.seen(self, &at) {
+                Ok(answers) => answers,
+                Err(e) => return vec![Err(Error::unavailable(failed("pipeline of reads", &at), e)); all],
+            };
+        if answers.len() != unique.len() {
+            let e = Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "redis answered {} of a pipeline's {} reads",
+                    answers.len(),
+                    unique.len()
+                ),
+            );
+            return vec![Err(e); all];
+        }
+        let answers: Vec<Result<Option<Bytes>>> = answers
+            .into_iter()
+            .zip(&unique)
+            .map(|(found, &(_, read))| {
+                found
+                    .map(|bytes| bytes.map(Bytes::from))
+                    .map_err(read_failed(read_name(read), &at))
+            })
+            .collect();
+        at_unique.into_iter().map(|i| answers[i].clone()).collect()
+    }
+
     fn count(&self, n: u64) {
         self.commands.fetch_add(n, Ordering::Relaxed);
     }
@@ -294,22 +428,7 @@ impl Entries for RedisStore {
         key: &'a str,
         ttl_ms: u64,
     ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
-        Some(
-            async move {
-                let (mut conn, at) = self.conn(key)?;
-                self.count(1);
-                let found: Option<Vec<u8>> = redis::cmd("GETEX")
-                    .arg(key)
-                    .arg("PX")
-                    .arg(ttl_ms.max(1))
-                    .query_async(&mut conn)
-                    .await
-                    .seen(self, &at)
-                    .map_err(read_failed("GETEX", &at))?;
-                Ok(found.map(Bytes::from))
-            }
-            .boxed(),
-        )
+        Some(self.read(key, Read::Expire(ttl_ms)).boxed())
     }
 
     fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<u64>>> {
@@ -329,18 +448,11 @@ impl Entries for RedisStore {
     }
 
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>> {
-        async move {
-            let (mut conn, at) = self.conn(key)?;
-            self.count(1);
-            let found: Option<Vec<u8>> = redis::cmd("GET")
-                .arg(key)
-                .query_async(&mut conn)
-                .await
-                .seen(self, &at)
-                .map_err(read_failed("GET", &at))?;
-            Ok(found.map(Bytes::from))
-        }
-        .boxed()
+        self.read(key, Read::Get).boxed()
+    }
+
+    fn gathers(&self) -> bool {
+        true
     }
 
     fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Vec<Result<Option<Bytes>>>> {

@@ -6,6 +6,7 @@ mod cluster;
 mod contract;
 mod edges;
 mod freshness;
+mod gathering;
 mod locks;
 mod portable;
 mod proxy;

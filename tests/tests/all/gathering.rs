@@ -1,0 +1,150 @@
+//! Reads that reach a Redis-backed cache together go out together: named in one guest
+//! call, read in one request, judged in one more. Every caller still gets its own key's
+//! answer and its own error, and sees every write that ended before it called.
+
+use std::pin::pin;
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use corral::{EntryOptions, ErrorKind};
+use corral_tests::{Backend, Fixture, command_calls};
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// A Redis-backed cache with L1 off: every `get` reads L2.
+fn l2_only() -> Result<Fixture> {
+    Fixture::with(Backend::Redis, |b| b.l1_capacity(0))
+}
+
+#[tokio::test]
+async fn gets_that_arrive_together_go_out_in_one_request_each_with_its_own_answer() -> Result<()> {
+    let f = l2_only()?;
+    let server = f.redis.as_ref().expect("redis");
+    for i in 0..64 {
+        let options = match i % 3 {
+            0 => EntryOptions::new().sliding(HOUR),
+            _ => EntryOptions::new().relative(HOUR),
+        };
+        f.cache.set(&format!("key-{i}"), format!("v{i}"), options).await?;
+    }
+    // Asked for twice, and a key with nothing under it.
+    let keys: Vec<String> = (0..64)
+        .map(|i| format!("key-{i}"))
+        .chain(["key-7".to_owned(), "absent".to_owned()])
+        .collect();
+    let (mget, get) = (
+        command_calls(server, "mget").await?,
+        command_calls(server, "get").await?,
+    );
+    let found = futures::future::join_all(keys.iter().map(|k| f.cache.get(k))).await;
+    for (key, found) in keys.iter().zip(found) {
+        let expected = key.strip_prefix("key-").map(|i| format!("v{i}"));
+        ensure!(
+            found?.as_deref() == expected.as_deref().map(str::as_bytes),
+            "{key} got its own answer"
+        );
+    }
+    ensure!(
+        command_calls(server, "mget").await? - mget == 1,
+        "66 reads arriving together went out as one MGET"
+    );
+    ensure!(
+        command_calls(server, "get").await? == get,
+        "and no GET of their own"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_bad_key_among_gathered_reads_fails_alone_with_the_error_it_gets_alone() -> Result<()> {
+    let f = l2_only()?;
+    f.cache.set("a", "1", EntryOptions::new()).await?;
+    f.cache.set("b", "2", EntryOptions::new()).await?;
+    let alone = f.cache.get(" ").await.expect_err("a blank key is refused");
+    let (a, bad, b) = tokio::join!(f.cache.get("a"), f.cache.get(" "), f.cache.get("b"));
+    let bad = bad.expect_err("refused when gathered too");
+    ensure!(bad.kind() == ErrorKind::InvalidArgument && bad.to_string() == alone.to_string());
+    ensure!(a?.as_deref() == Some(&b"1"[..]) && b?.as_deref() == Some(&b"2"[..]));
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_leader_dropped_while_gathering_leaves_its_followers_to_read_alone() -> Result<()> {
+    let f = l2_only()?;
+    f.cache.set("a", "1", EntryOptions::new()).await?;
+    f.cache.set("b", "2", EntryOptions::new()).await?;
+    let mut leader = Box::pin(f.cache.get("a"));
+    ensure!(
+        futures::poll!(&mut leader).is_pending(),
+        "the first read leads and yields"
+    );
+    let mut follower = pin!(f.cache.get("b"));
+    ensure!(futures::poll!(&mut follower).is_pending(), "the second joins it");
+    drop(leader);
+    let got = tokio::time::timeout(Duration::from_secs(5), follower).await?;
+    ensure!(got?.as_deref() == Some(&b"2"[..]), "the follower read alone");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_gathered_caller_sees_its_own_last_write() -> Result<()> {
+    let f = l2_only()?;
+    let cache = f.cache.clone();
+    let writers = (0..32).map(|w| {
+        let cache = cache.clone();
+        tokio::spawn(async move {
+            let key = format!("writer-{w}");
+            for n in 0..40u32 {
+                cache.set(&key, n.to_string(), EntryOptions::new()).await?;
+                let got = cache.get(&key).await?;
+                ensure!(
+                    got.as_deref() == Some(n.to_string().as_bytes()),
+                    "{key}: wrote {n}, read {got:?}"
+                );
+            }
+            anyhow::Ok(())
+        })
+    });
+    // Readers of one hot key, gathered with the writers' reads.
+    cache.set("hot", "h", EntryOptions::new().relative(HOUR)).await?;
+    let readers = (0..16).map(|_| {
+        let cache = cache.clone();
+        tokio::spawn(async move {
+            for _ in 0..40 {
+                ensure!(cache.get("hot").await?.as_deref() == Some(&b"h"[..]));
+            }
+            anyhow::Ok(())
+        })
+    });
+    for task in writers.chain(readers).collect::<Vec<_>>() {
+        task.await??;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn reads_of_one_sliding_key_that_arrive_together_cost_one_getex() -> Result<()> {
+    // A real clock: a sliding entry's moment is the store's TTL, read with `GETEX`.
+    let server = corral_tests::RedisServer::start()?;
+    let cache = corral::Corral::builder()
+        .redis(server.url())
+        .l1_capacity(0)
+        .build()?;
+    cache.set("s", "v", EntryOptions::new().sliding(HOUR)).await?;
+    cache.set("other", "w", EntryOptions::new().sliding(HOUR)).await?;
+    // The first reads learn that the keys slide.
+    cache.get("s").await?;
+    cache.get("other").await?;
+    let getex = command_calls(&server, "getex").await?;
+    let keys: Vec<&str> = std::iter::repeat_n("s", 32).chain(["other"]).collect();
+    let found = futures::future::join_all(keys.iter().map(|k| cache.get(k))).await;
+    for (key, found) in keys.iter().zip(found) {
+        let expected: &[u8] = if *key == "s" { b"v" } else { b"w" };
+        ensure!(found?.as_deref() == Some(expected), "{key} got its own value");
+    }
+    ensure!(
+        command_calls(&server, "getex").await? - getex == 2,
+        "33 reads of two sliding keys, arriving together, sent one GETEX per key"
+    );
+    Ok(())
+}
