@@ -3,13 +3,15 @@
 //! instead of one each, as rueidis's auto-pipelining does for every command.
 //!
 //! The first to arrive leads: it yields once, so that the tasks already woken run and
-//! join it, then does its own work and theirs at once and hands each its answer. Alone,
-//! a read pays one yield. Only work not yet sent is joined, never a request in flight:
+//! join it, then does its own work and theirs at once and hands each its answer. A
+//! read that finds no other under way goes at once, as it would without gathering. Only work not yet sent is joined, never a request in flight:
 //! every read still starts after its caller called, so it sees every write that ended
 //! before (a read joining an earlier request could miss one).
 //!
 //! A leader dropped before it answers (its caller cancelled) drops its followers'
 //! replies with it: each then does its work alone.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -27,13 +29,26 @@ pub(crate) struct Follower<Q, A> {
 /// The work gathering now, if a leader is gathering.
 pub(crate) struct Gather<Q, A> {
     open: Mutex<Option<Vec<Follower<Q, A>>>>,
+    /// Pieces of work under way ([`run`](Gather::run)): one that finds none works alone
+    /// at once, without the leader's yield.
+    running: AtomicUsize,
 }
 
 impl<Q, A> Default for Gather<Q, A> {
     fn default() -> Self {
         Gather {
             open: Mutex::new(None),
+            running: AtomicUsize::new(0),
         }
+    }
+}
+
+/// Counts one piece of work under way until dropped.
+struct Running<'a>(&'a AtomicUsize);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -62,6 +77,12 @@ impl<Q, A> Gather<Q, A> {
         Alone: Future<Output = A>,
         Together: Future<Output = Option<A>>,
     {
+        let others = self.running.fetch_add(1, Ordering::Relaxed);
+        let _running = Running(&self.running);
+        if others == 0 {
+            // Nothing else under way: nobody to wait for.
+            return alone().await;
+        }
         match self.join(query) {
             Turn::Alone => alone().await,
             Turn::Follow(answer) => match answer.await {
@@ -190,6 +211,48 @@ mod tests {
             matches!(answer.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
             "the first leader's end did not take the second's followers"
         );
+    }
+
+    #[tokio::test]
+    async fn work_that_finds_nothing_else_under_way_goes_at_once_and_alone() {
+        let gather = Reads::default();
+        let answer = gather.run(|| "a", || async { 1 }, |_| async { Some(2) }).await;
+        assert_eq!(answer, 1, "done alone");
+        assert!(
+            matches!(gather.join(|| "b"), Turn::Lead(_)),
+            "and no gathering left open"
+        );
+    }
+
+    #[tokio::test]
+    async fn work_that_finds_others_under_way_gathers_with_them() {
+        let gather = Reads::default();
+        let (done, finished) = oneshot::channel::<u32>();
+        let (busy, lead, follow) = tokio::join!(
+            // Under way until the follower has its answer.
+            gather.run(
+                || "a",
+                move || async move { finished.await.unwrap() },
+                |_| async { None }
+            ),
+            gather.run(
+                || "b",
+                || async { 1 },
+                |followers| async move {
+                    assert_eq!(followers.len(), 1, "the third joined the second");
+                    for f in followers {
+                        f.reply.send(10).unwrap();
+                    }
+                    Some(2)
+                }
+            ),
+            async {
+                let answer = gather.run(|| "c", || async { 3 }, |_| async { None }).await;
+                done.send(7).unwrap();
+                answer
+            },
+        );
+        assert_eq!((busy, lead, follow), (7, 2, 10));
     }
 
     #[test]
