@@ -26,18 +26,24 @@ pub(crate) struct Follower<Q, A> {
     pub(crate) reply: oneshot::Sender<A>,
 }
 
-/// The work gathering now, if a leader is gathering.
+/// The work gathering now, if a gathering is open, and the next gathering's number.
 pub(crate) struct Gather<Q, A> {
-    open: Mutex<Option<Vec<Follower<Q, A>>>>,
+    open: Mutex<(u64, Option<Open<Q, A>>)>,
     /// Pieces of work under way ([`run`](Gather::run)): one that finds none works alone
     /// at once, without the leader's yield.
     running: AtomicUsize,
 }
 
+/// An open gathering: its number, and the work that joined it.
+struct Open<Q, A> {
+    id: u64,
+    followers: Vec<Follower<Q, A>>,
+}
+
 impl<Q, A> Default for Gather<Q, A> {
     fn default() -> Self {
         Gather {
-            open: Mutex::new(None),
+            open: Mutex::new((0, None)),
             running: AtomicUsize::new(0),
         }
     }
@@ -56,20 +62,30 @@ impl Drop for Running<'_> {
 pub(crate) enum Turn<'a, Q, A> {
     /// Gather the others, then do all ([`Lead::close`]).
     Lead(Lead<'a, Q, A>),
-    /// Wait for the leader's answer; if it is dropped unanswered, work alone.
-    Follow(oneshot::Receiver<A>),
+    /// Wait for the leader's answer ([`Waiting`]).
+    Follow(Waiting<A>),
     /// The gathering is full: work alone.
     Alone,
 }
 
+/// A follower's place: the gathering it joined, where in it, and its answer to come.
+pub(crate) struct Waiting<A> {
+    id: u64,
+    at: usize,
+    pub(crate) answer: oneshot::Receiver<A>,
+}
+
 impl<Q, A> Gather<Q, A> {
-    /// Does one piece of work, gathered: as a follower, waits for the leader's answer;
-    /// as the leader, yields once for the others to join, then hands them (never none)
-    /// to `together`, which answers each and returns the leader's own answer, or `None`
-    /// to let them go. Whatever is not done together is done `alone`.
+    /// Does one piece of work, gathered: as the leader, yields once for the others to
+    /// join, then hands them (never none) to `together`, which answers each and returns
+    /// the leader's own answer, or `None` to let them go. A follower yields once too:
+    /// if its gathering is still open then (its leader was not polled again: a future
+    /// set aside in a `select!`), it takes the gathering over and leads it. It waits
+    /// for an answer at most `wait`. Whatever is not done together is done `alone`.
     pub(crate) async fn run<Alone, Together>(
         &self,
         query: impl FnOnce() -> Q,
+        wait: std::time::Duration,
         alone: impl FnOnce() -> Alone,
         together: impl FnOnce(Vec<Follower<Q, A>>) -> Together,
     ) -> A
@@ -83,43 +99,83 @@ impl<Q, A> Gather<Q, A> {
             // Nothing else under way: nobody to wait for.
             return alone().await;
         }
-        match self.join(query) {
-            Turn::Alone => alone().await,
-            Turn::Follow(answer) => match answer.await {
-                Ok(answer) => answer,
-                Err(_) => alone().await,
-            },
-            Turn::Lead(lead) => {
+        let followers = match self.join(query) {
+            Turn::Alone => return alone().await,
+            Turn::Follow(waiting) => {
                 tokio::task::yield_now().await;
-                let followers = lead.close();
-                if followers.is_empty() {
-                    return alone().await;
-                }
-                match together(followers).await {
-                    Some(mine) => mine,
-                    None => alone().await,
+                match self.take_over(&waiting) {
+                    Some(followers) => followers,
+                    None => {
+                        return match tokio::time::timeout(wait, waiting.answer).await {
+                            Ok(Ok(answer)) => answer,
+                            _ => alone().await,
+                        };
+                    }
                 }
             }
+            Turn::Lead(lead) => {
+                tokio::task::yield_now().await;
+                lead.close()
+            }
+        };
+        if followers.is_empty() {
+            return alone().await;
+        }
+        match together(followers).await {
+            Some(mine) => mine,
+            None => alone().await,
         }
     }
 
     /// Joins the gathering under way with `query`, or starts one.
     pub(crate) fn join(&self, query: impl FnOnce() -> Q) -> Turn<'_, Q, A> {
-        let mut open = self.open.lock();
-        match &mut *open {
+        let mut guard = self.open.lock();
+        let (next, open) = &mut *guard;
+        match open {
             None => {
-                *open = Some(Vec::new());
-                Turn::Lead(Lead { gather: Some(self) })
+                let id = *next;
+                *next = next.wrapping_add(1);
+                *open = Some(Open {
+                    id,
+                    followers: Vec::new(),
+                });
+                Turn::Lead(Lead {
+                    gather: Some(self),
+                    id,
+                })
             }
-            Some(followers) if followers.len() + 1 < MAX_GATHERED => {
+            Some(o) if o.followers.len() + 1 < MAX_GATHERED => {
                 let (reply, answer) = oneshot::channel();
-                followers.push(Follower {
+                o.followers.push(Follower {
                     query: query(),
                     reply,
                 });
-                Turn::Follow(answer)
+                Turn::Follow(Waiting {
+                    id: o.id,
+                    at: o.followers.len() - 1,
+                    answer,
+                })
             }
             Some(_) => Turn::Alone,
+        }
+    }
+
+    /// Closes the gathering `waiting` joined if it is still open: the others in it (the
+    /// follower's own place taken out), for the follower to lead.
+    fn take_over(&self, waiting: &Waiting<A>) -> Option<Vec<Follower<Q, A>>> {
+        let mut followers = self.close(waiting.id)?;
+        followers.swap_remove(waiting.at);
+        Some(followers)
+    }
+
+    /// Closes gathering `id` if it is the one open: the work that joined it.
+    fn close(&self, id: u64) -> Option<Vec<Follower<Q, A>>> {
+        let mut guard = self.open.lock();
+        let open = &mut guard.1;
+        if open.as_ref().is_some_and(|o| o.id == id) {
+            open.take().map(|o| o.followers)
+        } else {
+            None
         }
     }
 }
@@ -127,13 +183,14 @@ impl<Q, A> Gather<Q, A> {
 /// The leader's hold on a gathering: closing it takes the followers; dropping it
 /// unclosed lets them go (each works alone).
 pub(crate) struct Lead<'a, Q, A> {
-    /// `None` once closed. While a gathering is open it is this leader's alone.
+    /// `None` once closed.
     gather: Option<&'a Gather<Q, A>>,
+    id: u64,
 }
 
 impl<Q, A> Lead<'_, Q, A> {
-    /// Ends the gathering: the work that joined it, in the order it came. The next
-    /// comer starts another.
+    /// Ends the gathering: the work that joined it, in the order it came (none if a
+    /// follower took it over). The next comer starts another.
     pub(crate) fn close(mut self) -> Vec<Follower<Q, A>> {
         self.end()
     }
@@ -141,7 +198,7 @@ impl<Q, A> Lead<'_, Q, A> {
     fn end(&mut self) -> Vec<Follower<Q, A>> {
         self.gather
             .take()
-            .and_then(|g| g.open.lock().take())
+            .and_then(|g| g.close(self.id))
             .unwrap_or_default()
     }
 }
@@ -159,13 +216,15 @@ mod tests {
 
     type Reads = Gather<&'static str, u32>;
 
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
     #[test]
     fn the_first_comer_leads_and_the_next_ones_follow_until_it_closes() {
         let gather = Reads::default();
         let Turn::Lead(lead) = gather.join(|| "a") else {
             panic!("the first leads")
         };
-        let Turn::Follow(mut answer) = gather.join(|| "b") else {
+        let Turn::Follow(mut waiting) = gather.join(|| "b") else {
             panic!("the second follows")
         };
         let followers = lead.close();
@@ -178,19 +237,19 @@ mod tests {
         for f in followers {
             f.reply.send(7).unwrap();
         }
-        assert_eq!(answer.try_recv(), Ok(7));
+        assert_eq!(waiting.answer.try_recv(), Ok(7));
     }
 
     #[test]
     fn a_leader_dropped_unanswered_lets_its_followers_go() {
         let gather = Reads::default();
         let lead = gather.join(|| "a");
-        let Turn::Follow(mut answer) = gather.join(|| "b") else {
+        let Turn::Follow(mut waiting) = gather.join(|| "b") else {
             panic!("the second follows")
         };
         drop(lead);
         assert!(
-            answer.try_recv().is_err(),
+            waiting.answer.try_recv().is_err(),
             "no answer will come: the follower works alone"
         );
         assert!(matches!(gather.join(|| "c"), Turn::Lead(_)), "the next one leads");
@@ -204,11 +263,14 @@ mod tests {
         };
         assert!(first.close().is_empty());
         let _second = gather.join(|| "b");
-        let Turn::Follow(mut answer) = gather.join(|| "c") else {
+        let Turn::Follow(mut waiting) = gather.join(|| "c") else {
             panic!("follows the second")
         };
         assert!(
-            matches!(answer.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+            matches!(
+                waiting.answer.try_recv(),
+                Err(oneshot::error::TryRecvError::Empty)
+            ),
             "the first leader's end did not take the second's followers"
         );
     }
@@ -216,7 +278,9 @@ mod tests {
     #[tokio::test]
     async fn work_that_finds_nothing_else_under_way_goes_at_once_and_alone() {
         let gather = Reads::default();
-        let answer = gather.run(|| "a", || async { 1 }, |_| async { Some(2) }).await;
+        let answer = gather
+            .run(|| "a", WAIT, || async { 1 }, |_| async { Some(2) })
+            .await;
         assert_eq!(answer, 1, "done alone");
         assert!(
             matches!(gather.join(|| "b"), Turn::Lead(_)),
@@ -232,11 +296,13 @@ mod tests {
             // Under way until the follower has its answer.
             gather.run(
                 || "a",
+                WAIT,
                 move || async move { finished.await.unwrap() },
                 |_| async { None }
             ),
             gather.run(
                 || "b",
+                WAIT,
                 || async { 1 },
                 |followers| async move {
                     assert_eq!(followers.len(), 1, "the third joined the second");
@@ -247,12 +313,63 @@ mod tests {
                 }
             ),
             async {
-                let answer = gather.run(|| "c", || async { 3 }, |_| async { None }).await;
+                let answer = gather.run(|| "c", WAIT, || async { 3 }, |_| async { None }).await;
                 done.send(7).unwrap();
                 answer
             },
         );
         assert_eq!((busy, lead, follow), (7, 2, 10));
+    }
+
+    #[tokio::test]
+    async fn a_follower_whose_leader_is_not_polled_again_takes_the_gathering_over() {
+        let gather = Reads::default();
+        let mut busy = std::pin::pin!(gather.run(|| "a", WAIT, std::future::pending, |_| async { None }));
+        assert!(futures::poll!(&mut busy).is_pending(), "under way");
+        let mut lead = std::pin::pin!(gather.run(|| "b", WAIT, || async { 1 }, |_| async { Some(2) }));
+        assert!(
+            futures::poll!(&mut lead).is_pending(),
+            "leads, yields, and is set aside"
+        );
+        let follower = gather.run(|| "c", WAIT, || async { 3 }, |_| async { Some(4) });
+        let answer = tokio::time::timeout(std::time::Duration::from_secs(1), follower).await;
+        assert_eq!(
+            answer,
+            Ok(3),
+            "took the gathering over (nobody else in it: alone)"
+        );
+        assert_eq!(
+            lead.await,
+            1,
+            "the leader, polled at last, finds its gathering gone"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_waits_for_its_answer_at_most_its_wait() {
+        let gather = Reads::default();
+        let mut busy = std::pin::pin!(gather.run(|| "a", WAIT, std::future::pending, |_| async { None }));
+        assert!(futures::poll!(&mut busy).is_pending());
+        // The leader closes, then never answers.
+        let lead = gather.run(
+            || "b",
+            WAIT,
+            std::future::pending,
+            |followers| async move {
+                let _unanswered = followers;
+                std::future::pending().await
+            },
+        );
+        let follower = gather.run(|| "c", WAIT, || async { 3 }, |_| async { None });
+        let started = tokio::time::Instant::now();
+        tokio::select! {
+            biased;
+            _ = lead => unreachable!("the leader never ends"),
+            answer = follower => {
+                assert_eq!(answer, 3, "read alone after the wait");
+                assert_eq!(started.elapsed(), WAIT);
+            }
+        }
     }
 
     #[test]

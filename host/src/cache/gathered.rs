@@ -28,8 +28,11 @@ impl Corral {
         }) else {
             return self.look_alone(key, now).await;
         };
+        // A follower waits at most one store timeout, then reads alone: one command,
+        // plus one (contract §D).
         gets.run(
             || key.to_owned(),
+            inner.flight.store_timeout,
             || self.look_alone(key, now),
             |followers| self.lead_gets(key, followers, now),
         )
@@ -46,9 +49,9 @@ impl Corral {
 
     /// Carries the way `entry` is to be read next over to its key.
     fn note_key_hint(&self, key: &str, entry: &str) {
-        let hints = &self.inner;
-        let next = hints.read_hints.get(entry).unwrap_or(NextRead::Get);
-        hints.key_hints.note(key, hints.key_hints.get(key), next);
+        let inner = &*self.inner;
+        let next = inner.read_hints.get(entry).unwrap_or(NextRead::Get);
+        inner.key_hints.note(key, inner.key_hints.get(key), next);
     }
 
     /// Names `key` and the followers' keys, reads them together, and answers each
@@ -73,7 +76,20 @@ impl Corral {
                 })
             })
             .collect();
-        let names = self.locate_entries(&keys).await.ok()?;
+        // Named as `get` alone names them: checked first, then in the generation known or
+        // read (never a fallback one), so that a read after a clear misses.
+        let policy = &self.inner.policy;
+        let prefix = &self.inner.prefix;
+        let generation = match self.known_generation() {
+            Some(g) => g,
+            None => {
+                policy.locate_entries(prefix, &keys, 0).ok()?;
+                self.generation().await.ok()?
+            }
+        };
+        let names = policy.locate_entries(prefix, &keys, generation).ok()?;
+        // Judged no earlier than now: a follower may have called after the leader.
+        let now = now.max(self.inner.clock.now_ms());
         let reading: Vec<&str> = names.iter().map(String::as_str).collect();
         let looks = self.l2_look_many(&reading, now).await;
         for (key, entry) in keys.iter().zip(&names) {

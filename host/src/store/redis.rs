@@ -306,7 +306,12 @@ impl RedisStore {
             mine
         };
         gather
-            .run(|| (key.to_owned(), read), || self.read_alone(key, read), together)
+            .run(
+                || (key.to_owned(), read),
+                self.options.response_timeout,
+                || self.read_alone(key, read),
+                together,
+            )
             .await
     }
 
@@ -374,6 +379,13 @@ impl RedisStore {
             .into_iter()
             .zip(&unique)
             .map(|(found, &(_, read))| {
+                // A server error of one read (LOADING, MASTERDOWN, ...) counts on the
+                // breaker as it would alone.
+                if let Err(e) = &found
+                    && is_connection_failure(e)
+                {
+                    Err::<(), _>(e.clone()).seen(self, &at).ok();
+                }
                 found
                     .map(|bytes| bytes.map(Bytes::from))
                     .map_err(read_failed(read_name(read), &at))

@@ -136,10 +136,36 @@ async fn reads_of_one_sliding_key_that_arrive_together_cost_one_getex() -> Resul
         let expected: &[u8] = if *key == "s" { b"v" } else { b"w" };
         ensure!(found?.as_deref() == Some(expected), "{key} got its own value");
     }
-    // The first found nothing else under way and went at once.
+    // The first found nothing else under way and went at once; the others went out
+    // together, one GETEX per key (a leader polled after one of its followers loses
+    // its gathering to it, and reads alone: one more).
+    let sent = command_calls(&server, "getex").await? - getex;
     ensure!(
-        command_calls(&server, "getex").await? - getex == 3,
-        "the 32 reads behind it, of two sliding keys, sent one GETEX per key"
+        (3..=4).contains(&sent),
+        "33 reads of two sliding keys sent {sent} GETEX"
     );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_read_never_waits_on_a_leader_set_aside() -> Result<()> {
+    let f = l2_only()?;
+    f.cache.set("a", "1", EntryOptions::new()).await?;
+    f.cache.set("b", "2", EntryOptions::new()).await?;
+    let mut busy = pin!(f.cache.get("a"));
+    ensure!(futures::poll!(&mut busy).is_pending(), "a read on its way");
+    // A leader polled once, then set aside (a future waiting in a `select!`).
+    let mut set_aside = pin!(f.cache.get("a"));
+    ensure!(futures::poll!(&mut set_aside).is_pending(), "leads and yields");
+    let started = std::time::Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(5), f.cache.get("b")).await?;
+    ensure!(got?.as_deref() == Some(&b"2"[..]));
+    ensure!(
+        started.elapsed() < Duration::from_millis(500),
+        "took the gathering over instead of waiting a store timeout: {:?}",
+        started.elapsed()
+    );
+    ensure!(set_aside.await?.as_deref() == Some(&b"1"[..]));
+    ensure!(busy.await?.as_deref() == Some(&b"1"[..]));
     Ok(())
 }
