@@ -19,6 +19,26 @@ use tokio::sync::oneshot;
 /// The most one batch carries; work arriving at a full gathering goes alone.
 pub(crate) const MAX_GATHERED: usize = 256;
 
+/// The distinct items of `items` in the order they first come, and for each item the
+/// place of its twin among them: what a leader asks once however many asked for it
+/// (every asker called before it is sent, so the answer is as good as its own).
+pub(crate) fn distinct<T: Copy + Eq + std::hash::Hash>(
+    items: impl IntoIterator<Item = T>,
+) -> (Vec<T>, Vec<usize>) {
+    let mut distinct = Vec::new();
+    let mut seen = std::collections::HashMap::new();
+    let at = items
+        .into_iter()
+        .map(|item| {
+            *seen.entry(item).or_insert_with(|| {
+                distinct.push(item);
+                distinct.len() - 1
+            })
+        })
+        .collect();
+    (distinct, at)
+}
+
 /// One piece of work waiting to go out with a leader's: what it asks, and where its
 /// answer goes.
 pub(crate) struct Follower<Q, A> {
@@ -370,6 +390,13 @@ mod tests {
                 assert_eq!(started.elapsed(), WAIT);
             }
         }
+    }
+
+    #[test]
+    fn distinct_items_keep_the_order_they_first_came_in() {
+        let (distinct, at) = distinct(["b", "a", "b", "c", "a"]);
+        assert_eq!(distinct, ["b", "a", "c"]);
+        assert_eq!(at, [0, 1, 0, 2, 1]);
     }
 
     #[test]

@@ -363,7 +363,10 @@ impl CorralBuilder {
         let store_budget = policy.store_budget(settings)?;
         let locks = locks_over(&stores, &policy, &clock);
         let (_, removal_ttl_ms) = policy.removal(settings.lock_ttl_ms, b"")?;
-        let gets = stores.entries.gathers().then(Default::default);
+        let gets = stores
+            .entries
+            .gathers()
+            .then(|| super::gathered::Gets::new(settings.l1_capacity, removal_ttl_ms));
         Ok(Corral {
             inner: Arc::new(Inner {
                 policy,
@@ -385,7 +388,6 @@ impl CorralBuilder {
                 },
                 read_hints: super::read::ReadHints::new(settings.l1_capacity, removal_ttl_ms),
                 gets,
-                key_hints: super::read::ReadHints::new(settings.l1_capacity, removal_ttl_ms),
                 decoded: super::typed::Decoded::new(settings.l1_capacity, settings.l1_ttl_ms),
                 retry: crate::guest::policy::retry(&settings),
                 cas_tries: settings.cas_tries,

@@ -4,17 +4,30 @@
 //! it. A key read with a `GETEX` or the touch script is read alone, as its store
 //! gathers it: waiting on each other gains the reads that slide nothing.
 
-use std::collections::HashMap;
-
 use crate::Result;
-use crate::gather::{Follower, Gather};
+use crate::gather::{Follower, Gather, distinct};
 use crate::guest::policy::NextRead;
 
 use super::Corral;
-use super::read::Looked;
+use super::read::{Looked, ReadHints};
 
-/// The gathering of a cache's `get`s: each asks with its key.
-pub(crate) type Gets = Gather<String, Result<Looked>>;
+/// The gathering of a cache's `get`s, and how each key they read lately is to be read
+/// next, by key (known before the guest names its entry): only the plain ones gather.
+pub(crate) struct Gets {
+    reads: Gather<String, Result<Looked>>,
+    hints: ReadHints,
+}
+
+impl Gets {
+    /// For about `capacity` keys (as many as L1 holds); `floor_ms` as
+    /// [`ReadHints::new`]'s.
+    pub(crate) fn new(capacity: u64, floor_ms: u64) -> Self {
+        Gets {
+            reads: Gather::default(),
+            hints: ReadHints::new(capacity, floor_ms),
+        }
+    }
+}
 
 impl Corral {
     /// `key`'s entry read at `now`, gathered with the other `get`s of the moment when
@@ -22,21 +35,22 @@ impl Corral {
     /// (a bad key among them) lets each read alone, with its own error.
     pub(crate) async fn look_gathered(&self, key: &str, now: u64) -> Result<Looked> {
         let inner = &*self.inner;
-        let Some(gets) = inner.gets.as_ref().filter(|_| {
-            // Keyed by the key, not the entry's name: known before the guest names it.
-            matches!(inner.key_hints.get(key), None | Some(NextRead::Get))
-        }) else {
+        let Some(gets) = inner.gets.as_ref() else {
             return self.look_alone(key, now).await;
         };
+        if !matches!(gets.hints.get(key), None | Some(NextRead::Get)) {
+            return self.look_alone(key, now).await;
+        }
         // A follower waits at most one store timeout, then reads alone: one command,
         // plus one (contract §D).
-        gets.run(
-            || key.to_owned(),
-            inner.flight.store_timeout,
-            || self.look_alone(key, now),
-            |followers| self.lead_gets(key, followers, now),
-        )
-        .await
+        gets.reads
+            .run(
+                || key.to_owned(),
+                inner.flight.store_timeout,
+                || self.look_alone(key, now),
+                |followers| self.lead_gets(key, followers, now),
+            )
+            .await
     }
 
     /// `key`'s entry read at `now` on its own.
@@ -50,8 +64,10 @@ impl Corral {
     /// Carries the way `entry` is to be read next over to its key.
     fn note_key_hint(&self, key: &str, entry: &str) {
         let inner = &*self.inner;
-        let next = inner.read_hints.get(entry).unwrap_or(NextRead::Get);
-        inner.key_hints.note(key, inner.key_hints.get(key), next);
+        if let Some(gets) = &inner.gets {
+            let next = inner.read_hints.get(entry).unwrap_or(NextRead::Get);
+            gets.hints.note(key, gets.hints.get(key), next);
+        }
     }
 
     /// Names `key` and the followers' keys, reads them together, and answers each
@@ -63,31 +79,10 @@ impl Corral {
         followers: Vec<Follower<String, Result<Looked>>>,
         now: u64,
     ) -> Option<Result<Looked>> {
-        // A key asked for twice is read once: every asker called before the read is
-        // sent, so its answer is as good as a read of its own.
-        let mut keys = vec![key.to_owned()];
-        let mut seen = HashMap::from([(key, 0)]);
-        let at: Vec<usize> = followers
-            .iter()
-            .map(|f| {
-                *seen.entry(f.query.as_str()).or_insert_with(|| {
-                    keys.push(f.query.clone());
-                    keys.len() - 1
-                })
-            })
-            .collect();
-        // Named as `get` alone names them: checked first, then in the generation known or
-        // read (never a fallback one), so that a read after a clear misses.
-        let policy = &self.inner.policy;
-        let prefix = &self.inner.prefix;
-        let generation = match self.known_generation() {
-            Some(g) => g,
-            None => {
-                policy.locate_entries(prefix, &keys, 0).ok()?;
-                self.generation().await.ok()?
-            }
-        };
-        let names = policy.locate_entries(prefix, &keys, generation).ok()?;
+        // A key asked for twice is read once.
+        let (keys, at) = distinct(std::iter::once(key).chain(followers.iter().map(|f| f.query.as_str())));
+        let keys: Vec<String> = keys.into_iter().map(str::to_owned).collect();
+        let names = self.entries_of(&keys).await.ok()?;
         // Judged no earlier than now: a follower may have called after the leader.
         let now = now.max(self.inner.clock.now_ms());
         let reading: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -103,7 +98,7 @@ impl Corral {
                 ))
             })
         };
-        for (follower, i) in followers.into_iter().zip(at) {
+        for (follower, i) in followers.into_iter().zip(at.into_iter().skip(1)) {
             // A follower that stopped waiting needs no answer.
             let _ = follower.reply.send(answer(i));
         }

@@ -76,9 +76,6 @@ pub(crate) struct Inner {
     /// guest call, read in one request, judged in one guest call); `None` when the
     /// store is in memory and a read costs no round trip.
     pub(crate) gets: Option<gathered::Gets>,
-    /// How each key `get` read lately is to be read next, by key: only the plain ones
-    /// are gathered.
-    pub(crate) key_hints: read::ReadHints,
     /// Typed values decoded from the bytes L1 holds, reused while L1 holds those very
     /// bytes (see [`Corral::get_or_set_json_shared`]).
     pub(crate) decoded: typed::Decoded,
@@ -200,7 +197,7 @@ impl Corral {
                 }
                 Ok(Some(value))
             }
-            _ => {
+            (read::L2Read::Miss { .. } | read::L2Read::Stale { .. }, _) => {
                 Metrics::bump(&m.misses);
                 Ok(None)
             }
@@ -824,17 +821,29 @@ impl Corral {
 
     /// Checks `key` and names its entry in the store, in the current generation.
     pub(crate) async fn entry_of(&self, key: &str) -> Result<String> {
-        // The key first: a bad key is an argument error, even with the store down.
-        let generation = match self.known_generation() {
-            Some(g) => g,
-            None => {
-                self.inner.policy.validate_key(key)?;
-                self.generation().await?
-            }
-        };
-        self.inner
-            .policy
-            .locate_entry(&self.inner.prefix, key, generation)
+        let policy = &self.inner.policy;
+        let generation = self.current_generation(|| policy.validate_key(key)).await?;
+        policy.locate_entry(&self.inner.prefix, key, generation)
+    }
+
+    /// The entry names of `keys`, all checked and named in one call, in the generation
+    /// [`entry_of`](Self::entry_of) would use.
+    pub(crate) async fn entries_of(&self, keys: &[String]) -> Result<Vec<String>> {
+        let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
+        let check = || policy.locate_entries(prefix, keys, 0).map(drop);
+        let generation = self.current_generation(check).await?;
+        policy.locate_entries(prefix, keys, generation)
+    }
+
+    /// The generation a read names its entry in: the known one, else one read (never a
+    /// fallback, so that a read after a clear misses). `check` runs first when it must
+    /// be read: a bad key is an argument error, even with the store down.
+    async fn current_generation(&self, check: impl FnOnce() -> Result<()>) -> Result<u64> {
+        if let Some(g) = self.known_generation() {
+            return Ok(g);
+        }
+        check()?;
+        self.generation().await
     }
 
     /// Writes `header` then `value` to the entry `name`.

@@ -22,7 +22,7 @@ use super::pubsub::RedisNotifications;
 pub use super::redis_options::{RedisOptions, redact};
 use super::script::Script;
 use super::{Entries, FlightLock};
-use crate::gather::{Follower, Gather};
+use crate::gather::{Follower, Gather, distinct};
 use crate::{Error, ErrorKind, Result};
 
 /// The Redis store. Cheap to clone.
@@ -76,13 +76,7 @@ trait Seen: Sized {
 
 impl<T> Seen for redis::RedisResult<T> {
     fn seen(self, store: &RedisStore, at: &Breaker) -> Self {
-        store.healing.observe(matches!(&self, Err(e) if e.is_timeout()));
-        let failed = matches!(&self, Err(e) if is_connection_failure(e));
-        at.record(failed);
-        if failed {
-            // A master may have died, or a replica taken over (a redirect counts too).
-            store.healing.relearn();
-        }
+        store.observe(at, self.as_ref().err());
         self
     }
 }
@@ -340,19 +334,9 @@ impl RedisStore {
             Ok(admitted) => admitted,
             Err(e) => return vec![Err(e); all],
         };
-        // The same read asked for twice is sent once: every asker called before it is
-        // sent, so its answer is as good as a read of its own.
-        let mut unique: Vec<(&str, Read)> = vec![(key, read)];
-        let mut seen = std::collections::HashMap::from([((key, read), 0)]);
-        let at_unique: Vec<usize> = std::iter::once(0)
-            .chain(followers.iter().map(|f| {
-                let asked = (f.query.0.as_str(), f.query.1);
-                *seen.entry(asked).or_insert_with(|| {
-                    unique.push(asked);
-                    unique.len() - 1
-                })
-            }))
-            .collect();
+        // The same read asked for twice is sent once.
+        let asked = followers.iter().map(|f| (f.query.0.as_str(), f.query.1));
+        let (unique, at_unique) = distinct(std::iter::once((key, read)).chain(asked));
         self.count(unique.len() as u64);
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
@@ -381,10 +365,8 @@ impl RedisStore {
             .map(|(found, &(_, read))| {
                 // A server error of one read (LOADING, MASTERDOWN, ...) counts on the
                 // breaker as it would alone.
-                if let Err(e) = &found
-                    && is_connection_failure(e)
-                {
-                    Err::<(), _>(e.clone()).seen(self, &at).ok();
+                if let Err(e) = &found {
+                    self.observe(&at, Some(e));
                 }
                 found
                     .map(|bytes| bytes.map(Bytes::from))
@@ -392,6 +374,17 @@ impl RedisStore {
             })
             .collect();
         at_unique.into_iter().map(|i| answers[i].clone()).collect()
+    }
+
+    /// Notes how a command ended (`failure`, if it failed) on the link and on `at`.
+    fn observe(&self, at: &Breaker, failure: Option<&redis::RedisError>) {
+        self.healing.observe(failure.is_some_and(|e| e.is_timeout()));
+        let failed = failure.is_some_and(is_connection_failure);
+        at.record(failed);
+        if failed {
+            // A master may have died, or a replica taken over (a redirect counts too).
+            self.healing.relearn();
+        }
     }
 
     fn count(&self, n: u64) {

@@ -169,3 +169,42 @@ async fn a_read_never_waits_on_a_leader_set_aside() -> Result<()> {
     ensure!(busy.await?.as_deref() == Some(&b"1"[..]));
     Ok(())
 }
+
+#[tokio::test]
+async fn a_gathered_get_after_a_clear_never_reads_the_generation_before_it() -> Result<()> {
+    let server = corral_tests::RedisServer::start()?;
+    let cache = || {
+        corral::Corral::builder()
+            .redis(server.url())
+            .l1_capacity(0)
+            .build()
+    };
+    let before = cache()?;
+    for key in ["k", "x"] {
+        before.set(key, "old", EntryOptions::new().relative(HOUR)).await?;
+    }
+    before.clear().await?;
+    // The generation can no longer be read (a value of another type in its place); the
+    // entries named before the clear are still there.
+    let generation = corral_core::names::generation(before.prefix());
+    let mut conn = server.connection().await?;
+    redis::cmd("DEL")
+        .arg(&generation)
+        .query_async::<()>(&mut conn)
+        .await?;
+    redis::cmd("LPUSH")
+        .arg(&generation)
+        .arg("x")
+        .query_async::<()>(&mut conn)
+        .await?;
+    let after = cache()?;
+    let alone = after.get("k").await;
+    let (busy, k, x) = tokio::join!(after.get("k"), after.get("k"), after.get("x"));
+    for found in [alone, busy, k, x] {
+        ensure!(
+            !matches!(&found, Ok(Some(v)) if &v[..] == b"old"),
+            "a read after the clear served the entry before it: {found:?}"
+        );
+    }
+    Ok(())
+}
