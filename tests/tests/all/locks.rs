@@ -783,6 +783,87 @@ async fn queued_waiters_wake_on_the_release_not_by_polling() -> Result<()> {
     Ok(())
 }
 
+/// A release announces itself only when a waiter marked the lock waited for (a try
+/// that found it held and will wait for the announcement): every process on the prefix
+/// hears an announcement, so an uncontended lease publishes nothing, a lease with a
+/// waiter publishes once and clears the mark, and the next uncontended one is quiet
+/// again. Fair and plain, through a cache's locks and standalone ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_release_with_a_waiter_is_announced() -> Result<()> {
+    use corral_core::names::{DEFAULT_PREFIX, Kind, name};
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let cache = corral::Corral::builder().redis(server.url()).build()?;
+    let from_cache = cache.locks().redis().expect("leases").clone();
+    let standalone = RedisLocks::connect(&[server.url()])?;
+    let mut conn = server.connection().await?;
+    let published = || corral_tests::command_calls(&server, "publish");
+    for (what, locks) in [("cache.locks()", from_cache), ("RedisLocks::connect", standalone)] {
+        for fair in [false, true] {
+            let key = format!("announced-{fair}");
+            assert_eq!(locks.lock_key(&key)?, name(DEFAULT_PREFIX, &key, Kind::Lock));
+            let mark = name(DEFAULT_PREFIX, &key, Kind::Waiting);
+            let options = LockOptions::new()
+                .ttl(Duration::from_secs(10))
+                .wait(Duration::from_secs(10))
+                .fair(fair);
+            let quiet = |n: usize| {
+                let (locks, key) = (locks.clone(), key.clone());
+                async move {
+                    for i in 0..n {
+                        let lease = match i % 2 {
+                            0 => locks.try_acquire(&key, options).await?.context("free")?,
+                            _ => locks.acquire(&key, options).await?,
+                        };
+                        lease.release().await?;
+                    }
+                    anyhow::Ok(())
+                }
+            };
+            let before = published().await?;
+            quiet(20).await?;
+            assert_eq!(
+                published().await? - before,
+                0,
+                "{what}, fair {fair}: uncontended releases announce nothing"
+            );
+
+            let holder = locks.acquire(&key, options).await?;
+            let waiter = tokio::spawn({
+                let (locks, key) = (locks.clone(), key.clone());
+                async move { locks.acquire(&key, options).await?.release().await }
+            });
+            // The waiter's first try found the lock held and marked it.
+            let asked = Instant::now();
+            while !redis::cmd("EXISTS")
+                .arg(&mark)
+                .query_async::<bool>(&mut conn)
+                .await?
+            {
+                ensure!(
+                    asked.elapsed() < Duration::from_secs(5),
+                    "{what}: no waiting mark"
+                );
+                tokio::time::sleep(5 * MS).await;
+            }
+            let before = published().await?;
+            holder.release().await?;
+            waiter.await??;
+            assert_eq!(
+                published().await? - before,
+                1,
+                "{what}, fair {fair}: the release the waiter waited for is announced, the waiter's own is not"
+            );
+            let exists: bool = redis::cmd("EXISTS").arg(&mark).query_async(&mut conn).await?;
+            assert!(!exists, "{what}, fair {fair}: the announcement cleared the mark");
+            let before = published().await?;
+            quiet(4).await?;
+            assert_eq!(published().await? - before, 0, "{what}, fair {fair}: quiet again");
+        }
+    }
+    Ok(())
+}
+
 /// Fair leases: callers in one process get the lock in the order they asked, even
 /// when a later caller would try sooner. Redlock over two servers has no landing
 /// channel, so waiters poll with a growing backoff: an early waiter has backed off to
