@@ -165,11 +165,13 @@ macro_rules! fair_stale_ms {
 }
 
 /// `waiting(mark)` sets a lock's waiting mark for [`FAIR_STALE_MS`]: a waiter renews it
-/// at each try it loses, so the mark outlives the waits between its tries.
+/// at each try it loses, so the mark outlives the waits between its tries. A mark that
+/// cannot be set (a user without rights on it) leaves the waiter to its timer, never
+/// fails the try.
 macro_rules! lock_waiting {
     () => {
         concat!(
-            "\nlocal function waiting(mark)\n  if mark then redis.call('SET', mark, '1', 'PX', ",
+            "\nlocal function waiting(mark)\n  if mark then redis.pcall('SET', mark, '1', 'PX', ",
             fair_stale_ms!(),
             ") end\nend\n"
         )
@@ -324,7 +326,7 @@ if holder == ARGV[1] then
   -- turns the release into a failure: waiters fall back to their timers.
   -- Announced only when a waiter marked the lock (or no mark is named): an
   -- uncontended release wakes nobody.
-  if ARGV[3] and (not KEYS[3] or redis.call('DEL', KEYS[3]) == 1) then
+  if ARGV[3] and (not KEYS[3] or redis.pcall('DEL', KEYS[3]) == 1) then
     redis.pcall('PUBLISH', ARGV[3], ARGV[4])
   end
   return released

@@ -533,13 +533,13 @@ impl RedisLocks {
             return;
         };
         let locks = self.clone();
+        let args = self.release_args(&keys[0], &token, &fence);
         runtime.spawn(async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let mut pending = which;
             let mut attempt = 0;
             loop {
-                let replies = locks
-                    .on(&pending, &locks.inner.release, &keys, &[&token, &fence])
-                    .await;
+                let replies = locks.on(&pending, &locks.inner.release, &keys, &args).await;
                 pending = pending
                     .into_iter()
                     .zip(replies)
@@ -675,6 +675,19 @@ impl RedisLocks {
         }
     }
 
+    /// `LOCK_RELEASE`'s arguments for `token` on the lock `lock` (counters raised to
+    /// `fence`, "0": not at all), with the release's announcement where the landing
+    /// channel is Redis's: the script makes it when a waiter marked the lock, whichever
+    /// path releases (a lease's release, an undone partial acquire, a background retry).
+    fn release_args(&self, lock: &str, token: &str, fence: &str) -> Vec<String> {
+        let mut args = vec![token.to_owned(), fence.to_owned()];
+        let announcement = self.inner.landings.as_ref().and_then(|l| l.announcement(lock));
+        if let Some((channel, message)) = announcement {
+            args.extend([channel, message]);
+        }
+        args
+    }
+
     /// How long a release of an unsettled acquire keeps trying (asked only when needed:
     /// the uncontended path makes no guest call for it).
     fn orphan_window(&self, ttl_ms: u64) -> Duration {
@@ -774,7 +787,9 @@ impl RedisLocks {
             .filter(|&i| matches!(replies[i], Reply::Down { maybe_ran: true, .. }))
             .collect();
         if !set.is_empty() {
-            let undone = self.on(&set, &inner.release, &keys, &[&token, "0"]).await;
+            let args = self.release_args(&keys[0], &token, "0");
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let undone = self.on(&set, &inner.release, &keys, &args).await;
             unknown.extend(
                 set.iter()
                     .zip(&undone)
@@ -916,7 +931,7 @@ pub struct Lease {
 struct LeaseShared {
     locks: RedisLocks,
     key: String,
-    /// The lock's and its fencing counter's names.
+    /// The lock's, its fencing counter's and its waiting mark's names.
     keys: LockKeys,
     token: String,
     ttl_ms: u64,
@@ -1099,14 +1114,9 @@ async fn release(shared: &LeaseShared) -> Result<()> {
     // The release announces itself (waiters wake at once) where the landing channel
     // is Redis's: in the script, so nothing is owed once the release has returned.
     let landings = locks.inner.landings.as_ref();
-    let announced = landings
-        .and_then(|l| l.announcement(&keys[0]))
-        .filter(|_| std::env::var_os("NOANN").is_none());
-    let landings = landings.filter(|_| std::env::var_os("NOANN").is_none());
-    let mut args = vec![shared.token.as_str(), fence.as_str()];
-    if let Some((channel, message)) = &announced {
-        args.extend([channel.as_str(), message.as_str()]);
-    }
+    let args = locks.release_args(&keys[0], &shared.token, &fence);
+    let announced = args.len() > 2;
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let replies = locks.everywhere(&locks.inner.release, &keys, &args).await;
     let released = replies.iter().filter(|r| matches!(r, Reply::Value(1))).count() as u32;
     let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
@@ -1131,7 +1141,7 @@ async fn release(shared: &LeaseShared) -> Result<()> {
     if policy.lock_has_quorum(released, n)? {
         // Another channel: announced before returning (a task spawned for it could die
         // with a process that exits right after its release).
-        if let (Some(landings), None) = (landings, &announced)
+        if let (Some(landings), false) = (landings, announced)
             && let Err(e) = landings.announce(&keys[0]).await
         {
             tracing::debug!(key = %keys[0], error = %e, "a release could not be announced: waiters poll");
