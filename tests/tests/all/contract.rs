@@ -71,6 +71,9 @@ fn invalid(name: &str) -> (ErrorKind, String) {
 
 async fn a_value_set_is_read_back(b: Backend) -> Result<()> {
     let f = Fixture::new(b)?;
+    // A fresh cache's landing subscription flushes L1 when it goes live (what was filled
+    // before it may have missed announcements): wait for it, so the fill below stays.
+    f.cache.health().await;
     f.cache.set("user:1", "Ada", EntryOptions::new()).await?;
     assert_eq!(f.cache.get("user:1").await?.as_deref(), Some(&b"Ada"[..]));
     assert_eq!(f.cache.metrics().l1_hits, 1, "the set filled L1");
