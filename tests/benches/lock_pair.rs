@@ -75,20 +75,7 @@ impl Bench {
     /// Corral's acquire, then its release, each sent to every one of `conns` at once,
     /// with the arguments Corral sends.
     async fn raw_scripts(&self, conns: &[ConnectionManager]) {
-        let acquired = futures::future::join_all(conns.iter().map(|conn| {
-            let mut conn = conn.clone();
-            let script = &self.scripts[1];
-            async move {
-                let mut invocation = script.prepare_invoke();
-                invocation
-                    .key("raw-lock2")
-                    .key("raw-fence2")
-                    .arg(TOKEN)
-                    .arg(10_000);
-                invocation.invoke_async::<u64>(&mut conn).await.unwrap()
-            }
-        }))
-        .await;
+        let acquired = Self::on_all(conns, &self.scripts[1], 10_000).await;
         assert!(acquired.iter().all(|&token| token > 0));
         // As Corral's release: one server needs no counter raise; several are raised to
         // the largest token (Redlock's fencing).
@@ -96,21 +83,22 @@ impl Bench {
             1 => 0,
             _ => acquired.iter().copied().max().unwrap_or(0),
         };
-        let released = futures::future::join_all(conns.iter().map(|conn| {
+        let released = Self::on_all(conns, &self.scripts[2], fence).await;
+        assert!(released.iter().all(|&n| n == 1));
+    }
+
+    /// `script` on the raw lock and counter with the owner token and `last`, on every
+    /// one of `conns` in parallel: the replies, in order.
+    async fn on_all(conns: &[ConnectionManager], script: &redis::Script, last: u64) -> Vec<u64> {
+        futures::future::join_all(conns.iter().map(|conn| {
             let mut conn = conn.clone();
-            let script = &self.scripts[2];
             async move {
                 let mut invocation = script.prepare_invoke();
-                invocation
-                    .key("raw-lock2")
-                    .key("raw-fence2")
-                    .arg(TOKEN)
-                    .arg(fence);
+                invocation.key("raw-lock2").key("raw-fence2").arg(TOKEN).arg(last);
                 invocation.invoke_async::<u64>(&mut conn).await.unwrap()
             }
         }))
-        .await;
-        assert!(released.iter().all(|&n| n == 1));
+        .await
     }
 
     async fn lease(locks: &RedisLocks) {

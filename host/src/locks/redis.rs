@@ -533,9 +533,9 @@ impl RedisLocks {
             return;
         };
         let locks = self.clone();
-        let args = self.release_args(&keys[0], &token, &fence);
+        let announcement = self.announcement(&keys[0]);
         runtime.spawn(async move {
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let args = release_args(&token, &fence, &announcement);
             let mut pending = which;
             let mut attempt = 0;
             loop {
@@ -675,17 +675,12 @@ impl RedisLocks {
         }
     }
 
-    /// `LOCK_RELEASE`'s arguments for `token` on the lock `lock` (counters raised to
-    /// `fence`, "0": not at all), with the release's announcement where the landing
-    /// channel is Redis's: the script makes it when a waiter marked the lock, whichever
-    /// path releases (a lease's release, an undone partial acquire, a background retry).
-    fn release_args(&self, lock: &str, token: &str, fence: &str) -> Vec<String> {
-        let mut args = vec![token.to_owned(), fence.to_owned()];
-        let announcement = self.inner.landings.as_ref().and_then(|l| l.announcement(lock));
-        if let Some((channel, message)) = announcement {
-            args.extend([channel, message]);
-        }
-        args
+    /// The channel and message announcing a release of `lock`, where the landing
+    /// channel is Redis's: `LOCK_RELEASE` publishes them when a waiter marked the lock,
+    /// whichever path releases (a lease's release, an undone partial acquire, a
+    /// background retry).
+    fn announcement(&self, lock: &str) -> Option<(String, String)> {
+        self.inner.landings.as_ref()?.announcement(lock)
     }
 
     /// How long a release of an unsettled acquire keeps trying (asked only when needed:
@@ -787,8 +782,8 @@ impl RedisLocks {
             .filter(|&i| matches!(replies[i], Reply::Down { maybe_ran: true, .. }))
             .collect();
         if !set.is_empty() {
-            let args = self.release_args(&keys[0], &token, "0");
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let announcement = self.announcement(&keys[0]);
+            let args = release_args(&token, "0", &announcement);
             let undone = self.on(&set, &inner.release, &keys, &args).await;
             unknown.extend(
                 set.iter()
@@ -828,6 +823,20 @@ fn started_waiting_us() -> u64 {
         )
         .unwrap_or(now);
     now.max(before.saturating_add(1))
+}
+
+/// `LOCK_RELEASE`'s arguments: the owner `token`, the `fence` counters are first raised
+/// to ("0": not at all), and the `announcement`'s channel and message, if any.
+fn release_args<'a>(
+    token: &'a str,
+    fence: &'a str,
+    announcement: &'a Option<(String, String)>,
+) -> Vec<&'a str> {
+    let mut args = vec![token, fence];
+    if let Some((channel, message)) = announcement {
+        args.extend([channel.as_str(), message.as_str()]);
+    }
+    args
 }
 
 /// A user lock's names a lease's scripts take as `KEYS`: the lock, its fencing counter,
@@ -1114,9 +1123,8 @@ async fn release(shared: &LeaseShared) -> Result<()> {
     // The release announces itself (waiters wake at once) where the landing channel
     // is Redis's: in the script, so nothing is owed once the release has returned.
     let landings = locks.inner.landings.as_ref();
-    let args = locks.release_args(&keys[0], &shared.token, &fence);
-    let announced = args.len() > 2;
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let announcement = locks.announcement(&keys[0]);
+    let args = release_args(&shared.token, &fence, &announcement);
     let replies = locks.everywhere(&locks.inner.release, &keys, &args).await;
     let released = replies.iter().filter(|r| matches!(r, Reply::Value(1))).count() as u32;
     let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
@@ -1141,7 +1149,7 @@ async fn release(shared: &LeaseShared) -> Result<()> {
     if policy.lock_has_quorum(released, n)? {
         // Another channel: announced before returning (a task spawned for it could die
         // with a process that exits right after its release).
-        if let (Some(landings), false) = (landings, announced)
+        if let (Some(landings), None) = (landings, &announcement)
             && let Err(e) = landings.announce(&keys[0]).await
         {
             tracing::debug!(key = %keys[0], error = %e, "a release could not be announced: waiters poll");
