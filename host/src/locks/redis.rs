@@ -772,29 +772,7 @@ impl RedisLocks {
                 watchdog,
             )));
         }
-        // Not held: undo the partial acquisition at once where it is known to have
-        // happened, and in the background where it is not known (no reply, yet the
-        // command may have reached the server).
-        let set: Vec<usize> = (0..replies.len())
-            .filter(|&i| replies[i].value().is_some_and(|v| v > 0))
-            .collect();
-        let mut unknown: Vec<usize> = (0..replies.len())
-            .filter(|&i| matches!(replies[i], Reply::Down { maybe_ran: true, .. }))
-            .collect();
-        if !set.is_empty() {
-            let announcement = self.announcement(&keys[0]);
-            let args = release_args(&token, "0", &announcement);
-            let undone = self.on(&set, &inner.release, &keys, &args).await;
-            unknown.extend(
-                set.iter()
-                    .zip(&undone)
-                    .filter_map(|(&i, r)| r.value().is_none().then_some(i)),
-            );
-        }
-        if !unknown.is_empty() {
-            let until = sent + self.orphan_window(ttl_ms);
-            self.release_in_background(unknown, keys.clone(), token.clone(), "0".into(), until);
-        }
+        self.undo(&replies, &keys, &token, sent, ttl_ms).await;
         unsettled.settle();
         if let Some(e) = refused(key, "acquired", &replies) {
             return Err(e);
@@ -804,6 +782,35 @@ impl RedisLocks {
             return Err(self.unanswered("acquire", &replies));
         }
         Ok(None)
+    }
+}
+
+impl RedisLocks {
+    /// Undoes a try that did not take the lock: releases `token` at once where the
+    /// replies say it was set, and in the background until `until` where they leave it
+    /// unknown (no reply, yet the command may have reached the server), for the orphan
+    /// window of a try `sent` then with `ttl_ms`.
+    async fn undo(&self, replies: &[Reply], keys: &LockKeys, token: &str, sent: Instant, ttl_ms: u64) {
+        let set: Vec<usize> = (0..replies.len())
+            .filter(|&i| replies[i].value().is_some_and(|v| v > 0))
+            .collect();
+        let mut unknown: Vec<usize> = (0..replies.len())
+            .filter(|&i| matches!(replies[i], Reply::Down { maybe_ran: true, .. }))
+            .collect();
+        if !set.is_empty() {
+            let announcement = self.announcement(&keys[0]);
+            let args = release_args(token, "0", &announcement);
+            let undone = self.on(&set, &self.inner.release, keys, &args).await;
+            unknown.extend(
+                set.iter()
+                    .zip(&undone)
+                    .filter_map(|(&i, r)| r.value().is_none().then_some(i)),
+            );
+        }
+        if !unknown.is_empty() {
+            let until = sent + self.orphan_window(ttl_ms);
+            self.release_in_background(unknown, keys.clone(), token.to_owned(), "0".into(), until);
+        }
     }
 }
 
