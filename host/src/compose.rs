@@ -12,6 +12,7 @@ use crate::store::{Retry, Stores, memory};
 /// the prefix its data is named under.
 pub(crate) fn open_stores(
     #[cfg(feature = "redis")] redis: Option<&crate::store::redis::RedisOptions>,
+    #[cfg(feature = "test-util")] mut seams: Seams,
     memory: Option<memory::MemoryStore>,
     policy: &Policy,
     clock: Arc<dyn crate::Clock>,
@@ -22,16 +23,58 @@ pub(crate) fn open_stores(
     if let Some(options) = redis {
         let channel = policy.channel(&options.prefix)?;
         let invalidations = policy.invalidation_channel(&options.prefix)?;
+        let connection = crate::store::link::Connection::open(options)?;
+        #[cfg(feature = "test-util")]
+        let connection = match seams.wire.take() {
+            Some(wire) => crate::store::link::Connection::wired(wire, options),
+            None => connection,
+        };
         let store = crate::store::redis::RedisStore::connect(
+            connection,
             options,
             policy.scripts(),
             channel,
             invalidations,
             retry,
         )?;
-        return Ok((options.prefix.clone(), Stores::redis(store)));
+        #[cfg_attr(not(feature = "test-util"), allow(unused_mut))]
+        let mut stores = Stores::redis(store);
+        #[cfg(feature = "test-util")]
+        seams.wrap(&mut stores);
+        return Ok((options.prefix.clone(), stores));
     }
     let _ = (policy, retry);
     let store = memory.unwrap_or_else(|| memory::MemoryStore::new(clock, invalidation_interval_ms));
-    Ok((crate::options::DEFAULT_PREFIX.to_owned(), Stores::memory(store)))
+    #[cfg_attr(not(feature = "test-util"), allow(unused_mut))]
+    let mut stores = Stores::memory(store);
+    #[cfg(feature = "test-util")]
+    seams.wrap(&mut stores);
+    Ok((crate::options::DEFAULT_PREFIX.to_owned(), stores))
+}
+
+/// What a test may put under or around the stores a builder opens: a Redis reached in
+/// process, and a layer over the entries and the flight lock.
+#[cfg(feature = "test-util")]
+#[derive(Default)]
+pub(crate) struct Seams {
+    #[cfg(feature = "redis")]
+    pub(crate) wire: Option<Arc<dyn crate::store::wire::Wire>>,
+    pub(crate) layer: Option<Box<dyn FnOnce(crate::store::Layered) -> crate::store::Layered + Send>>,
+}
+
+#[cfg(feature = "test-util")]
+impl Seams {
+    fn wrap(self, stores: &mut Stores) {
+        if let Some(layer) = self.layer {
+            let layered = layer((stores.entries.clone(), stores.flight_lock.clone()));
+            (stores.entries, stores.flight_lock) = layered;
+        }
+    }
+}
+
+#[cfg(feature = "test-util")]
+impl std::fmt::Debug for Seams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Seams").finish_non_exhaustive()
+    }
 }

@@ -40,6 +40,9 @@ pub struct CorralBuilder {
     /// `Some(false)`: sliding entries keep their moment in the envelope even where the
     /// store could keep it.
     sliding_in_store: Option<bool>,
+    /// Test seams: a Redis reached in process, and a layer over the opened stores.
+    #[cfg(feature = "test-util")]
+    seams: crate::compose::Seams,
 }
 
 /// The settings a caller named; the rest come from the guest's defaults.
@@ -121,6 +124,8 @@ impl Default for CorralBuilder {
             custom_prefix: None,
             memory: None,
             sliding_in_store: None,
+            #[cfg(feature = "test-util")]
+            seams: Default::default(),
         }
     }
 }
@@ -156,6 +161,27 @@ impl CorralBuilder {
     pub fn redis_options(mut self, options: RedisOptions) -> Self {
         self.redis = Some(options);
         self.memory = None;
+        self
+    }
+
+    /// Reaches the Redis of [`redis_options`](Self::redis_options) through `wire`, a
+    /// server in this process, instead of a socket: everything above the connection (the
+    /// store's commands and scripts, its breaker, the subscription, the cache's leases)
+    /// runs as it does against a `redis-server`. For simulators (`corral-sim`).
+    #[cfg(all(feature = "redis", feature = "test-util"))]
+    pub fn redis_wire(mut self, wire: Arc<dyn crate::store::wire::Wire>) -> Self {
+        self.seams.wire = Some(wire);
+        self
+    }
+
+    /// Wraps the entries and the flight lock the builder opens (whichever backend) in
+    /// `layer`'s: to watch what a cache asks of its store, call by call. For simulators.
+    #[cfg(feature = "test-util")]
+    pub fn store_layer(
+        mut self,
+        layer: impl FnOnce(crate::store::Layered) -> crate::store::Layered + Send + 'static,
+    ) -> Self {
+        self.seams.layer = Some(Box::new(layer));
         self
     }
 
@@ -334,6 +360,8 @@ impl CorralBuilder {
             None => crate::compose::open_stores(
                 #[cfg(feature = "redis")]
                 self.redis.as_ref(),
+                #[cfg(feature = "test-util")]
+                self.seams,
                 self.memory,
                 &policy,
                 clock.clone(),

@@ -37,8 +37,10 @@ pub(crate) struct TagState {
     generation: AtomicU64,
     /// Until when it may be kept (0: read it before the next use).
     generation_until: AtomicU64,
-    /// How often a clear (here or announced) moved the generation: a read of it that
-    /// began before one is older news and is not kept. Held while the generation changes.
+    /// How often a clear (here or announced) moved the generation, or announcements may
+    /// have been missed (a gap in the subscription): a read of the generation or of a
+    /// tag's moments that began before one is older news and is not kept. Held while
+    /// the generation changes.
     clears_heard: Mutex<u64>,
     /// This cache's name on the invalidation channel (its own messages are not news).
     origin: String,
@@ -84,14 +86,15 @@ impl TagState {
         }
     }
 
-    /// How many clears were heard so far: taken before a generation read.
+    /// How many clears and gaps were heard so far: taken before a generation or tag read.
     fn clears_so_far(&self) -> u64 {
         *self.clears_heard.lock()
     }
 
     /// Keeps `generation`, read from the store after [`Self::clears_so_far`] said
     /// `since`, until `until`, and returns the one known before; unless a clear was
-    /// heard while the read was on its way (what it set is newer): `None`.
+    /// heard while the read was on its way (what it set is newer), or announcements may
+    /// have been missed meanwhile: `None`.
     fn keep_read(&self, since: u64, generation: u64, until: u64) -> Option<u64> {
         let heard = self.clears_heard.lock();
         if *heard != since {
@@ -105,10 +108,22 @@ impl TagState {
         Some(before)
     }
 
-    /// Announcements may have been missed: everything kept is read again.
+    /// Announcements may have been missed: everything kept is read again, and a read
+    /// on its way now (it may have been answered before what was missed) is not kept.
     pub(crate) fn forget(&self) {
+        let mut heard = self.clears_heard.lock();
+        *heard += 1;
         self.moments.lock().clear();
         self.generation_until.store(0, Ordering::Release);
+        drop(heard);
+    }
+
+    /// As [`Self::learn`], for `moments` read from the store after
+    /// [`Self::clears_so_far`] said `since`: not kept if announcements may have been
+    /// missed while the read was on its way (says `false` then).
+    fn learn_read(&self, since: u64, tag: &str, moments: TagMoments, until: u64) -> bool {
+        let heard = self.clears_heard.lock();
+        *heard == since && self.learn(tag, moments, until)
     }
 
     /// The generation as last known (no I/O).
@@ -243,13 +258,16 @@ impl Corral {
                 Some(kept) => kept,
                 None => {
                     let name = inner.policy.locate_tag(&inner.prefix, tag)?;
+                    let since = inner.tags.clears_so_far();
                     let stored = self.l2_op(inner.stores.entries.get(&name)).await?;
                     let moments = inner.policy.tag_moments_of(stored.as_deref())?;
                     let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
-                    if inner.tags.learn(tag, moments, until) {
+                    if inner.tags.learn_read(since, tag, moments, until) {
                         inner.l1.bump_tags();
                     }
-                    inner.tags.kept(tag, now).unwrap_or((moments, until))
+                    // Not kept (news may have been missed while it was read): good for
+                    // this call only.
+                    inner.tags.kept(tag, now).unwrap_or((moments, now))
                 }
             };
             until_all = until_all.min(until);
@@ -264,6 +282,7 @@ impl Corral {
     /// completed before it began, in any process, whatever the processes' clocks say.
     pub(crate) async fn moments_now(&self, tags: &[String], now: u64) -> Result<Vec<TagMoments>> {
         let inner = &*self.inner;
+        let since = inner.tags.clears_so_far();
         let reads = tags.iter().map(|tag| async move {
             let name = inner.policy.locate_tag(&inner.prefix, tag)?;
             let stored = self.l2_op(inner.stores.entries.get(&name)).await?;
@@ -273,7 +292,7 @@ impl Corral {
         let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
         let mut moments = Vec::with_capacity(tags.len());
         for (tag, stored) in tags.iter().zip(read) {
-            if inner.tags.learn(tag, stored, until) {
+            if inner.tags.learn_read(since, tag, stored, until) {
                 inner.l1.bump_tags();
             }
             moments.push(inner.tags.kept(tag, now).map_or(stored, |(kept, _)| kept));

@@ -110,6 +110,9 @@ pub struct PortableBuilder {
     /// An in-memory L2 shared with other caches of this process.
     memory: Option<crate::store::memory::MemoryStore>,
     lockstep: bool,
+    /// Test seams: a Redis reached in process, and a layer over the opened stores.
+    #[cfg(feature = "test-util")]
+    seams: crate::compose::Seams,
 }
 
 impl Default for PortableBuilder {
@@ -122,6 +125,8 @@ impl Default for PortableBuilder {
             custom: None,
             memory: None,
             lockstep: false,
+            #[cfg(feature = "test-util")]
+            seams: Default::default(),
         }
     }
 }
@@ -184,6 +189,23 @@ impl PortableBuilder {
     #[cfg(any(test, feature = "test-util"))]
     pub fn lockstep(mut self) -> Self {
         self.lockstep = true;
+        self
+    }
+
+    /// As [`CorralBuilder::redis_wire`](crate::CorralBuilder::redis_wire).
+    #[cfg(all(feature = "redis", feature = "test-util"))]
+    pub fn redis_wire(mut self, wire: Arc<dyn crate::store::wire::Wire>) -> Self {
+        self.seams.wire = Some(wire);
+        self
+    }
+
+    /// As [`CorralBuilder::store_layer`](crate::CorralBuilder::store_layer).
+    #[cfg(feature = "test-util")]
+    pub fn store_layer(
+        mut self,
+        layer: impl FnOnce(crate::store::Layered) -> crate::store::Layered + Send + 'static,
+    ) -> Self {
+        self.seams.layer = Some(Box::new(layer));
         self
     }
 
@@ -267,6 +289,8 @@ impl PortableBuilder {
             None => crate::compose::open_stores(
                 #[cfg(feature = "redis")]
                 self.redis.as_ref(),
+                #[cfg(feature = "test-util")]
+                self.seams,
                 self.memory,
                 &policy,
                 self.clock.clone(),

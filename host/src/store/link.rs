@@ -25,6 +25,8 @@ use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, Valu
 
 use super::owners::Owners;
 use super::redis_options::{RedisOptions, redact, redact_in};
+#[cfg(feature = "test-util")]
+use super::wire::Wire;
 use crate::{Error, Result};
 
 /// A command connection to one Redis server or to a Redis Cluster. Cheap to clone;
@@ -35,6 +37,9 @@ pub enum Link {
     Server(ConnectionManager),
     /// A cluster, through the cluster client (it follows slot moves and failovers).
     Cluster(ClusterConnection),
+    /// A server reached in process ([`Wire`]).
+    #[cfg(feature = "test-util")]
+    Wired(Arc<dyn Wire>),
 }
 
 impl std::fmt::Debug for Link {
@@ -42,6 +47,8 @@ impl std::fmt::Debug for Link {
         f.write_str(match self {
             Link::Server(_) => "Link::Server",
             Link::Cluster(_) => "Link::Cluster",
+            #[cfg(feature = "test-util")]
+            Link::Wired(_) => "Link::Wired",
         })
     }
 }
@@ -51,6 +58,16 @@ impl ConnectionLike for Link {
         match self {
             Link::Server(c) => c.req_packed_command(cmd),
             Link::Cluster(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "test-util")]
+            Link::Wired(w) => {
+                let sent = w.send(vec![cmd.clone()]);
+                Box::pin(async move {
+                    let reply = sent.await?.into_iter().next().ok_or_else(|| {
+                        redis::RedisError::from((redis::ErrorKind::Client, "a wire answered no reply"))
+                    })?;
+                    reply.extract_error()
+                })
+            }
         }
     }
 
@@ -63,6 +80,11 @@ impl ConnectionLike for Link {
         match self {
             Link::Server(c) => c.req_packed_commands(cmd, offset, count),
             Link::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            #[cfg(feature = "test-util")]
+            Link::Wired(w) => {
+                let sent = w.send(cmd.cmd_iter().cloned().collect());
+                Box::pin(async move { Ok(sent.await?.into_iter().skip(offset).take(count).collect()) })
+            }
         }
     }
 
@@ -70,6 +92,8 @@ impl ConnectionLike for Link {
         match self {
             Link::Server(c) => c.get_db(),
             Link::Cluster(c) => c.get_db(),
+            #[cfg(feature = "test-util")]
+            Link::Wired(_) => 0,
         }
     }
 }
@@ -83,6 +107,17 @@ enum Reach {
         /// One client per seed node, for subscriptions.
         nodes: Vec<redis::Client>,
     },
+    #[cfg(feature = "test-util")]
+    Wired(Arc<dyn Wire>),
+}
+
+/// Where a subscription may go: a client per reachable server, or a wire.
+#[derive(Clone)]
+pub(crate) enum Subscribers {
+    /// The server, or every seed node of a cluster, in the order to try them.
+    Clients(Vec<redis::Client>),
+    #[cfg(feature = "test-util")]
+    Wired(Arc<dyn Wire>),
 }
 
 /// A way to Redis: its clients, and a command link opened lazily (an unreachable
@@ -147,9 +182,21 @@ impl Connection {
         })
     }
 
+    /// The way to the server `wire` reaches, with `options`' timeouts.
+    #[cfg(feature = "test-util")]
+    pub(crate) fn wired(wire: Arc<dyn Wire>, options: &RedisOptions) -> Self {
+        Connection {
+            reach: Reach::Wired(wire),
+            connect_timeout: options.connect_timeout,
+            response_timeout: options.response_timeout,
+        }
+    }
+
     /// A new command link, connecting lazily.
     pub(crate) fn link(&self) -> Result<Link> {
         match &self.reach {
+            #[cfg(feature = "test-util")]
+            Reach::Wired(wire) => Ok(Link::Wired(wire.clone())),
             Reach::Server(client) => {
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(self.connect_timeout))
@@ -173,10 +220,12 @@ impl Connection {
 
     /// Clients a subscription may use, in the order to try them: the server, or every
     /// seed node of the cluster (classic pub/sub reaches every node of a cluster).
-    pub(crate) fn subscribers(&self) -> Vec<redis::Client> {
+    pub(crate) fn subscribers(&self) -> Subscribers {
         match &self.reach {
-            Reach::Server(client) => vec![client.clone()],
-            Reach::Cluster { nodes, .. } => nodes.clone(),
+            Reach::Server(client) => Subscribers::Clients(vec![client.clone()]),
+            Reach::Cluster { nodes, .. } => Subscribers::Clients(nodes.clone()),
+            #[cfg(feature = "test-util")]
+            Reach::Wired(wire) => Subscribers::Wired(wire.clone()),
         }
     }
 

@@ -40,8 +40,15 @@ pub mod redis;
 mod redis_options;
 #[cfg(feature = "redis")]
 pub(crate) mod script;
+#[cfg(all(feature = "redis", feature = "test-util"))]
+pub mod wire;
 
 pub use landing::LandingWatch;
+
+/// The entries and the flight lock of a cache, as a
+/// [`CorralBuilder::store_layer`](crate::CorralBuilder::store_layer) wraps them.
+#[cfg(feature = "test-util")]
+pub type Layered = (Arc<dyn Entries>, Arc<dyn FlightLock>);
 pub use landing::Landings;
 
 /// Envelopes under string keys. Every method is one atomic step on the store.

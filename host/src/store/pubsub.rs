@@ -24,7 +24,7 @@ use futures::{FutureExt, StreamExt};
 
 use arc_swap::ArcSwap;
 
-use super::link::{Link, cluster_nodes, pubsub_on};
+use super::link::{Link, Subscribers, cluster_nodes, pubsub_on};
 use super::redis_options::RedisOptions;
 use super::{ForeignHook, InvalidationHook, LandingWatch, Landings, Notifications};
 use crate::{Error, Result};
@@ -40,7 +40,7 @@ pub(crate) struct RedisNotifications {
 
 struct Shared {
     /// For the subscription's own connection: the server, or each seed node of a cluster.
-    clients: Vec<redis::Client>,
+    subscribers: Subscribers,
     /// How long to wait before subscribing again after a failure (the guest's schedule).
     retry: super::Retry,
     /// Which of `clients` to try first: the one that last answered.
@@ -56,7 +56,7 @@ struct Shared {
     /// Whether a subscription is live now.
     live: AtomicBool,
     /// Set once the first subscription attempt ended, either way.
-    first_attempt: tokio::sync::watch::Sender<bool>,
+    first_attempt: FirstAttempt,
     on_foreign: OnceLock<ForeignHook>,
     on_invalidation: OnceLock<InvalidationHook>,
     commands: Arc<AtomicU64>,
@@ -77,7 +77,7 @@ impl RedisNotifications {
     /// Starts keeping a subscription to `channel` (in the background, on the caller's
     /// Tokio runtime, until the last clone is dropped).
     pub(crate) fn new(
-        clients: Vec<redis::Client>,
+        subscribers: Subscribers,
         commands_conn: Arc<ArcSwap<Link>>,
         options: &RedisOptions,
         channel: String,
@@ -86,7 +86,7 @@ impl RedisNotifications {
         retry: super::Retry,
     ) -> Self {
         let shared = Arc::new(Shared {
-            clients,
+            subscribers,
             retry,
             current: std::sync::atomic::AtomicUsize::new(0),
             commands_conn,
@@ -95,7 +95,7 @@ impl RedisNotifications {
             origin: crate::lock_token(),
             landings: Landings::default(),
             live: AtomicBool::new(false),
-            first_attempt: tokio::sync::watch::channel(false).0,
+            first_attempt: FirstAttempt::default(),
             on_foreign: OnceLock::new(),
             on_invalidation: OnceLock::new(),
             commands,
@@ -117,17 +117,17 @@ async fn keep_subscribed(weak: Weak<Shared>) {
     loop {
         let Some(shared) = weak.upgrade() else { return };
         match subscribe(&shared).await {
-            Ok((sink, stream)) => {
+            Ok(subscription) => {
                 backoff = retry.first;
                 shared.live.store(true, Ordering::SeqCst);
-                shared.first_attempt.send_replace(true);
+                shared.first_attempt.end();
                 std::sync::atomic::fence(Ordering::SeqCst);
                 // Whatever was announced while unsubscribed is unknown: drop all of L1.
                 if let Some(hook) = shared.on_foreign.get() {
                     hook(None);
                 }
                 drop(shared);
-                listen(&weak, sink, stream).await;
+                listen(&weak, subscription).await;
                 let Some(shared) = weak.upgrade() else { return };
                 shared.live.store(false, Ordering::SeqCst);
                 // Its node may be gone (a cluster has others): try it last.
@@ -135,7 +135,7 @@ async fn keep_subscribed(weak: Weak<Shared>) {
                 tracing::debug!(channel = %shared.channel, "landing channel lost; subscribing again");
             }
             Err(e) => {
-                shared.first_attempt.send_replace(true);
+                shared.first_attempt.end();
                 tracing::debug!(channel = %shared.channel, error = %e, "landing channel unavailable; waiters fall back to timers");
                 drop(shared);
                 tokio::time::sleep(backoff).await;
@@ -145,11 +145,47 @@ async fn keep_subscribed(weak: Weak<Shared>) {
     }
 }
 
-async fn subscribe(shared: &Shared) -> Result<(redis::aio::PubSubSink, redis::aio::PubSubStream)> {
-    let timed_out = |what: &str| Error::new(crate::ErrorKind::Timeout, format!("redis {what} timed out"));
+/// A live subscription: the `redis` crate's, or a wire's.
+enum Subscription {
+    Redis(redis::aio::PubSubSink, redis::aio::PubSubStream),
+    #[cfg(feature = "test-util")]
+    Wired(Box<dyn super::wire::WireSubscription>),
+}
+
+impl Subscription {
+    /// The next message; `None` once the connection is gone.
+    async fn next(&mut self) -> Option<redis::Msg> {
+        match self {
+            Subscription::Redis(_, stream) => stream.next().await,
+            #[cfg(feature = "test-util")]
+            Subscription::Wired(wired) => wired.next_message().await,
+        }
+    }
+
+    async fn ping(&mut self) -> redis::RedisResult<()> {
+        match self {
+            Subscription::Redis(sink, _) => sink.ping::<redis::Value>().await.map(drop),
+            #[cfg(feature = "test-util")]
+            Subscription::Wired(wired) => wired.ping().await,
+        }
+    }
+}
+
+fn timed_out(what: &str) -> Error {
+    Error::new(crate::ErrorKind::Timeout, format!("redis {what} timed out"))
+}
+
+async fn subscribe(shared: &Shared) -> Result<Subscription> {
     shared.commands.fetch_add(1, Ordering::Relaxed);
+    // (One way only without the test seam.)
+    #[cfg_attr(not(feature = "test-util"), allow(clippy::infallible_destructuring_match))]
+    let clients = match &shared.subscribers {
+        Subscribers::Clients(clients) => clients,
+        #[cfg(feature = "test-util")]
+        Subscribers::Wired(wire) => return subscribe_wired(shared, wire.as_ref()).await,
+    };
     let first = shared.current.load(Ordering::Relaxed);
-    let mut pubsub = match pubsub_on(&shared.clients, first, shared.connect_timeout).await {
+    let mut pubsub = match pubsub_on(clients, first, shared.connect_timeout).await {
         Ok((at, pubsub)) => {
             shared.current.store(at, Ordering::Relaxed);
             pubsub
@@ -172,17 +208,36 @@ async fn subscribe(shared: &Shared) -> Result<(redis::aio::PubSubSink, redis::ai
             .map_err(|_| timed_out("SUBSCRIBE"))?
             .map_err(|e| Error::unavailable("redis SUBSCRIBE failed", e))?;
     }
-    Ok(pubsub.split())
+    let (sink, stream) = pubsub.split();
+    Ok(Subscription::Redis(sink, stream))
+}
+
+/// [`subscribe`] over a wire: the same steps, within the same deadlines.
+#[cfg(feature = "test-util")]
+async fn subscribe_wired(shared: &Shared, wire: &dyn super::wire::Wire) -> Result<Subscription> {
+    let mut wired = tokio::time::timeout(shared.connect_timeout, wire.subscription())
+        .await
+        .map_err(|_| timed_out("pub/sub connect"))?
+        .map_err(|e| Error::unavailable("redis pub/sub connect failed", e))?;
+    for channel in [&shared.channel, &shared.invalidations] {
+        tokio::time::timeout(shared.response_timeout, wired.subscribe(channel))
+            .await
+            .map_err(|_| timed_out("SUBSCRIBE"))?
+            .map_err(|e| Error::unavailable("redis SUBSCRIBE failed", e))?;
+    }
+    Ok(Subscription::Wired(wired))
 }
 
 /// Feeds the local waiters and the L1 hook until the stream ends or a health `PING`
 /// goes unanswered within the response timeout.
-async fn listen(weak: &Weak<Shared>, mut sink: redis::aio::PubSubSink, mut stream: redis::aio::PubSubStream) {
+async fn listen(weak: &Weak<Shared>, mut subscription: Subscription) {
     let mut health = tokio::time::interval(HEALTH_EVERY);
     health.tick().await;
     loop {
         tokio::select! {
-            msg = stream.next() => {
+            // Messages first: a connection that delivers is alive.
+            biased;
+            msg = subscription.next() => {
                 let Some(msg) = msg else { return };
                 let Some(shared) = weak.upgrade() else { return };
                 let Ok(payload) = msg.get_payload::<String>() else { continue };
@@ -205,11 +260,37 @@ async fn listen(weak: &Weak<Shared>, mut sink: redis::aio::PubSubSink, mut strea
                 let Some(shared) = weak.upgrade() else { return };
                 let timeout = shared.response_timeout;
                 drop(shared);
-                match tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await {
+                match tokio::time::timeout(timeout, subscription.ping()).await {
                     Ok(Ok(_)) => {}
                     _ => return,
                 }
             }
+        }
+    }
+}
+
+/// Whether the first subscription attempt ended, and who waits for it. Its waiters wake
+/// in the order they came (a `watch` channel wakes them in an order a random number
+/// picks, which a deterministic simulation cannot replay).
+#[derive(Default)]
+struct FirstAttempt {
+    ended: AtomicBool,
+    waiters: tokio::sync::Notify,
+}
+
+impl FirstAttempt {
+    fn end(&self) {
+        self.ended.store(true, Ordering::SeqCst);
+        self.waiters.notify_waiters();
+    }
+
+    async fn ended(&self) {
+        let notified = self.waiters.notified();
+        let mut notified = std::pin::pin!(notified);
+        // Registered before the check: an `end` after it wakes this waiter.
+        notified.as_mut().enable();
+        if !self.ended.load(Ordering::SeqCst) {
+            notified.await;
         }
     }
 }
@@ -220,11 +301,8 @@ impl RedisNotifications {
     /// holds a caller.
     async fn first_attempt(&self) {
         let shared = &self.shared;
-        let mut first = shared.first_attempt.subscribe();
-        if !*first.borrow() {
-            let bound = shared.connect_timeout + shared.response_timeout;
-            let _ = tokio::time::timeout(bound, first.wait_for(|done| *done)).await;
-        }
+        let bound = shared.connect_timeout + shared.response_timeout;
+        let _ = tokio::time::timeout(bound, shared.first_attempt.ended()).await;
     }
 }
 

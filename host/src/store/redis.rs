@@ -190,15 +190,16 @@ const DELETE_FOREIGN: &str =
     "if redis.call('TYPE', KEYS[1]).ok ~= 'string' then return redis.call('DEL', KEYS[1]) end return 0";
 
 impl RedisStore {
-    /// Connects to Redis (lazily) with the guest's scripts; landings go on `channel`.
+    /// The store over `connection` (connecting lazily), reached as `options` say, with the
+    /// guest's scripts; landings go on `channel`.
     pub(crate) fn connect(
+        connection: Connection,
         options: &RedisOptions,
         scripts: &Scripts,
         channel: String,
         invalidations: String,
         retry: super::Retry,
     ) -> Result<Self> {
-        let connection = Connection::open(options)?;
         let commands = Arc::new(AtomicU64::new(0));
         let subscribers = connection.subscribers();
         // One command link for entries, the flight lock, announcements and the cache's
