@@ -1,6 +1,6 @@
-//! The simulated server's keyspace: the Redis commands Corral's Lua sends (`GET`, `SET`
-//! with `NX`/`PX`/`GET`, `DEL`, `INCR`, `TIME`, `TYPE`, `PEXPIRE`, `PTTL`, `GETEX`,
-//! `SETRANGE`, `PUBLISH`), over the world's records. A name says where its data lives
+//! The simulated server's keyspace: the Redis commands Corral's store and Lua send
+//! (`GET`, `MGET`, `EXISTS`, `SET` with `NX`/`PX`/`GET`, `DEL`, `INCR`, `TIME`, `TYPE`,
+//! `PEXPIRE`, `PTTL`, `GETEX`, `SETRANGE`, `PUBLISH`), over the world's records. A name says where its data lives
 //! (`corral_core::names::kind_of`): flight locks and lease locks among the locks, fencing
 //! counters among the counters, the rest (entries, tag moments, the generation counter)
 //! among the entries. Every write is recorded for the invariants as the store applies it,
@@ -341,6 +341,10 @@ impl Keyspace for Step<'_> {
         let arity = |n: usize| args.len() == n;
         match args[0].to_ascii_uppercase().as_slice() {
             b"GET" if arity(2) => self.get(&name),
+            b"MGET" if args.len() >= 2 => {
+                Reply::Array(args[1..].iter().map(|n| self.get(&text(n))).collect())
+            }
+            b"EXISTS" if arity(2) => Reply::Int(i64::from(self.get(&name) != Reply::Nil)),
             b"SET" if args.len() >= 3 => self.set(args),
             b"DEL" if args.len() >= 2 => {
                 let mut deleted = 0;
@@ -421,9 +425,14 @@ impl Keyspace for Step<'_> {
                     Reply::Bulk((us % 1_000_000).to_string().into_bytes()),
                 ])
             }
-            // Lease releases announce on a channel no simulated lease waiter hears:
-            // waiters wake by their timers.
-            b"PUBLISH" if arity(3) => Reply::Int(0),
+            // Delivered once the step is applied, to whoever subscribed by then (a
+            // Redlock server's channel has no subscribers).
+            b"PUBLISH" if arity(3) => {
+                if self.server == 0 {
+                    self.st.outbox.push((text(&args[1]), args[2].clone()));
+                }
+                Reply::Int(0)
+            }
             _ => Reply::error(format!("ERR sim: unknown command or arity '{}'", text(&args[0]))),
         }
     }

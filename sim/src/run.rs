@@ -558,9 +558,21 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             skew: skew.clone(),
         };
         clocks.push(clock.clone());
-        let native = Corral::builder()
+        // The native body runs the real Redis store and subscription over its wire (the
+        // portable one, the simulator's store traits).
+        let native = if scenario.portable {
+            Corral::builder().stores(crate::world::SIM_PREFIX, conn.clone(), conn.clone(), conn.clone())
+        } else {
+            let mut redis = corral::RedisOptions::new("redis://sim");
+            redis.prefix = crate::world::SIM_PREFIX.to_owned();
+            redis.response_timeout = Duration::from_millis(crate::world::REPLY_TIMEOUT_MS);
+            Corral::builder()
+                .redis_options(redis)
+                .redis_wire(crate::wire::SimWire::new(world.clone(), p))
+                .store_layer(crate::tracked::Tracked::layer(world.clone(), p))
+        };
+        let native = native
             .clock(clock.clone())
-            .stores(crate::world::SIM_PREFIX, conn.clone(), conn.clone(), conn.clone())
             .l1_ttl(Duration::from_millis(scenario.l1_ttl_ms))
             .lock_ttl(Duration::from_millis(scenario.lock_ttl_ms))
             .lock_wait(Duration::from_millis(scenario.lock_wait_ms))
@@ -622,8 +634,15 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
                 world.log(format_args!("plan: p{p} {what} down {a}..{b}"));
                 let w = world.clone();
                 tokio::spawn(async move {
-                    tokio::time::sleep(Duration::from_millis(b)).await;
-                    w.resubscribed(p);
+                    if w.is_wired(p) {
+                        // Its subscription is cut; its own task subscribes again once
+                        // the store takes it.
+                        tokio::time::sleep(Duration::from_millis(a)).await;
+                        w.cut_subscription(p);
+                    } else {
+                        tokio::time::sleep(Duration::from_millis(b)).await;
+                        w.resubscribed(p);
+                    }
                 });
             }
         }

@@ -61,6 +61,7 @@ pub enum Script {
     ReadAndTouch,
     DeleteIfEqual,
     ReplaceIfEqual,
+    LockAndPeek,
     LockAcquire,
     LockAcquireFair,
     LockRelease,
@@ -75,6 +76,7 @@ impl Script {
             Script::ReadAndTouch => script::READ_AND_TOUCH,
             Script::DeleteIfEqual => script::DELETE_IF_EQUAL,
             Script::ReplaceIfEqual => script::REPLACE_IF_EQUAL,
+            Script::LockAndPeek => script::LOCK_AND_PEEK,
             Script::LockAcquire => script::LOCK_ACQUIRE,
             Script::LockAcquireFair => script::LOCK_ACQUIRE_FAIR,
             Script::LockRelease => script::LOCK_RELEASE,
@@ -163,7 +165,10 @@ impl Broken {
         match *name {
             "unfenced" => b.unfenced_set_if = true,
             "mute" => b.mute_notifications = true,
-            "no-nx" => b.lock_without_nx = true,
+            "no-nx" => {
+                b.lock_without_nx = true;
+                b.patch = patch(Script::LockAndPeek, "'NX', 'PX'", "'PX'");
+            }
             "no-floor" => {
                 b.patch = patch(
                     Script::LockAcquire,

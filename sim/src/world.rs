@@ -172,7 +172,7 @@ pub struct Gap {
 /// Everything the world holds, behind one lock (one thread runs the world anyway).
 #[derive(Debug)]
 pub struct State {
-    rng: Rng,
+    pub(crate) rng: Rng,
     pub(crate) calm: bool,
     pub trace: String,
     pub(crate) entries: BTreeMap<String, Stored>,
@@ -191,6 +191,12 @@ pub struct State {
     /// Per (call, key): whether the call's last entry read failed.
     pub(crate) last_read_failed: BTreeMap<(u64, String), bool>,
     pub gaps: Vec<Gap>,
+    /// Per process, its gaps that last until it resubscribes (indexes into `gaps`).
+    pub(crate) unhealed: Vec<Vec<usize>>,
+    /// What the store's `PUBLISH`es of the step being applied put out.
+    pub(crate) outbox: Vec<(String, Vec<u8>)>,
+    /// The store's script cache (`EVAL` fills it, a restart empties it): SHA-1 to body.
+    pub(crate) scripts: BTreeMap<String, String>,
     pub loads: Vec<LoadRec>,
     pub faults: BTreeMap<&'static str, u64>,
     pub violations: Vec<String>,
@@ -233,6 +239,11 @@ pub(crate) struct ProcNet {
     pub(crate) landings: Landings,
     pub(crate) hook: Mutex<Option<ForeignHook>>,
     pub(crate) invalidation_hook: Mutex<Option<InvalidationHook>>,
+    /// Whether the process reaches the store through its wire (the real Redis code),
+    /// and so hears publications through its own subscription.
+    pub(crate) wired: std::sync::atomic::AtomicBool,
+    /// Its subscription connection, while one is up.
+    pub(crate) subscription: Mutex<Option<crate::wire::Listener>>,
 }
 
 /// The shared world of one run.
@@ -257,7 +268,8 @@ impl World {
         deaf: Vec<Vec<(u64, u64)>>,
         paused: Vec<Vec<(u64, u64)>>,
     ) -> Arc<Self> {
-        let procs = (0..scenario.procs).map(|_| ProcNet::default()).collect();
+        let n = scenario.procs;
+        let procs = (0..n).map(|_| ProcNet::default()).collect();
         let crashed = vec![None; scenario.procs];
         Arc::new(World {
             start: tokio::time::Instant::now(),
@@ -276,6 +288,9 @@ impl World {
                 lock_losses: BTreeMap::new(),
                 last_read_failed: BTreeMap::new(),
                 gaps: Vec::new(),
+                unhealed: vec![Vec::new(); n],
+                outbox: Vec::new(),
+                scripts: BTreeMap::new(),
                 loads: Vec::new(),
                 faults: BTreeMap::new(),
                 violations: Vec::new(),
@@ -413,6 +428,11 @@ impl World {
         true
     }
 
+    /// Whether `proc` reaches the store through its wire.
+    pub(crate) fn is_wired(&self, proc: usize) -> bool {
+        self.procs[proc].wired.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Whether `proc` has crashed.
     pub(crate) fn is_crashed(&self, proc: usize) -> bool {
         self.st.lock().crashed[proc].is_some()
@@ -422,6 +442,7 @@ impl World {
     pub(crate) fn crash(&self, proc: usize) {
         let now = self.now();
         self.st.lock().crashed[proc] = Some(now);
+        self.cut_subscription(proc);
         self.fault("process-crash");
     }
 
@@ -438,6 +459,7 @@ impl World {
             let mut st = self.st.lock();
             st.entries.clear();
             st.fences.clear();
+            st.scripts.clear();
             st.restarts.push(now);
             let locks = std::mem::take(&mut st.locks);
             for (name, lock) in locks {
@@ -451,18 +473,28 @@ impl World {
                 st.push_version(&key, now, VersionKind::Restart);
             }
             for p in 0..self.procs.len() {
+                // A process on the wire heals when its subscription task resubscribes.
+                let wired = self.is_wired(p);
                 st.gaps.push(Gap {
                     proc: p,
                     key: None,
                     t: now,
-                    healed: Some(now),
+                    healed: Some(if wired { crate::wire::UNHEALED } else { now }),
                 });
+                if wired {
+                    let i = st.gaps.len() - 1;
+                    st.unhealed[p].push(i);
+                }
             }
         }
         self.fault("store-restart");
         self.log("STORE RESTART (empty)");
         for p in 0..self.procs.len() {
-            self.resubscribed(p);
+            if self.is_wired(p) {
+                self.cut_subscription(p);
+            } else {
+                self.resubscribed(p);
+            }
         }
     }
 
@@ -645,7 +677,7 @@ impl State {
     }
 
     /// The grant to `owner` reached its caller.
-    fn acknowledge(&mut self, owner: &str) {
+    pub(crate) fn acknowledge(&mut self, owner: &str) {
         if let Some(g) = self.grants.iter_mut().rev().find(|g| g.owner == owner) {
             g.acknowledged = true;
         }
@@ -791,7 +823,7 @@ impl State {
 
 /// Reads made outside any workload call (a `fetch` flight runs in a task of its own)
 /// are noted under this number plus their process's.
-const DETACHED_CALLS: u64 = 1 << 40;
+pub(crate) const DETACHED_CALLS: u64 = 1 << 40;
 
 /// The most a process's clock is off the simulated time: a skew and a step.
 pub(crate) const CLOCK_ERROR_MS: u64 = 300 + 3_000;
@@ -832,7 +864,7 @@ type Applied<T> = (T, String);
 impl Conn {
     /// One command: refused while down; else request delay, atomic apply at arrival,
     /// reply delay or loss.
-    async fn call<T: Send + 'static>(
+    pub(crate) async fn call<T: Send + 'static>(
         &self,
         what: &'static str,
         name: &str,
@@ -888,7 +920,9 @@ impl Conn {
                     let now = late.now();
                     let (_, summary) = {
                         let mut st = late.st.lock();
-                        apply(&mut st, now, p)
+                        let applied = apply(&mut st, now, p);
+                        late.deliver(&mut st, now);
+                        applied
                     };
                     late.log(format_args!(
                         "{who} {what} {key} applied late, the server resumed ({summary}) -> nobody waits"
@@ -902,7 +936,9 @@ impl Conn {
         let now = w.now();
         let (out, summary) = {
             let mut st = w.st.lock();
-            apply(&mut st, now, p)
+            let applied = apply(&mut st, now, p);
+            w.deliver(&mut st, now);
+            applied
         };
         if w.draw(w.scenario.faults.reply_lost_pm) {
             w.fault("reply-lost");
@@ -1488,8 +1524,8 @@ fn unanswered(e: Error) -> Unanswered {
     Unanswered { cause, maybe_ran }
 }
 
-const REFUSED: &str = "connection refused";
-const CRASHED: &str = "process crashed";
+pub(crate) const REFUSED: &str = "connection refused";
+pub(crate) const CRASHED: &str = "process crashed";
 
 /// The store's clock as Redis's `TIME` gives it to a script: microseconds since the Unix
 /// epoch (the simulated epoch starts at [`crate::run::EPOCH_MS`]).

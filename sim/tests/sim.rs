@@ -241,3 +241,22 @@ fn a_portable_flight_never_names_a_generation_older_than_it_saw() {
         );
     }
 }
+
+/// Found once the simulator ran the real subscription task: a process's first read of
+/// the prefix's generation, answered before another process's `clear` but arriving after
+/// the process (subscribed late) dropped its L1 for what it may have missed, was kept:
+/// the process named keys in the old generation for an L1 TTL and served a value the
+/// clear had removed (`served after invalidation: p2 c97 get k1 at 1430 served load5
+/// ..., but clear by p0 began at 193`). A generation or tag read on its way across a
+/// gap in announcements is good for its own call only.
+#[test]
+fn a_read_of_the_generation_across_a_gap_in_announcements_is_not_kept() {
+    let seed = 443;
+    let outcome = run_seed(&Scenario::for_seed(seed), seed);
+    assert_eq!(outcome.scenario, "redlock");
+    assert!(
+        outcome.violations.is_empty(),
+        "seed {seed}: {}",
+        outcome.violations.join("\n")
+    );
+}

@@ -1,0 +1,235 @@
+//! What the invariants need to know of a cache's store calls, call by call, that the
+//! commands on the wire cannot tell: which workload call an entry read was for (reads
+//! of several calls travel in one pipeline) and how it ended, and which flight locks
+//! their flights know they hold. A layer over the real store
+//! ([`corral::CorralBuilder::store_layer`]): it forwards every call unchanged.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use corral::Result;
+use corral::store::{Entries, FlightLock, Layered};
+use futures::FutureExt;
+use futures::future::BoxFuture;
+
+use crate::world::{CALL, DETACHED_CALLS, World};
+
+/// The entries and flight lock of process `proc`, watched.
+pub(crate) struct Tracked {
+    world: Arc<World>,
+    proc: usize,
+    entries: Arc<dyn Entries>,
+    lock: Arc<dyn FlightLock>,
+}
+
+impl std::fmt::Debug for Tracked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracked").field("proc", &self.proc).finish()
+    }
+}
+
+impl Tracked {
+    /// The layer for process `proc`.
+    pub(crate) fn layer(world: Arc<World>, proc: usize) -> impl FnOnce(Layered) -> Layered + Send + 'static {
+        move |(entries, lock)| {
+            let tracked = Arc::new(Tracked {
+                world,
+                proc,
+                entries,
+                lock,
+            });
+            (tracked.clone(), tracked)
+        }
+    }
+
+    /// The workload call the running task serves (a flight in a task of its own, a
+    /// `fetch`'s, counts for its process).
+    fn call(&self) -> u64 {
+        CALL.try_with(|c| *c).unwrap_or(DETACHED_CALLS + self.proc as u64)
+    }
+
+    /// Notes whether the call's last read of `name` failed.
+    fn note(&self, call: u64, name: &str, failed: bool) {
+        let mut st = self.world.st.lock();
+        let key = st.key_of(name);
+        st.last_read_failed.insert((call, key), failed);
+    }
+
+    /// `read`, noted as failed until it returns (a read the flight abandons at its
+    /// deadline failed).
+    fn tracked<'a>(
+        &'a self,
+        name: &'a str,
+        read: BoxFuture<'a, Result<Option<Bytes>>>,
+    ) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        let call = self.call();
+        self.note(call, name, true);
+        async move {
+            let got = read.await;
+            self.note(call, name, got.is_err());
+            got
+        }
+        .boxed()
+    }
+
+    /// The flight knows it holds the lock it took (a reply lost, or a flight that gave
+    /// up waiting and dropped this future, leaves it unknown to it).
+    fn taken(&self, name: &str, owner: &str) {
+        let mut st = self.world.st.lock();
+        if let Some(l) = st.locks.get_mut(name).filter(|l| l.owner == owner) {
+            l.reply_lost = false;
+        }
+        st.acknowledge(owner);
+    }
+
+    fn releasing(&self, owner: &str) {
+        self.world
+            .st
+            .lock()
+            .release_attempts
+            .insert((0, owner.to_owned()));
+    }
+}
+
+impl Entries for Tracked {
+    fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        self.tracked(key, self.entries.get(key))
+    }
+
+    fn gathers(&self) -> bool {
+        self.entries.gathers()
+    }
+
+    fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Vec<Result<Option<Bytes>>>> {
+        let call = self.call();
+        for key in keys {
+            self.note(call, key, true);
+        }
+        async move {
+            let got = self.entries.get_many(keys).await;
+            for (key, found) in keys.iter().zip(&got) {
+                self.note(call, key, found.is_err());
+            }
+            got
+        }
+        .boxed()
+    }
+
+    fn read_and_touch<'a>(
+        &'a self,
+        key: &'a str,
+        now_ms: u64,
+    ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
+        let read = self.entries.read_and_touch(key, now_ms)?;
+        Some(self.tracked(key, read))
+    }
+
+    fn get_and_expire<'a>(
+        &'a self,
+        key: &'a str,
+        ttl_ms: u64,
+    ) -> Option<BoxFuture<'a, Result<Option<Bytes>>>> {
+        let read = self.entries.get_and_expire(key, ttl_ms)?;
+        Some(self.tracked(key, read))
+    }
+
+    fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<u64>>> {
+        self.entries.ttl_ms(key)
+    }
+
+    fn delete_foreign<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool>> {
+        self.entries.delete_foreign(name)
+    }
+
+    fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>> {
+        self.entries.set(key, bytes, ttl_ms)
+    }
+
+    fn swap<'a>(&'a self, name: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<Option<Bytes>>> {
+        self.entries.swap(name, bytes, ttl_ms)
+    }
+
+    fn set_if<'a>(
+        &'a self,
+        name: &'a str,
+        expected: Option<Bytes>,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>> {
+        self.entries.set_if(name, expected, bytes, ttl_ms)
+    }
+
+    fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
+        self.entries.delete(key)
+    }
+
+    fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>> {
+        self.entries.delete_if_equal(key, expected)
+    }
+
+    fn replace_if_equal<'a>(
+        &'a self,
+        key: &'a str,
+        expected: Bytes,
+        bytes: Bytes,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, Result<bool>> {
+        self.entries.replace_if_equal(key, expected, bytes, ttl_ms)
+    }
+
+    fn name(&self) -> &'static str {
+        self.entries.name()
+    }
+}
+
+impl FlightLock for Tracked {
+    fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
+        async move {
+            let tried = self.lock.try_lock(key, owner, ttl_ms).await;
+            if let Ok(true) = tried {
+                self.taken(key, owner);
+            }
+            tried
+        }
+        .boxed()
+    }
+
+    fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
+        self.releasing(owner);
+        self.lock.release(key, owner)
+    }
+
+    fn try_lock_peeking<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        ttl_ms: u64,
+        entry: &'a str,
+    ) -> Option<BoxFuture<'a, Result<Option<bool>>>> {
+        let tried = self.lock.try_lock_peeking(key, owner, ttl_ms, entry)?;
+        let call = self.call();
+        Some(
+            async move {
+                let tried = tried.await;
+                if let Ok(Some(_)) = tried {
+                    self.taken(key, owner);
+                    // The look it took with the lock is the flight's read of the entry.
+                    self.note(call, entry, false);
+                }
+                tried
+            }
+            .boxed(),
+        )
+    }
+
+    fn release_announcing<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        channel: &'a str,
+        message: &'a str,
+    ) -> Option<BoxFuture<'a, Result<bool>>> {
+        self.releasing(owner);
+        self.lock.release_announcing(key, owner, channel, message)
+    }
+}

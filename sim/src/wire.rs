@@ -1,0 +1,547 @@
+//! The simulated server under the real Redis code: a [`Wire`] per process, so the
+//! `redis` crate's commands (and pipelines) of the real `RedisStore`, its scripts by
+//! `EVALSHA` or `EVAL`, its breaker and link, and the real subscription task of
+//! `RedisNotifications` run over the simulated network and keyspace. The only code the
+//! simulator replaces is the socket and the server.
+//!
+//! A command's trip is [`Conn::call`]'s (delays, lost requests and replies, a connection
+//! down, a pause); the server applies it through the keyspace and the Lua as one step.
+//! A `PUBLISH` (a command, or a script's) reaches the processes subscribed to its
+//! channel at that moment, each delivery delayed, lost, or held while the process is
+//! paused. A subscription is a connection of its own: it is cut when the process's
+//! connection or subscription goes down and when the store restarts, and the real task
+//! then subscribes again (its tries are refused until the fault ends), and drops its L1.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use corral::store::wire::{Wire, WireSubscription};
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use redis::{Cmd, Msg, RedisResult, Value};
+use tokio::sync::mpsc;
+
+use crate::keyspace::{Step, Write};
+use crate::lua::{Keyspace as _, Reply};
+use crate::scenario::{Broken, Script};
+use crate::world::{CALL, Conn, State, World, tag_of};
+
+/// Process `proc`'s way to the store (server 0).
+pub(crate) struct SimWire {
+    pub(crate) world: Arc<World>,
+    pub(crate) proc: usize,
+}
+
+impl SimWire {
+    pub(crate) fn new(world: Arc<World>, proc: usize) -> Arc<Self> {
+        world.procs[proc]
+            .wired
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Arc::new(SimWire { world, proc })
+    }
+}
+
+/// A process's live subscription, as the server sees it.
+pub(crate) struct Listener {
+    id: u64,
+    tx: mpsc::UnboundedSender<Msg>,
+    channels: Vec<String>,
+}
+
+impl Wire for SimWire {
+    fn send(&self, commands: Vec<Cmd>) -> BoxFuture<'static, RedisResult<Vec<Value>>> {
+        let conn = Conn {
+            world: self.world.clone(),
+            proc: self.proc,
+            server: 0,
+        };
+        // The workload call whose task sends it (a flight lock records it).
+        let call = CALL.try_with(|c| *c).ok();
+        let commands: Vec<Vec<Vec<u8>>> = commands.iter().map(args_of).collect();
+        async move {
+            let (what, name) = label(&commands);
+            let broken = conn.world.scenario.broken;
+            conn.call(what, &name, move |st, now, p| {
+                let replies: Vec<Reply> = commands
+                    .iter()
+                    .map(|args| execute(st, now, p, call, &broken, what, args))
+                    .collect();
+                let summary = summary(&replies);
+                (replies, summary)
+            })
+            .await
+            .map(|replies| replies.into_iter().map(value_of).collect())
+            .map_err(|e| failure(&e.to_string()))
+        }
+        .boxed()
+    }
+
+    fn subscription(&self) -> BoxFuture<'static, RedisResult<Box<dyn WireSubscription>>> {
+        let (world, proc) = (self.world.clone(), self.proc);
+        async move {
+            world.gate(proc).await;
+            let (there, _) = world.latency();
+            tokio::time::sleep(Duration::from_millis(there)).await;
+            let now = world.now();
+            if world.is_crashed(proc) || world.deaf_until(proc, now).is_some() {
+                return Err(failure(crate::world::REFUSED));
+            }
+            let (tx, rx) = mpsc::unbounded_channel();
+            let id = world.open_subscription(proc, tx);
+            Ok(Box::new(SimSubscription { world, proc, id, rx }) as Box<dyn WireSubscription>)
+        }
+        .boxed()
+    }
+}
+
+/// One subscription connection of a process.
+struct SimSubscription {
+    world: Arc<World>,
+    proc: usize,
+    id: u64,
+    rx: mpsc::UnboundedReceiver<Msg>,
+}
+
+impl SimSubscription {
+    /// A round trip on this connection: `None` if it was cut meanwhile (its replies
+    /// never come: the caller's timeout ends the wait).
+    async fn trip(&self) -> Option<()> {
+        let w = &self.world;
+        w.gate(self.proc).await;
+        let (there, _) = w.latency();
+        tokio::time::sleep(Duration::from_millis(there)).await;
+        if !w.listening(self.proc, self.id) {
+            return None;
+        }
+        let (back, _) = w.latency();
+        tokio::time::sleep(Duration::from_millis(back)).await;
+        w.gate(self.proc).await;
+        Some(())
+    }
+}
+
+impl WireSubscription for SimSubscription {
+    fn subscribe<'a>(&'a mut self, channel: &'a str) -> BoxFuture<'a, RedisResult<()>> {
+        async move {
+            if self.trip().await.is_none() {
+                return std::future::pending().await;
+            }
+            self.world.subscribed(self.proc, self.id, channel);
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn next_message(&mut self) -> BoxFuture<'_, Option<Msg>> {
+        self.rx.recv().boxed()
+    }
+
+    fn ping(&mut self) -> BoxFuture<'_, RedisResult<()>> {
+        async move {
+            if self.trip().await.is_none() {
+                return std::future::pending().await;
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+}
+
+impl World {
+    /// A new subscription connection of `proc` (it replaces any other).
+    fn open_subscription(&self, proc: usize, tx: mpsc::UnboundedSender<Msg>) -> u64 {
+        let id = self.next_seq();
+        *self.procs[proc].subscription.lock() = Some(Listener {
+            id,
+            tx,
+            channels: Vec::new(),
+        });
+        id
+    }
+
+    /// Whether `proc`'s subscription `id` is still up.
+    fn listening(&self, proc: usize, id: u64) -> bool {
+        self.procs[proc]
+            .subscription
+            .lock()
+            .as_ref()
+            .is_some_and(|l| l.id == id)
+    }
+
+    /// `proc`'s subscription `id` now hears `channel`. Once it hears both of a prefix's
+    /// channels (the landing channel and the tag and clear one: all the real task asks
+    /// for) it is live again, and the process drops its L1: what it could not hear
+    /// until now is healed.
+    fn subscribed(&self, proc: usize, id: u64, channel: &str) {
+        let live = {
+            let mut sub = self.procs[proc].subscription.lock();
+            let Some(l) = sub.as_mut().filter(|l| l.id == id) else {
+                return;
+            };
+            if !l.channels.iter().any(|c| c == channel) {
+                l.channels.push(channel.to_owned());
+            }
+            l.channels.len() == 2
+        };
+        if live {
+            let now = self.now();
+            let mut st = self.st.lock();
+            for i in std::mem::take(&mut st.unhealed[proc]) {
+                st.gaps[i].healed = Some(now);
+            }
+            drop(st);
+            self.log(format_args!("p{proc} resubscribed: L1 dropped"));
+        }
+    }
+
+    /// Cuts `proc`'s subscription (its connection or subscription went down, the store
+    /// restarted, it crashed): the real task sees its stream end.
+    pub(crate) fn cut_subscription(&self, proc: usize) {
+        self.procs[proc].subscription.lock().take();
+    }
+
+    /// Delivers what the step just applied published (`st.outbox`) to the processes on
+    /// the wire: each delivery delayed, lost, or held while its process is paused; a
+    /// process that cannot hear it (not subscribed now, or cut before it arrives) has a
+    /// gap until it resubscribes.
+    pub(crate) fn deliver(self: &Arc<Self>, st: &mut State, now: u64) {
+        for (channel, message) in std::mem::take(&mut st.outbox) {
+            let tag_channel = channel == corral_core::names::invalidations(crate::world::SIM_PREFIX);
+            let text = String::from_utf8_lossy(&message).into_owned();
+            // "{origin} {key}" or "{origin} {invalidation}".
+            let body = text.split_once(' ').map_or(text.as_str(), |(_, b)| b).to_owned();
+            let gap_key = if tag_channel {
+                crate::world::INVALIDATIONS.to_owned()
+            } else {
+                st.key_of(&body)
+            };
+            for p in 0..self.procs.len() {
+                let net = &self.procs[p];
+                if !net.wired.load(std::sync::atomic::Ordering::Relaxed) || st.crashed[p].is_some() {
+                    continue;
+                }
+                let listening = net
+                    .subscription
+                    .lock()
+                    .as_ref()
+                    .filter(|l| l.channels.contains(&channel))
+                    .map(|l| l.id);
+                let Some(id) = listening else {
+                    st.unheard(p, &gap_key, now);
+                    continue;
+                };
+                let mute = self.scenario.broken.mute_notifications;
+                if mute || (!st.calm && st.rng.chance(self.scenario.faults.notify_lost_pm)) {
+                    if !mute {
+                        *st.faults.entry("notify-lost").or_default() += 1;
+                        st.gaps.push(crate::world::Gap {
+                            proc: p,
+                            key: Some(gap_key.clone()),
+                            t: now,
+                            healed: None,
+                        });
+                        let what = if tag_channel {
+                            "invalidation"
+                        } else {
+                            "notification"
+                        };
+                        use std::fmt::Write as _;
+                        let _ = writeln!(st.trace, "{now:>6} p{p} {what} {body:?} lost");
+                    }
+                    continue;
+                }
+                let delay = st.rng.range(0, crate::world::DELIVERY_MS);
+                let (w, channel, message, gap_key) =
+                    (self.clone(), channel.clone(), message.clone(), gap_key.clone());
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(delay)).await;
+                    // A paused process reads its socket when it resumes.
+                    w.gate(p).await;
+                    if w.is_crashed(p) {
+                        return;
+                    }
+                    let msg = Msg::from_owned_value(Value::Array(vec![
+                        Value::BulkString(b"message".to_vec()),
+                        Value::BulkString(channel.into_bytes()),
+                        Value::BulkString(message),
+                    ]))
+                    .expect("a pub/sub message");
+                    let sent = w.procs[p]
+                        .subscription
+                        .lock()
+                        .as_ref()
+                        .filter(|l| l.id == id)
+                        .is_some_and(|l| l.tx.send(msg).is_ok());
+                    if !sent {
+                        let now = w.now();
+                        w.st.lock().unheard(p, &gap_key, now);
+                    }
+                });
+            }
+        }
+    }
+}
+
+impl State {
+    /// `proc` could not hear a publication about `key` at `now`: a gap until it
+    /// resubscribes (and drops its L1).
+    pub(crate) fn unheard(&mut self, proc: usize, key: &str, now: u64) {
+        self.gaps.push(crate::world::Gap {
+            proc,
+            key: Some(key.to_owned()),
+            t: now,
+            healed: Some(UNHEALED),
+        });
+        let i = self.gaps.len() - 1;
+        self.unhealed[proc].push(i);
+    }
+}
+
+/// A gap's end while its process has not resubscribed yet (it never did, by the end).
+pub(crate) const UNHEALED: u64 = u64::MAX / 4;
+
+/// A command's arguments as bytes.
+fn args_of(cmd: &Cmd) -> Vec<Vec<u8>> {
+    cmd.args_iter()
+        .map(|a| match a {
+            redis::Arg::Simple(bytes) => bytes.to_vec(),
+            // Corral sends no cursor.
+            _ => b"0".to_vec(),
+        })
+        .collect()
+}
+
+fn upper(arg: &[u8]) -> String {
+    String::from_utf8_lossy(arg).to_ascii_uppercase()
+}
+
+/// The scripts a Corral store sends that the simulator knows by name (for the trace and
+/// for planted bugs).
+const SCRIPTS: &[(Script, &str)] = &[
+    (Script::ReadAndTouch, "read_and_touch"),
+    (Script::DeleteIfEqual, "delete_if_equal"),
+    (Script::ReplaceIfEqual, "replace_if_equal"),
+    (Script::LockAndPeek, "lock_and_peek"),
+    (Script::LockAcquire, "acquire"),
+    (Script::LockAcquireFair, "acquire"),
+    (Script::LockRelease, "unlock"),
+    (Script::LockExtend, "extend"),
+];
+
+fn script_of(body: &str) -> Option<(Script, &'static str)> {
+    SCRIPTS.iter().find(|(s, _)| s.text() == body).copied()
+}
+
+/// What a trip is called in the trace, and the name it is about.
+fn label(commands: &[Vec<Vec<u8>>]) -> (&'static str, String) {
+    let Some(first) = commands.first() else {
+        return ("nothing", String::new());
+    };
+    let arg = |i: usize| {
+        first
+            .get(i)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .unwrap_or_default()
+    };
+    if commands.len() > 1 {
+        return ("pipeline", arg(1));
+    }
+    let what = match upper(&first[0]).as_str() {
+        "GET" => "get",
+        "MGET" => "mget",
+        "GETEX" => "getex",
+        "PTTL" => "pttl",
+        "DEL" => "delete",
+        "PUBLISH" => "publish",
+        "PING" => "ping",
+        "SET" => {
+            let flags: Vec<String> = first.iter().skip(3).map(|a| upper(a)).collect();
+            if flags.iter().any(|f| f == "GET") {
+                "swap"
+            } else if flags.iter().any(|f| f == "NX") {
+                if corral_core::names::kind_of(&arg(1)) == Some(corral_core::names::Kind::Lock) {
+                    "try_lock"
+                } else {
+                    "set_if"
+                }
+            } else {
+                "set"
+            }
+        }
+        "EVAL" | "EVALSHA" => {
+            let name = match upper(&first[0]).as_str() {
+                "EVAL" => script_of(&arg(1)).map(|(_, n)| n),
+                _ => SCRIPTS
+                    .iter()
+                    .find(|(s, _)| redis::Script::new(s.text()).get_hash() == arg(1))
+                    .map(|(_, n)| *n),
+            };
+            let keys = arg(2).parse::<usize>().unwrap_or(0);
+            return (
+                name.unwrap_or("script"),
+                if keys > 0 { arg(3) } else { String::new() },
+            );
+        }
+        _ => "command",
+    };
+    (what, arg(1))
+}
+
+/// Applies one command at the store, as Redis would: scripts by body or by hash (a hash
+/// the store does not have is `NOSCRIPT`), each a step of its own kind for the
+/// invariants. A reply of an error is a violation: Corral's store sent what it should
+/// not (the simulated keyspace holds nothing of another type).
+fn execute(
+    st: &mut State,
+    now: u64,
+    p: usize,
+    call: Option<u64>,
+    broken: &Broken,
+    what: &str,
+    args: &[Vec<u8>],
+) -> Reply {
+    let name = upper(&args[0]);
+    let reply = match name.as_str() {
+        "PING" => Reply::Status("PONG".to_owned()),
+        "EVAL" | "EVALSHA" => eval(st, now, p, call, broken, &name, args),
+        "SET" => {
+            let flags: Vec<String> = args.iter().skip(3).map(|a| upper(a)).collect();
+            let nx = flags.iter().any(|f| f == "NX");
+            let write = if flags.iter().any(|f| f == "GET") {
+                // A removal's tombstone, or an `expire`'s stale rewrite of the same value.
+                Write::Touch
+            } else if nx {
+                Write::Fenced
+            } else {
+                Write::Plain
+            };
+            let lock = corral_core::names::kind_of(&String::from_utf8_lossy(&args[1]))
+                == Some(corral_core::names::Kind::Lock);
+            let mut command = args.to_vec();
+            if nx && ((lock && broken.lock_without_nx) || (!lock && broken.unfenced_set_if)) {
+                command.retain(|a| upper(a) != "NX");
+            }
+            let mut step = Step::new(st, now, p, write);
+            step.call = call;
+            step.command(&command)
+        }
+        "GETEX" => Step::new(st, now, p, Write::Touch).command(args),
+        _ => Step::new(st, now, p, Write::Plain).command(args),
+    };
+    if let Reply::Error(e) = &reply
+        && !e.starts_with("NOSCRIPT")
+    {
+        let what = format!("store: {what} answered {reply:?}");
+        st.violation(now, what);
+    }
+    reply
+}
+
+fn eval(
+    st: &mut State,
+    now: u64,
+    p: usize,
+    call: Option<u64>,
+    broken: &Broken,
+    name: &str,
+    args: &[Vec<u8>],
+) -> Reply {
+    let Some(script) = args.get(1).map(|a| String::from_utf8_lossy(a).into_owned()) else {
+        return Reply::error("ERR wrong number of arguments");
+    };
+    let body = if name == "EVAL" {
+        st.scripts
+            .insert(redis::Script::new(&script).get_hash().to_owned(), script.clone());
+        script
+    } else {
+        match st.scripts.get(&script) {
+            Some(body) => body.clone(),
+            None => return Reply::error("NOSCRIPT No matching script. Please use EVAL."),
+        }
+    };
+    let n = args
+        .get(2)
+        .and_then(|a| std::str::from_utf8(a).ok()?.parse::<usize>().ok())
+        .unwrap_or(0);
+    let keys: Vec<String> = args
+        .iter()
+        .skip(3)
+        .take(n)
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let argv: Vec<&[u8]> = args.iter().skip(3 + n).map(Vec::as_slice).collect();
+    let which = script_of(&body).map(|(s, _)| s);
+    let write = match which {
+        Some(Script::ReadAndTouch) => Write::Touch,
+        // A fenced fill, or a touch written back: the same value, never a new version.
+        Some(Script::ReplaceIfEqual) => Write::Fenced,
+        _ => Write::Plain,
+    };
+    if which == Some(Script::ReplaceIfEqual) && broken.unfenced_set_if {
+        // The planted bug: the write whatever the key holds.
+        let command = vec![
+            b"SET".to_vec(),
+            keys.first().map(|k| k.as_bytes().to_vec()).unwrap_or_default(),
+            argv.get(1).map(|a| a.to_vec()).unwrap_or_default(),
+            b"PX".to_vec(),
+            argv.get(2).map(|a| a.to_vec()).unwrap_or_default(),
+        ];
+        Step::new(st, now, p, Write::Fenced).command(&command);
+        return Reply::Int(1);
+    }
+    let mut step = Step::new(st, now, p, write);
+    step.call = call;
+    if which == Some(Script::ReadAndTouch) {
+        step.clock_ms = argv
+            .first()
+            .and_then(|a| std::str::from_utf8(a).ok()?.parse::<u64>().ok());
+    }
+    let text = match which {
+        Some(s) => broken.script(s).into_owned(),
+        None => body,
+    };
+    crate::lua::eval(&text, &keys, &argv, &mut step)
+}
+
+/// A reply as the `redis` crate reads it off the socket.
+fn value_of(reply: Reply) -> Value {
+    match reply {
+        Reply::Nil => Value::Nil,
+        Reply::Int(i) => Value::Int(i),
+        Reply::Bulk(b) => Value::BulkString(b),
+        Reply::Status(s) if s == "OK" => Value::Okay,
+        Reply::Status(s) => Value::SimpleString(s),
+        Reply::Error(e) => redis::parse_redis_value(format!("-{e}\r\n").as_bytes())
+            .unwrap_or_else(|_| Value::SimpleString(e)),
+        Reply::Array(items) => Value::Array(items.into_iter().map(value_of).collect()),
+    }
+}
+
+/// What the trace says of a trip's replies.
+fn summary(replies: &[Reply]) -> String {
+    replies.iter().map(shown).collect::<Vec<_>>().join(", ")
+}
+
+/// A reply in the trace: values by their tags (a tombstone's nonce is random).
+fn shown(reply: &Reply) -> String {
+    match reply {
+        Reply::Nil => "nil".to_owned(),
+        Reply::Int(i) => i.to_string(),
+        Reply::Bulk(b) => format!("{:?}", tag_of(b)),
+        Reply::Status(s) => s.to_ascii_lowercase(),
+        Reply::Error(e) => format!("error {e:?}"),
+        Reply::Array(items) => format!("[{}]", summary(items)),
+    }
+}
+
+/// A trip that failed, as the `redis` crate's connections report it: refused (never
+/// sent), or timed out (it may have been applied).
+fn failure(cause: &str) -> redis::RedisError {
+    let kind = if cause.contains(crate::world::REFUSED) || cause.contains(crate::world::CRASHED) {
+        std::io::ErrorKind::ConnectionRefused
+    } else {
+        std::io::ErrorKind::TimedOut
+    };
+    redis::RedisError::from(std::io::Error::new(kind, format!("sim: {cause}")))
+}
