@@ -582,6 +582,9 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         for key in keys.chain(FRESH_KEYS.iter().map(|k| (*k).to_owned())) {
             world.learn_name(&key, &native.entry_name(&key).expect("a valid key"));
         }
+        // The cache's own leases (over its link, woken by its subscription), where the
+        // store is their one server.
+        let cache_leases = native.locks().redis().cloned();
         let cache = if scenario.portable {
             let portable = PortableCache::builder()
                 .clock(clock)
@@ -612,8 +615,12 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
                 }) as Arc<dyn corral::locks::LeaseServer>
             })
             .collect();
-        let locks =
-            RedisLocks::over(servers, crate::world::SIM_PREFIX).expect("leases over the simulated store");
+        let locks = match cache_leases {
+            Some(leases) if scenario.lease_servers == 1 => leases,
+            _ => {
+                RedisLocks::over(servers, crate::world::SIM_PREFIX).expect("leases over the simulated store")
+            }
+        };
         for k in 0..scenario.lock_keys {
             let key = format!("lock{k}");
             world.learn_name(&key, &locks.lock_key(&key).expect("a valid key"));

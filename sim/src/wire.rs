@@ -58,20 +58,56 @@ impl Wire for SimWire {
         // The workload call whose task sends it (a flight lock records it).
         let call = CALL.try_with(|c| *c).ok();
         let commands: Vec<Vec<Vec<u8>>> = commands.iter().map(args_of).collect();
+        // Lease releases the store may apply (their locks are not left behind), and
+        // acquires whose takers learn of their grants from the replies.
+        let mut acquires = Vec::new();
+        // What the trip would publish (a command's, or an announcing release's).
+        let mut publishes = Vec::new();
+        for (i, args) in commands.iter().enumerate() {
+            if upper(&args[0]) == "PUBLISH" && args.len() == 3 {
+                publishes.push((String::from_utf8_lossy(&args[1]).into_owned(), args[2].clone()));
+            }
+            if let Some((Script::DeleteIfEqual, _)) = known(args)
+                && let [_, channel, message, ..] = argv(args).as_slice()
+            {
+                publishes.push((String::from_utf8_lossy(channel).into_owned(), message.clone()));
+            }
+            let owner = || String::from_utf8_lossy(&argv(args)[0]).into_owned();
+            match known(args) {
+                Some((Script::LockRelease, _)) => {
+                    self.world.st.lock().release_attempts.insert((0, owner()));
+                }
+                Some((Script::LockAcquire | Script::LockAcquireFair, _)) => acquires.push((i, owner())),
+                _ => {}
+            }
+        }
+        let world = self.world.clone();
         async move {
             let (what, name) = label(&commands);
             let broken = conn.world.scenario.broken;
-            conn.call(what, &name, move |st, now, p| {
-                let replies: Vec<Reply> = commands
-                    .iter()
-                    .map(|args| execute(st, now, p, call, &broken, what, args))
-                    .collect();
-                let summary = summary(&replies);
-                (replies, summary)
-            })
-            .await
-            .map(|replies| replies.into_iter().map(value_of).collect())
-            .map_err(|e| failure(&e.to_string()))
+            let replies = conn
+                .call(what, &name, move |st, now, p| {
+                    let replies: Vec<Reply> = commands
+                        .iter()
+                        .map(|args| execute(st, now, p, call, &broken, what, args))
+                        .collect();
+                    let summary = summary(&replies);
+                    (replies, summary)
+                })
+                .await
+                .map_err(|e| {
+                    // Refused or dropped before the store, or applied with its reply
+                    // lost: nobody may have heard it (conservatively, a lost
+                    // notification for every process).
+                    world.unannounced(&publishes);
+                    failure(&e.to_string())
+                })?;
+            for (i, owner) in acquires {
+                if matches!(replies.get(i), Some(Reply::Bulk(_))) {
+                    world.st.lock().acknowledge(&owner);
+                }
+            }
+            Ok(replies.into_iter().map(value_of).collect())
         }
         .boxed()
     }
@@ -206,15 +242,7 @@ impl World {
     /// gap until it resubscribes.
     pub(crate) fn deliver(self: &Arc<Self>, st: &mut State, now: u64) {
         for (channel, message) in std::mem::take(&mut st.outbox) {
-            let tag_channel = channel == corral_core::names::invalidations(crate::world::SIM_PREFIX);
-            let text = String::from_utf8_lossy(&message).into_owned();
-            // "{origin} {key}" or "{origin} {invalidation}".
-            let body = text.split_once(' ').map_or(text.as_str(), |(_, b)| b).to_owned();
-            let gap_key = if tag_channel {
-                crate::world::INVALIDATIONS.to_owned()
-            } else {
-                st.key_of(&body)
-            };
+            let (tag_channel, body, gap_key) = about(st, &channel, &message);
             for p in 0..self.procs.len() {
                 let net = &self.procs[p];
                 if !net.wired.load(std::sync::atomic::Ordering::Relaxed) || st.crashed[p].is_some() {
@@ -277,6 +305,45 @@ impl World {
                         w.st.lock().unheard(p, &gap_key, now);
                     }
                 });
+            }
+        }
+    }
+}
+
+/// A publication's channel kind (the tag and clear channel?), what it says (without
+/// its origin) and the key its gaps carry.
+fn about(st: &State, channel: &str, message: &[u8]) -> (bool, String, String) {
+    let tag_channel = channel == corral_core::names::invalidations(crate::world::SIM_PREFIX);
+    let text = String::from_utf8_lossy(message).into_owned();
+    // "{origin} {key}" or "{origin} {invalidation}".
+    let body = text.split_once(' ').map_or(text.as_str(), |(_, b)| b).to_owned();
+    let gap_key = if tag_channel {
+        crate::world::INVALIDATIONS.to_owned()
+    } else {
+        st.key_of(&body)
+    };
+    (tag_channel, body, gap_key)
+}
+
+impl World {
+    /// Publications a failed trip carried: lost for every process on the wire.
+    fn unannounced(&self, publishes: &[(String, Vec<u8>)]) {
+        if publishes.is_empty() {
+            return;
+        }
+        let now = self.now();
+        let mut st = self.st.lock();
+        for (channel, message) in publishes {
+            let (_, _, gap_key) = about(&st, channel, message);
+            for p in 0..self.procs.len() {
+                if self.is_wired(p) {
+                    st.gaps.push(crate::world::Gap {
+                        proc: p,
+                        key: Some(gap_key.clone()),
+                        t: now,
+                        healed: None,
+                    });
+                }
             }
         }
     }
@@ -369,13 +436,7 @@ fn label(commands: &[Vec<Vec<u8>>]) -> (&'static str, String) {
             }
         }
         "EVAL" | "EVALSHA" => {
-            let name = match upper(&first[0]).as_str() {
-                "EVAL" => script_of(&arg(1)).map(|(_, n)| n),
-                _ => SCRIPTS
-                    .iter()
-                    .find(|(s, _)| redis::Script::new(s.text()).get_hash() == arg(1))
-                    .map(|(_, n)| *n),
-            };
+            let name = known(first).map(|(_, n)| n);
             let keys = arg(2).parse::<usize>().unwrap_or(0);
             return (
                 name.unwrap_or("script"),
@@ -501,7 +562,53 @@ fn eval(
         Some(s) => broken.script(s).into_owned(),
         None => body,
     };
-    crate::lua::eval(&text, &keys, &argv, &mut step)
+    let reply = crate::lua::eval(&text, &keys, &argv, &mut step);
+    if matches!(which, Some(Script::LockAcquire | Script::LockAcquireFair))
+        && let Reply::Bulk(token) = &reply
+        && let Some(token) = std::str::from_utf8(token)
+            .ok()
+            .and_then(|t| t.parse::<u64>().ok())
+    {
+        let owner = argv
+            .first()
+            .map(|o| String::from_utf8_lossy(o).into_owned())
+            .unwrap_or_default();
+        crate::world::granted(st, now, p, &owner, token);
+    }
+    reply
+}
+
+/// A script a command runs, if the simulator knows it (by its body, or by its hash).
+fn known(args: &[Vec<u8>]) -> Option<(Script, &'static str)> {
+    static HASHES: std::sync::OnceLock<Vec<(String, Script, &'static str)>> = std::sync::OnceLock::new();
+    let script = String::from_utf8_lossy(args.get(1)?);
+    match upper(args.first()?).as_str() {
+        "EVAL" => script_of(&script),
+        "EVALSHA" => HASHES
+            .get_or_init(|| {
+                SCRIPTS
+                    .iter()
+                    .map(|&(s, n)| (redis::Script::new(s.text()).get_hash().to_owned(), s, n))
+                    .collect()
+            })
+            .iter()
+            .find(|(hash, _, _)| *hash == script)
+            .map(|&(_, s, n)| (s, n)),
+        _ => None,
+    }
+}
+
+/// A script command's `ARGV`.
+fn argv(args: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    let n = args
+        .get(2)
+        .and_then(|a| std::str::from_utf8(a).ok()?.parse::<usize>().ok())
+        .unwrap_or(0);
+    let mut rest: Vec<Vec<u8>> = args.iter().skip(3 + n).cloned().collect();
+    if rest.is_empty() {
+        rest.push(Vec::new());
+    }
+    rest
 }
 
 /// A reply as the `redis` crate reads it off the socket.

@@ -1607,7 +1607,7 @@ impl LeaseServer for Conn {
 
 /// A lease acquire's grant (recorded when its `SET` took the lock) gets its fencing
 /// token, which must rise above every token granted for the key before.
-fn granted(st: &mut State, now: u64, p: usize, owner: &str, token: u64) {
+pub(crate) fn granted(st: &mut State, now: u64, p: usize, owner: &str, token: u64) {
     let Some(at) = st.grants.iter().rposition(|g| g.owner == owner && g.proc == p) else {
         let what = format!("fencing: p{p} got token {token} with no lock taken");
         st.violation(now, what);
