@@ -543,11 +543,6 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     let mut skews = Vec::new();
     let mut clocks = Vec::new();
     for p in 0..scenario.procs {
-        let conn = Arc::new(Conn {
-            world: world.clone(),
-            proc: p,
-            server: 0,
-        });
         let skew = Arc::new(AtomicI64::new(plan.skew[p]));
         if plan.skew[p] != 0 {
             world.fault("clock-skew");
@@ -558,16 +553,26 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
             skew: skew.clone(),
         };
         clocks.push(clock.clone());
-        // The native body runs the real Redis store and subscription over its wire (the
-        // portable one, the simulator's store traits).
+        // Either body runs the real Redis store and subscription over its wire. (A
+        // portable process's native cache only names keys: on the store traits, it
+        // sends nothing.)
+        let mut redis = corral::RedisOptions::new("redis://sim");
+        redis.prefix = crate::world::SIM_PREFIX.to_owned();
+        redis.response_timeout = Duration::from_millis(crate::world::REPLY_TIMEOUT_MS);
         let native = if scenario.portable {
-            Corral::builder().stores(crate::world::SIM_PREFIX, conn.clone(), conn.clone(), conn.clone())
+            let names_only = Arc::new(corral::store::memory::MemoryStore::new(
+                Arc::new(clock.clone()),
+                1_000,
+            ));
+            Corral::builder().stores(
+                crate::world::SIM_PREFIX,
+                names_only.clone(),
+                names_only.clone(),
+                names_only,
+            )
         } else {
-            let mut redis = corral::RedisOptions::new("redis://sim");
-            redis.prefix = crate::world::SIM_PREFIX.to_owned();
-            redis.response_timeout = Duration::from_millis(crate::world::REPLY_TIMEOUT_MS);
             Corral::builder()
-                .redis_options(redis)
+                .redis_options(redis.clone())
                 .redis_wire(crate::wire::SimWire::new(world.clone(), p))
                 .store_layer(crate::tracked::Tracked::layer(world.clone(), p))
         };
@@ -588,14 +593,15 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         let cache = if scenario.portable {
             let portable = PortableCache::builder()
                 .clock(clock)
-                .stores(crate::world::SIM_PREFIX, conn.clone(), conn.clone(), conn)
+                .redis_options(redis)
+                .redis_wire(crate::wire::SimWire::new(world.clone(), p))
+                .store_layer(crate::tracked::Tracked::layer(world.clone(), p))
                 .l1_ttl(Duration::from_millis(scenario.l1_ttl_ms))
                 .lock_ttl(Duration::from_millis(scenario.lock_ttl_ms))
                 .lock_wait(Duration::from_millis(scenario.lock_wait_ms))
                 .lockstep()
                 .build()
                 .expect("a simulated portable process");
-            // Its hook replaced the native cache's: the portable L1 hears the others.
             Body::Portable(portable)
         } else {
             Body::Native(native)
@@ -640,16 +646,11 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
                 world.fault(fault);
                 world.log(format_args!("plan: p{p} {what} down {a}..{b}"));
                 let w = world.clone();
+                // Its subscription is cut; its own task subscribes again once the
+                // store takes it (from `b`).
                 tokio::spawn(async move {
-                    if w.is_wired(p) {
-                        // Its subscription is cut; its own task subscribes again once
-                        // the store takes it.
-                        tokio::time::sleep(Duration::from_millis(a)).await;
-                        w.cut_subscription(p);
-                    } else {
-                        tokio::time::sleep(Duration::from_millis(b)).await;
-                        w.resubscribed(p);
-                    }
+                    tokio::time::sleep(Duration::from_millis(a)).await;
+                    w.cut_subscription(p);
                 });
             }
         }

@@ -34,9 +34,6 @@ pub(crate) struct SimWire {
 
 impl SimWire {
     pub(crate) fn new(world: Arc<World>, proc: usize) -> Arc<Self> {
-        world.procs[proc]
-            .wired
-            .store(true, std::sync::atomic::Ordering::Relaxed);
         Arc::new(SimWire { world, proc })
     }
 }
@@ -245,7 +242,7 @@ impl World {
             let (tag_channel, body, gap_key) = about(st, &channel, &message);
             for p in 0..self.procs.len() {
                 let net = &self.procs[p];
-                if !net.wired.load(std::sync::atomic::Ordering::Relaxed) || st.crashed[p].is_some() {
+                if st.crashed[p].is_some() {
                     continue;
                 }
                 let listening = net
@@ -336,14 +333,12 @@ impl World {
         for (channel, message) in publishes {
             let (_, _, gap_key) = about(&st, channel, message);
             for p in 0..self.procs.len() {
-                if self.is_wired(p) {
-                    st.gaps.push(crate::world::Gap {
-                        proc: p,
-                        key: Some(gap_key.clone()),
-                        t: now,
-                        healed: None,
-                    });
-                }
+                st.gaps.push(crate::world::Gap {
+                    proc: p,
+                    key: Some(gap_key.clone()),
+                    t: now,
+                    healed: None,
+                });
             }
         }
     }

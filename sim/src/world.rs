@@ -15,16 +15,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use corral::locks::{LeaseServer, LockScript, Unanswered};
-use corral::store::{
-    Entries, FlightLock, ForeignHook, InvalidationHook, LandingWatch, Landings, Notifications,
-};
 use corral::{Error, ErrorKind};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 
 use crate::keyspace::{Step, Write};
-use crate::lua::{Keyspace as _, Reply};
+use crate::lua::Reply;
 use crate::rng::Rng;
 use crate::scenario::{Broken, Scenario, Script};
 
@@ -236,12 +233,6 @@ pub struct State {
 /// does with tag and clear announcements.
 #[derive(Default)]
 pub(crate) struct ProcNet {
-    pub(crate) landings: Landings,
-    pub(crate) hook: Mutex<Option<ForeignHook>>,
-    pub(crate) invalidation_hook: Mutex<Option<InvalidationHook>>,
-    /// Whether the process reaches the store through its wire (the real Redis code),
-    /// and so hears publications through its own subscription.
-    pub(crate) wired: std::sync::atomic::AtomicBool,
     /// Its subscription connection, while one is up.
     pub(crate) subscription: Mutex<Option<crate::wire::Listener>>,
 }
@@ -428,11 +419,6 @@ impl World {
         true
     }
 
-    /// Whether `proc` reaches the store through its wire.
-    pub(crate) fn is_wired(&self, proc: usize) -> bool {
-        self.procs[proc].wired.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Whether `proc` has crashed.
     pub(crate) fn is_crashed(&self, proc: usize) -> bool {
         self.st.lock().crashed[proc].is_some()
@@ -473,50 +459,21 @@ impl World {
                 st.push_version(&key, now, VersionKind::Restart);
             }
             for p in 0..self.procs.len() {
-                // A process on the wire heals when its subscription task resubscribes.
-                let wired = self.is_wired(p);
+                // Healed when its subscription task has subscribed again.
                 st.gaps.push(Gap {
                     proc: p,
                     key: None,
                     t: now,
-                    healed: Some(if wired { crate::wire::UNHEALED } else { now }),
+                    healed: Some(crate::wire::UNHEALED),
                 });
-                if wired {
-                    let i = st.gaps.len() - 1;
-                    st.unhealed[p].push(i);
-                }
+                let i = st.gaps.len() - 1;
+                st.unhealed[p].push(i);
             }
         }
         self.fault("store-restart");
         self.log("STORE RESTART (empty)");
         for p in 0..self.procs.len() {
-            if self.is_wired(p) {
-                self.cut_subscription(p);
-            } else {
-                self.resubscribed(p);
-            }
-        }
-    }
-
-    /// `proc`'s channel came back after a gap: it drops its whole L1 (once it runs: a
-    /// paused process when it resumes; a crashed one never).
-    pub(crate) fn resubscribed(self: &Arc<Self>, proc: usize) {
-        if self.is_crashed(proc) {
-            return;
-        }
-        let now = self.now();
-        if self.paused_within(proc, now, now) {
-            let w = self.clone();
-            tokio::spawn(async move {
-                w.gate(proc).await;
-                w.resubscribed(proc);
-            });
-            return;
-        }
-        let hook = self.procs[proc].hook.lock().clone();
-        if let Some(hook) = hook {
-            self.log(format_args!("p{proc} resubscribed: L1 dropped"));
-            hook(None);
+            self.cut_subscription(p);
         }
     }
 
@@ -962,241 +919,6 @@ impl Conn {
     }
 }
 
-impl Conn {
-    /// A read of `key` by `read` at the store, noted per workload call: failed until
-    /// it returns (a read the flight abandons at its deadline failed).
-    fn tracked_read<'a>(
-        &'a self,
-        what: &'static str,
-        key: &'a str,
-        read: impl FnOnce(&mut State, u64, usize, &str) -> Option<Bytes> + Send + 'static,
-    ) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
-        let name = key.to_owned();
-        let this = self.clone();
-        // The call this read is part of (the task it runs in): another call's read of
-        // the key in the same process says nothing about this one's. A flight in a task
-        // of its own (`fetch`) runs outside any call: its reads count for its process.
-        let call = CALL.try_with(|c| *c).unwrap_or(DETACHED_CALLS + self.proc as u64);
-        async move {
-            let note = |failed: bool| {
-                let mut st = this.world.st.lock();
-                let k = st.key_of(&name);
-                st.last_read_failed.insert((call, k), failed);
-            };
-            note(true);
-            let got = this
-                .call(what, &name, {
-                    let name = name.clone();
-                    move |st, now, p| {
-                        let b = read(st, now, p, &name);
-                        let s = b
-                            .as_ref()
-                            .map_or("nil".to_owned(), |b| format!("{:?}", tag_of(b)));
-                        (b, s)
-                    }
-                })
-                .await;
-            note(got.is_err());
-            got
-        }
-        .boxed()
-    }
-}
-
-impl Entries for Conn {
-    fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
-        self.tracked_read("get", key, |st, now, _, n| st.live(n, now))
-    }
-
-    fn ttl_ms<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<Option<u64>>> {
-        let name = key.to_owned();
-        self.call("pttl", key, move |st, now, _| {
-            let left = st
-                .entries
-                .get(&name)
-                .filter(|s| now < s.until)
-                .map(|s| s.until - now);
-            (left, format!("{left:?}"))
-        })
-        .boxed()
-    }
-
-    fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, corral::Result<()>> {
-        let name = key.to_owned();
-        self.call("set", key, move |st, now, p| {
-            let s = format!("{:?}", tag_of(&bytes));
-            let px = ttl_ms.max(1).to_string();
-            let command = args(&[b"SET", name.as_bytes(), &bytes, b"PX", px.as_bytes()]);
-            let reply = Step::new(st, now, p, Write::Plain).command(&command);
-            answered(st, now, "set", &reply, |r| {
-                matches!(r, Reply::Status(_)).then_some(())
-            });
-            ((), format!("ok {s}"))
-        })
-        .boxed()
-    }
-
-    fn swap<'a>(
-        &'a self,
-        name: &'a str,
-        bytes: Bytes,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, corral::Result<Option<Bytes>>> {
-        let n = name.to_owned();
-        self.call("swap", name, move |st, now, p| {
-            let px = ttl_ms.max(1).to_string();
-            let command = args(&[b"SET", n.as_bytes(), &bytes, b"PX", px.as_bytes(), b"GET"]);
-            // A removal's tombstone, or an `expire`'s stale rewrite of the same value.
-            let reply = Step::new(st, now, p, Write::Touch).command(&command);
-            let old = answered(st, now, "swap", &reply, bulk).flatten();
-            let s = old
-                .as_ref()
-                .map_or("nil".to_owned(), |b| format!("{:?}", tag_of(b)));
-            (old, format!("was {s}"))
-        })
-        .boxed()
-    }
-
-    fn set_if<'a>(
-        &'a self,
-        name: &'a str,
-        expected: Option<Bytes>,
-        bytes: Bytes,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, corral::Result<bool>> {
-        let n = name.to_owned();
-        let broken = self.world.scenario.broken;
-        self.call("set_if", name, move |st, now, p| {
-            let s = format!("{:?}", tag_of(&bytes));
-            let px = ttl_ms.max(1).to_string();
-            let mut step = Step::new(st, now, p, Write::Fenced);
-            let reply = match expected {
-                _ if broken.unfenced_set_if => {
-                    step.command(&args(&[b"SET", n.as_bytes(), &bytes, b"PX", px.as_bytes()]))
-                }
-                None => step.command(&args(&[
-                    b"SET",
-                    n.as_bytes(),
-                    &bytes,
-                    b"NX",
-                    b"PX",
-                    px.as_bytes(),
-                ])),
-                Some(expected) => script(
-                    &mut step,
-                    &broken,
-                    Script::ReplaceIfEqual,
-                    &[&n],
-                    &[&expected, &bytes, px.as_bytes()],
-                ),
-            };
-            let written = answered(st, now, "set_if", &reply, |r| match r {
-                Reply::Status(_) | Reply::Int(1) => Some(true),
-                Reply::Nil | Reply::Int(0) => Some(false),
-                _ => None,
-            })
-            .unwrap_or(false);
-            (
-                written,
-                format!("{} {s}", if written { "written" } else { "refused" }),
-            )
-        })
-        .boxed()
-    }
-
-    fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<bool>> {
-        let n = key.to_owned();
-        self.call("delete", key, move |st, now, p| {
-            let reply = Step::new(st, now, p, Write::Plain).command(&args(&[b"DEL", n.as_bytes()]));
-            let was = reply == Reply::Int(1);
-            (was, format!("{was}"))
-        })
-        .boxed()
-    }
-
-    fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, corral::Result<bool>> {
-        let n = key.to_owned();
-        let broken = self.world.scenario.broken;
-        self.call("delete_if_equal", key, move |st, now, p| {
-            let mut step = Step::new(st, now, p, Write::Plain);
-            let reply = script(&mut step, &broken, Script::DeleteIfEqual, &[&n], &[&expected]);
-            let equal = answered(st, now, "delete_if_equal", &reply, int).unwrap_or(0) == 1;
-            (equal, format!("{equal}"))
-        })
-        .boxed()
-    }
-
-    fn replace_if_equal<'a>(
-        &'a self,
-        key: &'a str,
-        expected: Bytes,
-        bytes: Bytes,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, corral::Result<bool>> {
-        let n = key.to_owned();
-        let broken = self.world.scenario.broken;
-        self.call("replace_if_equal", key, move |st, now, p| {
-            let px = ttl_ms.max(1).to_string();
-            let mut step = Step::new(st, now, p, Write::Touch);
-            let reply = script(
-                &mut step,
-                &broken,
-                Script::ReplaceIfEqual,
-                &[&n],
-                &[&expected, &bytes, px.as_bytes()],
-            );
-            let equal = answered(st, now, "replace_if_equal", &reply, int).unwrap_or(0) == 1;
-            (equal, format!("{equal}"))
-        })
-        .boxed()
-    }
-
-    fn read_and_touch<'a>(
-        &'a self,
-        key: &'a str,
-        now_ms: u64,
-    ) -> Option<BoxFuture<'a, corral::Result<Option<Bytes>>>> {
-        let broken = self.world.scenario.broken;
-        Some(self.tracked_read("read_and_touch", key, move |st, now, p, n| {
-            let (at, grace) = (
-                now_ms.to_string(),
-                corral_core::expiry::STORE_TTL_GRACE_MS.to_string(),
-            );
-            let mut step = Step::new(st, now, p, Write::Touch);
-            step.clock_ms = Some(now_ms);
-            let reply = script(
-                &mut step,
-                &broken,
-                Script::ReadAndTouch,
-                &[n],
-                &[at.as_bytes(), grace.as_bytes()],
-            );
-            answered(st, now, "read_and_touch", &reply, bulk).flatten()
-        }))
-    }
-
-    fn get_and_expire<'a>(
-        &'a self,
-        key: &'a str,
-        ttl_ms: u64,
-    ) -> Option<BoxFuture<'a, corral::Result<Option<Bytes>>>> {
-        Some(self.tracked_read("getex", key, move |st, now, p, n| {
-            let px = ttl_ms.max(1).to_string();
-            let reply = Step::new(st, now, p, Write::Touch).command(&args(&[
-                b"GETEX",
-                n.as_bytes(),
-                b"PX",
-                px.as_bytes(),
-            ]));
-            answered(st, now, "getex", &reply, bulk).flatten()
-        }))
-    }
-
-    fn name(&self) -> &'static str {
-        "sim"
-    }
-}
-
 /// The fenced-fill invariant, at the store: a load's value never lands over a version
 /// a set or removal wrote after the load began.
 /// (Removals are unique, so a compare-and-set never mistakes a newer tombstone for the
@@ -1238,87 +960,6 @@ pub(crate) fn check_fill_over(st: &mut State, name: &str, bytes: &Bytes, now: u6
     }
 }
 
-impl FlightLock for Conn {
-    fn try_lock<'a>(
-        &'a self,
-        key: &'a str,
-        owner: &'a str,
-        ttl_ms: u64,
-    ) -> BoxFuture<'a, corral::Result<bool>> {
-        let n = key.to_owned();
-        let owner = owner.to_owned();
-        let this = self.clone();
-        let no_nx = self.world.scenario.broken.lock_without_nx;
-        let call = CALL.try_with(|c| *c).ok();
-        async move {
-            let tried = this
-                .call("try_lock", &n, {
-                    let n = n.clone();
-                    let owner = owner.clone();
-                    move |st, now, p| {
-                        let px = ttl_ms.max(1).to_string();
-                        let mut command = args(&[
-                            b"SET",
-                            n.as_bytes(),
-                            owner.as_bytes(),
-                            b"NX",
-                            b"PX",
-                            px.as_bytes(),
-                        ]);
-                        if no_nx {
-                            command.remove(3);
-                        }
-                        let mut step = Step::new(st, now, p, Write::Plain);
-                        step.call = call;
-                        let taken = matches!(step.command(&command), Reply::Status(_));
-                        (taken, if taken { "taken" } else { "busy" }.to_owned())
-                    }
-                })
-                .await;
-            if let Ok(true) = tried {
-                // The flight knows it holds the lock. (A reply lost, or a flight that gave
-                // up waiting and dropped this future, leaves the lock unknown to it.)
-                let mut st = this.world.st.lock();
-                if let Some(l) = st.locks.get_mut(&n).filter(|l| l.owner == owner) {
-                    l.reply_lost = false;
-                }
-                st.acknowledge(&owner);
-            }
-            tried
-        }
-        .boxed()
-    }
-
-    fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, corral::Result<bool>> {
-        let n = key.to_owned();
-        let owner = owner.to_owned();
-        let broken = self.world.scenario.broken;
-        self.world
-            .st
-            .lock()
-            .release_attempts
-            .insert((self.server, owner.clone()));
-        self.call("release", key, move |st, now, p| {
-            let mut step = Step::new(st, now, p, Write::Plain);
-            let reply = script(
-                &mut step,
-                &broken,
-                Script::DeleteIfEqual,
-                &[&n],
-                &[owner.as_bytes()],
-            );
-            let held = answered(st, now, "release", &reply, int).unwrap_or(0) == 1;
-            (held, format!("{held}"))
-        })
-        .boxed()
-    }
-}
-
-/// `parts` as a command's arguments.
-fn args(parts: &[&[u8]]) -> Vec<Vec<u8>> {
-    parts.iter().map(|p| p.to_vec()).collect()
-}
-
 /// Runs `which` (or this store's planted bug in it) in the step, as `EVALSHA` does.
 fn script(step: &mut Step<'_>, broken: &Broken, which: Script, keys: &[&str], argv: &[&[u8]]) -> Reply {
     crate::lua::eval(&broken.script(which), keys, argv, step)
@@ -1345,174 +986,6 @@ fn int(reply: &Reply) -> Option<i64> {
     match reply {
         Reply::Int(i) => Some(*i),
         _ => None,
-    }
-}
-
-fn bulk(reply: &Reply) -> Option<Option<Bytes>> {
-    match reply {
-        Reply::Nil => Some(None),
-        Reply::Bulk(b) => Some(Some(Bytes::copy_from_slice(b))),
-        _ => None,
-    }
-}
-
-/// One `PUBLISH` as the network carries it: to every process, each delivery delayed,
-/// lost, undeliverable while the process is down, or held while it is paused.
-struct Publication {
-    /// The name its gaps (and its command) carry: the key, or [`INVALIDATIONS`].
-    gap_key: String,
-    /// What the trace says of a delivery lost on its way to a process.
-    lost_line: String,
-    lost_fault: &'static str,
-    /// Nobody hears it, on purpose (the `mute` broken store): no fault, no gap.
-    mute: bool,
-    /// What process `p` does once it is delivered.
-    hear: Hear,
-}
-
-/// What a process does with a publication delivered to it.
-type Hear = Arc<dyn Fn(&World, usize) + Send + Sync>;
-
-impl Conn {
-    async fn publish(&self, publication: Publication) -> corral::Result<()> {
-        let w = self.world.clone();
-        let gap_key = publication.gap_key.clone();
-        let deliver = {
-            let w = w.clone();
-            move |st: &mut State, now: u64, _: usize| {
-                let Publication {
-                    gap_key,
-                    lost_line,
-                    lost_fault,
-                    mute,
-                    hear,
-                } = publication;
-                // Redis delivers at the moment it applies the PUBLISH.
-                for p in 0..w.procs.len() {
-                    let lost = mute || (!st.calm && st.rng.chance(w.scenario.faults.notify_lost_pm));
-                    if lost {
-                        if !mute {
-                            *st.faults.entry(lost_fault).or_default() += 1;
-                            st.gaps.push(Gap {
-                                proc: p,
-                                key: Some(gap_key.clone()),
-                                t: now,
-                                healed: None,
-                            });
-                            let _ = writeln!(st.trace, "{now:>6} p{p} {lost_line}");
-                        }
-                        continue;
-                    }
-                    let delay = st.rng.range(0, DELIVERY_MS);
-                    let (w, gap_key, hear) = (w.clone(), gap_key.clone(), hear.clone());
-                    tokio::spawn(async move {
-                        tokio::time::sleep(Duration::from_millis(delay)).await;
-                        let now = w.now();
-                        if w.is_crashed(p) {
-                            return;
-                        }
-                        if let Some(back) = w.deaf_until(p, now) {
-                            // Undeliverable: the process resubscribes (and drops its L1)
-                            // when its connection or subscription comes back.
-                            let mut st = w.st.lock();
-                            st.gaps.push(Gap {
-                                proc: p,
-                                key: Some(gap_key),
-                                t: now,
-                                healed: Some(back),
-                            });
-                            return;
-                        }
-                        // A paused process reads its socket when it resumes.
-                        w.gate(p).await;
-                        if w.is_crashed(p) {
-                            return;
-                        }
-                        hear(&w, p);
-                    });
-                }
-                ((), "delivered".to_owned())
-            }
-        };
-        let published = self.call("publish", &gap_key, deliver).await;
-        if published.is_err() {
-            // Refused or dropped before the store: nobody heard it. (A lost reply was
-            // delivered all the same; recording a gap then is conservative.)
-            let now = w.now();
-            let mut st = w.st.lock();
-            for p in 0..w.procs.len() {
-                st.gaps.push(Gap {
-                    proc: p,
-                    key: Some(gap_key.clone()),
-                    t: now,
-                    healed: None,
-                });
-            }
-        }
-        published
-    }
-}
-
-impl Notifications for Conn {
-    fn watch<'a>(&'a self, key: &'a str) -> BoxFuture<'a, LandingWatch> {
-        let w = &self.world;
-        let watch = if w.deaf_until(self.proc, w.now()).is_some() {
-            LandingWatch::never()
-        } else {
-            w.procs[self.proc].landings.watch(key)
-        };
-        futures::future::ready(watch).boxed()
-    }
-
-    fn announce<'a>(&'a self, key: &'a str) -> BoxFuture<'a, corral::Result<()>> {
-        let origin = self.proc;
-        let heard = key.to_owned();
-        self.publish(Publication {
-            gap_key: key.to_owned(),
-            lost_line: format!("notification {key} lost"),
-            lost_fault: "notify-lost",
-            mute: self.world.scenario.broken.mute_notifications,
-            hear: Arc::new(move |w, p| {
-                w.procs[p].landings.announce(&heard);
-                if p != origin {
-                    let hook = w.procs[p].hook.lock().clone();
-                    if let Some(hook) = hook {
-                        hook(Some(heard.clone()));
-                    }
-                }
-            }),
-        })
-        .boxed()
-    }
-
-    fn on_foreign(&self, hook: ForeignHook) {
-        *self.world.procs[self.proc].hook.lock() = Some(hook);
-    }
-
-    /// A tag or clear announcement: delivered as a key's, to every process (its
-    /// publisher too); a lost one is a gap on [`INVALIDATIONS`].
-    fn publish_invalidation<'a>(&'a self, text: &'a str) -> BoxFuture<'a, corral::Result<()>> {
-        // Traced without its origin (a random token of the publishing cache).
-        let shown = text.split_once(' ').map_or(text, |(_, m)| m).to_owned();
-        let text = text.to_owned();
-        self.publish(Publication {
-            gap_key: INVALIDATIONS.to_owned(),
-            lost_line: format!("invalidation {shown:?} lost"),
-            lost_fault: "invalidation-lost",
-            mute: false,
-            hear: Arc::new(move |w, p| {
-                let hook = w.procs[p].invalidation_hook.lock().clone();
-                if let Some(hook) = hook {
-                    w.log(format_args!("p{p} hears {shown:?}"));
-                    hook(&text);
-                }
-            }),
-        })
-        .boxed()
-    }
-
-    fn on_invalidation(&self, hook: InvalidationHook) {
-        *self.world.procs[self.proc].invalidation_hook.lock() = Some(hook);
     }
 }
 

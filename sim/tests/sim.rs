@@ -260,3 +260,23 @@ fn a_read_of_the_generation_across_a_gap_in_announcements_is_not_kept() {
         outcome.violations.join("\n")
     );
 }
+
+/// The portable body's twin of the defect above, found once it ran over the real
+/// subscription: a gap in announcements dropped its L1 but left the generation it knew
+/// trusted, so after a `clear` it went on naming keys in the old generation
+/// (`served after invalidation: p2 c218 get_or_set k1 at 5840 served w43 ..., but clear
+/// by p3 began at 3843`). A gap moves the L1's generation count: the guest reads the
+/// generation again.
+#[test]
+fn a_portable_process_reads_the_generation_again_after_a_gap() {
+    let seed = 205;
+    let mut scenario = Scenario::for_seed(seed).portable();
+    scenario.batches = true;
+    let outcome = run_seed(&scenario, seed);
+    assert_eq!(outcome.scenario, "network");
+    assert!(
+        outcome.violations.is_empty(),
+        "seed {seed}: {}",
+        outcome.violations.join("\n")
+    );
+}
