@@ -754,6 +754,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     }
     tokio::time::sleep(Duration::from_millis(QUIESCE_MS)).await;
     crate::locks::check_no_lock_left(&world);
+    world.check_subscribed();
 
     // After quiesce: no flight left anywhere.
     for (p, cache) in caches.iter().enumerate() {

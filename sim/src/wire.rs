@@ -93,11 +93,20 @@ impl Wire for SimWire {
                 })
                 .await
                 .map_err(|e| {
-                    // Refused or dropped before the store, or applied with its reply
-                    // lost: nobody may have heard it (conservatively, a lost
-                    // notification for every process).
-                    world.unannounced(&publishes);
-                    failure(&e.to_string())
+                    // Refused or dropped before the store: nobody heard it. (Applied
+                    // with its reply lost, or late by a stalled server, it was delivered.)
+                    let cause = e.to_string();
+                    if [
+                        crate::world::REFUSED,
+                        crate::world::CRASHED,
+                        crate::world::DROPPED,
+                    ]
+                    .iter()
+                    .any(|c| cause.contains(c))
+                    {
+                        world.unannounced(&publishes);
+                    }
+                    failure(&cause)
                 })?;
             for (i, owner) in acquires {
                 if matches!(replies.get(i), Some(Reply::Bulk(_))) {
@@ -201,10 +210,10 @@ impl World {
             .is_some_and(|l| l.id == id)
     }
 
-    /// `proc`'s subscription `id` now hears `channel`. Once it hears both of a prefix's
-    /// channels (the landing channel and the tag and clear one: all the real task asks
-    /// for) it is live again, and the process drops its L1: what it could not hear
-    /// until now is healed.
+    /// `proc`'s subscription `id` now hears `channel`. Once it hears both of the
+    /// prefix's channels (the landing channel and the tag and clear one) it is live
+    /// again, and the process drops its L1: what it could not hear until now is healed.
+    /// (The real task drops L1 once both are confirmed, at this same moment.)
     fn subscribed(&self, proc: usize, id: u64, channel: &str) {
         let live = {
             let mut sub = self.procs[proc].subscription.lock();
@@ -214,7 +223,12 @@ impl World {
             if !l.channels.iter().any(|c| c == channel) {
                 l.channels.push(channel.to_owned());
             }
-            l.channels.len() == 2
+            [
+                corral_core::names::channel(crate::world::SIM_PREFIX),
+                corral_core::names::invalidations(crate::world::SIM_PREFIX),
+            ]
+            .iter()
+            .all(|c| l.channels.contains(c))
         };
         if live {
             let now = self.now();
@@ -224,6 +238,32 @@ impl World {
             }
             drop(st);
             self.log(format_args!("p{proc} resubscribed: L1 dropped"));
+        }
+    }
+
+    /// After the quiet at the end: every live process hears both of its prefix's
+    /// channels again (a subscription task that stopped, or subscribed to the wrong
+    /// channel, would leave its gaps excused for ever).
+    pub(crate) fn check_subscribed(&self) {
+        let want = [
+            corral_core::names::channel(crate::world::SIM_PREFIX),
+            corral_core::names::invalidations(crate::world::SIM_PREFIX),
+        ];
+        for p in 0..self.procs.len() {
+            if self.is_crashed(p) {
+                continue;
+            }
+            let heard = self.procs[p]
+                .subscription
+                .lock()
+                .as_ref()
+                .map(|l| l.channels.clone())
+                .unwrap_or_default();
+            if !want.iter().all(|c| heard.contains(c)) {
+                self.violation(format!(
+                    "subscription: p{p} hears {heard:?} after the quiet, not both of {want:?}"
+                ));
+            }
         }
     }
 

@@ -161,8 +161,8 @@ pub struct Gap {
     pub key: Option<String>,
     pub t: u64,
     /// When the process drops its whole L1 for it (it resubscribes: its connection came
-    /// back, or the store restarted); `None` for a notification lost on its way, which
-    /// only the L1 TTL ends.
+    /// back, or the store restarted; `wire::UNHEALED` until it has); `None` for a
+    /// notification lost on its way, which only the L1 TTL ends.
     pub healed: Option<u64>,
 }
 
@@ -229,8 +229,7 @@ pub struct State {
     pub value_meta: BTreeMap<String, corral_core::expiry::EntryMeta>,
 }
 
-/// One process as the network sees it: its landing waiters, its L1 hook, and what it
-/// does with tag and clear announcements.
+/// One process as the network sees it: its subscription.
 #[derive(Default)]
 pub(crate) struct ProcNet {
     /// Its subscription connection, while one is up.
@@ -862,7 +861,7 @@ impl Conn {
                 REPLY_TIMEOUT_MS - there.min(REPLY_TIMEOUT_MS),
             ))
             .await;
-            return Err(unavailable("connection dropped"));
+            return Err(unavailable(DROPPED));
         }
         if let Some(end) = w.stalled_until(self.server, w.now()) {
             // A stalled server (SIGSTOP) applies what reached it when it resumes; the
@@ -999,6 +998,7 @@ fn unanswered(e: Error) -> Unanswered {
 
 pub(crate) const REFUSED: &str = "connection refused";
 pub(crate) const CRASHED: &str = "process crashed";
+pub(crate) const DROPPED: &str = "connection dropped";
 
 /// The store's clock as Redis's `TIME` gives it to a script: microseconds since the Unix
 /// epoch (the simulated epoch starts at [`crate::run::EPOCH_MS`]).

@@ -137,10 +137,7 @@ impl TagState {
         let mut map = self.moments.lock();
         match map.get_mut(tag) {
             Some((kept, kept_until)) => {
-                let merged = TagMoments {
-                    removed_ms: kept.removed_ms.max(moments.removed_ms),
-                    expired_ms: kept.expired_ms.max(moments.expired_ms),
-                };
+                let merged = later(*kept, moments);
                 let moved = merged != *kept;
                 *kept = merged;
                 *kept_until = (*kept_until).max(until);
@@ -168,6 +165,14 @@ impl TagState {
             .get(tag)
             .copied()
             .filter(|(_, until)| now < *until)
+    }
+}
+
+/// The later of two records of a tag's moments (each only moves forward).
+fn later(a: TagMoments, b: TagMoments) -> TagMoments {
+    TagMoments {
+        removed_ms: a.removed_ms.max(b.removed_ms),
+        expired_ms: a.expired_ms.max(b.expired_ms),
     }
 }
 
@@ -266,8 +271,11 @@ impl Corral {
                         inner.l1.bump_tags();
                     }
                     // Not kept (news may have been missed while it was read): good for
-                    // this call only.
-                    inner.tags.kept(tag, now).unwrap_or((moments, now))
+                    // this call only, with what is kept (moments only move forward).
+                    match inner.tags.kept(tag, now) {
+                        Some((kept, until)) => (later(kept, moments), until),
+                        None => (moments, now),
+                    }
                 }
             };
             until_all = until_all.min(until);
@@ -295,7 +303,12 @@ impl Corral {
             if inner.tags.learn_read(since, tag, stored, until) {
                 inner.l1.bump_tags();
             }
-            moments.push(inner.tags.kept(tag, now).map_or(stored, |(kept, _)| kept));
+            moments.push(
+                inner
+                    .tags
+                    .kept(tag, now)
+                    .map_or(stored, |(kept, _)| later(kept, stored)),
+            );
         }
         Ok(moments)
     }

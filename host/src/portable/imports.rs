@@ -290,14 +290,9 @@ impl types::Host for &mut PortableState {}
 impl crate::guest::bindings::corral::lock::types::Host for &mut PortableState {}
 
 /// What the portable body's L1 does with other processes' announcements: as the native
-/// body's L1 does, the key named is dropped, and a gap drops everything and moves the
-/// generation count (the guest then reads the prefix's generation again, and does not
-/// keep a read that was on its way: a clear may have been missed).
+/// body's L1 does, the key named is dropped, and a gap drops everything.
 pub(crate) fn l1_invalidation(l1: crate::store::l1::L1<l1::L1Entry>) -> crate::store::ForeignHook {
-    Arc::new(move |key: Option<String>| match key {
-        Some(key) => l1.remove(&key),
-        None => l1.hear_gap(),
-    })
+    Arc::new(move |key: Option<String>| l1.hear(key.as_deref()))
 }
 
 /// What it does with a tag or clear announcement, its own included (contract §6b.5):

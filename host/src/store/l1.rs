@@ -335,15 +335,6 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         self.clear();
     }
 
-    /// Announcements may have been missed (a gap in the subscription): every entry
-    /// goes, as [`clear`](Self::clear), and the generation count moves too, as a clear's
-    /// would, since one may have been missed: what was learnt of the prefix's generation
-    /// before (or is on its way now) is not kept. Removal watches stay.
-    pub(crate) fn hear_gap(&self) {
-        self.epochs.generations.fetch_add(1, Ordering::AcqRel);
-        self.clear();
-    }
-
     /// Drops every entry; fills in progress are refused.
     pub(crate) fn clear(&self) {
         self.epochs.all.fetch_add(1, Ordering::AcqRel);
