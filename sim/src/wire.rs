@@ -64,17 +64,19 @@ impl Wire for SimWire {
             if upper(&args[0]) == "PUBLISH" && args.len() == 3 {
                 publishes.push((String::from_utf8_lossy(&args[1]).into_owned(), args[2].clone()));
             }
-            if let Some((Script::DeleteIfEqual, _)) = known(args)
-                && let [_, channel, message, ..] = argv(args).as_slice()
-            {
-                publishes.push((String::from_utf8_lossy(channel).into_owned(), message.clone()));
-            }
-            let owner = || String::from_utf8_lossy(&argv(args)[0]).into_owned();
-            match known(args) {
-                Some((Script::LockRelease, _)) => {
+            let Some((script, _)) = known(args) else {
+                continue;
+            };
+            let (_, argv) = script_parts(args);
+            let owner = || String::from_utf8_lossy(argv.first().map_or(&[][..], Vec::as_slice)).into_owned();
+            match (script, argv) {
+                (Script::DeleteIfEqual, [_, channel, message, ..]) => {
+                    publishes.push((String::from_utf8_lossy(channel).into_owned(), message.clone()));
+                }
+                (Script::LockRelease, _) => {
                     self.world.st.lock().release_attempts.insert((0, owner()));
                 }
-                Some((Script::LockAcquire | Script::LockAcquireFair, _)) => acquires.push((i, owner())),
+                (Script::LockAcquire | Script::LockAcquireFair, _) => acquires.push((i, owner())),
                 _ => {}
             }
         }
@@ -96,14 +98,7 @@ impl Wire for SimWire {
                     // Refused or dropped before the store: nobody heard it. (Applied
                     // with its reply lost, or late by a stalled server, it was delivered.)
                     let cause = e.to_string();
-                    if [
-                        crate::world::REFUSED,
-                        crate::world::CRASHED,
-                        crate::world::DROPPED,
-                    ]
-                    .iter()
-                    .any(|c| cause.contains(c))
-                    {
+                    if crate::world::refused(&cause) || cause.contains(crate::world::DROPPED) {
                         world.unannounced(&publishes);
                     }
                     failure(&cause)
@@ -223,12 +218,7 @@ impl World {
             if !l.channels.iter().any(|c| c == channel) {
                 l.channels.push(channel.to_owned());
             }
-            [
-                corral_core::names::channel(crate::world::SIM_PREFIX),
-                corral_core::names::invalidations(crate::world::SIM_PREFIX),
-            ]
-            .iter()
-            .all(|c| l.channels.contains(c))
+            channels().iter().all(|c| l.channels.contains(c))
         };
         if live {
             let now = self.now();
@@ -245,10 +235,7 @@ impl World {
     /// channels again (a subscription task that stopped, or subscribed to the wrong
     /// channel, would leave its gaps excused for ever).
     pub(crate) fn check_subscribed(&self) {
-        let want = [
-            corral_core::names::channel(crate::world::SIM_PREFIX),
-            corral_core::names::invalidations(crate::world::SIM_PREFIX),
-        ];
+        let want = channels();
         for p in 0..self.procs.len() {
             if self.is_crashed(p) {
                 continue;
@@ -292,19 +279,14 @@ impl World {
                     .filter(|l| l.channels.contains(&channel))
                     .map(|l| l.id);
                 let Some(id) = listening else {
-                    st.unheard(p, &gap_key, now);
+                    st.unheard(p, Some(&gap_key), now);
                     continue;
                 };
                 let mute = self.scenario.broken.mute_notifications;
                 if mute || (!st.calm && st.rng.chance(self.scenario.faults.notify_lost_pm)) {
                     if !mute {
                         *st.faults.entry("notify-lost").or_default() += 1;
-                        st.gaps.push(crate::world::Gap {
-                            proc: p,
-                            key: Some(gap_key.clone()),
-                            t: now,
-                            healed: None,
-                        });
+                        st.lost(p, &gap_key, now);
                         let what = if tag_channel {
                             "invalidation"
                         } else {
@@ -339,7 +321,7 @@ impl World {
                         .is_some_and(|l| l.tx.send(msg).is_ok());
                     if !sent {
                         let now = w.now();
-                        w.st.lock().unheard(p, &gap_key, now);
+                        w.st.lock().unheard(p, Some(&gap_key), now);
                     }
                 });
             }
@@ -373,30 +355,44 @@ impl World {
         for (channel, message) in publishes {
             let (_, _, gap_key) = about(&st, channel, message);
             for p in 0..self.procs.len() {
-                st.gaps.push(crate::world::Gap {
-                    proc: p,
-                    key: Some(gap_key.clone()),
-                    t: now,
-                    healed: None,
-                });
+                st.lost(p, &gap_key, now);
             }
         }
     }
 }
 
 impl State {
-    /// `proc` could not hear a publication about `key` at `now`: a gap until it
-    /// resubscribes (and drops its L1).
-    pub(crate) fn unheard(&mut self, proc: usize, key: &str, now: u64) {
+    /// `proc` could not hear a publication about `key` (every key: `None`) at `now`: a
+    /// gap until it resubscribes (and drops its L1).
+    pub(crate) fn unheard(&mut self, proc: usize, key: Option<&str>, now: u64) {
         self.gaps.push(crate::world::Gap {
             proc,
-            key: Some(key.to_owned()),
+            key: key.map(str::to_owned),
             t: now,
             healed: Some(UNHEALED),
         });
         let i = self.gaps.len() - 1;
         self.unhealed[proc].push(i);
     }
+
+    /// A publication about `key` lost on its way to `proc` at `now`: a gap only the L1
+    /// TTL ends.
+    fn lost(&mut self, proc: usize, key: &str, now: u64) {
+        self.gaps.push(crate::world::Gap {
+            proc,
+            key: Some(key.to_owned()),
+            t: now,
+            healed: None,
+        });
+    }
+}
+
+/// The prefix's two channels: the landing channel and the tag and clear one.
+fn channels() -> [String; 2] {
+    [
+        corral_core::names::channel(crate::world::SIM_PREFIX),
+        corral_core::names::invalidations(crate::world::SIM_PREFIX),
+    ]
 }
 
 /// A gap's end while its process has not resubscribed yet (it never did, by the end).
@@ -457,10 +453,10 @@ fn label(commands: &[Vec<Vec<u8>>]) -> (&'static str, String) {
         "PUBLISH" => "publish",
         "PING" => "ping",
         "SET" => {
-            let flags: Vec<String> = first.iter().skip(3).map(|a| upper(a)).collect();
-            if flags.iter().any(|f| f == "GET") {
+            let (nx, get) = set_flags(first);
+            if get {
                 "swap"
-            } else if flags.iter().any(|f| f == "NX") {
+            } else if nx {
                 if corral_core::names::kind_of(&arg(1)) == Some(corral_core::names::Kind::Lock) {
                     "try_lock"
                 } else {
@@ -472,11 +468,9 @@ fn label(commands: &[Vec<Vec<u8>>]) -> (&'static str, String) {
         }
         "EVAL" | "EVALSHA" => {
             let name = known(first).map(|(_, n)| n);
-            let keys = arg(2).parse::<usize>().unwrap_or(0);
-            return (
-                name.unwrap_or("script"),
-                if keys > 0 { arg(3) } else { String::new() },
-            );
+            let (keys, _) = script_parts(first);
+            let key = keys.first().map(|k| String::from_utf8_lossy(k).into_owned());
+            return (name.unwrap_or("script"), key.unwrap_or_default());
         }
         _ => "command",
     };
@@ -501,9 +495,8 @@ fn execute(
         "PING" => Reply::Status("PONG".to_owned()),
         "EVAL" | "EVALSHA" => eval(st, now, p, call, broken, &name, args),
         "SET" => {
-            let flags: Vec<String> = args.iter().skip(3).map(|a| upper(a)).collect();
-            let nx = flags.iter().any(|f| f == "NX");
-            let write = if flags.iter().any(|f| f == "GET") {
+            let (nx, get) = set_flags(args);
+            let write = if get {
                 // A removal's tombstone, or an `expire`'s stale rewrite of the same value.
                 Write::Touch
             } else if nx {
@@ -555,18 +548,13 @@ fn eval(
             None => return Reply::error("NOSCRIPT No matching script. Please use EVAL."),
         }
     };
-    let n = args
-        .get(2)
-        .and_then(|a| std::str::from_utf8(a).ok()?.parse::<usize>().ok())
-        .unwrap_or(0);
-    let keys: Vec<String> = args
+    let (keys, argv) = script_parts(args);
+    let keys: Vec<String> = keys
         .iter()
-        .skip(3)
-        .take(n)
         .map(|k| String::from_utf8_lossy(k).into_owned())
         .collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let argv: Vec<&[u8]> = args.iter().skip(3 + n).map(Vec::as_slice).collect();
+    let argv: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
     let which = script_of(&body).map(|(s, _)| s);
     let write = match which {
         Some(Script::ReadAndTouch) => Write::Touch,
@@ -633,17 +621,20 @@ fn known(args: &[Vec<u8>]) -> Option<(Script, &'static str)> {
     }
 }
 
-/// A script command's `ARGV`.
-fn argv(args: &[Vec<u8>]) -> Vec<Vec<u8>> {
+/// A script command's `KEYS` and `ARGV` (`EVAL script numkeys key... arg...`).
+fn script_parts(args: &[Vec<u8>]) -> (&[Vec<u8>], &[Vec<u8>]) {
     let n = args
         .get(2)
         .and_then(|a| std::str::from_utf8(a).ok()?.parse::<usize>().ok())
         .unwrap_or(0);
-    let mut rest: Vec<Vec<u8>> = args.iter().skip(3 + n).cloned().collect();
-    if rest.is_empty() {
-        rest.push(Vec::new());
-    }
-    rest
+    let rest = args.get(3..).unwrap_or_default();
+    rest.split_at(n.min(rest.len()))
+}
+
+/// A `SET`'s `NX` and `GET` flags.
+fn set_flags(args: &[Vec<u8>]) -> (bool, bool) {
+    let flag = |name: &str| args.iter().skip(3).any(|a| upper(a) == name);
+    (flag("NX"), flag("GET"))
 }
 
 /// A reply as the `redis` crate reads it off the socket.
@@ -680,7 +671,7 @@ fn shown(reply: &Reply) -> String {
 /// A trip that failed, as the `redis` crate's connections report it: refused (never
 /// sent), or timed out (it may have been applied).
 fn failure(cause: &str) -> redis::RedisError {
-    let kind = if cause.contains(crate::world::REFUSED) || cause.contains(crate::world::CRASHED) {
+    let kind = if crate::world::refused(cause) {
         std::io::ErrorKind::ConnectionRefused
     } else {
         std::io::ErrorKind::TimedOut

@@ -459,14 +459,7 @@ impl World {
             }
             for p in 0..self.procs.len() {
                 // Healed when its subscription task has subscribed again.
-                st.gaps.push(Gap {
-                    proc: p,
-                    key: None,
-                    t: now,
-                    healed: Some(crate::wire::UNHEALED),
-                });
-                let i = st.gaps.len() - 1;
-                st.unhealed[p].push(i);
+                st.unheard(p, None, now);
             }
         }
         self.fault("store-restart");
@@ -992,8 +985,15 @@ fn int(reply: &Reply) -> Option<i64> {
 /// unknown (a timeout: it may have run).
 fn unanswered(e: Error) -> Unanswered {
     let cause = e.to_string();
-    let maybe_ran = !(cause.contains(REFUSED) || cause.contains(CRASHED));
+    let maybe_ran = !refused(&cause);
     Unanswered { cause, maybe_ran }
+}
+
+/// Whether a failed command's cause says it was never sent (refused, or its process
+/// dead): the client knows it did not run. (A request dropped on its way did not run
+/// either, but its client only sees a timeout.)
+pub(crate) fn refused(cause: &str) -> bool {
+    cause.contains(REFUSED) || cause.contains(CRASHED)
 }
 
 pub(crate) const REFUSED: &str = "connection refused";

@@ -203,10 +203,7 @@ async fn subscribe(shared: &Shared) -> Result<Subscription> {
     };
     // One channel per SUBSCRIBE: each gets its own confirmation.
     for channel in [&shared.channel, &shared.invalidations] {
-        tokio::time::timeout(shared.response_timeout, pubsub.subscribe(channel))
-            .await
-            .map_err(|_| timed_out("SUBSCRIBE"))?
-            .map_err(|e| Error::unavailable("redis SUBSCRIBE failed", e))?;
+        confirmed(shared, pubsub.subscribe(channel)).await?;
     }
     let (sink, stream) = pubsub.split();
     Ok(Subscription::Redis(sink, stream))
@@ -220,12 +217,17 @@ async fn subscribe_wired(shared: &Shared, wire: &dyn super::wire::Wire) -> Resul
         .map_err(|_| timed_out("pub/sub connect"))?
         .map_err(|e| Error::unavailable("redis pub/sub connect failed", e))?;
     for channel in [&shared.channel, &shared.invalidations] {
-        tokio::time::timeout(shared.response_timeout, wired.subscribe(channel))
-            .await
-            .map_err(|_| timed_out("SUBSCRIBE"))?
-            .map_err(|e| Error::unavailable("redis SUBSCRIBE failed", e))?;
+        confirmed(shared, wired.subscribe(channel)).await?;
     }
     Ok(Subscription::Wired(wired))
+}
+
+/// One `SUBSCRIBE`'s confirmation, within the response timeout.
+async fn confirmed(shared: &Shared, subscribing: impl Future<Output = redis::RedisResult<()>>) -> Result<()> {
+    tokio::time::timeout(shared.response_timeout, subscribing)
+        .await
+        .map_err(|_| timed_out("SUBSCRIBE"))?
+        .map_err(|e| Error::unavailable("redis SUBSCRIBE failed", e))
 }
 
 /// Feeds the local waiters and the L1 hook until the stream ends or a health `PING`
