@@ -265,11 +265,10 @@ fn a_read_of_the_generation_across_a_gap_in_announcements_is_not_kept() {
 /// subscription: a gap in announcements drops its L1 but leaves the generation it knew
 /// trusted, so after a `clear` it goes on naming keys in the old generation
 /// (`served after invalidation: p2 c218 get_or_set k1 at 5840 served w43 ..., but clear
-/// by p3 began at 3843`). Open (docs/contract.md): moving the L1's generation count on a
-/// gap fixes it but stops followers joining flights begun before a resubscription; the
-/// guest must forget its generation on a gap by a count of its own.
+/// by p3 began at 3843`). Moving the L1's generation count on a
+/// gap would stop followers joining flights begun before a resubscription; the guest
+/// counts L1's flushes instead, which a gap moves too.
 #[test]
-#[ignore = "open: the portable body keeps its generation across a gap in announcements"]
 fn a_portable_process_reads_the_generation_again_after_a_gap() {
     let seed = 205;
     let mut scenario = Scenario::for_seed(seed).portable();

@@ -36,9 +36,9 @@ fn settings() -> Settings {
 }
 
 /// The tag moments this instance read, each with the moment it stops trusting them
-/// (the L1 TTL), and the count of L1's moves to another generation they were read at:
-/// once the host heard a tag or clear announcement (it moves that count), they are
-/// read again (contract §6b.5).
+/// (the L1 TTL), and the count of L1's flushes they were read at ([`l1_clears`]): once
+/// the host heard a tag or clear announcement, or missed some, they are read again
+/// (contract §6b.5).
 static MOMENTS: Mutex<Option<Kept>> = Mutex::new(None);
 
 /// Tag moments as read, with `l1_clears()` as it was before the reads.
@@ -57,9 +57,9 @@ fn kept(tag: &str, clears: u64) -> Option<(TagMoments, u64)> {
 }
 
 /// The prefix's generation as last read, until when it is trusted, and how many times
-/// this process's L1 had moved to another generation then (the `generations` of an
-/// `l1-ticket`): a `clear` by another instance of this process moves that count, and the
-/// generation is read again.
+/// this process's L1 had been emptied then ([`l1_clears`]): a `clear` by another
+/// instance of this process, a clear announcement heard or a gap in them moves that
+/// count, and the generation is read again.
 static GENERATION: Mutex<Option<Known>> = Mutex::new(None);
 
 /// The newest generation this process read or wrote, trusted or not (generations only
@@ -74,10 +74,13 @@ struct Known {
     clears: u64,
 }
 
-/// How many times this process's L1 moved to another generation: a `clear` import call
-/// from any instance, or a tag or clear announcement the host heard (`l1-ticket`).
+/// How many times this process's L1 was emptied (`l1-ticket.flushes`): a `clear` import
+/// call from any instance, a tag or clear announcement the host heard, or a gap in the
+/// announcements (the host's channel was re-established). Whatever this instance read
+/// of the generation and the tags before is then read again: an invalidation may have
+/// gone unheard, the way the native body forgets what it kept (contract §6b.5).
 fn l1_clears() -> u64 {
-    l1::ticket("").generations
+    l1::ticket("").flushes
 }
 
 fn prefix() -> String {
@@ -203,7 +206,7 @@ fn written_at(tag_list: &[String], now: u64) -> Result<u64, types::Error> {
     Ok(tags::written_at(now, &known))
 }
 
-/// Keeps `m`, read while L1's moves to another generation counted `clears`, until
+/// Keeps `m`, read while L1's flushes counted `clears`, until
 /// `until`: merged with what is kept, unless an invalidation was heard meanwhile (then
 /// what was read may predate it, and nothing is kept).
 fn remember(tag: &str, m: TagMoments, until: u64, clears: u64) {
