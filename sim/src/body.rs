@@ -134,9 +134,8 @@ impl Body {
         }
     }
 
-    /// A get-or-set of many keys: the native body's `get_or_set_many`; the portable
-    /// body, which has no batch call, runs a get-or-set per key, in turn, each with a
-    /// call of the loader for its key (a key left out is its loader's failure).
+    /// A get-or-set of many keys: each body's `get_or_set_many` (the portable body's
+    /// runs in the component, `begin-many`).
     pub(crate) async fn get_or_set_many(
         &self,
         keys: &[String],
@@ -153,28 +152,17 @@ impl Body {
                     .await
             }
             Body::Portable(c) => {
-                let mut answers = Vec::with_capacity(keys.len());
-                for key in keys {
-                    let load = load.clone();
-                    let loader = move |key: &str| -> Result<Vec<u8>, String> {
-                        // The wait runs on the caller's (paused) runtime; a panic is the
-                        // loader's, here, as a single key's.
-                        let running = std::panic::AssertUnwindSafe(load(vec![key.to_owned()]));
-                        let found = corral::portable::in_caller(futures::FutureExt::catch_unwind(running))
-                            .ok_or_else(|| "sim: the caller went away".to_owned())?
-                            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
-                        found
-                            .into_iter()
-                            .find(|(k, _)| k == key)
-                            .map(|(_, v)| v.to_vec())
-                            .ok_or_else(|| "sim: left out".to_owned())
-                    };
-                    let got = c
-                        .get_or_set_tagged(key, entry, false, &[] as &[String], loader, |_| true)
-                        .await;
-                    answers.push(got.map(Some));
-                }
-                Ok(answers)
+                let loader = move |asked: &[String]| -> Result<Vec<(String, Vec<u8>)>, String> {
+                    // The wait runs on the caller's (paused) runtime; a panic is the
+                    // loader's, here, as in the native body.
+                    let running = std::panic::AssertUnwindSafe(load(asked.to_vec()));
+                    let found = corral::portable::in_caller(futures::FutureExt::catch_unwind(running))
+                        .ok_or_else(|| "sim: the caller went away".to_owned())?
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+                    Ok(found.into_iter().map(|(k, v)| (k, v.to_vec())).collect())
+                };
+                c.get_or_set_many(keys, entry, &[] as &[String], loader, |_| true)
+                    .await
             }
         }
     }

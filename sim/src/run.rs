@@ -1319,10 +1319,14 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             if lag <= NOTIFY_WINDOW_MS {
                 continue;
             }
+            // A gap covers the write if it came once the write was in the store (its
+            // announcement goes out after that) or around its acknowledgement (which a
+            // writer paused before its reply comes late to).
+            let applied = w.st.lock().applied_at(a.order).unwrap_or(a.t_ack);
             let covering = gaps.iter().filter(|g| {
                 g.proc == c.proc
                     && g.key.as_ref().is_none_or(|k| *k == c.key)
-                    && g.t + 2 * SLOW_NET_MS >= a.t_ack
+                    && (g.t >= applied || g.t + 2 * SLOW_NET_MS >= a.t_ack)
                     && g.t <= c.t_inv
             });
             // A notification lost on its way: the copy lives until the L1 TTL. One the

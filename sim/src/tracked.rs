@@ -48,25 +48,35 @@ impl Tracked {
         CALL.try_with(|c| *c).unwrap_or(DETACHED_CALLS + self.proc as u64)
     }
 
-    /// Notes whether the call's last read of `name` failed.
-    fn note(&self, call: u64, name: &str, failed: bool) {
+    /// Notes the call's read of `name`: still running (`pending`, which counts as failed
+    /// while it lasts), or done, failed or not. A failure is kept, with its moment,
+    /// through later reads of the name that succeed (the flight judged with the failed
+    /// one: a re-read of a tag after the flight chose to load changes nothing).
+    fn note(&self, call: u64, name: &str, pending: bool, failed: bool) {
+        let now = self.world.now();
         let mut st = self.world.st.lock();
         let key = st.key_of(name);
-        st.last_read_failed.insert((call, key), failed);
+        let read = st.reads.entry((call, key)).or_default();
+        read.pending = pending;
+        if failed {
+            read.failed_at = Some(now);
+        }
     }
 
-    /// `read`, noted as failed until it returns (a read the flight abandons at its
-    /// deadline failed).
+    /// `read`, noted as failed until it returns; a read the flight abandons (at its
+    /// deadline) failed when it was dropped.
     fn tracked<'a>(
         &'a self,
         name: &'a str,
         read: BoxFuture<'a, Result<Option<Bytes>>>,
     ) -> BoxFuture<'a, Result<Option<Bytes>>> {
         let call = self.call();
-        self.note(call, name, true);
+        self.note(call, name, true, false);
         async move {
+            let mut abandoned = Abandoned(Some((self, call, name)));
             let got = read.await;
-            self.note(call, name, got.is_err());
+            abandoned.0 = None;
+            self.note(call, name, false, got.is_err());
             got
         }
         .boxed()
@@ -103,12 +113,12 @@ impl Entries for Tracked {
     fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Vec<Result<Option<Bytes>>>> {
         let call = self.call();
         for key in keys {
-            self.note(call, key, true);
+            self.note(call, key, true, false);
         }
         async move {
             let got = self.entries.get_many(keys).await;
             for (key, found) in keys.iter().zip(&got) {
-                self.note(call, key, found.is_err());
+                self.note(call, key, false, found.is_err());
             }
             got
         }
@@ -214,7 +224,7 @@ impl FlightLock for Tracked {
                 if let Ok(Some(_)) = tried {
                     self.taken(key, owner);
                     // The look it took with the lock is the flight's read of the entry.
-                    self.note(call, entry, false);
+                    self.note(call, entry, false, false);
                 }
                 tried
             }
@@ -231,5 +241,16 @@ impl FlightLock for Tracked {
     ) -> Option<BoxFuture<'a, Result<bool>>> {
         self.releasing(owner);
         self.lock.release_announcing(key, owner, channel, message)
+    }
+}
+
+/// A tracked read still running when its future is dropped: noted as failed then.
+struct Abandoned<'a>(Option<(&'a Tracked, u64, &'a str)>);
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some((tracked, call, name)) = self.0.take() {
+            tracked.note(call, name, false, true);
+        }
     }
 }

@@ -88,6 +88,15 @@ pub enum VersionKind {
 }
 
 /// One version of a key, in the store's order.
+/// A call's reads of one name ([`State::reads`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Reads {
+    /// One is running.
+    pub(crate) pending: bool,
+    /// When the last one that failed ended.
+    pub(crate) failed_at: Option<u64>,
+}
+
 #[derive(Clone, Debug)]
 pub struct Version {
     pub order: u64,
@@ -184,9 +193,9 @@ pub struct State {
     pending_swaps: BTreeMap<(usize, String), Vec<u64>>,
     /// Per key, times a held flight lock was lost (lapsed and taken over, or wiped).
     pub lock_losses: BTreeMap<String, Vec<u64>>,
-    /// Per (process, key): whether the last entry read failed.
-    /// Per (call, key): whether the call's last entry read failed.
-    pub(crate) last_read_failed: BTreeMap<(u64, String), bool>,
+    /// Per (call, key): the call's reads of the key's entry, or of a name the judgement
+    /// of an entry needs (a tag's moments, the generation).
+    pub(crate) reads: BTreeMap<(u64, String), Reads>,
     pub gaps: Vec<Gap>,
     /// Per process, its gaps that last until it resubscribes (indexes into `gaps`).
     pub(crate) unhealed: Vec<Vec<usize>>,
@@ -276,7 +285,7 @@ impl World {
                 value_order: BTreeMap::new(),
                 pending_swaps: BTreeMap::new(),
                 lock_losses: BTreeMap::new(),
-                last_read_failed: BTreeMap::new(),
+                reads: BTreeMap::new(),
                 gaps: Vec::new(),
                 unhealed: vec![Vec::new(); n],
                 outbox: Vec::new(),
@@ -550,9 +559,11 @@ impl World {
                     );
                     // The entry's read, or one the judgement of what it found needs
                     // (a tag's moments, the generation: names no user key has).
-                    if st.last_read_failed.iter().any(|((c, k), failed)| {
+                    // Failed since the lock was taken, or still running: the double-check
+                    // had no answer to judge by.
+                    if st.reads.iter().any(|((c, k), read)| {
                         (*c == call || *c == DETACHED_CALLS + proc as u64)
-                            && *failed
+                            && (read.pending || read.failed_at.is_some_and(|t| t >= since))
                             && (k == key || k.starts_with('{'))
                     }) {
                         excuses.push(("load-after-failed-read", what));
@@ -680,6 +691,15 @@ impl State {
         name.rsplit_once('@')
             .and_then(|(_, g)| g.parse().ok())
             .unwrap_or(0)
+    }
+
+    /// When the version of order `order` was applied to the store, if known.
+    pub(crate) fn applied_at(&self, order: u64) -> Option<u64> {
+        self.versions
+            .values()
+            .flatten()
+            .find(|v| v.order == order)
+            .map(|v| v.t)
     }
 
     /// The generation the version of order `order` was written in, if known.

@@ -261,6 +261,66 @@ fn a_read_of_the_generation_across_a_gap_in_announcements_is_not_kept() {
     );
 }
 
+/// A portable instance idle in its host's pool since before another process's `clear`
+/// kept the generation it last learnt; taken again by a get-or-set whose generation read
+/// failed (its process paused past the read's deadline), it named the key in that older
+/// generation and served what the clear had removed (`served after invalidation: p0 c178
+/// get_or_set k1 at 2567 served w19 ..., but clear by p2 began at 946`). An instance
+/// falls back to its last generation only while its process's L1 was not flushed since.
+#[test]
+fn a_portable_instance_does_not_fall_back_to_a_generation_a_heard_clear_left_behind() {
+    let seed = 1659;
+    let mut scenario = Scenario::for_seed(seed).portable();
+    scenario.batches = true;
+    let outcome = run_seed(&scenario, seed);
+    assert_eq!(outcome.scenario, "chaos");
+    assert!(
+        outcome.violations.is_empty(),
+        "seed {seed}: {}",
+        outcome.violations.join("\n")
+    );
+}
+
+/// The checker, not the cache: a flight that took the lock read the entry again, found
+/// a tagged value, and could not read its tag's moments (the reply lost, or cut at the
+/// flight's deadline); a double-check without an answer loads (contract §5.8), and the
+/// fill is fenced. The checker excused a load after a failed read only if the call's
+/// last read of that name had failed, and the read of the tag made for the load's own
+/// write moment succeeded just before it (`single-flight: p1 loads k0 although w63
+/// landed at 3876 before its lock (4076)`). A failure since the lock now counts, and a
+/// read dropped at the deadline failed.
+#[test]
+fn a_double_check_whose_tag_read_failed_may_load() {
+    for (seed, scenario) in [(74875, "network"), (93291, "chaos"), (98859, "chaos")] {
+        let outcome = run_seed(&Scenario::for_seed(seed), seed);
+        assert_eq!(outcome.scenario, scenario);
+        assert!(
+            outcome.violations.is_empty(),
+            "seed {seed}: {}",
+            outcome.violations.join("\n")
+        );
+    }
+}
+
+/// The checker, not the cache: a reader's announcement of a write was lost right after
+/// the write reached the store, and the writer was paused before its reply, so the write
+/// was acknowledged 830 ms later. The reader kept its older L1 copy within the L1 TTL, as
+/// the contract allows after a lost announcement (§5.13); the checker tied the loss to
+/// the acknowledgement and called the copy stale (`stale read: p2 c223 get_or_set k0 at
+/// 5275 served load59 ..., but w62 ... was acknowledged at 4210`). A loss once the
+/// write is in the store covers it.
+#[test]
+fn a_lost_announcement_covers_a_write_whose_writer_was_paused_before_its_reply() {
+    let seed = 47121;
+    let outcome = run_seed(&Scenario::for_seed(seed), seed);
+    assert_eq!(outcome.scenario, "chaos");
+    assert!(
+        outcome.violations.is_empty(),
+        "seed {seed}: {}",
+        outcome.violations.join("\n")
+    );
+}
+
 /// The portable body's twin of the defect above, found once it ran over the real
 /// subscription: a gap in announcements drops its L1 but leaves the generation it knew
 /// trusted, so after a `clear` it goes on naming keys in the old generation

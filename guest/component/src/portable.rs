@@ -62,10 +62,14 @@ fn kept(tag: &str, clears: u64) -> Option<(TagMoments, u64)> {
 /// count, and the generation is read again.
 static GENERATION: Mutex<Option<Known>> = Mutex::new(None);
 
-/// The newest generation this process read or wrote, trusted or not (generations only
-/// move forward): what a get-or-set names its data in when the generation cannot be
-/// read, never an older one than it has seen.
-static LAST_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// The newest generation this instance read or wrote, trusted or not (generations only
+/// move forward), and L1's flushes count ([`l1_clears`]) before that read: what a
+/// get-or-set names its data in when the generation cannot be read, never an older one
+/// than it has seen, and only while that count has not moved since. Another instance of
+/// the process may have cleared, or the host heard a clear (or missed some), after this
+/// instance last learnt the generation: its last one may be older than a clear, and its
+/// flights then cannot name their keys.
+static LAST_GENERATION: Mutex<(u64, u64)> = Mutex::new((0, 0));
 
 #[derive(Clone, Copy)]
 struct Known {
@@ -118,7 +122,12 @@ fn generation(now: u64) -> Result<u64, types::Error> {
 /// `expected` (what they were before `g` was read, and this instance's own clear
 /// since): one heard meanwhile may be newer than the read, which then is not kept.
 fn keep_generation(g: u64, now: u64, expected: u64) {
-    LAST_GENERATION.fetch_max(g, std::sync::atomic::Ordering::AcqRel);
+    {
+        let mut last = LAST_GENERATION.lock().unwrap_or_else(|e| e.into_inner());
+        if g >= last.0 {
+            *last = (g, expected);
+        }
+    }
     if l1_clears() != expected {
         *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = None;
         return;
@@ -142,15 +151,16 @@ fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
 /// failing), the newest one this instance saw, so the flight degrades as it would
 /// without tags and clear instead of failing (contract §5.8), as the native body does,
 /// and never reads or fills a generation a `clear` it saw left behind. Says whether the
-/// names are known: an instance that never saw a generation cannot name the key at all,
-/// and its flight treats every store step as failed.
+/// names are known: an instance that never saw a generation, or whose process's L1 was
+/// flushed since it last learnt one (a clear may lie between), cannot name the key at
+/// all, and its flight treats every store step as failed.
 fn locate_for_flight(key: &str, limits: &Limits) -> Result<(names::Names, bool), types::Error> {
     corral_core::key::validate(key, limits).map_err(arg_error)?;
     let (g, known) = match generation(now_ms()) {
         Ok(g) => (g, true),
         Err(_) => {
-            let last = LAST_GENERATION.load(std::sync::atomic::Ordering::Acquire);
-            (last, last > 0)
+            let (last, clears) = *LAST_GENERATION.lock().unwrap_or_else(|e| e.into_inner());
+            (last, last > 0 && clears == l1_clears())
         }
     };
     let names = names::locate_in(&prefix(), key, g, limits).map_err(arg_error)?;
@@ -293,7 +303,18 @@ fn l2_read(name: &str, now: u64, limits: &Limits) -> Result<Found, types::Error>
 /// [`l2_read`], and what the key holds once the read is done (the bytes found, touched,
 /// or `None` once it removed them), for a fill fenced on it (contract §5.12).
 fn l2_read_holding(name: &str, now: u64, limits: &Limits) -> Result<(Found, Option<Vec<u8>>), types::Error> {
-    let stored = match l2::get(name) {
+    judge_read(name, l2::get(name), now, limits)
+}
+
+/// [`l2_read_holding`] of what a read of `name` already brought (`read`: one of a
+/// batch's reads, made together).
+fn judge_read(
+    name: &str,
+    read: Result<Option<Vec<u8>>, types::Error>,
+    now: u64,
+    limits: &Limits,
+) -> Result<(Found, Option<Vec<u8>>), types::Error> {
+    let stored = match read {
         Ok(Some(stored)) => stored,
         Ok(None) => return Ok((Found::Nothing, None)),
         // Not bytes at all (another Redis type): a miss, removed (contract §4).
@@ -666,6 +687,15 @@ impl wcache::Guest for Component {
         tags: Vec<String>,
     ) -> Result<wcache::Begun, types::Error> {
         two_phase::begin(key, options, bypass, tags)
+    }
+
+    fn begin_many(
+        keys: Vec<String>,
+        options: types::EntryOptions,
+        bypass: bool,
+        tags: Vec<String>,
+    ) -> Result<Vec<Result<wcache::Begun, types::Error>>, types::Error> {
+        two_phase::begin_many(keys, options, bypass, tags)
     }
 }
 

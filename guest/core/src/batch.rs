@@ -54,6 +54,30 @@ pub fn read_many(reads: &[FirstRead<'_>], now_ms: u64, limits: &Limits, l1_ttl_m
         .collect()
 }
 
+/// `e`, about the key at position `at` of a batch, saying so.
+pub fn at_position(at: usize, e: ArgError) -> ArgError {
+    ArgError::new(e.arg, format!("{} (the key at position {at})", e.reason))
+}
+
+/// Checks the keys of a batch begun in two phases (the portable body's `begin-many`),
+/// before anything runs: each passes the key rules, and none comes twice (each key's
+/// load is handed out once).
+///
+/// # Errors
+/// An [`ArgError`] naming `key` or `keys`, with the position of the first bad key.
+pub fn check_distinct<S: AsRef<str>>(keys: &[S], limits: &Limits) -> Result<(), ArgError> {
+    let mut seen = std::collections::HashSet::with_capacity(keys.len());
+    for (at, key) in keys.iter().enumerate() {
+        let key = key.as_ref();
+        crate::key::validate(key, limits).map_err(|e| at_position(at, e))?;
+        if !seen.insert(key) {
+            let twice = ArgError::new(Arg::Keys, "a key is named twice");
+            return Err(at_position(at, twice));
+        }
+    }
+    Ok(())
+}
+
 /// Checks a batch's `max_batch`: at least one key per loader call.
 ///
 /// # Errors
@@ -94,6 +118,21 @@ mod tests {
         assert_eq!(calls(0, Some(4)), Vec::<u64>::new());
         assert_eq!(calls(2, Some(0)), [1, 1], "a call has one key at least");
         assert_eq!(calls(u64::MAX, None), [u64::MAX]);
+    }
+
+    #[test]
+    fn a_batch_names_its_first_bad_key_by_position() {
+        let limits = Limits::default();
+        assert!(check_distinct(&["a", "b"], &limits).is_ok());
+        let e = check_distinct(&["a", "", "b"], &limits).unwrap_err();
+        assert_eq!(e.arg, Arg::Key);
+        assert!(e.reason.ends_with("(the key at position 1)"), "{}", e.reason);
+        let e = check_distinct(&["a", "b", "a"], &limits).unwrap_err();
+        assert_eq!(e.arg, Arg::Keys);
+        assert_eq!(e.reason, "a key is named twice (the key at position 2)");
+        let (at, e) = crate::names::entries_in("p:", &["a", ""], 0, &limits).unwrap_err();
+        assert_eq!(at, 1);
+        assert!(e.reason.ends_with("(the key at position 1)"), "{}", e.reason);
     }
 
     #[test]

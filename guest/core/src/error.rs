@@ -28,6 +28,8 @@ pub enum Arg {
     Tags,
     /// One tag named by an invalidation (`remove_by_tag`, `expire_by_tag`).
     Tag,
+    /// A batch's keys as a whole (a key named twice where each must come once).
+    Keys,
     /// A setting of the cache, by the name its builder gives it (`l1_ttl`, `lock_ttl`,
     /// ...).
     Setting(&'static str),
@@ -49,6 +51,7 @@ impl Arg {
             Arg::EagerRefresh => "eager_refresh",
             Arg::Tags => "tags",
             Arg::Tag => "tag",
+            Arg::Keys => "keys",
             Arg::Setting(name) => name,
         }
     }

@@ -382,6 +382,31 @@ pub struct Flight {
 }
 
 impl Flight {
+    /// Judges what a flight would start with at `now_ms`, its key aside: the entry
+    /// options, the eager refresh fraction and the timeouts (a batch judges them once
+    /// for all its keys).
+    ///
+    /// # Errors
+    /// An [`ArgError`] naming the first bad one.
+    pub fn check(
+        options: &EntryOptions,
+        config: &FlightConfig,
+        now_ms: u64,
+        limits: &Limits,
+    ) -> Result<(), ArgError> {
+        expiry::plan(options, now_ms, limits)?;
+        if let Some(p) = config.eager_refresh_permille {
+            check_eager_refresh(p)?;
+        }
+        for timeout in [config.hard_timeout_ms, config.soft_timeout_ms]
+            .into_iter()
+            .flatten()
+        {
+            crate::check_duration(crate::Arg::Timeout, timeout, false)?;
+        }
+        Ok(())
+    }
+
     /// Starts a flight for `key` at `now_ms`: the key and the options are judged now,
     /// before anything is loaded. Returns the flight and its first action.
     ///
@@ -395,16 +420,7 @@ impl Flight {
         limits: &Limits,
     ) -> Result<(Flight, Action), ArgError> {
         key::validate(key, limits)?;
-        expiry::plan(&options, now_ms, limits)?;
-        if let Some(p) = config.eager_refresh_permille {
-            check_eager_refresh(p)?;
-        }
-        for timeout in [config.hard_timeout_ms, config.soft_timeout_ms]
-            .into_iter()
-            .flatten()
-        {
-            crate::check_duration(crate::Arg::Timeout, timeout, false)?;
-        }
+        Flight::check(&options, &config, now_ms, limits)?;
         let mut flight = Flight {
             phase: Phase::Reading,
             options,

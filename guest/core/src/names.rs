@@ -108,7 +108,8 @@ pub fn locate_in(prefix: &str, key: &str, generation: u64, limits: &Limits) -> R
 /// passed the key rules (a batch's reads need only these).
 ///
 /// # Errors
-/// The position of the first bad key, and the [`ArgError`] naming `key`.
+/// The position of the first bad key, and the [`ArgError`] naming `key` that says it
+/// ([`batch::at_position`](crate::batch::at_position)).
 pub fn entries_in<S: AsRef<str>>(
     prefix: &str,
     keys: &[S],
@@ -119,7 +120,7 @@ pub fn entries_in<S: AsRef<str>>(
         .enumerate()
         .map(|(i, key)| {
             let key = key.as_ref();
-            key::validate(key, limits).map_err(|e| (i, e))?;
+            key::validate(key, limits).map_err(|e| (i, crate::batch::at_position(i, e)))?;
             Ok(named(&tag(prefix, key), Kind::Entry, generation))
         })
         .collect()

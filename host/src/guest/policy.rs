@@ -307,12 +307,8 @@ impl Policy {
                 .corral_cache_policy()
                 .call_locate_entries(&mut s.store, prefix, keys, generation, limits)
         })?
-        .map_err(|(at, e)| match e {
-            types::Error::InvalidArgument(a) => {
-                crate::Error::invalid_argument(a.name, format!("{} (the key at position {at})", a.reason))
-            }
-            other => from_wit(other),
-        })
+        // The error says the position already (contract §5.16).
+        .map_err(|(_, e)| from_wit(e))
     }
 
     /// Judges a batch's first reads (the bytes each found, and the TTL each read set if

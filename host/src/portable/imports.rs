@@ -17,11 +17,12 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use tokio::sync::oneshot;
 
 use wasmtime::component::{HasData, Linker, ResourceTable};
 use wasmtime_wasi::{HostWallClock, WasiCtx, WasiCtxView, WasiView};
 
-use crate::cache::registry::{LeaderGuard, Registry};
+use crate::cache::registry::{self, Join, LeaderGuard, Registry, Shared};
 use crate::clock::Clock;
 use crate::guest::bindings::Guest;
 use crate::guest::bindings::corral::cache::flights::{self, Joined};
@@ -69,6 +70,9 @@ pub(crate) struct CallState {
     pub(crate) cancelled: Arc<AtomicBool>,
     /// The flights this call leads, until it finishes them.
     pub(crate) leading: HashMap<String, LeaderGuard<WitOutcome>>,
+    /// The flights a batch of this call follows (`flights.join-many`), until a `join`
+    /// of the key takes their outcome.
+    pub(crate) following: HashMap<String, oneshot::Receiver<Shared<WitOutcome>>>,
     /// The flight locks this call holds (key, owner token), until it releases them.
     pub(crate) locks: HashMap<String, String>,
     /// In lockstep: where this call's store steps are performed.
@@ -345,6 +349,23 @@ impl l2::Host for &mut PortableState {
             .map(|v| v.map(|b| b.to_vec()))
     }
 
+    fn get_many(&mut self, names: Vec<String>) -> Vec<Result<Option<Vec<u8>>, types::Error>> {
+        let b = self.backend.clone();
+        let count = names.len();
+        let reads = self.store(async move {
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            Ok(b.stores.entries.get_many(&names).await)
+        });
+        match reads {
+            Ok(reads) => reads
+                .into_iter()
+                .map(|read| read.map(|v| v.map(|b| b.to_vec())).map_err(|e| to_wit(&e)))
+                .collect(),
+            // The deadline passed, or the caller went away: every read failed.
+            Err(e) => vec![Err(e); count],
+        }
+    }
+
     fn set(&mut self, key: String, value: Vec<u8>, ttl_ms: u64) -> Result<(), types::Error> {
         let b = self.backend.clone();
         self.store(async move { b.stores.entries.set(&key, value.into(), ttl_ms).await })
@@ -498,6 +519,15 @@ impl l2::Host for &mut PortableState {
 impl flights::Host for &mut PortableState {
     fn join(&mut self, key: String) -> Joined {
         let b = self.backend.clone();
+        // A flight a batch joined: its outcome, or (its leader gone) a join anew.
+        if let Some(rx) = self.call.following.remove(&key) {
+            match self.io(registry::follow(rx)) {
+                Some(Shared::Done(Ok(value))) => return Joined::Value(value),
+                Some(Shared::Done(Err(e))) => return Joined::Failed(e),
+                Some(Shared::Gone) => {}
+                None => return Joined::Failed(gone()),
+            }
+        }
         let joined = {
             let key = key.clone();
             self.io(async move { b.registry.lead_or_follow(&key, || b.l1.ticket(&key)).await })
@@ -511,6 +541,22 @@ impl flights::Host for &mut PortableState {
             Some(Err(Err(e))) => Joined::Failed(e),
             None => Joined::Failed(gone()),
         }
+    }
+
+    fn join_many(&mut self, keys: Vec<String>) -> Vec<bool> {
+        let b = &self.backend;
+        keys.into_iter()
+            .map(|key| match b.registry.join(&key, b.l1.ticket(&key)) {
+                Join::Leader(guard) => {
+                    self.call.leading.insert(key, guard);
+                    true
+                }
+                Join::Follower(rx) => {
+                    self.call.following.insert(key, rx);
+                    false
+                }
+            })
+            .collect()
     }
 
     fn finish(&mut self, key: String, outcome: Result<Vec<u8>, types::Error>) {

@@ -32,6 +32,7 @@ use crate::options::{EntryOptions, duration_ms};
 use crate::store::{Entries, FlightLock, Notifications, Stores};
 use crate::{Error, Result};
 
+mod batch;
 mod imports;
 
 #[cfg(any(test, feature = "test-util"))]
@@ -413,29 +414,13 @@ impl Origin {
         load: wasmtime::component::ResourceAny,
         key: &str,
     ) -> wasmtime::Result<std::result::Result<Vec<u8>, types::Error>> {
-        let cancelled = s.store.data().call.cancelled.clone();
-        if cancelled.load(Ordering::SeqCst) {
-            load.resource_drop(&mut s.store)?;
-            return Err(wasmtime::format_err!("the caller went away before the load"));
-        }
-        let lockstep = s.store.data().call.lockstep.clone();
-        let run = std::panic::AssertUnwindSafe(|| (self.loader)(key));
-        let out = match &lockstep {
-            Some(link) => link.enter(|| std::panic::catch_unwind(run)),
-            None => std::panic::catch_unwind(run),
-        };
-        let out = match out {
+        let out = match run_origin(s, || (self.loader)(key)) {
             Ok(out) => out,
-            Err(panic) => {
-                s.store.data_mut().call.panicked = Some(Error::loader_panicked(&*panic));
+            Err(e) => {
                 load.resource_drop(&mut s.store)?;
-                return Err(wasmtime::format_err!("the loader panicked"));
+                return Err(e);
             }
         };
-        if cancelled.load(Ordering::SeqCst) {
-            load.resource_drop(&mut s.store)?;
-            return Err(wasmtime::format_err!("the caller went away mid-load"));
-        }
         let cache = s.guest.corral_cache_cache().load();
         match out {
             Ok(value) => {
@@ -445,6 +430,34 @@ impl Origin {
             Err(reason) => cache.call_fail(&mut s.store, load, &reason),
         }
     }
+}
+
+/// Runs `origin` (the caller's loader) for loads the call holds: unless the caller went
+/// away before or during it, or it panicked (the panic is what the caller gets). On an
+/// error the call drops its loads (the component releases their flight locks, and a
+/// follower leads) and ends (contract §5.11).
+fn run_origin<T>(s: &mut Slot<PortableState>, origin: impl FnOnce() -> T) -> wasmtime::Result<T> {
+    let cancelled = s.store.data().call.cancelled.clone();
+    if cancelled.load(Ordering::SeqCst) {
+        return Err(wasmtime::format_err!("the caller went away before the load"));
+    }
+    let lockstep = s.store.data().call.lockstep.clone();
+    let run = std::panic::AssertUnwindSafe(origin);
+    let out = match &lockstep {
+        Some(link) => link.enter(|| std::panic::catch_unwind(run)),
+        None => std::panic::catch_unwind(run),
+    };
+    let out = match out {
+        Ok(out) => out,
+        Err(panic) => {
+            s.store.data_mut().call.panicked = Some(Error::loader_panicked(&*panic));
+            return Err(wasmtime::format_err!("the loader panicked"));
+        }
+    };
+    if cancelled.load(Ordering::SeqCst) {
+        return Err(wasmtime::format_err!("the caller went away mid-load"));
+    }
+    Ok(out)
 }
 
 /// Marks a call cancelled when its caller's future is dropped before it returned.

@@ -121,6 +121,10 @@ impl flights::Guest for Adapter {
         Joined::Lead
     }
 
+    fn join_many(keys: Vec<String>) -> Vec<bool> {
+        vec![true; keys.len()]
+    }
+
     fn finish(_key: String, _outcome: Result<Vec<u8>, types::Error>) {}
 
     fn abandon(_key: String) {}

@@ -117,6 +117,12 @@ impl l2::Guest for Adapter {
         Ok(stored.and_then(|stored: Vec<u8>| kv::live(&stored, now).map(|v| v.to_vec())))
     }
 
+    /// One `get` per name: `wasi:keyvalue/batch` is not among the imports every host
+    /// of the draft gives.
+    fn get_many(names: Vec<String>) -> Vec<Result<Option<Vec<u8>>, Error>> {
+        names.into_iter().map(Self::get).collect()
+    }
+
     fn set(name: String, value: Vec<u8>, ttl_ms: u64) -> Result<(), Error> {
         let record = kv::record(kv::until(now_ms(), ttl_ms), &value);
         with_bucket(|bucket| bucket.set(&name, &record).map_err(store_error))

@@ -37,7 +37,7 @@ import { isDeepStrictEqual } from 'node:util';
 import { MessageChannel, Worker } from 'node:worker_threads';
 import { transpile } from '@bytecodealliance/jco';
 import { WASIShim } from '@bytecodealliance/preview2-shim/instantiation';
-import { getOrSet, drop } from '../lib/get-or-set.mjs';
+import { getOrSet, getOrSetMany, drop } from '../lib/get-or-set.mjs';
 import { keyvalue } from '../lib/keyvalue.mjs';
 import { worldOf } from '../lib/world.mjs';
 
@@ -123,6 +123,39 @@ function newHost(world) {
     });
   }
 
+  // `${caller} ${key}` -> the outcome box of a flight a batch of `caller` follows
+  // (`joinMany`), until its `join` takes it.
+  const followed = new Map();
+
+  /** A batch's keys join their flights at once: true where `caller` leads, false where it follows. */
+  function joinMany(caller, keys) {
+    return keys.map((key) => {
+      const flight = flights.get(key);
+      if (!flight) {
+        flights.set(key, { leader: caller, waiting: [] });
+        return true;
+      }
+      const box = {};
+      box.outcome = new Promise((resolve) => {
+        box.resolve = (joined) => { box.joined = joined; resolve(joined); };
+      });
+      flight.waiting.push({ caller, resolve: box.resolve });
+      followed.set(`${caller} ${key}`, box);
+      poke();
+      return false;
+    });
+  }
+
+  /** `join`, after a batch followed the flight: its outcome, however soon it ended. */
+  function joinFollowed(caller, key) {
+    const box = followed.get(`${caller} ${key}`);
+    if (!box) return join(caller, key);
+    followed.delete(`${caller} ${key}`);
+    if (box.joined) return box.joined;
+    if (caller === MAIN) throw new Error(`the main thread cannot wait on the flight of ${key}`);
+    return box.outcome;
+  }
+
   function finish(caller, key, outcome) {
     const flight = flights.get(key);
     if (flight?.leader !== caller) return;
@@ -193,6 +226,7 @@ function newHost(world) {
     },
     'corral:cache/l2': {
       get: (key) => world.l2.get(key),
+      getMany: (names) => names.map((name) => ({ tag: 'ok', val: world.l2.get(name) })),
       set: (key, value) => { world.l2.set(key, value); },
       delete: (key) => world.l2.delete(key),
       swap: (key, value) => {
@@ -231,7 +265,8 @@ function newHost(world) {
       announceInvalidation: () => world.hosts.forEach((h) => h.moveGeneration()),
     },
     'corral:cache/flights': {
-      join: (key) => join(caller, key),
+      join: (key) => joinFollowed(caller, key),
+      joinMany: (keys) => joinMany(caller, keys),
       finish: (key, outcome) => finish(caller, key, outcome),
       abandon: (key) => abandon(caller, key),
     },
@@ -458,6 +493,28 @@ const ops = {
     return { result: spelled(r, text), loads };
   },
   get_or_set_together: together,
+  get_or_set_many: ({ host, exports, world }, step) => {
+    let loads = 0;
+    const asked = [];
+    const loader = step.loader ?? {};
+    const origin = {
+      loadMany: (keys) => {
+        loads += 1;
+        asked.push(...keys);
+        // Other processes' steps, inside the first load.
+        if (loads === 1) runSteps(world, loader.during ?? [], 'a batch\'s loader:');
+        if ('error' in loader) return { tag: 'err', val: loader.error };
+        const values = loader.values ?? {};
+        return keys.filter((k) => k in values).map((k) => [k, utf8(values[k])]);
+      },
+      shouldCache: () => true,
+    };
+    const r = settle(() => getOrSetMany(exports[CACHE], step.keys, options(step, host.world.now), step.tags ?? [], origin));
+    host.callEnded(MAIN);
+    const result = 'ok' in r ? { each: r.ok.map((a) => spelled(a, text)) } : spelled(r, text);
+    if (step.asked !== undefined) result.asked = [...asked].sort();
+    return { result, loads };
+  },
   // The key's get-or-set lock lapses, as under a leader paused past its TTL.
   lapse_flight_lock: ({ world, exports, settings }, step) => {
     const names = exports['corral:cache/policy@0.2.0'].locate(PREFIX, step.key, 0n, settings.limits);
@@ -480,7 +537,7 @@ function processesOf(steps, into = new Set()) {
 
 /** Checks one step's result against its expectations; a mismatch is kept in `world`. */
 function check(world, at, i, step, ran) {
-  const expect = step.callers?.map((c) => c.expect) ?? step.expect;
+  const expect = step.callers?.map((c) => c.expect) ?? (step.asked === undefined ? step.expect : { ...step.expect, asked: step.asked });
   const loadsOk = step.loads === undefined || ran.loads === step.loads;
   if (!loadsOk || !isDeepStrictEqual(ran.result, expect)) {
     world.mismatches.push(`${at} step ${i} (${step.op}): expected ${JSON.stringify(expect)}, got ${JSON.stringify(ran.result)}${step.loads !== undefined ? `, loads ${ran.loads}/${step.loads}` : ''}`);

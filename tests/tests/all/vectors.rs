@@ -411,6 +411,7 @@ async fn run_step(world: &Arc<World>, step: &Value, loads: &Arc<AtomicUsize>) ->
         ("is_lock_expired", Body::Native { locks, .. }) => outcome(locks.is_lock_expired(key)),
         ("is_lock_expired", Body::Portable(p)) => outcome(p.is_lock_expired(key).await),
         ("get_or_set_together", body) => together(body, step, now, loads).await?,
+        ("get_or_set_many", body) => many(world, body, step, now, &tags, loads).await?,
         (op, _) => anyhow::bail!("unknown op {op:?}"),
     };
     Ok(Some(got))
@@ -538,10 +539,108 @@ async fn together(body: &Body, step: &Value, now: u64, loads: &Arc<AtomicUsize>)
 
 /// What a step expects: `expect`, or for a together step each caller's, in order.
 fn expectation(step: &Value) -> Value {
-    match step["callers"].as_array() {
-        Some(callers) => json!({"callers": callers.iter().map(|c| c["expect"].clone()).collect::<Vec<_>>()}),
-        None => step["expect"].clone(),
+    match (step["callers"].as_array(), step.get("asked")) {
+        (Some(callers), _) => {
+            json!({"callers": callers.iter().map(|c| c["expect"].clone()).collect::<Vec<_>>()})
+        }
+        (None, Some(asked)) => {
+            let mut expect = step["expect"].clone();
+            expect["asked"] = asked.clone();
+            expect
+        }
+        (None, None) => step["expect"].clone(),
     }
+}
+
+/// A `get_or_set_many` step: one answer per key (`{"each": [...]}`), or the call's
+/// error; with `asked`, the keys the loader was asked for (sorted, every call's).
+async fn many(
+    world: &Arc<World>,
+    body: &Body,
+    step: &Value,
+    now: u64,
+    tags: &[String],
+    loads: &Arc<AtomicUsize>,
+) -> Result<Value> {
+    let keys: Vec<String> = step["keys"]
+        .as_array()
+        .context("keys")?
+        .iter()
+        .map(|k| k.as_str().unwrap_or_default().to_owned())
+        .collect();
+    let values: BTreeMap<String, Vec<u8>> = step["loader"]["values"]
+        .as_object()
+        .map(|o| {
+            o.iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().as_bytes().to_vec()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let failure = step["loader"]["error"].as_str().map(str::to_owned);
+    let asked = Arc::new(Mutex::new(Vec::<String>::new()));
+    let (counter, noted) = (loads.clone(), asked.clone());
+    let (world2, during, at) = (world.clone(), during(step), "a batch's loader:".to_owned());
+    // One call of the loader: its `during` steps run in the first call only.
+    let ran_during = Arc::new(AtomicUsize::new(0));
+    let load = move |keys: Vec<String>| -> (Vec<Value>, BTreeMap<String, Vec<u8>>, Option<String>) {
+        counter.fetch_add(1, Ordering::SeqCst);
+        noted.lock().extend(keys.iter().cloned());
+        let found = keys
+            .iter()
+            .filter_map(|k| values.get(k).map(|v| (k.clone(), v.clone())))
+            .collect();
+        let steps = if ran_during.fetch_add(1, Ordering::SeqCst) == 0 {
+            during.clone()
+        } else {
+            Vec::new()
+        };
+        (steps, found, failure.clone())
+    };
+    let answers = match body {
+        Body::Native { cache, .. } => {
+            let o = LoadOptions::new().entry(options(step, now)).tags(tags.to_vec());
+            let loader = |keys: Vec<String>| {
+                let (steps, found, failure) = load(keys);
+                let (world, at) = (world2.clone(), at.clone());
+                async move {
+                    world.run_steps(&steps, at).await.map_err(std::io::Error::other)?;
+                    match failure {
+                        Some(e) => Err(std::io::Error::other(e)),
+                        None => Ok(found),
+                    }
+                }
+            };
+            cache.get_or_set_many(&keys, o, loader).await
+        }
+        Body::Portable(p) => {
+            let runtime = tokio::runtime::Handle::current();
+            let loader = move |keys: &[String]| {
+                let (steps, found, failure) = load(keys.to_vec());
+                runtime
+                    .block_on(world2.run_steps(&steps, at.clone()))
+                    .map_err(|e| format!("{e:#}"))?;
+                match failure {
+                    Some(e) => Err(e),
+                    None => Ok(found.into_iter().collect()),
+                }
+            };
+            p.get_or_set_many(&keys, options(step, now), tags, loader, |_| true)
+                .await
+        }
+    };
+    let mut got = match answers {
+        Ok(answers) => {
+            let each: Vec<Value> = answers.into_iter().map(|a| outcome(a.map(text))).collect();
+            json!({ "each": each })
+        }
+        Err(e) => error(&e),
+    };
+    if step.get("asked").is_some() {
+        let mut asked = asked.lock().clone();
+        asked.sort();
+        got["asked"] = json!(asked);
+    }
+    Ok(got)
 }
 
 /// Where a file's vectors run.
@@ -644,7 +743,7 @@ macro_rules! vector_files {
 }
 
 vector_files!(
-    coalescing, errors, expiry, freshness, get_or_set, keys, locks, processes, tags
+    batches, coalescing, errors, expiry, freshness, get_or_set, keys, locks, processes, tags
 );
 
 /// As wasmtime's `assert_test_exists`: a vector file without tests fails here.

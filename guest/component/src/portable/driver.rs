@@ -15,7 +15,8 @@ use corral_core::tags::{self, Tagged, Verdict};
 use corral_core::{Limits, envelope, names, policy};
 
 use super::{
-    Found, UNBOUNDED, judge, l2_read_holding, now_ms, settings, tagged_out, ticket_since, written_at,
+    Found, UNBOUNDED, judge, judge_read, l2_read_holding, now_ms, settings, tagged_out, ticket_since,
+    written_at,
 };
 use crate::bindings::corral::cache::{flights, l1, l2, types};
 
@@ -25,6 +26,9 @@ pub(super) enum Step {
     Load,
     /// At its end: what the caller gets.
     Done(Result<Vec<u8>, types::Error>),
+    /// At a wait for another process's landing, parked (a batch's flight): it goes on
+    /// from this action once the batch's loads ended.
+    Parked(Action),
 }
 
 /// One flight in progress over the imports: the machine, the performer of its actions,
@@ -66,6 +70,12 @@ pub(super) struct Driver {
     /// The key's data could not be named (the prefix's generation unknown and unread):
     /// every store step fails, and the flight degrades (contract §5.8).
     unnamed: bool,
+    /// What the flight's first L2 read brought, when a batch made it with its other
+    /// keys' (`l2.get-many`), and the key's L1 ticket taken before it: taken by that
+    /// read instead of a read of its own.
+    first_read: Option<(Result<Option<Vec<u8>>, types::Error>, l1::L1Ticket)>,
+    /// Stop at the first wait for a landing instead of waiting ([`Step::Parked`]).
+    park: bool,
 }
 
 impl Driver {
@@ -97,7 +107,27 @@ impl Driver {
             refresh_due: false,
             leads: false,
             unnamed: false,
+            first_read: None,
+            park: false,
         }
+    }
+
+    /// The flight stops at its first wait for another process's landing instead of
+    /// waiting: a batch's flight, whose batch holds other keys' flight locks until its
+    /// loads end (waiting with them held could wait on a batch that waits on this one).
+    pub(super) fn park_at_wait(&mut self) {
+        self.park = true;
+    }
+
+    /// The flight's first L2 read was made already, with a batch's other keys: `read`,
+    /// the key's ticket (as [`ticket_since`] gives it) taken before it.
+    pub(super) fn first_read(&mut self, read: Result<Option<Vec<u8>>, types::Error>, ticket: l1::L1Ticket) {
+        self.first_read = Some((read, ticket));
+    }
+
+    /// The key's ticket for a fill of what an L2 read brings, taken before that read.
+    pub(super) fn read_ticket(&self) -> l1::L1Ticket {
+        ticket_since(&self.key, self.named)
     }
 
     /// The key's data could not be named: the flight's store steps all fail.
@@ -125,6 +155,22 @@ impl Driver {
         // The store steps of each phase share a deadline (contract §5.13).
         l2::bound(settings().store_budget().before_load_ms);
         self.run(action)
+    }
+
+    /// As [`start`](Self::start), within the deadline already set (a batch's flights
+    /// share one until their loads).
+    pub(super) fn go(&mut self, action: Action) -> Step {
+        self.run(action)
+    }
+
+    /// Whether the key's data could be named (else every store step fails).
+    pub(super) fn named(&self) -> bool {
+        !self.unnamed
+    }
+
+    /// The name of the key's entry in L2.
+    pub(super) fn entry_name(&self) -> &str {
+        &self.names.entry
     }
 
     /// The caller's load brought `value`, which it judged `cacheable` or not: the flight
@@ -168,6 +214,10 @@ impl Driver {
             let event = match action {
                 Action::ReadL2 => self.read_l2(),
                 Action::TryLock { ttl_ms } => self.try_lock(ttl_ms),
+                Action::Wait { until_ms } if self.park => {
+                    self.park = false;
+                    return Step::Parked(Action::Wait { until_ms });
+                }
                 Action::Wait { until_ms } => {
                     l2::wait_landing(&self.key, until_ms);
                     Event::Woken
@@ -223,11 +273,19 @@ impl Driver {
     }
 
     fn read_l2(&mut self) -> Event {
-        self.l1_ticket = ticket_since(&self.key, self.named);
+        let (made, ticket) = match self.first_read.take() {
+            Some((read, ticket)) => (Some(read), ticket),
+            None => (None, self.read_ticket()),
+        };
+        self.l1_ticket = ticket;
         if self.unnamed {
             return Event::L2Failed;
         }
-        let Ok((found, held)) = l2_read_holding(&self.names.entry, now_ms(), &self.limits) else {
+        let read = match made {
+            Some(read) => judge_read(&self.names.entry, read, now_ms(), &self.limits),
+            None => l2_read_holding(&self.names.entry, now_ms(), &self.limits),
+        };
+        let Ok((found, held)) = read else {
             return Event::L2Failed;
         };
         self.holds = held;

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use corral_core::Settings;
-use corral_core::flight::{Flight, FlightConfig};
+use corral_core::flight::{Action, Flight, FlightConfig};
 
 use super::driver::{Driver, Step};
 use super::{check_tags, l1_entry, locate, locate_for_flight, now_ms, same_copy, settings};
@@ -70,7 +70,9 @@ impl Loading {
         };
         let result = match end(&mut driver) {
             Step::Done(result) => result,
-            Step::Load => {
+            // After its load, a flight never waits for a landing (nor parks: a load
+            // ends it).
+            Step::Load | Step::Parked(_) => {
                 driver.abandon();
                 Err(types::Error::Other(
                     "the flight asked for a second load".to_string(),
@@ -125,9 +127,15 @@ impl wcache::GuestLoad for Loading {
     }
 }
 
-/// A caller waiting for the load another caller of this instance holds.
+/// A caller waiting for the load another caller of this instance holds, or (`None`)
+/// for the flight another caller of the process leads, joined by a batch
+/// (`flights.join-many`): asked, it joins that flight for its outcome.
 pub(crate) struct Following {
-    shared: RefCell<Rc<Shared>>,
+    shared: RefCell<Option<Rc<Shared>>>,
+    /// A flight of a batch this caller leads, parked at a wait for another process's
+    /// landing ([`Step::Parked`]): asked, it goes on from there (and the key's ticket
+    /// when it began).
+    parked: RefCell<Option<(Driver, Action, l1::L1Ticket)>>,
     /// The key's L1 ticket when this caller began (or led in a load's place).
     since: RefCell<l1::L1Ticket>,
     request: Request,
@@ -146,41 +154,73 @@ impl wcache::GuestFollower for Following {
         if let Some(settled) = self.settled.borrow().clone() {
             return Followed::Ready(settled);
         }
+        let parked = self.parked.borrow_mut().take();
+        if let Some((driver, action, ticket)) = parked {
+            let request = self.request.clone();
+            return self.led(drive(
+                driver,
+                action,
+                request,
+                ticket,
+                &settings(),
+                Role::Leader,
+                true,
+            ));
+        }
         let shared = self.shared.borrow().clone();
-        let ended = shared.outcome.borrow().clone();
-        match ended {
-            Some(outcome) if key_unchanged(&shared.ticket, &self.since.borrow()) => {
-                return Followed::Ready(outcome);
+        if let Some(shared) = shared {
+            let ended = shared.outcome.borrow().clone();
+            match ended {
+                Some(outcome) if key_unchanged(&shared.ticket, &self.since.borrow()) => {
+                    return Followed::Ready(outcome);
+                }
+                // The key changed after that load began: its value may be older than
+                // the change, and this caller came after it.
+                Some(_) => {}
+                None if !*shared.dropped.borrow() => return Followed::Pending,
+                None => {}
             }
-            // The key changed after that load began: its value may be older than the
-            // change, and this caller came after it.
-            Some(_) => {}
-            None if !*shared.dropped.borrow() => return Followed::Pending,
-            None => {}
+            // Another follower may have taken its place already; else this one does.
+            if let Some(newer) = open(&self.request.key)
+                && !Rc::ptr_eq(&newer, &shared)
+            {
+                *self.shared.borrow_mut() = Some(newer);
+                return Followed::Pending;
+            }
         }
-        // Another follower may have taken its place already; else this one does.
-        if let Some(newer) = open(&self.request.key)
-            && !Rc::ptr_eq(&newer, &shared)
-        {
-            *self.shared.borrow_mut() = newer;
-            return Followed::Pending;
-        }
+        self.led(lead(self.request.clone()))
+    }
+}
+
+impl Following {
+    /// What this caller got once it led in its own right (`begun`).
+    fn led(&self, begun: Result<Begun, types::Error>) -> Followed {
         let settle = |outcome: Result<Vec<u8>, types::Error>| {
             *self.settled.borrow_mut() = Some(outcome.clone());
             Followed::Ready(outcome)
         };
-        match lead(self.request.clone()) {
+        match begun {
             Ok(Begun::Lead(load)) => {
                 // From now on this caller follows the load it holds.
                 if let Some(own) = open(&self.request.key) {
                     *self.since.borrow_mut() = own.ticket;
-                    *self.shared.borrow_mut() = own;
+                    *self.shared.borrow_mut() = Some(own);
                 }
                 Followed::Lead(load)
             }
             Ok(Begun::Hit(value) | Begun::Refresh((value, _))) => settle(Ok(value)),
             Ok(Begun::Wait(_)) => Followed::Pending,
             Err(e) => settle(Err(e)),
+        }
+    }
+}
+
+impl Drop for Following {
+    /// A parked flight dropped unasked is abandoned: its lock released, its flight in
+    /// the process handed on (contract §5.11).
+    fn drop(&mut self) {
+        if let Some((mut driver, _, _)) = self.parked.get_mut().take() {
+            driver.abandon();
         }
     }
 }
@@ -213,34 +253,161 @@ pub(crate) fn begin(
         bypass,
         tags,
     };
-    if !bypass && let Some(entry) = l1_entry(&request.key, now, true) {
-        if entry.refresh_at_ms.is_some_and(|at| now >= at) {
-            // Disarmed first: this copy starts no other refresh. Not a write: only over
-            // the very copy read, and refused if the key is written meanwhile.
-            let ticket = l1::ticket(&request.key);
-            if l1::get(&request.key).is_some_and(|again| same_copy(&again, &entry)) {
-                let disarmed = l1::L1Entry {
-                    refresh_at_ms: None,
-                    ..entry.clone()
-                };
-                l1::fill(&request.key, &disarmed, ticket);
-            }
-            return Ok(with_refresh(entry.value, &request, &settings));
-        }
-        return Ok(Begun::Hit(entry.value));
-    }
     if bypass {
         return fly(request, &settings, Role::Bypass);
     }
+    if let Some(hit) = from_l1(&request, now, &settings) {
+        return Ok(hit);
+    }
     if let Some(shared) = open(&request.key) {
-        return Ok(Begun::Wait(wcache::Follower::new(Following {
-            shared: RefCell::new(shared),
-            since: RefCell::new(l1::ticket(&request.key)),
-            request,
-            settled: RefCell::new(None),
-        })));
+        return Ok(follow(Some(shared), request));
     }
     lead(request)
+}
+
+/// The request's value from L1, if L1 holds a servable copy (with its eager refresh,
+/// when one is due).
+fn from_l1(request: &Request, now: u64, settings: &Settings) -> Option<Begun> {
+    let entry = l1_entry(&request.key, now, true)?;
+    if entry.refresh_at_ms.is_some_and(|at| now >= at) {
+        // Disarmed first: this copy starts no other refresh. Not a write: only over
+        // the very copy read, and refused if the key is written meanwhile.
+        let ticket = l1::ticket(&request.key);
+        if l1::get(&request.key).is_some_and(|again| same_copy(&again, &entry)) {
+            let disarmed = l1::L1Entry {
+                refresh_at_ms: None,
+                ..entry.clone()
+            };
+            l1::fill(&request.key, &disarmed, ticket);
+        }
+        return Some(with_refresh(entry.value, request, settings));
+    }
+    Some(Begun::Hit(entry.value))
+}
+
+/// A caller that follows `shared` (a load of this instance), or the flight of the
+/// process it joined (`None`).
+fn follow(shared: Option<Rc<Shared>>, request: Request) -> Begun {
+    Begun::Wait(wcache::Follower::new(Following {
+        shared: RefCell::new(shared),
+        parked: RefCell::new(None),
+        since: RefCell::new(l1::ticket(&request.key)),
+        request,
+        settled: RefCell::new(None),
+    }))
+}
+
+/// The first phase of a get-or-set of many keys (`cache.begin-many`, contract §5.16):
+/// each key's `begun`, in order. The keys not served at once join the process's
+/// flights together; the flights this caller leads make their first reads together
+/// (one `l2.get-many`) and share one deadline until their loads.
+pub(crate) fn begin_many(
+    keys: Vec<String>,
+    options: types::EntryOptions,
+    bypass: bool,
+    tags: Vec<String>,
+) -> Result<Vec<Result<Begun, types::Error>>, types::Error> {
+    let settings = settings();
+    let now = now_ms();
+    // Judged first, the same whatever is cached.
+    corral_core::batch::check_distinct(&keys, &settings.limits).map_err(arg_error)?;
+    Flight::check(
+        &options_in(options),
+        &settings.flight(bypass),
+        now,
+        &settings.limits,
+    )
+    .map_err(arg_error)?;
+    check_tags(&tags)?;
+    l2::bound(settings.store_timeout_ms);
+    let request = |key: &str| Request {
+        key: key.to_owned(),
+        options,
+        bypass,
+        tags: tags.clone(),
+    };
+    let mut begun: Vec<Option<Result<Begun, types::Error>>> = keys.iter().map(|_| None).collect();
+    let mut cold = Vec::new();
+    for (at, key) in keys.iter().enumerate() {
+        let request = request(key);
+        begun[at] = if bypass {
+            Some(fly(request, &settings, Role::Bypass))
+        } else if let Some(hit) = from_l1(&request, now, &settings) {
+            Some(Ok(hit))
+        } else if let Some(shared) = open(key) {
+            Some(Ok(follow(Some(shared), request)))
+        } else {
+            cold.push(at);
+            None
+        };
+    }
+    let joined = flights::join_many(&cold.iter().map(|&at| keys[at].clone()).collect::<Vec<_>>());
+    let mut led = Vec::new();
+    for (&at, leads) in cold.iter().zip(joined) {
+        if leads {
+            led.push(request(&keys[at]));
+        } else {
+            begun[at] = Some(Ok(follow(None, request(&keys[at]))));
+        }
+    }
+    let mut flown = lead_many(led, &settings).into_iter();
+    Ok(begun
+        .into_iter()
+        .map(|b| b.unwrap_or_else(|| flown.next().unwrap_or_else(|| Err(lost()))))
+        .collect())
+}
+
+/// An answer a batch lost track of (never: every led key gets one).
+fn lost() -> types::Error {
+    types::Error::Other("the batch lost a key's flight".to_string())
+}
+
+/// The flights of `led` (keys this caller leads in the process), in order: their
+/// first reads made together, then each run to its load or its end, within one
+/// deadline for all of them (a key whose lock another process holds waits within it).
+fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
+    let mut started = Vec::with_capacity(led.len());
+    for request in led {
+        let ticket = l1::ticket(&request.key);
+        match start(&request, settings, settings.flight(false)) {
+            Ok((driver, action)) => started.push(Ok((request, ticket, driver, action))),
+            Err(e) => {
+                flights::finish(&request.key, Err(&e));
+                started.push(Err(e));
+            }
+        }
+    }
+    let reading: Vec<_> = started
+        .iter_mut()
+        .filter_map(|s| s.as_mut().ok())
+        .filter(|(_, _, driver, action)| driver.named() && matches!(action, Action::ReadL2))
+        .collect();
+    let tickets: Vec<_> = reading
+        .iter()
+        .map(|(_, _, driver, _)| driver.read_ticket())
+        .collect();
+    let names: Vec<String> = reading
+        .iter()
+        .map(|(_, _, driver, _)| driver.entry_name().to_owned())
+        .collect();
+    let reads = if names.is_empty() {
+        Vec::new()
+    } else {
+        l2::get_many(&names)
+    };
+    for (((_, _, driver, _), read), ticket) in reading.into_iter().zip(reads).zip(tickets) {
+        driver.first_read(read, ticket);
+    }
+    l2::bound(settings.store_budget().before_load_ms);
+    started
+        .into_iter()
+        .map(|s| {
+            let (request, ticket, mut driver, action) = s?;
+            driver.lead();
+            driver.park_at_wait();
+            drive(driver, action, request, ticket, settings, Role::Leader, false)
+        })
+        .collect()
 }
 
 /// Joins the process's flight of the request's key: its outcome, or this caller leads.
@@ -283,7 +450,26 @@ fn fly(request: Request, settings: &Settings, role: Role) -> Result<Begun, types
     if role == Role::Leader {
         driver.lead();
     }
-    match driver.start(action) {
+    drive(driver, action, request, ticket, settings, role, true)
+}
+
+/// Runs a started flight from `action` to its load or its end (`bounded`: under a
+/// deadline of its own, else the batch's); `ticket`, the key's when it began.
+fn drive(
+    mut driver: Driver,
+    action: Action,
+    request: Request,
+    ticket: l1::L1Ticket,
+    settings: &Settings,
+    role: Role,
+    bounded: bool,
+) -> Result<Begun, types::Error> {
+    let step = if bounded {
+        driver.start(action)
+    } else {
+        driver.go(action)
+    };
+    match step {
         Step::Load => {
             let shared = (role == Role::Leader).then(|| {
                 let shared = Rc::new(Shared {
@@ -306,6 +492,13 @@ fn fly(request: Request, settings: &Settings, role: Role) -> Result<Begun, types
             }
             Ok(Begun::Hit(value))
         }
+        Step::Parked(action) => Ok(Begun::Wait(wcache::Follower::new(Following {
+            shared: RefCell::new(None),
+            parked: RefCell::new(Some((driver, action, ticket))),
+            since: RefCell::new(ticket),
+            request,
+            settled: RefCell::new(None),
+        }))),
     }
 }
 
@@ -314,7 +507,7 @@ fn start(
     request: &Request,
     settings: &Settings,
     config: FlightConfig,
-) -> Result<(Driver, corral_core::flight::Action), types::Error> {
+) -> Result<(Driver, Action), types::Error> {
     let (flight, action) = Flight::start(
         &request.key,
         options_in(request.options),

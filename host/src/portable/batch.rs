@@ -1,0 +1,242 @@
+//! Many keys at once, decided and driven inside the component (contract §5.16):
+//! [`PortableCache::get_or_set_many`] over the component's `begin-many`.
+//!
+//! One call of an instance runs the whole batch: `begin-many` answers every key (a hit,
+//! a load this call leads, or a wait); the loader is called once with every led key,
+//! each load ended with what it gave; then each wait is asked, after the loads, so a
+//! flight another process holds is awaited only once this call's own locks are gone.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use wasmtime::component::ResourceAny;
+
+use super::{PortableCache, PortableState, ShouldCache, Slot, run_origin};
+use crate::Result;
+use crate::error::Absent;
+use crate::guest::bindings::corral::cache::types;
+use crate::guest::bindings::exports::corral::cache::cache::{Begun, Followed};
+use crate::guest::convert::{from_wit, options_in};
+use crate::options::EntryOptions;
+
+/// The caller's origin for a batch: the keys to load give their values (a key left out
+/// is that key's loader failure), or one failure for them all; and the verdict on
+/// caching each value.
+struct BatchOrigin {
+    loader: BatchLoader,
+    should_cache: ShouldCache,
+}
+
+/// The values of the keys asked, or the failure of them all.
+type Loaded = std::result::Result<Vec<(String, Vec<u8>)>, String>;
+/// The loader of one portable batch.
+type BatchLoader = Box<dyn FnMut(&[String]) -> Loaded + Send>;
+
+/// One key's answer, as the component gives it.
+type Answer = std::result::Result<Vec<u8>, types::Error>;
+
+/// A load the call holds: the key's position, the `load` resource, and whether its
+/// outcome is the key's answer (an eager refresh's is not: the key was served already).
+type Held = (usize, ResourceAny, bool);
+
+impl PortableCache {
+    /// As [`Corral::get_or_set_many`](crate::Corral::get_or_set_many), decided and
+    /// driven inside the component: an answer per key, in order. `loader` is called
+    /// once with every key this call leads (in this process and, by the keys' flight
+    /// locks, across processes); a key it leaves out is absent (`Ok(None)`, nothing
+    /// cached), and its failure is the failure of every key it was asked for. Loaded
+    /// entries carry `tags`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key`
+    /// (with its position among the distinct keys), an option or `tags`, before
+    /// anything runs; per key, the errors of [`get_or_set`](Self::get_or_set).
+    pub async fn get_or_set_many(
+        &self,
+        keys: &[impl AsRef<str>],
+        options: EntryOptions,
+        tags: &[impl AsRef<str>],
+        loader: impl FnMut(&[String]) -> Loaded + Send + 'static,
+        should_cache: impl Fn(&[u8]) -> bool + Send + 'static,
+    ) -> Result<Vec<Result<Option<Bytes>>>> {
+        // Each key once in the component (a key asked twice is loaded once, answered
+        // twice).
+        let mut distinct: Vec<String> = Vec::with_capacity(keys.len());
+        let mut position = HashMap::with_capacity(keys.len());
+        let asked: Vec<usize> = keys
+            .iter()
+            .map(|k| {
+                let k = k.as_ref();
+                *position.entry(k.to_owned()).or_insert_with(|| {
+                    distinct.push(k.to_owned());
+                    distinct.len() - 1
+                })
+            })
+            .collect();
+        let keys = distinct;
+        let tags: Vec<String> = tags.iter().map(|t| t.as_ref().to_owned()).collect();
+        let options = options_in(&options);
+        let mut origin = BatchOrigin {
+            loader: Box::new(loader),
+            should_cache: Box::new(should_cache),
+        };
+        let answers = self
+            .call(move |s| {
+                let begun = s.guest.corral_cache_cache().call_begin_many(
+                    &mut s.store,
+                    &keys,
+                    options,
+                    false,
+                    &tags,
+                )?;
+                match begun {
+                    Err(e) => Ok(Err(e)),
+                    Ok(begun) => origin.run(s, &keys, begun).map(Ok),
+                }
+            })
+            .await?;
+        let absent = Absent.to_string();
+        let answers: Vec<Result<Option<Bytes>>> = answers
+            .into_iter()
+            .map(|answer| match answer {
+                Ok(value) => Ok(Some(Bytes::from(value))),
+                Err(types::Error::LoaderFailed(reason)) if reason == absent => Ok(None),
+                Err(e) => Err(from_wit(e)),
+            })
+            .collect();
+        Ok(asked.into_iter().map(|i| answers[i].clone()).collect())
+    }
+}
+
+impl BatchOrigin {
+    /// Answers every key of a begun batch: the hits at once, the loads with one loader
+    /// call, then the waits.
+    fn run(
+        &mut self,
+        s: &mut Slot<PortableState>,
+        keys: &[String],
+        begun: Vec<std::result::Result<Begun, types::Error>>,
+    ) -> wasmtime::Result<Vec<Answer>> {
+        let mut answers: Vec<Option<Answer>> = keys.iter().map(|_| None).collect();
+        let mut loads = Vec::new();
+        let mut waits = Vec::new();
+        for (at, begun) in begun.into_iter().enumerate() {
+            match begun {
+                Err(e) => answers[at] = Some(Err(e)),
+                Ok(Begun::Hit(value)) => answers[at] = Some(Ok(value)),
+                Ok(Begun::Lead(load)) => loads.push((at, load, true)),
+                Ok(Begun::Refresh((value, load))) => {
+                    answers[at] = Some(Ok(value));
+                    loads.push((at, load, false));
+                }
+                Ok(Begun::Wait(follower)) => waits.push((at, follower)),
+            }
+        }
+        let loaded = self.load(s, keys, loads);
+        let loaded = match loaded {
+            Ok(loaded) => loaded,
+            Err(e) => {
+                for (_, follower) in waits {
+                    follower.resource_drop(&mut s.store)?;
+                }
+                return Err(e);
+            }
+        };
+        for (at, answer) in loaded {
+            answers[at] = Some(answer);
+        }
+        let mut waits = waits.into_iter();
+        while let Some((at, follower)) = waits.next() {
+            match self.follow(s, &keys[at], follower) {
+                Ok(answer) => answers[at] = Some(answer),
+                Err(e) => {
+                    for (_, follower) in waits {
+                        follower.resource_drop(&mut s.store)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(lost())))
+            .collect())
+    }
+
+    /// Calls the loader once for every load held, and ends each with what it gave;
+    /// the answers of the loads whose outcome is their key's.
+    fn load(
+        &mut self,
+        s: &mut Slot<PortableState>,
+        keys: &[String],
+        loads: Vec<Held>,
+    ) -> wasmtime::Result<Vec<(usize, Answer)>> {
+        if loads.is_empty() {
+            return Ok(Vec::new());
+        }
+        let asked: Vec<String> = loads.iter().map(|(at, ..)| keys[*at].clone()).collect();
+        let out = match run_origin(s, || (self.loader)(&asked)) {
+            Ok(out) => out,
+            Err(e) => {
+                for (_, load, _) in loads {
+                    load.resource_drop(&mut s.store)?;
+                }
+                return Err(e);
+            }
+        };
+        let (mut values, failure): (HashMap<String, Vec<u8>>, _) = match out {
+            Ok(values) => (values.into_iter().collect(), None),
+            Err(reason) => (HashMap::new(), Some(reason)),
+        };
+        let cache = s.guest.corral_cache_cache().load();
+        let mut answers = Vec::with_capacity(loads.len());
+        for (at, load, answers_key) in loads {
+            let answer = match (&failure, values.remove(&keys[at])) {
+                (Some(reason), _) => cache.call_fail(&mut s.store, load, reason)?,
+                (None, Some(value)) => {
+                    let cacheable = (self.should_cache)(&value);
+                    cache.call_complete(&mut s.store, load, &value, cacheable)?
+                }
+                // Absent: a loader failure to the flight (fail-safe may serve a stale
+                // copy), `None` to its callers.
+                (None, None) => cache.call_fail(&mut s.store, load, &Absent.to_string())?,
+            };
+            if answers_key {
+                answers.push((at, answer));
+            }
+        }
+        Ok(answers)
+    }
+
+    /// Asks a waiting key's follower for its outcome; when the flight it followed went
+    /// away, this call leads the key and loads it alone.
+    fn follow(
+        &mut self,
+        s: &mut Slot<PortableState>,
+        key: &str,
+        follower: ResourceAny,
+    ) -> wasmtime::Result<Answer> {
+        let outcome = s
+            .guest
+            .corral_cache_cache()
+            .follower()
+            .call_outcome(&mut s.store, follower);
+        follower.resource_drop(&mut s.store)?;
+        match outcome? {
+            Followed::Ready(answer) => Ok(answer),
+            Followed::Lead(load) => {
+                let keys = [key.to_owned()];
+                let mut loaded = self.load(s, &keys, vec![(0, load, true)])?;
+                Ok(loaded.pop().map_or_else(|| Err(lost()), |(_, answer)| answer))
+            }
+            // Each key of a batch comes once: no load of this call's instance is ahead.
+            Followed::Pending => Err(wasmtime::format_err!(
+                "the component made a batch's key wait on its own instance"
+            )),
+        }
+    }
+}
+
+fn lost() -> types::Error {
+    types::Error::Other("the batch lost a key's load".to_string())
+}
