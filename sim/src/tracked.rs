@@ -57,7 +57,7 @@ impl Tracked {
         let mut st = self.world.st.lock();
         let key = st.key_of(name);
         let read = st.reads.entry((call, key)).or_default();
-        read.pending = pending;
+        read.pending_since = pending.then_some(now);
         if failed {
             read.failed_at = Some(now);
         }
@@ -116,7 +116,12 @@ impl Entries for Tracked {
             self.note(call, key, true, false);
         }
         async move {
+            let mut abandoned: Vec<_> = keys
+                .iter()
+                .map(|key| Abandoned(Some((self, call, *key))))
+                .collect();
             let got = self.entries.get_many(keys).await;
+            abandoned.iter_mut().for_each(|a| a.0 = None);
             for (key, found) in keys.iter().zip(&got) {
                 self.note(call, key, false, found.is_err());
             }

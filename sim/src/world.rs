@@ -87,16 +87,16 @@ pub enum VersionKind {
     Restart,
 }
 
-/// One version of a key, in the store's order.
 /// A call's reads of one name ([`State::reads`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Reads {
-    /// One is running.
-    pub(crate) pending: bool,
+    /// One is running: since when.
+    pub(crate) pending_since: Option<u64>,
     /// When the last one that failed ended.
     pub(crate) failed_at: Option<u64>,
 }
 
+/// One version of a key, in the store's order.
 #[derive(Clone, Debug)]
 pub struct Version {
     pub order: u64,
@@ -563,7 +563,10 @@ impl World {
                     // had no answer to judge by.
                     if st.reads.iter().any(|((c, k), read)| {
                         (*c == call || *c == DETACHED_CALLS + proc as u64)
-                            && (read.pending || read.failed_at.is_some_and(|t| t >= since))
+                            && [read.pending_since, read.failed_at]
+                                .into_iter()
+                                .flatten()
+                                .any(|t| t >= since)
                             && (k == key || k.starts_with('{'))
                     }) {
                         excuses.push(("load-after-failed-read", what));

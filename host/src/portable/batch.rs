@@ -5,6 +5,8 @@
 //! a load this call leads, or a wait); the loader is called once with every led key,
 //! each load ended with what it gave; then each wait is asked, after the loads, so a
 //! flight another process holds is awaited only once this call's own locks are gone.
+//! A wait that comes to lead its key (the flight it followed came to nothing) is
+//! loaded in a loader call of its own.
 
 use std::collections::HashMap;
 
@@ -42,8 +44,10 @@ type Held = (usize, ResourceAny, bool);
 impl PortableCache {
     /// As [`Corral::get_or_set_many`](crate::Corral::get_or_set_many), decided and
     /// driven inside the component: an answer per key, in order. `loader` is called
-    /// once with every key this call leads (in this process and, by the keys' flight
-    /// locks, across processes); a key it leaves out is absent (`Ok(None)`, nothing
+    /// once with every key this call leads when the batch begins (in this process and,
+    /// by the keys' flight locks, across processes), and once more for each key it
+    /// comes to lead later (a key another process was loading that came to nothing, a
+    /// leader in this process gone); a key it leaves out is absent (`Ok(None)`, nothing
     /// cached), and its failure is the failure of every key it was asked for. Loaded
     /// entries carry `tags`.
     ///

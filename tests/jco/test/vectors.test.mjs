@@ -188,6 +188,9 @@ function newHost(world) {
     for (const [name, held] of world.locks) {
       if (held.holder[0] === host && held.holder[1] === caller) world.locks.delete(name);
     }
+    for (const name of followed.keys()) {
+      if (name.startsWith(`${caller} `)) followed.delete(name);
+    }
     for (const [key, flight] of flights) {
       flight.waiting = flight.waiting.filter((w) => w.caller !== caller);
       if (flight.leader === caller) handOn(key, flight);

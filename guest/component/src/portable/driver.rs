@@ -26,9 +26,9 @@ pub(super) enum Step {
     Load,
     /// At its end: what the caller gets.
     Done(Result<Vec<u8>, types::Error>),
-    /// At a wait for another process's landing, parked (a batch's flight): it goes on
-    /// from this action once the batch's loads ended.
-    Parked(Action),
+    /// At a wait for another process's landing, which a batch's flight does not wait
+    /// out ([`Driver::park_at_wait`]).
+    Parked,
 }
 
 /// One flight in progress over the imports: the machine, the performer of its actions,
@@ -113,8 +113,9 @@ impl Driver {
     }
 
     /// The flight stops at its first wait for another process's landing instead of
-    /// waiting: a batch's flight, whose batch holds other keys' flight locks until its
-    /// loads end (waiting with them held could wait on a batch that waits on this one).
+    /// waiting ([`Step::Parked`]): a batch's flight, whose batch holds other keys'
+    /// flight locks until its loads end (waiting with them held could wait on a batch
+    /// that waits on this one).
     pub(super) fn park_at_wait(&mut self) {
         self.park = true;
     }
@@ -154,12 +155,6 @@ impl Driver {
     pub(super) fn start(&mut self, action: Action) -> Step {
         // The store steps of each phase share a deadline (contract §5.13).
         l2::bound(settings().store_budget().before_load_ms);
-        self.run(action)
-    }
-
-    /// As [`start`](Self::start), within the deadline already set (a batch's flights
-    /// share one until their loads).
-    pub(super) fn go(&mut self, action: Action) -> Step {
         self.run(action)
     }
 
@@ -214,9 +209,9 @@ impl Driver {
             let event = match action {
                 Action::ReadL2 => self.read_l2(),
                 Action::TryLock { ttl_ms } => self.try_lock(ttl_ms),
-                Action::Wait { until_ms } if self.park => {
+                Action::Wait { .. } if self.park => {
                     self.park = false;
-                    return Step::Parked(Action::Wait { until_ms });
+                    return Step::Parked;
                 }
                 Action::Wait { until_ms } => {
                     l2::wait_landing(&self.key, until_ms);

@@ -72,7 +72,7 @@ impl Loading {
             Step::Done(result) => result,
             // After its load, a flight never waits for a landing (nor parks: a load
             // ends it).
-            Step::Load | Step::Parked(_) => {
+            Step::Load | Step::Parked => {
                 driver.abandon();
                 Err(types::Error::Other(
                     "the flight asked for a second load".to_string(),
@@ -132,10 +132,6 @@ impl wcache::GuestLoad for Loading {
 /// (`flights.join-many`): asked, it joins that flight for its outcome.
 pub(crate) struct Following {
     shared: RefCell<Option<Rc<Shared>>>,
-    /// A flight of a batch this caller leads, parked at a wait for another process's
-    /// landing ([`Step::Parked`]): asked, it goes on from there (and the key's ticket
-    /// when it began).
-    parked: RefCell<Option<(Driver, Action, l1::L1Ticket)>>,
     /// The key's L1 ticket when this caller began (or led in a load's place).
     since: RefCell<l1::L1Ticket>,
     request: Request,
@@ -153,19 +149,6 @@ impl wcache::GuestFollower for Following {
     fn outcome(&self) -> Followed {
         if let Some(settled) = self.settled.borrow().clone() {
             return Followed::Ready(settled);
-        }
-        let parked = self.parked.borrow_mut().take();
-        if let Some((driver, action, ticket)) = parked {
-            let request = self.request.clone();
-            return self.led(drive(
-                driver,
-                action,
-                request,
-                ticket,
-                &settings(),
-                Role::Leader,
-                true,
-            ));
         }
         let shared = self.shared.borrow().clone();
         if let Some(shared) = shared {
@@ -211,16 +194,6 @@ impl Following {
             Ok(Begun::Hit(value) | Begun::Refresh((value, _))) => settle(Ok(value)),
             Ok(Begun::Wait(_)) => Followed::Pending,
             Err(e) => settle(Err(e)),
-        }
-    }
-}
-
-impl Drop for Following {
-    /// A parked flight dropped unasked is abandoned: its lock released, its flight in
-    /// the process handed on (contract §5.11).
-    fn drop(&mut self) {
-        if let Some((mut driver, _, _)) = self.parked.get_mut().take() {
-            driver.abandon();
         }
     }
 }
@@ -290,7 +263,6 @@ fn from_l1(request: &Request, now: u64, settings: &Settings) -> Option<Begun> {
 fn follow(shared: Option<Rc<Shared>>, request: Request) -> Begun {
     Begun::Wait(wcache::Follower::new(Following {
         shared: RefCell::new(shared),
-        parked: RefCell::new(None),
         since: RefCell::new(l1::ticket(&request.key)),
         request,
         settled: RefCell::new(None),
@@ -300,7 +272,8 @@ fn follow(shared: Option<Rc<Shared>>, request: Request) -> Begun {
 /// The first phase of a get-or-set of many keys (`cache.begin-many`, contract §5.16):
 /// each key's `begun`, in order. The keys not served at once join the process's
 /// flights together; the flights this caller leads make their first reads together
-/// (one `l2.get-many`) and share one deadline until their loads.
+/// (one `l2.get-many`), and none of them waits for another process's landing while
+/// the batch holds its other keys' flight locks.
 pub(crate) fn begin_many(
     keys: Vec<String>,
     options: types::EntryOptions,
@@ -309,15 +282,16 @@ pub(crate) fn begin_many(
 ) -> Result<Vec<Result<Begun, types::Error>>, types::Error> {
     let settings = settings();
     let now = now_ms();
-    // Judged first, the same whatever is cached.
+    // Judged first, the same whatever is cached, in the native body's order: the first
+    // key, the options, every key, the tags. No key: nothing to judge.
+    let Some(first) = keys.first() else {
+        return Ok(Vec::new());
+    };
+    corral_core::key::validate(first, &settings.limits)
+        .map_err(|e| arg_error(corral_core::batch::at_position(0, e)))?;
+    let config = settings.flight(bypass);
+    Flight::check(&options_in(options), &config, now, &settings.limits).map_err(arg_error)?;
     corral_core::batch::check_distinct(&keys, &settings.limits).map_err(arg_error)?;
-    Flight::check(
-        &options_in(options),
-        &settings.flight(bypass),
-        now,
-        &settings.limits,
-    )
-    .map_err(arg_error)?;
     check_tags(&tags)?;
     l2::bound(settings.store_timeout_ms);
     let request = |key: &str| Request {
@@ -363,8 +337,9 @@ fn lost() -> types::Error {
 }
 
 /// The flights of `led` (keys this caller leads in the process), in order: their
-/// first reads made together, then each run to its load or its end, within one
-/// deadline for all of them (a key whose lock another process holds waits within it).
+/// first reads made together (one store timeout), then each run, under its own deadline,
+/// to its load, its end, or a wait for another process's landing: that key follows the
+/// process's flight of it once the batch's loads ended ([`Step::Parked`]).
 fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
     let mut started = Vec::with_capacity(led.len());
     for request in led {
@@ -390,6 +365,8 @@ fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types:
         .iter()
         .map(|(_, _, driver, _)| driver.entry_name().to_owned())
         .collect();
+    // The reads together get one store timeout, as a single key's first read.
+    l2::bound(settings.store_timeout_ms);
     let reads = if names.is_empty() {
         Vec::new()
     } else {
@@ -398,14 +375,13 @@ fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types:
     for (((_, _, driver, _), read), ticket) in reading.into_iter().zip(reads).zip(tickets) {
         driver.first_read(read, ticket);
     }
-    l2::bound(settings.store_budget().before_load_ms);
     started
         .into_iter()
         .map(|s| {
             let (request, ticket, mut driver, action) = s?;
             driver.lead();
             driver.park_at_wait();
-            drive(driver, action, request, ticket, settings, Role::Leader, false)
+            drive(driver, action, request, ticket, settings, Role::Leader)
         })
         .collect()
 }
@@ -450,11 +426,11 @@ fn fly(request: Request, settings: &Settings, role: Role) -> Result<Begun, types
     if role == Role::Leader {
         driver.lead();
     }
-    drive(driver, action, request, ticket, settings, role, true)
+    drive(driver, action, request, ticket, settings, role)
 }
 
-/// Runs a started flight from `action` to its load or its end (`bounded`: under a
-/// deadline of its own, else the batch's); `ticket`, the key's when it began.
+/// Runs a started flight from `action` to its load or its end, its store steps under
+/// one deadline until then (contract §5.13); `ticket`, the key's when it began.
 fn drive(
     mut driver: Driver,
     action: Action,
@@ -462,14 +438,8 @@ fn drive(
     ticket: l1::L1Ticket,
     settings: &Settings,
     role: Role,
-    bounded: bool,
 ) -> Result<Begun, types::Error> {
-    let step = if bounded {
-        driver.start(action)
-    } else {
-        driver.go(action)
-    };
-    match step {
+    match driver.start(action) {
         Step::Load => {
             let shared = (role == Role::Leader).then(|| {
                 let shared = Rc::new(Shared {
@@ -492,13 +462,15 @@ fn drive(
             }
             Ok(Begun::Hit(value))
         }
-        Step::Parked(action) => Ok(Begun::Wait(wcache::Follower::new(Following {
-            shared: RefCell::new(None),
-            parked: RefCell::new(Some((driver, action, ticket))),
-            since: RefCell::new(ticket),
-            request,
-            settled: RefCell::new(None),
-        }))),
+        // A batch's flight that would wait for another process's landing holds no lock
+        // yet: it gives up the process's flight of its key (a caller there leads in its
+        // place, and waits within its own deadline) and follows it once the batch's
+        // loads ended. Holding on while its caller loads other keys could make two
+        // batches wait on each other.
+        Step::Parked => {
+            driver.abandon();
+            Ok(follow(None, request))
+        }
     }
 }
 
