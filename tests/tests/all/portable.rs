@@ -512,3 +512,93 @@ async fn tag_and_clear_invalidations_reach_the_other_bodys_l1_both_ways() -> Res
     .await?;
     Ok(())
 }
+
+/// A portable batch whose key another process is loading does not wait for that load
+/// while it holds its other keys' locks: its loader is called at once with the keys it
+/// leads, and the other key is answered with the other process's value once it lands.
+/// A batch that waited there could wait on a batch that waits on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_batch_loads_its_own_keys_before_waiting_for_another_processs_load() -> Result<()> {
+    let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
+    let stores = || {
+        (
+            Arc::new(memory.clone()) as Arc<dyn Entries>,
+            Arc::new(memory.clone()) as Arc<dyn FlightLock>,
+            Arc::new(memory.clone()) as Arc<dyn Notifications>,
+        )
+    };
+    let (e, l, n) = stores();
+    // A lock wait far beyond the bound below: a batch waiting for the other load first
+    // would be seen.
+    let portable = PortableCache::builder()
+        .stores("batch:", e, l, n)
+        .lock_wait(Duration::from_secs(60))
+        .build()?;
+    let (e, l, n) = stores();
+    let other = Corral::builder().stores("batch:", e, l, n).build()?;
+    // The other process leads "k2" and holds its lock until released.
+    let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let loading = started.notified();
+    let other_load = {
+        let (started, release) = (started.clone(), release.clone());
+        tokio::spawn(async move {
+            other
+                .get_or_set(
+                    "k2",
+                    EntryOptions::new().relative(Duration::from_secs(60)),
+                    || async move {
+                        started.notify_one();
+                        release.notified().await;
+                        Ok::<_, std::io::Error>("theirs")
+                    },
+                )
+                .await
+        })
+    };
+    loading.await;
+    let (asked_tx, mut asked_rx) = tokio::sync::mpsc::unbounded_channel();
+    let batch = tokio::spawn(async move {
+        portable
+            .get_or_set_many(
+                &["k1", "k2"],
+                EntryOptions::new().relative(Duration::from_secs(60)),
+                &[] as &[&str],
+                move |keys: &[String]| {
+                    let _ = asked_tx.send(keys.to_vec());
+                    Ok(keys
+                        .iter()
+                        .map(|k| (k.clone(), format!("mine:{k}").into_bytes()))
+                        .collect())
+                },
+                |_| true,
+            )
+            .await
+    });
+    let first = tokio::time::timeout(Duration::from_secs(20), asked_rx.recv())
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!("the batch waited for the other process's load before loading its own key")
+        })?;
+    assert_eq!(
+        first,
+        Some(vec!["k1".to_owned()]),
+        "the batch loads the key it leads"
+    );
+    release.notify_one();
+    assert_eq!(&other_load.await??[..], b"theirs");
+    let answers = batch.await??;
+    let answers: Vec<Option<Bytes>> = answers.into_iter().collect::<corral::Result<_>>()?;
+    assert_eq!(
+        answers,
+        [
+            Some(Bytes::from_static(b"mine:k1")),
+            Some(Bytes::from_static(b"theirs"))
+        ],
+        "the other key is the other process's value"
+    );
+    assert!(
+        asked_rx.try_recv().is_err(),
+        "one loader call: the other key was never loaded here"
+    );
+    Ok(())
+}
