@@ -306,11 +306,14 @@ fn l2_read_holding(name: &str, now: u64, limits: &Limits) -> Result<(Found, Opti
     judge_read(name, l2::get(name), now, limits)
 }
 
+/// What a read of an entry's name brought from L2: its bytes, if any, or the failure.
+type StoredRead = Result<Option<Vec<u8>>, types::Error>;
+
 /// [`l2_read_holding`] of what a read of `name` already brought (`read`: one of a
 /// batch's reads, made together).
 fn judge_read(
     name: &str,
-    read: Result<Option<Vec<u8>>, types::Error>,
+    read: StoredRead,
     now: u64,
     limits: &Limits,
 ) -> Result<(Found, Option<Vec<u8>>), types::Error> {

@@ -34,6 +34,7 @@ mod typed;
 
 pub use builder::CorralBuilder;
 pub(crate) use builder::Overrides;
+pub(crate) use flight::distinct_keys;
 pub use health::Health;
 use metrics::{Metrics, MetricsSnapshot};
 use registry::Registry;

@@ -15,6 +15,7 @@ use wasmtime::component::ResourceAny;
 
 use super::{PortableCache, PortableState, ShouldCache, Slot, run_origin};
 use crate::Result;
+use crate::cache::distinct_keys;
 use crate::error::Absent;
 use crate::guest::bindings::corral::cache::types;
 use crate::guest::bindings::exports::corral::cache::cache::{Begun, Followed};
@@ -63,21 +64,8 @@ impl PortableCache {
         loader: impl FnMut(&[String]) -> Loaded + Send + 'static,
         should_cache: impl Fn(&[u8]) -> bool + Send + 'static,
     ) -> Result<Vec<Result<Option<Bytes>>>> {
-        // Each key once in the component (a key asked twice is loaded once, answered
-        // twice).
-        let mut distinct: Vec<String> = Vec::with_capacity(keys.len());
-        let mut position = HashMap::with_capacity(keys.len());
-        let asked: Vec<usize> = keys
-            .iter()
-            .map(|k| {
-                let k = k.as_ref();
-                *position.entry(k.to_owned()).or_insert_with(|| {
-                    distinct.push(k.to_owned());
-                    distinct.len() - 1
-                })
-            })
-            .collect();
-        let keys = distinct;
+        // Each key once in the component (`begin-many` takes each key once).
+        let (keys, asked) = distinct_keys(keys);
         let tags: Vec<String> = tags.iter().map(|t| t.as_ref().to_owned()).collect();
         let options = options_in(&options);
         let mut origin = BatchOrigin {
@@ -136,30 +124,15 @@ impl BatchOrigin {
                 Ok(Begun::Wait(follower)) => waits.push((at, follower)),
             }
         }
+        let mut waits = waits.into_iter();
+        // A call that ends early (the caller gone, a panic) drops the waits not asked.
         let loaded = self.load(s, keys, loads);
-        let loaded = match loaded {
-            Ok(loaded) => loaded,
-            Err(e) => {
-                for (_, follower) in waits {
-                    follower.resource_drop(&mut s.store)?;
-                }
-                return Err(e);
-            }
-        };
-        for (at, answer) in loaded {
+        for (at, answer) in loaded.inspect_err(|_| drop_all(s, &mut waits))? {
             answers[at] = Some(answer);
         }
-        let mut waits = waits.into_iter();
         while let Some((at, follower)) = waits.next() {
-            match self.follow(s, &keys[at], follower) {
-                Ok(answer) => answers[at] = Some(answer),
-                Err(e) => {
-                    for (_, follower) in waits {
-                        follower.resource_drop(&mut s.store)?;
-                    }
-                    return Err(e);
-                }
-            }
+            let answer = self.follow(s, &keys[at], follower);
+            answers[at] = Some(answer.inspect_err(|_| drop_all(s, &mut waits))?);
         }
         Ok(answers
             .into_iter()
@@ -193,6 +166,7 @@ impl BatchOrigin {
             Err(reason) => (HashMap::new(), Some(reason)),
         };
         let cache = s.guest.corral_cache_cache().load();
+        let absent = Absent.to_string();
         let mut answers = Vec::with_capacity(loads.len());
         for (at, load, answers_key) in loads {
             let answer = match (&failure, values.remove(&keys[at])) {
@@ -203,7 +177,7 @@ impl BatchOrigin {
                 }
                 // Absent: a loader failure to the flight (fail-safe may serve a stale
                 // copy), `None` to its callers.
-                (None, None) => cache.call_fail(&mut s.store, load, &Absent.to_string())?,
+                (None, None) => cache.call_fail(&mut s.store, load, &absent)?,
             };
             if answers_key {
                 answers.push((at, answer));
@@ -238,6 +212,13 @@ impl BatchOrigin {
                 "the component made a batch's key wait on its own instance"
             )),
         }
+    }
+}
+
+/// Drops the followers left (their resources go with the instance if a drop fails).
+fn drop_all(s: &mut Slot<PortableState>, waits: impl Iterator<Item = (usize, ResourceAny)>) {
+    for (_, follower) in waits {
+        let _ = follower.resource_drop(&mut s.store);
     }
 }
 

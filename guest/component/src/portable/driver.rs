@@ -15,8 +15,8 @@ use corral_core::tags::{self, Tagged, Verdict};
 use corral_core::{Limits, envelope, names, policy};
 
 use super::{
-    Found, UNBOUNDED, judge, judge_read, l2_read_holding, now_ms, settings, tagged_out, ticket_since,
-    written_at,
+    Found, StoredRead, UNBOUNDED, judge, judge_read, l2_read_holding, now_ms, settings, tagged_out,
+    ticket_since, written_at,
 };
 use crate::bindings::corral::cache::{flights, l1, l2, types};
 
@@ -73,7 +73,7 @@ pub(super) struct Driver {
     /// What the flight's first L2 read brought, when a batch made it with its other
     /// keys' (`l2.get-many`), and the key's L1 ticket taken before it: taken by that
     /// read instead of a read of its own.
-    first_read: Option<(Result<Option<Vec<u8>>, types::Error>, l1::L1Ticket)>,
+    first_read: Option<(StoredRead, l1::L1Ticket)>,
     /// Stop at the first wait for a landing instead of waiting ([`Step::Parked`]).
     park: bool,
 }
@@ -122,7 +122,7 @@ impl Driver {
 
     /// The flight's first L2 read was made already, with a batch's other keys: `read`,
     /// the key's ticket (as [`ticket_since`] gives it) taken before it.
-    pub(super) fn first_read(&mut self, read: Result<Option<Vec<u8>>, types::Error>, ticket: l1::L1Ticket) {
+    pub(super) fn first_read(&mut self, read: StoredRead, ticket: l1::L1Ticket) {
         self.first_read = Some((read, ticket));
     }
 
@@ -209,10 +209,8 @@ impl Driver {
             let event = match action {
                 Action::ReadL2 => self.read_l2(),
                 Action::TryLock { ttl_ms } => self.try_lock(ttl_ms),
-                Action::Wait { .. } if self.park => {
-                    self.park = false;
-                    return Step::Parked;
-                }
+                // A parked flight is abandoned: it never goes on from here.
+                Action::Wait { .. } if self.park => return Step::Parked,
                 Action::Wait { until_ms } => {
                     l2::wait_landing(&self.key, until_ms);
                     Event::Woken

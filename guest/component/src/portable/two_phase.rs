@@ -341,17 +341,13 @@ fn lost() -> types::Error {
 /// to its load, its end, or a wait for another process's landing: that key follows the
 /// process's flight of it once the batch's loads ended ([`Step::Parked`]).
 fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
-    let mut started = Vec::with_capacity(led.len());
-    for request in led {
-        let ticket = l1::ticket(&request.key);
-        match start(&request, settings, settings.flight(false)) {
-            Ok((driver, action)) => started.push(Ok((request, ticket, driver, action))),
-            Err(e) => {
-                flights::finish(&request.key, Err(&e));
-                started.push(Err(e));
-            }
-        }
-    }
+    let mut started: Vec<_> = led
+        .into_iter()
+        .map(|request| {
+            let (driver, action, ticket) = begin_flight(&request, settings, Role::Leader)?;
+            Ok((request, ticket, driver, action))
+        })
+        .collect();
     let reading: Vec<_> = started
         .iter_mut()
         .filter_map(|s| s.as_mut().ok())
@@ -379,7 +375,6 @@ fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types:
         .into_iter()
         .map(|s| {
             let (request, ticket, mut driver, action) = s?;
-            driver.lead();
             driver.park_at_wait();
             drive(driver, action, request, ticket, settings, Role::Leader)
         })
@@ -408,25 +403,32 @@ enum Role {
 
 /// Runs a flight of the request to its load or its end.
 fn fly(request: Request, settings: &Settings, role: Role) -> Result<Begun, types::Error> {
+    let (driver, action, ticket) = begin_flight(&request, settings, role)?;
+    drive(driver, action, request, ticket, settings, role)
+}
+
+/// A new flight of the request in its role: its driver, its first action, and the key's
+/// ticket when it began. A leader's flight that could not start hands its error on to
+/// the process's followers of the key.
+fn begin_flight(
+    request: &Request,
+    settings: &Settings,
+    role: Role,
+) -> Result<(Driver, Action, l1::L1Ticket), types::Error> {
     let config = FlightConfig {
         refresh: role == Role::Refresh,
         ..settings.flight(request.bypass)
     };
     let ticket = l1::ticket(&request.key);
-    let (mut driver, action) = match start(&request, settings, config) {
-        Ok(started) => started,
-        Err(e) => {
-            // A flight that could not start hands its error on.
-            if role == Role::Leader {
-                flights::finish(&request.key, Err(&e));
-            }
-            return Err(e);
+    let (mut driver, action) = start(request, settings, config).inspect_err(|e| {
+        if role == Role::Leader {
+            flights::finish(&request.key, Err(e));
         }
-    };
+    })?;
     if role == Role::Leader {
         driver.lead();
     }
-    drive(driver, action, request, ticket, settings, role)
+    Ok((driver, action, ticket))
 }
 
 /// Runs a started flight from `action` to its load or its end, its store steps under

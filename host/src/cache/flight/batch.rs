@@ -40,6 +40,25 @@ use crate::guest::policy::WitMeta;
 use crate::store::l1::Ticket;
 use crate::{Error, Result};
 
+/// A batch's keys each once, in the order first asked for, and for each key asked the
+/// position of its distinct key: a key asked twice is loaded once, answered twice
+/// (both bodies, contract §5.16).
+pub(crate) fn distinct_keys<K: AsRef<str>>(keys: &[K]) -> (Vec<String>, Vec<usize>) {
+    let mut distinct: Vec<String> = Vec::with_capacity(keys.len());
+    let mut index_of: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+    let asked = keys
+        .iter()
+        .map(|key| {
+            let key = key.as_ref();
+            *index_of.entry(key).or_insert_with(|| {
+                distinct.push(key.to_owned());
+                distinct.len() - 1
+            })
+        })
+        .collect();
+    (distinct, asked)
+}
+
 /// What the loader returned for one call of a batch: every key of the call shares it.
 #[derive(Clone)]
 enum Chunk {
@@ -346,19 +365,8 @@ impl Corral {
         if let Some(max) = options.max_batch {
             inner.policy.check_max_batch(max as u64)?;
         }
-        // Each key once, in the order first asked for.
         let keys: Vec<K> = keys.into_iter().collect();
-        let mut distinct: Vec<String> = Vec::with_capacity(keys.len());
-        let mut index_of: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
-        let mut asked = Vec::with_capacity(keys.len());
-        for key in &keys {
-            let key = key.as_ref();
-            let index = *index_of.entry(key).or_insert_with(|| {
-                distinct.push(key.to_owned());
-                distinct.len() - 1
-            });
-            asked.push(index);
-        }
+        let (distinct, asked) = distinct_keys(&keys);
         let Some(first) = distinct.first() else {
             return Ok(Vec::new());
         };

@@ -6,6 +6,8 @@ mod batch;
 mod driver;
 mod held;
 
+pub(crate) use batch::distinct_keys;
+
 use std::sync::Arc;
 
 use bytes::Bytes;
