@@ -289,26 +289,42 @@ impl wit::Guest for Component {
 
     fn locate_entries(
         prefix: String,
-        keys: Vec<String>,
+        keys: wit::Joined,
         generation: u64,
         l: types::Limits,
-    ) -> Result<Vec<String>, (u32, types::Error)> {
-        corral_core::names::entries_in(&prefix, &keys, generation, &limits(l))
-            .map_err(|(at, e)| (u32::try_from(at).unwrap_or(u32::MAX), arg_error(e)))
+    ) -> Result<wit::Joined, (u32, types::Error)> {
+        let keys = corral_core::names::Joined {
+            text: keys.text,
+            ends: keys.ends,
+        };
+        let names = corral_core::names::entries_of_joined(&prefix, &keys, generation, &limits(l))
+            .map_err(|(at, e)| (u32::try_from(at).unwrap_or(u32::MAX), arg_error(e)))?;
+        Ok(wit::Joined {
+            text: names.text,
+            ends: names.ends,
+        })
     }
 
     fn read_many(
+        heads: Vec<u8>,
         reads: Vec<wit::FirstRead>,
         now_ms: u64,
         l: types::Limits,
         l1_ttl_ms: u64,
     ) -> Vec<wit::Judged> {
+        let mut start = 0;
         let reads: Vec<corral_core::batch::FirstRead<'_>> = reads
             .iter()
-            .map(|r| corral_core::batch::FirstRead {
-                head: &r.head,
-                total_len: r.total_len,
-                slid_ms: r.slid_ms,
+            .map(|r| {
+                // A head that does not fit is no envelope: judged corrupt.
+                let end = usize::try_from(r.head_end).unwrap_or(usize::MAX);
+                let head = heads.get(start..end).unwrap_or_default();
+                start = end.max(start);
+                corral_core::batch::FirstRead {
+                    head,
+                    total_len: r.total_len,
+                    slid_ms: r.slid_ms,
+                }
             })
             .collect();
         corral_core::batch::read_many(&reads, now_ms, &limits(l), l1_ttl_ms)

@@ -22,7 +22,7 @@
 //! live at `{<n>:<prefix><tag>}:t`, the generation counter at `{<n>:<prefix>}:g`, and
 //! tag and clear announcements travel on `{<n>:<prefix>}:i`.
 
-use crate::{ArgError, Limits, key};
+use crate::{Arg, ArgError, Limits, key};
 
 /// The prefix a cache's data is named under when none is given.
 pub const DEFAULT_PREFIX: &str = "corral:";
@@ -104,8 +104,59 @@ pub fn locate_in(prefix: &str, key: &str, generation: u64, limits: &Limits) -> R
     })
 }
 
-/// The entry names of `keys` under `prefix` in `generation`, in order, once every key
-/// passed the key rules (a batch's reads need only these).
+/// Strings joined in one: `text`, and where each ends in it (in bytes), in order. A
+/// batch's keys cross the component boundary this way, and their names come back so:
+/// one string per call, not one per key, is what keeps naming a batch cheap.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Joined {
+    /// The strings, one after another.
+    pub text: String,
+    /// Where each string ends in `text`.
+    pub ends: Vec<u32>,
+}
+
+impl Joined {
+    /// `parts`, joined.
+    pub fn of<S: AsRef<str>>(parts: &[S]) -> Joined {
+        let mut joined = Joined {
+            text: String::with_capacity(parts.iter().map(|p| p.as_ref().len()).sum()),
+            ends: Vec::with_capacity(parts.len()),
+        };
+        for part in parts {
+            joined.text.push_str(part.as_ref());
+            joined.end_part();
+        }
+        joined
+    }
+
+    /// Ends the string being pushed onto `text`.
+    fn end_part(&mut self) {
+        self.ends.push(u32::try_from(self.text.len()).unwrap_or(u32::MAX));
+    }
+
+    /// The strings, in order; `None` if an end is out of order, past the text, or
+    /// inside a character.
+    pub fn parts(&self) -> Option<Vec<&str>> {
+        split_joined(&self.text, &self.ends)
+    }
+}
+
+/// The strings `text` holds, each ending where `ends` says (see [`Joined`]); `None` if
+/// an end is out of order, past the text, or inside a character.
+pub fn split_joined<'a>(text: &'a str, ends: &[u32]) -> Option<Vec<&'a str>> {
+    let mut start = 0;
+    ends.iter()
+        .map(|&end| {
+            let end = usize::try_from(end).ok()?;
+            let part = text.get(start..end)?;
+            start = end;
+            Some(part)
+        })
+        .collect()
+}
+
+/// The entry names of `keys` under `prefix` in `generation`, in order and joined, once
+/// every key passed the key rules (a batch's reads need only these).
 ///
 /// # Errors
 /// The position of the first bad key, and the [`ArgError`] naming `key` that says it
@@ -115,15 +166,36 @@ pub fn entries_in<S: AsRef<str>>(
     keys: &[S],
     generation: u64,
     limits: &Limits,
-) -> Result<Vec<String>, (usize, ArgError)> {
-    keys.iter()
-        .enumerate()
-        .map(|(i, key)| {
-            let key = key.as_ref();
-            key::validate(key, limits).map_err(|e| (i, crate::batch::at_position(i, e)))?;
-            Ok(named(&tag(prefix, key), Kind::Entry, generation))
-        })
-        .collect()
+) -> Result<Joined, (usize, ArgError)> {
+    let mut names = Joined {
+        text: String::with_capacity(keys.len() * (prefix.len() + 32)),
+        ends: Vec::with_capacity(keys.len()),
+    };
+    for (i, key) in keys.iter().enumerate() {
+        let key = key.as_ref();
+        key::validate(key, limits).map_err(|e| (i, crate::batch::at_position(i, e)))?;
+        push_tag(&mut names.text, prefix, key);
+        push_kind(&mut names.text, Kind::Entry, generation);
+        names.end_part();
+    }
+    Ok(names)
+}
+
+/// [`entries_in`] for keys that came joined in `keys` (see [`Joined`]).
+///
+/// # Errors
+/// As [`entries_in`]; an [`ArgError`] naming `keys`, at position 0, when their ends do
+/// not split their text.
+pub fn entries_of_joined(
+    prefix: &str,
+    keys: &Joined,
+    generation: u64,
+    limits: &Limits,
+) -> Result<Joined, (usize, ArgError)> {
+    let Some(keys) = keys.parts() else {
+        return Err((0, ArgError::new(Arg::Keys, "their ends do not split their text")));
+    };
+    entries_in(prefix, &keys, generation, limits)
 }
 
 /// `<tag>:<kind>`, with the generation's `@<g>` for the kinds it changes (entries and
@@ -132,13 +204,18 @@ pub fn entries_in<S: AsRef<str>>(
 fn named(tag: &str, kind: Kind, generation: u64) -> String {
     let mut name = String::with_capacity(tag.len() + 24);
     name.push_str(tag);
-    name.push(':');
-    name.push(kind.letter());
-    if generation > 0 && matches!(kind, Kind::Entry | Kind::FlightLock) {
-        name.push('@');
-        push_decimal(&mut name, generation);
-    }
+    push_kind(&mut name, kind, generation);
     name
+}
+
+/// Appends `:<kind>`, and `@<g>` where the generation names it (see [`named`]).
+fn push_kind(to: &mut String, kind: Kind, generation: u64) {
+    to.push(':');
+    to.push(kind.letter());
+    if generation > 0 && matches!(kind, Kind::Entry | Kind::FlightLock) {
+        to.push('@');
+        push_decimal(to, generation);
+    }
 }
 
 /// Appends `n` in decimal.
@@ -154,9 +231,8 @@ fn push_decimal(to: &mut String, n: u64) {
             break;
         }
     }
-    for &d in &digits[at..] {
-        to.push(char::from(d));
-    }
+    // ASCII digits only.
+    to.push_str(std::str::from_utf8(&digits[at..]).unwrap_or_default());
 }
 
 /// The name of one kind of `key`'s data under `prefix`, once `key` passed the key rules
@@ -249,18 +325,30 @@ pub fn channel(prefix: &str) -> String {
 /// `{<n>:<prefix><key>}`, escaped.
 fn tag(prefix: &str, key: &str) -> String {
     let mut tag = String::with_capacity(prefix.len() + key.len() + 8);
-    tag.push('{');
-    push_decimal(&mut tag, prefix.len() as u64);
-    tag.push(':');
-    for c in prefix.chars().chain(key.chars()) {
-        match c {
-            '\\' => tag.push_str("\\\\"),
-            '}' => tag.push_str("\\]"),
-            c => tag.push(c),
-        }
-    }
-    tag.push('}');
+    push_tag(&mut tag, prefix, key);
     tag
+}
+
+/// Appends [`tag`]`(prefix, key)`.
+fn push_tag(to: &mut String, prefix: &str, key: &str) {
+    to.push('{');
+    push_decimal(to, prefix.len() as u64);
+    to.push(':');
+    for part in [prefix, key] {
+        // `\` and `}` escaped; the runs between them copied whole.
+        let mut rest = part;
+        while let Some(at) = rest.find(['\\', '}']) {
+            to.push_str(&rest[..at]);
+            to.push_str(if rest.as_bytes()[at] == b'\\' {
+                "\\\\"
+            } else {
+                "\\]"
+            });
+            rest = &rest[at + 1..];
+        }
+        to.push_str(rest);
+    }
+    to.push('}');
 }
 
 #[cfg(test)]
@@ -277,11 +365,32 @@ mod tests {
         assert_eq!(name_in("p:", "k", Kind::Lock, 7), "{2:p:k}:k");
         let keys = ["a", "b}\\", "user:42"];
         let entries = entries_in("corral:", &keys, 3, &limits).unwrap();
-        for (key, entry) in keys.iter().zip(&entries) {
-            assert_eq!(*entry, locate_in("corral:", key, 3, &limits).unwrap().entry);
+        let entries = entries.parts().unwrap();
+        assert_eq!(entries.len(), keys.len());
+        for (key, entry) in keys.iter().zip(entries) {
+            assert_eq!(entry, locate_in("corral:", key, 3, &limits).unwrap().entry);
         }
         let (at, e) = entries_in("p:", &["a", " "], 0, &limits).unwrap_err();
         assert_eq!((at, e.arg), (1, crate::Arg::Key));
+    }
+
+    #[test]
+    fn joined_strings_split_back_and_bad_ends_are_refused() {
+        let parts = ["", "ab", "é", "c"];
+        let joined = Joined::of(&parts);
+        assert_eq!(joined.text, "abéc");
+        assert_eq!(joined.ends, [0, 2, 4, 5]);
+        assert_eq!(joined.parts().unwrap(), parts);
+        assert_eq!(split_joined("abc", &[]).unwrap(), Vec::<&str>::new());
+        assert!(split_joined("abc", &[2, 1]).is_none(), "out of order");
+        assert!(split_joined("abc", &[4]).is_none(), "past the text");
+        assert!(split_joined("é", &[1]).is_none(), "inside a character");
+        let bad = Joined {
+            text: "ab".into(),
+            ends: vec![3],
+        };
+        let (at, e) = entries_of_joined("p:", &bad, 0, &Limits::default()).unwrap_err();
+        assert_eq!((at, e.arg), (0, crate::Arg::Keys));
     }
 
     #[test]

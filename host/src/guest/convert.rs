@@ -1,6 +1,7 @@
 //! Between the public types and the WIT types, one function per direction.
 
 use super::bindings::corral::cache::types;
+use super::bindings::exports::corral::cache::policy;
 use crate::options::{EntryMeta, EntryOptions};
 use crate::{Error, ErrorKind};
 
@@ -48,5 +49,51 @@ pub(crate) fn meta_out(m: types::EntryMeta) -> EntryMeta {
         sliding_ms: m.sliding_ms,
         expires_at_ms: m.expires_at_ms,
         stale_ms: m.stale_ms,
+    }
+}
+
+/// `parts` joined in one string, as a batch's keys cross into the guest.
+pub(crate) fn joined<S: AsRef<str>>(parts: &[S]) -> policy::Joined {
+    let mut text = String::with_capacity(parts.iter().map(|p| p.as_ref().len()).sum());
+    let ends = parts
+        .iter()
+        .map(|part| {
+            text.push_str(part.as_ref());
+            u32::try_from(text.len()).unwrap_or(u32::MAX)
+        })
+        .collect();
+    policy::Joined { text, ends }
+}
+
+/// The strings a joined one holds; `None` if its ends do not split its text.
+pub(crate) fn split(joined: &policy::Joined) -> Option<Vec<String>> {
+    let mut start = 0;
+    joined
+        .ends
+        .iter()
+        .map(|&end| {
+            let end = usize::try_from(end).ok()?;
+            let part = joined.text.get(start..end)?;
+            start = end;
+            Some(part.to_owned())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn joined_strings_split_back_and_bad_ends_do_not() {
+        let parts = ["", "ab", "é", "c"];
+        assert_eq!(split(&joined(&parts)).unwrap(), parts);
+        for ends in [vec![1], vec![4], vec![2, 0]] {
+            let bad = policy::Joined {
+                text: "éa".into(),
+                ends,
+            };
+            assert!(split(&bad).is_none(), "{:?}", bad.ends);
+        }
     }
 }

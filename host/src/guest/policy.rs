@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 
 use super::bindings::corral::cache::types;
 use super::bindings::exports::corral::cache::policy as wit;
-use super::convert::{from_wit, meta_in, meta_out, options_in};
+use super::convert::{from_wit, joined, meta_in, meta_out, options_in, split};
 use super::engine::{CALL_BUDGET_TICKS, Loaded, PolicyState, Slot, instantiate, loaded, trap};
 use crate::Result;
 use crate::options::{EntryMeta, EntryOptions};
@@ -302,13 +302,22 @@ impl Policy {
         generation: u64,
     ) -> Result<Vec<String>> {
         let limits = self.inner.limits;
-        self.call(|s| {
-            s.guest
-                .corral_cache_policy()
-                .call_locate_entries(&mut s.store, prefix, keys, generation, limits)
-        })?
-        // The error says the position already (contract §5.16).
-        .map_err(|(_, e)| from_wit(e))
+        let keys = joined(keys);
+        let names = self
+            .call(|s| {
+                s.guest.corral_cache_policy().call_locate_entries(
+                    &mut s.store,
+                    prefix,
+                    &keys,
+                    generation,
+                    limits,
+                )
+            })?
+            // The error says the position already (contract §5.16).
+            .map_err(|(_, e)| from_wit(e))?;
+        split(&names)
+            .filter(|split| split.len() == keys.ends.len())
+            .ok_or_else(|| crate::Error::guest("a batch's names did not split", "broken contract"))
     }
 
     /// Judges a batch's first reads (the bytes each found, and the TTL each read set if
@@ -322,18 +331,28 @@ impl Policy {
     ) -> Result<Vec<Judged>> {
         let limits = self.inner.limits;
         let header_len = self.inner.header_len;
+        // The heads joined in one buffer: one copy across the boundary, not one per read.
+        let mut heads = Vec::with_capacity(reads.len() * header_len);
         let reads: Vec<FirstRead> = reads
             .iter()
-            .map(|(stored, slid_ms)| FirstRead {
-                head: stored[..stored.len().min(header_len)].to_vec(),
-                total_len: stored.len() as u64,
-                slid_ms: *slid_ms,
+            .map(|(stored, slid_ms)| {
+                heads.extend_from_slice(&stored[..stored.len().min(header_len)]);
+                FirstRead {
+                    head_end: u32::try_from(heads.len()).unwrap_or(u32::MAX),
+                    total_len: stored.len() as u64,
+                    slid_ms: *slid_ms,
+                }
             })
             .collect();
         self.call(|s| {
-            s.guest
-                .corral_cache_policy()
-                .call_read_many(&mut s.store, &reads, now_ms, limits, l1_ttl_ms)
+            s.guest.corral_cache_policy().call_read_many(
+                &mut s.store,
+                &heads,
+                &reads,
+                now_ms,
+                limits,
+                l1_ttl_ms,
+            )
         })
     }
 
