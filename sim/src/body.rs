@@ -161,7 +161,7 @@ impl Body {
                         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
                     Ok(found.into_iter().map(|(k, v)| (k, v.to_vec())).collect())
                 };
-                c.get_or_set_many(keys, entry, &[] as &[String], loader, |_| true)
+                c.get_or_set_many(keys, LoadOptions::new().entry(entry), loader)
                     .await
             }
         }

@@ -375,6 +375,13 @@ mod tests {
     }
 
     #[test]
+    fn a_tag_escapes_backslashes_and_closing_braces_in_prefix_and_key() {
+        assert_eq!(tag("p}", "a\\b}c"), "{2:p\\]a\\\\b\\]c}");
+        assert_eq!(tag("", "é}"), "{0:é\\]}");
+        assert_eq!(tag("corral:", "user:42"), "{7:corral:user:42}");
+    }
+
+    #[test]
     fn joined_strings_split_back_and_bad_ends_are_refused() {
         let parts = ["", "ab", "é", "c"];
         let joined = Joined::of(&parts);

@@ -6,7 +6,8 @@
 //! each load ended with what it gave; then each wait is asked, after the loads, so a
 //! flight another process holds is awaited only once this call's own locks are gone.
 //! A wait that comes to lead its key (the flight it followed came to nothing) is
-//! loaded in a loader call of its own.
+//! loaded in a loader call of its own. `max_batch` splits a loader call as the native
+//! body's does (the guest's `batch-calls`).
 
 use std::collections::HashMap;
 
@@ -14,13 +15,13 @@ use bytes::Bytes;
 use wasmtime::component::ResourceAny;
 
 use super::{PortableCache, PortableState, ShouldCache, Slot, run_origin};
-use crate::Result;
+use crate::LoadOptions;
 use crate::cache::distinct_keys;
 use crate::error::Absent;
 use crate::guest::bindings::corral::cache::types;
 use crate::guest::bindings::exports::corral::cache::cache::{Begun, Followed};
 use crate::guest::convert::{from_wit, options_in};
-use crate::options::EntryOptions;
+use crate::{Error, Result};
 
 /// The caller's origin for a batch: the keys to load give their values (a key left out
 /// is that key's loader failure), or one failure for them all; and the verdict on
@@ -28,6 +29,8 @@ use crate::options::EntryOptions;
 struct BatchOrigin {
     loader: BatchLoader,
     should_cache: ShouldCache,
+    /// The most keys one loader call gets (`None`: no limit).
+    max_batch: Option<u64>,
 }
 
 /// The values of the keys asked, or the failure of them all.
@@ -49,36 +52,52 @@ impl PortableCache {
     /// by the keys' flight locks, across processes), and once more for each key it
     /// comes to lead later (a key another process was loading that came to nothing, a
     /// leader in this process gone); a key it leaves out is absent (`Ok(None)`, nothing
-    /// cached), and its failure is the failure of every key it was asked for. Loaded
-    /// entries carry `tags`.
+    /// cached), and its failure is the failure of every key it was asked for.
+    ///
+    /// `options` are the native batch's: the entry's expiry, `tags`, `should_cache`,
+    /// `bypass` and `max_batch` (at most that many keys per loader call). The portable
+    /// body has no loader timeouts: a hard or soft timeout, eager refresh or background
+    /// completion is refused.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key`
-    /// (with its position among the distinct keys), an option or `tags`, before
-    /// anything runs; per key, the errors of [`get_or_set`](Self::get_or_set).
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
+    /// option it cannot keep, `max_batch`, `key` (with its position among the distinct
+    /// keys), an entry option or `tags`, before anything runs; per key, the errors of
+    /// [`get_or_set`](Self::get_or_set).
     pub async fn get_or_set_many(
         &self,
         keys: &[impl AsRef<str>],
-        options: EntryOptions,
-        tags: &[impl AsRef<str>],
+        options: impl Into<LoadOptions>,
         loader: impl FnMut(&[String]) -> Loaded + Send + 'static,
-        should_cache: impl Fn(&[u8]) -> bool + Send + 'static,
     ) -> Result<Vec<Result<Option<Bytes>>>> {
+        let options: LoadOptions = options.into();
+        refuse_timeouts(&options)?;
+        let max_batch = options.max_batch.map(|n| n as u64);
         // Each key once in the component (`begin-many` takes each key once).
         let (keys, asked) = distinct_keys(keys);
-        let tags: Vec<String> = tags.iter().map(|t| t.as_ref().to_owned()).collect();
-        let options = options_in(&options);
+        let tags: Vec<String> = options.tags.to_vec();
+        let (entry, bypass) = (options_in(&options.entry), options.bypass);
         let mut origin = BatchOrigin {
             loader: Box::new(loader),
-            should_cache: Box::new(should_cache),
+            should_cache: Box::new(move |value: &[u8]| options.accepts(value)),
+            max_batch,
         };
         let answers = self
             .call(move |s| {
+                if let Some(max) = max_batch {
+                    let checked = s
+                        .guest
+                        .corral_cache_policy()
+                        .call_check_max_batch(&mut s.store, max)?;
+                    if let Err(e) = checked {
+                        return Ok(Err(e));
+                    }
+                }
                 let begun = s.guest.corral_cache_cache().call_begin_many(
                     &mut s.store,
                     &keys,
-                    options,
-                    false,
+                    entry,
+                    bypass,
                     &tags,
                 )?;
                 match begun {
@@ -151,6 +170,39 @@ impl BatchOrigin {
         if loads.is_empty() {
             return Ok(Vec::new());
         }
+        let sizes = s.guest.corral_cache_policy().call_batch_calls(
+            &mut s.store,
+            loads.len() as u64,
+            self.max_batch,
+        )?;
+        let (mut answers, mut sizes) = (Vec::with_capacity(loads.len()), sizes.into_iter());
+        let mut loads = loads.into_iter();
+        while loads.len() > 0 {
+            // Should the guest's sizes fall short, the rest is one more call.
+            let size = sizes
+                .next()
+                .map_or(loads.len(), |n| usize::try_from(n).unwrap_or(usize::MAX).max(1));
+            let call: Vec<Held> = loads.by_ref().take(size).collect();
+            match self.load_once(s, keys, call) {
+                Ok(answered) => answers.extend(answered),
+                Err(e) => {
+                    for (_, load, _) in loads {
+                        let _ = load.resource_drop(&mut s.store);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(answers)
+    }
+
+    /// One loader call for the `loads` given, each load ended with what it gave.
+    fn load_once(
+        &mut self,
+        s: &mut Slot<PortableState>,
+        keys: &[String],
+        loads: Vec<Held>,
+    ) -> wasmtime::Result<Vec<(usize, Answer)>> {
         let asked: Vec<String> = loads.iter().map(|(at, ..)| keys[*at].clone()).collect();
         let out = match run_origin(s, || (self.loader)(&asked)) {
             Ok(out) => out,
@@ -220,6 +272,25 @@ fn drop_all(s: &mut Slot<PortableState>, waits: impl Iterator<Item = (usize, Res
     for (_, follower) in waits {
         let _ = follower.resource_drop(&mut s.store);
     }
+}
+
+/// Refuses the options the portable body cannot keep (it has no loader timeouts), as
+/// the native batch refuses those that need `fetch`.
+fn refuse_timeouts(options: &LoadOptions) -> Result<()> {
+    for (set, name) in [
+        (options.hard_timeout_ms.is_some(), "hard_timeout"),
+        (options.soft_timeout_ms.is_some(), "soft_timeout"),
+        (options.eager_refresh_permille.is_some(), "eager_refresh"),
+        (options.background_completion, "background_completion"),
+    ] {
+        if set {
+            return Err(Error::invalid_argument(
+                name,
+                "the portable body has no loader timeouts or refreshes",
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn lost() -> types::Error {

@@ -562,7 +562,6 @@ async fn a_portable_batch_loads_its_own_keys_before_waiting_for_another_processs
             .get_or_set_many(
                 &["k1", "k2"],
                 EntryOptions::new().relative(Duration::from_secs(60)),
-                &[] as &[&str],
                 move |keys: &[String]| {
                     let _ = asked_tx.send(keys.to_vec());
                     Ok(keys
@@ -570,7 +569,6 @@ async fn a_portable_batch_loads_its_own_keys_before_waiting_for_another_processs
                         .map(|k| (k.clone(), format!("mine:{k}").into_bytes()))
                         .collect())
                 },
-                |_| true,
             )
             .await
     });
@@ -600,5 +598,101 @@ async fn a_portable_batch_loads_its_own_keys_before_waiting_for_another_processs
         asked_rx.try_recv().is_err(),
         "one loader call: the other key was never loaded here"
     );
+    Ok(())
+}
+
+/// A portable cache over its own memory store.
+fn portable_over_memory() -> Result<PortableCache> {
+    let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
+    Ok(PortableCache::builder().memory(memory).build()?)
+}
+
+/// The keys of each loader call, in order.
+type Calls = Arc<parking_lot::Mutex<Vec<Vec<String>>>>;
+/// What a portable batch loader gives: the values found, or a failure.
+type Found = Result<Vec<(String, Vec<u8>)>, String>;
+
+/// A batch loader that records the keys of each call and finds every key but `absent`.
+fn recording(calls: &Calls) -> impl FnMut(&[String]) -> Found + Send + 'static {
+    let calls = calls.clone();
+    move |keys: &[String]| {
+        calls.lock().push(keys.to_vec());
+        Ok(keys
+            .iter()
+            .filter(|k| k.as_str() != "absent")
+            .map(|k| (k.clone(), format!("v:{k}").into_bytes()))
+            .collect())
+    }
+}
+
+#[tokio::test]
+async fn a_portable_batch_takes_the_native_batchs_options() -> Result<()> {
+    let portable = portable_over_memory()?;
+    let calls = Calls::default();
+    let relative = || corral::LoadOptions::relative(Duration::from_secs(60));
+    // `max_batch` splits the loader calls, as the guest's `batch-calls` says.
+    let keys = ["a", "b", "c", "d", "e"];
+    let got = portable
+        .get_or_set_many(&keys, relative().max_batch(2), recording(&calls))
+        .await?;
+    let sizes: Vec<usize> = calls.lock().iter().map(Vec::len).collect();
+    assert_eq!(sizes, [2, 2, 1], "{:?}", calls.lock());
+    for (key, value) in keys.iter().zip(got) {
+        assert_eq!(value?, Some(Bytes::from(format!("v:{key}"))));
+    }
+    // `should_cache`: a refused value is returned, not cached; a left-out key is absent.
+    calls.lock().clear();
+    let picky = relative().should_cache(|v| v != b"v:skip");
+    for _ in 0..2 {
+        let got = portable
+            .get_or_set_many(&["skip", "keep", "absent"], picky.clone(), recording(&calls))
+            .await?;
+        assert_eq!(got[0].as_ref().unwrap().as_deref(), Some(&b"v:skip"[..]));
+        assert!(matches!(got[2], Ok(None)), "{:?}", got[2]);
+    }
+    assert_eq!(
+        *calls.lock(),
+        [vec!["skip", "keep", "absent"], vec!["skip", "absent"]],
+        "the refused and the absent keys are loaded again, the kept one is not"
+    );
+    // Tags: a loaded entry carries them, and `remove_by_tag` removes it.
+    calls.lock().clear();
+    let tagged = relative().tags(["t"]);
+    portable
+        .get_or_set_many(&["t1"], tagged.clone(), recording(&calls))
+        .await?;
+    portable.remove_by_tag("t").await?;
+    portable
+        .get_or_set_many(&["t1"], tagged, recording(&calls))
+        .await?;
+    assert_eq!(calls.lock().len(), 2, "the tagged entry was removed by its tag");
+    // `bypass`: loaded whatever is cached.
+    calls.lock().clear();
+    portable
+        .get_or_set_many(&["keep"], relative().bypass(true), recording(&calls))
+        .await?;
+    assert_eq!(*calls.lock(), [vec!["keep"]]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_portable_batch_refuses_what_it_cannot_keep_before_anything_runs() -> Result<()> {
+    let portable = portable_over_memory()?;
+    let calls = Calls::default();
+    let relative = || corral::LoadOptions::relative(Duration::from_secs(60));
+    let refused = [
+        (relative().hard_timeout(SEC), "hard_timeout"),
+        (relative().soft_timeout(SEC), "soft_timeout"),
+        (relative().max_batch(0), "max_batch"),
+    ];
+    for (options, name) in refused {
+        let e = portable
+            .get_or_set_many(&["k"], options, recording(&calls))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), corral::ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains(name), "{name}: {e}");
+    }
+    assert!(calls.lock().is_empty(), "no loader call: {:?}", calls.lock());
     Ok(())
 }

@@ -596,9 +596,9 @@ async fn many(
         };
         (steps, found, failure.clone())
     };
+    let o = LoadOptions::new().entry(options(step, now)).tags(tags.to_vec());
     let answers = match body {
         Body::Native { cache, .. } => {
-            let o = LoadOptions::new().entry(options(step, now)).tags(tags.to_vec());
             let loader = |keys: Vec<String>| {
                 let (steps, found, failure) = load(keys);
                 let (world, at) = (world2.clone(), at.clone());
@@ -624,8 +624,7 @@ async fn many(
                     None => Ok(found.into_iter().collect()),
                 }
             };
-            p.get_or_set_many(&keys, options(step, now), tags, loader, |_| true)
-                .await
+            p.get_or_set_many(&keys, o, loader).await
         }
     };
     let mut got = match answers {
