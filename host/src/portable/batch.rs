@@ -2,12 +2,12 @@
 //! [`PortableCache::get_or_set_many`] over the component's `begin-many`.
 //!
 //! One call of an instance runs the whole batch: `begin-many` answers every key (a hit,
-//! a load this call leads, or a wait); the loader is called once with every led key,
-//! each load ended with what it gave; then each wait is asked, after the loads, so a
-//! flight another process holds is awaited only once this call's own locks are gone.
-//! A wait that comes to lead its key (the flight it followed came to nothing) is
-//! loaded in a loader call of its own. `max_batch` splits a loader call as the native
-//! body's does (the guest's `batch-calls`).
+//! a load this call leads, or a wait); the loader is called with every led key (in
+//! calls of at most `max_batch` keys, as the guest's `batch-calls` splits them, one
+//! after the other), each load ended with what it gave; then each wait is asked, after
+//! the loads, so a flight another process holds is awaited only once this call's own
+//! locks are gone. A wait that comes to lead its key (the flight it followed came to
+//! nothing) is loaded in a loader call of its own.
 
 use std::collections::HashMap;
 
@@ -48,16 +48,19 @@ type Held = (usize, ResourceAny, bool);
 impl PortableCache {
     /// As [`Corral::get_or_set_many`](crate::Corral::get_or_set_many), decided and
     /// driven inside the component: an answer per key, in order. `loader` is called
-    /// once with every key this call leads when the batch begins (in this process and,
-    /// by the keys' flight locks, across processes), and once more for each key it
+    /// with every key this call leads when the batch begins (in this process and, by
+    /// the keys' flight locks, across processes; at most `max_batch` keys per call, the
+    /// calls one after the other), and once more for each key it
     /// comes to lead later (a key another process was loading that came to nothing, a
     /// leader in this process gone); a key it leaves out is absent (`Ok(None)`, nothing
     /// cached), and its failure is the failure of every key it was asked for.
     ///
     /// `options` are the native batch's: the entry's expiry, `tags`, `should_cache`,
     /// `bypass` and `max_batch` (at most that many keys per loader call). The portable
-    /// body has no loader timeouts: a hard or soft timeout, eager refresh or background
-    /// completion is refused.
+    /// body's timeouts and eager refresh are the cache's own
+    /// ([`PortableBuilder`](super::PortableBuilder)): one call's hard or soft timeout,
+    /// eager refresh or background completion is refused. A loader panic fails the
+    /// whole call (the caller gets the panic), as it traps any portable call.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
@@ -286,7 +289,7 @@ fn refuse_timeouts(options: &LoadOptions) -> Result<()> {
         if set {
             return Err(Error::invalid_argument(
                 name,
-                "the portable body has no loader timeouts or refreshes",
+                "the portable body takes timeouts and eager refresh from its builder, not per call",
             ));
         }
     }

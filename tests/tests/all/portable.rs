@@ -683,6 +683,8 @@ async fn a_portable_batch_refuses_what_it_cannot_keep_before_anything_runs() -> 
     let refused = [
         (relative().hard_timeout(SEC), "hard_timeout"),
         (relative().soft_timeout(SEC), "soft_timeout"),
+        (relative().eager_refresh(0.5), "eager_refresh"),
+        (relative().background_completion(true), "background_completion"),
         (relative().max_batch(0), "max_batch"),
     ];
     for (options, name) in refused {

@@ -342,9 +342,10 @@ impl Corral {
     /// ```
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] for a bad key (it names the key) or bad options,
-    /// before anything runs. Per key: [`ErrorKind::Loader`] with the loader's error as
-    /// the source ([`Error::loader_error`] downcasts it), a timeout, as for one key.
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key
+    /// (it names the key) or bad options, before anything runs. Per key:
+    /// [`ErrorKind::Loader`](crate::ErrorKind::Loader) with the loader's error as the
+    /// source ([`Error::loader_error`] downcasts it), a timeout, as for one key.
     pub async fn get_or_set_many<K, L, Fut, I, V, E>(
         &self,
         keys: impl IntoIterator<Item = K>,
