@@ -598,3 +598,46 @@ async fn a_single_key_caller_loads_what_a_batch_left_out() -> Result<()> {
     assert_eq!(single.await??, "its own");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_key_is_named_alike_warm_or_cold_and_before_a_bad_tag() -> Result<()> {
+    let f = Fixture::new(Backend::Memory)?;
+    let calls = Calls::default();
+    // The first key, the options, every key, then the tags: as the portable body checks.
+    let e = f
+        .cache
+        .get_or_set_many(["a", ""], relative().tags([""]), answering(&calls))
+        .await
+        .expect_err("a bad key and a bad tag");
+    assert_eq!(e.argument(), Some("key"), "{e}");
+    let e = f
+        .cache
+        .get_or_set_many(["a", "b"], relative().tags([""]), answering(&calls))
+        .await
+        .expect_err("a bad tag");
+    assert_eq!(e.argument(), Some("tags"), "{e}");
+    // A bad first key says the same before and after its options were accepted once.
+    let options = || LoadOptions::relative(Duration::from_secs(77));
+    let bad = ["", "b"];
+    let cold = f
+        .cache
+        .get_or_set_many(bad, options(), answering(&calls))
+        .await
+        .expect_err("cold");
+    f.cache
+        .get_or_set_many(["warm"], options(), answering(&calls))
+        .await?;
+    let warm = f
+        .cache
+        .get_or_set_many(bad, options(), answering(&calls))
+        .await
+        .expect_err("warm");
+    assert_eq!(cold.to_string(), warm.to_string());
+    assert!(cold.to_string().contains("position 0"), "{cold}");
+    assert_eq!(
+        calls.all(),
+        [["warm".to_string()]],
+        "no loader ran for a bad batch"
+    );
+    Ok(())
+}

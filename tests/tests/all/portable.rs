@@ -695,6 +695,12 @@ async fn a_portable_batch_refuses_what_it_cannot_keep_before_anything_runs() -> 
         assert_eq!(e.kind(), corral::ErrorKind::InvalidArgument, "{e}");
         assert!(e.to_string().contains(name), "{name}: {e}");
     }
+    // A bad key before a bad tag is named first, as the native body names it.
+    let e = portable
+        .get_or_set_many(&["a", ""], relative().tags([""]), recording(&calls))
+        .await
+        .unwrap_err();
+    assert_eq!(e.argument(), Some("key"), "{e}");
     assert!(calls.lock().is_empty(), "no loader call: {:?}", calls.lock());
     Ok(())
 }

@@ -371,11 +371,20 @@ impl Corral {
         let Some(first) = distinct.first() else {
             return Ok(Vec::new());
         };
-        self.judge(first, &options)?;
+        // Checked before anything runs, in the portable body's order (contract §5.16):
+        // the first key, the options, every key, the tags. A bad key is named by the
+        // naming below, with its position, whether these options were seen before or not.
+        let untagged = options.clone().tags(std::iter::empty::<String>());
+        match self.judge(first, &untagged) {
+            Err(e) if e.argument() == Some("key") => {}
+            judged => judged?,
+        }
         // Taken before the names: L1 is never filled across a clear after them.
         let named: Vec<Ticket> = distinct.iter().map(|k| inner.l1.ticket(k)).collect();
-        // Every key checked and named before anything runs (contract §5.16).
         let entries = self.locate_entries(&distinct).await?;
+        if !options.tags.is_empty() {
+            inner.policy.check_tags(&options.tags)?;
+        }
         let answers = self.many(&distinct, &entries, &named, &options, &loader).await;
         Ok(asked
             .into_iter()
