@@ -223,6 +223,25 @@ impl LoadOptions {
     pub(crate) fn accepts(&self, value: &[u8]) -> bool {
         self.should_cache.as_ref().is_none_or(|p| p(value))
     }
+
+    /// Refuses, naming the first one set, the options that let a load outlive its
+    /// call (a soft timeout, eager refresh, background completion) and, when
+    /// `with_hard_timeout`, a hard timeout: `why` says what the call needs instead.
+    pub(crate) fn refuse_outliving(&self, with_hard_timeout: bool, why: &str) -> crate::Result<()> {
+        let set = [
+            (
+                with_hard_timeout && self.hard_timeout_ms.is_some(),
+                "hard_timeout",
+            ),
+            (self.soft_timeout_ms.is_some(), "soft_timeout"),
+            (self.eager_refresh_permille.is_some(), "eager_refresh"),
+            (self.background_completion, "background_completion"),
+        ];
+        match set.into_iter().find(|(set, _)| *set) {
+            Some((_, name)) => Err(crate::Error::invalid_argument(name, why)),
+            None => Ok(()),
+        }
+    }
 }
 
 /// A fraction in thousandths; anything not strictly between 0 and 1 becomes a value the

@@ -16,12 +16,12 @@ use wasmtime::component::ResourceAny;
 
 use super::{PortableCache, PortableState, ShouldCache, Slot, run_origin};
 use crate::LoadOptions;
+use crate::Result;
 use crate::cache::distinct_keys;
 use crate::error::Absent;
 use crate::guest::bindings::corral::cache::types;
 use crate::guest::bindings::exports::corral::cache::cache::{Begun, Followed};
 use crate::guest::convert::{from_wit, options_in};
-use crate::{Error, Result};
 
 /// The caller's origin for a batch: the keys to load give their values (a key left out
 /// is that key's loader failure), or one failure for them all; and the verdict on
@@ -280,20 +280,10 @@ fn drop_all(s: &mut Slot<PortableState>, waits: impl Iterator<Item = (usize, Res
 /// Refuses the options the portable body cannot keep (it has no loader timeouts), as
 /// the native batch refuses those that need `fetch`.
 fn refuse_timeouts(options: &LoadOptions) -> Result<()> {
-    for (set, name) in [
-        (options.hard_timeout_ms.is_some(), "hard_timeout"),
-        (options.soft_timeout_ms.is_some(), "soft_timeout"),
-        (options.eager_refresh_permille.is_some(), "eager_refresh"),
-        (options.background_completion, "background_completion"),
-    ] {
-        if set {
-            return Err(Error::invalid_argument(
-                name,
-                "the portable body takes timeouts and eager refresh from its builder, not per call",
-            ));
-        }
-    }
-    Ok(())
+    options.refuse_outliving(
+        true,
+        "the portable body takes timeouts and eager refresh from its builder, not per call",
+    )
 }
 
 fn lost() -> types::Error {

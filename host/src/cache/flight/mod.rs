@@ -274,20 +274,11 @@ impl Corral {
     /// Checks that `options` ask for nothing that needs the load to outlive the call,
     /// which only `fetch` can promise.
     fn in_caller_only(options: &LoadOptions) -> Result<()> {
-        for (set, name) in [
-            (options.soft_timeout_ms.is_some(), "soft_timeout"),
-            (options.eager_refresh_permille.is_some(), "eager_refresh"),
-            (options.background_completion, "background_completion"),
-        ] {
-            if set {
-                return Err(Error::invalid_argument(
-                    name,
-                    "needs a loader that may run on after the call returns: use Corral::fetch, \
-                     whose loader is Send + 'static",
-                ));
-            }
-        }
-        Ok(())
+        options.refuse_outliving(
+            false,
+            "needs a loader that may run on after the call returns: use Corral::fetch, whose \
+             loader is Send + 'static",
+        )
     }
 
     /// Starts one eager refresh of `key` in the background (contract §6b.3), unless a
