@@ -116,19 +116,6 @@ pub struct Joined {
 }
 
 impl Joined {
-    /// `parts`, joined.
-    pub fn of<S: AsRef<str>>(parts: &[S]) -> Joined {
-        let mut joined = Joined {
-            text: String::with_capacity(parts.iter().map(|p| p.as_ref().len()).sum()),
-            ends: Vec::with_capacity(parts.len()),
-        };
-        for part in parts {
-            joined.text.push_str(part.as_ref());
-            joined.end_part();
-        }
-        joined
-    }
-
     /// Ends the string being pushed onto `text`.
     fn end_part(&mut self) {
         self.ends.push(u32::try_from(self.text.len()).unwrap_or(u32::MAX));
@@ -143,7 +130,7 @@ impl Joined {
 
 /// The strings `text` holds, each ending where `ends` says (see [`Joined`]); `None` if
 /// an end is out of order, past the text, or inside a character.
-pub fn split_joined<'a>(text: &'a str, ends: &[u32]) -> Option<Vec<&'a str>> {
+fn split_joined<'a>(text: &'a str, ends: &[u32]) -> Option<Vec<&'a str>> {
     let mut start = 0;
     ends.iter()
         .map(|&end| {
@@ -383,11 +370,11 @@ mod tests {
 
     #[test]
     fn joined_strings_split_back_and_bad_ends_are_refused() {
-        let parts = ["", "ab", "é", "c"];
-        let joined = Joined::of(&parts);
-        assert_eq!(joined.text, "abéc");
-        assert_eq!(joined.ends, [0, 2, 4, 5]);
-        assert_eq!(joined.parts().unwrap(), parts);
+        let joined = Joined {
+            text: "abéc".into(),
+            ends: vec![0, 2, 4, 5],
+        };
+        assert_eq!(joined.parts().unwrap(), ["", "ab", "é", "c"]);
         assert_eq!(split_joined("abc", &[]).unwrap(), Vec::<&str>::new());
         assert!(split_joined("abc", &[2, 1]).is_none(), "out of order");
         assert!(split_joined("abc", &[4]).is_none(), "past the text");

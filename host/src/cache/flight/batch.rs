@@ -373,17 +373,17 @@ impl Corral {
         };
         // Checked before anything runs, in the portable body's order (contract §5.16):
         // the first key, the options, every key, the tags. A bad key is named by the
-        // naming below, with its position, whether these options were seen before or not.
-        let untagged = options.clone().tags(std::iter::empty::<String>());
-        match self.judge(first, &untagged) {
-            Err(e) if e.argument() == Some("key") => {}
-            judged => judged?,
-        }
+        // naming below, with its position, whether these options were seen before or
+        // not; a bad tag only once every key passed.
+        let deferred = match self.judge(first, &options) {
+            Err(e) if matches!(e.argument(), Some("key" | "tags")) => Some(e),
+            judged => judged.map(|()| None)?,
+        };
         // Taken before the names: L1 is never filled across a clear after them.
         let named: Vec<Ticket> = distinct.iter().map(|k| inner.l1.ticket(k)).collect();
         let entries = self.locate_entries(&distinct).await?;
-        if !options.tags.is_empty() {
-            inner.policy.check_tags(&options.tags)?;
+        if let Some(e) = deferred {
+            return Err(e);
         }
         let answers = self.many(&distinct, &entries, &named, &options, &loader).await;
         Ok(asked
