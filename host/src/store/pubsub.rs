@@ -231,7 +231,10 @@ async fn confirmed(shared: &Shared, subscribing: impl Future<Output = redis::Red
 }
 
 /// Feeds the local waiters and the L1 hook until the stream ends or a health `PING`
-/// goes unanswered within the response timeout.
+/// goes unanswered within the response timeout. Messages that came while the ping
+/// waited are heard before the subscription is given up: they were delivered, and a
+/// process that dropped them unread would keep in L1 what they invalidated until it
+/// subscribed again.
 async fn listen(weak: &Weak<Shared>, mut subscription: Subscription) {
     let mut health = tokio::time::interval(HEALTH_EVERY);
     health.tick().await;
@@ -241,34 +244,54 @@ async fn listen(weak: &Weak<Shared>, mut subscription: Subscription) {
             biased;
             msg = subscription.next() => {
                 let Some(msg) = msg else { return };
-                let Some(shared) = weak.upgrade() else { return };
-                let Ok(payload) = msg.get_payload::<String>() else { continue };
-                if msg.get_channel_name() == shared.invalidations {
-                    if let Some(hook) = shared.on_invalidation.get() {
-                        hook(&payload);
-                    }
-                    continue;
-                }
-                // "{origin} {key}": the key may hold spaces, the origin never does.
-                let Some((from, key)) = payload.split_once(' ') else { continue };
-                shared.landings.announce(key);
-                if from != shared.origin
-                    && let Some(hook) = shared.on_foreign.get()
-                {
-                    hook(Some(key.to_owned()));
+                if !hear(weak, &msg) {
+                    return;
                 }
             }
             _ = health.tick() => {
                 let Some(shared) = weak.upgrade() else { return };
                 let timeout = shared.response_timeout;
                 drop(shared);
-                match tokio::time::timeout(timeout, subscription.ping()).await {
-                    Ok(Ok(_)) => {}
-                    _ => return,
+                if let Ok(Ok(_)) = tokio::time::timeout(timeout, subscription.ping()).await {
+                    continue;
                 }
+                while let Some(Some(msg)) = subscription.next().now_or_never() {
+                    if !hear(weak, &msg) {
+                        return;
+                    }
+                }
+                return;
             }
         }
     }
+}
+
+/// Hands one message to the L1 hook and the local waiters; `false` once the
+/// notifications are gone.
+fn hear(weak: &Weak<Shared>, msg: &redis::Msg) -> bool {
+    let Some(shared) = weak.upgrade() else {
+        return false;
+    };
+    let Ok(payload) = msg.get_payload::<String>() else {
+        return true;
+    };
+    if msg.get_channel_name() == shared.invalidations {
+        if let Some(hook) = shared.on_invalidation.get() {
+            hook(&payload);
+        }
+        return true;
+    }
+    // "{origin} {key}": the key may hold spaces, the origin never does.
+    let Some((from, key)) = payload.split_once(' ') else {
+        return true;
+    };
+    shared.landings.announce(key);
+    if from != shared.origin
+        && let Some(hook) = shared.on_foreign.get()
+    {
+        hook(Some(key.to_owned()));
+    }
+    true
 }
 
 /// Whether the first subscription attempt ended, and who waits for it. Its waiters wake
