@@ -62,6 +62,7 @@ pub enum Script {
     DeleteIfEqual,
     ReplaceIfEqual,
     LockAndPeek,
+    FillAndRelease,
     LockAcquire,
     LockAcquireFair,
     LockRelease,
@@ -77,6 +78,7 @@ impl Script {
             Script::DeleteIfEqual => script::DELETE_IF_EQUAL,
             Script::ReplaceIfEqual => script::REPLACE_IF_EQUAL,
             Script::LockAndPeek => script::LOCK_AND_PEEK,
+            Script::FillAndRelease => script::FILL_AND_RELEASE,
             Script::LockAcquire => script::LOCK_ACQUIRE,
             Script::LockAcquireFair => script::LOCK_ACQUIRE_FAIR,
             Script::LockRelease => script::LOCK_RELEASE,
@@ -137,6 +139,14 @@ pub const BROKEN: &[(&str, &str)] = &[
         "Lua: delete-if-equal (flight lock release) deletes whatever is there",
     ),
     (
+        "fill-unowned",
+        "Lua: fill-and-release fills and releases whoever holds the lock",
+    ),
+    (
+        "fill-unchecked",
+        "Lua: fill-and-release writes over whatever the entry holds",
+    ),
+    (
         "replace-unchecked",
         "Lua: replace-if-equal (fenced fill) writes over whatever is there",
     ),
@@ -184,6 +194,20 @@ impl Broken {
                 b.patch = patch(Script::LockExtend, "if holder == ARGV[1] then", "if holder then");
             }
             "delete-unchecked" => b.patch = patch(Script::DeleteIfEqual, "== ARGV[1] then", "~= nil then"),
+            "fill-unowned" => {
+                b.patch = patch(
+                    Script::FillAndRelease,
+                    "if redis.call('GET', KEYS[2]) == ARGV[1] then",
+                    "if true then",
+                );
+            }
+            "fill-unchecked" => {
+                b.patch = patch(
+                    Script::FillAndRelease,
+                    "if redis.call('GET', KEYS[1]) == ARGV[3] then",
+                    "if true then",
+                );
+            }
             "replace-unchecked" => b.patch = patch(Script::ReplaceIfEqual, "== ARGV[1] then", "~= nil then"),
             "touch-past-absolute" => {
                 b.patch = patch(

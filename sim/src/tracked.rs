@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use corral::Result;
-use corral::store::{Entries, FlightLock, Layered};
+use corral::store::{Entries, Fill, Filled, FlightLock, Layered};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
@@ -246,6 +246,17 @@ impl FlightLock for Tracked {
     ) -> Option<BoxFuture<'a, Result<bool>>> {
         self.releasing(owner);
         self.lock.release_announcing(key, owner, channel, message)
+    }
+
+    fn fill_releasing<'a>(
+        &'a self,
+        fill: Fill<'a>,
+        key: &'a str,
+        owner: &'a str,
+        announce: Option<(&'a str, &'a str)>,
+    ) -> Option<BoxFuture<'a, Result<Filled>>> {
+        self.releasing(owner);
+        self.lock.fill_releasing(fill, key, owner, announce)
     }
 }
 

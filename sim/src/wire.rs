@@ -70,7 +70,8 @@ impl Wire for SimWire {
             let (_, argv) = script_parts(args);
             let owner = || String::from_utf8_lossy(argv.first().map_or(&[][..], Vec::as_slice)).into_owned();
             match (script, argv) {
-                (Script::DeleteIfEqual, [_, channel, message, ..]) => {
+                (Script::DeleteIfEqual, [_, channel, message, ..])
+                | (Script::FillAndRelease, [_, _, _, _, _, channel, message, ..]) => {
                     publishes.push((String::from_utf8_lossy(channel).into_owned(), message.clone()));
                 }
                 (Script::LockRelease, _) => {
@@ -420,6 +421,7 @@ const SCRIPTS: &[(Script, &str)] = &[
     (Script::DeleteIfEqual, "delete_if_equal"),
     (Script::ReplaceIfEqual, "replace_if_equal"),
     (Script::LockAndPeek, "lock_and_peek"),
+    (Script::FillAndRelease, "fill_and_release"),
     (Script::LockAcquire, "acquire"),
     (Script::LockAcquireFair, "acquire"),
     (Script::LockRelease, "unlock"),
@@ -554,14 +556,20 @@ fn eval(
         .map(|k| String::from_utf8_lossy(k).into_owned())
         .collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let argv: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
+    let mut argv: Vec<&[u8]> = argv.iter().map(Vec::as_slice).collect();
     let which = script_of(&body).map(|(s, _)| s);
     let write = match which {
         Some(Script::ReadAndTouch) => Write::Touch,
         // A fenced fill, or a touch written back: the same value, never a new version.
         Some(Script::ReplaceIfEqual) => Write::Fenced,
+        // A leader's fill, fenced unless no read found what the key held.
+        Some(Script::FillAndRelease) if argv.get(1) != Some(&&b"set"[..]) => Write::Fenced,
         _ => Write::Plain,
     };
+    if which == Some(Script::FillAndRelease) && broken.unfenced_set_if {
+        // The planted bug: the fill whatever the key holds.
+        argv[1] = b"set";
+    }
     if which == Some(Script::ReplaceIfEqual) && broken.unfenced_set_if {
         // The planted bug: the write whatever the key holds.
         let command = vec![

@@ -137,6 +137,7 @@ fn bugs_planted_in_the_lua_scripts_are_caught() {
         ("extend-unchecked", "lease"),
         ("delete-unchecked", "single-flight"),
         ("replace-unchecked", "fenced-fill"),
+        ("fill-unchecked", "fenced-fill"),
         ("touch-past-absolute", "envelope"),
         ("touch-expired", "touch"),
     ] {
@@ -318,4 +319,17 @@ fn a_lost_announcement_covers_a_write_whose_writer_was_paused_before_its_reply()
 #[test]
 fn a_portable_process_reads_the_generation_again_after_a_gap() {
     holds(&portable_batches(205), 205, "network");
+}
+
+/// A process whose subscription went quiet during its health `PING` (the connection was
+/// cut after delivering a `clear`, before the ping's answer) gave the subscription up
+/// with the `clear` unread, and served from L1 what the clear removed until it
+/// subscribed again (`served after invalidation: p0 c224 get k1 at 3476 served w46 ...,
+/// but clear by p1 began at 2407`). Messages delivered before a ping goes unanswered are
+/// heard before the subscription is given up.
+#[test]
+fn messages_delivered_before_an_unanswered_ping_are_heard() {
+    let mut scenario = Scenario::for_seed(409);
+    scenario.batches = true;
+    holds(&scenario, 409, "network");
 }

@@ -496,6 +496,10 @@ impl wit::Guest for Component {
         corral_core::script::LOCK_AND_PEEK.to_string()
     }
 
+    fn redis_fill_and_release_script() -> String {
+        corral_core::script::FILL_AND_RELEASE.to_string()
+    }
+
     fn redis_replace_if_equal_script() -> String {
         corral_core::script::REPLACE_IF_EQUAL.to_string()
     }
@@ -594,6 +598,7 @@ mod flight {
             load_until_ms: s.load_until_ms,
             answered: s.answered,
             fence_known: s.fence_known,
+            lock_until_ms: s.lock_until_ms,
         }
     }
 
@@ -612,6 +617,7 @@ mod flight {
             load_until_ms: f.load_until_ms,
             answered: f.answered,
             fence_known: f.fence_known,
+            lock_until_ms: f.lock_until_ms,
         }
     }
 
@@ -660,10 +666,12 @@ mod flight {
                 header,
                 store_ttl_ms,
                 fenced,
+                release,
             } => wit::Action::WriteL2(wit::Write {
                 header: header.to_vec(),
                 store_ttl_ms,
                 fenced,
+                release,
             }),
             Action::Finish {
                 outcome,

@@ -327,6 +327,13 @@ pub enum Action {
         /// over this load. Every fill after a read is fenced; only a bypass, which
         /// reads nothing, writes plainly.
         fenced: bool,
+        /// The flight holds the distributed lock: the write also releases it
+        /// (owner-checked) and announces the landing (a value landed, or the lock is
+        /// free), after writing and before the flight's end; a store that can does all
+        /// three in one step, writing only while the lock is still this flight's
+        /// (contract §5.12). The [`Action::Finish`] that follows releases and announces
+        /// nothing. Reported as a write: [`Event::L2Written`] or [`Event::L2WriteFailed`].
+        release: bool,
     },
     /// The flight is over: release the lock if `release` (owner-checked), tell waiters
     /// the value landed if `notify`, fill L1 until `l1_until_ms` if set, and return.
@@ -379,6 +386,9 @@ pub struct Flight {
     /// Whether an L2 read found something to fence a fill on (a value, a stale copy,
     /// or nothing at all), as opposed to no read or only failed ones.
     pub fence_known: bool,
+    /// When the distributed lock this flight took lapses at the latest, counted from
+    /// before its try was sent: a load that ends later fills nothing (contract §5.12).
+    pub lock_until_ms: Option<u64>,
 }
 
 impl Flight {
@@ -435,10 +445,11 @@ impl Flight {
             load_until_ms: None,
             answered: false,
             fence_known: false,
+            lock_until_ms: None,
         };
         if config.refresh {
             // Due already (the hit said so): straight to the lock, without waiting.
-            let action = flight.try_lock();
+            let action = flight.try_lock(now_ms);
             return Ok((flight, action));
         }
         if config.bypass {
@@ -540,7 +551,7 @@ impl Flight {
                     now_ms,
                 )
             }
-            (P::Reading, E::L2Miss) => self.try_lock(),
+            (P::Reading, E::L2Miss) => self.try_lock(now_ms),
             (P::Reading | P::Waiting, E::L2Failed) => self.degrade(StaleCause::StoreFailed, now_ms),
             (P::Locking, E::LockAcquired) => {
                 self.locked = true;
@@ -555,7 +566,7 @@ impl Flight {
                     self.timed_out = true;
                     self.degrade(StaleCause::LockTimedOut, now_ms)
                 } else {
-                    self.try_lock()
+                    self.try_lock(now_ms)
                 }
             }
             (P::DoubleChecking, E::L2Miss | E::L2Failed) => self.load(now_ms),
@@ -587,7 +598,11 @@ impl Flight {
                         l1,
                     );
                 }
-                if !cacheable {
+                // The lock may have lapsed while the loader ran (a slow loader, a process
+                // paused past the lock's TTL): another process may hold it, and a removal
+                // since the double-check may have outlived its tombstone. Not written.
+                let lapsed = self.locked && self.lock_until_ms.is_some_and(|until| now_ms >= until);
+                if !cacheable || lapsed {
                     return self.finish(Outcome::Loaded { cached: false }, self.locked, None);
                 }
                 match policy::plan_value(len, &options, now_ms, limits) {
@@ -598,6 +613,7 @@ impl Flight {
                             header: plan.header,
                             store_ttl_ms: plan.store_ttl_ms,
                             fenced: self.fence_known,
+                            release: self.locked,
                         }
                     }
                     // Too large to cache, or the absolute point passed while loading:
@@ -620,11 +636,11 @@ impl Flight {
                 let refresh = self
                     .planned
                     .and_then(|m| refresh_at(&m, &self.options, self.config.eager_refresh_permille));
-                self.finish_at(Outcome::Loaded { cached: true }, self.locked, l1, refresh, now_ms)
+                self.written(Outcome::Loaded { cached: true }, l1, refresh, now_ms)
             }
             // L2 first, then L1: a failed L2 write leaves L1 alone.
             (P::Writing, E::L2WriteFailed) => {
-                self.finish(Outcome::Loaded { cached: false }, self.locked, None)
+                self.written(Outcome::Loaded { cached: false }, None, None, now_ms)
             }
             // Anything else is out of order: load uncached, never trap.
             _ => {
@@ -646,8 +662,9 @@ impl Flight {
         owed
     }
 
-    fn try_lock(&mut self) -> Action {
+    fn try_lock(&mut self, now_ms: u64) -> Action {
         self.phase = Phase::Locking;
+        self.lock_until_ms = Some(now_ms.saturating_add(self.config.lock_ttl_ms));
         Action::TryLock {
             ttl_ms: self.config.lock_ttl_ms,
         }
@@ -728,6 +745,24 @@ impl Flight {
 
     fn finish(&mut self, outcome: Outcome, release: bool, l1_until_ms: Option<u64>) -> Action {
         self.finish_at(outcome, release, l1_until_ms, None, 0)
+    }
+
+    /// Ends a flight whose write has been performed: a write made holding the lock
+    /// released it and announced the landing ([`Action::WriteL2`]'s `release`), so the
+    /// finish does neither again; a bypass's write announces as any finish does.
+    fn written(
+        &mut self,
+        outcome: Outcome,
+        l1_until_ms: Option<u64>,
+        refresh_at_ms: Option<u64>,
+        now_ms: u64,
+    ) -> Action {
+        let released = self.locked;
+        let mut finish = self.finish_at(outcome, false, l1_until_ms, refresh_at_ms, now_ms);
+        if let Action::Finish { notify, .. } = &mut finish {
+            *notify &= !released;
+        }
+        finish
     }
 
     /// Ends the flight. `refresh_at_ms`: when the served value's eager refresh falls
@@ -879,7 +914,11 @@ mod tests {
                             Err(()) => Event::LoadFailed,
                         }
                     }
-                    Action::WriteL2 { .. } => {
+                    Action::WriteL2 { release, .. } => {
+                        if *release {
+                            assert_eq!(self.lock_holder, Some("me"), "releases only what it holds");
+                            self.lock_holder = None;
+                        }
                         if self.l2_write_ok {
                             self.l2 = Some(flight.planned.unwrap());
                             Event::L2Written
@@ -1124,9 +1163,13 @@ mod tests {
             matches!(actions[5], Action::WriteL2 { .. }),
             "the late value is written"
         );
+        assert!(
+            matches!(actions[5], Action::WriteL2 { release: true, .. }),
+            "the write releases the lock"
+        );
         let (outcome, release, notify, l1) = finish(&actions[6]);
         assert_eq!(outcome, Outcome::Loaded { cached: true });
-        assert!(release && notify && l1.is_some());
+        assert!(!release && !notify && l1.is_some());
         // Without a stale copy there is nothing to answer with: no soft deadline.
         let (_, actions) = run(
             config,
@@ -1180,9 +1223,13 @@ mod tests {
             matches!(actions[5], Action::WriteL2 { .. }),
             "the late value is written"
         );
+        assert!(
+            matches!(actions[5], Action::WriteL2 { release: true, .. }),
+            "the write releases the lock"
+        );
         let (outcome, release, notify, l1) = finish(&actions[6]);
         assert_eq!(outcome, Outcome::Loaded { cached: true });
-        assert!(release && notify && l1.is_some());
+        assert!(!release && !notify && l1.is_some());
 
         // A stale copy: served at the hard moment, re-armed in L1 for the throttle.
         let stale = stale_meta(NOW);
@@ -1482,9 +1529,10 @@ mod tests {
         let mut w = World::new();
         let (a, f) = w.drive(relative(60_000), FlightConfig::default());
         let (outcome, release, notify, l1) = finish(&a);
+        // The write released the lock and announced the landing.
         assert_eq!(
             (outcome, release, notify),
-            (Outcome::Loaded { cached: true }, true, true)
+            (Outcome::Loaded { cached: true }, false, false)
         );
         assert_eq!(w.loads, 1);
         assert_eq!(
@@ -1499,6 +1547,55 @@ mod tests {
             "planned when the value arrived"
         );
         assert_eq!(l1, Some(planned.expires_at_ms));
+    }
+
+    #[test]
+    fn a_load_that_outlives_its_lock_fills_nothing() {
+        let config = FlightConfig::default();
+        let loaded = Event::Loaded {
+            len: 1,
+            cacheable: true,
+            expiry: None,
+        };
+        // The lock's TTL counts from before its try was sent (here, 10 ms before it
+        // was taken): a load ending within it writes, releasing the lock with the write.
+        let within = config.lock_ttl_ms - 1;
+        let (_, actions) = run(
+            config,
+            &[
+                (0, Event::L2Miss),
+                (10, Event::LockAcquired),
+                (10, Event::L2Miss),
+                (within, loaded),
+            ],
+        );
+        assert!(matches!(
+            actions[4],
+            Action::WriteL2 {
+                fenced: true,
+                release: true,
+                ..
+            }
+        ));
+        // At the TTL the lock may have lapsed (another process may hold it, and a
+        // removal may have outlived its tombstone): nothing is written; the lock is
+        // released (owner-checked) and the waiters woken.
+        for late in [config.lock_ttl_ms, config.lock_ttl_ms + 60_000] {
+            let (_, actions) = run(
+                config,
+                &[
+                    (0, Event::L2Miss),
+                    (10, Event::LockAcquired),
+                    (10, Event::L2Miss),
+                    (late, loaded),
+                ],
+            );
+            assert_eq!(
+                finish(&actions[4]),
+                (Outcome::Loaded { cached: false }, true, true, None),
+                "a load ending {late} ms after its lock try"
+            );
+        }
     }
 
     #[test]
@@ -1723,7 +1820,11 @@ mod tests {
         let mut w = World::new();
         w.l2_write_ok = false;
         let (a, _) = w.drive(relative(60_000), FlightConfig::default());
-        assert_eq!(finish(&a), (Outcome::Loaded { cached: false }, true, true, None));
+        assert_eq!(
+            finish(&a),
+            (Outcome::Loaded { cached: false }, false, false, None)
+        );
+        assert_eq!(w.lock_holder, None, "the write released the lock all the same");
     }
 
     #[test]

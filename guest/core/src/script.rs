@@ -79,6 +79,43 @@ end
 return 0
 "#;
 
+/// A leader's fill and its flight lock's release in one step (contract §5.5, §5.12).
+/// `KEYS[1]`: the entry, `KEYS[2]`: its flight lock (one slot). `ARGV[1]`: the lock's
+/// owner token; `ARGV[2]`: how the fill is fenced: `nx` (only over nothing), `eq` (only
+/// over exactly the bytes `ARGV[3]`) or `set` (over anything: no read found what the key
+/// held); `ARGV[4]`: the entry's bytes, `ARGV[5]`: its TTL (ms). Optionally `ARGV[6]`,
+/// `ARGV[7]`: a channel and a message published in the same step, whatever happened
+/// (the landing's announcement), as [`DELETE_IF_EQUAL`] does.
+///
+/// The fill is made only while `ARGV[1]` still holds the lock: a load that outlived its
+/// lock (a loader slower than the TTL, a process paused past it) writes nothing, since
+/// another leader may hold the lock now and a removal since the double-check may have
+/// outlived its tombstone. Returns the sum of 1 when written, 2 when published and 4
+/// when the lock was still held (then released).
+pub const FILL_AND_RELEASE: &str = r#"
+local result = 0
+if redis.call('GET', KEYS[2]) == ARGV[1] then
+  result = 4
+  local written
+  if ARGV[2] == 'eq' then
+    if redis.call('GET', KEYS[1]) == ARGV[3] then
+      written = redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+    end
+  elseif ARGV[2] == 'nx' then
+    written = redis.call('SET', KEYS[1], ARGV[4], 'NX', 'PX', ARGV[5])
+  else
+    written = redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[5])
+  end
+  if written then result = result + 1 end
+  redis.call('DEL', KEYS[2])
+end
+if ARGV[6] then
+  local published = redis.pcall('PUBLISH', ARGV[6], ARGV[7])
+  if type(published) == 'number' then result = result + 2 end
+end
+return result
+"#;
+
 /// `KEYS[1]`: the key. `ARGV[1]`: the bytes it must hold, `ARGV[2]`: the new bytes,
 /// `ARGV[3]`: the TTL (ms). Replaces the bytes only if the key still holds exactly
 /// `ARGV[1]`: 1, else 0. Writes back a touch without ever overwriting a newer value.

@@ -113,6 +113,9 @@ impl Policy {
             .call_redis_delete_if_equal_script(&mut slot.store)
             .map_err(trap)?;
         let lock_and_peek_script = p.call_redis_lock_and_peek_script(&mut slot.store).map_err(trap)?;
+        let fill_and_release_script = p
+            .call_redis_fill_and_release_script(&mut slot.store)
+            .map_err(trap)?;
         let replace_if_equal_script = p
             .call_redis_replace_if_equal_script(&mut slot.store)
             .map_err(trap)?;
@@ -133,6 +136,7 @@ impl Policy {
                     read_and_touch: read_script,
                     delete_if_equal: delete_if_equal_script,
                     lock_and_peek: lock_and_peek_script,
+                    fill_and_release: fill_and_release_script,
                     replace_if_equal: replace_if_equal_script,
                     grace_ms,
                 },

@@ -22,7 +22,7 @@ use futures::future::{BoxFuture, ready};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use super::{Entries, FlightLock, LandingWatch, Landings, Notifications};
+use super::{Entries, Fill, Filled, FlightLock, LandingWatch, Landings, Notifications};
 use crate::Result;
 use crate::clock::Clock;
 
@@ -341,6 +341,48 @@ impl FlightLock for MemoryStore {
             locks.remove(key);
         }
         ready(Ok(held)).boxed()
+    }
+
+    fn fill_releasing<'a>(
+        &'a self,
+        fill: Fill<'a>,
+        key: &'a str,
+        owner: &'a str,
+        _announce: Option<(&'a str, &'a str)>,
+    ) -> Option<BoxFuture<'a, Result<Filled>>> {
+        let now = self.now();
+        // The lock's shard stays locked across the fill: the lock cannot change hands
+        // between the look and the write.
+        let mut locks = self.inner.locks[self.index(key)].lock();
+        let held = locks
+            .get(key)
+            .is_some_and(|(o, until)| o == owner && now < *until);
+        let mut written = false;
+        if held {
+            locks.remove(key);
+            let mut map = self.shard(fill.name).lock();
+            written = match fill.over {
+                Some(expected) => Self::live(&mut map, fill.name, now) == expected,
+                None => true,
+            };
+            if written {
+                let until_ms = now.saturating_add(fill.ttl_ms.max(1));
+                map.insert(
+                    fill.name.to_owned(),
+                    Stored {
+                        bytes: fill.bytes,
+                        until_ms,
+                    },
+                );
+            }
+        }
+        let filled = Filled {
+            written,
+            held,
+            // Landings here are the store's own: the caller announces.
+            announced: false,
+        };
+        Some(ready(Ok(filled)).boxed())
     }
 }
 

@@ -202,6 +202,50 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
         let _ = (key, owner, channel, message);
         None
     }
+
+    /// A leader's fill and the release of its lock in one step (contract §5.5, §5.12):
+    /// writes `fill` only while `owner` still holds the lock of `key` (a load that
+    /// outlived its lock writes nothing), releases the lock if `owner` holds it, and
+    /// publishes `announce` (a channel and a message) whatever happened, when given.
+    /// `None`: this store cannot, and the caller writes, then releases. Only for a store
+    /// whose lock, entries and landing channel are on the same server (a Redis store's
+    /// own).
+    fn fill_releasing<'a>(
+        &'a self,
+        fill: Fill<'a>,
+        key: &'a str,
+        owner: &'a str,
+        announce: Option<(&'a str, &'a str)>,
+    ) -> Option<BoxFuture<'a, Result<Filled>>> {
+        let _ = (fill, key, owner, announce);
+        None
+    }
+}
+
+/// A leader's fill of an entry ([`FlightLock::fill_releasing`]).
+#[derive(Clone, Debug)]
+pub struct Fill<'a> {
+    /// The entry's name.
+    pub name: &'a str,
+    /// What the entry must still hold for the fill to land (contract §5.12): `Some(None)`
+    /// nothing, `Some(Some(bytes))` exactly those bytes; `None`: anything (no read found
+    /// what it held).
+    pub over: Option<Option<Bytes>>,
+    /// The entry's bytes.
+    pub bytes: Bytes,
+    /// The entry's store TTL.
+    pub ttl_ms: u64,
+}
+
+/// What a [`FlightLock::fill_releasing`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Filled {
+    /// The entry was written.
+    pub written: bool,
+    /// The lock was still the owner's (and is now released); else nothing was written.
+    pub held: bool,
+    /// The announcement was published.
+    pub announced: bool,
 }
 
 /// What a cache does with another process's announcement: the key it names, or `None`
@@ -269,6 +313,8 @@ pub(crate) struct Scripts {
     pub(crate) delete_if_equal: String,
     /// The get-or-set lock with the double-check's first look.
     pub(crate) lock_and_peek: String,
+    /// A leader's fill and its lock's release.
+    pub(crate) fill_and_release: String,
     /// Compare-and-replace (a read's touch written back).
     pub(crate) replace_if_equal: String,
     /// The grace a store TTL gets past the expiry moment.

@@ -21,7 +21,7 @@ use super::link::{Connection, Healing, Link};
 use super::pubsub::RedisNotifications;
 pub use super::redis_options::{RedisOptions, redact};
 use super::script::Script;
-use super::{Entries, FlightLock};
+use super::{Entries, Fill, Filled, FlightLock};
 use crate::gather::{Follower, Gather, distinct};
 use crate::{Error, ErrorKind, Result};
 
@@ -36,6 +36,7 @@ pub struct RedisStore {
     read_and_touch: Arc<Script>,
     delete_if_equal: Arc<Script>,
     lock_and_peek: Arc<Script>,
+    fill_and_release: Arc<Script>,
     replace_if_equal: Arc<Script>,
     delete_foreign: Arc<Script>,
     grace_ms: u64,
@@ -231,6 +232,7 @@ impl RedisStore {
             read_and_touch: Arc::new(Script::new(&scripts.read_and_touch)),
             delete_if_equal: Arc::new(Script::new(&scripts.delete_if_equal)),
             lock_and_peek: Arc::new(Script::new(&scripts.lock_and_peek)),
+            fill_and_release: Arc::new(Script::new(&scripts.fill_and_release)),
             replace_if_equal: Arc::new(Script::new(&scripts.replace_if_equal)),
             delete_foreign: Arc::new(Script::new(DELETE_FOREIGN)),
             grace_ms: scripts.grace_ms,
@@ -735,6 +737,47 @@ impl FlightLock for RedisStore {
         message: &'a str,
     ) -> Option<BoxFuture<'a, Result<bool>>> {
         Some(self.release_with(key, owner, Some((channel, message))).boxed())
+    }
+
+    fn fill_releasing<'a>(
+        &'a self,
+        fill: Fill<'a>,
+        key: &'a str,
+        owner: &'a str,
+        announce: Option<(&'a str, &'a str)>,
+    ) -> Option<BoxFuture<'a, Result<Filled>>> {
+        Some(
+            async move {
+                let (mut conn, at) = self.conn(key)?;
+                self.count(1);
+                let (fence, expected) = match &fill.over {
+                    Some(None) => ("nx", &[][..]),
+                    Some(Some(bytes)) => ("eq", bytes.as_ref()),
+                    None => ("set", &[][..]),
+                };
+                let mut call = self.fill_and_release.key(fill.name);
+                call.key(key)
+                    .arg(owner)
+                    .arg(fence)
+                    .arg(expected)
+                    .arg(fill.bytes.as_ref())
+                    .arg(fill.ttl_ms.max(1));
+                if let Some((channel, message)) = announce {
+                    call.arg(channel).arg(message);
+                }
+                let n: u64 = call
+                    .invoke_async(&mut conn)
+                    .await
+                    .seen(self, &at)
+                    .map_err(unavailable("fill-and-release", &at))?;
+                Ok(Filled {
+                    written: n & 1 != 0,
+                    announced: n & 2 != 0,
+                    held: n & 4 != 0,
+                })
+            }
+            .boxed(),
+        )
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use corral::locks::{LockOptions, MemoryLocks, RedisLocks};
 use corral::{Corral, ErrorKind, LoadOptions};
-use corral_tests::{RedisServer, command_calls, corral_bin, real_time};
+use corral_tests::{Backend, Fixture, RedisServer, command_calls, corral_bin, real_time};
 
 /// 2^53 + 1: the first integer a Lua number (a double) cannot hold.
 const PAST_DOUBLES: u64 = (1 << 53) + 1;
@@ -375,4 +375,64 @@ async fn a_process_that_exits_right_after_its_release_still_announces_it() -> Re
 #[test]
 fn the_default_prefix_is_the_guests() {
     assert_eq!(corral::DEFAULT_PREFIX, corral_core::names::DEFAULT_PREFIX);
+}
+
+/// A leader whose get-or-set lock lapsed while its loader ran (a loader slower than the
+/// lock's TTL, a process paused past it) fills nothing, even when a removal made
+/// meanwhile has outlived its tombstone (contract §5.12): the fill is made only while
+/// the leader still holds its lock. The caller still gets its value. Here the lock's
+/// lapse and the tombstone's are made by hand, at known points of the load, with the
+/// cache's clock standing still (so only the store can tell).
+async fn a_load_that_outlived_its_lock_never_fills_over_a_removal(backend: Backend) -> Result<()> {
+    let a = Fixture::new(backend)?;
+    let b = match (&a.redis, a.cache.memory_store()) {
+        (Some(server), _) => {
+            let mut options = corral::RedisOptions::new(server.url());
+            options.prefix = corral_tests::PREFIX.into();
+            Corral::builder()
+                .clock(a.clock.clone())
+                .redis_options(options)
+                .build()?
+        }
+        (None, Some(store)) => Corral::builder()
+            .clock(a.clock.clone())
+            .memory(store.clone())
+            .build()?,
+        (None, None) => anyhow::bail!("a fixture without a store"),
+    };
+    let lock = corral_core::names::name(a.cache.prefix(), "k", corral_core::names::Kind::FlightLock);
+    let value = a
+        .cache
+        .get_or_set("k", LoadOptions::relative(Duration::from_secs(60)), || async {
+            // The lock lapses under the paused leader; another process removes the key,
+            // and the removal's tombstone lapses in turn.
+            match (a.raw(), a.cache.memory_store()) {
+                (Some(mut conn), _) => {
+                    let dropped: u64 = redis::cmd("DEL").arg(&lock).query_async(&mut conn).await?;
+                    anyhow::ensure!(dropped == 1, "the leader held its lock");
+                }
+                (None, Some(store)) => anyhow::ensure!(store.lapse_lock(&lock), "the leader held its lock"),
+                (None, None) => unreachable!(),
+            }
+            b.remove("k").await?;
+            a.cache.entries().delete(&a.name("k")).await?;
+            Ok::<_, anyhow::Error>("loaded before the removal")
+        })
+        .await?;
+    assert_eq!(value, "loaded before the removal", "the caller gets its value");
+    assert!(!a.stored("k").await?, "nothing filled once the lock lapsed");
+    assert_eq!(b.get("k").await?, None);
+    assert_eq!(a.cache.get("k").await?, None, "nor L1");
+    assert_eq!(a.cache.metrics().fills_refused, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_that_outlived_its_lock_never_fills_over_a_removal_memory() -> Result<()> {
+    a_load_that_outlived_its_lock_never_fills_over_a_removal(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_that_outlived_its_lock_never_fills_over_a_removal_redis() -> Result<()> {
+    a_load_that_outlived_its_lock_never_fills_over_a_removal(Backend::Redis).await
 }

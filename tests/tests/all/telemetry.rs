@@ -357,7 +357,17 @@ async fn each_flight_has_a_span_with_the_guests_decisions_and_its_outcome() -> R
         .rfind(|e| e.get("action").map(String::as_str) == Some("finish"));
     let finish = finish.expect("a finish event");
     assert!(finish["outcome"].contains("Loaded"), "{finish:?}");
-    assert_eq!(finish["release"], "true");
+    // The write released the lock: the finish has nothing left to release.
+    let write = flight
+        .events
+        .iter()
+        .find(|e| e.get("action").map(String::as_str) == Some("write_l2"))
+        .expect("a write event");
+    assert_eq!(
+        (write["fenced"].as_str(), write["release"].as_str()),
+        ("true", "true")
+    );
+    assert_eq!(finish["release"], "false");
 
     // An L1 hit: no flight.
     cache

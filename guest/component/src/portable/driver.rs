@@ -58,6 +58,10 @@ pub(super) struct Driver {
     l1_ticket: l1::L1Ticket,
     /// The flight lock's owner token, while this flight holds it.
     owner: Option<String>,
+    /// The write was asked to release the lock and announce the landing: done at the
+    /// finish, after the followers got the outcome (the imports have no step that
+    /// writes and releases at once).
+    release_owed: bool,
     loader_error: String,
     /// What the key held after the last successful read: a fenced fill writes only over
     /// it (contract §5.12).
@@ -102,6 +106,7 @@ impl Driver {
             written_at: 0,
             stale: Vec::new(),
             owner: None,
+            release_owed: false,
             loader_error: String::new(),
             holds: None,
             refresh_due: false,
@@ -235,7 +240,11 @@ impl Driver {
                     header,
                     store_ttl_ms,
                     fenced,
-                } => self.write_l2(&header, store_ttl_ms, fenced),
+                    release,
+                } => {
+                    self.release_owed = release;
+                    self.write_l2(&header, store_ttl_ms, fenced)
+                }
                 Action::Finish {
                     outcome,
                     release,
@@ -254,7 +263,8 @@ impl Driver {
                         flights::finish(&self.key, result.as_ref().map(Vec::as_slice));
                     }
                     l2::bound(settings().store_budget().release_ms);
-                    self.release_and_announce(release, notify);
+                    let owed = std::mem::take(&mut self.release_owed);
+                    self.release_and_announce(release || owed, notify || owed);
                     if let (Ok(value), Some(until_ms)) = (&result, l1_until_ms) {
                         self.fill_l1(value, until_ms, refresh_at_ms, stale_served);
                     }

@@ -25,8 +25,8 @@ use crate::cache::tags::TagStamp;
 use crate::guest::policy::Tagged;
 use crate::guest::policy::wflight::{Action, Event, Finish, LoadRequest, Outcome as FlightOutcome, Write};
 use crate::options::duration_ms;
-use crate::store::LandingWatch;
 use crate::store::l1::{L1Entry, L1Tagged, Ticket};
+use crate::store::{Fill, Filled, LandingWatch};
 use crate::{Error, ErrorKind, Result};
 
 /// Where a flight's caller and followers are answered, and what it leaves behind.
@@ -90,6 +90,10 @@ pub(super) struct Driver<'a, F> {
     read_tag_epoch: u64,
     /// The callers got the stale copy before the load ended (counted then).
     served_stale_early: bool,
+    /// The write was asked to release the lock and announce the landing, and the store
+    /// could not in the same step: done at the finish, once the followers have the
+    /// outcome.
+    release_owed: bool,
     /// The first read, made before the flight began (a batch's), or the double-check's,
     /// made by the lock that found the entry empty: it answers the next action only, if
     /// that is the read.
@@ -143,6 +147,7 @@ where
             written_at: now,
             read_tag_epoch: inner.l1.tag_epoch(),
             served_stale_early: false,
+            release_owed: false,
             first_read,
         }
     }
@@ -450,30 +455,85 @@ where
             self.written_tags = Some(tagged);
         }
         let value = self.value.as_deref().unwrap_or_default();
-        let stored = crate::store::splice(&write.header, value);
-        let entries = &inner.stores.entries;
-        let (name, ttl) = (self.entry_name, write.store_ttl_ms);
         // Fenced (contract §5.12): only over what the last read found.
-        let written = if write.fenced {
-            entries.set_if(name, self.holds.clone(), stored, ttl)
-        } else {
-            Box::pin(async move { entries.set(name, stored, ttl).await.map(|()| true) })
+        let fill = Fill {
+            name: self.entry_name,
+            over: write.fenced.then(|| self.holds.clone()),
+            bytes: crate::store::splice(&write.header, value),
+            ttl_ms: write.store_ttl_ms,
+        };
+        let cache = self.cache;
+        if write.release
+            && let Some(owner) = self.held.owner.clone()
+        {
+            // Where the store can, the write releases the lock and announces the
+            // landing in the same step, writing only while the lock is still this
+            // flight's (contract §5.5, §5.12).
+            let stores = &cache.inner.stores;
+            let announcement = stores.notifications.announcement(self.key);
+            let announce = announcement.as_ref().map(|(c, m)| (c.as_str(), m.as_str()));
+            if let Some(step) =
+                stores
+                    .flight_lock
+                    .fill_releasing(fill.clone(), self.held.lock_name, &owner, announce)
+            {
+                return Ok(self.filled_releasing(step).await);
+            }
+        }
+        // Else the finish releases, once the followers have the outcome.
+        self.release_owed = write.release;
+        let entries = &inner.stores.entries;
+        let written = match fill.over {
+            Some(over) => entries.set_if(fill.name, over, fill.bytes, fill.ttl_ms),
+            None => Box::pin(async move {
+                entries
+                    .set(fill.name, fill.bytes, fill.ttl_ms)
+                    .await
+                    .map(|()| true)
+            }),
         };
         Ok(match self.cache.l2_op(by(self.deadline, written)).await {
             Ok(true) => Event::L2Written,
-            Ok(false) => {
-                Metrics::bump(&inner.metrics.fills_refused);
-                tracing::debug!(
-                    key = self.key,
-                    "fill refused: the key was written since the load began"
-                );
-                Event::L2WriteFailed
-            }
-            Err(e) => {
-                crate::throttle::warn_every!(10, self.key, error = %e, "L2 write failed; the value is returned uncached");
-                Event::L2WriteFailed
-            }
+            Ok(false) => self.refused("the key was written since the load began"),
+            Err(e) => self.write_failed(&e),
         })
+    }
+
+    /// What a write that released the lock in the same step did: announced on its own
+    /// when the step did not publish; the lock still owed when its outcome is unknown.
+    async fn filled_releasing(&mut self, step: impl Future<Output = Result<Filled>>) -> Event {
+        let filled = match self.cache.l2_op(by(self.deadline, step)).await {
+            Ok(filled) => filled,
+            Err(e) => {
+                self.held.release_in_background();
+                return self.write_failed(&e);
+            }
+        };
+        self.held.owner = None;
+        if !filled.announced {
+            let inner = &*self.cache.inner;
+            let closing = in_ms(inner.flight.store_budget.release_ms);
+            if let Err(e) = by(closing, inner.stores.notifications.announce(self.key)).await {
+                tracing::debug!(key = self.key, error = %e, "landing announcement failed; waiters fall back to polling");
+            }
+        }
+        match filled {
+            Filled { written: true, .. } => Event::L2Written,
+            Filled { held: false, .. } => self.refused("the flight's lock lapsed during the load"),
+            _ => self.refused("the key was written since the load began"),
+        }
+    }
+
+    /// A fenced fill the store refused (contract §5.12): the value is returned uncached.
+    fn refused(&self, why: &'static str) -> Event {
+        Metrics::bump(&self.cache.inner.metrics.fills_refused);
+        tracing::debug!(key = self.key, why, "fill refused");
+        Event::L2WriteFailed
+    }
+
+    fn write_failed(&self, e: &Error) -> Event {
+        crate::throttle::warn_every!(10, self.key, error = %e, "L2 write failed; the value is returned uncached");
+        Event::L2WriteFailed
     }
 
     /// The flight's end: the callers get the outcome first, then the lock is released
@@ -497,7 +557,9 @@ where
         if let Some(tx) = self.callers.answer.take() {
             let _ = tx.send(result.clone());
         }
-        self.release_and_announce(&finish).await;
+        let owed = std::mem::take(&mut self.release_owed);
+        self.release_and_announce(finish.release || owed, finish.notify || owed)
+            .await;
         if !self.options.refresh {
             self.cache
                 .count_outcome(self.key, finish.outcome, self.served_stale_early);
@@ -541,20 +603,17 @@ where
     /// The release has a deadline of its own (the steps before may have spent theirs);
     /// until it is confirmed the lock stays owed, so a caller that goes away now, or a
     /// release that fails, releases it in the background instead of leaving it to its TTL.
-    async fn release_and_announce(&mut self, finish: &Finish) {
+    async fn release_and_announce(&mut self, release: bool, notify: bool) {
         let inner = &*self.cache.inner;
         let closing = in_ms(inner.flight.store_budget.release_ms);
-        self.held.releasing = finish.release;
+        self.held.releasing = release;
         // Where the store can, the release publishes the landing's announcement in the
         // same command; one it did not publish (refused, or its outcome unknown) is made
         // on its own below, best effort (a second one only wakes waiters twice).
         let mut announced = false;
-        if finish.release
-            && let Some(owner) = self.held.owner.clone()
-        {
+        if release && let Some(owner) = self.held.owner.clone() {
             let stores = &inner.stores;
-            let announcement = finish
-                .notify
+            let announcement = notify
                 .then(|| stores.notifications.announcement(self.key))
                 .flatten();
             let release = match &announcement {
@@ -579,7 +638,7 @@ where
             }
         }
         self.held.done = true;
-        if finish.notify
+        if notify
             && !announced
             && let Err(e) = by(closing, inner.stores.notifications.announce(self.key)).await
         {
@@ -636,6 +695,7 @@ pub(super) fn trace_action(action: &Action) {
             action = "write_l2",
             store_ttl_ms = write.store_ttl_ms,
             fenced = write.fenced,
+            release = write.release,
             "flight action"
         ),
         Action::Finish(finish) => tracing::debug!(
