@@ -298,7 +298,7 @@ impl Corral {
 
     /// What a read of `name` (with `hint`) that `fetched` these bytes (and the TTL it
     /// set) found: the guest's judgement, then what it leaves to do.
-    async fn l2_judge(
+    pub(crate) async fn l2_judge(
         &self,
         name: &str,
         hint: Option<NextRead>,

@@ -87,7 +87,7 @@ impl TagState {
     }
 
     /// How many clears and gaps were heard so far: taken before a generation or tag read.
-    fn clears_so_far(&self) -> u64 {
+    pub(crate) fn clears_so_far(&self) -> u64 {
         *self.clears_heard.lock()
     }
 
@@ -238,7 +238,16 @@ impl Corral {
         let name = policy.generation_name(&self.inner.prefix)?;
         let since = state.clears_so_far();
         let stored = self.l2_op(self.inner.stores.entries.get(&name)).await?;
-        let g = policy.generation_of(stored.as_deref())?;
+        self.adopt_generation(since, stored.as_deref(), now)
+    }
+
+    /// The generation the store held (`stored`, read after [`TagState::clears_so_far`]
+    /// said `since`), kept, and L1 moved on if it changed; a clear heard while it was
+    /// read set a newer one, which it returns instead.
+    pub(crate) fn adopt_generation(&self, since: u64, stored: Option<&[u8]>, now: u64) -> Result<u64> {
+        let state = &self.inner.tags;
+        let policy = &self.inner.policy;
+        let g = policy.generation_of(stored)?;
         let until = policy.tag_known_until(now, self.inner.l1_ttl_ms)?;
         let Some(before) = state.keep_read(since, g, until) else {
             // A clear came while this read was on its way: what it set is newer.

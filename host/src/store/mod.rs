@@ -207,9 +207,9 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
     /// writes `fill` only while `owner` still holds the lock of `key` (a load that
     /// outlived its lock writes nothing), releases the lock if `owner` holds it, and
     /// publishes `announce` (a channel and a message) whatever happened, when given.
-    /// `None`: this store cannot, and the caller writes, then releases. Only for a store
-    /// whose lock, entries and landing channel are on the same server (a Redis store's
-    /// own).
+    /// `None`: this store cannot, and the caller writes, then releases. Asked only of a
+    /// store that holds the entries too (the same object given as both), whose landing
+    /// channel is on the same server.
     fn fill_releasing<'a>(
         &'a self,
         fill: Fill<'a>,
@@ -455,11 +455,20 @@ impl Stores {
         !redis || clock.is_real_time()
     }
 
+    /// Whether one store object holds both the entries and the flight lock (the memory
+    /// store's and a Redis store's own, or a user's store given as both), so a leader's
+    /// fill may go with its release ([`FlightLock::fill_releasing`]); a layer over the
+    /// entries alone, or entries apart from the lock, write through the entries.
+    pub(crate) fn fill_with_lock(&self) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.entries), Arc::as_ptr(&self.flight_lock))
+    }
+
     /// The embedded default: everything in this process.
     pub(crate) fn memory(store: memory::MemoryStore) -> Self {
+        let shared = Arc::new(store.clone());
         Stores {
-            entries: Arc::new(store.clone()),
-            flight_lock: Arc::new(store.clone()),
+            entries: shared.clone(),
+            flight_lock: shared,
             notifications: Arc::new(store.clone()),
             memory: Some(store),
             #[cfg(feature = "redis")]
@@ -470,9 +479,10 @@ impl Stores {
     /// One Redis: entries, the flight lock and the landing channel.
     #[cfg(feature = "redis")]
     pub(crate) fn redis(store: redis::RedisStore) -> Self {
+        let shared = Arc::new(store.clone());
         Stores {
-            entries: Arc::new(store.clone()),
-            flight_lock: Arc::new(store.clone()),
+            entries: shared.clone(),
+            flight_lock: shared,
             notifications: Arc::new(store.notifications().clone()),
             memory: None,
             redis: Some(store),

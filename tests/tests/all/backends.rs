@@ -1114,3 +1114,31 @@ async fn a_set_after_a_failed_remove_ends_its_retry() -> Result<()> {
     assert_eq!(cache.get("k").await?.as_deref(), Some(&b"mine"[..]));
     Ok(())
 }
+
+/// Entries and a flight lock in two stores: a leader's fill goes to the entries (and
+/// through any layer over them), never to the lock's store, though that store could
+/// write and release in one step had it held the entries too.
+#[tokio::test]
+async fn a_fill_lands_in_the_entries_when_the_lock_is_kept_elsewhere() -> Result<()> {
+    use std::sync::Arc;
+    let clock: Arc<dyn Clock> = Arc::new(corral::SystemClock);
+    let entries = corral::store::memory::MemoryStore::new(clock.clone(), 30_000);
+    let locks = corral::store::memory::MemoryStore::new(clock, 30_000);
+    let cache = Corral::builder()
+        .stores(
+            "t:",
+            Arc::new(entries.clone()),
+            Arc::new(locks.clone()),
+            Arc::new(locks.clone()),
+        )
+        .build()?;
+    let v = cache
+        .get_or_set("k", EntryOptions::new(), || async {
+            Ok::<_, std::io::Error>("loaded")
+        })
+        .await?;
+    assert_eq!(v, "loaded");
+    assert_eq!(entries.len(), 1, "the fill is in the entries");
+    assert_eq!(locks.len(), 0, "and not in the lock's store");
+    Ok(())
+}

@@ -464,6 +464,7 @@ where
         };
         let cache = self.cache;
         if write.release
+            && cache.inner.stores.fill_with_lock()
             && let Some(owner) = self.held.owner.clone()
         {
             // Where the store can, the write releases the lock and announces the
@@ -509,14 +510,16 @@ where
                 return self.write_failed(&e);
             }
         };
-        self.held.owner = None;
         if !filled.announced {
+            // Still owed until announced: a caller gone meanwhile leaves it (with an
+            // owner-checked release, a no-op now) to the background.
             let inner = &*self.cache.inner;
             let closing = in_ms(inner.flight.store_budget.release_ms);
             if let Err(e) = by(closing, inner.stores.notifications.announce(self.key)).await {
                 tracing::debug!(key = self.key, error = %e, "landing announcement failed; waiters fall back to polling");
             }
         }
+        self.held.owner = None;
         match filled {
             Filled { written: true, .. } => Event::L2Written,
             Filled { held: false, .. } => self.refused("the flight's lock lapsed during the load"),

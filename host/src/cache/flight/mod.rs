@@ -14,12 +14,14 @@ use bytes::Bytes;
 use tracing::Instrument;
 
 use self::driver::{Callers, Driver, FirstRead};
-use self::held::{HeldFlight, share};
+use self::held::{HeldFlight, in_ms, share};
 use super::Corral;
 use super::load::{LoadOptions, Served};
 use super::metrics::Metrics;
 use super::registry::{Join, LeaderGuard, Outcome, UNCHANGED};
 use crate::guest::policy::wflight::{self, Outcome as FlightOutcome, StaleCause};
+use crate::guest::policy::{NextRead, StoreNames};
+use crate::store::l1::Ticket;
 use crate::{Error, Result};
 use tokio::sync::oneshot;
 
@@ -390,10 +392,70 @@ impl Corral {
         let named = first
             .as_ref()
             .map_or_else(|| inner.l1.ticket(key), |read| read.named);
-        let names = self.locate(key).await?;
+        let (names, first) = match first {
+            Some(read) => (self.locate(key).await?, Some(read)),
+            None => self.locate_reading(key, named).await?,
+        };
         let held = HeldFlight::new(self, key, &names.flight_lock, state);
         let driver = Driver::new(self, key, options, &names.entry, held, callers, named, now, first);
         driver.run(action).await
+    }
+
+    /// A flight's names ([`Corral::locate`]). When the prefix's generation must be read
+    /// first, the entry is read with it, in one store call (one `MGET` on one server),
+    /// under the generation this process expects (the last one it knew, 0 at first): if
+    /// the store's is that one, that read is the flight's first (contract §5.5); else the
+    /// flight reads the entry under the store's. A key whose reads slide (a touch) is
+    /// named first and read on its own.
+    async fn locate_reading(&self, key: &str, named: Ticket) -> Result<(StoreNames, Option<FirstRead>)> {
+        let inner = &*self.inner;
+        let policy = &inner.policy;
+        if self.known_generation().is_some() {
+            return Ok((self.locate(key).await?, None));
+        }
+        policy.validate_key(key)?;
+        let expected = inner.tags.generation_now();
+        let names = policy.locate(&inner.prefix, key, expected)?;
+        if !matches!(inner.read_hints.get(&names.entry), None | Some(NextRead::Get)) {
+            return Ok((self.locate(key).await?, None));
+        }
+        let generation_name = policy.generation_name(&inner.prefix)?;
+        let deadline = in_ms(inner.flight.store_budget.before_load_ms);
+        let since = inner.tags.clears_so_far();
+        let (l1_ticket, tag_epoch) = (inner.l1.ticket_since(key, named), inner.l1.tag_epoch());
+        let now = inner.clock.now_ms();
+        let both = [generation_name.as_str(), names.entry.as_str()];
+        let read =
+            tokio::time::timeout(inner.flight.store_timeout, inner.stores.entries.get_many(&both)).await;
+        let mut read = read.unwrap_or_default().into_iter();
+        // Unread (failed, timed out, foreign bytes): the last one known, so the flight
+        // goes on to degrade as it would (contract §5.8).
+        let generation = match read.next() {
+            Some(Ok(stored)) => self
+                .adopt_generation(since, stored.as_deref(), now)
+                .unwrap_or(expected),
+            Some(Err(e)) => {
+                self.l2_failed(e);
+                expected
+            }
+            None => expected,
+        };
+        if generation != expected {
+            return Ok((policy.locate(&inner.prefix, key, generation)?, None));
+        }
+        let first = match read.next() {
+            Some(Ok(stored)) => Some(FirstRead {
+                named,
+                l1_ticket,
+                tag_epoch,
+                read: self
+                    .l2_judge(&names.entry, None, stored.map(|b| (b, None)), now)
+                    .await,
+                deadline,
+            }),
+            _ => None,
+        };
+        Ok((names, first))
     }
 
     /// The flight configuration of a get-or-set with `options`: the call's own settings,
