@@ -46,6 +46,28 @@ end
 return v
 "#;
 
+/// The end of a script that may announce a landing: publishes the message `ARGV[$m]` on
+/// the channel `ARGV[$c]` when a channel is given, adds 2 to `result` if that succeeded
+/// (a publish that fails, a user without channel rights, never fails the script: the
+/// caller announces on its own), and returns `result`.
+macro_rules! announce_and_return {
+    ($c:literal, $m:literal) => {
+        concat!(
+            "if ARGV[",
+            $c,
+            "] then\n",
+            "  local published = redis.pcall('PUBLISH', ARGV[",
+            $c,
+            "], ARGV[",
+            $m,
+            "])\n",
+            "  if type(published) == 'number' then result = result + 2 end\n",
+            "end\n",
+            "return result\n"
+        )
+    };
+}
+
 /// `KEYS[1]`: the key. `ARGV[1]`: the bytes it must hold. Deletes the key only if it
 /// still holds exactly those bytes; returns 1 when deleted, else 0. Used to remove a
 /// corrupt entry without removing a good one written since, and to release a lock.
@@ -54,17 +76,15 @@ return v
 /// and nothing owed once it returned); 2 is then added when the publish succeeded. A
 /// publish that fails (a user without channel rights) never fails the delete: the
 /// caller announces on its own.
-pub const DELETE_IF_EQUAL: &str = r#"
-local deleted = 0
+pub const DELETE_IF_EQUAL: &str = concat!(
+    r#"
+local result = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  deleted = redis.call('DEL', KEYS[1])
+  result = redis.call('DEL', KEYS[1])
 end
-if ARGV[2] then
-  local published = redis.pcall('PUBLISH', ARGV[2], ARGV[3])
-  if type(published) == 'number' then deleted = deleted + 2 end
-end
-return deleted
-"#;
+"#,
+    announce_and_return!("2", "3")
+);
 
 /// A get-or-set's lock with the double-check's first look (contract §5.4). `KEYS[1]`: the
 /// flight lock, `KEYS[2]`: its entry (one slot). `ARGV[1]`: the owner token, `ARGV[2]`:
@@ -92,7 +112,8 @@ return 0
 /// another leader may hold the lock now and a removal since the double-check may have
 /// outlived its tombstone. Returns the sum of 1 when written, 2 when published and 4
 /// when the lock was still held (then released).
-pub const FILL_AND_RELEASE: &str = r#"
+pub const FILL_AND_RELEASE: &str = concat!(
+    r#"
 local result = 0
 if redis.call('GET', KEYS[2]) == ARGV[1] then
   result = 4
@@ -109,12 +130,9 @@ if redis.call('GET', KEYS[2]) == ARGV[1] then
   if written then result = result + 1 end
   redis.call('DEL', KEYS[2])
 end
-if ARGV[6] then
-  local published = redis.pcall('PUBLISH', ARGV[6], ARGV[7])
-  if type(published) == 'number' then result = result + 2 end
-end
-return result
-"#;
+"#,
+    announce_and_return!("6", "7")
+);
 
 /// `KEYS[1]`: the key. `ARGV[1]`: the bytes it must hold, `ARGV[2]`: the new bytes,
 /// `ARGV[3]`: the TTL (ms). Replaces the bytes only if the key still holds exactly

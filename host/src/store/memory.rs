@@ -35,6 +35,16 @@ struct Stored {
     until_ms: u64,
 }
 
+impl Stored {
+    /// `bytes` kept `ttl_ms` (at least 1 ms) from `now`.
+    fn new(bytes: Bytes, ttl_ms: u64, now: u64) -> Stored {
+        Stored {
+            bytes,
+            until_ms: now.saturating_add(ttl_ms.max(1)),
+        }
+    }
+}
+
 type Shard = Mutex<HashMap<String, Stored>>;
 
 /// The in-memory store. Cheap to clone; clones share the entries.
@@ -162,6 +172,22 @@ impl MemoryStore {
         }
     }
 
+    /// Writes `stored` under `name` in a locked shard if it still holds `expected` (live
+    /// bytes, or nothing); says whether it did.
+    fn put_if(
+        map: &mut HashMap<String, Stored>,
+        name: &str,
+        expected: Option<Bytes>,
+        stored: Stored,
+        now: u64,
+    ) -> bool {
+        let unchanged = Self::live(map, name, now) == expected;
+        if unchanged {
+            map.insert(name.to_owned(), stored);
+        }
+        unchanged
+    }
+
     /// Starts a background invalidation if one is due and none is running.
     fn maybe_invalidate(&self) {
         let inner = &self.inner;
@@ -244,10 +270,8 @@ impl Entries for MemoryStore {
 
     fn set<'a>(&'a self, key: &'a str, bytes: Bytes, ttl_ms: u64) -> BoxFuture<'a, Result<()>> {
         self.maybe_invalidate();
-        let until_ms = self.now().saturating_add(ttl_ms.max(1));
-        self.shard(key)
-            .lock()
-            .insert(key.to_owned(), Stored { bytes, until_ms });
+        let stored = Stored::new(bytes, ttl_ms, self.now());
+        self.shard(key).lock().insert(key.to_owned(), stored);
         ready(Ok(())).boxed()
     }
 
@@ -256,8 +280,7 @@ impl Entries for MemoryStore {
         let now = self.now();
         let mut map = self.shard(name).lock();
         let old = Self::live(&mut map, name, now);
-        let until_ms = now.saturating_add(ttl_ms.max(1));
-        map.insert(name.to_owned(), Stored { bytes, until_ms });
+        map.insert(name.to_owned(), Stored::new(bytes, ttl_ms, now));
         ready(Ok(old)).boxed()
     }
 
@@ -270,12 +293,8 @@ impl Entries for MemoryStore {
     ) -> BoxFuture<'a, Result<bool>> {
         let now = self.now();
         let mut map = self.shard(name).lock();
-        let unchanged = Self::live(&mut map, name, now) == expected;
-        if unchanged {
-            let until_ms = now.saturating_add(ttl_ms.max(1));
-            map.insert(name.to_owned(), Stored { bytes, until_ms });
-        }
-        ready(Ok(unchanged)).boxed()
+        let written = Self::put_if(&mut map, name, expected, Stored::new(bytes, ttl_ms, now), now);
+        ready(Ok(written)).boxed()
     }
 
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
@@ -306,8 +325,7 @@ impl Entries for MemoryStore {
         let mut map = self.shard(key).lock();
         let equal = Self::live(&mut map, key, now).is_some_and(|b| b == expected);
         if equal {
-            let until_ms = now.saturating_add(ttl_ms.max(1));
-            map.insert(key.to_owned(), Stored { bytes, until_ms });
+            map.insert(key.to_owned(), Stored::new(bytes, ttl_ms, now));
         }
         ready(Ok(equal)).boxed()
     }
@@ -361,20 +379,14 @@ impl FlightLock for MemoryStore {
         if held {
             locks.remove(key);
             let mut map = self.shard(fill.name).lock();
+            let stored = Stored::new(fill.bytes, fill.ttl_ms, now);
             written = match fill.over {
-                Some(expected) => Self::live(&mut map, fill.name, now) == expected,
-                None => true,
+                Some(expected) => Self::put_if(&mut map, fill.name, expected, stored, now),
+                None => {
+                    map.insert(fill.name.to_owned(), stored);
+                    true
+                }
             };
-            if written {
-                let until_ms = now.saturating_add(fill.ttl_ms.max(1));
-                map.insert(
-                    fill.name.to_owned(),
-                    Stored {
-                        bytes: fill.bytes,
-                        until_ms,
-                    },
-                );
-            }
         }
         let filled = Filled {
             written,

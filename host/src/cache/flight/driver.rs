@@ -513,11 +513,8 @@ where
         if !filled.announced {
             // Still owed until announced: a caller gone meanwhile leaves it (with an
             // owner-checked release, a no-op now) to the background.
-            let inner = &*self.cache.inner;
-            let closing = in_ms(inner.flight.store_budget.release_ms);
-            if let Err(e) = by(closing, inner.stores.notifications.announce(self.key)).await {
-                tracing::debug!(key = self.key, error = %e, "landing announcement failed; waiters fall back to polling");
-            }
+            let closing = in_ms(self.cache.inner.flight.store_budget.release_ms);
+            self.announce_alone(closing).await;
         }
         self.held.owner = None;
         match filled {
@@ -641,10 +638,17 @@ where
             }
         }
         self.held.done = true;
-        if notify
-            && !announced
-            && let Err(e) = by(closing, inner.stores.notifications.announce(self.key)).await
-        {
+        if notify && !announced {
+            self.announce_alone(closing).await;
+        }
+    }
+
+    /// The landing's announcement on its own, best effort by `closing` (a second one
+    /// only wakes waiters twice; one lost leaves them to their timers). (`&mut`: the
+    /// driver is `Send`, not `Sync`, and this future holds it across the await.)
+    async fn announce_alone(&mut self, closing: Instant) {
+        let announce = self.cache.inner.stores.notifications.announce(self.key);
+        if let Err(e) = by(closing, announce).await {
             tracing::debug!(key = self.key, error = %e, "landing announcement failed; waiters fall back to polling");
         }
     }

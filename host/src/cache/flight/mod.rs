@@ -410,8 +410,8 @@ impl Corral {
     async fn locate_reading(&self, key: &str, named: Ticket) -> Result<(StoreNames, Option<FirstRead>)> {
         let inner = &*self.inner;
         let policy = &inner.policy;
-        if self.known_generation().is_some() {
-            return Ok((self.locate(key).await?, None));
+        if let Some(generation) = self.known_generation() {
+            return Ok((policy.locate(&inner.prefix, key, generation)?, None));
         }
         policy.validate_key(key)?;
         let expected = inner.tags.generation_now();
