@@ -246,6 +246,14 @@ impl<'a> Step<'a> {
             Home::Locks => match self.st.locks.get_mut(name).filter(|l| now < l.until) {
                 Some(l) => {
                     l.until = until;
+                    // A flight lock renewed while its loader runs: that load holds it
+                    // longer (a takeover before then is not excused as a lapse).
+                    let (proc, since) = (l.proc, l.since);
+                    for load in self.st.loads.iter_mut().filter(|r| {
+                        r.locked && r.end.is_none() && r.proc == proc && r.lock_name == name && r.start >= since
+                    }) {
+                        load.lock_until = until;
+                    }
                     true
                 }
                 None => false,

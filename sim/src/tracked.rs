@@ -214,6 +214,10 @@ impl FlightLock for Tracked {
         self.lock.release(key, owner)
     }
 
+    fn renew<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> Option<BoxFuture<'a, Result<bool>>> {
+        self.lock.renew(key, owner, ttl_ms)
+    }
+
     fn try_lock_peeking<'a>(
         &'a self,
         key: &'a str,

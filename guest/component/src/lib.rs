@@ -599,6 +599,8 @@ mod flight {
             answered: s.answered,
             fence_known: s.fence_known,
             lock_until_ms: s.lock_until_ms,
+            renew_at_ms: s.renew_at_ms,
+            renew_sent_ms: s.renew_sent_ms,
         }
     }
 
@@ -618,6 +620,8 @@ mod flight {
             answered: f.answered,
             fence_known: f.fence_known,
             lock_until_ms: f.lock_until_ms,
+            renew_at_ms: f.renew_at_ms,
+            renew_sent_ms: f.renew_sent_ms,
         }
     }
 
@@ -642,6 +646,10 @@ mod flight {
             wit::Event::LoadOverdue => Event::LoadOverdue,
             wit::Event::L2Written => Event::L2Written,
             wit::Event::L2WriteFailed => Event::L2WriteFailed,
+            wit::Event::RenewDue => Event::RenewDue,
+            wit::Event::Renewed => Event::Renewed,
+            wit::Event::RenewRefused => Event::RenewRefused,
+            wit::Event::RenewFailed => Event::RenewFailed,
         }
     }
 
@@ -654,13 +662,16 @@ mod flight {
                 until_ms,
                 soft_until_ms,
                 overdue_ms,
+                renew_at_ms,
             } => wit::Action::Load(wit::LoadRequest {
                 until_ms,
                 soft_until_ms,
                 overdue_ms,
+                renew_at_ms,
             }),
+            Action::RenewLock { ttl_ms } => wit::Action::RenewLock(ttl_ms),
             Action::AnswerStale { l1_until_ms } => wit::Action::AnswerStale(l1_until_ms),
-            Action::KeepLoading => wit::Action::KeepLoading,
+            Action::KeepLoading { renew_at_ms } => wit::Action::KeepLoading(renew_at_ms),
             Action::AnswerTimedOut => wit::Action::AnswerTimedOut,
             Action::WriteL2 {
                 header,
@@ -684,6 +695,7 @@ mod flight {
                 outcome: match outcome {
                     Outcome::L2Hit { after_wait } => wit::Outcome::L2Hit(after_wait),
                     Outcome::Loaded { cached } => wit::Outcome::Loaded(cached),
+                    Outcome::Lapsed => wit::Outcome::Lapsed,
                     Outcome::Degraded { timed_out } => wit::Outcome::Degraded(timed_out),
                     Outcome::LoaderFailed => wit::Outcome::LoaderFailed,
                     Outcome::Stale(cause) => wit::Outcome::Stale(match cause {

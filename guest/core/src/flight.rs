@@ -219,6 +219,17 @@ pub enum Event {
     L2Written,
     /// The L2 write failed.
     L2WriteFailed,
+    /// The loader is still running at `Action::Load`'s (or the last
+    /// `Action::KeepLoading`'s) `renew_at_ms`: the flight's lock is due for renewal.
+    RenewDue,
+    /// The lock was renewed ([`Action::RenewLock`]): it is still this flight's.
+    Renewed,
+    /// The renewal found the lock no longer this flight's (it lapsed, or was taken
+    /// over): the load goes on, and fills nothing.
+    RenewRefused,
+    /// The renewal could not be tried (store unavailable): the lock holds until it
+    /// lapses, and is tried again before then if there is time.
+    RenewFailed,
 }
 
 /// How a flight ended, for the caller and the metrics.
@@ -234,6 +245,11 @@ pub enum Outcome {
         /// Whether the value was written to the tiers.
         cached: bool,
     },
+    /// This flight loaded the value, but its distributed lock lapsed (or was taken
+    /// over) while the loader ran: the caller gets the value and nothing is cached,
+    /// since another leader may hold the lock and a removal since the double-check may
+    /// have outlived its tombstone (contract §5.12). A refused fill.
+    Lapsed,
     /// The distributed lock could not be had (store down or wait timed out): the
     /// loader ran uncached for this caller.
     Degraded {
@@ -298,6 +314,17 @@ pub enum Action {
         /// The hard timeout's moment with background completion, if any: if the loader
         /// still runs then, report [`Event::LoadOverdue`] and keep it running.
         overdue_ms: Option<u64>,
+        /// When the flight's lock is due for renewal, if it holds one: if the loader
+        /// still runs then, report [`Event::RenewDue`] (a body that cannot renew ignores
+        /// it: a load that outlives the lock then fills nothing).
+        renew_at_ms: Option<u64>,
+    },
+    /// Renew the flight's lock (owner-checked, a TTL of `ttl_ms` from now) while the
+    /// load goes on, and report [`Event::Renewed`], [`Event::RenewRefused`] or
+    /// [`Event::RenewFailed`].
+    RenewLock {
+        /// The lock's new TTL.
+        ttl_ms: u64,
     },
     /// Soft timeout: hand the stale copy to every caller now and fill L1 with it until
     /// `l1_until_ms` (marked stale: the callers that come while the load runs get it
@@ -307,9 +334,14 @@ pub enum Action {
         /// Fill L1 with the stale copy until this moment.
         l1_until_ms: Option<u64>,
     },
-    /// Soft timeout, but the stale copy's window ended meanwhile: answer nobody early;
-    /// keep the load running and report its result as usual.
-    KeepLoading,
+    /// Keep the load running and report its result as usual, answering nobody early
+    /// (after a soft timeout whose stale copy's window ended meanwhile, or a renewal):
+    /// the lock's next renewal falls at `renew_at_ms`, if set (report
+    /// [`Event::RenewDue`] then).
+    KeepLoading {
+        /// When the lock is next due for renewal, if ever.
+        renew_at_ms: Option<u64>,
+    },
     /// Hard timeout with background completion and no stale copy to serve: give every
     /// caller a timeout error now, keep the load running and report its result as
     /// usual; the flight's finish then fills the tiers.
@@ -387,8 +419,13 @@ pub struct Flight {
     /// or nothing at all), as opposed to no read or only failed ones.
     pub fence_known: bool,
     /// When the distributed lock this flight took lapses at the latest, counted from
-    /// before its try was sent: a load that ends later fills nothing (contract §5.12).
+    /// before its try (or last renewal) was sent: a load that ends later fills nothing
+    /// (contract §5.12).
     pub lock_until_ms: Option<u64>,
+    /// While the loader runs holding the lock: when the lock is next due for renewal.
+    pub renew_at_ms: Option<u64>,
+    /// A renewal in progress: when it was sent (the lock's new TTL counts from then).
+    pub renew_sent_ms: Option<u64>,
 }
 
 impl Flight {
@@ -446,6 +483,8 @@ impl Flight {
             answered: false,
             fence_known: false,
             lock_until_ms: None,
+            renew_at_ms: None,
+            renew_sent_ms: None,
         };
         if config.refresh {
             // Due already (the hit said so): straight to the lock, without waiting.
@@ -526,8 +565,11 @@ impl Flight {
                     Action::AnswerStale { l1_until_ms }
                 }
                 // Past its window by now: nothing to answer with; the load goes on.
-                None => Action::KeepLoading,
+                None => self.keep_loading(),
             },
+            (P::Loading, E::RenewDue | E::Renewed | E::RenewRefused | E::RenewFailed) => {
+                self.renewal(event, now_ms)
+            }
             // The hard timeout, with background completion: the callers get what a hard
             // timeout gives them, and the load goes on.
             (P::Loading, E::LoadOverdue) if !self.answered => {
@@ -538,7 +580,7 @@ impl Flight {
                 }
             }
             // Answered at the soft timeout already.
-            (P::Loading, E::LoadOverdue) => Action::KeepLoading,
+            (P::Loading, E::LoadOverdue) => self.keep_loading(),
             (P::Reading | P::DoubleChecking | P::Waiting, E::L2Hit(meta)) => {
                 let after_wait = self.waited;
                 // A double-check hit holds the lock: release it.
@@ -601,9 +643,11 @@ impl Flight {
                 // The lock may have lapsed while the loader ran (a slow loader, a process
                 // paused past the lock's TTL): another process may hold it, and a removal
                 // since the double-check may have outlived its tombstone. Not written.
-                let lapsed = self.locked && self.lock_until_ms.is_some_and(|until| now_ms >= until);
-                if !cacheable || lapsed {
+                if !cacheable {
                     return self.finish(Outcome::Loaded { cached: false }, self.locked, None);
+                }
+                if self.locked && self.lock_until_ms.is_some_and(|until| now_ms >= until) {
+                    return self.finish(Outcome::Lapsed, self.locked, None);
                 }
                 match policy::plan_value(len, &options, now_ms, limits) {
                     Ok(plan) => {
@@ -696,8 +740,55 @@ impl Flight {
         self.load(now_ms)
     }
 
+    /// The renewal of the lock while the loader runs, every third of its TTL (as a
+    /// lease's watchdog renews): each one counts from when it was sent, and one the
+    /// store refused ends the lock at once. Out of turn (no lock, nothing sent), the
+    /// load just goes on.
+    fn renewal(&mut self, event: Event, now_ms: u64) -> Action {
+        let ttl_ms = self.config.lock_ttl_ms;
+        let every_ms = crate::lock::renew_after_ms(ttl_ms);
+        match (event, self.renew_sent_ms.take()) {
+            (Event::RenewDue, None) if self.locked => {
+                self.renew_at_ms = None;
+                self.renew_sent_ms = Some(now_ms);
+                return Action::RenewLock { ttl_ms };
+            }
+            (Event::Renewed, Some(sent)) => {
+                let until = sent.saturating_add(ttl_ms);
+                self.lock_until_ms = Some(self.lock_until_ms.map_or(until, |u| u.max(until)));
+                self.renew_at_ms = Some(sent.saturating_add(every_ms));
+            }
+            (Event::RenewRefused, Some(sent)) => {
+                self.lock_until_ms = Some(self.lock_until_ms.map_or(sent, |u| u.min(sent)));
+                self.renew_at_ms = None;
+            }
+            // Tried again a third of the TTL on, while the lock may still hold.
+            (Event::RenewFailed, Some(_)) => {
+                let next = now_ms.saturating_add(every_ms);
+                self.renew_at_ms = self.lock_until_ms.filter(|until| next < *until).map(|_| next);
+            }
+            _ => {}
+        }
+        self.keep_loading()
+    }
+
+    fn keep_loading(&self) -> Action {
+        Action::KeepLoading {
+            renew_at_ms: self.renew_at_ms,
+        }
+    }
+
     fn load(&mut self, now_ms: u64) -> Action {
         self.phase = Phase::Loading;
+        // Held while the loader runs: renewed a third of its TTL after it was taken.
+        self.renew_sent_ms = None;
+        self.renew_at_ms = self
+            .lock_until_ms
+            .filter(|until| self.locked && now_ms < *until)
+            .map(|until| {
+                let ttl_ms = self.config.lock_ttl_ms;
+                until - ttl_ms.min(until) + crate::lock::renew_after_ms(ttl_ms)
+            });
         let hard_ms = self
             .config
             .hard_timeout_ms
@@ -722,6 +813,7 @@ impl Flight {
             until_ms,
             soft_until_ms,
             overdue_ms,
+            renew_at_ms: self.renew_at_ms,
         }
     }
 
@@ -869,8 +961,11 @@ mod tests {
                         }
                         return (action, flight);
                     }
-                    Action::AnswerStale { .. } | Action::KeepLoading | Action::AnswerTimedOut => {
-                        panic!("no soft timeout in this world")
+                    Action::AnswerStale { .. }
+                    | Action::KeepLoading { .. }
+                    | Action::AnswerTimedOut
+                    | Action::RenewLock { .. } => {
+                        panic!("no early answer nor renewal in this world")
                     }
                     Action::ReadL2 => {
                         self.land_if_due();
@@ -991,7 +1086,8 @@ mod tests {
             Action::Load {
                 until_ms: None,
                 soft_until_ms: None,
-                overdue_ms: None
+                overdue_ms: None,
+                renew_at_ms: Some(NOW + 10_000)
             }
         );
         let (outcome, release, notify, l1) = finish(&actions[4]);
@@ -1080,7 +1176,8 @@ mod tests {
             Action::Load {
                 until_ms: Some(NOW + 1_000),
                 soft_until_ms: None,
-                overdue_ms: None
+                overdue_ms: None,
+                renew_at_ms: Some(NOW + 10_000)
             }
         );
         let (outcome, release, _, l1) = finish(&actions[4]);
@@ -1150,7 +1247,8 @@ mod tests {
             Action::Load {
                 until_ms: Some(NOW + 5_000),
                 soft_until_ms: Some(NOW + 100),
-                overdue_ms: None
+                overdue_ms: None,
+                renew_at_ms: Some(NOW + 10_000)
             }
         );
         assert_eq!(
@@ -1180,7 +1278,8 @@ mod tests {
             Action::Load {
                 until_ms: Some(NOW + 5_000),
                 soft_until_ms: None,
-                overdue_ms: None
+                overdue_ms: None,
+                renew_at_ms: Some(NOW + 10_000)
             }
         );
     }
@@ -1215,7 +1314,8 @@ mod tests {
             Action::Load {
                 until_ms: None,
                 soft_until_ms: None,
-                overdue_ms: Some(NOW + 1_000)
+                overdue_ms: Some(NOW + 1_000),
+                renew_at_ms: Some(NOW + 10_000)
             }
         );
         assert_eq!(actions[4], Action::AnswerTimedOut);
@@ -1273,11 +1373,17 @@ mod tests {
             Action::Load {
                 until_ms: None,
                 soft_until_ms: Some(NOW + 100),
-                overdue_ms: Some(NOW + 1_000)
+                overdue_ms: Some(NOW + 1_000),
+                renew_at_ms: Some(NOW + 10_000)
             }
         );
         assert!(matches!(actions[4], Action::AnswerStale { .. }));
-        assert_eq!(actions[5], Action::KeepLoading);
+        assert_eq!(
+            actions[5],
+            Action::KeepLoading {
+                renew_at_ms: Some(NOW + 10_000)
+            }
+        );
         assert!(matches!(actions[6], Action::WriteL2 { .. }));
     }
 
@@ -1592,10 +1698,136 @@ mod tests {
             );
             assert_eq!(
                 finish(&actions[4]),
-                (Outcome::Loaded { cached: false }, true, true, None),
+                (Outcome::Lapsed, true, true, None),
                 "a load ending {late} ms after its lock try"
             );
         }
+    }
+
+    #[test]
+    fn a_lock_renewed_while_the_loader_runs_lets_a_slow_load_fill() {
+        let config = FlightConfig::default();
+        let ttl = config.lock_ttl_ms;
+        let third = ttl / 3;
+        let loaded = Event::Loaded {
+            len: 5,
+            cacheable: true,
+            expiry: None,
+        };
+        // Taken at 0 (its try sent then): due a third of the TTL on. Each renewal counts
+        // from when it was sent, and the next falls a third of the TTL after that.
+        let (f, actions) = run(
+            config,
+            &[
+                (0, Event::L2Miss),
+                (0, Event::LockAcquired),
+                (0, Event::L2Miss),
+                (third, Event::RenewDue),
+                (third + 20, Event::Renewed),
+                (2 * third, Event::RenewDue),
+                (2 * third + 5, Event::Renewed),
+                (2 * ttl, loaded),
+            ],
+        );
+        assert!(matches!(actions[3], Action::Load { renew_at_ms: Some(at), .. } if at == NOW + third));
+        assert_eq!(actions[4], Action::RenewLock { ttl_ms: ttl });
+        assert_eq!(
+            actions[5],
+            Action::KeepLoading {
+                renew_at_ms: Some(NOW + 2 * third)
+            }
+        );
+        assert_eq!(
+            actions[7],
+            Action::KeepLoading {
+                renew_at_ms: Some(NOW + 3 * third)
+            }
+        );
+        // Still held at 2 x TTL? No: the last renewal, sent at 2/3 TTL, holds to 5/3 TTL.
+        assert_eq!(finish(&actions[8]).0, Outcome::Lapsed);
+        assert_eq!(f.lock_until_ms, Some(NOW + 2 * third + ttl));
+        // Kept renewing, the load fills however long it ran.
+        let mut events = vec![(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss)];
+        for n in 1..=9 {
+            events.push((n * third, Event::RenewDue));
+            events.push((n * third + 1, Event::Renewed));
+        }
+        events.push((3 * ttl + 1, loaded));
+        let (_, actions) = run(config, &events);
+        assert!(matches!(
+            actions.last(),
+            Some(Action::WriteL2 {
+                fenced: true,
+                release: true,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_refused_renewal_ends_the_lock_and_a_failed_one_is_tried_again_while_it_holds() {
+        let config = FlightConfig::default();
+        let ttl = config.lock_ttl_ms;
+        let third = ttl / 3;
+        let loaded = Event::Loaded {
+            len: 5,
+            cacheable: true,
+            expiry: None,
+        };
+        let start = [(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss)];
+        // Refused (the lock was taken over): no more renewals, and even a load ending
+        // well within the first TTL fills nothing.
+        let mut events = start.to_vec();
+        events.extend([
+            (third, Event::RenewDue),
+            (third + 1, Event::RenewRefused),
+            (third + 2, loaded),
+        ]);
+        let (_, actions) = run(config, &events);
+        assert_eq!(actions[5], Action::KeepLoading { renew_at_ms: None });
+        assert_eq!(finish(&actions[6]), (Outcome::Lapsed, true, true, None));
+        // Failed (the store did not answer): tried again a third on while the lock
+        // holds, then no more; a renewal that then succeeds counts from its sending.
+        let mut events = start.to_vec();
+        events.extend([
+            (third, Event::RenewDue),
+            (third + 7, Event::RenewFailed),
+            (2 * third + 7, Event::RenewDue),
+            (2 * third + 9, Event::RenewFailed),
+        ]);
+        let (f, actions) = run(config, &events);
+        assert_eq!(
+            actions[5],
+            Action::KeepLoading {
+                renew_at_ms: Some(NOW + 2 * third + 7)
+            }
+        );
+        assert_eq!(
+            actions[7],
+            Action::KeepLoading { renew_at_ms: None },
+            "past the lock's end"
+        );
+        assert_eq!(f.lock_until_ms, Some(NOW + ttl));
+        // Out of turn (nothing sent, no lock): the load just goes on.
+        let (_, actions) = run(
+            config,
+            &[(0, Event::L2Miss), (0, Event::LockFailed), (5, Event::Renewed)],
+        );
+        assert_eq!(
+            actions[2],
+            Action::Load {
+                until_ms: None,
+                soft_until_ms: None,
+                overdue_ms: None,
+                renew_at_ms: None
+            }
+        );
+        assert_eq!(actions[3], Action::KeepLoading { renew_at_ms: None });
+        let (_, actions) = run(
+            config,
+            &[(0, Event::L2Miss), (0, Event::LockFailed), (5, Event::RenewDue)],
+        );
+        assert_eq!(actions[3], Action::KeepLoading { renew_at_ms: None });
     }
 
     #[test]
@@ -1732,7 +1964,8 @@ mod tests {
             Action::Load {
                 until_ms: None,
                 soft_until_ms: None,
-                overdue_ms: None
+                overdue_ms: None,
+                renew_at_ms: Some(NOW + 10_050)
             }
         );
     }
@@ -1779,7 +2012,8 @@ mod tests {
             Action::Load {
                 until_ms: None,
                 soft_until_ms: None,
-                overdue_ms: None
+                overdue_ms: None,
+                renew_at_ms: None
             }
         );
         assert_eq!(
@@ -1885,7 +2119,8 @@ mod tests {
             Action::Load {
                 until_ms: None,
                 soft_until_ms: None,
-                overdue_ms: None
+                overdue_ms: None,
+                renew_at_ms: None
             }
         );
         let mut done = f;

@@ -319,8 +319,9 @@ impl CorralBuilder {
         self
     }
 
-    /// The TTL of the get-or-set lock, the longest a crashed loader can block others
-    /// (default 30 s).
+    /// The TTL of the get-or-set lock, the longest a crashed or paused leader can block
+    /// others (default 30 s). A running loader's leader renews its lock every third of
+    /// it, so a loader may take longer and still fill.
     pub fn lock_ttl(mut self, ttl: Duration) -> Self {
         self.overrides.lock_ttl_ms = Some(duration_ms(ttl));
         self

@@ -106,7 +106,7 @@ const DESCRIPTIONS: &[(&str, Unit, &str)] = &[
     (
         "corral_cache_fills_refused_total",
         Unit::Count,
-        "Loads whose L2 write was refused because the key was set or removed while they ran.",
+        "Loads whose L2 write was refused because the key was set or removed while they ran, or their lock lapsed.",
     ),
     (
         "corral_cache_stale_served_total",
@@ -236,8 +236,8 @@ counters! {
     /// and announcements may have been missed (`corral_cache_invalidations_total{kind="flush"}`).
     l1_flushes => "corral_cache_invalidations_total" { "kind" = "flush" };
     /// Loads whose L2 write was refused because the key was set or removed while they
-    /// ran (fenced fills): the caller got the value, the newer write stayed
-    /// (`corral_cache_fills_refused_total`).
+    /// ran (fenced fills), or because their flight's lock lapsed meanwhile: the caller
+    /// got the value, the newer write stayed (`corral_cache_fills_refused_total`).
     fills_refused => "corral_cache_fills_refused_total";
     /// Stale values served in place of a failed or late load
     /// (`corral_cache_stale_served_total`).

@@ -138,6 +138,7 @@ impl Policy {
                     lock_and_peek: lock_and_peek_script,
                     fill_and_release: fill_and_release_script,
                     replace_if_equal: replace_if_equal_script,
+                    lock_extend: lock_scripts.extend.clone(),
                     grace_ms,
                 },
                 lock_scripts,

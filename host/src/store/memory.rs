@@ -361,6 +361,19 @@ impl FlightLock for MemoryStore {
         ready(Ok(held)).boxed()
     }
 
+    fn renew<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> Option<BoxFuture<'a, Result<bool>>> {
+        let now = self.now();
+        let mut locks = self.inner.locks[self.index(key)].lock();
+        let held = match locks.get_mut(key) {
+            Some((o, until)) if o == owner && now < *until => {
+                *until = now.saturating_add(ttl_ms.max(1));
+                true
+            }
+            _ => false,
+        };
+        Some(ready(Ok(held)).boxed())
+    }
+
     fn fill_releasing<'a>(
         &'a self,
         fill: Fill<'a>,

@@ -170,6 +170,15 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
     /// Releases the lock of `key` if `owner` holds it; says whether it did.
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>>;
 
+    /// Renews the lock of `key` for `ttl_ms` from now if `owner` still holds it; says
+    /// whether it did. A leader renews its lock while its loader runs, so that a load
+    /// slower than the lock's TTL still fills (contract §5.12). `None`: this store
+    /// cannot, and a load that outlives the lock fills nothing.
+    fn renew<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> Option<BoxFuture<'a, Result<bool>>> {
+        let _ = (key, owner, ttl_ms);
+        None
+    }
+
     /// As [`try_lock`](Self::try_lock), and in the same step, once taken, whether
     /// anything is under `entry` (the key's entry, one slot with the lock): `Ok(None)`
     /// busy, `Ok(Some(present))` taken. An empty entry needs no double-check read after
@@ -317,6 +326,8 @@ pub(crate) struct Scripts {
     pub(crate) fill_and_release: String,
     /// Compare-and-replace (a read's touch written back).
     pub(crate) replace_if_equal: String,
+    /// Owner-checked renewal (a flight lock's, while its loader runs).
+    pub(crate) lock_extend: String,
     /// The grace a store TTL gets past the expiry moment.
     pub(crate) grace_ms: u64,
 }

@@ -38,6 +38,7 @@ pub struct RedisStore {
     lock_and_peek: Arc<Script>,
     fill_and_release: Arc<Script>,
     replace_if_equal: Arc<Script>,
+    lock_extend: Arc<Script>,
     delete_foreign: Arc<Script>,
     grace_ms: u64,
     commands: Arc<AtomicU64>,
@@ -234,6 +235,7 @@ impl RedisStore {
             lock_and_peek: Arc::new(Script::new(&scripts.lock_and_peek)),
             fill_and_release: Arc::new(Script::new(&scripts.fill_and_release)),
             replace_if_equal: Arc::new(Script::new(&scripts.replace_if_equal)),
+            lock_extend: Arc::new(Script::new(&scripts.lock_extend)),
             delete_foreign: Arc::new(Script::new(DELETE_FOREIGN)),
             grace_ms: scripts.grace_ms,
             commands,
@@ -700,6 +702,26 @@ impl FlightLock for RedisStore {
 
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
         self.release_with(key, owner, None).boxed()
+    }
+
+    fn renew<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> Option<BoxFuture<'a, Result<bool>>> {
+        Some(
+            async move {
+                let (mut conn, at) = self.conn(key)?;
+                self.count(1);
+                let renewed: u64 = self
+                    .lock_extend
+                    .key(key)
+                    .arg(owner)
+                    .arg(ttl_ms.max(1))
+                    .invoke_async(&mut conn)
+                    .await
+                    .seen(self, &at)
+                    .map_err(unavailable("lock renewal", &at))?;
+                Ok(renewed == 1)
+            }
+            .boxed(),
+        )
     }
 
     fn try_lock_peeking<'a>(

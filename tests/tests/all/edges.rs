@@ -427,6 +427,36 @@ async fn a_load_that_outlived_its_lock_never_fills_over_a_removal(backend: Backe
     Ok(())
 }
 
+/// A process paused past its lock's TTL while its loader ran (here the cache's clock
+/// jumps a TTL and more inside the loader, before any renewal was due) fills nothing,
+/// whatever the store says of the lock: the flight judges the lapse by the moment its
+/// lock try was sent. The caller gets its value, and the refused fill is counted.
+async fn a_load_past_its_lock_ttl_by_the_clock_is_a_counted_refused_fill(backend: Backend) -> Result<()> {
+    let f = Fixture::new(backend)?;
+    let value = f
+        .cache
+        .get_or_set("k", LoadOptions::relative(Duration::from_secs(600)), || async {
+            f.clock.advance(Duration::from_secs(31));
+            Ok::<_, anyhow::Error>("paused")
+        })
+        .await?;
+    assert_eq!(value, "paused", "the caller gets its value");
+    assert!(!f.stored("k").await?, "nothing filled past the lock's TTL");
+    let m = f.cache.metrics();
+    assert_eq!((m.fills_refused, m.loads), (1, 1));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_past_its_lock_ttl_by_the_clock_is_a_counted_refused_fill_memory() -> Result<()> {
+    a_load_past_its_lock_ttl_by_the_clock_is_a_counted_refused_fill(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_past_its_lock_ttl_by_the_clock_is_a_counted_refused_fill_redis() -> Result<()> {
+    a_load_past_its_lock_ttl_by_the_clock_is_a_counted_refused_fill(Backend::Redis).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_that_outlived_its_lock_never_fills_over_a_removal_memory() -> Result<()> {
     a_load_that_outlived_its_lock_never_fills_over_a_removal(Backend::Memory).await

@@ -76,6 +76,69 @@ async fn a_thousand_callers_get_one_load_redis() -> Result<()> {
     a_thousand_callers_get_one_load(Backend::Redis).await
 }
 
+/// A loader slower than the get-or-set lock's TTL still fills, and loads once across
+/// processes (contract §5.12): its leader renews the lock while the loader runs (a third
+/// of the TTL on, as a lease's watchdog does), so another process asking meanwhile
+/// waits for the value instead of taking a lapsed lock over and loading again. Real
+/// time: the store lapses a lock by its own clock.
+async fn a_loader_slower_than_the_lock_ttl_fills_once(backend: Backend) -> Result<()> {
+    let _real_time = real_time().await;
+    let server = match backend {
+        Backend::Redis => Some(RedisServer::start()?),
+        _ => None,
+    };
+    let store = corral::store::memory::MemoryStore::new(Arc::new(corral::SystemClock), 1_000);
+    let build = || -> Result<Corral> {
+        let builder = Corral::builder()
+            .lock_ttl(Duration::from_millis(300))
+            .lock_wait(Duration::from_secs(10));
+        Ok(match &server {
+            Some(server) => {
+                let mut options = corral::RedisOptions::new(server.url());
+                options.prefix = corral_tests::PREFIX.into();
+                builder.redis_options(options).build()?
+            }
+            None => builder.memory(store.clone()).build()?,
+        })
+    };
+    let (a, b) = (build()?, build()?);
+    let loads = AtomicUsize::new(0);
+    let started = Notify::new();
+    let leader = a.get_or_set("k", relative(), || async {
+        loads.fetch_add(1, Ordering::SeqCst);
+        started.notify_one();
+        // Five TTLs: the lock is renewed about fifteen times.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        Ok::<_, anyhow::Error>("slow")
+    });
+    let follower = async {
+        started.notified().await;
+        b.get_or_set("k", relative(), || async {
+            loads.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, anyhow::Error>("taken over")
+        })
+        .await
+    };
+    let (led, followed) = tokio::join!(leader, follower);
+    assert_eq!(led?, "slow");
+    assert_eq!(followed?, "slow", "the other process waited for the value");
+    assert_eq!(loads.load(Ordering::SeqCst), 1, "one load across the processes");
+    assert_eq!(a.metrics().fills_refused, 0);
+    let c = build()?;
+    assert_eq!(c.get("k").await?.as_deref(), Some(&b"slow"[..]), "filled into L2");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_slower_than_the_lock_ttl_fills_once_memory() -> Result<()> {
+    a_loader_slower_than_the_lock_ttl_fills_once(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_slower_than_the_lock_ttl_fills_once_redis() -> Result<()> {
+    a_loader_slower_than_the_lock_ttl_fills_once(Backend::Redis).await
+}
+
 /// A cold key's stampede in one process costs Redis three commands besides the
 /// process's subscription: the read, the lock with the double-check's look at the
 /// entry (one script), and the fill with the lock's release and the landing's

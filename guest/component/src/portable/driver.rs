@@ -222,10 +222,14 @@ impl Driver {
                 }
                 // The caller's load cannot be stopped from here: it ends when the caller
                 // ends it, and the machine judges an end past the hard timeout a timeout.
-                // It never reports `load-slow` or `load-overdue` (this body's settings
-                // never ask for background completion), so it is never asked to answer
-                // early.
-                Action::AnswerStale { .. } | Action::KeepLoading | Action::AnswerTimedOut => {
+                // It never reports `load-slow`, `load-overdue` or `renew-due` (this
+                // body's settings never ask for background completion, and it cannot act
+                // while the caller loads), so it is never asked to answer early or to
+                // renew: a load that outlives the lock fills nothing.
+                Action::AnswerStale { .. }
+                | Action::KeepLoading { .. }
+                | Action::AnswerTimedOut
+                | Action::RenewLock { .. } => {
                     return Step::Done(Err(types::Error::Other(
                         "the flight asked for an early answer it was never offered".to_string(),
                     )));

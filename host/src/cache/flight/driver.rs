@@ -170,13 +170,11 @@ where
                 Action::Load(request) => self.load(request).await?,
                 Action::WriteL2(write) => self.write_l2(write).await?,
                 Action::Finish(finish) => return self.finish(finish).await,
-                // Only ever the answer to `load-slow` or `load-overdue` (see `load`).
-                Action::AnswerStale(_) | Action::KeepLoading | Action::AnswerTimedOut => {
-                    return Err(Error::guest(
-                        "the flight answered early out of turn",
-                        "broken contract",
-                    ));
-                }
+                // Only ever the answer to what a running load reports (see `load`).
+                Action::AnswerStale(_)
+                | Action::KeepLoading(_)
+                | Action::AnswerTimedOut
+                | Action::RenewLock(_) => return Err(out_of_turn("a load")),
             };
             action = self.step(event)?;
         }
@@ -336,24 +334,37 @@ where
         let began = std::time::Instant::now();
         let running = AssertUnwindSafe(async move { load().await }).catch_unwind();
         let mut running = std::pin::pin!(running);
-        let mut early = None;
-        for (mark, event) in [
-            (request.soft_until_ms, Event::LoadSlow),
-            (request.overdue_ms, Event::LoadOverdue),
-        ] {
-            // Once answered (or loaded), no later moment matters.
-            let (Some(mark), true, None) = (mark, self.callers.answer.is_some(), &early) else {
-                continue;
+        let mut marks = Marks {
+            stop: request.until_ms,
+            slow: request.soft_until_ms,
+            overdue: request.overdue_ms,
+            renew: request.renew_at_ms,
+        };
+        // Until the loader answers: at each moment the guest set, what it is due for.
+        let loaded = loop {
+            // Once answered, no early answer is due.
+            let Some((at, mark)) = marks.next(self.callers.answer.is_some()) else {
+                break Some(running.await);
             };
-            match tokio::time::timeout(left(mark), &mut running).await {
-                Ok(loaded) => early = Some(loaded),
-                Err(_) => self.answer_early(event).await?,
+            if let Ok(loaded) = tokio::time::timeout(left(at), &mut running).await {
+                break Some(loaded);
             }
-        }
-        let loaded = match (early, request.until_ms) {
-            (Some(loaded), _) => Some(loaded),
-            (None, Some(until)) => tokio::time::timeout(left(until), &mut running).await.ok(),
-            (None, None) => Some(running.await),
+            match mark {
+                Mark::Stop => break None,
+                Mark::Slow => {
+                    marks.slow = None;
+                    self.answer_early(Event::LoadSlow, &mut marks.renew).await?;
+                }
+                Mark::Overdue => {
+                    marks.overdue = None;
+                    self.answer_early(Event::LoadOverdue, &mut marks.renew).await?;
+                }
+                Mark::Renew => {
+                    if let Some(loaded) = self.renew_lock(&mut running, &mut marks.renew).await? {
+                        break Some(loaded);
+                    }
+                }
+            }
         };
         inner.metrics.load_duration.record(began.elapsed());
         self.deadline = in_ms(inner.flight.store_budget.after_load_ms);
@@ -379,9 +390,73 @@ where
         })
     }
 
+    /// The load still runs at its lock's renewal moment: renews the lock as the guest
+    /// says, still polling the loader, and feeds back how it went (a store that cannot
+    /// renew fails each renewal, and a load that outlives the lock fills nothing). The
+    /// next renewal's moment goes to `renew_at`; the loader's answer, if it came
+    /// meanwhile, is returned.
+    async fn renew_lock<L: Future + Unpin>(
+        &mut self,
+        running: &mut L,
+        renew_at: &mut Option<u64>,
+    ) -> Result<Option<L::Output>> {
+        let next = self.step(Event::RenewDue)?;
+        trace_action(&next);
+        let ttl_ms = match next {
+            Action::RenewLock(ttl_ms) => ttl_ms,
+            Action::KeepLoading(at) => {
+                *renew_at = at;
+                return Ok(None);
+            }
+            _ => return Err(out_of_turn("a renewal")),
+        };
+        let inner = &*self.cache.inner;
+        let owner = self.held.owner.clone().unwrap_or_default();
+        let renewing = inner
+            .stores
+            .flight_lock
+            .renew(self.held.lock_name, &owner, ttl_ms)
+            .map(|renew| by(in_ms(inner.flight.store_budget.after_load_ms), renew));
+        let mut loaded = None;
+        let renewed = match renewing {
+            Some(renewing) => {
+                let mut renewing = std::pin::pin!(renewing);
+                loop {
+                    tokio::select! {
+                        biased;
+                        renewed = &mut renewing => break Some(renewed),
+                        answer = &mut *running, if loaded.is_none() => loaded = Some(answer),
+                    }
+                }
+            }
+            None => None,
+        };
+        let event = match renewed {
+            Some(Ok(true)) => Event::Renewed,
+            Some(Ok(false)) => {
+                tracing::debug!(
+                    key = self.key,
+                    "the flight's lock lapsed during the load; its fill will be refused"
+                );
+                Event::RenewRefused
+            }
+            Some(Err(e)) => {
+                crate::throttle::warn_every!(10, self.key, error = %e, "flight lock renewal failed");
+                Event::RenewFailed
+            }
+            None => Event::RenewFailed,
+        };
+        match self.step(event)? {
+            Action::KeepLoading(at) => *renew_at = at,
+            _ => return Err(out_of_turn("a renewal")),
+        }
+        Ok(loaded)
+    }
+
     /// The load still runs at a moment the guest set (`load-slow`, `load-overdue`):
-    /// answers the callers as the guest says (the stale copy, or a timeout), or not.
-    async fn answer_early(&mut self, event: Event) -> Result<()> {
+    /// answers the callers as the guest says (the stale copy, or a timeout), or not. A
+    /// `keep-loading` sets the lock's next renewal (`renew_at`).
+    async fn answer_early(&mut self, event: Event, renew_at: &mut Option<u64>) -> Result<()> {
         let inner = &*self.cache.inner;
         let hard = event == Event::LoadOverdue;
         let next = self.step(event)?;
@@ -421,13 +496,11 @@ where
                      (it goes on in the background and fills the cache if it succeeds)",
                 ))
             }
-            Action::KeepLoading => return Ok(()),
-            _ => {
-                return Err(Error::guest(
-                    "the flight answered a slow load out of turn",
-                    "broken contract",
-                ));
+            Action::KeepLoading(at) => {
+                *renew_at = at;
+                return Ok(());
             }
+            _ => return Err(out_of_turn("a slow load")),
         };
         if let Some(guard) = self.callers.followers.take() {
             share(guard, &served);
@@ -686,6 +759,49 @@ where
         };
         inner.l1.fill_entry(self.key, entry, self.l1_ticket);
     }
+}
+
+/// The moments a running load is due for something, as the guest set them (the
+/// cache's clock, Unix ms): stopped, answered early, its lock renewed.
+struct Marks {
+    stop: Option<u64>,
+    slow: Option<u64>,
+    overdue: Option<u64>,
+    renew: Option<u64>,
+}
+
+#[derive(Clone, Copy)]
+enum Mark {
+    Stop,
+    Slow,
+    Overdue,
+    Renew,
+}
+
+impl Marks {
+    /// The first moment still due, and what for: the early answers only while the
+    /// caller can be `answered` early; at one moment, in the order above.
+    fn next(&self, answerable: bool) -> Option<(u64, Mark)> {
+        let early = |at: Option<u64>| at.filter(|_| answerable);
+        [
+            (self.stop, Mark::Stop),
+            (early(self.slow), Mark::Slow),
+            (early(self.overdue), Mark::Overdue),
+            (self.renew, Mark::Renew),
+        ]
+        .into_iter()
+        .filter_map(|(at, mark)| Some((at?, mark)))
+        .min_by_key(|(at, _)| *at)
+    }
+}
+
+/// The guest answered what the body reported during `what` with an action that does
+/// not belong there.
+fn out_of_turn(what: &str) -> Error {
+    Error::guest(
+        format!("the flight answered {what} out of turn"),
+        "broken contract",
+    )
 }
 
 /// Logs what the guest decided the flight does next (in the flight's span). Variants are

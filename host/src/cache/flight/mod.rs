@@ -493,6 +493,16 @@ impl Corral {
         match outcome {
             FlightOutcome::L2Hit(_) => Metrics::bump(&m.l2_hits),
             FlightOutcome::Loaded(_) | FlightOutcome::LoaderFailed => Metrics::bump(&m.misses),
+            // The fill refused before it was sent: the lock lapsed while the loader ran.
+            FlightOutcome::Lapsed => {
+                Metrics::bump(&m.misses);
+                Metrics::bump(&m.fills_refused);
+                tracing::debug!(
+                    key,
+                    why = "the flight's lock lapsed during the load",
+                    "fill refused"
+                );
+            }
             FlightOutcome::Degraded(timed_out) => {
                 Metrics::bump(&m.misses);
                 Metrics::bump(&m.degraded);
