@@ -250,7 +250,11 @@ impl<'a> Step<'a> {
                     // longer (a takeover before then is not excused as a lapse).
                     let (proc, since) = (l.proc, l.since);
                     for load in self.st.loads.iter_mut().filter(|r| {
-                        r.locked && r.end.is_none() && r.proc == proc && r.lock_name == name && r.start >= since
+                        r.locked
+                            && r.end.is_none()
+                            && r.proc == proc
+                            && r.lock_name == name
+                            && r.start >= since
                     }) {
                         load.lock_until = until;
                     }
