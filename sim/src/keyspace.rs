@@ -162,6 +162,19 @@ impl<'a> Step<'a> {
                     // A lapsed lock taken over: its holder lost it. (One still held and
                     // overwritten, by a command without NX, is not excused.)
                     let key = self.st.key_of(&name);
+                    // Where nothing keeps a leader from renewing, none loses its lock
+                    // while its load runs.
+                    if self.st.leaders_keep_locks
+                        && let Some(load) = self.st.loads.iter().find(|l| {
+                            l.locked && l.end.is_none() && !l.renewal_refused && l.lock_name == name
+                        })
+                    {
+                        let what = format!(
+                            "lock-renewal: {name} lapsed at {} under p{}'s load (call {}, since {})",
+                            load.lock_until, load.proc, load.call, load.start
+                        );
+                        self.st.violation(now, what);
+                    }
                     self.st.lock_losses.entry(key).or_default().push(now);
                 }
                 let key = self.st.key_of(&name);

@@ -63,6 +63,7 @@ pub enum Script {
     ReplaceIfEqual,
     LockAndPeek,
     FillAndRelease,
+    RenewFenced,
     LockAcquire,
     LockAcquireFair,
     LockRelease,
@@ -79,6 +80,7 @@ impl Script {
             Script::ReplaceIfEqual => script::REPLACE_IF_EQUAL,
             Script::LockAndPeek => script::LOCK_AND_PEEK,
             Script::FillAndRelease => script::FILL_AND_RELEASE,
+            Script::RenewFenced => script::RENEW_FENCED,
             Script::LockAcquire => script::LOCK_ACQUIRE,
             Script::LockAcquireFair => script::LOCK_ACQUIRE_FAIR,
             Script::LockRelease => script::LOCK_RELEASE,
@@ -133,6 +135,14 @@ pub const BROKEN: &[(&str, &str)] = &[
     (
         "extend-unchecked",
         "Lua: the lease extend resets the TTL whoever holds it",
+    ),
+    (
+        "renew-noop",
+        "Lua: the flight lock's renewal answers renewed without resetting the TTL",
+    ),
+    (
+        "renew-unfenced",
+        "Lua: the flight lock's renewal ignores what the entry holds",
     ),
     (
         "delete-unchecked",
@@ -192,6 +202,16 @@ impl Broken {
             }
             "extend-unchecked" => {
                 b.patch = patch(Script::LockExtend, "if holder == ARGV[1] then", "if holder then");
+            }
+            "renew-noop" => {
+                b.patch = patch(
+                    Script::RenewFenced,
+                    "return redis.call('PEXPIRE', KEYS[1], ARGV[2])",
+                    "return 1",
+                );
+            }
+            "renew-unfenced" => {
+                b.patch = patch(Script::RenewFenced, "if ARGV[3] == 'nx' then", "if false then")
             }
             "delete-unchecked" => b.patch = patch(Script::DeleteIfEqual, "== ARGV[1] then", "~= nil then"),
             "fill-unowned" => {

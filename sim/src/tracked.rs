@@ -214,8 +214,15 @@ impl FlightLock for Tracked {
         self.lock.release(key, owner)
     }
 
-    fn renew<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> Option<BoxFuture<'a, Result<bool>>> {
-        self.lock.renew(key, owner, ttl_ms)
+    fn renew<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        ttl_ms: u64,
+        entry: &'a str,
+        over: Option<Option<Bytes>>,
+    ) -> Option<BoxFuture<'a, Result<bool>>> {
+        self.lock.renew(key, owner, ttl_ms, entry, over)
     }
 
     fn try_lock_peeking<'a>(

@@ -91,6 +91,11 @@ impl Wire for SimWire {
                         .iter()
                         .map(|args| execute(st, now, p, call, &broken, what, args))
                         .collect();
+                    for (args, reply) in commands.iter().zip(&replies) {
+                        if let (Some((Script::RenewFenced, _)), Reply::Int(0)) = (known(args), reply) {
+                            renewal_refused(st, p, args);
+                        }
+                    }
                     let summary = summary(&replies);
                     (replies, summary)
                 })
@@ -422,6 +427,7 @@ const SCRIPTS: &[(Script, &str)] = &[
     (Script::ReplaceIfEqual, "replace_if_equal"),
     (Script::LockAndPeek, "lock_and_peek"),
     (Script::FillAndRelease, "fill_and_release"),
+    (Script::RenewFenced, "renew"),
     (Script::LockAcquire, "acquire"),
     (Script::LockAcquireFair, "acquire"),
     (Script::LockRelease, "unlock"),
@@ -637,6 +643,22 @@ fn script_parts(args: &[Vec<u8>]) -> (&[Vec<u8>], &[Vec<u8>]) {
         .unwrap_or(0);
     let rest = args.get(3..).unwrap_or_default();
     rest.split_at(n.min(rest.len()))
+}
+
+/// A flight lock's renewal refused (the lock lost, or its key written or removed): the
+/// lock lapses under the running load by design.
+fn renewal_refused(st: &mut State, proc: usize, args: &[Vec<u8>]) {
+    let (keys, _) = script_parts(args);
+    let Some(lock) = keys.first().map(|k| String::from_utf8_lossy(k).into_owned()) else {
+        return;
+    };
+    for load in st
+        .loads
+        .iter_mut()
+        .filter(|l| l.locked && l.end.is_none() && l.proc == proc && l.lock_name == lock)
+    {
+        load.renewal_refused = true;
+    }
 }
 
 /// A `SET`'s `NX` and `GET` flags.

@@ -161,6 +161,9 @@ pub struct LoadRec {
     pub lock_until: u64,
     /// That lock's store name (each generation of the prefix has its own).
     pub lock_name: String,
+    /// A renewal of that lock was refused (the key was written or removed during the
+    /// load): the lock lapses under the load by design.
+    pub renewal_refused: bool,
 }
 
 /// A lost or undeliverable notification: `key` (or every key: `None`) for `proc` at `t`.
@@ -180,6 +183,10 @@ pub struct Gap {
 pub struct State {
     pub(crate) rng: Rng,
     pub(crate) calm: bool,
+    /// No fault can keep a leader from renewing its flight lock (no pause, crash, clock
+    /// step, delay, lost reply, outage or restart), and the body renews (the native
+    /// one): a flight lock must not lapse while its leader's load runs.
+    pub(crate) leaders_keep_locks: bool,
     pub trace: String,
     pub(crate) entries: BTreeMap<String, Stored>,
     pub(crate) locks: BTreeMap<String, HeldLock>,
@@ -270,12 +277,29 @@ impl World {
         let n = scenario.procs;
         let procs = (0..n).map(|_| ProcNet::default()).collect();
         let crashed = vec![None; scenario.procs];
+        let f = scenario.faults;
+        // No fault can keep a leader from renewing its flight lock, and the body renews.
+        let leaders_keep_locks = !scenario.portable
+            && [
+                f.delay_pm,
+                f.reply_lost_pm,
+                f.down_pm,
+                f.restart_pm,
+                f.clock_pm,
+                f.pause_pm,
+                f.crash_pm,
+                f.stall_pm,
+                f.pause_holder_pm,
+            ]
+            .iter()
+            .all(|&pm| pm == 0);
         Arc::new(World {
             start: tokio::time::Instant::now(),
             scenario,
             st: Mutex::new(State {
                 rng: Rng::new(seed, 0x4E45),
                 calm: false,
+                leaders_keep_locks,
                 trace: String::new(),
                 entries: BTreeMap::new(),
                 locks: BTreeMap::new(),
@@ -585,6 +609,7 @@ impl World {
                 locked,
                 lock_until,
                 lock_name: lock_name.clone().unwrap_or_default(),
+                renewal_refused: false,
             });
             index = st.loads.len() - 1;
             let _ = writeln!(

@@ -500,6 +500,10 @@ impl wit::Guest for Component {
         corral_core::script::FILL_AND_RELEASE.to_string()
     }
 
+    fn redis_renew_fenced_script() -> String {
+        corral_core::script::RENEW_FENCED.to_string()
+    }
+
     fn redis_replace_if_equal_script() -> String {
         corral_core::script::REPLACE_IF_EQUAL.to_string()
     }
@@ -669,7 +673,7 @@ mod flight {
                 overdue_ms,
                 renew_at_ms,
             }),
-            Action::RenewLock { ttl_ms } => wit::Action::RenewLock(ttl_ms),
+            Action::RenewLock { ttl_ms, fenced } => wit::Action::RenewLock(wit::Renew { ttl_ms, fenced }),
             Action::AnswerStale { l1_until_ms } => wit::Action::AnswerStale(l1_until_ms),
             Action::KeepLoading { renew_at_ms } => wit::Action::KeepLoading(renew_at_ms),
             Action::AnswerTimedOut => wit::Action::AnswerTimedOut,

@@ -60,6 +60,11 @@ impl Default for FlightConfig {
     }
 }
 
+/// How long renewals keep a leader's lock while its loader runs, in lock TTLs from the
+/// flight's start (5 min at the default TTL): a loader hung past it lets another process
+/// lead, as a crashed leader's lapsed lock does.
+pub const RENEWED_HOLD_MAX_TTLS: u64 = 10;
+
 /// First wait of a follower for the lock holder; doubled per attempt.
 pub const BACKOFF_INITIAL_MS: u64 = 50;
 /// Longest wait between two looks.
@@ -325,6 +330,12 @@ pub enum Action {
     RenewLock {
         /// The lock's new TTL.
         ttl_ms: u64,
+        /// Renew only while the key still holds what the last L2 read found (those
+        /// bytes, or nothing), as the fill is fenced: a removal or a `set` during the load
+        /// ends the lock, so a renewed load never outlives a removal's tombstone
+        /// (contract §5.12). A body that cannot check the entry in the same step as the
+        /// renewal does not renew (it reports [`Event::RenewFailed`]).
+        fenced: bool,
     },
     /// Soft timeout: hand the stale copy to every caller now and fill L1 with it until
     /// `l1_until_ms` (marked stale: the callers that come while the load runs get it
@@ -741,35 +752,58 @@ impl Flight {
     }
 
     /// The renewal of the lock while the loader runs, every third of its TTL (as a
-    /// lease's watchdog renews): each one counts from when it was sent, and one the
-    /// store refused ends the lock at once. Out of turn (no lock, nothing sent), the
-    /// load just goes on.
+    /// lease's watchdog renews), for at most [`RENEWED_HOLD_MAX_TTLS`] TTLs from the
+    /// flight's start. Each renewal counts from when it was sent, and checks that the
+    /// entry still holds what the fill expects (`fenced`): one the store refused (the lock
+    /// lost, or the key written or removed) ends the lock at once; one that failed is
+    /// tried again while the lock may still hold. Out of turn (no lock, or a renewal under
+    /// way), the load just goes on.
     fn renewal(&mut self, event: Event, now_ms: u64) -> Action {
         let ttl_ms = self.config.lock_ttl_ms;
         let every_ms = crate::lock::renew_after_ms(ttl_ms);
-        match (event, self.renew_sent_ms.take()) {
+        let answered = match (event, self.renew_sent_ms) {
             (Event::RenewDue, None) if self.locked => {
                 self.renew_at_ms = None;
                 self.renew_sent_ms = Some(now_ms);
-                return Action::RenewLock { ttl_ms };
+                return Action::RenewLock {
+                    ttl_ms,
+                    fenced: self.fence_known,
+                };
             }
             (Event::Renewed, Some(sent)) => {
                 let until = sent.saturating_add(ttl_ms);
                 self.lock_until_ms = Some(self.lock_until_ms.map_or(until, |u| u.max(until)));
                 self.renew_at_ms = Some(sent.saturating_add(every_ms));
+                true
             }
             (Event::RenewRefused, Some(sent)) => {
                 self.lock_until_ms = Some(self.lock_until_ms.map_or(sent, |u| u.min(sent)));
                 self.renew_at_ms = None;
+                true
             }
-            // Tried again a third of the TTL on, while the lock may still hold.
+            // Tried again a third of the TTL on, or halfway to the lock's end if sooner.
             (Event::RenewFailed, Some(_)) => {
-                let next = now_ms.saturating_add(every_ms);
-                self.renew_at_ms = self.lock_until_ms.filter(|until| next < *until).map(|_| next);
+                self.renew_at_ms = self.lock_until_ms.and_then(|until| {
+                    let next = now_ms.saturating_add(every_ms.min(until.saturating_sub(now_ms) / 2));
+                    (now_ms < next && next < until).then_some(next)
+                });
+                true
             }
-            _ => {}
+            _ => false,
+        };
+        if answered {
+            self.renew_sent_ms = None;
         }
+        let hold_until = self.renewed_hold_until();
+        self.renew_at_ms = self.renew_at_ms.filter(|at| *at < hold_until);
         self.keep_loading()
+    }
+
+    /// Until when renewals may keep the lock: [`RENEWED_HOLD_MAX_TTLS`] TTLs from the
+    /// flight's start.
+    fn renewed_hold_until(&self) -> u64 {
+        let started = self.deadline_ms.saturating_sub(self.config.lock_wait_ms);
+        started.saturating_add(self.config.lock_ttl_ms.saturating_mul(RENEWED_HOLD_MAX_TTLS))
     }
 
     fn keep_loading(&self) -> Action {
@@ -782,13 +816,15 @@ impl Flight {
         self.phase = Phase::Loading;
         // Held while the loader runs: renewed a third of its TTL after it was taken.
         self.renew_sent_ms = None;
+        let hold_until = self.renewed_hold_until();
         self.renew_at_ms = self
             .lock_until_ms
             .filter(|until| self.locked && now_ms < *until)
             .map(|until| {
                 let ttl_ms = self.config.lock_ttl_ms;
                 until - ttl_ms.min(until) + crate::lock::renew_after_ms(ttl_ms)
-            });
+            })
+            .filter(|at| *at < hold_until);
         let hard_ms = self
             .config
             .hard_timeout_ms
@@ -1730,7 +1766,13 @@ mod tests {
             ],
         );
         assert!(matches!(actions[3], Action::Load { renew_at_ms: Some(at), .. } if at == NOW + third));
-        assert_eq!(actions[4], Action::RenewLock { ttl_ms: ttl });
+        assert_eq!(
+            actions[4],
+            Action::RenewLock {
+                ttl_ms: ttl,
+                fenced: true
+            }
+        );
         assert_eq!(
             actions[5],
             Action::KeepLoading {
@@ -1754,6 +1796,23 @@ mod tests {
         }
         events.push((3 * ttl + 1, loaded));
         let (_, actions) = run(config, &events);
+        // Renewals keep it for ten TTLs from the flight's start at most: a hung loader
+        // lets another process lead then.
+        let mut events = vec![(0, Event::L2Miss), (0, Event::LockAcquired), (0, Event::L2Miss)];
+        for n in 1..=29 {
+            events.push((n * third, Event::RenewDue));
+            events.push((n * third, Event::Renewed));
+        }
+        let (_, capped) = run(config, &events);
+        let kept = |n: usize| capped[3 + 2 * n].clone();
+        assert_eq!(
+            kept(28),
+            Action::KeepLoading {
+                renew_at_ms: Some(NOW + 29 * third)
+            }
+        );
+        assert_eq!(kept(29), Action::KeepLoading { renew_at_ms: None });
+        assert_eq!(RENEWED_HOLD_MAX_TTLS * ttl, 30 * third);
         assert!(matches!(
             actions.last(),
             Some(Action::WriteL2 {
@@ -1786,28 +1845,38 @@ mod tests {
         let (_, actions) = run(config, &events);
         assert_eq!(actions[5], Action::KeepLoading { renew_at_ms: None });
         assert_eq!(finish(&actions[6]), (Outcome::Lapsed, true, true, None));
-        // Failed (the store did not answer): tried again a third on while the lock
-        // holds, then no more; a renewal that then succeeds counts from its sending.
+        // Failed (the store did not answer): tried again a third on, or halfway to the
+        // lock's end if that is sooner, never at or past it.
         let mut events = start.to_vec();
         events.extend([
             (third, Event::RenewDue),
             (third + 7, Event::RenewFailed),
-            (2 * third + 7, Event::RenewDue),
-            (2 * third + 9, Event::RenewFailed),
+            (2 * third + 3, Event::RenewDue),
+            (2 * third + 5, Event::RenewFailed),
         ]);
         let (f, actions) = run(config, &events);
+        let halfway = |from: u64| from + (ttl - from) / 2;
         assert_eq!(
             actions[5],
             Action::KeepLoading {
-                renew_at_ms: Some(NOW + 2 * third + 7)
+                renew_at_ms: Some(NOW + halfway(third + 7))
             }
         );
         assert_eq!(
             actions[7],
-            Action::KeepLoading { renew_at_ms: None },
-            "past the lock's end"
+            Action::KeepLoading {
+                renew_at_ms: Some(NOW + halfway(2 * third + 5))
+            }
         );
         assert_eq!(f.lock_until_ms, Some(NOW + ttl));
+        let mut events = start.to_vec();
+        events.extend([(ttl - 1, Event::RenewDue), (ttl - 1, Event::RenewFailed)]);
+        let (_, actions) = run(config, &events);
+        assert_eq!(
+            actions[5],
+            Action::KeepLoading { renew_at_ms: None },
+            "at the lock's end"
+        );
         // Out of turn (nothing sent, no lock): the load just goes on.
         let (_, actions) = run(
             config,

@@ -134,6 +134,25 @@ end
     announce_and_return!("6", "7")
 );
 
+/// A leader's renewal of its flight lock while its loader runs (contract §5.12).
+/// `KEYS[1]`: the flight lock, `KEYS[2]`: its entry (one slot). `ARGV[1]`: the lock's
+/// owner token, `ARGV[2]`: the new TTL (ms); `ARGV[3]`: what the entry must still hold,
+/// as the leader's fill is fenced: `nx` (nothing), `eq` (exactly the bytes `ARGV[4]`) or
+/// `set` (anything). Resets the TTL only while `ARGV[1]` holds the lock and the entry
+/// holds what the fill expects: 1, else 0. A removal made during the load leaves a
+/// tombstone that lives a lock TTL and more, so the next renewal, a third of the TTL on,
+/// finds it and the lock is not kept past it: a renewed load never outlives a removal's
+/// tombstone to fill over it.
+pub const RENEW_FENCED: &str = r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[3] == 'nx' then
+  if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+elseif ARGV[3] == 'eq' then
+  if redis.call('GET', KEYS[2]) ~= ARGV[4] then return 0 end
+end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"#;
+
 /// `KEYS[1]`: the key. `ARGV[1]`: the bytes it must hold, `ARGV[2]`: the new bytes,
 /// `ARGV[3]`: the TTL (ms). Replaces the bytes only if the key still holds exactly
 /// `ARGV[1]`: 1, else 0. Writes back a touch without ever overwriting a newer value.

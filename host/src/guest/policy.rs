@@ -116,6 +116,7 @@ impl Policy {
         let fill_and_release_script = p
             .call_redis_fill_and_release_script(&mut slot.store)
             .map_err(trap)?;
+        let renew_fenced_script = p.call_redis_renew_fenced_script(&mut slot.store).map_err(trap)?;
         let replace_if_equal_script = p
             .call_redis_replace_if_equal_script(&mut slot.store)
             .map_err(trap)?;
@@ -138,7 +139,7 @@ impl Policy {
                     lock_and_peek: lock_and_peek_script,
                     fill_and_release: fill_and_release_script,
                     replace_if_equal: replace_if_equal_script,
-                    lock_extend: lock_scripts.extend.clone(),
+                    renew_fenced: renew_fenced_script,
                     grace_ms,
                 },
                 lock_scripts,

@@ -361,17 +361,27 @@ impl FlightLock for MemoryStore {
         ready(Ok(held)).boxed()
     }
 
-    fn renew<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> Option<BoxFuture<'a, Result<bool>>> {
+    fn renew<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        ttl_ms: u64,
+        entry: &'a str,
+        over: Option<Option<Bytes>>,
+    ) -> Option<BoxFuture<'a, Result<bool>>> {
         let now = self.now();
+        // The lock's shard stays locked across the entry's look, as a fill's does.
         let mut locks = self.inner.locks[self.index(key)].lock();
-        let held = match locks.get_mut(key) {
-            Some((o, until)) if o == owner && now < *until => {
+        let unchanged =
+            |expected: Option<Bytes>| Self::live(&mut self.shard(entry).lock(), entry, now) == expected;
+        let renewed = match locks.get_mut(key) {
+            Some((o, until)) if o == owner && now < *until && over.is_none_or(unchanged) => {
                 *until = now.saturating_add(ttl_ms.max(1));
                 true
             }
             _ => false,
         };
-        Some(ready(Ok(held)).boxed())
+        Some(ready(Ok(renewed)).boxed())
     }
 
     fn fill_releasing<'a>(

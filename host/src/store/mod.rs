@@ -170,12 +170,23 @@ pub trait FlightLock: Send + Sync + fmt::Debug + 'static {
     /// Releases the lock of `key` if `owner` holds it; says whether it did.
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>>;
 
-    /// Renews the lock of `key` for `ttl_ms` from now if `owner` still holds it; says
-    /// whether it did. A leader renews its lock while its loader runs, so that a load
-    /// slower than the lock's TTL still fills (contract §5.12). `None`: this store
-    /// cannot, and a load that outlives the lock fills nothing.
-    fn renew<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> Option<BoxFuture<'a, Result<bool>>> {
-        let _ = (key, owner, ttl_ms);
+    /// Renews the lock of `key` for `ttl_ms` from now if `owner` still holds it and, when
+    /// `over` is given, the entry `entry` still holds exactly that (live bytes, or nothing
+    /// for `Some(None)`), all in one step; says whether it did. A leader renews its lock
+    /// while its loader runs, so that a load slower than the lock's TTL still fills, and
+    /// the entry check ends the lock once the key was removed or written meanwhile, so a
+    /// renewed load never outlives a removal's tombstone (contract §5.12). `None`: this
+    /// store cannot, and a load that outlives the lock fills nothing. Asked only of a
+    /// store that holds the entries too (the same object given as both).
+    fn renew<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        ttl_ms: u64,
+        entry: &'a str,
+        over: Option<Option<Bytes>>,
+    ) -> Option<BoxFuture<'a, Result<bool>>> {
+        let _ = (key, owner, ttl_ms, entry, over);
         None
     }
 
@@ -326,8 +337,8 @@ pub(crate) struct Scripts {
     pub(crate) fill_and_release: String,
     /// Compare-and-replace (a read's touch written back).
     pub(crate) replace_if_equal: String,
-    /// Owner-checked renewal (a flight lock's, while its loader runs).
-    pub(crate) lock_extend: String,
+    /// A flight lock's renewal while its loader runs, owner- and entry-checked.
+    pub(crate) renew_fenced: String,
     /// The grace a store TTL gets past the expiry moment.
     pub(crate) grace_ms: u64,
 }

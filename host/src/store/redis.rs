@@ -38,7 +38,7 @@ pub struct RedisStore {
     lock_and_peek: Arc<Script>,
     fill_and_release: Arc<Script>,
     replace_if_equal: Arc<Script>,
-    lock_extend: Arc<Script>,
+    renew_fenced: Arc<Script>,
     delete_foreign: Arc<Script>,
     grace_ms: u64,
     commands: Arc<AtomicU64>,
@@ -235,7 +235,7 @@ impl RedisStore {
             lock_and_peek: Arc::new(Script::new(&scripts.lock_and_peek)),
             fill_and_release: Arc::new(Script::new(&scripts.fill_and_release)),
             replace_if_equal: Arc::new(Script::new(&scripts.replace_if_equal)),
-            lock_extend: Arc::new(Script::new(&scripts.lock_extend)),
+            renew_fenced: Arc::new(Script::new(&scripts.renew_fenced)),
             delete_foreign: Arc::new(Script::new(DELETE_FOREIGN)),
             grace_ms: scripts.grace_ms,
             commands,
@@ -704,16 +704,31 @@ impl FlightLock for RedisStore {
         self.release_with(key, owner, None).boxed()
     }
 
-    fn renew<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> Option<BoxFuture<'a, Result<bool>>> {
+    fn renew<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        ttl_ms: u64,
+        entry: &'a str,
+        over: Option<Option<Bytes>>,
+    ) -> Option<BoxFuture<'a, Result<bool>>> {
         Some(
             async move {
                 let (mut conn, at) = self.conn(key)?;
                 self.count(1);
+                let (mode, expected) = match over {
+                    Some(Some(bytes)) => ("eq", bytes),
+                    Some(None) => ("nx", Bytes::new()),
+                    None => ("set", Bytes::new()),
+                };
                 let renewed: u64 = self
-                    .lock_extend
+                    .renew_fenced
                     .key(key)
+                    .key(entry)
                     .arg(owner)
                     .arg(ttl_ms.max(1))
+                    .arg(mode)
+                    .arg(expected.as_ref())
                     .invoke_async(&mut conn)
                     .await
                     .seen(self, &at)

@@ -76,6 +76,41 @@ async fn a_thousand_callers_get_one_load_redis() -> Result<()> {
     a_thousand_callers_get_one_load(Backend::Redis).await
 }
 
+/// Processes sharing one store (a redis-server, or one memory store) on the system
+/// clock: a lock lapses by the store's clock, in real time.
+struct Processes {
+    server: Option<RedisServer>,
+    store: corral::store::memory::MemoryStore,
+    lock_ttl: Duration,
+}
+
+impl Processes {
+    fn new(backend: Backend, lock_ttl: Duration) -> Result<Self> {
+        Ok(Processes {
+            server: match backend {
+                Backend::Redis => Some(RedisServer::start()?),
+                _ => None,
+            },
+            store: corral::store::memory::MemoryStore::new(Arc::new(corral::SystemClock), 1_000),
+            lock_ttl,
+        })
+    }
+
+    fn build(&self) -> Result<Corral> {
+        let builder = Corral::builder()
+            .lock_ttl(self.lock_ttl)
+            .lock_wait(Duration::from_secs(10));
+        Ok(match &self.server {
+            Some(server) => {
+                let mut options = corral::RedisOptions::new(server.url());
+                options.prefix = corral_tests::PREFIX.into();
+                builder.redis_options(options).build()?
+            }
+            None => builder.memory(self.store.clone()).build()?,
+        })
+    }
+}
+
 /// A loader slower than the get-or-set lock's TTL still fills, and loads once across
 /// processes (contract §5.12): its leader renews the lock while the loader runs (a third
 /// of the TTL on, as a lease's watchdog does), so another process asking meanwhile
@@ -83,32 +118,15 @@ async fn a_thousand_callers_get_one_load_redis() -> Result<()> {
 /// time: the store lapses a lock by its own clock.
 async fn a_loader_slower_than_the_lock_ttl_fills_once(backend: Backend) -> Result<()> {
     let _real_time = real_time().await;
-    let server = match backend {
-        Backend::Redis => Some(RedisServer::start()?),
-        _ => None,
-    };
-    let store = corral::store::memory::MemoryStore::new(Arc::new(corral::SystemClock), 1_000);
-    let build = || -> Result<Corral> {
-        let builder = Corral::builder()
-            .lock_ttl(Duration::from_millis(300))
-            .lock_wait(Duration::from_secs(10));
-        Ok(match &server {
-            Some(server) => {
-                let mut options = corral::RedisOptions::new(server.url());
-                options.prefix = corral_tests::PREFIX.into();
-                builder.redis_options(options).build()?
-            }
-            None => builder.memory(store.clone()).build()?,
-        })
-    };
-    let (a, b) = (build()?, build()?);
+    let processes = Processes::new(backend, Duration::from_secs(1))?;
+    let (a, b) = (processes.build()?, processes.build()?);
     let loads = AtomicUsize::new(0);
     let started = Notify::new();
     let leader = a.get_or_set("k", relative(), || async {
         loads.fetch_add(1, Ordering::SeqCst);
         started.notify_one();
-        // Five TTLs: the lock is renewed about fifteen times.
-        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        // Three TTLs: the lock is renewed about nine times.
+        tokio::time::sleep(Duration::from_secs(3)).await;
         Ok::<_, anyhow::Error>("slow")
     });
     let follower = async {
@@ -124,7 +142,7 @@ async fn a_loader_slower_than_the_lock_ttl_fills_once(backend: Backend) -> Resul
     assert_eq!(followed?, "slow", "the other process waited for the value");
     assert_eq!(loads.load(Ordering::SeqCst), 1, "one load across the processes");
     assert_eq!(a.metrics().fills_refused, 0);
-    let c = build()?;
+    let c = processes.build()?;
     assert_eq!(c.get("k").await?.as_deref(), Some(&b"slow"[..]), "filled into L2");
     Ok(())
 }
@@ -137,6 +155,40 @@ async fn a_loader_slower_than_the_lock_ttl_fills_once_memory() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loader_slower_than_the_lock_ttl_fills_once_redis() -> Result<()> {
     a_loader_slower_than_the_lock_ttl_fills_once(Backend::Redis).await
+}
+
+/// A removal made while a renewed load runs is never filled over, however long the load
+/// outlives the removal's tombstone (a lock TTL and a second): the renewal checks the
+/// entry with the lock, finds the tombstone, and ends the lock, so the load fills nothing
+/// (contract §5.12). The caller still gets its value.
+async fn a_removal_during_a_renewed_load_is_never_filled_over(backend: Backend) -> Result<()> {
+    let _real_time = real_time().await;
+    let processes = Processes::new(backend, Duration::from_millis(300))?;
+    let (a, b) = (processes.build()?, processes.build()?);
+    let removed = Notify::new();
+    let leader = a.get_or_set("k", relative(), || async {
+        b.remove("k").await?;
+        removed.notify_one();
+        // Past the tombstone's life (1.3 s) by a second.
+        tokio::time::sleep(Duration::from_millis(2_300)).await;
+        Ok::<_, anyhow::Error>("loaded before the removal")
+    });
+    let (value, ()) = tokio::join!(leader, removed.notified());
+    assert_eq!(value?, "loaded before the removal", "the caller gets its value");
+    let c = processes.build()?;
+    assert_eq!(c.get("k").await?, None, "nothing filled over the removal");
+    assert_eq!(a.metrics().fills_refused, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_during_a_renewed_load_is_never_filled_over_memory() -> Result<()> {
+    a_removal_during_a_renewed_load_is_never_filled_over(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_during_a_renewed_load_is_never_filled_over_redis() -> Result<()> {
+    a_removal_during_a_renewed_load_is_never_filled_over(Backend::Redis).await
 }
 
 /// A cold key's stampede in one process costs Redis three commands besides the

@@ -360,7 +360,9 @@ where
                     self.answer_early(Event::LoadOverdue, &mut marks.renew).await?;
                 }
                 Mark::Renew => {
-                    if let Some(loaded) = self.renew_lock(&mut running, &mut marks.renew).await? {
+                    marks.renew = None;
+                    let by_mark = marks.next(self.callers.answer.is_some()).map(|(at, _)| at);
+                    if let Some(loaded) = self.renew_lock(&mut running, &mut marks.renew, by_mark).await? {
                         break Some(loaded);
                     }
                 }
@@ -391,19 +393,23 @@ where
     }
 
     /// The load still runs at its lock's renewal moment: renews the lock as the guest
-    /// says, still polling the loader, and feeds back how it went (a store that cannot
-    /// renew fails each renewal, and a load that outlives the lock fills nothing). The
-    /// next renewal's moment goes to `renew_at`; the loader's answer, if it came
+    /// says, still polling the loader, and feeds back how it went. A renewal is checked
+    /// against the entry in the same step where the guest asks (a store that cannot, or
+    /// whose entries are elsewhere, does not renew: the renewal fails, and a load that
+    /// outlives the lock fills nothing). The renewal gives way to the loader's answer and
+    /// to the load's next mark (`by`): it then failed, and the lock holds as before.
+    /// The next renewal's moment goes to `renew_at`; the loader's answer, if it came
     /// meanwhile, is returned.
     async fn renew_lock<L: Future + Unpin>(
         &mut self,
         running: &mut L,
         renew_at: &mut Option<u64>,
+        by_mark: Option<u64>,
     ) -> Result<Option<L::Output>> {
         let next = self.step(Event::RenewDue)?;
         trace_action(&next);
-        let ttl_ms = match next {
-            Action::RenewLock(ttl_ms) => ttl_ms,
+        let renew = match next {
+            Action::RenewLock(renew) => renew,
             Action::KeepLoading(at) => {
                 *renew_at = at;
                 return Ok(None);
@@ -411,21 +417,30 @@ where
             _ => return Err(out_of_turn("a renewal")),
         };
         let inner = &*self.cache.inner;
+        let stores = &inner.stores;
         let owner = self.held.owner.clone().unwrap_or_default();
-        let renewing = inner
-            .stores
-            .flight_lock
-            .renew(self.held.lock_name, &owner, ttl_ms)
-            .map(|renew| by(in_ms(inner.flight.store_budget.after_load_ms), renew));
+        let over = renew.fenced.then(|| self.holds.clone());
+        let renewing = (stores.fill_with_lock() || over.is_none())
+            .then(|| {
+                stores
+                    .flight_lock
+                    .renew(self.held.lock_name, &owner, renew.ttl_ms, self.entry_name, over)
+            })
+            .flatten();
         let mut loaded = None;
         let renewed = match renewing {
             Some(renewing) => {
-                let mut renewing = std::pin::pin!(renewing);
-                loop {
-                    tokio::select! {
-                        biased;
-                        renewed = &mut renewing => break Some(renewed),
-                        answer = &mut *running, if loaded.is_none() => loaded = Some(answer),
+                let mut until = in_ms(inner.flight.store_budget.after_load_ms);
+                if let Some(mark) = by_mark {
+                    let left = mark.saturating_sub(inner.clock.now_ms());
+                    until = until.min(in_ms(left));
+                }
+                tokio::select! {
+                    biased;
+                    renewed = by(until, renewing) => Some(renewed),
+                    answer = &mut *running => {
+                        loaded = Some(answer);
+                        None
                     }
                 }
             }
@@ -436,7 +451,7 @@ where
             Some(Ok(false)) => {
                 tracing::debug!(
                     key = self.key,
-                    "the flight's lock lapsed during the load; its fill will be refused"
+                    "the flight's lock was lost or its key written during the load; its fill will be refused"
                 );
                 Event::RenewRefused
             }
@@ -629,6 +644,15 @@ where
         }
         if let Some(tx) = self.callers.answer.take() {
             let _ = tx.send(result.clone());
+        }
+        if finish.outcome == FlightOutcome::Lapsed {
+            // The fill refused before it was sent: the lock lapsed while the loader ran.
+            Metrics::bump(&self.cache.inner.metrics.fills_refused);
+            tracing::debug!(
+                key = self.key,
+                why = "the flight's lock lapsed during the load",
+                "fill refused"
+            );
         }
         let owed = std::mem::take(&mut self.release_owed);
         self.release_and_announce(finish.release || owed, finish.notify || owed)

@@ -493,16 +493,8 @@ impl Corral {
         match outcome {
             FlightOutcome::L2Hit(_) => Metrics::bump(&m.l2_hits),
             FlightOutcome::Loaded(_) | FlightOutcome::LoaderFailed => Metrics::bump(&m.misses),
-            // The fill refused before it was sent: the lock lapsed while the loader ran.
-            FlightOutcome::Lapsed => {
-                Metrics::bump(&m.misses);
-                Metrics::bump(&m.fills_refused);
-                tracing::debug!(
-                    key,
-                    why = "the flight's lock lapsed during the load",
-                    "fill refused"
-                );
-            }
+            // The fill refused before it was sent (counted by the driver, refreshes' too).
+            FlightOutcome::Lapsed => Metrics::bump(&m.misses),
             FlightOutcome::Degraded(timed_out) => {
                 Metrics::bump(&m.misses);
                 Metrics::bump(&m.degraded);
