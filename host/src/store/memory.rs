@@ -335,6 +335,11 @@ impl Entries for MemoryStore {
     }
 }
 
+/// Whether a flight lock's record (its owner, until when) is `owner`'s and live at `now`.
+fn held_by((holder, until): &(String, u64), owner: &str, now: u64) -> bool {
+    holder == owner && now < *until
+}
+
 impl FlightLock for MemoryStore {
     fn try_lock<'a>(&'a self, key: &'a str, owner: &'a str, ttl_ms: u64) -> BoxFuture<'a, Result<bool>> {
         let now = self.now();
@@ -352,9 +357,7 @@ impl FlightLock for MemoryStore {
     fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, Result<bool>> {
         let now = self.now();
         let mut locks = self.inner.locks[self.index(key)].lock();
-        let held = locks
-            .get(key)
-            .is_some_and(|(o, until)| o == owner && now < *until);
+        let held = locks.get(key).is_some_and(|lock| held_by(lock, owner, now));
         if held {
             locks.remove(key);
         }
@@ -375,8 +378,8 @@ impl FlightLock for MemoryStore {
         let unchanged =
             |expected: Option<Bytes>| Self::live(&mut self.shard(entry).lock(), entry, now) == expected;
         let renewed = match locks.get_mut(key) {
-            Some((o, until)) if o == owner && now < *until && over.is_none_or(unchanged) => {
-                *until = now.saturating_add(ttl_ms.max(1));
+            Some(lock) if held_by(lock, owner, now) && over.is_none_or(unchanged) => {
+                lock.1 = now.saturating_add(ttl_ms.max(1));
                 true
             }
             _ => false,
@@ -395,9 +398,7 @@ impl FlightLock for MemoryStore {
         // The lock's shard stays locked across the fill: the lock cannot change hands
         // between the look and the write.
         let mut locks = self.inner.locks[self.index(key)].lock();
-        let held = locks
-            .get(key)
-            .is_some_and(|(o, until)| o == owner && now < *until);
+        let held = locks.get(key).is_some_and(|lock| held_by(lock, owner, now));
         let mut written = false;
         if held {
             locks.remove(key);

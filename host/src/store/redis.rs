@@ -716,11 +716,7 @@ impl FlightLock for RedisStore {
             async move {
                 let (mut conn, at) = self.conn(key)?;
                 self.count(1);
-                let (mode, expected) = match over {
-                    Some(Some(bytes)) => ("eq", bytes),
-                    Some(None) => ("nx", Bytes::new()),
-                    None => ("set", Bytes::new()),
-                };
+                let (mode, expected) = fence(&over);
                 let renewed: u64 = self
                     .renew_fenced
                     .key(key)
@@ -728,7 +724,7 @@ impl FlightLock for RedisStore {
                     .arg(owner)
                     .arg(ttl_ms.max(1))
                     .arg(mode)
-                    .arg(expected.as_ref())
+                    .arg(expected)
                     .invoke_async(&mut conn)
                     .await
                     .seen(self, &at)
@@ -787,11 +783,7 @@ impl FlightLock for RedisStore {
             async move {
                 let (mut conn, at) = self.conn(key)?;
                 self.count(1);
-                let (fence, expected) = match &fill.over {
-                    Some(None) => ("nx", &[][..]),
-                    Some(Some(bytes)) => ("eq", bytes.as_ref()),
-                    None => ("set", &[][..]),
-                };
+                let (fence, expected) = fence(&fill.over);
                 let mut call = self.fill_and_release.key(fill.name);
                 call.key(key)
                     .arg(owner)
@@ -815,6 +807,17 @@ impl FlightLock for RedisStore {
             }
             .boxed(),
         )
+    }
+}
+
+/// How a leader's fill and its lock's renewals are fenced, as `FILL_AND_RELEASE` and
+/// `RENEW_FENCED` take it: `nx` (the entry must hold nothing), `eq` (exactly these
+/// bytes) or `set` (anything: no read found what the key held).
+fn fence(over: &Option<Option<Bytes>>) -> (&'static str, &[u8]) {
+    match over {
+        Some(None) => ("nx", &[]),
+        Some(Some(bytes)) => ("eq", bytes.as_ref()),
+        None => ("set", &[]),
     }
 }
 

@@ -334,40 +334,7 @@ where
         let began = std::time::Instant::now();
         let running = AssertUnwindSafe(async move { load().await }).catch_unwind();
         let mut running = std::pin::pin!(running);
-        let mut marks = Marks {
-            stop: request.until_ms,
-            slow: request.soft_until_ms,
-            overdue: request.overdue_ms,
-            renew: request.renew_at_ms,
-        };
-        // Until the loader answers: at each moment the guest set, what it is due for.
-        let loaded = loop {
-            // Once answered, no early answer is due.
-            let Some((at, mark)) = marks.next(self.callers.answer.is_some()) else {
-                break Some(running.await);
-            };
-            if let Ok(loaded) = tokio::time::timeout(left(at), &mut running).await {
-                break Some(loaded);
-            }
-            match mark {
-                Mark::Stop => break None,
-                Mark::Slow => {
-                    marks.slow = None;
-                    self.answer_early(Event::LoadSlow, &mut marks.renew).await?;
-                }
-                Mark::Overdue => {
-                    marks.overdue = None;
-                    self.answer_early(Event::LoadOverdue, &mut marks.renew).await?;
-                }
-                Mark::Renew => {
-                    marks.renew = None;
-                    let by_mark = marks.next(self.callers.answer.is_some()).map(|(at, _)| at);
-                    if let Some(loaded) = self.renew_lock(&mut running, &mut marks.renew, by_mark).await? {
-                        break Some(loaded);
-                    }
-                }
-            }
-        };
+        let loaded = self.await_loader(&mut running, &request).await?;
         inner.metrics.load_duration.record(began.elapsed());
         self.deadline = in_ms(inner.flight.store_budget.after_load_ms);
         Ok(match loaded {
@@ -392,12 +359,56 @@ where
         })
     }
 
+    /// Waits for the loader's answer (`None`: stopped at the hard timeout), doing at each
+    /// moment the guest set what it is due for: an early answer, the lock's renewal.
+    async fn await_loader<L: Future + Unpin>(
+        &mut self,
+        running: &mut L,
+        request: &LoadRequest,
+    ) -> Result<Option<L::Output>> {
+        let clock = &self.cache.inner.clock;
+        let mut marks = Marks {
+            stop: request.until_ms,
+            slow: request.soft_until_ms,
+            overdue: request.overdue_ms,
+            renew: request.renew_at_ms,
+        };
+        loop {
+            // Once answered, no early answer is due.
+            let Some((at, mark)) = marks.next(self.callers.answer.is_some()) else {
+                return Ok(Some(running.await));
+            };
+            let left = Duration::from_millis(at.saturating_sub(clock.now_ms()));
+            if let Ok(loaded) = tokio::time::timeout(left, &mut *running).await {
+                return Ok(Some(loaded));
+            }
+            match mark {
+                Mark::Stop => return Ok(None),
+                Mark::Slow => {
+                    marks.slow = None;
+                    self.answer_early(Event::LoadSlow, &mut marks.renew).await?;
+                }
+                Mark::Overdue => {
+                    marks.overdue = None;
+                    self.answer_early(Event::LoadOverdue, &mut marks.renew).await?;
+                }
+                Mark::Renew => {
+                    marks.renew = None;
+                    let by_mark = marks.next(self.callers.answer.is_some()).map(|(at, _)| at);
+                    if let Some(loaded) = self.renew_lock(running, &mut marks.renew, by_mark).await? {
+                        return Ok(Some(loaded));
+                    }
+                }
+            }
+        }
+    }
+
     /// The load still runs at its lock's renewal moment: renews the lock as the guest
     /// says, still polling the loader, and feeds back how it went. A renewal is checked
     /// against the entry in the same step where the guest asks (a store that cannot, or
     /// whose entries are elsewhere, does not renew: the renewal fails, and a load that
     /// outlives the lock fills nothing). The renewal gives way to the loader's answer and
-    /// to the load's next mark (`by`): it then failed, and the lock holds as before.
+    /// to the load's next mark (`by_mark`): it then failed, and the lock holds as before.
     /// The next renewal's moment goes to `renew_at`; the loader's answer, if it came
     /// meanwhile, is returned.
     async fn renew_lock<L: Future + Unpin>(
@@ -614,9 +625,14 @@ where
 
     /// A fenced fill the store refused (contract §5.12): the value is returned uncached.
     fn refused(&self, why: &'static str) -> Event {
+        self.count_refused(why);
+        Event::L2WriteFailed
+    }
+
+    /// A refused fill, the store's or the flight's own (`lapsed`), counted and logged.
+    fn count_refused(&self, why: &'static str) {
         Metrics::bump(&self.cache.inner.metrics.fills_refused);
         tracing::debug!(key = self.key, why, "fill refused");
-        Event::L2WriteFailed
     }
 
     fn write_failed(&self, e: &Error) -> Event {
@@ -646,13 +662,8 @@ where
             let _ = tx.send(result.clone());
         }
         if finish.outcome == FlightOutcome::Lapsed {
-            // The fill refused before it was sent: the lock lapsed while the loader ran.
-            Metrics::bump(&self.cache.inner.metrics.fills_refused);
-            tracing::debug!(
-                key = self.key,
-                why = "the flight's lock lapsed during the load",
-                "fill refused"
-            );
+            // The fill refused before it was sent.
+            self.count_refused("the flight's lock lapsed during the load");
         }
         let owed = std::mem::take(&mut self.release_owed);
         self.release_and_announce(finish.release || owed, finish.notify || owed)
