@@ -262,6 +262,7 @@ impl<'a> Step<'a> {
                     // A flight lock renewed while its loader runs: that load holds it
                     // longer (a takeover before then is not excused as a lapse).
                     let (proc, since) = (l.proc, l.since);
+                    let mut renewed = Vec::new();
                     for load in self.st.loads.iter_mut().filter(|r| {
                         r.locked
                             && r.end.is_none()
@@ -270,6 +271,10 @@ impl<'a> Step<'a> {
                             && r.start >= since
                     }) {
                         load.lock_until = until;
+                        renewed.push((load.key.clone(), load.start, load.call));
+                    }
+                    for (key, start, call) in renewed {
+                        self.check_renewal_fenced(name, &key, start, call);
                     }
                     true
                 }
@@ -278,6 +283,41 @@ impl<'a> Step<'a> {
             Home::Fences => self.st.fences.contains_key(name),
         };
         Reply::Int(i64::from(set))
+    }
+
+    /// A flight lock is renewed only while its key holds what the load's fill expects:
+    /// never while the entry holds what a set, a removal or another load wrote after the
+    /// load began (a renewal that ignored it would let the load outlive a removal's
+    /// tombstone).
+    fn check_renewal_fenced(&mut self, lock: &str, key: &str, start: u64, call: u64) {
+        let Some((entry, current_lock)) = self.st.names_of(key) else {
+            return;
+        };
+        if current_lock != lock {
+            return;
+        }
+        // The entry's last version (or a restart): one the workload wrote after the
+        // load began, and not cleaned up since, is not what the fill expects.
+        let last = self
+            .st
+            .versions
+            .get(key)
+            .and_then(|v| v.iter().rev().find(|x| x.name == entry || x.name.is_empty()));
+        let written = last.filter(|x| {
+            x.t > start
+                && matches!(
+                    x.kind,
+                    VersionKind::Set(_) | VersionKind::Remove | VersionKind::Load { .. }
+                )
+        });
+        if let Some(written) = written {
+            let what = format!(
+                "renewal-fenced: {lock} renewed under call {call}'s load (since {start}) though {:?} was written at {}",
+                written.kind, written.t
+            );
+            let now = self.now;
+            self.st.violation(now, what);
+        }
     }
 
     fn setrange(&mut self, name: &str, offset: usize, field: &[u8]) -> Reply {

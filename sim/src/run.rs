@@ -385,7 +385,7 @@ fn loader_plan(r: &mut Rng, s: &Scenario) -> LoaderPlan {
     } else if r.chance(f.loader_fail_pm) {
         LoaderPlan::Fail(base)
     } else if r.chance(f.loader_slow_pm) {
-        LoaderPlan::Slow(r.range(300, 2_500))
+        LoaderPlan::Slow(r.range(300, 8_000))
     } else {
         LoaderPlan::Ok(base)
     }

@@ -19,7 +19,7 @@ pub struct FaultRates {
     /// Per process and run: its wall clock is skewed (±300 ms), and, again, stepped
     /// (±500..3000 ms at some moment).
     pub clock_pm: u32,
-    /// Per load: slow (300..2500 ms, past the lock TTL at the top), failing, panicking.
+    /// Per load: slow (300..8000 ms: past the lock TTL, renewed, and past a removal's tombstone), failing, panicking.
     pub loader_slow_pm: u32,
     pub loader_fail_pm: u32,
     pub loader_panic_pm: u32,
@@ -211,7 +211,11 @@ impl Broken {
                 );
             }
             "renew-unfenced" => {
-                b.patch = patch(Script::RenewFenced, "if ARGV[3] == 'nx' then", "if false then")
+                b.patch = patch(
+                    Script::RenewFenced,
+                    "return 0 end\nif ARGV[3]",
+                    "return 0 end\ndo return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end\nif ARGV[3]",
+                )
             }
             "delete-unchecked" => b.patch = patch(Script::DeleteIfEqual, "== ARGV[1] then", "~= nil then"),
             "fill-unowned" => {

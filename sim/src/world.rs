@@ -740,7 +740,7 @@ impl State {
     }
 
     /// In the prefix's current generation (a `clear` moves it).
-    fn names_of(&self, key: &str) -> Option<(String, String)> {
+    pub(crate) fn names_of(&self, key: &str) -> Option<(String, String)> {
         self.names.iter().find(|(_, k)| *k == key)?;
         let counter = corral_core::names::generation(SIM_PREFIX);
         let g = corral_core::tags::generation(self.entries.get(&counter).map(|s| &s.bytes[..]));

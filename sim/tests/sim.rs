@@ -135,6 +135,8 @@ fn bugs_planted_in_the_lua_scripts_are_caught() {
         ("acquire-no-nx", "lease"),
         ("release-unchecked", "lease"),
         ("extend-unchecked", "lease"),
+        ("renew-noop", "lock-renewal"),
+        ("renew-unfenced", "renewal-fenced"),
         ("delete-unchecked", "single-flight"),
         ("replace-unchecked", "fenced-fill"),
         ("fill-unchecked", "fenced-fill"),

@@ -372,24 +372,9 @@ impl CorralBuilder {
         };
         // Counted, and exported to the `metrics` recorder in force now, under the prefix.
         let metrics = Arc::new(Metrics::new(&prefix));
-        // Another process's set, removal or load of a key drops our L1 copy.
         let tags = Arc::new(super::tags::TagState::new());
-        stores
-            .notifications
-            .on_foreign(l1_invalidation(l1.clone(), metrics.clone(), tags.clone()));
-        // Another process's tag invalidation or clear (contract §6b.5).
-        stores
-            .notifications
-            .on_invalidation(super::tags::invalidation_hook(
-                tags.clone(),
-                policy.clone(),
-                l1.clone(),
-                clock.clone(),
-                settings.l1_ttl_ms,
-                metrics.clone(),
-            ));
-        let store_timeout = Duration::from_millis(settings.store_timeout_ms);
-        let store_budget = policy.store_budget(settings)?;
+        listen(&stores, &l1, &metrics, &tags, &policy, &clock, settings.l1_ttl_ms);
+        let flight = FlightSettings::of(&settings, policy.store_budget(settings)?);
         let locks = locks_over(&stores, &policy, &clock);
         let (_, removal_ttl_ms) = policy.removal(settings.lock_ttl_ms, b"")?;
         let gets = stores
@@ -404,17 +389,7 @@ impl CorralBuilder {
                 stores,
                 l1,
                 l1_ttl_ms: settings.l1_ttl_ms,
-                flight: FlightSettings {
-                    lock_wait_ms: settings.lock_wait_ms,
-                    lock_ttl_ms: settings.lock_ttl_ms,
-                    degraded_l1_ttl_ms: settings.degraded_l1_ttl_ms,
-                    fail_safe_throttle_ms: settings.fail_safe_throttle_ms,
-                    hard_timeout_ms: settings.hard_timeout_ms,
-                    soft_timeout_ms: settings.soft_timeout_ms,
-                    eager_refresh_permille: settings.eager_refresh_permille,
-                    store_timeout,
-                    store_budget,
-                },
+                flight,
                 read_hints: super::read::ReadHints::new(settings.l1_capacity, removal_ttl_ms),
                 gets,
                 decoded: super::typed::Decoded::new(settings.l1_capacity, settings.l1_ttl_ms),
@@ -428,6 +403,51 @@ impl CorralBuilder {
                 tags,
             }),
         })
+    }
+}
+
+/// What a cache hears from other processes: their set, removal or load of a key drops
+/// its L1 copy; their tag invalidation or clear (contract §6b.5) drops what it names.
+fn listen(
+    stores: &Stores,
+    l1: &L1,
+    metrics: &Arc<Metrics>,
+    tags: &Arc<super::tags::TagState>,
+    policy: &Policy,
+    clock: &Arc<dyn Clock>,
+    l1_ttl_ms: u64,
+) {
+    stores
+        .notifications
+        .on_foreign(l1_invalidation(l1.clone(), metrics.clone(), tags.clone()));
+    stores
+        .notifications
+        .on_invalidation(super::tags::invalidation_hook(
+            tags.clone(),
+            policy.clone(),
+            l1.clone(),
+            clock.clone(),
+            l1_ttl_ms,
+            metrics.clone(),
+        ));
+}
+
+impl FlightSettings {
+    fn of(
+        settings: &Settings,
+        store_budget: crate::guest::bindings::corral::cache::types::StoreBudget,
+    ) -> Self {
+        FlightSettings {
+            lock_wait_ms: settings.lock_wait_ms,
+            lock_ttl_ms: settings.lock_ttl_ms,
+            degraded_l1_ttl_ms: settings.degraded_l1_ttl_ms,
+            fail_safe_throttle_ms: settings.fail_safe_throttle_ms,
+            hard_timeout_ms: settings.hard_timeout_ms,
+            soft_timeout_ms: settings.soft_timeout_ms,
+            eager_refresh_permille: settings.eager_refresh_permille,
+            store_timeout: Duration::from_millis(settings.store_timeout_ms),
+            store_budget,
+        }
     }
 }
 
