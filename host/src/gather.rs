@@ -19,14 +19,23 @@ use tokio::sync::oneshot;
 /// The most one batch carries; work arriving at a full gathering goes alone.
 pub(crate) const MAX_GATHERED: usize = 256;
 
+/// Room a gathering opens with for its followers: about as many as join one on a busy
+/// connection, so that most gatherings never grow their list.
+const FOLLOWERS_AT_FIRST: usize = 32;
+
 /// The distinct items of `items` in the order they first come, and for each item the
 /// place of its twin among them: what a leader asks once however many asked for it
 /// (every asker called before it is sent, so the answer is as good as its own).
+/// A gathering holds at most [`MAX_GATHERED`] items, so a fast hash with a random seed
+/// is enough: even keys chosen to collide cost a bounded number of comparisons.
 pub(crate) fn distinct<T: Copy + Eq + std::hash::Hash>(
     items: impl IntoIterator<Item = T>,
 ) -> (Vec<T>, Vec<usize>) {
-    let mut distinct = Vec::new();
-    let mut seen = std::collections::HashMap::new();
+    let items = items.into_iter();
+    let (count, _) = items.size_hint();
+    let mut distinct = Vec::with_capacity(count);
+    let mut seen =
+        std::collections::HashMap::with_capacity_and_hasher(count, foldhash::fast::RandomState::default());
     let at = items
         .into_iter()
         .map(|item| {
@@ -157,7 +166,7 @@ impl<Q, A> Gather<Q, A> {
                 *next = next.wrapping_add(1);
                 *open = Some(Open {
                     id,
-                    followers: Vec::new(),
+                    followers: Vec::with_capacity(FOLLOWERS_AT_FIRST),
                 });
                 Turn::Lead(Lead {
                     gather: Some(self),

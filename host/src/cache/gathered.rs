@@ -81,7 +81,6 @@ impl Corral {
     ) -> Option<Result<Looked>> {
         // A key asked for twice is read once.
         let (keys, at) = distinct(std::iter::once(key).chain(followers.iter().map(|f| f.query.as_str())));
-        let keys: Vec<String> = keys.into_iter().map(str::to_owned).collect();
         let names = self.entries_of(&keys).await.ok()?;
         // Judged no earlier than now: a follower may have called after the leader.
         let now = now.max(self.inner.clock.now_ms());
@@ -90,18 +89,37 @@ impl Corral {
         for (key, entry) in keys.iter().zip(&names) {
             self.note_key_hint(key, entry);
         }
-        let answer = |i: usize| {
-            looks.get(i).cloned().unwrap_or_else(|| {
+        // Each answer moves to the last of its askers, and is copied for the others.
+        let mut askers = vec![0usize; looks.len()];
+        for &i in &at {
+            if let Some(n) = askers.get_mut(i) {
+                *n += 1;
+            }
+        }
+        let mut looks: Vec<Option<Result<Looked>>> = looks.into_iter().map(Some).collect();
+        let mut answer = |i: usize| {
+            let last = askers.get_mut(i).is_some_and(|n| {
+                *n -= 1;
+                *n == 0
+            });
+            let look = looks.get_mut(i);
+            let answer = if last {
+                look.and_then(Option::take)
+            } else {
+                look.and_then(|l| l.clone())
+            };
+            answer.unwrap_or_else(|| {
                 Err(crate::Error::guest(
                     "a gathered read went unanswered",
                     "broken contract",
                 ))
             })
         };
+        let mine = answer(at.first().copied().unwrap_or(usize::MAX));
         for (follower, i) in followers.into_iter().zip(at.into_iter().skip(1)) {
             // A follower that stopped waiting needs no answer.
             let _ = follower.reply.send(answer(i));
         }
-        Some(answer(0))
+        Some(mine)
     }
 }

@@ -829,7 +829,7 @@ impl Corral {
 
     /// The entry names of `keys`, all checked and named in one call, in the generation
     /// [`entry_of`](Self::entry_of) would use.
-    pub(crate) async fn entries_of(&self, keys: &[String]) -> Result<Vec<String>> {
+    pub(crate) async fn entries_of<K: AsRef<str>>(&self, keys: &[K]) -> Result<Vec<String>> {
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
         let check = || policy.locate_entries(prefix, keys, 0).map(drop);
         let generation = self.current_generation(check).await?;

@@ -255,11 +255,13 @@ impl Corral {
             .into_iter()
             .map(|read| read.map_err(|e| self.l2_failed(e)))
             .collect();
-        let reads: Vec<(&[u8], Option<u64>)> = found
-            .iter()
-            .filter_map(|read| read.as_ref().ok().and_then(Option::as_ref))
-            .map(|b| (&b[..], None))
-            .collect();
+        let mut reads: Vec<(&[u8], Option<u64>)> = Vec::with_capacity(found.len());
+        reads.extend(
+            found
+                .iter()
+                .filter_map(|read| read.as_ref().ok().and_then(Option::as_ref))
+                .map(|b| (&b[..], None)),
+        );
         let mut judged = match inner.policy.read_many(&reads, now, inner.l1_ttl_ms) {
             Ok(judged) => judged.into_iter(),
             Err(e) => return names.iter().map(|_| Err(e.clone())).collect(),

@@ -301,10 +301,10 @@ impl Policy {
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key`,
     /// saying the bad key's position.
-    pub(crate) fn locate_entries(
+    pub(crate) fn locate_entries<K: AsRef<str>>(
         &self,
         prefix: &str,
-        keys: &[String],
+        keys: &[K],
         generation: u64,
     ) -> Result<Vec<String>> {
         let limits = self.inner.limits;
