@@ -48,6 +48,29 @@ pub(crate) fn distinct<T: Copy + Eq + std::hash::Hash>(
     (distinct, at)
 }
 
+/// The answers to the distinct items, spread back over every asker (`at` as
+/// [`distinct`] gives it): each answer moves to its last asker and is copied for the
+/// others; `None` for a place no answer covers.
+pub(crate) fn spread<A: Clone>(answers: Vec<A>, at: &[usize]) -> Vec<Option<A>> {
+    let mut askers = vec![0usize; answers.len()];
+    for &i in at {
+        if let Some(n) = askers.get_mut(i) {
+            *n += 1;
+        }
+    }
+    let mut answers: Vec<Option<A>> = answers.into_iter().map(Some).collect();
+    at.iter()
+        .map(|&i| {
+            let last = askers.get_mut(i).is_some_and(|n| {
+                *n -= 1;
+                *n == 0
+            });
+            let answer = answers.get_mut(i)?;
+            if last { answer.take() } else { answer.clone() }
+        })
+        .collect()
+}
+
 /// One piece of work waiting to go out with a leader's: what it asks, and where its
 /// answer goes.
 pub(crate) struct Follower<Q, A> {
@@ -406,6 +429,17 @@ mod tests {
         let (distinct, at) = distinct(["b", "a", "b", "c", "a"]);
         assert_eq!(distinct, ["b", "a", "c"]);
         assert_eq!(at, [0, 1, 0, 2, 1]);
+    }
+
+    #[test]
+    fn answers_spread_over_every_asker_and_a_missing_one_is_none() {
+        let (distinct, at) = distinct(["b", "a", "b", "c", "a"]);
+        let answers: Vec<String> = distinct.iter().map(|d| d.to_uppercase()).collect();
+        assert_eq!(
+            spread(answers, &at),
+            [Some("B"), Some("A"), Some("B"), Some("C"), Some("A")].map(|a| a.map(str::to_owned))
+        );
+        assert_eq!(spread(vec![1], &[0, 1, 0]), [Some(1), None, Some(1)]);
     }
 
     #[test]

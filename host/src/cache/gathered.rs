@@ -5,7 +5,7 @@
 //! gathers it: waiting on each other gains the reads that slide nothing.
 
 use crate::Result;
-use crate::gather::{Follower, Gather, distinct};
+use crate::gather::{Follower, Gather, distinct, spread};
 use crate::guest::policy::NextRead;
 
 use super::Corral;
@@ -89,37 +89,19 @@ impl Corral {
         for (key, entry) in keys.iter().zip(&names) {
             self.note_key_hint(key, entry);
         }
-        // Each answer moves to the last of its askers, and is copied for the others.
-        let mut askers = vec![0usize; looks.len()];
-        for &i in &at {
-            if let Some(n) = askers.get_mut(i) {
-                *n += 1;
-            }
-        }
-        let mut looks: Vec<Option<Result<Looked>>> = looks.into_iter().map(Some).collect();
-        let mut answer = |i: usize| {
-            let last = askers.get_mut(i).is_some_and(|n| {
-                *n -= 1;
-                *n == 0
-            });
-            let look = looks.get_mut(i);
-            let answer = if last {
-                look.and_then(Option::take)
-            } else {
-                look.and_then(|l| l.clone())
-            };
+        let mut answers = spread(looks, &at).into_iter().map(|answer| {
             answer.unwrap_or_else(|| {
                 Err(crate::Error::guest(
                     "a gathered read went unanswered",
                     "broken contract",
                 ))
             })
-        };
-        let mine = answer(at.first().copied().unwrap_or(usize::MAX));
-        for (follower, i) in followers.into_iter().zip(at.into_iter().skip(1)) {
+        });
+        let mine = answers.next();
+        for (follower, answer) in followers.into_iter().zip(answers) {
             // A follower that stopped waiting needs no answer.
-            let _ = follower.reply.send(answer(i));
+            let _ = follower.reply.send(answer);
         }
-        Some(mine)
+        mine
     }
 }

@@ -22,7 +22,7 @@ use super::pubsub::RedisNotifications;
 pub use super::redis_options::{RedisOptions, redact};
 use super::script::Script;
 use super::{Entries, Fill, Filled, FlightLock};
-use crate::gather::{Follower, Gather, distinct};
+use crate::gather::{Follower, Gather, distinct, spread};
 use crate::{Error, ErrorKind, Result};
 
 /// The Redis store. Cheap to clone.
@@ -115,13 +115,13 @@ enum Read {
 fn read_command(key: &str, read: Read) -> redis::Cmd {
     match read {
         Read::Get => {
-            let mut get = redis::cmd("GET");
-            get.arg(key);
+            let mut get = redis::Cmd::with_capacity(2, key.len() + 3);
+            get.arg("GET").arg(key);
             get
         }
         Read::Expire(ttl_ms) => {
-            let mut getex = redis::cmd("GETEX");
-            getex.arg(key).arg("PX").arg(ttl_ms.max(1));
+            let mut getex = redis::Cmd::with_capacity(4, key.len() + 28);
+            getex.arg("GETEX").arg(key).arg("PX").arg(ttl_ms.max(1));
             getex
         }
     }
@@ -343,7 +343,7 @@ impl RedisStore {
         let asked = followers.iter().map(|f| (f.query.0.as_str(), f.query.1));
         let (unique, at_unique) = distinct(std::iter::once((key, read)).chain(asked));
         self.count(unique.len() as u64);
-        let mut pipe = redis::pipe();
+        let mut pipe = redis::Pipeline::with_capacity(unique.len());
         pipe.ignore_errors();
         for &(key, read) in &unique {
             pipe.add_command(read_command(key, read));
@@ -378,7 +378,17 @@ impl RedisStore {
                     .map_err(read_failed(read_name(read), &at))
             })
             .collect();
-        at_unique.into_iter().map(|i| answers[i].clone()).collect()
+        spread(answers, &at_unique)
+            .into_iter()
+            .map(|answer| {
+                answer.unwrap_or_else(|| {
+                    Err(Error::new(
+                        ErrorKind::Unavailable,
+                        "a pipelined read went unanswered",
+                    ))
+                })
+            })
+            .collect()
     }
 
     /// Notes how a command ended (`failure`, if it failed) on the link and on `at`.
@@ -480,7 +490,9 @@ impl Entries for RedisStore {
             let reads = groups.iter().map(|(_, members)| async move {
                 let (mut conn, at) = self.conn(keys[members[0]])?;
                 self.count(1);
-                let mut mget = redis::cmd("MGET");
+                let size = members.iter().map(|&i| keys[i].len()).sum::<usize>();
+                let mut mget = redis::Cmd::with_capacity(members.len() + 1, size + 4);
+                mget.arg("MGET");
                 for &i in members {
                     mget.arg(keys[i]);
                 }
