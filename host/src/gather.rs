@@ -19,20 +19,23 @@ use tokio::sync::oneshot;
 /// The most one batch carries; work arriving at a full gathering goes alone.
 pub(crate) const MAX_GATHERED: usize = 256;
 
-/// Room a gathering opens with for its followers: about as many as join one on a busy
-/// connection, so that most gatherings never grow their list.
+/// Room a gathering makes for its followers when the first joins: about as many as
+/// join one on a busy connection, so that most gatherings never grow their list (and
+/// one nobody joins allocates nothing).
 const FOLLOWERS_AT_FIRST: usize = 32;
 
 /// The distinct items of `items` in the order they first come, and for each item the
 /// place of its twin among them: what a leader asks once however many asked for it
 /// (every asker called before it is sent, so the answer is as good as its own).
-/// A gathering holds at most [`MAX_GATHERED`] items, so a fast hash with a random seed
-/// is enough: even keys chosen to collide cost a bounded number of comparisons.
+/// Its callers hand it one gathering's items, at most [`MAX_GATHERED`], so a fast hash
+/// with a random seed is enough: even keys chosen to collide cost a bounded number of
+/// comparisons.
 pub(crate) fn distinct<T: Copy + Eq + std::hash::Hash>(
     items: impl IntoIterator<Item = T>,
 ) -> (Vec<T>, Vec<usize>) {
     let items = items.into_iter();
     let (count, _) = items.size_hint();
+    debug_assert!(count <= MAX_GATHERED, "one gathering's items at most");
     let mut distinct = Vec::with_capacity(count);
     let mut seen =
         std::collections::HashMap::with_capacity_and_hasher(count, foldhash::fast::RandomState::default());
@@ -189,7 +192,7 @@ impl<Q, A> Gather<Q, A> {
                 *next = next.wrapping_add(1);
                 *open = Some(Open {
                     id,
-                    followers: Vec::with_capacity(FOLLOWERS_AT_FIRST),
+                    followers: Vec::new(),
                 });
                 Turn::Lead(Lead {
                     gather: Some(self),
@@ -198,6 +201,9 @@ impl<Q, A> Gather<Q, A> {
             }
             Some(o) if o.followers.len() + 1 < MAX_GATHERED => {
                 let (reply, answer) = oneshot::channel();
+                if o.followers.is_empty() {
+                    o.followers.reserve(FOLLOWERS_AT_FIRST);
+                }
                 o.followers.push(Follower {
                     query: query(),
                     reply,

@@ -286,18 +286,27 @@ impl<'a> Step<'a> {
     }
 
     /// A flight lock is renewed only while its key holds what the load's fill expects:
-    /// never while the entry holds what a set, a removal or another load wrote after the
-    /// load began (a renewal that ignored it would let the load outlive a removal's
-    /// tombstone).
+    /// never while the entry still holds what a set, a removal or another load wrote
+    /// after the load began (a renewal that ignored it would let the load outlive a
+    /// removal's tombstone). An entry that expired since holds nothing, which an `nx`
+    /// fill expects.
     fn check_renewal_fenced(&mut self, lock: &str, key: &str, start: u64, call: u64) {
-        let Some((entry, current_lock)) = self.st.names_of(key) else {
+        // The entry of the lock's own generation (`{tag}:l@g` -> `{tag}:e@g`): a process
+        // that has not heard of a clear yet still renews in the generation it knows.
+        let Some((head, kind)) = lock.rsplit_once("}:") else {
             return;
         };
-        if current_lock != lock {
+        let Some(generation) = kind.strip_prefix('l') else {
+            return;
+        };
+        let entry = format!("{head}}}:e{generation}");
+        // The entry's last version (or a restart): one the workload wrote after the
+        // load began, not cleaned up since and still held (not expired), is not what
+        // the fill expects.
+        let now = self.now;
+        if self.st.live(&entry, now).is_none() {
             return;
         }
-        // The entry's last version (or a restart): one the workload wrote after the
-        // load began, and not cleaned up since, is not what the fill expects.
         let last = self
             .st
             .versions
@@ -315,7 +324,6 @@ impl<'a> Step<'a> {
                 "renewal-fenced: {lock} renewed under call {call}'s load (since {start}) though {:?} was written at {}",
                 written.kind, written.t
             );
-            let now = self.now;
             self.st.violation(now, what);
         }
     }

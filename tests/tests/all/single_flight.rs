@@ -202,6 +202,14 @@ async fn a_cold_stampede_costs_three_commands() -> Result<()> {
     let server = RedisServer::start()?;
     let cache = corral::Corral::builder().redis(server.url()).build()?;
     let count = |command: &'static str| command_calls(&server, command);
+    // The process subscribes as it starts, and a generation read that overlaps its first
+    // subscription is not kept (announcements may have been missed before it): wait for
+    // the subscription (its first L1 flush), so the stampede's read is the one kept.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while cache.metrics().l1_flushes < 1 {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "never subscribed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let (calls, _) = stampede(&cache, "cold", 1_000, Duration::from_millis(100)).await?;
     assert_eq!(calls, 1);
     let sent = cache.redis_commands_sent().context("a Redis cache")?;
