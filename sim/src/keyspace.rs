@@ -291,15 +291,11 @@ impl<'a> Step<'a> {
     /// removal's tombstone). An entry that expired since holds nothing, which an `nx`
     /// fill expects.
     fn check_renewal_fenced(&mut self, lock: &str, key: &str, start: u64, call: u64) {
-        // The entry of the lock's own generation (`{tag}:l@g` -> `{tag}:e@g`): a process
-        // that has not heard of a clear yet still renews in the generation it knows.
-        let Some((head, kind)) = lock.rsplit_once("}:") else {
+        // The entry of the lock's own generation: a process that has not heard of a
+        // clear yet still renews in the generation it knows.
+        let Some(entry) = corral_core::names::beside(lock, Kind::Entry) else {
             return;
         };
-        let Some(generation) = kind.strip_prefix('l') else {
-            return;
-        };
-        let entry = format!("{head}}}:e{generation}");
         // The entry's last version (or a restart): one the workload wrote after the
         // load began, not cleaned up since and still held (not expired), is not what
         // the fill expects.

@@ -294,6 +294,25 @@ pub fn kind_of(name: &str) -> Option<Kind> {
     generation_ok.then_some(kind)
 }
 
+/// The name of `kind` beside `name`, a name of a key's data ([`kind_of`]): the same key,
+/// in the same generation (`{…}:l@3` gives the entry `{…}:e@3`). None for a name that is
+/// not a key's, or a generation for a kind it does not change.
+pub fn beside(name: &str, kind: Kind) -> Option<String> {
+    kind_of(name)?;
+    let (head, last) = name.rsplit_once(':')?;
+    // After the kind's letter (ASCII): nothing, or the generation's `@<g>`.
+    let generation = last.get(1..)?;
+    if !generation.is_empty() && !matches!(kind, Kind::Entry | Kind::FlightLock) {
+        return None;
+    }
+    let mut to = String::with_capacity(name.len());
+    to.push_str(head);
+    to.push(':');
+    to.push(kind.letter());
+    to.push_str(generation);
+    Some(to)
+}
+
 /// The generation counter of `prefix` (clear): `{<n>:<prefix>}:g`.
 pub fn generation(prefix: &str) -> String {
     format!("{}:g", tag(prefix, ""))
@@ -411,7 +430,22 @@ mod tests {
             "", "e", "x:e", "{a}:e@", "{a}:e@1x", "{a}:k@1", "{a}:q@1", "{a}:w@1", "{a}:z",
         ] {
             assert_eq!(kind_of(foreign), None, "{foreign}");
+            assert_eq!(beside(foreign, Kind::Entry), None, "{foreign}");
         }
+    }
+
+    #[test]
+    fn a_name_beside_another_is_the_same_keys_in_the_same_generation() {
+        let limits = Limits::default();
+        for generation in [0, 3] {
+            let n = locate_in("corral:", "user:42", generation, &limits).unwrap();
+            assert_eq!(beside(&n.flight_lock, Kind::Entry), Some(n.entry.clone()));
+            assert_eq!(beside(&n.entry, Kind::FlightLock), Some(n.flight_lock.clone()));
+        }
+        let n = locate("corral:", "user:42", &limits).unwrap();
+        assert_eq!(beside(&n.entry, Kind::Lock), Some(n.lock));
+        let later = locate_in("corral:", "user:42", 3, &limits).unwrap();
+        assert_eq!(beside(&later.entry, Kind::Lock), None, "a lock has no generation");
     }
     use proptest::prelude::*;
 
