@@ -90,10 +90,21 @@ pub async fn run(request: Request<'_>) -> Result<ExitCode, Failure> {
         )
         .hint("e.g. `corral lock --key nightly --redis redis://127.0.0.1:6379 -- ./nightly.sh`"));
     }
+    let locks = connect(&request)?;
+    // Said before the wait for what the locks still owe.
+    let code = hold(&locks, &request)
+        .await
+        .unwrap_or_else(|failure| failure.report());
+    pay_what_is_owed(&locks).await;
+    Ok(code)
+}
+
+/// Takes the lock, runs the command under it, and releases it.
+async fn hold(locks: &RedisLocks, request: &Request<'_>) -> Result<ExitCode, Failure> {
     let mut signals = Signals::listen()
         .map_err(|e| Failure::new(code::GENERIC, format!("could not catch signals: {e}")))?;
     tracing::info!(key = request.key, wait = %humantime::format_duration(request.wait), "taking the lock");
-    let acquiring = acquire(&request);
+    let acquiring = acquire(locks, request);
     tokio::pin!(acquiring);
     let lease = tokio::select! {
         acquired = &mut acquiring => acquired?,
@@ -108,9 +119,21 @@ pub async fn run(request: Request<'_>) -> Result<ExitCode, Failure> {
         fencing_token = lease.fencing_token(),
         "holding the lock"
     );
-    let outcome = supervise(&lease, &request, &mut signals).await;
+    let outcome = supervise(&lease, request, &mut signals).await;
     release(lease).await;
     outcome
+}
+
+/// Lets what the locks still owe Redis end before `corral` exits, within
+/// [`RELEASE_TIMEOUT`]: the release of an attempt whose reply was lost (the lock may be
+/// held there by nobody), a fair waiter's place in the queue. A process that exits
+/// first leaves such a lock held until its TTL.
+async fn pay_what_is_owed(locks: &RedisLocks) {
+    if locks.close(RELEASE_TIMEOUT).await.is_err() {
+        say!(
+            "corral lock: warning: releases owed to Redis did not finish within {RELEASE_TIMEOUT:?}; what they would free expires with its TTL"
+        );
+    }
 }
 
 /// Lets an acquire interrupted by a signal finish its attempt in flight (if it is
@@ -122,16 +145,20 @@ async fn settle(acquiring: impl Future<Output = Result<Lease, Failure>>) {
     }
 }
 
-/// Takes the lease, or says why not.
-async fn acquire(request: &Request<'_>) -> Result<Lease, Failure> {
+/// The locks on the request's servers.
+fn connect(request: &Request<'_>) -> Result<RedisLocks, Failure> {
     let urls: Vec<&str> = request.urls.iter().map(RedisUrl::expose).collect();
     let nodes: Vec<&str> = request.cluster.iter().map(RedisUrl::expose).collect();
-    let locks = if nodes.is_empty() {
+    if nodes.is_empty() {
         RedisLocks::connect_with(&urls, request.prefix, corral::SystemClock)
     } else {
         RedisLocks::connect_cluster(&nodes, request.prefix)
     }
-    .map_err(|e| Failure::from_error(&e, single(request.named())))?;
+    .map_err(|e| Failure::from_error(&e, single(request.named())))
+}
+
+/// Takes the lease, or says why not.
+async fn acquire(locks: &RedisLocks, request: &Request<'_>) -> Result<Lease, Failure> {
     match locks.acquire(request.key, request.options()).await {
         Ok(lease) => Ok(lease),
         Err(e) => Err(not_acquired(&e, request).await),

@@ -217,12 +217,12 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
             lock::run(request).await
         }
         Command::Demo => demo::run().await.map(|()| ExitCode::SUCCESS),
-        _ => run_cache(&cli).await.map(|()| ExitCode::SUCCESS),
+        _ => run_cache(&cli).await,
     }
 }
 
 /// The commands that work on a cache: the embedded one, or one on `--redis`.
-async fn run_cache(cli: &Cli) -> Result<(), Failure> {
+async fn run_cache(cli: &Cli) -> Result<ExitCode, Failure> {
     let standalone = if cli.redis_cluster.is_empty() {
         cli.redis.as_slice()
     } else {
@@ -258,8 +258,33 @@ async fn run_cache(cli: &Cli) -> Result<(), Failure> {
     // A cluster's failures name its first seed node.
     let redis = redis.or(cli.redis_cluster.first());
     let cache = builder.build().map_err(|e| Failure::from_error(&e, redis))?;
+    // Said before the wait for what the command left owed.
+    let code = match run_on(&cache, cli, redis).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => failure.report(),
+    };
+    close(&cache).await;
+    Ok(code)
+}
+
+/// How long what a cache command leaves owed to the store (an announcement or a removal
+/// retried, a lock release) may take before `corral` exits anyway.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Lets what the command left under way end before `corral` exits (see
+/// [`Corral::close`]).
+async fn close(cache: &Corral) {
+    if cache.close(CLOSE_TIMEOUT).await.is_err() {
+        say!(
+            "corral: warning: a change owed to the store (a removal, an announcement or a release, retried) was not made within {CLOSE_TIMEOUT:?}; what it would have changed stays until its TTL"
+        );
+    }
+}
+
+/// Runs a cache command on `cache`, which is on `redis` (`None`: the embedded store).
+async fn run_on(cache: &Corral, cli: &Cli, redis: Option<&RedisUrl>) -> Result<(), Failure> {
     match &cli.command {
-        Command::Script => script::run(&cache, redis).await,
+        Command::Script => script::run(cache, redis).await,
         Command::Stampede {
             callers,
             loader_ms,
@@ -282,8 +307,8 @@ async fn run_cache(cli: &Cli) -> Result<(), Failure> {
                 json: *json,
                 wait_for_go: *wait_for_go,
             };
-            stampede::command(&cache, request).await
+            stampede::command(cache, request).await
         }
-        command => entry::run(&cache, command, redis).await,
+        command => entry::run(cache, command, redis).await,
     }
 }

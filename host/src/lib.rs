@@ -45,6 +45,7 @@ mod gather;
 pub mod guest;
 pub mod locks;
 mod options;
+mod owed;
 pub mod portable;
 pub mod store;
 mod throttle;

@@ -4,7 +4,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::process::Stdio;
 
-use crate::support::{closed_port, corral, run, run_command, text};
+use crate::support::{Running, closed_port, corral, redis_server, run, run_command, text};
 
 #[test]
 fn demo_runs_on_the_embedded_default() {
@@ -57,6 +57,28 @@ fn an_unreachable_redis_names_the_cause_says_what_to_do_and_exits_69() {
     );
     assert!(stderr.contains("hint: nothing listens at"), "{stderr}");
     assert!(stderr.contains("redis-server"), "{stderr}");
+}
+
+/// A `remove` Redis did not answer fails (69), and `corral` retries the removal until
+/// Redis answers, within its bound, before it exits: the old value does not outlive it.
+#[test]
+fn a_removal_redis_did_not_answer_is_retried_before_corral_exits() {
+    let server = redis_server();
+    let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
+    let stored = run(&["--redis", &server.url(), "set", "k", "old"], None);
+    assert!(stored.status.success(), "{}", text(&stored.stderr));
+    proxy.refuse(true);
+    let mut removing = Running::spawn(&["--redis", &proxy.url(), "remove", "k"]);
+    removing.wait_for_stderr("cannot use Redis");
+    proxy.heal();
+    let out = removing.finish();
+    assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
+    let read = run(&["--redis", &server.url(), "get", "k"], None);
+    assert_eq!(
+        text(&read.stdout).trim(),
+        "(no entry)",
+        "the old value outlived corral"
+    );
 }
 
 #[test]

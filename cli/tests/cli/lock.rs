@@ -300,6 +300,36 @@ fn exited(pid: Pid) -> bool {
     }
 }
 
+/// The release at the end finds Redis out of reach (its connections reset, new ones
+/// refused): `corral` retries it until Redis answers, within its bound, and only then
+/// exits, so the next run finds the lock free instead of waiting out its TTL.
+#[test]
+fn a_release_redis_did_not_answer_is_retried_before_corral_exits() {
+    let server = redis_server();
+    let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    let go = dir.path("pid.go");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&go)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success(), "mkfifo {go:?}");
+    // The command says it runs, then waits for a line on the fifo.
+    let script = r#"echo $$ > "$1"; read line < "$1.go""#;
+    let mut corral = lock_in_background(&proxy.url(), "owed", &["--ttl", "30s"], script, &marker);
+    pid_in(&marker);
+    proxy.refuse(true);
+    assert!(proxy.reset_all() >= 1, "corral's connections");
+    // Opening the fifo waits for the command to read it.
+    std::fs::write(&go, "go\n").expect("the command reads the fifo");
+    corral.wait_for_stderr("could not confirm the release");
+    proxy.heal();
+    let out = corral.finish();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_lock_free(&server.url(), "owed");
+}
+
 #[test]
 fn a_command_that_is_not_found_exits_127_and_releases_the_lock() {
     let server = redis_server();

@@ -73,8 +73,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(url) = &args.redis {
         builder = builder.redis(url);
     }
+    let cache = builder.build()?;
     let app = App {
-        cache: builder.build()?,
+        cache: cache.clone(),
         db: Arc::new(Database::open(args.data)?),
     };
     let router = Router::new()
@@ -93,6 +94,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
+    // No request is under way any more: let what they left (a load completing in the
+    // background, a removal or an announcement retried) end before the process does.
+    cache.close(Duration::from_secs(5)).await?;
     Ok(())
 }
 

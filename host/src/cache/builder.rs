@@ -381,6 +381,7 @@ impl CorralBuilder {
             .entries
             .gathers()
             .then(|| super::gathered::Gets::new(settings.l1_capacity, removal_ttl_ms));
+        let owed = crate::owed::Owed::default();
         Ok(Corral {
             inner: Arc::new(Inner {
                 policy,
@@ -395,9 +396,10 @@ impl CorralBuilder {
                 decoded: super::typed::Decoded::new(settings.l1_capacity, settings.l1_ttl_ms),
                 retry: crate::guest::policy::retry(&settings),
                 cas_tries: settings.cas_tries,
-                registry: Registry::default(),
-                refreshes: Registry::default(),
+                registry: Registry::counted(&owed),
+                refreshes: Registry::counted(&owed),
                 background: Default::default(),
+                owed,
                 metrics,
                 locks,
                 tags,

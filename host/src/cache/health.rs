@@ -1,7 +1,8 @@
-//! Readiness: what a service puts behind `/ready`, and a build that fails fast when the
-//! store does not answer.
+//! Readiness and shutdown: what a service puts behind `/ready`, a build that fails fast
+//! when the store does not answer, and a close that lets what is under way end.
 
 use std::fmt;
+use std::time::Duration;
 
 use super::{Corral, CorralBuilder};
 use crate::{Error, ErrorKind, Result};
@@ -87,6 +88,41 @@ impl Corral {
             subscribed,
             breaker_open,
         }
+    }
+
+    /// Lets what this cache has under way end, for at most `within`: a graceful
+    /// shutdown. It waits for flights (their loads, fills, lock releases and
+    /// announcements; those that go on without their caller, `fetch`'s and eager
+    /// refreshes, included), announcements and removals retried in the background, a
+    /// read's write-back, and what the cache's [Redis leases](crate::locks::Locks::redis)
+    /// owe ([`RedisLocks::close`](crate::locks::RedisLocks::close)). A process that
+    /// exits without it drops that work: a removal or a change another process never
+    /// hears of until its L1 TTL, a lock nobody holds until its TTL.
+    ///
+    /// A service stops taking requests, closes its cache, then exits. Calls made while
+    /// `close` waits are served as usual, and it waits for them too; the cache stays
+    /// usable afterwards. Leases still held are their holders': release them first.
+    ///
+    /// ```no_run
+    /// # async fn demo(cache: corral::Corral) {
+    /// // ... the server has stopped taking requests ...
+    /// if let Err(e) = cache.close(std::time::Duration::from_secs(5)).await {
+    ///     eprintln!("{e}");
+    /// }
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ErrorKind::Timeout`] when something was still under way at `within`, saying
+    /// how much.
+    pub async fn close(&self, within: Duration) -> Result<()> {
+        let started = tokio::time::Instant::now();
+        let mut left = self.inner.owed.settle(within).await;
+        #[cfg(feature = "redis")]
+        if let Some(locks) = self.inner.locks.redis() {
+            left += locks.settle(within.saturating_sub(started.elapsed())).await;
+        }
+        crate::owed::closed("the cache", left, within)
     }
 }
 

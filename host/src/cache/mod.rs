@@ -87,6 +87,9 @@ pub(crate) struct Inner {
     pub(crate) refreshes: Registry<registry::Outcome>,
     /// Flights running in tasks of their own (`fetch`, refreshes), to their very end.
     pub(crate) background: Arc<std::sync::atomic::AtomicUsize>,
+    /// Flights leading and work owed in the background, until they end
+    /// ([`close`](Corral::close) waits for them).
+    pub(crate) owed: crate::owed::Owed,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) locks: crate::locks::Locks,
     /// The tag moments and the generation this process knows (contract §6b.5).
@@ -323,6 +326,7 @@ impl Corral {
     fn announce_in_background(&self, key: &str) {
         let inner = &*self.inner;
         inner.retry.announce_in_background(
+            &inner.owed,
             inner.stores.notifications.clone(),
             key,
             inner.flight.store_timeout,
@@ -340,7 +344,7 @@ impl Corral {
         let give_up_after = Duration::from_millis(self.inner.l1_ttl_ms);
         self.inner
             .retry
-            .in_background(give_up_after, key, at_once, gave_up, attempt);
+            .in_background(&self.inner.owed, give_up_after, key, at_once, gave_up, attempt);
     }
 
     /// A removal's tombstone and its TTL: unique (a random nonce), so a load fenced on

@@ -142,13 +142,19 @@ impl Corral {
     /// is always put right while the store answers.
     async fn owe(&self, name: &str, stored: Bytes, bytes: Bytes, ttl_ms: u64) -> Result<()> {
         let (cache, name) = (self.clone(), name.to_owned());
-        let fix = tokio::spawn(async move {
+        let fix = self.inner.owed.spawn(async move {
             let entries = &cache.inner.stores.entries;
             cache
                 .l2_op(entries.replace_if_equal(&name, stored, bytes, ttl_ms))
                 .await
                 .map(drop)
         });
+        let Some(fix) = fix else {
+            return Err(crate::Error::guest(
+                "a read's write-back",
+                "no Tokio runtime to run it on",
+            ));
+        };
         fix.await
             .map_err(|e| crate::Error::guest("a read's write-back task failed", e))?
     }

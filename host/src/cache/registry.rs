@@ -26,6 +26,7 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use crate::Error;
+use crate::owed::{Owed, Pending};
 use crate::store::l1::Ticket;
 
 /// What the native body's followers get.
@@ -59,24 +60,35 @@ struct Flights<T> {
 /// The flights of one cache, by key. Cheap to clone; clones share the map.
 pub(crate) struct Registry<T> {
     flights: Arc<Mutex<Flights<T>>>,
+    /// Counts each flight while it leads (see [`Corral::close`](crate::Corral::close)).
+    owed: Owed,
 }
 
 impl<T> Clone for Registry<T> {
     fn clone(&self) -> Self {
         Registry {
             flights: self.flights.clone(),
+            owed: self.owed.clone(),
         }
     }
 }
 
 impl<T> Default for Registry<T> {
     fn default() -> Self {
+        Registry::counted(&Owed::default())
+    }
+}
+
+impl<T> Registry<T> {
+    /// An empty registry whose flights count in `owed` while they lead.
+    pub(crate) fn counted(owed: &Owed) -> Self {
         Registry {
             flights: Arc::new(Mutex::new(Flights {
                 by_key: HashMap::new(),
                 sealed: HashMap::new(),
                 next_id: 0,
             })),
+            owed: owed.clone(),
         }
     }
 }
@@ -133,6 +145,7 @@ impl<T: Clone> Registry<T> {
             key: key.to_owned(),
             id,
             done: false,
+            _leading: self.owed.hold(),
         })
     }
 
@@ -184,6 +197,7 @@ pub(crate) struct LeaderGuard<T> {
     /// its id matches).
     id: u64,
     done: bool,
+    _leading: Pending,
 }
 
 impl<T> fmt::Debug for LeaderGuard<T> {

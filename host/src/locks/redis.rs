@@ -30,6 +30,7 @@ use crate::guest::Policy;
 use crate::guest::policy::defaults;
 use crate::locks::{LeaseServer, LockScript};
 use crate::options::duration_ms;
+use crate::owed::Owed;
 use crate::store::Notifications;
 use crate::store::link::{Connection, Healing};
 use crate::store::pubsub::RedisNotifications;
@@ -159,6 +160,9 @@ struct Inner {
     /// Where releases are announced and waiters wake (the landing channel of the
     /// prefix); `None` for Redlock and custom servers, whose waiters poll.
     landings: Option<Arc<dyn Notifications>>,
+    /// Releases and queue departures running in the background, until they end
+    /// ([`close`](RedisLocks::close) waits for them).
+    owed: Owed,
 }
 
 impl fmt::Debug for RedisLocks {
@@ -332,6 +336,7 @@ impl RedisLocks {
                 prefix: prefix.to_owned(),
                 origin: Instant::now(),
                 landings: None,
+                owed: Owed::default(),
             }),
         }
     }
@@ -518,8 +523,9 @@ impl RedisLocks {
     /// Releases `token` on the servers `which`, owner-checked (raising their counters
     /// to `fence`, "0": not at all), in the background: for an acquire or a release
     /// whose outcome is unknown there. Each server is tried (on the guest's retry
-    /// schedule) until it answers or `until` passes. Without a current Tokio runtime
-    /// nothing runs: the lock then lapses by its TTL.
+    /// schedule) until it answers or `until` passes, counted until then (see
+    /// [`close`](Self::close)). Without a current Tokio runtime nothing runs: the lock
+    /// then lapses by its TTL.
     fn release_in_background(
         &self,
         which: Vec<usize>,
@@ -528,13 +534,10 @@ impl RedisLocks {
         fence: String,
         until: Instant,
     ) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            tracing::debug!(key = %keys[0], "no runtime: a lock of unknown state is left to its TTL");
-            return;
-        };
         let locks = self.clone();
         let announcement = self.announcement(&keys[0]);
-        runtime.spawn(async move {
+        let name = keys[0].clone();
+        let spawned = self.inner.owed.spawn(async move {
             let args = release_args(&token, &fence, &announcement);
             let mut pending = which;
             let mut attempt = 0;
@@ -561,6 +564,30 @@ impl RedisLocks {
                 tokio::time::sleep_until(locks.instant(at)).await;
             }
         });
+        if spawned.is_none() {
+            tracing::debug!(key = %name, "no runtime: a lock of unknown state is left to its TTL");
+        }
+    }
+
+    /// Lets what these locks do in the background end, for at most `within`: releases
+    /// of dropped leases and of attempts whose outcome is unknown (a lost reply, an
+    /// acquire its caller gave up on), and fair waiters leaving their queue. A process
+    /// about to exit calls it last: a task still running when the process exits never
+    /// ends, and a lock it owed a release stays held, by nobody, until its TTL. Clones
+    /// share what they wait for; leases still held are their holders' (release them
+    /// first).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Timeout`] when something was still under way at `within`, saying
+    /// how much.
+    pub async fn close(&self, within: Duration) -> Result<()> {
+        crate::owed::closed("the locks", self.settle(within).await, within)
+    }
+
+    /// Waits for what these locks do in the background, for at most `within`; how much
+    /// was still under way then.
+    pub(crate) async fn settle(&self, within: Duration) -> usize {
+        self.inner.owed.settle(within).await
     }
 
     /// One attempt: the lease, or `Ok(None)` when another owner holds the lock.
@@ -895,9 +922,8 @@ impl Drop for Place<'_> {
             self.key.to_owned(),
             std::mem::take(&mut self.waiter),
         );
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { locks.leave(&key, &waiter).await });
-        }
+        let owed = locks.inner.owed.clone();
+        owed.spawn(async move { locks.leave(&key, &waiter).await });
     }
 }
 
@@ -1094,13 +1120,12 @@ impl Drop for Lease {
             return;
         }
         let shared = self.shared.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Err(e) = release(&shared).await {
-                    tracing::debug!(key = %shared.key, error = %e, "background release of a dropped lease");
-                }
-            });
-        }
+        let owed = shared.locks.inner.owed.clone();
+        owed.spawn(async move {
+            if let Err(e) = release(&shared).await {
+                tracing::debug!(key = %shared.key, error = %e, "background release of a dropped lease");
+            }
+        });
     }
 }
 
@@ -1138,10 +1163,11 @@ async fn release(shared: &LeaseShared) -> Result<()> {
     shared.lost.send_replace(true);
     let n = locks.inner.servers.len() as u32;
     let policy = &locks.inner.policy;
-    // A server that did not answer may still hold the lock (or run a pending acquire or
-    // extend of it): it is released there in the background.
+    // A server that did not answer (whether or not the release reached it) may still
+    // hold the lock, or run a pending acquire or extend of it: it is released there in
+    // the background, until the lock would have lapsed.
     let unknown: Vec<usize> = (0..replies.len())
-        .filter(|&i| matches!(replies[i], Reply::Down { maybe_ran: true, .. }))
+        .filter(|&i| matches!(replies[i], Reply::Down { .. }))
         .collect();
     if !unknown.is_empty() {
         let window = Duration::from_millis(policy.lock_orphan_window_ms(shared.ttl_ms)?);

@@ -51,6 +51,8 @@ pub(crate) struct Backend {
     /// The `lock` export's table: a [`MemoryLocks`](crate::locks::MemoryLocks), whose
     /// own sweeper removes expired entries in the background (contract §6.2).
     pub(crate) table: crate::locks::MemoryLocks,
+    /// Announcements retried in the background, until they end.
+    pub(crate) owed: crate::owed::Owed,
 }
 
 /// The schedule and bounds of change announcements retried in the background.
@@ -481,6 +483,7 @@ impl l2::Host for &mut PortableState {
             };
             if !publish().await {
                 a.retry.in_background(
+                    &b.owed,
                     a.give_up_after,
                     "",
                     false,
@@ -505,6 +508,7 @@ impl l2::Host for &mut PortableState {
             let published = tokio::time::timeout(a.bound, b.stores.notifications.announce(&key)).await;
             if !matches!(published, Ok(Ok(()))) {
                 a.retry.announce_in_background(
+                    &b.owed,
                     b.stores.notifications.clone(),
                     &key,
                     a.bound,

@@ -308,6 +308,7 @@ impl PortableBuilder {
         stores
             .notifications
             .on_invalidation(imports::tag_invalidation(l1.clone()));
+        let owed = crate::owed::Owed::default();
         let cache = PortableCache {
             inner: Arc::new(PortableInner {
                 lockstep: self.lockstep,
@@ -323,8 +324,9 @@ impl PortableBuilder {
                         give_up_after: Duration::from_millis(settings.l1_ttl_ms),
                     },
                     stores,
-                    registry: Default::default(),
+                    registry: crate::cache::registry::Registry::counted(&owed),
                     table,
+                    owed,
                 }),
                 settings,
                 prefix,

@@ -375,9 +375,11 @@ impl Retry {
     /// the caller has just tried: `at_once` false), then after the first wait, doubling
     /// up to the longest, for up to `give_up_after` (a cache's L1 TTL), after which it
     /// warns with `gave_up`. The one schedule of every change either body retries in
-    /// the background. Outside a Tokio runtime, nothing is retried.
+    /// the background, counted in `owed` while it runs. Outside a Tokio runtime,
+    /// nothing is retried.
     pub(crate) fn in_background<A, F>(
         self,
+        owed: &crate::owed::Owed,
         give_up_after: std::time::Duration,
         key: &str,
         at_once: bool,
@@ -387,11 +389,8 @@ impl Retry {
         A: FnMut() -> F + Send + 'static,
         F: std::future::Future<Output = bool> + Send + 'static,
     {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let key = key.to_owned();
-        runtime.spawn(async move {
+        owed.spawn(async move {
             let started = tokio::time::Instant::now();
             let mut backoff = self.first;
             let mut wait = !at_once;
@@ -418,6 +417,7 @@ impl Retry {
     /// tried once.
     pub(crate) fn announce_in_background(
         self,
+        owed: &crate::owed::Owed,
         notifications: Arc<dyn Notifications>,
         key: &str,
         bound: std::time::Duration,
@@ -425,6 +425,7 @@ impl Retry {
     ) {
         let owned = key.to_owned();
         self.in_background(
+            owed,
             give_up_after,
             key,
             true,

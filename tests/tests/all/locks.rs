@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use corral::locks::{LockOptions, MemoryLocks, RedisLocks};
 use corral::{ErrorKind, ManualClock};
-use corral_tests::{RedisServer, corral_bin, real_time};
+use corral_tests::{FaultProxy, RedisServer, corral_bin, real_time};
 use tokio::io::AsyncBufReadExt;
 
 const MS: Duration = Duration::from_millis(1);
@@ -612,6 +612,42 @@ async fn an_acquire_whose_reply_times_out_leaves_no_lock_behind() -> Result<()> 
     assert!(gone, "the lock key is left held by a token nobody has");
     let lease = locks.try_acquire("orphan", options).await?;
     assert!(lease.is_some(), "the lock is free again");
+    Ok(())
+}
+
+/// A release Redis did not answer (its connection reset, new ones refused) leaves the
+/// lock held there: it is retried in the background until the lock would have lapsed,
+/// and `close`, what a process calls before it exits, returns once it went through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_redis_did_not_answer_is_retried_and_close_waits_for_it() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let proxy = FaultProxy::start(server.addr())?;
+    let locks = RedisLocks::connect(&[proxy.url()])?;
+    let lease = locks
+        .acquire("owed", LockOptions::new().ttl(Duration::from_secs(30)))
+        .await?;
+    proxy.refuse(true);
+    ensure!(proxy.reset_all() >= 1, "the lock's connection");
+    let e = lease.release().await.expect_err("Redis was out of reach");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    ensure!(
+        holder(&server, &locks, "owed").await?.is_some(),
+        "the lock is still held in Redis"
+    );
+    let closing = tokio::spawn({
+        let locks = locks.clone();
+        async move { locks.close(Duration::from_secs(10)).await }
+    });
+    proxy.heal();
+    closing.await??;
+    assert_eq!(
+        holder(&server, &locks, "owed").await?,
+        None,
+        "close returned with the lock still held, its release never retried"
+    );
+    // Nothing owed: at once.
+    locks.close(Duration::ZERO).await?;
     Ok(())
 }
 

@@ -1,11 +1,12 @@
-//! Readiness: `Corral::health` and the fail-fast `build_ready`, against real
-//! redis-server processes (live, frozen, with a password, absent).
+//! Readiness and shutdown: `Corral::health`, the fail-fast `build_ready` and `close`,
+//! against real redis-server processes (live, frozen, with a password, absent, out of
+//! reach behind a fault proxy).
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
-use corral::{Corral, ErrorKind, RedisOptions};
-use corral_tests::RedisServer;
+use anyhow::{Result, ensure};
+use corral::{Corral, EntryOptions, ErrorKind, LoadOptions, RedisOptions};
+use corral_tests::{FaultProxy, RedisServer};
 
 fn short(url: String) -> RedisOptions {
     let mut options = RedisOptions::new(url);
@@ -108,5 +109,74 @@ async fn an_unreachable_redis_fails_build_ready() -> Result<()> {
 async fn the_memory_default_is_ready() -> Result<()> {
     let cache = Corral::builder().build_ready().await?;
     assert!(cache.health().await.is_ready());
+    Ok(())
+}
+
+/// A load its caller gave up on (a hard timeout, completed in the background) is waited
+/// for by `close`, and fills before it returns; a close whose bound passes first says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_waits_for_a_load_its_caller_left_and_a_short_bound_says_what_was_left() -> Result<()> {
+    let server = RedisServer::start()?;
+    let cache = Corral::builder()
+        .redis_options(short(server.url()))
+        .build_ready()
+        .await?;
+    let (go, gate) = tokio::sync::oneshot::channel::<()>();
+    let options = LoadOptions::relative(Duration::from_secs(60))
+        .hard_timeout(Duration::from_millis(100))
+        .background_completion(true);
+    let e = cache
+        .fetch("k", options, || async move {
+            let _ = gate.await;
+            Ok::<_, std::convert::Infallible>("loaded")
+        })
+        .await
+        .expect_err("the loader waits past the hard timeout");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    let e = cache
+        .close(Duration::from_millis(50))
+        .await
+        .expect_err("the load is still under way");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(e.to_string().contains("still under way after 50ms"), "{e}");
+    let closing = tokio::spawn({
+        let cache = cache.clone();
+        async move { cache.close(Duration::from_secs(10)).await }
+    });
+    go.send(()).expect("the loader waits");
+    closing.await??;
+    let other = Corral::builder().redis_options(short(server.url())).build()?;
+    assert_eq!(
+        other.get("k").await?.as_deref(),
+        Some(&b"loaded"[..]),
+        "the load filled L2 before close returned"
+    );
+    Ok(())
+}
+
+/// A removal whose write Redis did not answer is retried in the background; `close`
+/// returns once it went through, so a process that exits right after a failed `remove`
+/// leaves no old value behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_waits_for_a_removal_retried_in_the_background() -> Result<()> {
+    let server = RedisServer::start()?;
+    let proxy = FaultProxy::start(server.addr())?;
+    let cache = Corral::builder()
+        .redis_options(short(proxy.url()))
+        .build_ready()
+        .await?;
+    cache.set("k", "old", EntryOptions::new()).await?;
+    proxy.refuse(true);
+    ensure!(proxy.reset_all() >= 1, "the cache's connections");
+    let e = cache.remove("k").await.expect_err("Redis was out of reach");
+    assert!(e.is_retryable(), "{e}");
+    let closing = tokio::spawn({
+        let cache = cache.clone();
+        async move { cache.close(Duration::from_secs(10)).await }
+    });
+    proxy.heal();
+    closing.await??;
+    let other = Corral::builder().redis_options(short(server.url())).build()?;
+    assert_eq!(other.get("k").await?, None, "the old value outlived close");
     Ok(())
 }

@@ -87,12 +87,9 @@ impl<'a> HeldFlight<'a> {
         let Some(owner) = self.owner.take() else {
             return;
         };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let stores = self.cache.inner.stores.clone();
         let (key, name) = (self.key.to_owned(), self.lock_name.to_owned());
-        runtime.spawn(async move {
+        self.cache.inner.owed.spawn(async move {
             match stores.flight_lock.release(&name, &owner).await {
                 Ok(_) => {
                     let _ = stores.notifications.announce(&key).await;

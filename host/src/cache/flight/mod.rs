@@ -224,7 +224,7 @@ impl Corral {
                 let (tx, rx) = oneshot::channel();
                 let (cache, key, span) = (self.clone(), key.to_owned(), self.flight_span(key));
                 let running = Running::start(&self.inner.background);
-                tokio::spawn(async move {
+                self.inner.owed.spawn(async move {
                     let _running = running;
                     let mut followers = Some(guard);
                     let mut answer = Some(tx);
@@ -306,14 +306,11 @@ impl Corral {
                 Join::Follower(_) => return,
             },
         };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
         let mut options = options.clone();
         options.refresh = true;
         let (cache, key, span) = (self.clone(), key.to_owned(), self.flight_span(key));
         let running = Running::start(&self.inner.background);
-        runtime.spawn(async move {
+        self.inner.owed.spawn(async move {
             let _running = running;
             let mut followers = Some(guard);
             let led = cache
