@@ -1,7 +1,7 @@
 //! The cache policy: the decisions a body asks for, one call per operation.
 //!
-//! These compose [`key`](crate::key), [`expiry`](crate::expiry) and
-//! [`envelope`](crate::envelope) into the shape the WIT `policy` interface exports, so
+//! These compose [`key`], [`expiry`] and
+//! [`envelope`] into the shape the WIT `policy` interface exports, so
 //! that a host crosses the wasm boundary once per store operation.
 
 use crate::envelope::{self, Header, Keeper, Tagged};
@@ -269,7 +269,7 @@ pub fn removal(lock_ttl_ms: u64, nonce: &[u8]) -> (Vec<u8>, u64) {
     )
 }
 
-/// Reads stored bytes (`head` being at least their first [`HEADER_LEN`] bytes, or all of
+/// Reads stored bytes (`head` being at least their first [`HEADER_LEN`](crate::envelope::HEADER_LEN) bytes, or all of
 /// them) at `now_ms`, applying the sliding touch of a read. `slid_ms` is the TTL the
 /// read itself set, when it was a [`NextRead::Expiring`] read.
 pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: Option<u64>) -> ReadOutcome {

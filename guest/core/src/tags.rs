@@ -4,7 +4,7 @@
 //! **Tags.** An entry may be written with tags (at most [`MAX_TAGS`], each 1 to
 //! [`MAX_TAG_BYTES`] bytes of UTF-8); it then carries its tags and the moment it was
 //! written ([`Tagged`], envelope version 4). Each tag has one small store key
-//! ([`crate::names::tag`]) holding two moments ([`TagMoments`], Unix ms by the cache's
+//! ([`crate::names::tag_name`]) holding two moments ([`TagMoments`], Unix ms by the cache's
 //! clock): the last `remove_by_tag` and the last `expire_by_tag`. Readers compare:
 //!
 //! - written **at or before** the tag's removal moment: a miss, as if removed;

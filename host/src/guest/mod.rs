@@ -1,9 +1,9 @@
 //! The brain, loaded: the guest component compiled once per process, a pool of
 //! instances, and the synchronous calls into its pure `policy` and `flight` exports.
 //!
-//! - [`engine`]: the wasmtime engine, the component, epoch deadlines, instantiation.
-//! - [`policy`]: [`Policy`], the handle every body asks for decisions.
-//! - [`convert`]: between the public types and the WIT types.
+//! - `engine`: the wasmtime engine, the component, epoch deadlines, instantiation.
+//! - `policy`: [`Policy`], the handle every body asks for decisions.
+//! - `convert`: between the public types and the WIT types.
 //!
 //! The portable body (the component's own `cache`/`lock` exports) links its imports in
 //! the `portable` module, above this one; this module knows nothing of them.

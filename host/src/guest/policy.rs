@@ -199,7 +199,7 @@ impl Policy {
     /// length limit).
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] naming `key`.
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key`.
     pub fn validate_key(&self, key: &str) -> Result<()> {
         let limits = self.inner.limits;
         self.call(|s| {
@@ -213,7 +213,7 @@ impl Policy {
     /// Checks `meta` at `now_ms`, applying a read's sliding touch.
     ///
     /// # Errors
-    /// [`ErrorKind::Guest`] if the component fails.
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the component fails.
     pub fn check(&self, meta: &EntryMeta, now_ms: u64) -> Result<Freshness> {
         let meta = meta_in(meta);
         let f = self.call(|s| {

@@ -1,11 +1,11 @@
 //! The portable body in wasmtime: the component's own `cache` and `lock` exports, run
-//! against this crate's stores as their imports ([`imports`]). The component runs the
+//! against this crate's stores as their imports (`imports`). The component runs the
 //! same `corral-core` machines the native body drives, with time from `wasi:clocks`,
 //! which this module injects from the cache's [`Clock`]. This path is for portability
 //! (the same `.wasm` runs in jco, or composed into a wasm platform), not speed: each
 //! call takes an instance from a pool and runs on a blocking thread; concurrent calls
 //! run on separate instances and coalesce through the shared flight registry. In
-//! lockstep ([`PortableBuilder::lockstep`], for simulations) a call's thread and its
+//! lockstep (`PortableBuilder::lockstep`, for simulations) a call's thread and its
 //! caller's task take turns, so a seed replays byte for byte.
 
 // Without the `redis` feature some of what serves Redis stores goes unused.
@@ -270,8 +270,8 @@ impl PortableBuilder {
     /// Instantiates the component with its imports; call inside a Tokio runtime.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] outside a runtime or for bad settings;
-    /// [`ErrorKind::Guest`] if the component cannot be loaded.
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) outside a runtime or for bad settings;
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the component cannot be loaded.
     pub fn build(self) -> Result<PortableCache> {
         crate::require_runtime("the portable cache")?;
         let mut settings = self.overrides.settings_over(
@@ -671,7 +671,7 @@ impl PortableCache {
     /// `should_cache` judges it.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] for a bad key or options; [`ErrorKind::Loader`]
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key or options; [`ErrorKind::Loader`](crate::ErrorKind::Loader)
     /// with the loader's text when it failed.
     pub async fn get_or_set(
         &self,
@@ -688,7 +688,7 @@ impl PortableCache {
     /// As [`get_or_set`](Self::get_or_set), a loaded entry carrying `tags`.
     ///
     /// # Errors
-    /// As [`get_or_set`](Self::get_or_set), and [`ErrorKind::InvalidArgument`] naming `tags`.
+    /// As [`get_or_set`](Self::get_or_set), and [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `tags`.
     pub async fn get_or_set_tagged(
         &self,
         key: &str,
@@ -744,7 +744,7 @@ impl PortableCache {
     /// The in-memory lock provider, in the component: takes `key` for `owner`.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] naming `key` or `ttl`.
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key` or `ttl`.
     pub async fn try_lock(&self, key: &str, owner: &str, ttl: Duration) -> Result<bool> {
         let (key, owner, ttl_ms) = (key.to_owned(), owner.to_owned(), duration_ms(ttl));
         self.call(move |s| {
@@ -758,7 +758,7 @@ impl PortableCache {
     /// Releases `key` if `owner` holds it.
     ///
     /// # Errors
-    /// [`ErrorKind::Guest`] only.
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
     pub async fn unlock(&self, key: &str, owner: &str) -> Result<bool> {
         let (key, owner) = (key.to_owned(), owner.to_owned());
         self.call(move |s| s.guest.corral_lock_lock().call_unlock(&mut s.store, &key, &owner))
@@ -768,7 +768,7 @@ impl PortableCache {
     /// Whether `owner` holds `key`.
     ///
     /// # Errors
-    /// [`ErrorKind::Guest`] only.
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
     pub async fn is_locked_by(&self, key: &str, owner: &str) -> Result<bool> {
         let (key, owner) = (key.to_owned(), owner.to_owned());
         self.call(move |s| {
@@ -782,7 +782,7 @@ impl PortableCache {
     /// Whether `key`'s lock is expired or was never taken.
     ///
     /// # Errors
-    /// [`ErrorKind::Guest`] only.
+    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
     pub async fn is_lock_expired(&self, key: &str) -> Result<bool> {
         let key = key.to_owned();
         self.call(move |s| {

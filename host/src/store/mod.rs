@@ -9,8 +9,8 @@
 //! - [`Notifications`]: landings: announce that a key changed or a value landed, and
 //!   watch for it (followers wake on it; other processes drop their L1 copy).
 //!
-//! Backends: [`memory`] (the embedded default, one process) and [`redis`]; [`Stores`]
-//! is the one place a cache's three are composed. [`l1`] is the in-process tier.
+//! Backends: [`memory`] (the embedded default, one process) and [`redis`]; `Stores`
+//! is the one place a cache's three are composed. `l1` is the in-process tier.
 
 use std::fmt;
 use std::sync::Arc;

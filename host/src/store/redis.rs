@@ -1,5 +1,5 @@
-//! The Redis store, on one server or a Redis Cluster (through a [`Link`]): entries, the
-//! flight lock, and (in [`super::pubsub`]) the landing channel.
+//! The Redis store, on one server or a Redis Cluster (through a `Link`): entries, the
+//! flight lock, and (in `pubsub`) the landing channel.
 //!
 //! It stores under exactly the names it is given: the guest names every key's data
 //! under the configured prefix (contract §2.4), so applications and tenants sharing one
