@@ -13,11 +13,13 @@
 //!   commands, or too few Redlock servers answering: 69, naming the cause.
 //! - A command that cannot be started: 127 (not found) or 126 (not executable).
 //!
-//! Whatever happens once the lock is held, its release (owner-checked, bounded by
-//! [`RELEASE_TIMEOUT`]) runs before `corral` exits.
+//! Whatever happens once the lock is held, its release (owner-checked) runs before
+//! `corral` exits, and so do the releases the locks still owe (an attempt whose reply
+//! was lost, a release Redis did not answer, retried): all of it within
+//! [`RELEASE_TIMEOUT`] of the command's end, or until another signal.
 
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use corral::locks::{Lease, LockOptions, RedisLocks};
 use corral::{Error, ErrorKind};
@@ -90,28 +92,39 @@ pub async fn run(request: Request<'_>) -> Result<ExitCode, Failure> {
         )
         .hint("e.g. `corral lock --key nightly --redis redis://127.0.0.1:6379 -- ./nightly.sh`"));
     }
+    let mut signals = Signals::listen()
+        .map_err(|e| Failure::new(code::GENERIC, format!("could not catch signals: {e}")))?;
     let locks = connect(&request)?;
+    let (outcome, lease) = hold(&locks, &request, &mut signals).await;
+    let until = Instant::now() + RELEASE_TIMEOUT;
+    if let Some(lease) = lease {
+        release(lease, until).await;
+    }
     // Said before the wait for what the locks still owe.
-    let code = hold(&locks, &request)
-        .await
-        .unwrap_or_else(|failure| failure.report());
-    pay_what_is_owed(&locks).await;
+    let code = outcome.unwrap_or_else(|failure| failure.report());
+    pay_what_is_owed(&locks, until, &mut signals).await;
     Ok(code)
 }
 
-/// Takes the lock, runs the command under it, and releases it.
-async fn hold(locks: &RedisLocks, request: &Request<'_>) -> Result<ExitCode, Failure> {
-    let mut signals = Signals::listen()
-        .map_err(|e| Failure::new(code::GENERIC, format!("could not catch signals: {e}")))?;
+/// Takes the lock and runs the command under it: how that ended, and the lease to
+/// release (also one an acquire interrupted by a signal took all the same).
+async fn hold(
+    locks: &RedisLocks,
+    request: &Request<'_>,
+    signals: &mut Signals,
+) -> (Result<ExitCode, Failure>, Option<Lease>) {
     tracing::info!(key = request.key, wait = %humantime::format_duration(request.wait), "taking the lock");
     let acquiring = acquire(locks, request);
     tokio::pin!(acquiring);
     let lease = tokio::select! {
-        acquired = &mut acquiring => acquired?,
+        acquired = &mut acquiring => match acquired {
+            Ok(lease) => lease,
+            Err(failure) => return (Err(failure), None),
+        },
         signal = signals.next() => {
             tracing::info!(%signal, "signal received while taking the lock; the command is not started");
-            settle(acquiring).await;
-            return Ok(ExitCode::from(signals::exit_code(signal)));
+            let lease = settle(acquiring).await;
+            return (Ok(ExitCode::from(signals::exit_code(signal))), lease);
         }
     };
     tracing::info!(
@@ -119,29 +132,35 @@ async fn hold(locks: &RedisLocks, request: &Request<'_>) -> Result<ExitCode, Fai
         fencing_token = lease.fencing_token(),
         "holding the lock"
     );
-    let outcome = supervise(&lease, request, &mut signals).await;
-    release(lease).await;
-    outcome
+    let outcome = supervise(&lease, request, signals).await;
+    (outcome, Some(lease))
 }
 
-/// Lets what the locks still owe Redis end before `corral` exits, within
-/// [`RELEASE_TIMEOUT`]: the release of an attempt whose reply was lost (the lock may be
-/// held there by nobody), a fair waiter's place in the queue. A process that exits
-/// first leaves such a lock held until its TTL.
-async fn pay_what_is_owed(locks: &RedisLocks) {
-    if locks.close(RELEASE_TIMEOUT).await.is_err() {
-        say!(
-            "corral lock: warning: releases owed to Redis did not finish within {RELEASE_TIMEOUT:?}; what they would free expires with its TTL"
-        );
+/// Lets what the locks still owe Redis end before `corral` exits, until `until` or
+/// another signal: the release of an attempt whose reply was lost (the lock may be held
+/// there by nobody), a release Redis did not answer, a fair waiter's place in the
+/// queue. A process that exits first leaves such a lock held until its TTL.
+async fn pay_what_is_owed(locks: &RedisLocks, until: Instant, signals: &mut Signals) {
+    let within = until.saturating_duration_since(Instant::now());
+    tokio::select! {
+        closed = locks.close(within) => if closed.is_err() {
+            say!(
+                "corral lock: warning: releases owed to Redis did not finish within {RELEASE_TIMEOUT:?}; what they would free expires with its TTL"
+            );
+        },
+        signal = signals.next() => {
+            tracing::info!(%signal, "signal received: exiting without waiting for the releases owed to Redis");
+        }
     }
 }
 
 /// Lets an acquire interrupted by a signal finish its attempt in flight (if it is
-/// waiting between attempts it is simply dropped at the bound), and releases what it
-/// took: a signal must not leave a lock behind that lives until its TTL.
-async fn settle(acquiring: impl Future<Output = Result<Lease, Failure>>) {
-    if let Ok(Ok(lease)) = tokio::time::timeout(SETTLE_TIMEOUT, acquiring).await {
-        release(lease).await;
+/// waiting between attempts it is simply dropped at the bound): the lease it took, to
+/// be released, since a signal must not leave a lock behind that lives until its TTL.
+async fn settle(acquiring: impl Future<Output = Result<Lease, Failure>>) -> Option<Lease> {
+    match tokio::time::timeout(SETTLE_TIMEOUT, acquiring).await {
+        Ok(Ok(lease)) => Some(lease),
+        _ => None,
     }
 }
 
@@ -302,16 +321,16 @@ fn cannot_start(program: &str, e: &std::io::Error) -> Failure {
     }
 }
 
-/// Releases the lease, owner-checked, within [`RELEASE_TIMEOUT`]. A lease known lost is
+/// Releases the lease, owner-checked, until `until`. A lease known lost is
 /// released too (if Redis only missed renewals, the lock may still be ours).
-async fn release(lease: Lease) {
+async fn release(lease: Lease, until: Instant) {
     let key = lease.key().to_owned();
     let known_lost = lease.is_lost();
-    match tokio::time::timeout(RELEASE_TIMEOUT, lease.release()).await {
+    match tokio::time::timeout_at(until.into(), lease.release()).await {
         Ok(Ok(())) => tracing::info!(key, "released the lock"),
         Ok(Err(e)) if known_lost => tracing::debug!(key, error = %e, "release of a lost lock"),
         Ok(Err(e)) => say!(
-            "corral lock: warning: could not confirm the release of lock {key:?} ({e}); if it is still held, it expires with its TTL"
+            "corral lock: warning: could not confirm the release of lock {key:?} ({e}); retrying it before exiting (if it is still held then, it expires with its TTL)"
         ),
         Err(_) => say!(
             "corral lock: warning: releasing lock {key:?} took more than {RELEASE_TIMEOUT:?}; if it is still held, it expires with its TTL"

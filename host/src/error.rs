@@ -62,6 +62,8 @@ pub struct Error {
     argument: Option<String>,
     /// A loader that panicked: its flight is handed on, not shared.
     panicked: bool,
+    /// A store call refused before it was sent (an open breaker).
+    unsent: bool,
     /// Shared, not copied, by the callers of one flight.
     source: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
 }
@@ -128,6 +130,7 @@ impl Error {
             message: message.into(),
             argument: None,
             panicked: false,
+            unsent: false,
             source: None,
         }
     }
@@ -214,6 +217,36 @@ impl Error {
     }
 
     /// Whether this is a loader's panic (its flight goes to a follower).
+    /// This error, for a store call refused before it was sent.
+    pub(crate) fn unsent(mut self) -> Self {
+        self.unsent = true;
+        self
+    }
+
+    /// Whether the store certainly never ran the call: refused before it was sent, or
+    /// its connection refused.
+    pub(crate) fn never_sent(&self) -> bool {
+        if self.unsent {
+            return true;
+        }
+        let mut cause = std::error::Error::source(self);
+        while let Some(e) = cause {
+            #[cfg(feature = "redis")]
+            if let Some(e) = e.downcast_ref::<redis::RedisError>()
+                && e.is_connection_refusal()
+            {
+                return true;
+            }
+            if let Some(e) = e.downcast_ref::<std::io::Error>()
+                && e.kind() == std::io::ErrorKind::ConnectionRefused
+            {
+                return true;
+            }
+            cause = e.source();
+        }
+        false
+    }
+
     pub(crate) fn is_panic(&self) -> bool {
         self.panicked
     }

@@ -68,11 +68,14 @@ impl Owed {
         self.0.pending.load(Ordering::SeqCst)
     }
 
-    /// Waits until no work is under way, or `within` has passed (a bound too far to
-    /// represent is none). Returns how much was still under way then (0: everything
-    /// ended).
+    /// Waits until no work is under way, or `within` has passed (at most a century: a
+    /// longer bound is none). Returns how much was still under way then (0: everything
+    /// ended). Needs a Tokio runtime with its timers when work is pending.
     pub(crate) async fn settle(&self, within: Duration) -> usize {
-        let until = tokio::time::Instant::now().checked_add(within);
+        const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+        let until = (within < CENTURY)
+            .then(|| tokio::time::Instant::now().checked_add(within))
+            .flatten();
         let count = &self.0;
         count.settling.fetch_add(1, Ordering::SeqCst);
         let _settling = Leave(&count.settling);
@@ -106,8 +109,8 @@ pub(crate) fn closed(what: &str, left: usize, within: Duration) -> Result<()> {
     Err(Error::new(
         ErrorKind::Timeout,
         format!(
-            "closing {what}: {left} task(s) still under way after {within:?} (they go on while the runtime runs; \
-             what they owe the store ends with its TTL otherwise)"
+            "closing {what}: {left} piece(s) of work (flights, retries, releases) still under way after {within:?} \
+             (they go on while the runtime runs; what they owe the store ends with its TTL otherwise)"
         ),
     ))
 }

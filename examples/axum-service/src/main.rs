@@ -96,7 +96,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     // No request is under way any more: let what they left (a load completing in the
     // background, a removal or an announcement retried) end before the process does.
-    cache.close(Duration::from_secs(5)).await?;
+    if let Err(e) = cache.close(Duration::from_secs(5)).await {
+        tracing::warn!(error = %e, "shutting down with work left");
+    }
     Ok(())
 }
 

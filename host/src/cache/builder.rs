@@ -375,13 +375,13 @@ impl CorralBuilder {
         let tags = Arc::new(super::tags::TagState::new());
         listen(&stores, &l1, &metrics, &tags, &policy, &clock, settings.l1_ttl_ms);
         let flight = FlightSettings::of(&settings, policy.store_budget(settings)?);
-        let locks = locks_over(&stores, &policy, &clock);
+        let owed = crate::owed::Owed::default();
+        let locks = locks_over(&stores, &policy, &clock, &owed);
         let (_, removal_ttl_ms) = policy.removal(settings.lock_ttl_ms, b"")?;
         let gets = stores
             .entries
             .gathers()
             .then(|| super::gathered::Gets::new(settings.l1_capacity, removal_ttl_ms));
-        let owed = crate::owed::Owed::default();
         Ok(Corral {
             inner: Arc::new(Inner {
                 policy,
@@ -454,10 +454,16 @@ impl FlightSettings {
 }
 
 /// The lock APIs of a cache: its own lock table, and leases on its Redis connection
-/// (woken by its announcements) when Redis is the store.
-fn locks_over(stores: &Stores, policy: &Policy, clock: &Arc<dyn crate::Clock>) -> Locks {
+/// (woken by its announcements, their background work counted with the cache's in
+/// `owed`) when Redis is the store.
+fn locks_over(
+    stores: &Stores,
+    policy: &Policy,
+    clock: &Arc<dyn crate::Clock>,
+    owed: &crate::owed::Owed,
+) -> Locks {
     #[cfg(not(feature = "redis"))]
-    let _ = stores;
+    let _ = (stores, owed);
     Locks {
         table: MemoryLocks::from_parts(policy.clone(), clock.clone()),
         #[cfg(feature = "redis")]
@@ -470,6 +476,7 @@ fn locks_over(stores: &Stores, policy: &Policy, clock: &Arc<dyn crate::Clock>) -
                 &store.options().prefix,
             )
             .woken_by(stores.notifications.clone())
+            .owing_to(owed)
         }),
     }
 }

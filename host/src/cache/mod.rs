@@ -286,8 +286,10 @@ impl Corral {
             .l2_write(&entry, &plan.header, &value, plan.store_ttl_ms)
             .await
         {
-            // The write may have landed all the same.
-            self.announce_in_background(key);
+            // The write may have landed all the same, unless it was never sent.
+            if !e.never_sent() {
+                self.announce_in_background(key);
+            }
             return Err(e);
         }
         Metrics::bump(&self.inner.metrics.sets);
@@ -604,7 +606,9 @@ impl Corral {
                         Err(e) => {
                             // The rewrite may have landed: the other processes hear of it.
                             self.inner.l1.remove(key);
-                            self.announce_in_background(key);
+                            if !e.never_sent() {
+                                self.announce_in_background(key);
+                            }
                             return Err(e);
                         }
                     }

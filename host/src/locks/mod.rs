@@ -68,8 +68,9 @@ pub struct Unanswered {
     /// Why, for errors and logs.
     pub cause: String,
     /// Whether the command may have run all the same (a timeout, a lost reply): an
-    /// acquire's or a release's token is then released there again in the background,
-    /// owner-checked. `false` only when it certainly did not (a refused connection).
+    /// acquire's token is then released there in the background, owner-checked.
+    /// `false` only when it certainly did not (a refused connection). A release is
+    /// tried again in the background either way where the lease may hold the lock.
     pub maybe_ran: bool,
 }
 

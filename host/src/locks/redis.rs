@@ -350,6 +350,15 @@ impl RedisLocks {
         self
     }
 
+    /// These locks, counting their background work in `owed` (a cache's, so that its
+    /// [`close`](crate::Corral::close) waits for both at once).
+    pub(crate) fn owing_to(mut self, owed: &Owed) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.owed = owed.clone();
+        }
+        self
+    }
+
     /// One server's lease (`options`, prefix `prefix`) whose waiters wake on releases:
     /// a subscription of its own to the prefix's landing channel.
     fn single(options: &RedisOptions, prefix: &str, policy: Policy) -> Result<Self> {
@@ -574,20 +583,15 @@ impl RedisLocks {
     /// acquire its caller gave up on), and fair waiters leaving their queue. A process
     /// about to exit calls it last: a task still running when the process exits never
     /// ends, and a lock it owed a release stays held, by nobody, until its TTL. Clones
-    /// share what they wait for; leases still held are their holders' (release them
-    /// first).
+    /// share what they wait for, and a cache's leases ([`Locks::redis`](crate::locks::Locks::redis))
+    /// share it with the cache ([`Corral::close`](crate::Corral::close)); leases still
+    /// held are their holders' (release them first).
     ///
     /// # Errors
     /// [`ErrorKind::Timeout`] when something was still under way at `within`, saying
     /// how much.
     pub async fn close(&self, within: Duration) -> Result<()> {
-        crate::owed::closed("the locks", self.settle(within).await, within)
-    }
-
-    /// Waits for what these locks do in the background, for at most `within`; how much
-    /// was still under way then.
-    pub(crate) async fn settle(&self, within: Duration) -> usize {
-        self.inner.owed.settle(within).await
+        crate::owed::closed("the locks", self.inner.owed.settle(within).await, within)
     }
 
     /// One attempt: the lease, or `Ok(None)` when another owner holds the lock.
@@ -795,6 +799,13 @@ impl RedisLocks {
                     token,
                     fencing,
                     valid_until,
+                    may_hold: replies
+                        .iter()
+                        .map(|r| {
+                            r.value().is_some_and(|v| v > 0)
+                                || matches!(r, Reply::Down { maybe_ran: true, .. })
+                        })
+                        .collect(),
                 },
                 watchdog,
             )));
@@ -980,6 +991,9 @@ struct LeaseShared {
     fencing: u64,
     /// Until when the lease is valid (monotonic): the last confirmation's validity.
     valid_until: Mutex<Instant>,
+    /// By server: whether it may hold the lock (the acquire set it there, or its reply
+    /// was lost).
+    may_hold: Vec<bool>,
     lost: watch::Sender<bool>,
 }
 
@@ -999,6 +1013,8 @@ struct Grant {
     token: String,
     fencing: u64,
     valid_until: Instant,
+    /// By server: whether it may hold the lock (it said so, or its reply was lost).
+    may_hold: Vec<bool>,
 }
 
 impl Lease {
@@ -1018,6 +1034,7 @@ impl Lease {
             ttl_ms,
             fencing: grant.fencing,
             valid_until: Mutex::new(grant.valid_until),
+            may_hold: grant.may_hold,
             lost: watch::channel(false).0,
         });
         // A lease with a TTL needs no task: its validity is a deadline, checked on demand.
@@ -1163,11 +1180,14 @@ async fn release(shared: &LeaseShared) -> Result<()> {
     shared.lost.send_replace(true);
     let n = locks.inner.servers.len() as u32;
     let policy = &locks.inner.policy;
-    // A server that did not answer (whether or not the release reached it) may still
-    // hold the lock, or run a pending acquire or extend of it: it is released there in
-    // the background, until the lock would have lapsed.
+    // A server that did not answer may still hold the lock (or run a pending acquire or
+    // extend of it), and one that may hold it still does if the release never reached
+    // it: it is released there in the background, until the lock would have lapsed.
     let unknown: Vec<usize> = (0..replies.len())
-        .filter(|&i| matches!(replies[i], Reply::Down { .. }))
+        .filter(|&i| match replies[i] {
+            Reply::Down { maybe_ran, .. } => maybe_ran || shared.may_hold[i],
+            _ => false,
+        })
         .collect();
     if !unknown.is_empty() {
         let window = Duration::from_millis(policy.lock_orphan_window_ms(shared.ttl_ms)?);

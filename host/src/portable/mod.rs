@@ -479,6 +479,18 @@ impl PortableCache {
         PortableBuilder::default()
     }
 
+    /// Lets what this cache has under way end, for at most `within`, as
+    /// [`Corral::close`](crate::Corral::close) does: its flights, and the announcements
+    /// it retries in the background.
+    ///
+    /// # Errors
+    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout) when something was still under
+    /// way at `within`, saying how much.
+    pub async fn close(&self, within: Duration) -> Result<()> {
+        let left = self.inner.backend.owed.settle(within).await;
+        crate::owed::closed("the portable cache", left, within)
+    }
+
     /// The entries store the imports act on (for tests that plant raw bytes).
     #[cfg(any(test, feature = "test-util"))]
     pub fn entries(&self) -> &dyn crate::store::Entries {

@@ -126,7 +126,8 @@ impl Breaker {
                 self.threshold,
                 next.saturating_sub(self.now_ms())
             ),
-        ))
+        )
+        .unsent())
     }
 
     /// Notes how an admitted call ended: `failed` for a failure of the connection.

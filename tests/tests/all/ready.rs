@@ -180,3 +180,30 @@ async fn close_waits_for_a_removal_retried_in_the_background() -> Result<()> {
     assert_eq!(other.get("k").await?, None, "the old value outlived close");
     Ok(())
 }
+
+/// A write Redis never received (its connection refused) changed nothing: no
+/// announcement of it is owed, and `close` returns at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_redis_never_received_owes_nothing() -> Result<()> {
+    let server = RedisServer::start()?;
+    let proxy = FaultProxy::start(server.addr())?;
+    let cache = Corral::builder()
+        .redis_options(short(proxy.url()))
+        .build_ready()
+        .await?;
+    cache.set("k", "old", EntryOptions::new()).await?;
+    proxy.refuse(true);
+    ensure!(proxy.reset_all() >= 1, "the cache's connections");
+    // Reads meet the reset connection, then refused ones (a read owes nothing); the
+    // write after them is refused a connection, or not tried.
+    for other in ["a", "b", "c"] {
+        let _ = cache.get(other).await;
+    }
+    let e = cache
+        .set("k", "new", EntryOptions::new())
+        .await
+        .expect_err("Redis was out of reach");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    cache.close(Duration::ZERO).await?;
+    Ok(())
+}
