@@ -268,8 +268,9 @@ async fn run_cache(cli: &Cli) -> Result<ExitCode, Failure> {
 }
 
 /// How long what a cache command leaves owed to the store (an announcement or a removal
-/// retried, a lock release) may take before `corral` exits anyway.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(3);
+/// retried, a lock release) may take before `corral` exits anyway: the bound `corral
+/// lock` gives its releases.
+const CLOSE_TIMEOUT: Duration = lock::RELEASE_TIMEOUT;
 
 /// Lets what the command left under way end before `corral` exits (see
 /// [`Corral::close`]).

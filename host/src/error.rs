@@ -216,7 +216,6 @@ impl Error {
         e
     }
 
-    /// Whether this is a loader's panic (its flight goes to a follower).
     /// This error, for a store call refused before it was sent.
     pub(crate) fn unsent(mut self) -> Self {
         self.unsent = true;
@@ -247,6 +246,7 @@ impl Error {
         false
     }
 
+    /// Whether this is a loader's panic (its flight goes to a follower).
     pub(crate) fn is_panic(&self) -> bool {
         self.panicked
     }

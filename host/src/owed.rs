@@ -2,9 +2,10 @@
 //! that goes on without its caller, an announcement or a removal retried, the release
 //! of a lock whose outcome is unknown or whose lease was dropped. Such work runs in
 //! tasks of its own, and [`Owed`] counts it (and the flights under way), so that a
-//! process can wait for it before it exits: [`Corral::close`](crate::Corral::close),
-//! [`RedisLocks::close`](crate::locks::RedisLocks::close). A process that exits without
-//! waiting drops that work: the store then keeps what it was owed until a TTL ends it.
+//! process can wait for it before it exits (`Corral::close`, `RedisLocks::close`,
+//! `PortableCache::close`, which this module knows nothing of). A process that exits
+//! without waiting drops that work: the store then keeps what it was owed until a TTL
+//! ends it.
 
 use std::future::Future;
 use std::sync::Arc;

@@ -270,8 +270,9 @@ impl PortableBuilder {
     /// Instantiates the component with its imports; call inside a Tokio runtime.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) outside a runtime or for bad settings;
-    /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the component cannot be loaded.
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) outside a
+    /// runtime or for bad settings; [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the
+    /// component cannot be loaded.
     pub fn build(self) -> Result<PortableCache> {
         crate::require_runtime("the portable cache")?;
         let mut settings = self.overrides.settings_over(
@@ -683,8 +684,9 @@ impl PortableCache {
     /// `should_cache` judges it.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key or options; [`ErrorKind::Loader`](crate::ErrorKind::Loader)
-    /// with the loader's text when it failed.
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key or
+    /// options; [`ErrorKind::Loader`](crate::ErrorKind::Loader) with the loader's text
+    /// when it failed.
     pub async fn get_or_set(
         &self,
         key: &str,
@@ -700,7 +702,8 @@ impl PortableCache {
     /// As [`get_or_set`](Self::get_or_set), a loaded entry carrying `tags`.
     ///
     /// # Errors
-    /// As [`get_or_set`](Self::get_or_set), and [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `tags`.
+    /// As [`get_or_set`](Self::get_or_set), and
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `tags`.
     pub async fn get_or_set_tagged(
         &self,
         key: &str,

@@ -112,6 +112,21 @@ async fn the_memory_default_is_ready() -> Result<()> {
     Ok(())
 }
 
+/// A cache behind a fault proxy that has set `k` to "old", then cut off from Redis: its
+/// connections reset, new ones refused until the proxy heals.
+async fn cut_off_after_a_set() -> Result<(RedisServer, FaultProxy, Corral)> {
+    let server = RedisServer::start()?;
+    let proxy = FaultProxy::start(server.addr())?;
+    let cache = Corral::builder()
+        .redis_options(short(proxy.url()))
+        .build_ready()
+        .await?;
+    cache.set("k", "old", EntryOptions::new()).await?;
+    proxy.refuse(true);
+    ensure!(proxy.reset_all() >= 1, "the cache's connections");
+    Ok((server, proxy, cache))
+}
+
 /// A load its caller gave up on (a hard timeout, completed in the background) is waited
 /// for by `close`, and fills before it returns; a close whose bound passes first says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -159,15 +174,7 @@ async fn close_waits_for_a_load_its_caller_left_and_a_short_bound_says_what_was_
 /// leaves no old value behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_waits_for_a_removal_retried_in_the_background() -> Result<()> {
-    let server = RedisServer::start()?;
-    let proxy = FaultProxy::start(server.addr())?;
-    let cache = Corral::builder()
-        .redis_options(short(proxy.url()))
-        .build_ready()
-        .await?;
-    cache.set("k", "old", EntryOptions::new()).await?;
-    proxy.refuse(true);
-    ensure!(proxy.reset_all() >= 1, "the cache's connections");
+    let (server, proxy, cache) = cut_off_after_a_set().await?;
     let e = cache.remove("k").await.expect_err("Redis was out of reach");
     assert!(e.is_retryable(), "{e}");
     let closing = tokio::spawn({
@@ -185,15 +192,7 @@ async fn close_waits_for_a_removal_retried_in_the_background() -> Result<()> {
 /// announcement of it is owed, and `close` returns at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_redis_never_received_owes_nothing() -> Result<()> {
-    let server = RedisServer::start()?;
-    let proxy = FaultProxy::start(server.addr())?;
-    let cache = Corral::builder()
-        .redis_options(short(proxy.url()))
-        .build_ready()
-        .await?;
-    cache.set("k", "old", EntryOptions::new()).await?;
-    proxy.refuse(true);
-    ensure!(proxy.reset_all() >= 1, "the cache's connections");
+    let (_server, _proxy, cache) = cut_off_after_a_set().await?;
     // Reads meet the reset connection, then refused ones (a read owes nothing); the
     // write after them is refused a connection, or not tried.
     for other in ["a", "b", "c"] {
