@@ -37,11 +37,10 @@ pub(crate) struct TagState {
     generation: AtomicU64,
     /// Until when it may be kept (0: read it before the next use).
     generation_until: AtomicU64,
-    /// How often a clear (here or announced) moved the generation, or announcements may
-    /// have been missed (a gap in the subscription): a read of the generation or of a
-    /// tag's moments that began before one is older news and is not kept. Held while
-    /// the generation changes.
-    clears_heard: Mutex<u64>,
+    /// What was heard so far: a read of the generation or of a tag's moments that began
+    /// before a clear or a gap is older news and is not kept. Held while the generation
+    /// changes.
+    heard: Mutex<Heard>,
     /// This cache's name on the invalidation channel (its own messages are not news).
     origin: String,
 }
@@ -61,7 +60,7 @@ impl TagState {
             moments: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
             generation_until: AtomicU64::new(0),
-            clears_heard: Mutex::new(0),
+            heard: Mutex::new(Heard::default()),
             origin: crate::lock_token(),
         }
     }
@@ -69,60 +68,62 @@ impl TagState {
     /// A clear moved the prefix to `generation`: this cache's own (`own`: what the store
     /// holds now, kept as it is), or one announced: kept if newer than what is known;
     /// if older, the counter went back (a store restart emptied it, and a clear counted
-    /// from there), so what is known is stale and the next call reads it again. Counted,
-    /// so a generation read that began before it is not kept ([`Self::keep_read`]).
+    /// from there), so what is known is stale and the next call reads it again: a gap.
+    /// Heard, so a generation read that began before it is not kept ([`Self::keep_read`]).
     fn hear_clear(&self, generation: u64, until: u64, own: bool) {
-        let mut heard = self.clears_heard.lock();
-        *heard += 1;
+        let mut heard = self.heard.lock();
         let known = self.generation.load(Ordering::Acquire);
-        if own {
+        if own || generation >= known {
+            heard.clears += 1;
             self.generation.store(generation, Ordering::Release);
             self.generation_until.store(until, Ordering::Release);
-        } else if generation > known {
-            self.generation.fetch_max(generation, Ordering::AcqRel);
-            self.generation_until.store(until, Ordering::Release);
-        } else if generation < known {
+        } else {
+            heard.gaps += 1;
             self.generation_until.store(0, Ordering::Release);
         }
     }
 
-    /// How many clears and gaps were heard so far: taken before a generation or tag read.
-    pub(crate) fn clears_so_far(&self) -> u64 {
-        *self.clears_heard.lock()
+    /// What was heard so far: taken before a generation or tag read.
+    pub(crate) fn heard_so_far(&self) -> Heard {
+        *self.heard.lock()
     }
 
-    /// Keeps `generation`, read from the store after [`Self::clears_so_far`] said
-    /// `since`, until `until`, and returns the one known before; unless a clear was
-    /// heard while the read was on its way (what it set is newer), or announcements may
-    /// have been missed meanwhile: `None`.
-    fn keep_read(&self, since: u64, generation: u64, until: u64) -> Option<u64> {
-        let heard = self.clears_heard.lock();
-        if *heard != since {
-            return None;
+    /// Keeps `generation`, read from the store after [`Self::heard_so_far`] said
+    /// `since`, until `until`, and says which generation the caller is to use.
+    fn keep_read(&self, since: Heard, generation: u64, until: u64) -> GenerationRead {
+        let heard = self.heard.lock();
+        if heard.clears != since.clears {
+            // What the clear set is newer than what the read may have seen.
+            return GenerationRead::Cleared(self.generation.load(Ordering::Acquire));
+        }
+        if heard.gaps != since.gaps {
+            // Newer than anything known, and perhaps older than what was missed: good
+            // for this call (a clear that ended before it began is in it), not kept.
+            return GenerationRead::Unkept;
         }
         // (Not a maximum: a store that restarted empty counts from 0 again, and every
         // process must agree with it.)
         let before = self.generation.swap(generation, Ordering::AcqRel);
         self.generation_until.store(until, Ordering::Release);
         drop(heard);
-        Some(before)
+        GenerationRead::Kept { before }
     }
 
     /// Announcements may have been missed: everything kept is read again, and a read
     /// on its way now (it may have been answered before what was missed) is not kept.
     pub(crate) fn forget(&self) {
-        let mut heard = self.clears_heard.lock();
-        *heard += 1;
+        let mut heard = self.heard.lock();
+        heard.gaps += 1;
         self.moments.lock().clear();
         self.generation_until.store(0, Ordering::Release);
         drop(heard);
     }
 
     /// As [`Self::learn`], for `moments` read from the store after
-    /// [`Self::clears_so_far`] said `since`: not kept if announcements may have been
+    /// [`Self::heard_so_far`] said `since`: not kept if announcements may have been
     /// missed while the read was on its way (says `false` then).
-    fn learn_read(&self, since: u64, tag: &str, moments: TagMoments, until: u64) -> bool {
-        let heard = self.clears_heard.lock();
+    fn learn_read(&self, since: Heard, tag: &str, moments: TagMoments, until: u64) -> bool {
+        let heard = self.heard.lock();
         *heard == since && self.learn(tag, moments, until)
     }
 
@@ -166,6 +167,27 @@ impl TagState {
             .copied()
             .filter(|(_, until)| now < *until)
     }
+}
+
+/// The clears and the gaps in the announcements a process heard, each counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Heard {
+    /// Clears (here, or announced) that set the generation.
+    clears: u64,
+    /// Times what is known went stale: a gap in the subscription (announcements may
+    /// have been missed), a clear announced below the known generation.
+    gaps: u64,
+}
+
+/// Which generation a read of it leaves the caller to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GenerationRead {
+    /// The one read, now kept; `before` was known until then.
+    Kept { before: u64 },
+    /// A clear set this one while the read was on its way: it is newer.
+    Cleared(u64),
+    /// The one read, for this call only (announcements may have been missed meanwhile).
+    Unkept,
 }
 
 /// The later of two records of a tag's moments (each only moves forward).
@@ -236,29 +258,29 @@ impl Corral {
         }
         let policy = &self.inner.policy;
         let name = policy.generation_name(&self.inner.prefix)?;
-        let since = state.clears_so_far();
+        let since = state.heard_so_far();
         let stored = self.l2_op(self.inner.stores.entries.get(&name)).await?;
         self.adopt_generation(since, stored.as_deref(), now)
     }
 
-    /// The generation the store held (`stored`, read after [`TagState::clears_so_far`]
+    /// The generation the store held (`stored`, read after [`TagState::heard_so_far`]
     /// said `since`), kept, and L1 moved on if it changed; a clear heard while it was
     /// read set a newer one, which it returns instead.
-    pub(crate) fn adopt_generation(&self, since: u64, stored: Option<&[u8]>, now: u64) -> Result<u64> {
+    pub(crate) fn adopt_generation(&self, since: Heard, stored: Option<&[u8]>, now: u64) -> Result<u64> {
         let state = &self.inner.tags;
         let policy = &self.inner.policy;
         let g = policy.generation_of(stored)?;
         let until = policy.tag_known_until(now, self.inner.l1_ttl_ms)?;
-        let Some(before) = state.keep_read(since, g, until) else {
-            // A clear came while this read was on its way: what it set is newer.
-            return Ok(state.generation.load(Ordering::Acquire));
-        };
-        if before != g {
-            // Another process cleared (or the counter was lost): L1 was judged by the
-            // names of another generation.
-            self.inner.l1.clear_generation();
+        match state.keep_read(since, g, until) {
+            GenerationRead::Kept { before } if before != g => {
+                // Another process cleared (or the counter was lost): L1 was judged by
+                // the names of another generation.
+                self.inner.l1.clear_generation();
+                Ok(g)
+            }
+            GenerationRead::Kept { .. } | GenerationRead::Unkept => Ok(g),
+            GenerationRead::Cleared(newer) => Ok(newer),
         }
-        Ok(g)
     }
 
     /// The moments of `tags` at `now`, and until when all of them are known: kept ones,
@@ -272,7 +294,7 @@ impl Corral {
                 Some(kept) => kept,
                 None => {
                     let name = inner.policy.locate_tag(&inner.prefix, tag)?;
-                    let since = inner.tags.clears_so_far();
+                    let since = inner.tags.heard_so_far();
                     let stored = self.l2_op(inner.stores.entries.get(&name)).await?;
                     let moments = inner.policy.tag_moments_of(stored.as_deref())?;
                     let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
@@ -299,7 +321,7 @@ impl Corral {
     /// completed before it began, in any process, whatever the processes' clocks say.
     pub(crate) async fn moments_now(&self, tags: &[String], now: u64) -> Result<Vec<TagMoments>> {
         let inner = &*self.inner;
-        let since = inner.tags.clears_so_far();
+        let since = inner.tags.heard_so_far();
         let reads = tags.iter().map(|tag| async move {
             let name = inner.policy.locate_tag(&inner.prefix, tag)?;
             let stored = self.l2_op(inner.stores.entries.get(&name)).await?;
@@ -543,5 +565,41 @@ mod tests {
         // This cache's own clear is what the store holds, lower or not.
         state.hear_clear(1_700_000_000_050, until, true);
         assert_eq!(state.generation_now(), 1_700_000_000_050);
+    }
+
+    #[test]
+    fn a_read_overlapping_a_gap_is_used_once_and_one_overlapping_a_clear_gives_way() {
+        let state = TagState::new();
+        let until = 10_000;
+        // The subscription came up (a gap) while a fresh process read the generation.
+        let since = state.heard_so_far();
+        state.forget();
+        assert_eq!(
+            state.keep_read(since, 1_700_000_000_500, until),
+            GenerationRead::Unkept,
+            "the read is newer than what is known (0): used, not kept"
+        );
+        assert_eq!(state.generation_now(), 0);
+        assert_eq!(
+            state.generation_until.load(Ordering::Acquire),
+            0,
+            "read again next time"
+        );
+        // A clear heard while a read was on its way set a newer one.
+        let since = state.heard_so_far();
+        state.hear_clear(1_700_000_000_700, until, false);
+        assert_eq!(
+            state.keep_read(since, 1_700_000_000_500, until),
+            GenerationRead::Cleared(1_700_000_000_700)
+        );
+        // Nothing heard meanwhile: kept.
+        let since = state.heard_so_far();
+        assert_eq!(
+            state.keep_read(since, 1_700_000_000_900, until),
+            GenerationRead::Kept {
+                before: 1_700_000_000_700
+            }
+        );
+        assert_eq!(state.generation_now(), 1_700_000_000_900);
     }
 }

@@ -418,7 +418,7 @@ impl Corral {
         }
         let generation_name = policy.generation_name(&inner.prefix)?;
         let deadline = in_ms(inner.flight.store_budget.before_load_ms);
-        let since = inner.tags.clears_so_far();
+        let since = inner.tags.heard_so_far();
         let (l1_ticket, tag_epoch) = (inner.l1.ticket_since(key, named), inner.l1.tag_epoch());
         let now = inner.clock.now_ms();
         let both = [generation_name.as_str(), names.entry.as_str()];
