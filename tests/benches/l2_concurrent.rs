@@ -213,6 +213,7 @@ async fn main() -> Result<()> {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
     {
+        let sent = cache.redis_commands_sent().unwrap_or(0);
         let (tput, cpu) = measure(
             contenders[n].1,
             CALLERS,
@@ -222,9 +223,12 @@ async fn main() -> Result<()> {
             &mut probe,
         )
         .await?;
+        let sent = cache.redis_commands_sent().unwrap_or(0) - sent;
+        let reads = (CALLERS * OPS_PER_CALLER * 4) as f64;
         println!(
-            "{}: {tput:.0} reads/s, {cpu:.2} µs Redis CPU per read",
-            contenders[n].0
+            "{}: {tput:.0} reads/s, {cpu:.2} µs Redis CPU per read, {:.3} Corral commands per read",
+            contenders[n].0,
+            sent as f64 / reads
         );
         return Ok(());
     }
