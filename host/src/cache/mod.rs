@@ -797,35 +797,42 @@ impl Corral {
     /// generation (contract §2.4, §6b.5).
     /// A get-or-set's names: when the generation cannot be read (the store is down),
     /// the last one known, so the flight goes on to degrade as it would (§5.8); the
-    /// read is bounded by one store timeout.
-    pub(crate) async fn locate(&self, key: &str) -> Result<StoreNames> {
+    /// read is bounded by one store timeout. Says whether the entry may be read under
+    /// them ([`flight_generation`](Self::flight_generation)).
+    pub(crate) async fn locate(&self, key: &str) -> Result<(StoreNames, bool)> {
         let policy = &self.inner.policy;
-        let generation = self.flight_generation(|| policy.validate_key(key)).await?;
-        policy.locate(&self.inner.prefix, key, generation)
+        let (generation, readable) = self.flight_generation(|| policy.validate_key(key)).await?;
+        Ok((policy.locate(&self.inner.prefix, key, generation)?, readable))
     }
 
     /// The generation a get-or-set names its data in: the known one, else one read
     /// within a store timeout, else the last one known. `check` runs first when it must
-    /// be read: a bad key is an argument error, even with the store down.
-    async fn flight_generation(&self, check: impl FnOnce() -> Result<()>) -> Result<u64> {
+    /// be read: a bad key is an argument error, even with the store down. Says whether
+    /// entries may be read in it: not when it stands in for one that could not be read
+    /// and a clear may have been missed since it was ([`tags::TagState::fallback`]): the
+    /// flight then degrades as if its reads had failed.
+    async fn flight_generation(&self, check: impl FnOnce() -> Result<()>) -> Result<(u64, bool)> {
         if let Some(g) = self.known_generation() {
-            return Ok(g);
+            return Ok((g, true));
         }
         check()?;
         let bound = self.inner.flight.store_timeout;
         Ok(match tokio::time::timeout(bound, self.generation()).await {
-            Ok(Ok(g)) => g,
-            _ => self.inner.tags.generation_now(),
+            Ok(Ok(g)) => (g, true),
+            _ => match self.inner.tags.fallback() {
+                Some(g) => (g, true),
+                None => (self.inner.tags.generation_now(), false),
+            },
         })
     }
 
     /// The entry names of a batch's keys, all checked and named in one call, in the
-    /// generation [`locate`](Self::locate) would use.
-    pub(crate) async fn locate_entries(&self, keys: &[String]) -> Result<Vec<String>> {
+    /// generation [`locate`](Self::locate) would use, and whether they may be read.
+    pub(crate) async fn locate_entries(&self, keys: &[String]) -> Result<(Vec<String>, bool)> {
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
         let check = || policy.locate_entries(prefix, keys, 0).map(drop);
-        let generation = self.flight_generation(check).await?;
-        policy.locate_entries(prefix, keys, generation)
+        let (generation, readable) = self.flight_generation(check).await?;
+        Ok((policy.locate_entries(prefix, keys, generation)?, readable))
     }
 
     /// Checks `key` and names its entry in the store, in the current generation.

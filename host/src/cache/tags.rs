@@ -37,6 +37,9 @@ pub(crate) struct TagState {
     generation: AtomicU64,
     /// Until when it may be kept (0: read it before the next use).
     generation_until: AtomicU64,
+    /// Whether it may stand in for the store's when a read of it fails: it was read
+    /// (or written) since the last gap, and every clear since was heard.
+    trusted: std::sync::atomic::AtomicBool,
     /// What was heard so far: a read of the generation or of a tag's moments that began
     /// before a clear or a gap is older news and is not kept. Held while the generation
     /// changes.
@@ -60,27 +63,48 @@ impl TagState {
             moments: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
             generation_until: AtomicU64::new(0),
+            trusted: std::sync::atomic::AtomicBool::new(false),
             heard: Mutex::new(Heard::default()),
             origin: crate::lock_token(),
         }
     }
 
-    /// A clear moved the prefix to `generation`: this cache's own (`own`: what the store
-    /// holds now, kept as it is), or one announced: kept if newer than what is known;
-    /// if older, the counter went back (a store restart emptied it, and a clear counted
-    /// from there), so what is known is stale and the next call reads it again: a gap.
+    /// This cache's own clear moved the prefix to `generation` (what the store held when
+    /// it was written, kept as it is, lower than the known one or not), its write having
+    /// begun when [`Self::heard_so_far`] said `since`: kept until `until`, unless a clear
+    /// was heard meanwhile (it may be newer than this one): then read again next time.
     /// Heard, so a generation read that began before it is not kept ([`Self::keep_read`]).
-    fn hear_clear(&self, generation: u64, until: u64, own: bool) {
+    fn hear_own_clear(&self, since: Heard, generation: u64, until: u64) {
+        let mut heard = self.heard.lock();
+        let trusted = heard.clears == since.clears;
+        heard.clears += 1;
+        self.generation.store(generation, Ordering::Release);
+        self.generation_until
+            .store(if trusted { until } else { 0 }, Ordering::Release);
+        self.trusted.store(trusted, Ordering::Release);
+    }
+
+    /// Another process's clear moved the prefix to `generation`, as announced. Newer than
+    /// what is known: it moves there, kept until `until` if what is known was trusted (after
+    /// a gap a newer clear may have been missed too: the next call reads it). The known
+    /// one again (a late or repeated announcement): nothing. Older: the counter went back
+    /// (a store restart emptied it, and a clear counted from there), so what is known is
+    /// stale and the next call reads it again: a gap. Says whether it was news.
+    fn hear_announced_clear(&self, generation: u64, until: u64) -> bool {
         let mut heard = self.heard.lock();
         let known = self.generation.load(Ordering::Acquire);
-        if own || generation >= known {
+        if generation > known {
             heard.clears += 1;
             self.generation.store(generation, Ordering::Release);
-            self.generation_until.store(until, Ordering::Release);
-        } else {
+            if self.generation_until.load(Ordering::Acquire) != 0 {
+                self.generation_until.store(until, Ordering::Release);
+            }
+        } else if generation < known {
             heard.gaps += 1;
             self.generation_until.store(0, Ordering::Release);
+            self.trusted.store(false, Ordering::Release);
         }
+        generation != known
     }
 
     /// What was heard so far: taken before a generation or tag read.
@@ -93,8 +117,10 @@ impl TagState {
     fn keep_read(&self, since: Heard, generation: u64, until: u64) -> GenerationRead {
         let heard = self.heard.lock();
         if heard.clears != since.clears {
-            // What the clear set is newer than what the read may have seen.
-            return GenerationRead::Cleared(self.generation.load(Ordering::Acquire));
+            // What the clear set is newer than what the read may have seen, unless its
+            // announcement came late: the later of the two, for this call only.
+            let heard_of = self.generation.load(Ordering::Acquire);
+            return GenerationRead::Cleared(heard_of.max(generation));
         }
         if heard.gaps != since.gaps {
             // Newer than anything known, and perhaps older than what was missed: good
@@ -105,6 +131,7 @@ impl TagState {
         // process must agree with it.)
         let before = self.generation.swap(generation, Ordering::AcqRel);
         self.generation_until.store(until, Ordering::Release);
+        self.trusted.store(true, Ordering::Release);
         drop(heard);
         GenerationRead::Kept { before }
     }
@@ -116,6 +143,7 @@ impl TagState {
         heard.gaps += 1;
         self.moments.lock().clear();
         self.generation_until.store(0, Ordering::Release);
+        self.trusted.store(false, Ordering::Release);
         drop(heard);
     }
 
@@ -130,6 +158,17 @@ impl TagState {
     /// The generation as last known (no I/O).
     pub(crate) fn generation_now(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
+    }
+
+    /// The generation that may stand in for the store's when a read of it fails: the one
+    /// last known, if it was read (or written) since the last gap in the announcements;
+    /// else `None` (never read, or a clear may have been missed since), and entries named
+    /// in it are not to be read: an entry a clear left would be served.
+    pub(crate) fn fallback(&self) -> Option<u64> {
+        let _heard = self.heard.lock();
+        self.trusted
+            .load(Ordering::Acquire)
+            .then(|| self.generation.load(Ordering::Acquire))
     }
 
     /// Keeps `moments` of `tag` until `until`, merged with what is kept; says whether
@@ -184,7 +223,8 @@ pub(crate) struct Heard {
 enum GenerationRead {
     /// The one read, now kept; `before` was known until then.
     Kept { before: u64 },
-    /// A clear set this one while the read was on its way: it is newer.
+    /// A clear was heard while the read was on its way: the later of what it set and
+    /// what the read saw (an announcement may come late), for this call only.
     Cleared(u64),
     /// The one read, for this call only (announcements may have been missed meanwhile).
     Unkept,
@@ -225,9 +265,10 @@ pub(crate) fn invalidation_hook(
             }
             TagMessage::Clear(generation) => {
                 let until = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
-                state.hear_clear(generation, until, false);
-                l1.clear_generation();
-                Metrics::bump(&metrics.l1_flushes);
+                if state.hear_announced_clear(generation, until) {
+                    l1.clear_generation();
+                    Metrics::bump(&metrics.l1_flushes);
+                }
             }
         }
     })
@@ -496,6 +537,7 @@ impl Corral {
     async fn clear_generation(&self) -> Result<()> {
         let inner = &*self.inner;
         let name = inner.policy.generation_name(&inner.prefix)?;
+        let since = inner.tags.heard_so_far();
         let updated = self
             .compare_and_set(&name, |stored, now| inner.policy.next_generation(stored, now))
             .await?;
@@ -506,7 +548,7 @@ impl Corral {
             ));
         };
         let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
-        inner.tags.hear_clear(generation, until, true);
+        inner.tags.hear_own_clear(since, generation, until);
         inner.l1.clear_generation();
         Metrics::bump(&inner.metrics.clears);
         let message = inner
@@ -552,19 +594,79 @@ mod tests {
     fn a_clear_heard_below_the_known_generation_makes_it_read_again() {
         let state = TagState::new();
         let until = 10_000;
-        state.hear_clear(1_700_000_000_500, until, false);
+        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        assert!(state.hear_announced_clear(1_700_000_000_500, until));
         assert_eq!(state.generation_now(), 1_700_000_000_500);
         assert!(state.generation_until.load(Ordering::Acquire) > 0, "kept");
         // A store restart emptied the counter, and a clock behind ours cleared from there.
-        state.hear_clear(1_700_000_000_100, until, false);
+        state.hear_announced_clear(1_700_000_000_100, until);
         assert_eq!(
             state.generation_until.load(Ordering::Acquire),
             0,
             "the known generation is stale: read again"
         );
         // This cache's own clear is what the store holds, lower or not.
-        state.hear_clear(1_700_000_000_050, until, true);
+        state.hear_own_clear(state.heard_so_far(), 1_700_000_000_050, until);
         assert_eq!(state.generation_now(), 1_700_000_000_050);
+        assert_eq!(state.generation_until.load(Ordering::Acquire), until);
+    }
+
+    #[test]
+    fn an_announcement_after_a_gap_moves_the_generation_but_is_not_trusted() {
+        let state = TagState::new();
+        let until = 10_000;
+        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        // The subscription dropped; a clear to ...900 was missed; an older clear's
+        // announcement, retried in the background, arrives after the resubscription.
+        state.forget();
+        assert!(state.hear_announced_clear(1_700_000_000_500, until));
+        assert_eq!(state.generation_now(), 1_700_000_000_500);
+        assert_eq!(
+            state.generation_until.load(Ordering::Acquire),
+            0,
+            "a newer clear may have been missed in the gap: read again"
+        );
+    }
+
+    #[test]
+    fn a_repeated_announcement_is_no_news() {
+        let state = TagState::new();
+        let until = 10_000;
+        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        let before = state.heard_so_far();
+        assert!(!state.hear_announced_clear(1_700_000_000_000, until));
+        assert_eq!(state.heard_so_far(), before, "a read on its way is still kept");
+    }
+
+    #[test]
+    fn an_own_clear_that_overlapped_another_is_read_again() {
+        let state = TagState::new();
+        let until = 10_000;
+        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        // This cache's clear begins; another process's newer clear is heard before its
+        // own write's answer is.
+        let since = state.heard_so_far();
+        state.hear_announced_clear(1_700_000_000_900, until);
+        state.hear_own_clear(since, 1_700_000_000_500, until);
+        assert_eq!(
+            state.generation_until.load(Ordering::Acquire),
+            0,
+            "the other clear may be the later one: read again"
+        );
+    }
+
+    #[test]
+    fn a_read_that_saw_a_later_clear_than_one_announced_meanwhile_uses_the_later() {
+        let state = TagState::new();
+        let until = 10_000;
+        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        let since = state.heard_so_far();
+        // A late announcement of an older clear, while the read saw a later one.
+        state.hear_announced_clear(1_700_000_000_500, until);
+        assert_eq!(
+            state.keep_read(since, 1_700_000_000_900, until),
+            GenerationRead::Cleared(1_700_000_000_900)
+        );
     }
 
     #[test]
@@ -587,7 +689,7 @@ mod tests {
         );
         // A clear heard while a read was on its way set a newer one.
         let since = state.heard_so_far();
-        state.hear_clear(1_700_000_000_700, until, false);
+        state.hear_announced_clear(1_700_000_000_700, until);
         assert_eq!(
             state.keep_read(since, 1_700_000_000_500, until),
             GenerationRead::Cleared(1_700_000_000_700)
@@ -601,5 +703,28 @@ mod tests {
             }
         );
         assert_eq!(state.generation_now(), 1_700_000_000_900);
+    }
+
+    #[test]
+    fn only_a_generation_read_since_the_last_gap_stands_in_for_an_unread_one() {
+        let state = TagState::new();
+        let until = 10_000;
+        assert_eq!(
+            state.fallback(),
+            None,
+            "never read: a clear may have left entries under 0"
+        );
+        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        assert_eq!(state.fallback(), Some(1_700_000_000_000));
+        assert!(state.hear_announced_clear(1_700_000_000_500, until));
+        assert_eq!(
+            state.fallback(),
+            Some(1_700_000_000_500),
+            "every clear since was heard"
+        );
+        state.forget();
+        assert_eq!(state.fallback(), None, "a clear may have been missed in the gap");
+        state.hear_own_clear(state.heard_so_far(), 1_700_000_000_900, until);
+        assert_eq!(state.fallback(), Some(1_700_000_000_900));
     }
 }

@@ -381,11 +381,13 @@ impl Corral {
         };
         // Taken before the names: L1 is never filled across a clear after them.
         let named: Vec<Ticket> = distinct.iter().map(|k| inner.l1.ticket(k)).collect();
-        let entries = self.locate_entries(&distinct).await?;
+        let (entries, readable) = self.locate_entries(&distinct).await?;
         if let Some(e) = deferred {
             return Err(e);
         }
-        let answers = self.many(&distinct, &entries, &named, &options, &loader).await;
+        let answers = self
+            .many(&distinct, (&entries, readable), &named, &options, &loader)
+            .await;
         Ok(asked
             .into_iter()
             .map(|i| match &answers[i] {
@@ -401,7 +403,7 @@ impl Corral {
     async fn many<L, Fut, I, V, E>(
         &self,
         keys: &[String],
-        entries: &[String],
+        entries: (&[String], bool),
         named: &[Ticket],
         options: &LoadOptions,
         loader: &L,
@@ -504,7 +506,7 @@ impl Corral {
     async fn answer_hits(
         &self,
         keys: &[String],
-        entries: &[String],
+        entries: (&[String], bool),
         named: &[Ticket],
         led: Vec<(usize, LeaderGuard<Outcome>)>,
         answers: &mut [Option<Result<Served>>],
@@ -570,7 +572,7 @@ impl Corral {
     async fn first_reads(
         &self,
         keys: &[String],
-        entries: &[String],
+        (entries, readable): (&[String], bool),
         named: &[Ticket],
         to_read: &[usize],
     ) -> Vec<(usize, FirstRead, Option<u64>)> {
@@ -583,9 +585,13 @@ impl Corral {
             .collect();
         let entries: Vec<&str> = to_read.iter().map(|&i| entries[i].as_str()).collect();
         let now = inner.clock.now_ms();
-        let reads = match tokio::time::timeout_at(deadline, self.l2_look_many(&entries, now)).await {
-            Ok(reads) => reads,
-            Err(_) => entries.iter().map(|_| Err(past_deadline())).collect(),
+        let reads = if !readable {
+            entries.iter().map(|_| Err(super::generation_unread())).collect()
+        } else {
+            match tokio::time::timeout_at(deadline, self.l2_look_many(&entries, now)).await {
+                Ok(reads) => reads,
+                Err(_) => entries.iter().map(|_| Err(past_deadline())).collect(),
+            }
         };
         to_read
             .iter()
@@ -673,9 +679,9 @@ mod send_check {
     #[allow(dead_code, unused_must_use)]
     fn futures_are_send(c: &Corral, keys: &[String], o: &LoadOptions) {
         send(c.l2_look_many(&[], 0));
-        send(c.first_reads(keys, &[], &[], &[]));
+        send(c.first_reads(keys, (&[], true), &[], &[]));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
-        send(c.many(keys, &[], &[], o, &loader));
+        send(c.many(keys, (&[], true), &[], o, &loader));
         let loads = Loads::new(keys, |_| async { Chunk::Panicked("".into()) }, |n| Ok(vec![n]));
         send(loads.load(0));
         send(c.one_of_many(0, "k", o, &loads, Part::Lead(None), None, None));

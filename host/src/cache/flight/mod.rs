@@ -390,7 +390,7 @@ impl Corral {
             .as_ref()
             .map_or_else(|| inner.l1.ticket(key), |read| read.named);
         let (names, first) = match first {
-            Some(read) => (self.locate(key).await?, Some(read)),
+            Some(read) => (self.locate(key).await?.0, Some(read)),
             None => self.locate_reading(key, named).await?,
         };
         let held = HeldFlight::new(self, key, &names.flight_lock, state);
@@ -414,7 +414,8 @@ impl Corral {
         let expected = inner.tags.generation_now();
         let names = policy.locate(&inner.prefix, key, expected)?;
         if !matches!(inner.read_hints.get(&names.entry), None | Some(NextRead::Get)) {
-            return Ok((self.locate(key).await?, None));
+            let (names, readable) = self.locate(key).await?;
+            return Ok((names, (!readable).then(|| self.unreadable(key, named))));
         }
         let generation_name = policy.generation_name(&inner.prefix)?;
         let deadline = in_ms(inner.flight.store_budget.before_load_ms);
@@ -425,17 +426,19 @@ impl Corral {
         let read =
             tokio::time::timeout(inner.flight.store_timeout, inner.stores.entries.get_many(&both)).await;
         let mut read = read.unwrap_or_default().into_iter();
-        // Unread (failed, timed out, foreign bytes): the last one known, so the flight
-        // goes on to degrade as it would (contract §5.8).
         let generation = match read.next() {
-            Some(Ok(stored)) => self
-                .adopt_generation(since, stored.as_deref(), now)
-                .unwrap_or(expected),
+            Some(Ok(stored)) => self.adopt_generation(since, stored.as_deref(), now).ok(),
             Some(Err(e)) => {
                 self.l2_failed(e);
-                expected
+                None
             }
-            None => expected,
+            None => None,
+        };
+        // Unread (failed, timed out, foreign bytes): the last one known if it may stand
+        // in, so the flight goes on to degrade as it would (contract §5.8); else the
+        // flight degrades as if its read had failed: what a clear left is never served.
+        let Some(generation) = generation.or_else(|| inner.tags.fallback()) else {
+            return Ok((names, Some(self.unreadable(key, named))));
         };
         if generation != expected {
             return Ok((policy.locate(&inner.prefix, key, generation)?, None));
@@ -453,6 +456,19 @@ impl Corral {
             _ => None,
         };
         Ok((names, first))
+    }
+
+    /// The first read of a flight named in a generation that stands in for one that could
+    /// not be read, and may not be read under ([`Corral::locate`]): failed.
+    fn unreadable(&self, key: &str, named: Ticket) -> FirstRead {
+        let inner = &*self.inner;
+        FirstRead {
+            named,
+            l1_ticket: inner.l1.ticket_since(key, named),
+            tag_epoch: inner.l1.tag_epoch(),
+            read: Err(generation_unread()),
+            deadline: in_ms(inner.flight.store_budget.before_load_ms),
+        }
     }
 
     /// The flight configuration of a get-or-set with `options`: the call's own settings,
@@ -563,4 +579,13 @@ struct Led<F> {
     result: Result<Served>,
     loader: Option<F>,
     refresh: Option<LeaderGuard<Outcome>>,
+}
+
+/// A store read not made: the prefix's generation could not be read, and the one last
+/// known may be older than a clear this process did not hear of.
+fn generation_unread() -> Error {
+    Error::new(
+        crate::ErrorKind::Unavailable,
+        "the prefix's generation could not be read, and a clear may have been missed since it last was",
+    )
 }
