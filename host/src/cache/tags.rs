@@ -590,11 +590,17 @@ impl Corral {
 mod tests {
     use super::*;
 
+    /// A process that read `generation` once and heard nothing since, and the moment its
+    /// reads are kept until.
+    fn read_once(generation: u64) -> (TagState, u64) {
+        let (state, until) = (TagState::new(), 10_000);
+        state.keep_read(state.heard_so_far(), generation, until);
+        (state, until)
+    }
+
     #[test]
     fn a_clear_heard_below_the_known_generation_makes_it_read_again() {
-        let state = TagState::new();
-        let until = 10_000;
-        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        let (state, until) = read_once(1_700_000_000_000);
         assert!(state.hear_announced_clear(1_700_000_000_500, until));
         assert_eq!(state.generation_now(), 1_700_000_000_500);
         assert!(state.generation_until.load(Ordering::Acquire) > 0, "kept");
@@ -613,9 +619,7 @@ mod tests {
 
     #[test]
     fn an_announcement_after_a_gap_moves_the_generation_but_is_not_trusted() {
-        let state = TagState::new();
-        let until = 10_000;
-        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        let (state, until) = read_once(1_700_000_000_000);
         // The subscription dropped; a clear to ...900 was missed; an older clear's
         // announcement, retried in the background, arrives after the resubscription.
         state.forget();
@@ -630,9 +634,7 @@ mod tests {
 
     #[test]
     fn a_repeated_announcement_is_no_news() {
-        let state = TagState::new();
-        let until = 10_000;
-        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        let (state, until) = read_once(1_700_000_000_000);
         let before = state.heard_so_far();
         assert!(!state.hear_announced_clear(1_700_000_000_000, until));
         assert_eq!(state.heard_so_far(), before, "a read on its way is still kept");
@@ -640,9 +642,7 @@ mod tests {
 
     #[test]
     fn an_own_clear_that_overlapped_another_is_read_again() {
-        let state = TagState::new();
-        let until = 10_000;
-        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        let (state, until) = read_once(1_700_000_000_000);
         // This cache's clear begins; another process's newer clear is heard before its
         // own write's answer is.
         let since = state.heard_so_far();
@@ -657,9 +657,7 @@ mod tests {
 
     #[test]
     fn a_read_that_saw_a_later_clear_than_one_announced_meanwhile_uses_the_later() {
-        let state = TagState::new();
-        let until = 10_000;
-        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
+        let (state, until) = read_once(1_700_000_000_000);
         let since = state.heard_so_far();
         // A late announcement of an older clear, while the read saw a later one.
         state.hear_announced_clear(1_700_000_000_500, until);
