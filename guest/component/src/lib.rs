@@ -7,7 +7,7 @@
 
 #![cfg(target_arch = "wasm32")]
 
-use corral_core::{Limits, envelope, expiry, policy};
+use corral_core::{Limits, envelope, expiry, generation, policy};
 
 /// The generated bindings. The canonical-ABI glue they contain is `unsafe` by nature;
 /// it is allowed here and nowhere else.
@@ -181,6 +181,55 @@ fn moments_out(m: corral_core::tags::TagMoments) -> wit::TagMoments {
     wit::TagMoments {
         removed_ms: m.removed_ms,
         expired_ms: m.expired_ms,
+    }
+}
+
+fn known_in(k: wit::KnownGeneration) -> generation::Known {
+    generation::Known {
+        generation: k.generation,
+        until_ms: k.until_ms,
+        trusted: k.trusted,
+        heard: generation::Heard {
+            clears: k.heard.clears,
+            gaps: k.heard.gaps,
+        },
+        judges_l1: k.judges_l1,
+    }
+}
+
+fn known_out(k: generation::Known) -> wit::KnownGeneration {
+    wit::KnownGeneration {
+        generation: k.generation,
+        until_ms: k.until_ms,
+        trusted: k.trusted,
+        heard: wit::Heard {
+            clears: k.heard.clears,
+            gaps: k.heard.gaps,
+        },
+        judges_l1: k.judges_l1,
+    }
+}
+
+fn news_in(news: wit::GenerationNews) -> generation::News {
+    let since = |h: wit::Heard| generation::Heard {
+        clears: h.clears,
+        gaps: h.gaps,
+    };
+    match news {
+        wit::GenerationNews::Read(f) => generation::News::Read {
+            since: since(f.since),
+            generation: f.generation,
+            until_ms: f.until_ms,
+        },
+        wit::GenerationNews::OwnClear(f) => generation::News::OwnClear {
+            since: since(f.since),
+            generation: f.generation,
+            until_ms: f.until_ms,
+        },
+        wit::GenerationNews::Announced((generation, until_ms)) => {
+            generation::News::Announced { generation, until_ms }
+        }
+        wit::GenerationNews::Gap => generation::News::Gap,
     }
 }
 
@@ -448,6 +497,20 @@ impl wit::Guest for Component {
             wit::TagMessage::Clear(generation) => corral_core::tags::Message::Clear { generation },
         };
         corral_core::tags::encode(&origin, &message)
+    }
+
+    fn hear_generation(known: wit::KnownGeneration, news: wit::GenerationNews) -> wit::GenerationHeeded {
+        let mut known = known_in(known);
+        let heeded = known.hear(news_in(news));
+        wit::GenerationHeeded {
+            known: known_out(known),
+            generation: heeded.generation,
+            flush_l1: heeded.flush_l1,
+        }
+    }
+
+    fn generation_fallback(known: wit::KnownGeneration) -> Option<u64> {
+        known_in(known).fallback()
     }
 
     fn decode_message(text: String) -> Option<(String, wit::TagMessage)> {

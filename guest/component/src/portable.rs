@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use corral_core::generation::{Known, News};
 use corral_core::policy::{self, ReadOutcome, Touch};
 use corral_core::tags::{self, TagMoments, Tagged, Verdict};
 use corral_core::{EntryMeta, Limits, Settings, envelope, flight, lock, names};
@@ -56,26 +57,51 @@ fn kept(tag: &str, clears: u64) -> Option<(TagMoments, u64)> {
         .and_then(|k| k.moments.get(tag).copied())
 }
 
-/// The prefix's generation as last read, until when it is trusted, and how many times
-/// this process's L1 had been emptied then ([`l1_clears`]): a `clear` by another
-/// instance of this process, a clear announcement heard or a gap in them moves that
-/// count, and the generation is read again.
-static GENERATION: Mutex<Option<Known>> = Mutex::new(None);
+/// What this instance knows of its prefix's generation (`corral_core::generation`), and
+/// how many of L1's flushes ([`l1_clears`]) it has taken in. It hears no announcement
+/// itself: a flush it did not make (a `clear` by another instance of this process, a
+/// tag or clear announcement the host heard, a gap in them) is a gap to it, since a
+/// clear may lie behind it.
+static GENERATION: Mutex<Option<Generation>> = Mutex::new(None);
 
-/// The newest generation this instance read or wrote, trusted or not (generations only
-/// move forward), and L1's flushes count ([`l1_clears`]) before that read: what a
-/// get-or-set names its data in when the generation cannot be read, never an older one
-/// than it has seen, and only while that count has not moved since. Another instance of
-/// the process may have cleared, or the host heard a clear (or missed some), after this
-/// instance last learnt the generation: its last one may be older than a clear, and its
-/// flights then cannot name their keys.
-static LAST_GENERATION: Mutex<(u64, u64)> = Mutex::new((0, 0));
+struct Generation {
+    known: Known,
+    flushes: u64,
+}
 
-#[derive(Clone, Copy)]
-struct Known {
-    generation: u64,
-    until: u64,
-    clears: u64,
+/// [`GENERATION`], with every flush of L1 since it last looked taken in.
+fn known_generation() -> std::sync::MutexGuard<'static, Option<Generation>> {
+    let flushes = l1_clears();
+    let mut state = GENERATION.lock().unwrap_or_else(|e| e.into_inner());
+    match state.as_mut() {
+        None => {
+            *state = Some(Generation {
+                known: Known::in_instance(),
+                flushes,
+            });
+        }
+        Some(g) if g.flushes != flushes => {
+            g.known.hear(News::Gap);
+            g.flushes = flushes;
+        }
+        Some(_) => {}
+    }
+    state
+}
+
+/// Takes in `news` and flushes L1 if the brain says so (that flush is this instance's
+/// own: taken in, not a gap). Returns the generation the caller uses.
+fn hear_generation(news: News) -> u64 {
+    let mut state = known_generation();
+    let Some(g) = state.as_mut() else {
+        return 0;
+    };
+    let heeded = g.known.hear(news);
+    if heeded.flush_l1 {
+        l1::clear();
+        g.flushes += 1;
+    }
+    heeded.generation
 }
 
 /// How many times this process's L1 was emptied (`l1-ticket.flushes`): a `clear` import
@@ -98,46 +124,22 @@ fn prefix() -> String {
 
 /// The prefix's generation (clear): read from the store at most once per L1 TTL.
 fn generation(now: u64) -> Result<u64, types::Error> {
-    let known = *GENERATION.lock().unwrap_or_else(|e| e.into_inner());
-    let clears = l1_clears();
-    if let Some(k) = known
-        && now < k.until
-        && k.clears == clears
-    {
-        return Ok(k.generation);
-    }
-    let stored = l2::get(&names::generation(&prefix()))?;
-    let g = tags::generation(stored.as_deref());
-    let mut expected = clears;
-    if known.is_some_and(|k| k.generation != g) {
-        // Another process cleared: L1 holds values named in another generation.
-        l1::clear();
-        expected += 1;
-    }
-    keep_generation(g, now, expected);
-    Ok(g)
-}
-
-/// Trusts `g` for one L1 TTL from `now`, if this process's L1 clears still count
-/// `expected` (what they were before `g` was read, and this instance's own clear
-/// since): one heard meanwhile may be newer than the read, which then is not kept.
-fn keep_generation(g: u64, now: u64, expected: u64) {
-    {
-        let mut last = LAST_GENERATION.lock().unwrap_or_else(|e| e.into_inner());
-        if g >= last.0 {
-            *last = (g, expected);
+    let since = {
+        let state = known_generation();
+        let Some(g) = state.as_ref() else {
+            return Ok(0);
+        };
+        if let Some(known) = g.known.usable(now) {
+            return Ok(known);
         }
-    }
-    if l1_clears() != expected {
-        *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        return;
-    }
-    let known = Known {
-        generation: g,
-        until: tags::known_until(now, settings().l1_ttl_ms),
-        clears: expected,
+        g.known.heard()
     };
-    *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = Some(known);
+    let stored = l2::get(&names::generation(&prefix()))?;
+    Ok(hear_generation(News::Read {
+        since,
+        generation: tags::generation(stored.as_deref()),
+        until_ms: tags::known_until(now, settings().l1_ttl_ms),
+    }))
 }
 
 /// The names of `key`'s data in the current generation, once `key` passed the key rules.
@@ -148,20 +150,20 @@ fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
 }
 
 /// As [`locate`], for a get-or-set: when the generation cannot be read (the store is
-/// failing), the newest one this instance saw, so the flight degrades as it would
-/// without tags and clear instead of failing (contract §5.8), as the native body does,
-/// and never reads or fills a generation a `clear` it saw left behind. Says whether the
-/// names are known: an instance that never saw a generation, or whose process's L1 was
-/// flushed since it last learnt one (a clear may lie between), cannot name the key at
-/// all, and its flight treats every store step as failed.
+/// failing), the one this instance knows if it may stand in (`Known::fallback`: read or
+/// written since the last gap), so the flight degrades as it would without tags and
+/// clear instead of failing (contract §5.8), as the native body does. Says whether the
+/// names are known: an instance that never read a generation, or whose process's L1 was
+/// flushed since (a clear may lie between), cannot name the key at all, and its flight
+/// treats every store step as failed.
 fn locate_for_flight(key: &str, limits: &Limits) -> Result<(names::Names, bool), types::Error> {
     corral_core::key::validate(key, limits).map_err(arg_error)?;
     let (g, known) = match generation(now_ms()) {
         Ok(g) => (g, true),
-        Err(_) => {
-            let (last, clears) = *LAST_GENERATION.lock().unwrap_or_else(|e| e.into_inner());
-            (last, last > 0 && clears == l1_clears())
-        }
+        Err(_) => match known_generation().as_ref().and_then(|g| g.known.fallback()) {
+            Some(g) => (g, true),
+            None => (0, false),
+        },
     };
     let names = names::locate_in(&prefix(), key, g, limits).map_err(arg_error)?;
     Ok((names, known))
@@ -638,12 +640,18 @@ impl wcache::Guest for Component {
         let name = names::generation(&prefix());
         for _ in 0..settings().cas_tries {
             let now = now_ms();
-            let clears = l1_clears();
+            let since = known_generation()
+                .as_ref()
+                .map(|g| g.known.heard())
+                .unwrap_or_default();
             let stored = l2::get(&name)?;
             let (bytes, g) = tags::next_generation(stored.as_deref(), now);
             if l2::set_if(&name, stored.as_deref(), &bytes, tags::state_ttl_ms(now))? {
-                l1::clear();
-                keep_generation(g, now, clears + 1);
+                hear_generation(News::OwnClear {
+                    since,
+                    generation: g,
+                    until_ms: tags::known_until(now, settings().l1_ttl_ms),
+                });
                 announce(&tags::Message::Clear { generation: g });
                 return Ok(());
             }

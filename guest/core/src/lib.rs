@@ -15,6 +15,8 @@
 //! - [`names`]: where a key's data lives in a shared store (unambiguous, cluster-ready).
 //! - [`policy`]: the above composed into one decision per store operation.
 //! - [`tags`]: tag invalidations and clear (generations), without scans.
+//! - [`generation`]: what a process knows of its prefix's generation, under late,
+//!   lost and overlapping news.
 //! - [`script`]: the server-side Lua a Redis store runs to read and touch atomically;
 //!   it mirrors [`expiry::check`] and lives here so the rule has one home.
 
@@ -25,6 +27,7 @@ pub mod envelope;
 mod error;
 pub mod expiry;
 pub mod flight;
+pub mod generation;
 pub mod key;
 pub mod kv;
 pub mod lock;

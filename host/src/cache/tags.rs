@@ -25,7 +25,10 @@ use super::Corral;
 use super::metrics::Metrics;
 use crate::clock::Clock;
 use crate::guest::Policy;
-use crate::guest::policy::{TagMessage, TagMoments, TagVerdict, Tagged, WitMeta};
+use crate::guest::policy::{
+    GenerationFound, GenerationNews, Heard, KnownGeneration, TagMessage, TagMoments, TagVerdict, Tagged,
+    WitMeta,
+};
 use crate::store::l1::{L1, L1Tagged};
 use crate::{Error, ErrorKind, Result};
 
@@ -33,17 +36,14 @@ use crate::{Error, ErrorKind, Result};
 pub(crate) struct TagState {
     /// Per tag: its moments, and until when they may be kept without hearing again.
     moments: Mutex<HashMap<String, (TagMoments, u64)>>,
-    /// The prefix's generation as last known.
+    /// What is known of the prefix's generation, as the guest keeps it
+    /// (`corral-core`'s `generation`): changed only by what `hear-generation` answers.
+    known: Mutex<KnownGeneration>,
+    /// `known`'s generation and until when it may be used, for reads without the lock.
     generation: AtomicU64,
-    /// Until when it may be kept (0: read it before the next use).
     generation_until: AtomicU64,
-    /// Whether it may stand in for the store's when a read of it fails: it was read
-    /// (or written) since the last gap, and every clear since was heard.
-    trusted: std::sync::atomic::AtomicBool,
-    /// What was heard so far: a read of the generation or of a tag's moments that began
-    /// before a clear or a gap is older news and is not kept. Held while the generation
-    /// changes.
-    heard: Mutex<Heard>,
+    /// The brain, which holds every rule of what is known.
+    policy: Policy,
     /// This cache's name on the invalidation channel (its own messages are not news).
     origin: String,
 }
@@ -58,101 +58,93 @@ impl std::fmt::Debug for TagState {
 }
 
 impl TagState {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(policy: Policy) -> Self {
         TagState {
             moments: Mutex::new(HashMap::new()),
+            // This process's L1 is its own (empty now): judged in generation 0.
+            known: Mutex::new(KnownGeneration {
+                generation: 0,
+                until_ms: 0,
+                trusted: false,
+                heard: Heard { clears: 0, gaps: 0 },
+                judges_l1: true,
+            }),
             generation: AtomicU64::new(0),
             generation_until: AtomicU64::new(0),
-            trusted: std::sync::atomic::AtomicBool::new(false),
-            heard: Mutex::new(Heard::default()),
+            policy,
             origin: crate::lock_token(),
         }
     }
 
-    /// This cache's own clear moved the prefix to `generation` (what the store held when
-    /// it was written, kept as it is, lower than the known one or not), its write having
-    /// begun when [`Self::heard_so_far`] said `since`: kept until `until`, unless a clear
-    /// was heard meanwhile (it may be newer than this one): then read again next time.
-    /// Heard, so a generation read that began before it is not kept ([`Self::keep_read`]).
-    fn hear_own_clear(&self, since: Heard, generation: u64, until: u64) {
-        let mut heard = self.heard.lock();
-        let trusted = heard.clears == since.clears;
-        heard.clears += 1;
-        self.generation.store(generation, Ordering::Release);
-        self.generation_until
-            .store(if trusted { until } else { 0 }, Ordering::Release);
-        self.trusted.store(trusted, Ordering::Release);
+    /// Takes in `news` about the generation, as the guest says: what is known now, the
+    /// generation the caller uses, and whether L1 must be flushed. Should the guest not
+    /// answer, nothing known is used again and L1 is flushed (as after a gap).
+    fn hear(&self, news: GenerationNews) -> (u64, bool) {
+        let mut known = self.known.lock();
+        let (generation, flush) = match self.policy.hear_generation(*known, news) {
+            Ok(heeded) => {
+                *known = heeded.known;
+                (heeded.generation, heeded.flush_l1)
+            }
+            Err(_) => {
+                known.until_ms = 0;
+                known.trusted = false;
+                known.heard.gaps += 1;
+                (known.generation, true)
+            }
+        };
+        self.generation.store(known.generation, Ordering::Release);
+        self.generation_until.store(known.until_ms, Ordering::Release);
+        (generation, flush)
     }
 
-    /// Another process's clear moved the prefix to `generation`, as announced. Newer than
-    /// what is known: it moves there, kept until `until` if what is known was trusted (after
-    /// a gap a newer clear may have been missed too: the next call reads it). The known
-    /// one again (a late or repeated announcement): nothing. Older: the counter went back
-    /// (a store restart emptied it, and a clear counted from there), so what is known is
-    /// stale and the next call reads it again: a gap. Says whether it was news.
-    fn hear_announced_clear(&self, generation: u64, until: u64) -> bool {
-        let mut heard = self.heard.lock();
-        let known = self.generation.load(Ordering::Acquire);
-        if generation > known {
-            heard.clears += 1;
-            self.generation.store(generation, Ordering::Release);
-            if self.generation_until.load(Ordering::Acquire) != 0 {
-                self.generation_until.store(until, Ordering::Release);
-            }
-        } else if generation < known {
-            heard.gaps += 1;
-            self.generation_until.store(0, Ordering::Release);
-            self.trusted.store(false, Ordering::Release);
-        }
-        generation != known
+    /// This cache's own clear wrote `generation`, its write having begun when
+    /// [`Self::heard_so_far`] said `since`; kept until `until` (the guest decides).
+    fn hear_own_clear(&self, since: Heard, generation: u64, until_ms: u64) {
+        self.hear(GenerationNews::OwnClear(GenerationFound {
+            since,
+            generation,
+            until_ms,
+        }));
+    }
+
+    /// Another process's clear moved the prefix to `generation`, as announced: says
+    /// whether L1 must be flushed.
+    fn hear_announced_clear(&self, generation: u64, until_ms: u64) -> bool {
+        self.hear(GenerationNews::Announced((generation, until_ms))).1
     }
 
     /// What was heard so far: taken before a generation or tag read.
     pub(crate) fn heard_so_far(&self) -> Heard {
-        *self.heard.lock()
+        self.known.lock().heard
     }
 
-    /// Keeps `generation`, read from the store after [`Self::heard_so_far`] said
-    /// `since`, until `until`, and says which generation the caller is to use.
-    fn keep_read(&self, since: Heard, generation: u64, until: u64) -> GenerationRead {
-        let heard = self.heard.lock();
-        if heard.clears != since.clears {
-            // What the clear set is newer than what the read may have seen, unless its
-            // announcement came late: the later of the two, for this call only.
-            let heard_of = self.generation.load(Ordering::Acquire);
-            return GenerationRead::Cleared(heard_of.max(generation));
-        }
-        if heard.gaps != since.gaps {
-            // Newer than anything known, and perhaps older than what was missed: good
-            // for this call (a clear that ended before it began is in it), not kept.
-            return GenerationRead::Unkept;
-        }
-        // (Not a maximum: a store that restarted empty counts from 0 again, and every
-        // process must agree with it.)
-        let before = self.generation.swap(generation, Ordering::AcqRel);
-        self.generation_until.store(until, Ordering::Release);
-        self.trusted.store(true, Ordering::Release);
-        drop(heard);
-        GenerationRead::Kept { before }
+    /// Takes in `generation`, read from the store after [`Self::heard_so_far`] said
+    /// `since`, kept until `until` if nothing was heard meanwhile: the generation the
+    /// caller is to use, and whether L1 must be flushed.
+    fn keep_read(&self, since: Heard, generation: u64, until_ms: u64) -> (u64, bool) {
+        self.hear(GenerationNews::Read(GenerationFound {
+            since,
+            generation,
+            until_ms,
+        }))
     }
 
     /// Announcements may have been missed: everything kept is read again, and a read
     /// on its way now (it may have been answered before what was missed) is not kept.
     pub(crate) fn forget(&self) {
-        let mut heard = self.heard.lock();
-        heard.gaps += 1;
+        self.hear(GenerationNews::Gap);
         self.moments.lock().clear();
-        self.generation_until.store(0, Ordering::Release);
-        self.trusted.store(false, Ordering::Release);
-        drop(heard);
     }
 
     /// As [`Self::learn`], for `moments` read from the store after
-    /// [`Self::heard_so_far`] said `since`: not kept if announcements may have been
-    /// missed while the read was on its way (says `false` then).
+    /// [`Self::heard_so_far`] said `since`: not kept if a clear or a gap was heard while
+    /// the read was on its way (says `false` then).
     fn learn_read(&self, since: Heard, tag: &str, moments: TagMoments, until: u64) -> bool {
-        let heard = self.heard.lock();
-        *heard == since && self.learn(tag, moments, until)
+        let known = self.known.lock();
+        known.heard.clears == since.clears
+            && known.heard.gaps == since.gaps
+            && self.learn(tag, moments, until)
     }
 
     /// The generation as last known (no I/O).
@@ -160,15 +152,13 @@ impl TagState {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// The generation that may stand in for the store's when a read of it fails: the one
-    /// last known, if it was read (or written) since the last gap in the announcements;
-    /// else `None` (never read, or a clear may have been missed since), and entries named
+    /// The generation that may stand in for the store's when a read of it fails, as
+    /// the guest says (`generation-fallback`): the one last known, if it was read (or
+    /// written) since the last gap in the announcements; else `None`, and entries named
     /// in it are not to be read: an entry a clear left would be served.
     pub(crate) fn fallback(&self) -> Option<u64> {
-        let _heard = self.heard.lock();
-        self.trusted
-            .load(Ordering::Acquire)
-            .then(|| self.generation.load(Ordering::Acquire))
+        let known = *self.known.lock();
+        self.policy.generation_fallback(known).ok().flatten()
     }
 
     /// Keeps `moments` of `tag` until `until`, merged with what is kept; says whether
@@ -206,28 +196,6 @@ impl TagState {
             .copied()
             .filter(|(_, until)| now < *until)
     }
-}
-
-/// The clears and the gaps in the announcements a process heard, each counted.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Heard {
-    /// Clears (here, or announced) that set the generation.
-    clears: u64,
-    /// Times what is known went stale: a gap in the subscription (announcements may
-    /// have been missed), a clear announced below the known generation.
-    gaps: u64,
-}
-
-/// Which generation a read of it leaves the caller to use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum GenerationRead {
-    /// The one read, now kept; `before` was known until then.
-    Kept { before: u64 },
-    /// A clear was heard while the read was on its way: the later of what it set and
-    /// what the read saw (an announcement may come late), for this call only.
-    Cleared(u64),
-    /// The one read, for this call only (announcements may have been missed meanwhile).
-    Unkept,
 }
 
 /// The later of two records of a tag's moments (each only moves forward).
@@ -312,16 +280,13 @@ impl Corral {
         let policy = &self.inner.policy;
         let g = policy.generation_of(stored)?;
         let until = policy.tag_known_until(now, self.inner.l1_ttl_ms)?;
-        match state.keep_read(since, g, until) {
-            GenerationRead::Kept { before } if before != g => {
-                // Another process cleared (or the counter was lost): L1 was judged by
-                // the names of another generation.
-                self.inner.l1.clear_generation();
-                Ok(g)
-            }
-            GenerationRead::Kept { .. } | GenerationRead::Unkept => Ok(g),
-            GenerationRead::Cleared(newer) => Ok(newer),
+        let (generation, flush) = state.keep_read(since, g, until);
+        if flush {
+            // Another process cleared (or the counter was lost): L1 was judged by the
+            // names of another generation.
+            self.inner.l1.clear_generation();
         }
+        Ok(generation)
     }
 
     /// The moments of `tags` at `now`, and until when all of them are known: kept ones,
@@ -589,140 +554,67 @@ impl Corral {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::guest::policy::defaults;
 
-    /// A process that read `generation` once and heard nothing since, and the moment its
-    /// reads are kept until.
-    fn read_once(generation: u64) -> (TagState, u64) {
-        let (state, until) = (TagState::new(), 10_000);
-        state.keep_read(state.heard_so_far(), generation, until);
-        (state, until)
+    // The rules are `corral-core`'s (`generation`, with its own tests); these check that
+    // this body feeds them and keeps what they answer.
+
+    fn state() -> TagState {
+        TagState::new(Policy::load(defaults().unwrap().limits).unwrap())
+    }
+
+    fn until(state: &TagState) -> u64 {
+        state.generation_until.load(Ordering::Acquire)
     }
 
     #[test]
-    fn a_clear_heard_below_the_known_generation_makes_it_read_again() {
-        let (state, until) = read_once(1_700_000_000_000);
-        assert!(state.hear_announced_clear(1_700_000_000_500, until));
-        assert_eq!(state.generation_now(), 1_700_000_000_500);
-        assert!(state.generation_until.load(Ordering::Acquire) > 0, "kept");
-        // A store restart emptied the counter, and a clock behind ours cleared from there.
-        state.hear_announced_clear(1_700_000_000_100, until);
-        assert_eq!(
-            state.generation_until.load(Ordering::Acquire),
-            0,
-            "the known generation is stale: read again"
-        );
-        // This cache's own clear is what the store holds, lower or not.
-        state.hear_own_clear(state.heard_so_far(), 1_700_000_000_050, until);
-        assert_eq!(state.generation_now(), 1_700_000_000_050);
-        assert_eq!(state.generation_until.load(Ordering::Acquire), until);
-    }
-
-    #[test]
-    fn an_announcement_after_a_gap_moves_the_generation_but_is_not_trusted() {
-        let (state, until) = read_once(1_700_000_000_000);
-        // The subscription dropped; a clear to ...900 was missed; an older clear's
-        // announcement, retried in the background, arrives after the resubscription.
-        state.forget();
-        assert!(state.hear_announced_clear(1_700_000_000_500, until));
-        assert_eq!(state.generation_now(), 1_700_000_000_500);
-        assert_eq!(
-            state.generation_until.load(Ordering::Acquire),
-            0,
-            "a newer clear may have been missed in the gap: read again"
-        );
-    }
-
-    #[test]
-    fn a_repeated_announcement_is_no_news() {
-        let (state, until) = read_once(1_700_000_000_000);
-        let before = state.heard_so_far();
-        assert!(!state.hear_announced_clear(1_700_000_000_000, until));
-        assert_eq!(state.heard_so_far(), before, "a read on its way is still kept");
-    }
-
-    #[test]
-    fn an_own_clear_that_overlapped_another_is_read_again() {
-        let (state, until) = read_once(1_700_000_000_000);
-        // This cache's clear begins; another process's newer clear is heard before its
-        // own write's answer is.
-        let since = state.heard_so_far();
-        state.hear_announced_clear(1_700_000_000_900, until);
-        state.hear_own_clear(since, 1_700_000_000_500, until);
-        assert_eq!(
-            state.generation_until.load(Ordering::Acquire),
-            0,
-            "the other clear may be the later one: read again"
-        );
-    }
-
-    #[test]
-    fn a_read_that_saw_a_later_clear_than_one_announced_meanwhile_uses_the_later() {
-        let (state, until) = read_once(1_700_000_000_000);
-        let since = state.heard_so_far();
-        // A late announcement of an older clear, while the read saw a later one.
-        state.hear_announced_clear(1_700_000_000_500, until);
-        assert_eq!(
-            state.keep_read(since, 1_700_000_000_900, until),
-            GenerationRead::Cleared(1_700_000_000_900)
-        );
-    }
-
-    #[test]
-    fn a_read_overlapping_a_gap_is_used_once_and_one_overlapping_a_clear_gives_way() {
-        let state = TagState::new();
-        let until = 10_000;
-        // The subscription came up (a gap) while a fresh process read the generation.
-        let since = state.heard_so_far();
-        state.forget();
-        assert_eq!(
-            state.keep_read(since, 1_700_000_000_500, until),
-            GenerationRead::Unkept,
-            "the read is newer than what is known (0): used, not kept"
-        );
-        assert_eq!(state.generation_now(), 0);
-        assert_eq!(
-            state.generation_until.load(Ordering::Acquire),
-            0,
-            "read again next time"
-        );
-        // A clear heard while a read was on its way set a newer one.
-        let since = state.heard_so_far();
-        state.hear_announced_clear(1_700_000_000_700, until);
-        assert_eq!(
-            state.keep_read(since, 1_700_000_000_500, until),
-            GenerationRead::Cleared(1_700_000_000_700)
-        );
-        // Nothing heard meanwhile: kept.
-        let since = state.heard_so_far();
-        assert_eq!(
-            state.keep_read(since, 1_700_000_000_900, until),
-            GenerationRead::Kept {
-                before: 1_700_000_000_700
-            }
-        );
-        assert_eq!(state.generation_now(), 1_700_000_000_900);
-    }
-
-    #[test]
-    fn only_a_generation_read_since_the_last_gap_stands_in_for_an_unread_one() {
-        let state = TagState::new();
-        let until = 10_000;
+    fn what_the_guest_answers_is_kept_and_used() {
+        let state = state();
         assert_eq!(
             state.fallback(),
             None,
             "never read: a clear may have left entries under 0"
         );
-        state.keep_read(state.heard_so_far(), 1_700_000_000_000, until);
-        assert_eq!(state.fallback(), Some(1_700_000_000_000));
-        assert!(state.hear_announced_clear(1_700_000_000_500, until));
+        let (g, flush) = state.keep_read(state.heard_so_far(), 1_700_000_000_000, 10_000);
+        assert_eq!((g, flush), (1_700_000_000_000, true), "L1 was judged in 0");
         assert_eq!(
-            state.fallback(),
-            Some(1_700_000_000_500),
-            "every clear since was heard"
+            (state.generation_now(), until(&state)),
+            (1_700_000_000_000, 10_000)
         );
+        assert_eq!(state.fallback(), Some(1_700_000_000_000));
+        // A read on its way across a gap is used, not kept.
+        let since = state.heard_so_far();
         state.forget();
-        assert_eq!(state.fallback(), None, "a clear may have been missed in the gap");
-        state.hear_own_clear(state.heard_so_far(), 1_700_000_000_900, until);
-        assert_eq!(state.fallback(), Some(1_700_000_000_900));
+        assert_eq!(state.fallback(), None);
+        assert_eq!(until(&state), 0, "read again");
+        assert_eq!(
+            state.keep_read(since, 1_700_000_000_500, 10_000),
+            (1_700_000_000_500, false)
+        );
+        assert_eq!(state.generation_now(), 1_700_000_000_000);
+    }
+
+    #[test]
+    fn announced_and_own_clears_move_the_generation() {
+        let state = state();
+        state.keep_read(state.heard_so_far(), 1_700_000_000_000, 10_000);
+        assert!(state.hear_announced_clear(1_700_000_000_500, 20_000));
+        assert_eq!(
+            (state.generation_now(), until(&state)),
+            (1_700_000_000_500, 20_000)
+        );
+        assert!(!state.hear_announced_clear(1_700_000_000_500, 20_000), "no news");
+        // A clear overlapping this cache's own: read again.
+        let since = state.heard_so_far();
+        state.hear_announced_clear(1_700_000_000_900, 20_000);
+        state.hear_own_clear(since, 1_700_000_000_700, 30_000);
+        assert_eq!((state.generation_now(), until(&state)), (1_700_000_000_700, 0));
+        // A tag read across that clear is not kept.
+        let moments = TagMoments {
+            removed_ms: 1,
+            expired_ms: 0,
+        };
+        assert!(!state.learn_read(since, "t", moments, 30_000));
+        assert!(state.kept("t", 0).is_none());
     }
 }

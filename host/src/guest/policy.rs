@@ -95,8 +95,9 @@ pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
 pub(crate) use types::Tagged;
 pub(crate) use wit::{
-    ExpirePlan, FirstRead, Freshness as WitFreshness, Judged, NextRead, Plan, ReadOutcome, StoreNames,
-    TagMessage, TagMoments, TagVerdict, Touch,
+    ExpirePlan, FirstRead, Freshness as WitFreshness, GenerationFound, GenerationHeeded, GenerationNews,
+    Heard, Judged, KnownGeneration, NextRead, Plan, ReadOutcome, StoreNames, TagMessage, TagMoments,
+    TagVerdict, Touch,
 };
 
 impl Policy {
@@ -556,6 +557,29 @@ impl Policy {
             s.guest
                 .corral_cache_policy()
                 .call_next_generation(&mut s.store, stored, now_ms)
+        })
+    }
+
+    /// What `known` becomes on `news` about the prefix's generation, the generation the
+    /// caller uses, and whether L1 must be flushed.
+    pub(crate) fn hear_generation(
+        &self,
+        known: KnownGeneration,
+        news: GenerationNews,
+    ) -> Result<GenerationHeeded> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_hear_generation(&mut s.store, known, news)
+        })
+    }
+
+    /// The generation that may stand in for the store's when a read of it fails.
+    pub(crate) fn generation_fallback(&self, known: KnownGeneration) -> Result<Option<u64>> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_generation_fallback(&mut s.store, known)
         })
     }
 
