@@ -261,49 +261,57 @@ async fn a_fresh_process_never_serves_what_a_clear_left_in_the_generation_it_exp
     Ok(())
 }
 
-/// As above, with a slow Redis: the fresh process's first read (the generation with the
-/// entry under the generation it expects) answers after the store timeout, and Redis is
-/// quick again by the next command. The process never read the generation, so it has
-/// none that may stand in: the get-or-set loads (degraded) rather than read the entry
-/// under generation 0, which a clear left. Both the single key and the batch.
+/// As above, with a slow Redis: the fresh process's first read (the generation, with the
+/// entry under the generation it expects or alone) answers after the store timeout, and
+/// Redis is quick again by the next command. The process never read the generation, so
+/// none may stand in: the get-or-set loads (degraded) and touches nothing in the store,
+/// rather than read (or write) under generation 0, which a clear left. The single key,
+/// the batch, and a bypass (whose first step is the load, then a write).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fresh_process_behind_a_slow_first_reply_never_serves_what_a_clear_left() -> Result<()> {
     let server = RedisServer::start()?;
     let before = Corral::builder().redis(server.url()).build()?;
-    for key in ["k", "m"] {
+    for key in ["single", "batch", "bypass"] {
         let options = EntryOptions::new().relative(Duration::from_secs(60));
         before.set(key, "before the clear", options).await?;
     }
     before.clear().await?;
-    for batch in [false, true] {
+    for key in ["single", "batch", "bypass"] {
         let proxy = corral_tests::FaultProxy::start(server.addr())?;
         let mut options = corral::RedisOptions::new(proxy.url());
         options.response_timeout = Duration::from_millis(200);
         let fresh = Corral::builder().redis_options(options).build()?;
         // Connected (without reading the generation) before Redis turns slow.
         fresh.entries().ttl_ms("connect").await?;
+        let left_by_the_clear = fresh.entry_name(key)?;
         proxy.set_latency(Duration::from_millis(300));
         let call = {
             let fresh = fresh.clone();
             tokio::spawn(async move {
-                let load = |key: &str| format!("{key} loaded after it");
-                if batch {
-                    let answers = fresh
-                        .get_or_set_many(["m"], relative(), move |keys: Vec<String>| {
-                            let loaded: Vec<_> = keys.into_iter().map(|k| (k.clone(), load(&k))).collect();
-                            std::future::ready(Ok::<_, std::io::Error>(loaded))
-                        })
-                        .await?;
-                    let answer = answers.into_iter().next().context("one answer")??;
-                    Ok::<_, anyhow::Error>(answer.map(|b| String::from_utf8_lossy(&b).into_owned()))
-                } else {
-                    let v = fresh
-                        .get_or_set("k", relative(), move || async move {
-                            Ok::<_, std::io::Error>(load("k"))
-                        })
-                        .await?;
-                    Ok(Some(String::from_utf8_lossy(&v).into_owned()))
-                }
+                let loaded = format!("{key} loaded after it");
+                let answer = match key {
+                    "batch" => {
+                        let answers = fresh
+                            .get_or_set_many([key], relative(), move |keys: Vec<String>| {
+                                let loaded: Vec<_> = keys.into_iter().map(|k| (k, loaded.clone())).collect();
+                                std::future::ready(Ok::<_, std::io::Error>(loaded))
+                            })
+                            .await?;
+                        answers.into_iter().next().context("one answer")??
+                    }
+                    _ => {
+                        let options = relative().bypass(key == "bypass");
+                        let v = fresh
+                            .get_or_set(
+                                key,
+                                options,
+                                move || async move { Ok::<_, std::io::Error>(loaded) },
+                            )
+                            .await?;
+                        Some(v)
+                    }
+                };
+                Ok::<_, anyhow::Error>(answer.map(|b| String::from_utf8_lossy(&b).into_owned()))
             })
         };
         // Quick again once the first read is on its slow way (its delay is fixed).
@@ -312,20 +320,24 @@ async fn a_fresh_process_behind_a_slow_first_reply_never_serves_what_a_clear_lef
         while !proxy.connections().iter().any(|c| c.commands.iter().any(reading)) {
             anyhow::ensure!(
                 Instant::now() < deadline,
-                "the first read never reached the proxy (batch: {batch}): {:?}",
+                "the first read never reached the proxy ({key}): {:?}",
                 proxy.connections()
             );
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         proxy.set_latency(Duration::ZERO);
-        let key = if batch { "m" } else { "k" };
         let answer = call.await??;
-        assert_eq!(
-            answer.as_deref(),
-            Some(format!("{key} loaded after it").as_str()),
-            "batch: {batch}"
+        assert_eq!(answer, Some(format!("{key} loaded after it")), "{key}");
+        assert_eq!(fresh.metrics().loads, 1, "{key}");
+        let left = fresh
+            .entries()
+            .get(&left_by_the_clear)
+            .await?
+            .context("what the clear left")?;
+        assert!(
+            left.ends_with(b"before the clear"),
+            "{key}: the old generation was written: {left:?}"
         );
-        assert_eq!(fresh.metrics().loads, 1, "batch: {batch}");
     }
     Ok(())
 }

@@ -608,6 +608,7 @@ impl Corral {
                     tag_epoch,
                     read,
                     deadline,
+                    unnamed: !readable,
                 };
                 (i, first, l1_until)
             })

@@ -53,6 +53,9 @@ pub(super) struct FirstRead {
     pub(super) tag_epoch: u64,
     pub(super) read: Result<L2Read>,
     pub(super) deadline: Instant,
+    /// The key's data could not be named (the prefix's generation unread, and none may
+    /// stand in): the read failed, and so does every later store step of the flight.
+    pub(super) unnamed: bool,
 }
 
 /// One flight in progress: the performer of its actions and its registers.
@@ -98,6 +101,9 @@ pub(super) struct Driver<'a, F> {
     /// made by the lock that found the entry empty: it answers the next action only, if
     /// that is the read.
     first_read: Option<FirstRead>,
+    /// The key's data could not be named: every store step fails, and the flight
+    /// degrades (contract §5.8).
+    unnamed: bool,
 }
 
 impl<'a, F, Fut, V, E> Driver<'a, F>
@@ -125,6 +131,7 @@ where
         let deadline = first_read
             .as_ref()
             .map_or_else(|| in_ms(before_load), |r| r.deadline);
+        let unnamed = first_read.as_ref().is_some_and(|r| r.unnamed);
         Driver {
             cache,
             key,
@@ -149,6 +156,7 @@ where
             served_stale_early: false,
             release_owed: false,
             first_read,
+            unnamed,
         }
     }
 
@@ -203,6 +211,9 @@ where
             None => {
                 self.l1_ticket = inner.l1.ticket_since(self.key, self.named);
                 self.read_tag_epoch = inner.l1.tag_epoch();
+                if self.unnamed {
+                    return Event::L2Failed;
+                }
                 by(self.deadline, self.cache.l2_look(self.entry_name, self.now)).await
             }
         };
@@ -230,6 +241,9 @@ where
     }
 
     async fn try_lock(&mut self, ttl_ms: u64) -> Event {
+        if self.unnamed {
+            return Event::LockFailed;
+        }
         let inner = &*self.cache.inner;
         // Listen before trying, so a landing right after the try is not missed.
         let watch = timeout_at(self.deadline, inner.stores.notifications.watch(self.key))
@@ -263,6 +277,7 @@ where
                         tag_epoch,
                         read: Ok(L2Read::Miss { holds: None }),
                         deadline: self.deadline,
+                        unnamed: false,
                     });
                 }
                 Event::LockAcquired
@@ -538,6 +553,9 @@ where
     }
 
     async fn write_l2(&mut self, mut write: Write) -> Result<Event> {
+        if self.unnamed {
+            return Ok(Event::L2WriteFailed);
+        }
         let inner = &*self.cache.inner;
         self.l1_ticket = inner.l1.ticket_since(self.key, self.named);
         if !self.options.tags.is_empty() {

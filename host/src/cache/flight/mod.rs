@@ -390,7 +390,13 @@ impl Corral {
             .as_ref()
             .map_or_else(|| inner.l1.ticket(key), |read| read.named);
         let (names, first) = match first {
-            Some(read) => (self.locate(key).await?.0, Some(read)),
+            Some(mut read) => {
+                // Named again (the batch's generation may have lapsed meanwhile): what
+                // cannot be named now is not written nor locked either.
+                let (names, readable) = self.locate(key).await?;
+                read.unnamed |= !readable;
+                (names, Some(read))
+            }
             None => self.locate_reading(key, named).await?,
         };
         let held = HeldFlight::new(self, key, &names.flight_lock, state);
@@ -452,6 +458,7 @@ impl Corral {
                     .l2_judge(&names.entry, None, stored.map(|b| (b, None)), now)
                     .await,
                 deadline,
+                unnamed: false,
             }),
             _ => None,
         };
@@ -468,6 +475,7 @@ impl Corral {
             tag_epoch: inner.l1.tag_epoch(),
             read: Err(generation_unread()),
             deadline: in_ms(inner.flight.store_budget.before_load_ms),
+            unnamed: true,
         }
     }
 
