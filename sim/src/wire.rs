@@ -149,18 +149,22 @@ impl SimSubscription {
     /// A round trip on this connection: `None` if it was cut meanwhile (its replies
     /// never come: the caller's timeout ends the wait).
     async fn trip(&self) -> Option<()> {
-        let w = &self.world;
-        w.gate(self.proc).await;
-        let (there, _) = w.latency();
-        tokio::time::sleep(Duration::from_millis(there)).await;
-        if !w.listening(self.proc, self.id) {
-            return None;
-        }
-        let (back, _) = w.latency();
-        tokio::time::sleep(Duration::from_millis(back)).await;
-        w.gate(self.proc).await;
-        Some(())
+        trip(&self.world, self.proc, self.id).await
     }
+}
+
+/// A round trip on `proc`'s subscription connection `id`, as [`SimSubscription::trip`].
+async fn trip(w: &World, proc: usize, id: u64) -> Option<()> {
+    w.gate(proc).await;
+    let (there, _) = w.latency();
+    tokio::time::sleep(Duration::from_millis(there)).await;
+    if !w.listening(proc, id) {
+        return None;
+    }
+    let (back, _) = w.latency();
+    tokio::time::sleep(Duration::from_millis(back)).await;
+    w.gate(proc).await;
+    Some(())
 }
 
 impl WireSubscription for SimSubscription {
@@ -179,9 +183,10 @@ impl WireSubscription for SimSubscription {
         self.rx.recv().boxed()
     }
 
-    fn ping(&mut self) -> BoxFuture<'_, RedisResult<()>> {
+    fn ping(&self) -> BoxFuture<'static, RedisResult<()>> {
+        let (world, proc, id) = (self.world.clone(), self.proc, self.id);
         async move {
-            if self.trip().await.is_none() {
+            if trip(&world, proc, id).await.is_none() {
                 return std::future::pending().await;
             }
             Ok(())

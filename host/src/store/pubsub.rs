@@ -162,11 +162,16 @@ impl Subscription {
         }
     }
 
-    async fn ping(&mut self) -> redis::RedisResult<()> {
+    /// A `PING` on the subscribed connection, holding no borrow of the subscription:
+    /// messages are heard while it waits.
+    fn ping(&self) -> futures::future::BoxFuture<'static, redis::RedisResult<()>> {
         match self {
-            Subscription::Redis(sink, _) => sink.ping::<redis::Value>().await.map(drop),
+            Subscription::Redis(sink, _) => {
+                let mut sink = sink.clone();
+                async move { sink.ping::<redis::Value>().await.map(drop) }.boxed()
+            }
             #[cfg(feature = "test-util")]
-            Subscription::Wired(wired) => wired.ping().await,
+            Subscription::Wired(wired) => wired.ping(),
         }
     }
 }
@@ -238,9 +243,18 @@ async fn confirmed(shared: &Shared, subscribing: impl Future<Output = redis::Red
 async fn listen(weak: &Weak<Shared>, mut subscription: Subscription) {
     let mut health = tokio::time::interval(HEALTH_EVERY);
     health.tick().await;
+    // The health `PING` under way, if any: whether it was answered in time.
+    let mut ping: Option<futures::future::BoxFuture<'static, bool>> = None;
     loop {
+        let answered = async {
+            match ping.as_mut() {
+                Some(ping) => ping.await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            // Messages first: a connection that delivers is alive.
+            // Messages first: a connection that delivers is alive. They are heard while
+            // a ping waits for its answer.
             biased;
             msg = subscription.next() => {
                 let Some(msg) = msg else { return };
@@ -248,11 +262,9 @@ async fn listen(weak: &Weak<Shared>, mut subscription: Subscription) {
                     return;
                 }
             }
-            _ = health.tick() => {
-                let Some(shared) = weak.upgrade() else { return };
-                let timeout = shared.response_timeout;
-                drop(shared);
-                if let Ok(Ok(_)) = tokio::time::timeout(timeout, subscription.ping()).await {
+            alive = answered => {
+                ping = None;
+                if alive {
                     continue;
                 }
                 while let Some(Some(msg)) = subscription.next().now_or_never() {
@@ -261,6 +273,15 @@ async fn listen(weak: &Weak<Shared>, mut subscription: Subscription) {
                     }
                 }
                 return;
+            }
+            _ = health.tick() => {
+                if ping.is_some() {
+                    // (The last one is still within its response timeout.)
+                    continue;
+                }
+                let Some(shared) = weak.upgrade() else { return };
+                let sent = tokio::time::timeout(shared.response_timeout, subscription.ping());
+                ping = Some(async move { matches!(sent.await, Ok(Ok(()))) }.boxed());
             }
         }
     }

@@ -33,6 +33,7 @@ pub trait WireSubscription: Send {
     /// is gone. Dropping the future loses nothing.
     fn next_message(&mut self) -> BoxFuture<'_, Option<Msg>>;
 
-    /// `PING` on the subscribed connection.
-    fn ping(&mut self) -> BoxFuture<'_, RedisResult<()>>;
+    /// `PING` on the subscribed connection. The future holds no borrow of the
+    /// subscription: messages are heard while it waits.
+    fn ping(&self) -> BoxFuture<'static, RedisResult<()>>;
 }

@@ -13,6 +13,7 @@ mod proxy;
 mod ready;
 mod single_flight;
 mod sliding;
+mod subscription;
 mod tags;
 mod telemetry;
 mod vectors;
