@@ -78,7 +78,8 @@ impl TagState {
 
     /// Takes in `news` about the generation, as the guest says: what is known now, the
     /// generation the caller uses, and whether L1 must be flushed. Should the guest not
-    /// answer, nothing known is used again and L1 is flushed (as after a gap).
+    /// answer (a trap), nothing known is trusted or kept any more, L1 is flushed, and
+    /// the caller uses what the news says (a read's or a clear's generation).
     fn hear(&self, news: GenerationNews) -> (u64, bool) {
         let mut known = self.known.lock();
         let (generation, flush) = match self.policy.hear_generation(*known, news) {
@@ -90,7 +91,12 @@ impl TagState {
                 known.until_ms = 0;
                 known.trusted = false;
                 known.heard.gaps += 1;
-                (known.generation, true)
+                let told = match news {
+                    GenerationNews::Read(found) | GenerationNews::OwnClear(found) => found.generation,
+                    GenerationNews::Announced((generation, _)) => generation,
+                    GenerationNews::Gap => known.generation,
+                };
+                (told, true)
             }
         };
         self.generation.store(known.generation, Ordering::Release);

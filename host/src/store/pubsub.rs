@@ -280,8 +280,10 @@ async fn listen(weak: &Weak<Shared>, mut subscription: Subscription) {
                     continue;
                 }
                 let Some(shared) = weak.upgrade() else { return };
-                let sent = tokio::time::timeout(shared.response_timeout, subscription.ping());
-                ping = Some(async move { matches!(sent.await, Ok(Ok(()))) }.boxed());
+                let (bound, sent) = (shared.response_timeout, subscription.ping());
+                // Timed from when it is first polled (sent): a backlog of messages that
+                // keeps it waiting to be sent does not count against it.
+                ping = Some(async move { matches!(tokio::time::timeout(bound, sent).await, Ok(Ok(()))) }.boxed());
             }
         }
     }

@@ -328,7 +328,21 @@ async fn a_fresh_process_behind_a_slow_first_reply_never_serves_what_a_clear_lef
         proxy.set_latency(Duration::ZERO);
         let answer = call.await??;
         assert_eq!(answer, Some(format!("{key} loaded after it")), "{key}");
-        assert_eq!(fresh.metrics().loads, 1, "{key}");
+        let metrics = fresh.metrics();
+        assert_eq!(metrics.loads, 1, "{key}");
+        // The slow path was taken: the read's failure or the flight's degradation is
+        // counted, whichever timeout fired first (the connection's or the flight's); a
+        // bypass, which reads nothing, would have written under the current generation.
+        assert!(
+            key == "bypass" || metrics.l2_errors + metrics.degraded >= 1,
+            "{key}: the first read was not slow: {metrics:?}"
+        );
+        let current = before.entry_name(key)?;
+        assert_eq!(
+            before.entries().get(&current).await?,
+            None,
+            "{key}: nothing is written while the generation is unknown"
+        );
         let left = fresh
             .entries()
             .get(&left_by_the_clear)

@@ -16,7 +16,7 @@ use redis::{Cmd, Msg, RedisResult, Value};
 
 /// Commands on one multiplexed connection, pub/sub on its own, to a real server; while
 /// `hang` is set, a subscription's `PING` is sent nowhere and never answered (a server
-/// that delivered its messages, then froze). `pending` counts the pings waiting.
+/// that delivered its messages, then froze). `pending` counts those hung pings waiting.
 struct HangingPings {
     client: redis::Client,
     commands: MultiplexedConnection,
@@ -108,23 +108,20 @@ impl WireSubscription for HangingSubscription {
             ))))
             .boxed();
         };
-        let (mut sink, hang, waiting) = (
-            sink.clone(),
-            self.hang.load(Ordering::SeqCst),
-            Pending::new(&self.pending),
-        );
-        async move {
-            let _waiting = waiting;
-            if hang {
-                return std::future::pending().await;
+        if self.hang.load(Ordering::SeqCst) {
+            let waiting = Pending::new(&self.pending);
+            return async move {
+                let _waiting = waiting;
+                std::future::pending().await
             }
-            sink.ping::<Value>().await.map(drop)
+            .boxed();
         }
-        .boxed()
+        let mut sink = sink.clone();
+        async move { sink.ping::<Value>().await.map(drop) }.boxed()
     }
 }
 
-/// One ping waiting, counted until it is dropped (answered, or given up).
+/// One hung ping waiting, counted until it is dropped (given up).
 struct Pending(Arc<AtomicUsize>);
 
 impl Pending {
@@ -178,7 +175,7 @@ async fn a_message_is_heard_while_a_health_ping_waits() -> Result<()> {
     a.set("k", "old", EntryOptions::new()).await?;
     assert_eq!(b.get("k").await?.as_deref(), Some(&b"old"[..]));
     hang.store(true, Ordering::SeqCst);
-    until("a health ping is sent", || pending.load(Ordering::SeqCst) > 0).await?;
+    until("a health ping hangs", || pending.load(Ordering::SeqCst) > 0).await?;
     let heard = b.metrics().l1_invalidations;
     a.set("k", "new", EntryOptions::new()).await?;
     until("b hears the write", || b.metrics().l1_invalidations > heard).await?;
