@@ -62,30 +62,29 @@ fn kept(tag: &str, clears: u64) -> Option<(TagMoments, u64)> {
 /// itself: a flush it did not make (a `clear` by another instance of this process, a
 /// tag or clear announcement the host heard, a gap in them) is a gap to it, since a
 /// clear may lie behind it.
-static GENERATION: Mutex<Option<Generation>> = Mutex::new(None);
+static GENERATION: Mutex<Generation> = Mutex::new(Generation::NEW);
 
 struct Generation {
     known: Known,
-    flushes: u64,
+    /// L1's flushes taken in (`None`: not looked at yet, nothing known to lose).
+    flushes: Option<u64>,
+}
+
+impl Generation {
+    const NEW: Generation = Generation {
+        known: Known::in_instance(),
+        flushes: None,
+    };
 }
 
 /// [`GENERATION`], with every flush of L1 since it last looked taken in.
-fn known_generation() -> std::sync::MutexGuard<'static, Option<Generation>> {
+fn known_generation() -> std::sync::MutexGuard<'static, Generation> {
     let flushes = l1_clears();
     let mut state = GENERATION.lock().unwrap_or_else(|e| e.into_inner());
-    match state.as_mut() {
-        None => {
-            *state = Some(Generation {
-                known: Known::in_instance(),
-                flushes,
-            });
-        }
-        Some(g) if g.flushes != flushes => {
-            g.known.hear(News::Gap);
-            g.flushes = flushes;
-        }
-        Some(_) => {}
+    if state.flushes.is_some_and(|seen| seen != flushes) {
+        state.known.hear(News::Gap);
     }
+    state.flushes = Some(flushes);
     state
 }
 
@@ -93,13 +92,10 @@ fn known_generation() -> std::sync::MutexGuard<'static, Option<Generation>> {
 /// own: taken in, not a gap). Returns the generation the caller uses.
 fn hear_generation(news: News) -> u64 {
     let mut state = known_generation();
-    let Some(g) = state.as_mut() else {
-        return 0;
-    };
-    let heeded = g.known.hear(news);
+    let heeded = state.known.hear(news);
     if heeded.flush_l1 {
         l1::clear();
-        g.flushes += 1;
+        state.flushes = state.flushes.map(|seen| seen + 1);
     }
     heeded.generation
 }
@@ -125,14 +121,11 @@ fn prefix() -> String {
 /// The prefix's generation (clear): read from the store at most once per L1 TTL.
 fn generation(now: u64) -> Result<u64, types::Error> {
     let since = {
-        let state = known_generation();
-        let Some(g) = state.as_ref() else {
-            return Ok(0);
-        };
-        if let Some(known) = g.known.usable(now) {
-            return Ok(known);
+        let known = known_generation().known;
+        if let Some(generation) = known.usable(now) {
+            return Ok(generation);
         }
-        g.known.heard()
+        known.heard()
     };
     let stored = l2::get(&names::generation(&prefix()))?;
     Ok(hear_generation(News::Read {
@@ -160,7 +153,7 @@ fn locate_for_flight(key: &str, limits: &Limits) -> Result<(names::Names, bool),
     corral_core::key::validate(key, limits).map_err(arg_error)?;
     let (g, known) = match generation(now_ms()) {
         Ok(g) => (g, true),
-        Err(_) => match known_generation().as_ref().and_then(|g| g.known.fallback()) {
+        Err(_) => match known_generation().known.fallback() {
             Some(g) => (g, true),
             None => (0, false),
         },
@@ -556,7 +549,7 @@ impl wcache::Guest for Component {
         *PREFIX.lock().unwrap_or_else(|e| e.into_inner()) = prefix;
         // What was read under another prefix or clock says nothing here.
         *MOMENTS.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *GENERATION.lock().unwrap_or_else(|e| e.into_inner()) = Generation::NEW;
         Ok(())
     }
 
@@ -640,10 +633,7 @@ impl wcache::Guest for Component {
         let name = names::generation(&prefix());
         for _ in 0..settings().cas_tries {
             let now = now_ms();
-            let since = known_generation()
-                .as_ref()
-                .map(|g| g.known.heard())
-                .unwrap_or_default();
+            let since = known_generation().known.heard();
             let stored = l2::get(&name)?;
             let (bytes, g) = tags::next_generation(stored.as_deref(), now);
             if l2::set_if(&name, stored.as_deref(), &bytes, tags::state_ttl_ms(now))? {
