@@ -211,10 +211,7 @@ fn known_out(k: generation::Known) -> wit::KnownGeneration {
 }
 
 fn news_in(news: wit::GenerationNews) -> generation::News {
-    let since = |h: wit::Heard| generation::Heard {
-        clears: h.clears,
-        gaps: h.gaps,
-    };
+    let since = heard_in;
     match news {
         wit::GenerationNews::Read(f) => generation::News::Read {
             since: since(f.since),
@@ -230,6 +227,27 @@ fn news_in(news: wit::GenerationNews) -> generation::News {
             generation::News::Announced { generation, until_ms }
         }
         wit::GenerationNews::Gap => generation::News::Gap,
+    }
+}
+
+fn heard_in(h: wit::Heard) -> generation::Heard {
+    generation::Heard {
+        clears: h.clears,
+        gaps: h.gaps,
+    }
+}
+
+fn kept_tag_in(k: wit::KeptTag) -> corral_core::tags::KeptTag {
+    corral_core::tags::KeptTag {
+        moments: moments_in(k.moments),
+        until_ms: k.until_ms,
+    }
+}
+
+fn kept_tag_out(k: corral_core::tags::KeptTag) -> wit::KeptTag {
+    wit::KeptTag {
+        moments: moments_out(k.moments),
+        until_ms: k.until_ms,
     }
 }
 
@@ -466,6 +484,24 @@ impl wit::Guest for Component {
 
     fn tag_known_until(now_ms: u64, l1_ttl_ms: u64) -> u64 {
         corral_core::tags::known_until(now_ms, l1_ttl_ms)
+    }
+
+    fn hear_tag(kept: Option<wit::KeptTag>, news: wit::TagNews, now_ms: u64) -> wit::TagHeeded {
+        use corral_core::tags::TagNews;
+        let news = match news {
+            wit::TagNews::Read(read) => TagNews::Read {
+                since: heard_in(read.since),
+                heard: heard_in(read.heard),
+                found: kept_tag_in(read.found),
+            },
+            wit::TagNews::Told(found) => TagNews::Told(kept_tag_in(found)),
+        };
+        let heeded = corral_core::tags::hear_moments(kept.map(kept_tag_in), news, now_ms);
+        wit::TagHeeded {
+            kept: heeded.kept.map(kept_tag_out),
+            moved: heeded.moved,
+            using: kept_tag_out(heeded.using),
+        }
     }
 
     fn locate_tag(prefix: String, tag: String) -> Result<String, types::Error> {

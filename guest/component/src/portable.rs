@@ -4,13 +4,12 @@
 //! Every decision is `corral-core`'s, the same the native host follows: this is the
 //! other loop over the same actions.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use corral_core::generation::{Known, News};
+use corral_core::generation::{Heard, Known, News};
 use corral_core::policy::{self, ReadOutcome, Touch};
-use corral_core::tags::{self, TagMoments, Tagged, Verdict};
+use corral_core::tags::{self, KeptTag, KeptTags, TagMoments, TagNews, Tagged, Verdict};
 use corral_core::{EntryMeta, Limits, Settings, envelope, flight, lock, names};
 
 use super::bindings::corral::cache::{l1, l2, types};
@@ -36,25 +35,66 @@ fn settings() -> Settings {
     *SETTINGS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The tag moments this instance read, each with the moment it stops trusting them
-/// (the L1 TTL), and the count of L1's flushes they were read at ([`l1_clears`]): once
-/// the host heard a tag or clear announcement, or missed some, they are read again
-/// (contract §6b.5).
+/// The tag moments this instance keeps (`corral_core::tags::KeptTag`), and the count of
+/// L1's flushes they were learnt at ([`l1_clears`]): once the host heard a tag or clear
+/// announcement, or missed some, they are read again (contract §6b.5).
 static MOMENTS: Mutex<Option<Kept>> = Mutex::new(None);
 
-/// Tag moments as read, with `l1_clears()` as it was before the reads.
+/// Tag moments as kept, with `l1_clears()` as it was when they were learnt.
 struct Kept {
     clears: u64,
-    moments: HashMap<String, (TagMoments, u64)>,
+    moments: KeptTags,
 }
 
-/// The moments kept of `tag`, unless an invalidation was heard since they were read
-/// (L1's clears count, `clears` now, moved).
-fn kept(tag: &str, clears: u64) -> Option<(TagMoments, u64)> {
+/// What is kept of `tag`, unless L1 was flushed since (its flushes count `clears` now).
+fn kept(tag: &str, clears: u64) -> Option<KeptTag> {
     let kept = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
     kept.as_ref()
         .filter(|k| k.clears == clears)
-        .and_then(|k| k.moments.get(tag).copied())
+        .and_then(|k| k.moments.get(tag))
+}
+
+/// L1's flushes as what was heard ([`corral_core::generation::Heard`]): every flush
+/// this instance did not make may hide an announcement, so each counts as a gap.
+fn heard(flushes: u64) -> Heard {
+    Heard {
+        clears: 0,
+        gaps: flushes,
+    }
+}
+
+/// Takes in `news` of `tag`, learnt while L1's flushes counted `clears`, as the brain
+/// says (`tags::hear_moments`): kept if L1 was not flushed since. Returns what the
+/// caller's call judges by.
+fn hear_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> KeptTag {
+    let heeded = tags::hear_moments(kept(tag, clears), news, now);
+    if let Some(now_kept) = heeded.kept
+        && l1_clears() == clears
+    {
+        let mut kept = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
+        let k = kept.get_or_insert_with(|| Kept {
+            clears,
+            moments: KeptTags::default(),
+        });
+        if k.clears != clears {
+            k.clears = clears;
+            k.moments.clear();
+        }
+        k.moments.keep(tag, now_kept, now);
+    }
+    heeded.using
+}
+
+/// A read of `tag`'s moments that began while L1's flushes counted `clears`.
+fn read_of(stored: Option<&[u8]>, clears: u64, now: u64) -> TagNews {
+    TagNews::Read {
+        since: heard(clears),
+        heard: heard(l1_clears()),
+        found: KeptTag {
+            moments: TagMoments::decode(stored),
+            until_ms: tags::known_until(now, settings().l1_ttl_ms),
+        },
+    }
 }
 
 /// What this instance knows of its prefix's generation (`corral_core::generation`), and
@@ -170,19 +210,16 @@ fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), type
     // One count for the whole judgement (an import call, not one per tag).
     let clears = l1_clears();
     for tag in tag_list {
-        let kept = kept(tag, clears).filter(|(_, until)| now < *until);
-        let (m, until) = match kept {
+        let using = match kept(tag, clears).filter(|k| k.usable(now).is_some()) {
             Some(kept) => kept,
             None => {
                 let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
-                let m = TagMoments::decode(l2::get(&name)?.as_deref());
-                let until = tags::known_until(now, settings().l1_ttl_ms);
-                remember(tag, m, until, clears);
-                (m, until)
+                let stored = l2::get(&name)?;
+                hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now)
             }
         };
-        until_all = until_all.min(until);
-        out.push(m);
+        until_all = until_all.min(using.until_ms);
+        out.push(using.moments);
     }
     Ok((out, until_all))
 }
@@ -192,42 +229,17 @@ fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), type
 /// keeps may predate another process's invalidation), else, the store failing, after
 /// those kept (contract §6b.5). An untagged write is written at `now`.
 fn written_at(tag_list: &[String], now: u64) -> Result<u64, types::Error> {
-    let until = tags::known_until(now, settings().l1_ttl_ms);
     let mut known = Vec::with_capacity(tag_list.len());
     let clears = l1_clears();
     for tag in tag_list {
         let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
-        let kept = kept(tag, clears).map(|(m, _)| m);
         let m = match l2::get(&name) {
-            Ok(stored) => {
-                let m = TagMoments::decode(stored.as_deref());
-                remember(tag, m, until, clears);
-                kept.map_or(m, |k| k.merge(&m))
-            }
-            Err(_) => kept.unwrap_or_default(),
+            Ok(stored) => hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now).moments,
+            Err(_) => kept(tag, clears).map(|k| k.moments).unwrap_or_default(),
         };
         known.push(m);
     }
     Ok(tags::written_at(now, &known))
-}
-
-/// Keeps `m`, read while L1's flushes counted `clears`, until
-/// `until`: merged with what is kept, unless an invalidation was heard meanwhile (then
-/// what was read may predate it, and nothing is kept).
-fn remember(tag: &str, m: TagMoments, until: u64, clears: u64) {
-    if l1_clears() != clears {
-        return;
-    }
-    let mut kept = MOMENTS.lock().unwrap_or_else(|e| e.into_inner());
-    if kept.as_ref().is_none_or(|k| k.clears != clears) {
-        *kept = Some(Kept {
-            clears,
-            moments: HashMap::new(),
-        });
-    }
-    let Some(k) = kept.as_mut() else { return };
-    let merged = k.moments.get(tag).map_or(m, |(old, _)| old.merge(&m));
-    k.moments.insert(tag.to_owned(), (merged, until));
 }
 
 /// What `tagged`'s tags say about an entry with `meta` now, and until when L1 may keep
@@ -468,7 +480,12 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
             // Every instance of this process judges again at once, without waiting for
             // the announcement to come back (a clear of L1 moves their count).
             l1::clear();
-            remember(tag, m, tags::known_until(now, settings().l1_ttl_ms), l1_clears());
+            let told = KeptTag {
+                moments: m,
+                until_ms: tags::known_until(now, settings().l1_ttl_ms),
+            };
+            let clears = l1_clears();
+            hear_tag(tag, TagNews::Told(told), clears, now);
             announce(&tags::Message::Tag {
                 tag: tag.to_owned(),
                 moments: m,

@@ -29,6 +29,7 @@
 
 pub use crate::envelope::{MAX_TAG_BYTES, MAX_TAGS, Tagged};
 use crate::expiry::EntryMeta;
+use crate::generation::Heard;
 use crate::{Arg, ArgError};
 
 /// Checks an entry's tags: at most 16, each 1 to 128 bytes (UTF-8: a `&str` is).
@@ -184,6 +185,153 @@ pub fn state_ttl_ms(now_ms: u64) -> u64 {
 /// invalidation within the L1 TTL, as it does of an entry's change.
 pub fn known_until(now_ms: u64, l1_ttl_ms: u64) -> u64 {
     now_ms.saturating_add(l1_ttl_ms)
+}
+
+/// What a process keeps of one tag's moments, and until when they may judge an entry
+/// without being read again ([`known_until`]). A body keeps one per tag it judged by,
+/// forgets them all when announcements may have been missed (a gap), and changes one
+/// only through [`hear_moments`]. Once lapsed they still bound a write's stamp
+/// ([`written_at`]) when the store cannot be read: moments only move forward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeptTag {
+    /// The tag's moments as known.
+    pub moments: TagMoments,
+    /// Until when (Unix ms) they may judge an entry without a read.
+    pub until_ms: u64,
+}
+
+impl KeptTag {
+    /// The moments, if they may judge an entry at `now_ms` without a read.
+    #[must_use]
+    pub fn usable(&self, now_ms: u64) -> Option<TagMoments> {
+        (now_ms < self.until_ms).then_some(self.moments)
+    }
+}
+
+/// The tags' moments a process keeps, by tag. What has lapsed is swept out once the
+/// map doubles (from [`KeptTags::SWEEP_FROM`] tags): an entry L1 judged by a tag lapses
+/// no later than what was kept of it ([`l1_until`]), so a tag missing from the map
+/// judged nothing L1 serves, and [`hear_moments`] may treat it as new.
+#[derive(Clone, Debug, Default)]
+pub struct KeptTags {
+    map: std::collections::HashMap<String, KeptTag>,
+    /// The size at which lapsed tags are swept out next.
+    sweep_at: usize,
+}
+
+impl KeptTags {
+    /// The fewest tags kept before lapsed ones are swept out.
+    pub const SWEEP_FROM: usize = 1024;
+
+    /// What is kept of `tag`, lapsed or not.
+    #[must_use]
+    pub fn get(&self, tag: &str) -> Option<KeptTag> {
+        self.map.get(tag).copied()
+    }
+
+    /// Keeps `kept` of `tag` (what [`hear_moments`] said), at `now_ms`.
+    pub fn keep(&mut self, tag: &str, kept: KeptTag, now_ms: u64) {
+        match self.map.get_mut(tag) {
+            Some(k) => *k = kept,
+            None => {
+                self.map.insert(tag.to_owned(), kept);
+            }
+        }
+        if self.map.len() >= self.sweep_at.max(Self::SWEEP_FROM) {
+            self.map.retain(|_, k| now_ms < k.until_ms);
+            self.sweep_at = self.map.len().saturating_mul(2);
+        }
+    }
+
+    /// Forgets `tag`.
+    pub fn remove(&mut self, tag: &str) {
+        self.map.remove(tag);
+    }
+
+    /// Forgets every tag (a gap: announcements may have been missed).
+    pub fn clear(&mut self) {
+        self.map.clear();
+    }
+
+    /// How many tags are kept.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether no tag is kept.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+/// What a process learnt of a tag's moments, for [`hear_moments`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TagNews {
+    /// The store held `found`, read after [`crate::generation::Known::heard`] said
+    /// `since`; it says `heard` now.
+    Read {
+        /// What was heard when the read began.
+        since: Heard,
+        /// What is heard now.
+        heard: Heard,
+        /// What the store held, and until when it may be kept.
+        found: KeptTag,
+    },
+    /// Another process announced them, or this process's own invalidation wrote them.
+    Told(KeptTag),
+}
+
+/// What [`hear_moments`] leaves the body to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TagHeeded {
+    /// What to keep of the tag now (`None`: nothing).
+    pub kept: Option<KeptTag>,
+    /// Whether a moment an entry in L1 may have been judged by moved forward: every
+    /// tagged entry L1 holds is judged again (its tag epoch moves on).
+    pub moved: bool,
+    /// What the caller's call judges by: the moments, and until when that judgement
+    /// holds (`now`: for this call only, nothing may keep it).
+    pub using: KeptTag,
+}
+
+/// Takes in `news` of a tag of which the process keeps `kept`, at `now_ms`:
+///
+/// - what is kept and what is learnt are merged, each moment the later of the two
+///   ([`TagMoments::merge`]), and kept until the later of their bounds;
+/// - a read during which a clear or a gap was heard is used for its call and not kept
+///   (it may predate what was missed); what is kept is then used with it until its own
+///   bound, if it still holds;
+/// - a tag new to the process moves nothing: no entry L1 serves was judged by it, since
+///   what is kept is forgotten only with L1 or once lapsed ([`KeptTags`]). Else any
+///   moment that moved does.
+#[must_use]
+pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHeeded {
+    let (found, keep) = match news {
+        TagNews::Read { since, heard, found } => (found, since == heard),
+        TagNews::Told(found) => (found, true),
+    };
+    let moments = kept.map_or(found.moments, |k| k.moments.merge(&found.moments));
+    if !keep {
+        let until_ms = kept
+            .filter(|k| k.usable(now_ms).is_some())
+            .map_or(now_ms, |k| k.until_ms);
+        return TagHeeded {
+            kept,
+            moved: false,
+            using: KeptTag { moments, until_ms },
+        };
+    }
+    let now_kept = KeptTag {
+        moments,
+        until_ms: kept.map_or(found.until_ms, |k| k.until_ms.max(found.until_ms)),
+    };
+    TagHeeded {
+        kept: Some(now_kept),
+        moved: kept.is_some_and(|k| k.moments != moments),
+        using: now_kept,
+    }
 }
 
 /// What a tagged entry's tags say about it.
@@ -511,5 +659,101 @@ mod tests {
         assert_eq!(l1_until(NOW + 100, &[NOW + 50, NOW + 70]), NOW + 50);
         assert_eq!(l1_until(NOW + 100, &[]), NOW + 100);
         assert_eq!(known_until(NOW, 300_000), NOW + 300_000);
+    }
+
+    fn moments(removed_ms: u64, expired_ms: u64) -> TagMoments {
+        TagMoments {
+            removed_ms,
+            expired_ms,
+        }
+    }
+
+    fn kept(m: TagMoments, until_ms: u64) -> KeptTag {
+        KeptTag { moments: m, until_ms }
+    }
+
+    #[test]
+    fn moments_heard_twice_keep_the_later_of_each_until_the_later_bound() {
+        let a = kept(moments(NOW - 10, 0), NOW + 100);
+        let heeded = hear_moments(
+            Some(a),
+            TagNews::Told(kept(moments(NOW - 20, NOW - 5), NOW + 50)),
+            NOW,
+        );
+        let both = kept(moments(NOW - 10, NOW - 5), NOW + 100);
+        assert_eq!(heeded.kept, Some(both));
+        assert_eq!(heeded.using, both);
+        assert!(heeded.moved, "the expire moment moved");
+        let again = hear_moments(
+            Some(both),
+            TagNews::Told(kept(moments(NOW - 10, NOW - 5), NOW)),
+            NOW,
+        );
+        assert!(!again.moved, "nothing new: L1's judgements stand");
+        // A tag new to the process moves nothing: no entry was judged by it.
+        let new = hear_moments(None, TagNews::Told(kept(moments(NOW, 0), NOW + 1)), NOW);
+        assert_eq!(
+            (new.kept, new.moved),
+            (Some(kept(moments(NOW, 0), NOW + 1)), false)
+        );
+    }
+
+    #[test]
+    fn a_read_that_overlapped_a_gap_is_used_once_and_not_kept() {
+        let since = Heard { clears: 0, gaps: 0 };
+        let heard = Heard { clears: 0, gaps: 1 };
+        let found = kept(moments(0, NOW - 1), NOW + 300);
+        let read = |kept| hear_moments(kept, TagNews::Read { since, heard, found }, NOW);
+        let alone = read(None);
+        assert_eq!(alone.kept, None);
+        assert_eq!(alone.using, kept(moments(0, NOW - 1), NOW), "for this call only");
+        // With what is kept and still usable: both, until the kept bound.
+        let before = kept(moments(NOW - 9, 0), NOW + 50);
+        let with = read(Some(before));
+        assert_eq!(with.kept, Some(before), "what is kept is unchanged");
+        assert_eq!(with.using, kept(moments(NOW - 9, NOW - 1), NOW + 50));
+        assert!(!with.moved);
+        // A lapsed one still adds its moments (they only move forward), not its bound.
+        let lapsed = read(Some(kept(moments(NOW - 9, 0), NOW)));
+        assert_eq!(lapsed.using, kept(moments(NOW - 9, NOW - 1), NOW));
+        // A read with nothing heard meanwhile is kept.
+        let quiet = hear_moments(
+            None,
+            TagNews::Read {
+                since,
+                heard: since,
+                found,
+            },
+            NOW,
+        );
+        assert_eq!((quiet.kept, quiet.using), (Some(found), found));
+        assert_eq!(found.usable(NOW + 299), Some(found.moments));
+        assert_eq!(found.usable(NOW + 300), None);
+    }
+
+    #[test]
+    fn lapsed_tags_are_swept_out_once_the_map_doubles() {
+        let mut kept_tags = KeptTags::default();
+        let m = moments(1, 0);
+        // A service whose tags each name one user: thousands, each judged by once.
+        for n in 0..10_000u64 {
+            kept_tags.keep(&format!("user:{n}"), kept(m, n + 1), n);
+        }
+        assert!(
+            kept_tags.len() <= 2 * KeptTags::SWEEP_FROM,
+            "{} kept",
+            kept_tags.len()
+        );
+        kept_tags.keep("live", kept(m, u64::MAX), 10_000);
+        for n in 10_000..20_000u64 {
+            kept_tags.keep(&format!("user:{n}"), kept(m, n + 1), n);
+        }
+        assert_eq!(
+            kept_tags.get("live"),
+            Some(kept(m, u64::MAX)),
+            "what has not lapsed stays"
+        );
+        kept_tags.clear();
+        assert!(kept_tags.is_empty());
     }
 }

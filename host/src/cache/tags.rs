@@ -26,16 +26,16 @@ use super::metrics::Metrics;
 use crate::clock::Clock;
 use crate::guest::Policy;
 use crate::guest::policy::{
-    GenerationFound, GenerationNews, Heard, KnownGeneration, TagMessage, TagMoments, TagVerdict, Tagged,
-    WitMeta,
+    GenerationFound, GenerationNews, Heard, KeptTag, KnownGeneration, TagMessage, TagMoments, TagNews,
+    TagRead, TagVerdict, Tagged, WitMeta,
 };
 use crate::store::l1::{L1, L1Tagged};
 use crate::{Error, ErrorKind, Result};
 
 /// What this process knows of its prefix's tags and generation.
 pub(crate) struct TagState {
-    /// Per tag: its moments, and until when they may be kept without hearing again.
-    moments: Mutex<HashMap<String, (TagMoments, u64)>>,
+    /// Per tag: its moments, and until when they may judge an entry without a read.
+    moments: Mutex<KeptTags>,
     /// What is known of the prefix's generation, as the guest keeps it
     /// (`corral-core`'s `generation`): changed only by what `hear-generation` answers.
     known: Mutex<KnownGeneration>,
@@ -51,7 +51,7 @@ pub(crate) struct TagState {
 impl std::fmt::Debug for TagState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TagState")
-            .field("tags", &self.moments.lock().len())
+            .field("tags", &self.moments.lock().map.len())
             .field("generation", &self.generation.load(Ordering::Relaxed))
             .finish()
     }
@@ -60,7 +60,7 @@ impl std::fmt::Debug for TagState {
 impl TagState {
     pub(crate) fn new(policy: Policy) -> Self {
         TagState {
-            moments: Mutex::new(HashMap::new()),
+            moments: Mutex::new(KeptTags::default()),
             // This process's L1 is its own (empty now): judged in generation 0.
             known: Mutex::new(KnownGeneration {
                 generation: 0,
@@ -140,17 +140,52 @@ impl TagState {
     /// on its way now (it may have been answered before what was missed) is not kept.
     pub(crate) fn forget(&self) {
         self.hear(GenerationNews::Gap);
-        self.moments.lock().clear();
+        self.moments.lock().map.clear();
     }
 
-    /// As [`Self::learn`], for `moments` read from the store after
-    /// [`Self::heard_so_far`] said `since`: not kept if a clear or a gap was heard while
-    /// the read was on its way (says `false` then).
-    fn learn_read(&self, since: Heard, tag: &str, moments: TagMoments, until: u64) -> bool {
+    /// Takes in `found`, `tag`'s moments read from the store after
+    /// [`Self::heard_so_far`] said `since`, as the guest says (`hear-tag`: not kept if a
+    /// clear or a gap was heard meanwhile). Returns what the caller's call judges by,
+    /// and whether a moment L1 judged by moved.
+    fn learn_read(&self, since: Heard, tag: &str, found: KeptTag, now: u64) -> (KeptTag, bool) {
+        // Held while what is kept changes: a gap heard meanwhile forgets it after.
         let known = self.known.lock();
-        known.heard.clears == since.clears
-            && known.heard.gaps == since.gaps
-            && self.learn(tag, moments, until)
+        let news = TagNews::Read(TagRead {
+            since,
+            heard: known.heard,
+            found,
+        });
+        let unkept = KeptTag {
+            moments: found.moments,
+            until_ms: now,
+        };
+        self.heed(tag, news, now).unwrap_or((unkept, false))
+    }
+
+    /// Takes in `told`, `tag`'s moments as announced or as this process's own
+    /// invalidation wrote them: says whether a moment L1 judged by moved (should the
+    /// guest not answer, what is kept of the tag is dropped, and it did).
+    fn learn(&self, tag: &str, told: KeptTag, now: u64) -> bool {
+        self.heed(tag, TagNews::Told(told), now)
+            .is_none_or(|(_, moved)| moved)
+    }
+
+    /// What is kept of `tag` after `news`, as the guest says (`None` if it trapped:
+    /// then nothing is kept of the tag), and whether a moment L1 judged by moved.
+    fn heed(&self, tag: &str, news: TagNews, now: u64) -> Option<(KeptTag, bool)> {
+        let mut kept = self.moments.lock();
+        match self.policy.hear_tag(kept.map.get(tag).copied(), news, now) {
+            Ok(heeded) => {
+                if let Some(k) = heeded.kept {
+                    kept.keep(tag, k, now);
+                }
+                Some((heeded.using, heeded.moved))
+            }
+            Err(_) => {
+                kept.map.remove(tag);
+                None
+            }
+        }
     }
 
     /// The generation as last known (no I/O).
@@ -167,48 +202,52 @@ impl TagState {
         self.policy.generation_fallback(known).ok().flatten()
     }
 
-    /// Keeps `moments` of `tag` until `until`, merged with what is kept; says whether
-    /// that moved a moment (the L1 tag epoch must then move on).
-    fn learn(&self, tag: &str, moments: TagMoments, until: u64) -> bool {
-        let mut map = self.moments.lock();
-        match map.get_mut(tag) {
-            Some((kept, kept_until)) => {
-                let merged = later(*kept, moments);
-                let moved = merged != *kept;
-                *kept = merged;
-                *kept_until = (*kept_until).max(until);
-                moved
-            }
-            None => {
-                // New to the map: no entry L1 holds was judged by it (the map only
-                // forgets with L1), so the epoch need not move.
-                map.insert(tag.to_owned(), (moments, until));
-                false
-            }
-        }
-    }
-
-    /// The moments kept of those of `tags` this process knows now (no I/O).
-    pub(crate) fn known_moments(&self, tags: &[String], now: u64) -> Vec<TagMoments> {
+    /// The moments kept of `tags` (those this process knows, lapsed or not: they only
+    /// move forward), for a write's stamp when the store cannot be read (no I/O).
+    pub(crate) fn known_moments(&self, tags: &[String]) -> Vec<TagMoments> {
+        let kept = self.moments.lock();
         tags.iter()
-            .filter_map(|tag| self.kept(tag, now).map(|(moments, _)| moments))
+            .filter_map(|tag| kept.map.get(tag).map(|k| k.moments))
             .collect()
     }
 
-    fn kept(&self, tag: &str, now: u64) -> Option<(TagMoments, u64)> {
+    /// What is kept of `tag`, if it may judge an entry at `now` without a read.
+    fn usable(&self, tag: &str, now: u64) -> Option<KeptTag> {
         self.moments
             .lock()
+            .map
             .get(tag)
             .copied()
-            .filter(|(_, until)| now < *until)
+            .filter(|k| now < k.until_ms)
     }
 }
 
-/// The later of two records of a tag's moments (each only moves forward).
-fn later(a: TagMoments, b: TagMoments) -> TagMoments {
-    TagMoments {
-        removed_ms: a.removed_ms.max(b.removed_ms),
-        expired_ms: a.expired_ms.max(b.expired_ms),
+/// The tags' moments a process keeps, as `corral-core`'s `tags::KeptTags` keeps them
+/// (its types are the WIT ones here): what has lapsed is swept out once the map
+/// doubles, since an entry L1 judged by a tag lapses no later than what was kept of it
+/// ([`TagStamp::until_ms`]).
+#[derive(Default)]
+struct KeptTags {
+    map: HashMap<String, KeptTag>,
+    /// The size at which lapsed tags are swept out next.
+    sweep_at: usize,
+}
+
+impl KeptTags {
+    /// The fewest tags kept before lapsed ones are swept out.
+    const SWEEP_FROM: usize = 1024;
+
+    fn keep(&mut self, tag: &str, kept: KeptTag, now: u64) {
+        match self.map.get_mut(tag) {
+            Some(k) => *k = kept,
+            None => {
+                self.map.insert(tag.to_owned(), kept);
+            }
+        }
+        if self.map.len() >= self.sweep_at.max(Self::SWEEP_FROM) {
+            self.map.retain(|_, k| now < k.until_ms);
+            self.sweep_at = self.map.len().saturating_mul(2);
+        }
     }
 }
 
@@ -231,8 +270,8 @@ pub(crate) fn invalidation_hook(
         let now = clock.now_ms();
         match message {
             TagMessage::Tag((tag, moments)) => {
-                let until = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
-                if state.learn(&tag, moments, until) {
+                let until_ms = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
+                if state.learn(&tag, KeptTag { moments, until_ms }, now) {
                     l1.bump_tags();
                 }
                 Metrics::bump(&metrics.l1_invalidations);
@@ -302,27 +341,25 @@ impl Corral {
         let mut out = Vec::with_capacity(tags.len());
         let mut until_all = u64::MAX;
         for tag in tags {
-            let (moments, until) = match inner.tags.kept(tag, now) {
+            let using = match inner.tags.usable(tag, now) {
                 Some(kept) => kept,
                 None => {
                     let name = inner.policy.locate_tag(&inner.prefix, tag)?;
                     let since = inner.tags.heard_so_far();
                     let stored = self.l2_op(inner.stores.entries.get(&name)).await?;
-                    let moments = inner.policy.tag_moments_of(stored.as_deref())?;
-                    let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
-                    if inner.tags.learn_read(since, tag, moments, until) {
+                    let found = KeptTag {
+                        moments: inner.policy.tag_moments_of(stored.as_deref())?,
+                        until_ms: inner.policy.tag_known_until(now, inner.l1_ttl_ms)?,
+                    };
+                    let (using, moved) = inner.tags.learn_read(since, tag, found, now);
+                    if moved {
                         inner.l1.bump_tags();
                     }
-                    // Not kept (news may have been missed while it was read): good for
-                    // this call only, with what is kept (moments only move forward).
-                    match inner.tags.kept(tag, now) {
-                        Some((kept, until)) => (later(kept, moments), until),
-                        None => (moments, now),
-                    }
+                    using
                 }
             };
-            until_all = until_all.min(until);
-            out.push(moments);
+            until_all = until_all.min(using.until_ms);
+            out.push(using.moments);
         }
         Ok((out, until_all))
     }
@@ -340,18 +377,18 @@ impl Corral {
             inner.policy.tag_moments_of(stored.as_deref())
         });
         let read = futures::future::try_join_all(reads).await?;
-        let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
+        let until_ms = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
         let mut moments = Vec::with_capacity(tags.len());
         for (tag, stored) in tags.iter().zip(read) {
-            if inner.tags.learn_read(since, tag, stored, until) {
+            let found = KeptTag {
+                moments: stored,
+                until_ms,
+            };
+            let (using, moved) = inner.tags.learn_read(since, tag, found, now);
+            if moved {
                 inner.l1.bump_tags();
             }
-            moments.push(
-                inner
-                    .tags
-                    .kept(tag, now)
-                    .map_or(stored, |(kept, _)| later(kept, stored)),
-            );
+            moments.push(using.moments);
         }
         Ok(moments)
     }
@@ -364,7 +401,7 @@ impl Corral {
         let now = inner.clock.now_ms();
         let moments = match tokio::time::timeout_at(deadline, self.moments_now(tags, now)).await {
             Ok(Ok(moments)) => moments,
-            _ => inner.tags.known_moments(tags, now),
+            _ => inner.tags.known_moments(tags),
         };
         inner.policy.tag_written_at(now, &moments).unwrap_or(now)
     }
@@ -455,8 +492,8 @@ impl Corral {
                 format!("the moments of tag {tag:?} kept changing under this invalidation"),
             ));
         };
-        let until = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
-        inner.tags.learn(tag, moments, until);
+        let until_ms = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
+        inner.tags.learn(tag, KeptTag { moments, until_ms }, now);
         inner.l1.bump_tags();
         Metrics::bump(&inner.metrics.tag_invalidations);
         let message = inner
@@ -620,7 +657,39 @@ mod tests {
             removed_ms: 1,
             expired_ms: 0,
         };
-        assert!(!state.learn_read(since, "t", moments, 30_000));
-        assert!(state.kept("t", 0).is_none());
+        let found = KeptTag {
+            moments,
+            until_ms: 30_000,
+        };
+        let (using, moved) = state.learn_read(since, "t", found, 0);
+        assert_eq!(
+            (using.moments, using.until_ms, moved),
+            (moments, 0, false),
+            "for its call only"
+        );
+        assert!(state.usable("t", 0).is_none());
+    }
+
+    #[test]
+    fn lapsed_tags_are_swept_out_once_the_map_doubles() {
+        let state = state();
+        let moments = TagMoments {
+            removed_ms: 1,
+            expired_ms: 0,
+        };
+        let kept = |until_ms| KeptTag { moments, until_ms };
+        // A service whose tags each name one user: thousands, each judged by once.
+        for n in 0..10_000u64 {
+            state.learn(&format!("user:{n}"), kept(n + 1), n);
+        }
+        let size = state.moments.lock().map.len();
+        assert!(size <= 2 * KeptTags::SWEEP_FROM, "{size} tags kept");
+        // One that has not lapsed stays, however many come after it.
+        state.learn("live", kept(u64::MAX), 10_000);
+        for n in 10_000..20_000u64 {
+            state.learn(&format!("user:{n}"), kept(n + 1), n);
+        }
+        assert!(state.usable("live", 20_000).is_some());
+        assert_eq!(state.known_moments(&["live".to_owned()]), vec![moments]);
     }
 }

@@ -96,8 +96,8 @@ pub(crate) use types::EntryMeta as WitMeta;
 pub(crate) use types::Tagged;
 pub(crate) use wit::{
     ExpirePlan, FirstRead, Freshness as WitFreshness, GenerationFound, GenerationHeeded, GenerationNews,
-    Heard, Judged, KnownGeneration, NextRead, Plan, ReadOutcome, StoreNames, TagMessage, TagMoments,
-    TagVerdict, Touch,
+    Heard, Judged, KeptTag, KnownGeneration, NextRead, Plan, ReadOutcome, StoreNames, TagHeeded, TagMessage,
+    TagMoments, TagNews, TagRead, TagVerdict, Touch,
 };
 
 impl Policy {
@@ -571,6 +571,16 @@ impl Policy {
             s.guest
                 .corral_cache_policy()
                 .call_hear_generation(&mut s.store, known, news)
+        })
+    }
+
+    /// What is kept of a tag's moments after `news` of it, whether a moment L1 judged
+    /// by moved, and what the caller's call judges by.
+    pub(crate) fn hear_tag(&self, kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> Result<TagHeeded> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_hear_tag(&mut s.store, kept, news, now_ms)
         })
     }
 
