@@ -486,6 +486,10 @@ impl wit::Guest for Component {
         corral_core::tags::known_until(now_ms, l1_ttl_ms)
     }
 
+    fn process_generation() -> wit::KnownGeneration {
+        known_out(generation::Known::in_process())
+    }
+
     fn hear_tag(kept: Option<wit::KeptTag>, news: wit::TagNews, now_ms: u64) -> wit::TagHeeded {
         use corral_core::tags::TagNews;
         let news = match news {

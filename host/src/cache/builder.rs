@@ -372,7 +372,7 @@ impl CorralBuilder {
         };
         // Counted, and exported to the `metrics` recorder in force now, under the prefix.
         let metrics = Arc::new(Metrics::new(&prefix));
-        let tags = Arc::new(super::tags::TagState::new(policy.clone()));
+        let tags = Arc::new(super::tags::TagState::new(policy.clone())?);
         listen(&stores, &l1, &metrics, &tags, &policy, &clock, settings.l1_ttl_ms);
         let flight = FlightSettings::of(&settings, policy.store_budget(settings)?);
         let owed = crate::owed::Owed::default();

@@ -58,22 +58,16 @@ impl std::fmt::Debug for TagState {
 }
 
 impl TagState {
-    pub(crate) fn new(policy: Policy) -> Self {
-        TagState {
+    pub(crate) fn new(policy: Policy) -> Result<Self> {
+        Ok(TagState {
             moments: Mutex::new(KeptTags::default()),
             // This process's L1 is its own (empty now): judged in generation 0.
-            known: Mutex::new(KnownGeneration {
-                generation: 0,
-                until_ms: 0,
-                trusted: false,
-                heard: Heard { clears: 0, gaps: 0 },
-                judges_l1: true,
-            }),
+            known: Mutex::new(policy.process_generation()?),
             generation: AtomicU64::new(0),
             generation_until: AtomicU64::new(0),
             policy,
             origin: crate::lock_token(),
-        }
+        })
     }
 
     /// Takes in `news` about the generation, as the guest says: what is known now, the
@@ -603,7 +597,7 @@ mod tests {
     // this body feeds them and keeps what they answer.
 
     fn state() -> TagState {
-        TagState::new(Policy::load(defaults().unwrap().limits).unwrap())
+        TagState::new(Policy::load(defaults().unwrap().limits).unwrap()).unwrap()
     }
 
     fn until(state: &TagState) -> u64 {

@@ -574,6 +574,15 @@ impl Policy {
         })
     }
 
+    /// What a process whose L1 is its own knows of its generation at its start.
+    pub(crate) fn process_generation(&self) -> Result<KnownGeneration> {
+        self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_process_generation(&mut s.store)
+        })
+    }
+
     /// What is kept of a tag's moments after `news` of it, whether a moment L1 judged
     /// by moved, and what the caller's call judges by.
     pub(crate) fn hear_tag(&self, kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> Result<TagHeeded> {
