@@ -84,9 +84,9 @@ impl Corral {
         let names = self.entries_of(&keys).await.ok()?;
         // Judged no earlier than now: a follower may have called after the leader.
         let now = now.max(self.inner.clock.now_ms());
-        let reading: Vec<&str> = names.iter().map(String::as_str).collect();
+        let reading: Vec<&str> = names.iter().collect();
         let looks = self.l2_look_many(&reading, now).await;
-        for (key, entry) in keys.iter().zip(&names) {
+        for (key, entry) in keys.iter().zip(names.iter()) {
             self.note_key_hint(key, entry);
         }
         let mut answers = spread(looks, &at).into_iter().map(|answer| {

@@ -13,6 +13,7 @@ use bytes::Bytes;
 
 use crate::clock::Clock;
 use crate::guest::Policy;
+use crate::guest::convert::Parts;
 use crate::guest::policy::{ExpirePlan, ReadOutcome, StoreNames, WitMeta};
 use crate::options::{EntryOptions, Inspection};
 use crate::store::Stores;
@@ -828,7 +829,7 @@ impl Corral {
 
     /// The entry names of a batch's keys, all checked and named in one call, in the
     /// generation [`locate`](Self::locate) would use, and whether they may be read.
-    pub(crate) async fn locate_entries(&self, keys: &[String]) -> Result<(Vec<String>, bool)> {
+    pub(crate) async fn locate_entries(&self, keys: &[&str]) -> Result<(Parts, bool)> {
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
         let check = || policy.locate_entries(prefix, keys, 0).map(drop);
         let (generation, readable) = self.flight_generation(check).await?;
@@ -844,7 +845,7 @@ impl Corral {
 
     /// The entry names of `keys`, all checked and named in one call, in the generation
     /// [`entry_of`](Self::entry_of) would use.
-    pub(crate) async fn entries_of<K: AsRef<str>>(&self, keys: &[K]) -> Result<Vec<String>> {
+    pub(crate) async fn entries_of<K: AsRef<str>>(&self, keys: &[K]) -> Result<Parts> {
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
         let check = || policy.locate_entries(prefix, keys, 0).map(drop);
         let generation = self.current_generation(check).await?;

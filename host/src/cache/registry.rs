@@ -50,7 +50,8 @@ struct Flight<T> {
 }
 
 struct Flights<T> {
-    by_key: HashMap<String, Flight<T>>,
+    /// By key: each key's one allocation, shared with its leader's guard.
+    by_key: HashMap<Arc<str>, Flight<T>>,
     /// Flights no caller may join any more (their key changed since they began), by id,
     /// until their leaders finish.
     sealed: HashMap<u64, Flight<T>>,
@@ -132,8 +133,9 @@ impl<T: Clone> Registry<T> {
         }
         flights.next_id += 1;
         let id = flights.next_id;
+        let key: Arc<str> = Arc::from(key);
         flights.by_key.insert(
-            key.to_owned(),
+            key.clone(),
             Flight {
                 id,
                 ticket,
@@ -142,7 +144,7 @@ impl<T: Clone> Registry<T> {
         );
         Join::Leader(LeaderGuard {
             registry: self.clone(),
-            key: key.to_owned(),
+            key,
             id,
             done: false,
             _leading: self.owed.hold(),
@@ -192,7 +194,7 @@ impl<T> Registry<T> {
 /// the entry leaves the map, exactly once.
 pub(crate) struct LeaderGuard<T> {
     registry: Registry<T>,
-    key: String,
+    key: Arc<str>,
     /// Which flight of the key this is (the map's entry is this leader's own only if
     /// its id matches).
     id: u64,
@@ -223,10 +225,10 @@ impl<T> LeaderGuard<T> {
         }
         self.done = true;
         let mut flights = self.registry.flights.lock();
-        match flights.by_key.get(&self.key) {
+        match flights.by_key.get(&*self.key) {
             Some(f) if f.id == self.id => flights
                 .by_key
-                .remove(&self.key)
+                .remove(&*self.key)
                 .map_or_else(Vec::new, |f| f.followers),
             _ => flights
                 .sealed
@@ -303,7 +305,12 @@ mod tests {
         };
         let follower = tokio::spawn({
             let registry = registry.clone();
-            async move { registry.lead_or_follow("k", || T0).await.map(|g| g.key.clone()) }
+            async move {
+                registry
+                    .lead_or_follow("k", || T0)
+                    .await
+                    .map(|g| g.key.to_string())
+            }
         });
         while registry.followers("k") == 0 {
             tokio::task::yield_now().await;

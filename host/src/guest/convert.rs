@@ -65,19 +65,50 @@ pub(crate) fn joined<S: AsRef<str>>(parts: &[S]) -> policy::Joined {
     policy::Joined { text, ends }
 }
 
-/// The strings a joined one holds; `None` if its ends do not split its text.
-pub(crate) fn split(joined: &policy::Joined) -> Option<Vec<String>> {
+/// The strings a joined one holds, each borrowed from its text (a batch's names with
+/// one allocation for them all); `None` if its ends do not split its text.
+pub(crate) fn split(joined: policy::Joined) -> Option<Parts> {
     let mut start = 0;
-    joined
+    let ends = joined
         .ends
         .iter()
         .map(|&end| {
             let end = usize::try_from(end).ok()?;
-            let part = joined.text.get(start..end)?;
+            joined.text.get(start..end)?;
             start = end;
-            Some(part.to_owned())
+            Some(end)
         })
-        .collect()
+        .collect::<Option<Vec<usize>>>()?;
+    Some(Parts {
+        text: joined.text,
+        ends,
+    })
+}
+
+/// Strings split out of one text ([`split`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Parts {
+    text: String,
+    /// Where each part ends in `text` (each on a character boundary, in order).
+    ends: Vec<usize>,
+}
+
+impl Parts {
+    /// The `i`th part.
+    pub(crate) fn get(&self, i: usize) -> &str {
+        let start = if i == 0 { 0 } else { self.ends[i - 1] };
+        &self.text[start..self.ends[i]]
+    }
+
+    /// The parts, in order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &str> {
+        (0..self.ends.len()).map(|i| self.get(i))
+    }
+
+    /// How many parts there are.
+    pub(crate) fn len(&self) -> usize {
+        self.ends.len()
+    }
 }
 
 #[cfg(test)]
@@ -87,13 +118,16 @@ mod tests {
     #[test]
     fn joined_strings_split_back_and_bad_ends_do_not() {
         let parts = ["", "ab", "é", "c"];
-        assert_eq!(split(&joined(&parts)).unwrap(), parts);
+        let split_back = split(joined(&parts)).unwrap();
+        assert_eq!(split_back.iter().collect::<Vec<_>>(), parts);
+        assert_eq!((split_back.len(), split_back.get(2)), (4, "é"));
         for ends in [vec![1], vec![4], vec![2, 0]] {
             let bad = policy::Joined {
                 text: "éa".into(),
                 ends,
             };
-            assert!(split(&bad).is_none(), "{:?}", bad.ends);
+            let ends = bad.ends.clone();
+            assert!(split(bad).is_none(), "{ends:?}");
         }
     }
 }

@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 
 use super::bindings::corral::cache::types;
 use super::bindings::exports::corral::cache::policy as wit;
-use super::convert::{from_wit, joined, meta_in, meta_out, options_in, split};
+use super::convert::{Parts, from_wit, joined, meta_in, meta_out, options_in, split};
 use super::engine::{CALL_BUDGET_TICKS, Loaded, PolicyState, Slot, instantiate, loaded, trap};
 use crate::Result;
 use crate::options::{EntryMeta, EntryOptions};
@@ -307,7 +307,7 @@ impl Policy {
         prefix: &str,
         keys: &[K],
         generation: u64,
-    ) -> Result<Vec<String>> {
+    ) -> Result<Parts> {
         let limits = self.inner.limits;
         let keys = joined(keys);
         let names = self
@@ -322,7 +322,7 @@ impl Policy {
             })?
             // The error says the position already (contract §5.16).
             .map_err(|(_, e)| from_wit(e))?;
-        split(&names)
+        split(names)
             .filter(|split| split.len() == keys.ends.len())
             .ok_or_else(|| crate::Error::guest("a batch's names did not split", "broken contract"))
     }

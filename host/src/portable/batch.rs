@@ -78,6 +78,7 @@ impl PortableCache {
         let max_batch = options.max_batch.map(|n| n as u64);
         // Each key once in the component (`begin-many` takes each key once).
         let (keys, asked) = distinct_keys(keys);
+        let keys: Vec<String> = keys.into_iter().map(str::to_owned).collect();
         let tags: Vec<String> = options.tags.to_vec();
         let (entry, bypass) = (options_in(&options.entry), options.bypass);
         let mut origin = BatchOrigin {

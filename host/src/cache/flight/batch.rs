@@ -36,6 +36,7 @@ use crate::cache::read::L2Read;
 use crate::cache::registry::{self, Join, LeaderGuard, Outcome};
 use crate::cache::tags::TagStamp;
 use crate::error::{Absent, BatchLoaderError, panic_text};
+use crate::guest::convert::Parts;
 use crate::guest::policy::WitMeta;
 use crate::store::l1::Ticket;
 use crate::{Error, Result};
@@ -43,15 +44,15 @@ use crate::{Error, Result};
 /// A batch's keys each once, in the order first asked for, and for each key asked the
 /// position of its distinct key: a key asked twice is loaded once, answered twice
 /// (both bodies, contract §5.16).
-pub(crate) fn distinct_keys<K: AsRef<str>>(keys: &[K]) -> (Vec<String>, Vec<usize>) {
-    let mut distinct: Vec<String> = Vec::with_capacity(keys.len());
+pub(crate) fn distinct_keys<K: AsRef<str>>(keys: &[K]) -> (Vec<&str>, Vec<usize>) {
+    let mut distinct: Vec<&str> = Vec::with_capacity(keys.len());
     let mut index_of: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
     let asked = keys
         .iter()
         .map(|key| {
             let key = key.as_ref();
             *index_of.entry(key).or_insert_with(|| {
-                distinct.push(key.to_owned());
+                distinct.push(key);
                 distinct.len() - 1
             })
         })
@@ -184,7 +185,7 @@ impl Drop for Idle<'_> {
 /// answers, judged by [`chunk_of`]); the flights of its keys share it, and it runs on
 /// while any of them waits for it.
 struct Loads<'a, M, C: Future, S> {
-    keys: &'a [String],
+    keys: &'a [&'a str],
     call: M,
     /// How many keys ready together go into each call (the guest's `batch-calls`).
     split: S,
@@ -199,7 +200,7 @@ where
     C: Future<Output = Chunk>,
     S: Fn(u64) -> Result<Vec<u64>>,
 {
-    fn new(keys: &'a [String], call: M, split: S) -> Self {
+    fn new(keys: &'a [&'a str], call: M, split: S) -> Self {
         Loads {
             keys,
             call,
@@ -230,7 +231,7 @@ where
         drop(ready);
         match chunk {
             Chunk::Loaded(values) => values
-                .get(&self.keys[index])
+                .get(self.keys[index])
                 .cloned()
                 .ok_or_else(|| Box::new(Absent) as BoxError),
             Chunk::Failed(e) => Err(Box::new(BatchLoaderError(e))),
@@ -241,7 +242,7 @@ where
 
     /// One loader call for the keys at `group`.
     fn call_for(&self, group: &[usize]) -> Shared<C> {
-        (self.call)(group.iter().map(|&i| self.keys[i].clone()).collect()).shared()
+        (self.call)(group.iter().map(|&i| self.keys[i].to_owned()).collect()).shared()
     }
 
     fn take_call(&self, index: usize) -> Option<Shared<C>> {
@@ -402,8 +403,8 @@ impl Corral {
     /// as of the names `named`), answered.
     async fn many<L, Fut, I, V, E>(
         &self,
-        keys: &[String],
-        entries: (&[String], bool),
+        keys: &[&str],
+        entries: (&Parts, bool),
         named: &[Ticket],
         options: &LoadOptions,
         loader: &L,
@@ -446,7 +447,7 @@ impl Corral {
         let mut flights = Vec::with_capacity(parts.len());
         for (i, part, first) in parts {
             indices.push(i);
-            flights.push(self.one_of_many(i, &keys[i], options, &loads, part, seats[i].take(), first));
+            flights.push(self.one_of_many(i, keys[i], options, &loads, part, seats[i].take(), first));
         }
         let answered = futures::future::join_all(flights).await;
         for (i, answer) in indices.into_iter().zip(answered) {
@@ -471,7 +472,7 @@ impl Corral {
     #[allow(clippy::type_complexity)]
     fn join_batch(
         &self,
-        keys: &[String],
+        keys: &[&str],
         options: &LoadOptions,
         answers: &mut [Option<Result<Served>>],
     ) -> (
@@ -505,8 +506,8 @@ impl Corral {
     /// flights with that read.
     async fn answer_hits(
         &self,
-        keys: &[String],
-        entries: (&[String], bool),
+        keys: &[&str],
+        entries: (&Parts, bool),
         named: &[Ticket],
         led: Vec<(usize, LeaderGuard<Outcome>)>,
         answers: &mut [Option<Result<Served>>],
@@ -524,7 +525,7 @@ impl Corral {
                     let served = Served { value, stale: false };
                     share(guard, &Ok(served.clone()));
                     let ticket = first.l1_ticket;
-                    self.fill_hit(&keys[i], &served.value, meta, l1_until, ticket, stamp, now);
+                    self.fill_hit(keys[i], &served.value, meta, l1_until, ticket, stamp, now);
                     answers[i] = Some(Ok(served));
                 }
                 _ => parts.push((i, Part::Lead(Some(guard)), Some(first))),
@@ -571,8 +572,8 @@ impl Corral {
     /// entry judged with the others, how long L1 may serve it.
     async fn first_reads(
         &self,
-        keys: &[String],
-        (entries, readable): (&[String], bool),
+        keys: &[&str],
+        (entries, readable): (&Parts, bool),
         named: &[Ticket],
         to_read: &[usize],
     ) -> Vec<(usize, FirstRead, Option<u64>)> {
@@ -581,9 +582,9 @@ impl Corral {
         let tag_epoch = inner.l1.tag_epoch();
         let tickets: Vec<Ticket> = to_read
             .iter()
-            .map(|&i| inner.l1.ticket_since(&keys[i], named[i]))
+            .map(|&i| inner.l1.ticket_since(keys[i], named[i]))
             .collect();
-        let entries: Vec<&str> = to_read.iter().map(|&i| entries[i].as_str()).collect();
+        let entries: Vec<&str> = to_read.iter().map(|&i| entries.get(i)).collect();
         let now = inner.clock.now_ms();
         let reads = if !readable {
             entries.iter().map(|_| Err(super::generation_unread())).collect()
@@ -678,11 +679,11 @@ mod send_check {
     use super::*;
     fn send<T: Send>(_: T) {}
     #[allow(dead_code, unused_must_use)]
-    fn futures_are_send(c: &Corral, keys: &[String], o: &LoadOptions) {
+    fn futures_are_send(c: &Corral, keys: &[&str], o: &LoadOptions) {
         send(c.l2_look_many(&[], 0));
-        send(c.first_reads(keys, (&[], true), &[], &[]));
+        send(c.first_reads(keys, (&Parts::default(), true), &[], &[]));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
-        send(c.many(keys, (&[], true), &[], o, &loader));
+        send(c.many(keys, (&Parts::default(), true), &[], o, &loader));
         let loads = Loads::new(keys, |_| async { Chunk::Panicked("".into()) }, |n| Ok(vec![n]));
         send(loads.load(0));
         send(c.one_of_many(0, "k", o, &loads, Part::Lead(None), None, None));
