@@ -80,7 +80,8 @@ fn hear_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> KeptTag {
             k.clears = clears;
             k.moments.clear();
         }
-        k.moments.keep(tag, now_kept, now);
+        // This body judges every tagged L1 hit again: no tag epoch to move.
+        let _swept = k.moments.keep(tag, now_kept, now);
     }
     heeded.using
 }

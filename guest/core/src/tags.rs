@@ -209,9 +209,11 @@ impl KeptTag {
 }
 
 /// The tags' moments a process keeps, by tag. What has lapsed is swept out once the
-/// map doubles (from [`KeptTags::SWEEP_FROM`] tags): an entry L1 judged by a tag lapses
-/// no later than what was kept of it ([`l1_until`]), so a tag missing from the map
-/// judged nothing L1 serves, and [`hear_moments`] may treat it as new.
+/// map doubles (from [`KeptTags::SWEEP_FROM`] tags); a sweep that drops a tag moves
+/// L1's tag epoch on (every tagged entry L1 holds is judged again), since an entry may
+/// outlive the bound of a tag it was judged by (a stale copy served for a fail-safe
+/// throttle, a clock stepped back), and [`hear_moments`] treats a tag missing from the
+/// map as new.
 #[derive(Clone, Debug, Default)]
 pub struct KeptTags {
     map: std::collections::HashMap<String, KeptTag>,
@@ -229,18 +231,23 @@ impl KeptTags {
         self.map.get(tag).copied()
     }
 
-    /// Keeps `kept` of `tag` (what [`hear_moments`] said), at `now_ms`.
-    pub fn keep(&mut self, tag: &str, kept: KeptTag, now_ms: u64) {
+    /// Keeps `kept` of `tag` (what [`hear_moments`] said), at `now_ms`. Says whether
+    /// lapsed tags were swept out: L1's tag epoch must then move on.
+    #[must_use]
+    pub fn keep(&mut self, tag: &str, kept: KeptTag, now_ms: u64) -> bool {
         match self.map.get_mut(tag) {
             Some(k) => *k = kept,
             None => {
                 self.map.insert(tag.to_owned(), kept);
             }
         }
-        if self.map.len() >= self.sweep_at.max(Self::SWEEP_FROM) {
-            self.map.retain(|_, k| now_ms < k.until_ms);
-            self.sweep_at = self.map.len().saturating_mul(2);
+        if self.map.len() < self.sweep_at.max(Self::SWEEP_FROM) {
+            return false;
         }
+        let before = self.map.len();
+        self.map.retain(|_, k| now_ms < k.until_ms);
+        self.sweep_at = self.map.len().saturating_mul(2);
+        self.map.len() < before
     }
 
     /// Forgets `tag`.
@@ -302,7 +309,7 @@ pub struct TagHeeded {
 ///   ([`TagMoments::merge`]), and kept until the later of their bounds;
 /// - a read during which a clear or a gap was heard is used for its call and not kept
 ///   (it may predate what was missed); what is kept is then used with it until its own
-///   bound, if it still holds;
+///   bound, if it still holds, and a moment it moved forward moves the epoch still;
 /// - a tag new to the process moves nothing: no entry L1 serves was judged by it, since
 ///   what is kept is forgotten only with L1 or once lapsed ([`KeptTags`]). Else any
 ///   moment that moved does.
@@ -319,7 +326,7 @@ pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHee
             .map_or(now_ms, |k| k.until_ms);
         return TagHeeded {
             kept,
-            moved: false,
+            moved: kept.is_some_and(|k| k.moments != moments),
             using: KeptTag { moments, until_ms },
         };
     }
@@ -712,7 +719,7 @@ mod tests {
         let with = read(Some(before));
         assert_eq!(with.kept, Some(before), "what is kept is unchanged");
         assert_eq!(with.using, kept(moments(NOW - 9, NOW - 1), NOW + 50));
-        assert!(!with.moved);
+        assert!(with.moved, "a moment moved: L1's judgements by the old ones go");
         // A lapsed one still adds its moments (they only move forward), not its bound.
         let lapsed = read(Some(kept(moments(NOW - 9, 0), NOW)));
         assert_eq!(lapsed.using, kept(moments(NOW - 9, NOW - 1), NOW));
@@ -736,17 +743,22 @@ mod tests {
         let mut kept_tags = KeptTags::default();
         let m = moments(1, 0);
         // A service whose tags each name one user: thousands, each judged by once.
+        let mut sweeps = 0;
         for n in 0..10_000u64 {
-            kept_tags.keep(&format!("user:{n}"), kept(m, n + 1), n);
+            sweeps += usize::from(kept_tags.keep(&format!("user:{n}"), kept(m, n + 1), n));
         }
         assert!(
             kept_tags.len() <= 2 * KeptTags::SWEEP_FROM,
             "{} kept",
             kept_tags.len()
         );
-        kept_tags.keep("live", kept(m, u64::MAX), 10_000);
+        assert!(
+            (1..=10).contains(&sweeps),
+            "{sweeps} sweeps: each moves L1's tag epoch"
+        );
+        let _ = kept_tags.keep("live", kept(m, u64::MAX), 10_000);
         for n in 10_000..20_000u64 {
-            kept_tags.keep(&format!("user:{n}"), kept(m, n + 1), n);
+            let _ = kept_tags.keep(&format!("user:{n}"), kept(m, n + 1), n);
         }
         assert_eq!(
             kept_tags.get("live"),

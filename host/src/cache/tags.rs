@@ -59,12 +59,13 @@ impl std::fmt::Debug for TagState {
 
 impl TagState {
     pub(crate) fn new(policy: Policy) -> Result<Self> {
+        let known = policy.process_generation()?;
         Ok(TagState {
             moments: Mutex::new(KeptTags::default()),
             // This process's L1 is its own (empty now): judged in generation 0.
-            known: Mutex::new(policy.process_generation()?),
-            generation: AtomicU64::new(0),
-            generation_until: AtomicU64::new(0),
+            known: Mutex::new(known),
+            generation: AtomicU64::new(known.generation),
+            generation_until: AtomicU64::new(known.until_ms),
             policy,
             origin: crate::lock_token(),
         })
@@ -153,7 +154,8 @@ impl TagState {
             moments: found.moments,
             until_ms: now,
         };
-        self.heed(tag, news, now).unwrap_or((unkept, false))
+        // Should the guest not answer, the tag is dropped: judge L1's entries again.
+        self.heed(tag, news, now).unwrap_or((unkept, true))
     }
 
     /// Takes in `told`, `tag`'s moments as announced or as this process's own
@@ -165,15 +167,14 @@ impl TagState {
     }
 
     /// What is kept of `tag` after `news`, as the guest says (`None` if it trapped:
-    /// then nothing is kept of the tag), and whether a moment L1 judged by moved.
+    /// then nothing is kept of the tag), and whether L1's tagged entries must be judged
+    /// again (a moment they were judged by moved, or lapsed tags were swept out).
     fn heed(&self, tag: &str, news: TagNews, now: u64) -> Option<(KeptTag, bool)> {
         let mut kept = self.moments.lock();
         match self.policy.hear_tag(kept.map.get(tag).copied(), news, now) {
             Ok(heeded) => {
-                if let Some(k) = heeded.kept {
-                    kept.keep(tag, k, now);
-                }
-                Some((heeded.using, heeded.moved))
+                let swept = heeded.kept.is_some_and(|k| kept.keep(tag, k, now));
+                Some((heeded.using, heeded.moved || swept))
             }
             Err(_) => {
                 kept.map.remove(tag);
@@ -218,8 +219,7 @@ impl TagState {
 
 /// The tags' moments a process keeps, as `corral-core`'s `tags::KeptTags` keeps them
 /// (its types are the WIT ones here): what has lapsed is swept out once the map
-/// doubles, since an entry L1 judged by a tag lapses no later than what was kept of it
-/// ([`TagStamp::until_ms`]).
+/// doubles, and a sweep moves L1's tag epoch on.
 #[derive(Default)]
 struct KeptTags {
     map: HashMap<String, KeptTag>,
@@ -231,17 +231,21 @@ impl KeptTags {
     /// The fewest tags kept before lapsed ones are swept out.
     const SWEEP_FROM: usize = 1024;
 
-    fn keep(&mut self, tag: &str, kept: KeptTag, now: u64) {
+    /// Keeps `kept` of `tag`; says whether lapsed tags were swept out.
+    fn keep(&mut self, tag: &str, kept: KeptTag, now: u64) -> bool {
         match self.map.get_mut(tag) {
             Some(k) => *k = kept,
             None => {
                 self.map.insert(tag.to_owned(), kept);
             }
         }
-        if self.map.len() >= self.sweep_at.max(Self::SWEEP_FROM) {
-            self.map.retain(|_, k| now < k.until_ms);
-            self.sweep_at = self.map.len().saturating_mul(2);
+        if self.map.len() < self.sweep_at.max(Self::SWEEP_FROM) {
+            return false;
         }
+        let before = self.map.len();
+        self.map.retain(|_, k| now < k.until_ms);
+        self.sweep_at = self.map.len().saturating_mul(2);
+        self.map.len() < before
     }
 }
 

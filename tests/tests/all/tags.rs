@@ -347,3 +347,53 @@ async fn a_tagged_load_in_the_millisecond_of_a_removal_is_cached() -> Result<()>
     assert_eq!(loads.into_inner(), 1, "loaded once, then served");
     Ok(())
 }
+
+/// A process that swept the tags it no longer trusts (a service whose tags name users
+/// keeps a bounded map) still stops serving an entry from L1 once a tag it was judged by
+/// is removed by another process, even with its clock stepped back below the tag's
+/// bound: the sweep made L1 judge its tagged entries again (contract §6b.5). Before, the
+/// removal's announcement found the tag new, moved nothing, and L1 served the entry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_that_swept_its_tags_still_stops_serving_a_removed_one() -> Result<()> {
+    use corral::Clock as _;
+    let server = RedisServer::start()?;
+    let clock = corral::ManualClock::starting_now();
+    let start = clock.now_ms();
+    let l1_ttl = Duration::from_secs(30);
+    let mut o = RedisOptions::new(server.url());
+    o.prefix = "swept:".to_owned();
+    let a = Corral::builder()
+        .clock(clock.clone())
+        .l1_ttl(l1_ttl)
+        .redis_options(o)
+        .build()?;
+    let b = cache(&server.url(), "swept:")?;
+    a.set_tagged("k", b"v".to_vec(), EntryOptions::new().relative(LONG), &["t"])
+        .await?;
+    assert_eq!(a.get("k").await?.as_deref(), Some(&b"v"[..]));
+    assert_eq!(a.metrics().l1_hits, 1, "served from L1");
+    // Past what `a` may keep of "t"; then enough other tags that the lapsed one is swept.
+    clock.advance(l1_ttl * 2);
+    for n in 0..1_100 {
+        let tag = format!("user:{n}");
+        a.set_tagged(
+            &format!("u{n}"),
+            b"u".to_vec(),
+            EntryOptions::new().relative(LONG),
+            &[tag],
+        )
+        .await?;
+    }
+    // The clock steps back: the L1 copy of "k" is within its bound again.
+    clock.set(start);
+    b.remove_by_tag("t").await?;
+    let began = Instant::now();
+    while a.get("k").await?.is_some() {
+        assert!(
+            began.elapsed() < Duration::from_secs(3),
+            "a removed tag's entry was still served from L1"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
