@@ -486,6 +486,11 @@ impl wit::Guest for Component {
         corral_core::tags::known_until(now_ms, l1_ttl_ms)
     }
 
+    fn tag_sweep_at(kept: u64) -> u64 {
+        let kept = usize::try_from(kept).unwrap_or(usize::MAX);
+        corral_core::tags::KeptTags::next_sweep(kept) as u64
+    }
+
     fn process_generation() -> wit::KnownGeneration {
         known_out(generation::Known::in_process())
     }

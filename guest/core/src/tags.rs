@@ -225,6 +225,13 @@ impl KeptTags {
     /// The fewest tags kept before lapsed ones are swept out.
     pub const SWEEP_FROM: usize = 1024;
 
+    /// How many tags may be kept before lapsed ones are swept out again, once a sweep
+    /// left `kept`: twice as many, and never under [`Self::SWEEP_FROM`].
+    #[must_use]
+    pub fn next_sweep(kept: usize) -> usize {
+        kept.saturating_mul(2).max(Self::SWEEP_FROM)
+    }
+
     /// What is kept of `tag`, lapsed or not.
     #[must_use]
     pub fn get(&self, tag: &str) -> Option<KeptTag> {
@@ -245,8 +252,8 @@ impl KeptTags {
             return false;
         }
         let before = self.map.len();
-        self.map.retain(|_, k| now_ms < k.until_ms);
-        self.sweep_at = self.map.len().saturating_mul(2);
+        self.map.retain(|_, k| k.usable(now_ms).is_some());
+        self.sweep_at = Self::next_sweep(self.map.len());
         self.map.len() < before
     }
 

@@ -61,7 +61,10 @@ impl TagState {
     pub(crate) fn new(policy: Policy) -> Result<Self> {
         let known = policy.process_generation()?;
         Ok(TagState {
-            moments: Mutex::new(KeptTags::default()),
+            moments: Mutex::new(KeptTags {
+                map: HashMap::new(),
+                sweep_at: policy.tag_sweep_at(0)?,
+            }),
             // This process's L1 is its own (empty now): judged in generation 0.
             known: Mutex::new(known),
             generation: AtomicU64::new(known.generation),
@@ -173,7 +176,7 @@ impl TagState {
         let mut kept = self.moments.lock();
         match self.policy.hear_tag(kept.map.get(tag).copied(), news, now) {
             Ok(heeded) => {
-                let swept = heeded.kept.is_some_and(|k| kept.keep(tag, k, now));
+                let swept = heeded.kept.is_some_and(|k| kept.keep(tag, k, now, &self.policy));
                 Some((heeded.using, heeded.moved || swept))
             }
             Err(_) => {
@@ -219,8 +222,8 @@ impl TagState {
 
 /// The tags' moments a process keeps, as `corral-core`'s `tags::KeptTags` keeps them
 /// (its types are the WIT ones here): what has lapsed is swept out once the map
-/// doubles, and a sweep moves L1's tag epoch on.
-#[derive(Default)]
+/// reaches the size the guest says (`tag-sweep-at`), and a sweep moves L1's tag epoch
+/// on.
 struct KeptTags {
     map: HashMap<String, KeptTag>,
     /// The size at which lapsed tags are swept out next.
@@ -228,23 +231,22 @@ struct KeptTags {
 }
 
 impl KeptTags {
-    /// The fewest tags kept before lapsed ones are swept out.
-    const SWEEP_FROM: usize = 1024;
-
-    /// Keeps `kept` of `tag`; says whether lapsed tags were swept out.
-    fn keep(&mut self, tag: &str, kept: KeptTag, now: u64) -> bool {
+    /// Keeps `kept` of `tag`; says whether lapsed tags were swept out. Should the guest
+    /// not say when to sweep next, nothing is swept any more (the map is still emptied
+    /// at every gap in the announcements).
+    fn keep(&mut self, tag: &str, kept: KeptTag, now: u64, policy: &Policy) -> bool {
         match self.map.get_mut(tag) {
             Some(k) => *k = kept,
             None => {
                 self.map.insert(tag.to_owned(), kept);
             }
         }
-        if self.map.len() < self.sweep_at.max(Self::SWEEP_FROM) {
+        if self.map.len() < self.sweep_at {
             return false;
         }
         let before = self.map.len();
         self.map.retain(|_, k| now < k.until_ms);
-        self.sweep_at = self.map.len().saturating_mul(2);
+        self.sweep_at = policy.tag_sweep_at(self.map.len()).unwrap_or(usize::MAX);
         self.map.len() < before
     }
 }
@@ -681,7 +683,7 @@ mod tests {
             state.learn(&format!("user:{n}"), kept(n + 1), n);
         }
         let size = state.moments.lock().map.len();
-        assert!(size <= 2 * KeptTags::SWEEP_FROM, "{size} tags kept");
+        assert!(size <= 2 * 1024, "{size} tags kept");
         // One that has not lapsed stays, however many come after it.
         state.learn("live", kept(u64::MAX), 10_000);
         for n in 10_000..20_000u64 {

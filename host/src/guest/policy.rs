@@ -574,6 +574,17 @@ impl Policy {
         })
     }
 
+    /// How many tags a process may keep before it sweeps out lapsed ones, once a sweep
+    /// left `kept`.
+    pub(crate) fn tag_sweep_at(&self, kept: usize) -> Result<usize> {
+        let at = self.call(|s| {
+            s.guest
+                .corral_cache_policy()
+                .call_tag_sweep_at(&mut s.store, kept as u64)
+        })?;
+        Ok(usize::try_from(at).unwrap_or(usize::MAX))
+    }
+
     /// What a process whose L1 is its own knows of its generation at its start.
     pub(crate) fn process_generation(&self) -> Result<KnownGeneration> {
         self.call(|s| {
