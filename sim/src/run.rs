@@ -313,6 +313,8 @@ struct Plan {
     paused: Vec<Vec<(u64, u64)>>,
     /// A process that crashes, and when.
     crash: Option<(usize, u64)>,
+    /// Per process, when its subscription connection goes half-open, if it does.
+    half_open: Vec<Option<u64>>,
 }
 
 const HORIZON_MS: u64 = 3_000;
@@ -365,7 +367,12 @@ fn plan(s: &Scenario, seed: u64) -> Plan {
         let a = r.range(0, HORIZON_MS);
         (server, a, a + r.range(300, 3_000))
     });
+    // Drawn last, so adding it changed no earlier plan.
+    let half_open = (0..s.procs)
+        .map(|_| r.chance(f.half_open_pm).then(|| r.range(0, HORIZON_MS)))
+        .collect();
     Plan {
+        half_open,
         down,
         deaf,
         stall,
@@ -654,6 +661,17 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
                 });
             }
         }
+    }
+    for (p, at) in plan.half_open.iter().enumerate() {
+        let Some(at) = *at else { continue };
+        world.fault("subscription-half-open");
+        world.log(format_args!("plan: p{p} subscription half-open at {at}"));
+        let w = world.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(at)).await;
+            w.half_open_subscription(p);
+            w.log(format_args!("p{p} subscription half-open"));
+        });
     }
     if let Some((server, a, b)) = plan.stall {
         world.fault("server-stall-planned");

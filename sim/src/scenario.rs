@@ -14,6 +14,10 @@ pub struct FaultRates {
     /// Per process and run: its subscription alone drops for 100..2000 ms (commands
     /// flow; notifications to it are lost; it resubscribes and drops its L1 after).
     pub deaf_pm: u32,
+    /// Per process and run: its subscription connection goes half-open at some moment
+    /// (nothing arrives on it, not even the answer to a health `PING`, and its stream
+    /// never ends; new connections work): it must find out by itself and resubscribe.
+    pub half_open_pm: u32,
     /// Per run: the store restarts empty once.
     pub restart_pm: u32,
     /// Per process and run: its wall clock is skewed (±300 ms), and, again, stepped
@@ -331,6 +335,7 @@ impl Scenario {
             notify_lost_pm: 50,
             down_pm: 250,
             deaf_pm: 250,
+            half_open_pm: 200,
             ..FaultRates::default()
         };
         s
@@ -358,6 +363,7 @@ impl Scenario {
             notify_lost_pm: 50,
             down_pm: 200,
             deaf_pm: 200,
+            half_open_pm: 150,
             restart_pm: 250,
             clock_pm: 300,
             loader_slow_pm: 150,

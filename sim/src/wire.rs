@@ -199,6 +199,7 @@ impl World {
     /// A new subscription connection of `proc` (it replaces any other).
     fn open_subscription(&self, proc: usize, tx: mpsc::UnboundedSender<Msg>) -> u64 {
         let id = self.next_seq();
+        self.procs[proc].half_open.lock().take();
         *self.procs[proc].subscription.lock() = Some(Listener {
             id,
             tx,
@@ -262,6 +263,18 @@ impl World {
                     "subscription: p{p} hears {heard:?} after the quiet, not both of {want:?}"
                 ));
             }
+        }
+    }
+
+    /// Makes `proc`'s subscription connection half-open (the peer silently gone): its
+    /// stream stays open but nothing arrives on it, no publication and no answer to a
+    /// health `PING`; a new connection works. The real task finds out only by its
+    /// `PING`'s timeout, and what is published meanwhile is a gap until it resubscribes.
+    pub(crate) fn half_open_subscription(&self, proc: usize) {
+        let net = &self.procs[proc];
+        let listener = net.subscription.lock().take();
+        if listener.is_some() {
+            *net.half_open.lock() = listener;
         }
     }
 

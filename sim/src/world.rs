@@ -250,6 +250,9 @@ pub struct State {
 pub(crate) struct ProcNet {
     /// Its subscription connection, while one is up.
     pub(crate) subscription: Mutex<Option<crate::wire::Listener>>,
+    /// A subscription connection gone half-open: still open to the process (its stream
+    /// never ends), silent for good, until the process opens another.
+    pub(crate) half_open: Mutex<Option<crate::wire::Listener>>,
 }
 
 /// The shared world of one run.
