@@ -664,13 +664,16 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     }
     for (p, at) in plan.half_open.iter().enumerate() {
         let Some(at) = *at else { continue };
-        world.fault("subscription-half-open");
         world.log(format_args!("plan: p{p} subscription half-open at {at}"));
         let w = world.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(at)).await;
-            w.half_open_subscription(p);
-            w.log(format_args!("p{p} subscription half-open"));
+            if w.half_open_subscription(p) {
+                w.fault("subscription-half-open");
+                w.log(format_args!("p{p} subscription half-open"));
+            } else {
+                w.log(format_args!("p{p} subscription half-open: none to cut"));
+            }
         });
     }
     if let Some((server, a, b)) = plan.stall {

@@ -326,7 +326,8 @@ impl Scenario {
         Self::base("calm")
     }
 
-    /// Network faults: delays, lost replies, connections down, lost notifications.
+    /// Network faults: delays, lost replies, connections down, a subscription dropped
+    /// alone or gone half-open, lost notifications.
     pub fn network() -> Self {
         let mut s = Self::base("network");
         s.faults = FaultRates {

@@ -270,12 +270,14 @@ impl World {
     /// stream stays open but nothing arrives on it, no publication and no answer to a
     /// health `PING`; a new connection works. The real task finds out only by its
     /// `PING`'s timeout, and what is published meanwhile is a gap until it resubscribes.
-    pub(crate) fn half_open_subscription(&self, proc: usize) {
+    /// Whether there was one to cut.
+    pub(crate) fn half_open_subscription(&self, proc: usize) -> bool {
         let net = &self.procs[proc];
-        let listener = net.subscription.lock().take();
-        if listener.is_some() {
-            *net.half_open.lock() = listener;
-        }
+        let Some(listener) = net.subscription.lock().take() else {
+            return false;
+        };
+        *net.half_open.lock() = Some(listener);
+        true
     }
 
     /// Cuts `proc`'s subscription (its connection or subscription went down, the store

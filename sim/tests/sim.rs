@@ -47,6 +47,11 @@ fn hold_every_invariant(first: u64, stride: u64) {
             && totals.faults.get("process-crash").copied().unwrap_or(0) > 0,
         "processes paused and crashed"
     );
+    // (`network` and `chaos`, the scenarios that have it, run the odd seeds.)
+    assert!(
+        first % 2 == 0 || totals.faults.get("subscription-half-open").copied().unwrap_or(0) > 0,
+        "subscriptions went half-open"
+    );
 }
 
 // The 2,000 seeds in two halves, so the suite's threads share them.
@@ -227,13 +232,21 @@ const BATCH_SEEDS: u64 = 300;
 /// A seed that once failed: it still runs the scenario it ran then (`named`), and holds
 /// every invariant.
 fn holds(scenario: &Scenario, seed: u64, named: &str) {
-    let outcome = run_seed(scenario, seed);
+    let outcome = run_seed(&pinned(scenario), seed);
     assert_eq!(outcome.scenario, named, "seed {seed} runs another scenario now");
     assert!(
         outcome.violations.is_empty(),
         "seed {seed}: {}",
         outcome.violations.join("\n")
     );
+}
+
+/// `scenario` without the faults added after the seeds pinned here failed: a fault is
+/// drawn after the others, so without it a pinned seed replays the run it failed in.
+fn pinned(scenario: &Scenario) -> Scenario {
+    let mut scenario = scenario.clone();
+    scenario.faults.half_open_pm = 0;
+    scenario
 }
 
 /// `seed`'s scenario with the batch workload in the portable body.
@@ -251,7 +264,7 @@ fn portable_batches(seed: u64) -> Scenario {
 #[test]
 fn a_portable_flight_never_names_a_generation_older_than_it_saw() {
     for seed in [19, 61] {
-        let outcome = run_seed(&portable_batches(seed), seed);
+        let outcome = run_seed(&pinned(&portable_batches(seed)), seed);
         assert!(
             outcome.violations.is_empty(),
             "seed {seed}: {}",

@@ -333,13 +333,14 @@ fn a_release_redis_did_not_answer_is_retried_before_corral_exits() {
 /// `corral lock --key KEY --ttl 60s [extra...]` through `proxy` (slow, so that a reply
 /// can be caught on its way back), with the reply to the acquire that set the lock lost:
 /// once the lock exists on `server`, every connection to it goes half-open (new ones
-/// work, quick again). Returns what `corral` did.
+/// work, quick again). Returns what `corral` did, and the lock's fencing counter as the
+/// lost acquire left it (every take raises it).
 fn with_the_acquire_reply_lost(
     server: &corral_tests::RedisServer,
     proxy: &corral_tests::FaultProxy,
     key: &str,
     extra: &[&str],
-) -> std::process::Output {
+) -> (std::process::Output, u64) {
     // Each way: a round trip (400 ms) stays under the connection timeout (500 ms).
     proxy.set_latency(Duration::from_millis(200));
     let url = proxy.url();
@@ -351,10 +352,15 @@ fn with_the_acquire_reply_lost(
     eventually("the acquire reached Redis", || {
         (redis_cmd::<u64>(&server.url(), &["EXISTS", &lock]) == 1).then_some(())
     });
-    // The reply is still on its way back (200 ms): swallowed.
+    // The reply is still on its way back (200 ms): swallowed. (The subscription's
+    // connection goes half-open too: a waiter then wakes by its backoff's timer.)
     proxy.set_latency(Duration::ZERO);
     assert!(proxy.half_open() >= 1, "corral's connections");
-    corral.finish()
+    let fence: Option<u64> = redis_cmd(&server.url(), &["GET", &format!("{{7:corral:{key}}}:f")]);
+    (
+        corral.finish(),
+        fence.expect("the lost acquire raised the fencing counter"),
+    )
 }
 
 /// An acquire whose reply was lost set the lock in Redis, held by nobody: `corral`
@@ -364,9 +370,10 @@ fn with_the_acquire_reply_lost(
 fn an_acquire_whose_reply_was_lost_leaves_no_lock_behind_when_corral_exits() {
     let server = redis_server();
     let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
-    let out = with_the_acquire_reply_lost(&server, &proxy, "lost", &[]);
+    let (out, _) = with_the_acquire_reply_lost(&server, &proxy, "lost", &[]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(stderr.contains("did not answer the lock acquire"), "{stderr}");
     let left: u64 = redis_cmd(&server.url(), &["EXISTS", "{7:corral:lost}:k"]);
     assert_eq!(left, 0, "a lock no one holds was left behind: {stderr}");
     assert_lock_free(&server.url(), "lost");
@@ -374,14 +381,20 @@ fn an_acquire_whose_reply_was_lost_leaves_no_lock_behind_when_corral_exits() {
 
 /// The same lost reply while `corral` may wait: the lock its lost attempt set is
 /// released, and a later try takes it, so the command runs (rather than `corral`
-/// waiting on itself until the TTL, then exiting 75).
+/// waiting on its own lost attempt until `--wait` runs out, then exiting 75).
 #[test]
 fn an_acquire_whose_reply_was_lost_is_released_and_a_later_try_takes_the_lock() {
     let server = redis_server();
     let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
-    let out = with_the_acquire_reply_lost(&server, &proxy, "retaken", &["--wait", "20s"]);
+    let (out, lost) = with_the_acquire_reply_lost(&server, &proxy, "retaken", &["--wait", "20s"]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
+    // Taken again after the lost attempt (not that attempt's reply arriving after all).
+    let fence: Option<u64> = redis_cmd(&server.url(), &["GET", "{7:corral:retaken}:f"]);
+    assert!(
+        fence > Some(lost),
+        "the lock was not taken again: {fence:?} after {lost}"
+    );
     let left: u64 = redis_cmd(&server.url(), &["EXISTS", "{7:corral:retaken}:k"]);
     assert_eq!(left, 0, "the lock was left behind: {stderr}");
 }
