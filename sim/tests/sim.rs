@@ -49,7 +49,7 @@ fn hold_every_invariant(first: u64, stride: u64) {
     );
     // (`network` and `chaos`, the scenarios that have it, run the odd seeds.)
     assert!(
-        first % 2 == 0 || totals.faults.get("subscription-half-open").copied().unwrap_or(0) > 0,
+        first.is_multiple_of(2) || totals.faults.get("subscription-half-open").copied().unwrap_or(0) > 0,
         "subscriptions went half-open"
     );
 }
