@@ -330,6 +330,12 @@ fn a_release_redis_did_not_answer_is_retried_before_corral_exits() {
     assert_lock_free(&server.url(), "owed");
 }
 
+/// The Redis name of lock `key`'s part `kind` under the default prefix: `k` the lock,
+/// `f` its fencing counter, `q` its fair queue.
+fn name_of(key: &str, kind: char) -> String {
+    format!("{{7:corral:{key}}}:{kind}")
+}
+
 /// `corral lock --key KEY --ttl 60s [extra...]` through `proxy` (slow, so that a reply
 /// can be caught on its way back), with the reply to the acquire that set the lock lost:
 /// once the lock exists on `server`, every connection to it goes half-open (new ones
@@ -348,7 +354,7 @@ fn with_the_acquire_reply_lost(
     args.extend_from_slice(extra);
     args.extend_from_slice(&["--", "true"]);
     let corral = Running::spawn(&args);
-    let lock = format!("{{7:corral:{key}}}:k");
+    let lock = name_of(key, 'k');
     eventually("the acquire reached Redis", || {
         (redis_cmd::<u64>(&server.url(), &["EXISTS", &lock]) == 1).then_some(())
     });
@@ -356,7 +362,7 @@ fn with_the_acquire_reply_lost(
     // connection goes half-open too: a waiter then wakes by its backoff's timer.)
     proxy.set_latency(Duration::ZERO);
     assert!(proxy.half_open() >= 1, "corral's connections");
-    let fence: Option<u64> = redis_cmd(&server.url(), &["GET", &format!("{{7:corral:{key}}}:f")]);
+    let fence: Option<u64> = redis_cmd(&server.url(), &["GET", &name_of(key, 'f')]);
     (
         corral.finish(),
         fence.expect("the lost acquire raised the fencing counter"),
@@ -374,7 +380,7 @@ fn an_acquire_whose_reply_was_lost_leaves_no_lock_behind_when_corral_exits() {
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(69), "{stderr}");
     assert!(stderr.contains("did not answer the lock acquire"), "{stderr}");
-    let left: u64 = redis_cmd(&server.url(), &["EXISTS", "{7:corral:lost}:k"]);
+    let left: u64 = redis_cmd(&server.url(), &["EXISTS", &name_of("lost", 'k')]);
     assert_eq!(left, 0, "a lock no one holds was left behind: {stderr}");
     assert_lock_free(&server.url(), "lost");
 }
@@ -390,12 +396,12 @@ fn an_acquire_whose_reply_was_lost_is_released_and_a_later_try_takes_the_lock() 
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     // Taken again after the lost attempt (not that attempt's reply arriving after all).
-    let fence: Option<u64> = redis_cmd(&server.url(), &["GET", "{7:corral:retaken}:f"]);
+    let fence: Option<u64> = redis_cmd(&server.url(), &["GET", &name_of("retaken", 'f')]);
     assert!(
         fence > Some(lost),
         "the lock was not taken again: {fence:?} after {lost}"
     );
-    let left: u64 = redis_cmd(&server.url(), &["EXISTS", "{7:corral:retaken}:k"]);
+    let left: u64 = redis_cmd(&server.url(), &["EXISTS", &name_of("retaken", 'k')]);
     assert_eq!(left, 0, "the lock was left behind: {stderr}");
 }
 
@@ -502,7 +508,7 @@ fn holding_job(url: &str, dir: &TempDir) -> Running {
 
 /// The queue of the lock "job" under the default prefix (contract §2.4), as its lines.
 fn queued(url: &str) -> Vec<String> {
-    let queue: Option<String> = redis_cmd(url, &["GET", "{7:corral:job}:q"]);
+    let queue: Option<String> = redis_cmd(url, &["GET", &name_of("job", 'q')]);
     queue.unwrap_or_default().lines().map(str::to_owned).collect()
 }
 
