@@ -16,29 +16,23 @@
 //! Whatever happens once the lock is held, its release (owner-checked) runs before
 //! `corral` exits, and so do the releases the locks still owe (an attempt whose reply
 //! was lost, a release Redis did not answer, retried): all of it within
-//! [`RELEASE_TIMEOUT`] of the command's end, or until another signal.
+//! [`Link::owed_within`] of the command's end (3 s on the default timeouts), or until
+//! another signal.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use corral::locks::{Lease, LockOptions, RedisLocks};
-use corral::{Error, ErrorKind};
+use corral::{Error, ErrorKind, RedisOptions};
 use nix::sys::signal::Signal;
 
 use crate::failure::{Cause, Failure, code};
 use crate::group::{self, Group};
+use crate::link::Link;
 use crate::output::say;
 use crate::probe;
 use crate::redact::RedisUrl;
 use crate::signals::{self, Signals};
-
-/// How long the release of the lock may take before `corral` gives up on it (the lock
-/// then expires with its TTL).
-pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// How long an acquire interrupted by a signal may take to finish its attempt in flight
-/// (the library's response timeout).
-const SETTLE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// What `corral lock` was asked to do.
 #[derive(Debug)]
@@ -47,6 +41,8 @@ pub struct Request<'a> {
     /// A Redis Cluster's seed nodes, instead of `urls`.
     pub cluster: &'a [RedisUrl],
     pub prefix: &'a str,
+    /// The timeouts of the connections.
+    pub link: Link,
     pub key: &'a str,
     /// A fixed lease of this TTL (else a watchdog lease).
     pub ttl: Option<Duration>,
@@ -96,13 +92,14 @@ pub async fn run(request: Request<'_>) -> Result<ExitCode, Failure> {
         .map_err(|e| Failure::new(code::GENERIC, format!("could not catch signals: {e}")))?;
     let locks = connect(&request)?;
     let (outcome, lease) = hold(&locks, &request, &mut signals).await;
-    let until = Instant::now() + RELEASE_TIMEOUT;
+    let within = request.link.owed_within();
+    let until = Instant::now() + within;
     if let Some(lease) = lease {
-        release(lease, until).await;
+        release(lease, until, within).await;
     }
     // Said before the wait for what the locks still owe.
     let code = outcome.unwrap_or_else(|failure| failure.report());
-    pay_what_is_owed(&locks, until, &mut signals).await;
+    pay_what_is_owed(&locks, (until, within), &mut signals).await;
     Ok(code)
 }
 
@@ -123,7 +120,7 @@ async fn hold(
         },
         signal = signals.next() => {
             tracing::info!(%signal, "signal received while taking the lock; the command is not started");
-            let lease = settle(acquiring).await;
+            let lease = settle(acquiring, request.link.response_timeout).await;
             return (Ok(ExitCode::from(signals::exit_code(signal))), lease);
         }
     };
@@ -140,12 +137,12 @@ async fn hold(
 /// another signal: the release of an attempt whose reply was lost (the lock may be held
 /// there by nobody), a release Redis did not answer, a fair waiter's place in the
 /// queue. A process that exits first leaves such a lock held until its TTL.
-async fn pay_what_is_owed(locks: &RedisLocks, until: Instant, signals: &mut Signals) {
-    let within = until.saturating_duration_since(Instant::now());
+async fn pay_what_is_owed(locks: &RedisLocks, (until, within): (Instant, Duration), signals: &mut Signals) {
+    let left = until.saturating_duration_since(Instant::now());
     tokio::select! {
-        closed = locks.close(within) => if closed.is_err() {
+        closed = locks.close(left) => if closed.is_err() {
             say!(
-                "corral lock: warning: releases owed to Redis did not finish within {RELEASE_TIMEOUT:?}; what they would free expires with its TTL"
+                "corral lock: warning: releases owed to Redis did not finish within {within:?}; what they would free expires with its TTL"
             );
         },
         signal = signals.next() => {
@@ -154,11 +151,12 @@ async fn pay_what_is_owed(locks: &RedisLocks, until: Instant, signals: &mut Sign
     }
 }
 
-/// Lets an acquire interrupted by a signal finish its attempt in flight (if it is
-/// waiting between attempts it is simply dropped at the bound): the lease it took, to
-/// be released, since a signal must not leave a lock behind that lives until its TTL.
-async fn settle(acquiring: impl Future<Output = Result<Lease, Failure>>) -> Option<Lease> {
-    match tokio::time::timeout(SETTLE_TIMEOUT, acquiring).await {
+/// Lets an acquire interrupted by a signal finish its attempt in flight, for at most
+/// `within` (a reply's time; if it is waiting between attempts it is simply dropped at
+/// the bound): the lease it took, to be released, since a signal must not leave a lock
+/// behind that lives until its TTL.
+async fn settle(acquiring: impl Future<Output = Result<Lease, Failure>>, within: Duration) -> Option<Lease> {
+    match tokio::time::timeout(within, acquiring).await {
         Ok(Ok(lease)) => Some(lease),
         _ => None,
     }
@@ -166,14 +164,16 @@ async fn settle(acquiring: impl Future<Output = Result<Lease, Failure>>) -> Opti
 
 /// The locks on the request's servers.
 fn connect(request: &Request<'_>) -> Result<RedisLocks, Failure> {
-    let urls: Vec<&str> = request.urls.iter().map(RedisUrl::expose).collect();
-    let nodes: Vec<&str> = request.cluster.iter().map(RedisUrl::expose).collect();
-    if nodes.is_empty() {
-        RedisLocks::connect_with(&urls, request.prefix, corral::SystemClock)
+    let servers: Vec<RedisOptions> = if request.cluster.is_empty() {
+        request
+            .urls
+            .iter()
+            .map(|url| request.link.server(url, request.prefix))
+            .collect()
     } else {
-        RedisLocks::connect_cluster(&nodes, request.prefix)
-    }
-    .map_err(|e| Failure::from_error(&e, single(request.named())))
+        vec![request.link.cluster(request.cluster, request.prefix)]
+    };
+    RedisLocks::from_options(&servers).map_err(|e| Failure::from_error(&e, single(request.named())))
 }
 
 /// Takes the lease, or says why not.
@@ -323,7 +323,7 @@ fn cannot_start(program: &str, e: &std::io::Error) -> Failure {
 
 /// Releases the lease, owner-checked, until `until`. A lease known lost is
 /// released too (if Redis only missed renewals, the lock may still be ours).
-async fn release(lease: Lease, until: Instant) {
+async fn release(lease: Lease, until: Instant, within: Duration) {
     let key = lease.key().to_owned();
     let known_lost = lease.is_lost();
     match tokio::time::timeout_at(until.into(), lease.release()).await {
@@ -333,7 +333,7 @@ async fn release(lease: Lease, until: Instant) {
             "corral lock: warning: could not confirm the release of lock {key:?} ({e}); retrying it before exiting (if it is still held then, it expires with its TTL)"
         ),
         Err(_) => say!(
-            "corral lock: warning: releasing lock {key:?} took more than {RELEASE_TIMEOUT:?}; if it is still held, it expires with its TTL"
+            "corral lock: warning: releasing lock {key:?} took more than {within:?}; if it is still held, it expires with its TTL"
         ),
     }
 }

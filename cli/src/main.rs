@@ -15,6 +15,7 @@ mod demo;
 mod entry;
 mod failure;
 mod group;
+mod link;
 mod lock;
 mod output;
 mod probe;
@@ -60,8 +61,22 @@ pub struct Cli {
     /// Store every key under this prefix in Redis.
     #[arg(long, global = true, default_value = corral::DEFAULT_PREFIX)]
     prefix: String,
+    /// How long connecting to Redis may take, the handshake's round trip included
+    /// (default 500ms): raise it for a link whose round trip is long.
+    #[arg(long, global = true, value_parser = link::timeout, value_name = "DURATION")]
+    connect_timeout: Option<Duration>,
+    /// How long one Redis command may take (default 1s).
+    #[arg(long, global = true, value_parser = link::timeout, value_name = "DURATION")]
+    response_timeout: Option<Duration>,
     #[command(subcommand)]
     pub command: Command,
+}
+
+impl Cli {
+    /// The timeouts of every connection to Redis.
+    fn link(&self) -> link::Link {
+        link::Link::new(self.connect_timeout, self.response_timeout)
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -206,6 +221,7 @@ async fn run(cli: Cli) -> Result<ExitCode, Failure> {
                 },
                 cluster: &cli.redis_cluster,
                 prefix: &cli.prefix,
+                link: cli.link(),
                 key,
                 ttl: *ttl,
                 watchdog: *watchdog,
@@ -242,18 +258,11 @@ async fn run_cache(cli: &Cli) -> Result<ExitCode, Failure> {
         Command::Stampede { lock_wait, .. } => Corral::builder().lock_wait(*lock_wait),
         _ => Corral::builder(),
     };
+    let link = cli.link();
     let builder = match (redis, cli.redis_cluster.as_slice()) {
-        (Some(url), _) => {
-            let mut options = corral::RedisOptions::new(url.expose());
-            options.prefix = cli.prefix.clone();
-            builder.redis_options(options)
-        }
+        (Some(url), _) => builder.redis_options(link.server(url, &cli.prefix)),
         (None, []) => builder,
-        (None, nodes) => {
-            let mut options = corral::RedisOptions::cluster(nodes.iter().map(|n| n.expose().to_owned()));
-            options.prefix = cli.prefix.clone();
-            builder.redis_options(options)
-        }
+        (None, nodes) => builder.redis_options(link.cluster(nodes, &cli.prefix)),
     };
     // A cluster's failures name its first seed node.
     let redis = redis.or(cli.redis_cluster.first());
@@ -263,21 +272,17 @@ async fn run_cache(cli: &Cli) -> Result<ExitCode, Failure> {
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => failure.report(),
     };
-    close(&cache).await;
+    close(&cache, link.owed_within()).await;
     Ok(code)
 }
 
-/// How long what a cache command leaves owed to the store (an announcement or a removal
-/// retried, a lock release) may take before `corral` exits anyway: the bound `corral
-/// lock` gives its releases.
-const CLOSE_TIMEOUT: Duration = lock::RELEASE_TIMEOUT;
-
-/// Lets what the command left under way end before `corral` exits (see
-/// [`Corral::close`]).
-async fn close(cache: &Corral) {
-    if cache.close(CLOSE_TIMEOUT).await.is_err() {
+/// Lets what the command left under way (an announcement or a removal retried, a lock
+/// release) end before `corral` exits, for at most `within` (see [`Corral::close`]):
+/// the bound `corral lock` gives its releases.
+async fn close(cache: &Corral, within: Duration) {
+    if cache.close(within).await.is_err() {
         say!(
-            "corral: warning: a change owed to the store (a removal, an announcement or a release, retried) was not made within {CLOSE_TIMEOUT:?}; what it would have changed stays until its TTL"
+            "corral: warning: a change owed to the store (a removal, an announcement or a release, retried) was not made within {within:?}; what it would have changed stays until its TTL"
         );
     }
 }

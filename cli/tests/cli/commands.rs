@@ -81,6 +81,54 @@ fn a_removal_redis_did_not_answer_is_retried_before_corral_exits() {
     );
 }
 
+/// A link whose round trip (700 ms here) is longer than the default connect timeout
+/// (500 ms, which covers the handshake's round trip): `corral` cannot connect, and says
+/// so (69), until `--connect-timeout` gives the handshake the time it needs.
+#[test]
+fn a_slow_link_needs_connect_timeout_and_works_with_it() {
+    let server = redis_server();
+    let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
+    proxy.set_latency(std::time::Duration::from_millis(350));
+    let url = proxy.url();
+    let refused = run(&["--redis", &url, "set", "k", "far"], None);
+    let stderr = text(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(69), "{stderr}");
+    assert!(stderr.contains("cannot use Redis"), "{stderr}");
+
+    let slow = [
+        "--connect-timeout",
+        "5s",
+        "--response-timeout",
+        "5s",
+        "--redis",
+        &url,
+    ];
+    let stored = run(&[&slow[..], &["set", "k", "far"]].concat(), None);
+    assert!(stored.status.success(), "{}", text(&stored.stderr));
+    let read = run(&[&slow[..], &["get", "k"]].concat(), None);
+    assert!(read.status.success(), "{}", text(&read.stderr));
+    assert_eq!(text(&read.stdout).trim(), "far");
+}
+
+/// A timeout of nothing, or of more than ten minutes, is refused as a usage error (2,
+/// as every other one), naming the flag, before anything connects.
+#[test]
+fn a_timeout_of_zero_or_past_ten_minutes_is_refused_naming_the_flag() {
+    for (flag, value, why) in [
+        ("--connect-timeout", "0s", "must be more than zero"),
+        ("--response-timeout", "11m", "must be at most 10m"),
+        ("--connect-timeout", "soon", "soon"),
+    ] {
+        let out = run(&[flag, value, "get", "k"], None);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains(why),
+            "{flag} {value}: {stderr}"
+        );
+    }
+}
+
 #[test]
 fn script_goes_on_after_a_failed_line_and_exits_with_the_worst_status() {
     let out = run(

@@ -369,6 +369,40 @@ fn with_the_acquire_reply_lost(
     )
 }
 
+/// `corral lock` over a link whose round trip (700 ms) is longer than the default
+/// connect timeout: 69 without `--connect-timeout`, the command run under the lock (and
+/// the lock released) with it.
+#[test]
+fn a_lock_over_a_slow_link_needs_connect_timeout_and_works_with_it() {
+    let server = redis_server();
+    let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
+    proxy.set_latency(Duration::from_millis(350));
+    let url = proxy.url();
+    let refused = run(&["lock", "--key", "far", "--redis", &url, "--", "true"], None);
+    let stderr = text(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(69), "{stderr}");
+
+    let held = run(
+        &[
+            "lock",
+            "--key",
+            "far",
+            "--connect-timeout",
+            "5s",
+            "--redis",
+            &url,
+            "--",
+            "sh",
+            "-c",
+            "echo token=$CORRAL_FENCING_TOKEN",
+        ],
+        None,
+    );
+    assert!(held.status.success(), "{}", text(&held.stderr));
+    assert!(text(&held.stdout).starts_with("token="), "{}", text(&held.stdout));
+    assert_lock_free(&server.url(), "far");
+}
+
 /// An acquire whose reply was lost set the lock in Redis, held by nobody: `corral`
 /// (which cannot know it holds it) releases it before it exits, so the next run finds
 /// the lock free instead of waiting out the TTL.

@@ -253,23 +253,18 @@ impl RedisLocks {
     /// # Errors
     /// As [`connect`](Self::connect).
     pub fn connect_with<S: AsRef<str>>(urls: &[S], prefix: &str, clock: impl Clock) -> Result<Self> {
-        if urls.is_empty() {
-            return Err(Error::invalid_argument(
-                "redis url",
-                "must be given at least once",
-            ));
-        }
-        let policy = Policy::load(defaults()?.limits)?;
-        if let [url] = urls {
-            let _ = clock;
-            return Self::single(&RedisOptions::new(url.as_ref()), prefix, policy);
-        }
-        let mut servers = Vec::with_capacity(urls.len());
-        for url in urls {
-            let options = RedisOptions::new(url.as_ref());
-            servers.push(Server::open(&options)?);
-        }
-        Ok(Self::from_parts(policy, Arc::new(clock), servers, prefix))
+        let _ = clock;
+        let servers: Vec<RedisOptions> = urls
+            .iter()
+            .map(|url| RedisOptions {
+                prefix: prefix.to_owned(),
+                ..RedisOptions::new(url.as_ref())
+            })
+            .collect();
+        Self::from_options(&servers).map_err(|e| match e.argument() {
+            Some("redis options") => Error::invalid_argument("redis url", "must be given at least once"),
+            _ => e,
+        })
     }
 
     /// Locks on one Redis Cluster reached through its seed nodes: a single-server lease
@@ -285,9 +280,62 @@ impl RedisLocks {
                 "must be given at least once",
             ));
         }
+        let options = RedisOptions {
+            prefix: prefix.to_owned(),
+            ..RedisOptions::cluster(nodes.iter().map(|n| n.as_ref().to_owned()))
+        };
+        Self::from_options(&[options])
+    }
+
+    /// Locks on the servers `servers` describe, each with its own timeouts: one (a
+    /// server, or a cluster through its seed nodes) for a plain lease, several
+    /// independent servers for Redlock. Keys go under their prefix, the same on every
+    /// server. Connections are lazy. [`connect`](Self::connect) with the defaults of
+    /// [`RedisOptions::new`].
+    ///
+    /// ```no_run
+    /// # fn demo() -> corral::Result<()> {
+    /// use std::time::Duration;
+    /// use corral::RedisOptions;
+    /// use corral::locks::RedisLocks;
+    ///
+    /// // A server across an ocean: its handshake alone takes a long round trip.
+    /// let mut far = RedisOptions::new("redis://far.example:6379");
+    /// far.connect_timeout = Duration::from_secs(3);
+    /// far.response_timeout = Duration::from_secs(3);
+    /// let locks = RedisLocks::from_options(&[far])?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] for no server, a bad URL, a cluster among several
+    /// servers, or prefixes that differ.
+    pub fn from_options(servers: &[RedisOptions]) -> Result<Self> {
+        let [first, rest @ ..] = servers else {
+            return Err(Error::invalid_argument(
+                "redis options",
+                "must name at least one server",
+            ));
+        };
+        let prefix = first.prefix.as_str();
+        if rest.iter().any(|s| s.prefix != prefix) {
+            return Err(Error::invalid_argument(
+                "redis options prefix",
+                "must be the same on every server of a Redlock",
+            ));
+        }
         let policy = Policy::load(defaults()?.limits)?;
-        let options = RedisOptions::cluster(nodes.iter().map(|n| n.as_ref().to_owned()));
-        Self::single(&options, prefix, policy)
+        if rest.is_empty() {
+            return Self::single(first, prefix, policy);
+        }
+        if servers.iter().any(|s| !s.cluster_nodes.is_empty()) {
+            return Err(Error::invalid_argument(
+                "redis options cluster_nodes",
+                "a Redlock runs on independent servers, not on a cluster",
+            ));
+        }
+        let servers = servers.iter().map(Server::open).collect::<Result<Vec<_>>>()?;
+        Ok(Self::from_parts(policy, Arc::new(SystemClock), servers, prefix))
     }
 
     /// Leases on servers that are not Redis (a simulated store, another database), one

@@ -1054,3 +1054,60 @@ async fn the_portable_lock_table_sweeps_expired_locks_by_itself() -> Result<()> 
     );
     Ok(())
 }
+
+/// Locks built from `RedisOptions` keep each server's timeouts and the options' prefix:
+/// over a link whose round trip (700 ms) is longer than the default connect timeout,
+/// `connect` cannot take a lock and `from_options` with a longer one can. Options that
+/// cannot describe one set of locks are refused before anything connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_from_options_keep_their_timeouts_and_prefix() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let proxy = FaultProxy::start(server.addr())?;
+    proxy.set_latency(Duration::from_millis(350));
+    let once = LockOptions::new().ttl(Duration::from_secs(5));
+
+    let hasty = RedisLocks::connect(&[proxy.url()])?;
+    let err = hasty
+        .try_acquire("far", once)
+        .await
+        .err()
+        .context("a 500 ms connect timeout")?;
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+
+    let mut patient = corral::RedisOptions::new(proxy.url());
+    patient.connect_timeout = Duration::from_secs(5);
+    patient.response_timeout = Duration::from_secs(5);
+    patient.prefix = "tenant-b:".into();
+    let locks = RedisLocks::from_options(std::slice::from_ref(&patient))?;
+    let lease = locks
+        .try_acquire("far", once)
+        .await?
+        .context("the lock is free")?;
+    let name = locks.lock_key("far")?;
+    assert!(name.contains("tenant-b:"), "{name}");
+    let mut conn = server.connection().await?;
+    let held: Option<String> = redis::cmd("GET").arg(&name).query_async(&mut conn).await?;
+    ensure!(held.is_some(), "the lock is under the options' prefix");
+    lease.release().await?;
+
+    let refused = |servers: &[corral::RedisOptions]| {
+        RedisLocks::from_options(servers)
+            .err()
+            .map(|e| (e.kind(), e.to_string()))
+    };
+    let mut other = corral::RedisOptions::new(server.url());
+    other.prefix = "tenant-c:".into();
+    let mut cluster = corral::RedisOptions::cluster([server.url()]);
+    cluster.prefix = patient.prefix.clone();
+    for (servers, why) in [
+        (vec![], "at least one server"),
+        (vec![patient.clone(), other], "the same on every server"),
+        (vec![patient, cluster], "not on a cluster"),
+    ] {
+        let (kind, text) = refused(&servers).context(why)?;
+        assert_eq!(kind, ErrorKind::InvalidArgument, "{text}");
+        assert!(text.contains(why), "{text}");
+    }
+    Ok(())
+}
