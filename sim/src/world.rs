@@ -569,8 +569,10 @@ impl World {
                     }
                 }
                 // Once per fill window: nothing fresh had landed before this flight took
-                // the lock (its double-check read would have found it), unless that
-                // read failed.
+                // the lock and was still fresh when its loader started (its double-check
+                // read, made in between, would have found it), unless that read failed.
+                // Fresh at the load, not only at the lock: a process paused between the
+                // two reads what is there when it wakes.
                 if !refresh
                     && let Some((entry, _)) = st.names_of(key)
                     && let Some(stored) = st.entries.get(&entry)
@@ -578,7 +580,7 @@ impl World {
                     && stored.since < since
                     && let Tag::Value(v) = tag_of(&stored.bytes)
                     && !st.removed_by_tag(&stored.bytes, now)
-                    && fresh_whatever_the_clock(&stored.bytes, since, clock_error_ms)
+                    && fresh_whatever_the_clock(&stored.bytes, now, clock_error_ms)
                 {
                     let what = format!(
                         "p{proc} loads {key} although {v} landed at {} before its lock ({since})",

@@ -486,6 +486,10 @@ impl wit::Guest for Component {
         corral_core::tags::known_until(now_ms, l1_ttl_ms)
     }
 
+    fn clock_stepped_back(latest_ms: u64, now_ms: u64) -> bool {
+        corral_core::generation::stepped_back(latest_ms, now_ms)
+    }
+
     fn tag_sweep_at(kept: u64) -> u64 {
         let kept = usize::try_from(kept).unwrap_or(usize::MAX);
         corral_core::tags::KeptTags::next_sweep(kept) as u64

@@ -16,7 +16,9 @@
 //!   an older one means the counter went back (a store restart), a gap;
 //! - a generation **stands in** for one that cannot be read ([`Known::fallback`]) only
 //!   if it was read (or written) since the last gap: else a clear may have been missed,
-//!   and entries named in it must not be read.
+//!   and entries named in it must not be read;
+//! - a wall clock **stepped back** ([`stepped_back`]) is a gap too: what was kept until
+//!   a wall-clock moment would be kept for as long again as the step.
 
 /// The clears and the gaps in the announcements a process heard, each counted: taken
 /// ([`Known::heard`]) before a read of the generation, and handed back with what it read.
@@ -230,11 +232,37 @@ impl Known {
     }
 }
 
+/// How far behind the latest reading a body saw its wall clock may read before the
+/// body takes it for a step back: readings taken on two threads and compared in the
+/// other order are not a step.
+pub const CLOCK_STEP_MS: u64 = 1_000;
+
+/// Whether a reading of `now_ms`, after `latest_ms` (the latest reading the body saw),
+/// is a step back of the wall clock. A body keeps what it knows until wall-clock moments
+/// (the generation, a tag's moments, an L1 copy): after a step back they all lie further
+/// away by the step, and without announcements a process would learn of a clear that
+/// much later than the L1 TTL it promises. So a body takes a step back as a gap in the
+/// announcements ([`News::Gap`]): L1 flushed, the generation and the tags read again.
+#[must_use]
+pub fn stepped_back(latest_ms: u64, now_ms: u64) -> bool {
+    now_ms.saturating_add(CLOCK_STEP_MS) < latest_ms
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const UNTIL: u64 = 10_000;
+
+    #[test]
+    fn a_clock_read_more_than_a_second_behind_the_latest_reading_stepped_back() {
+        assert!(!stepped_back(10_000, 10_000));
+        assert!(!stepped_back(10_000, 20_000), "forward");
+        assert!(!stepped_back(10_000, 9_000), "two threads' readings, crossed");
+        assert!(stepped_back(10_000, 8_999));
+        assert!(stepped_back(u64::MAX, 0));
+        assert!(!stepped_back(0, u64::MAX));
+    }
 
     /// A read of `generation` that began when `since` was heard (`None`: nothing heard
     /// while it was on its way).

@@ -352,7 +352,8 @@ impl CorralBuilder {
             && Stores::keep_sliding(self.uses_redis(), &*self.clock);
         let policy = Policy::load(settings.limits)?;
         let l1 = L1::new(settings.l1_capacity, Duration::from_millis(settings.l1_ttl_ms));
-        let clock = self.clock;
+        let watched = Arc::new(super::watched::Watched::new(self.clock, policy.clone()));
+        let clock: Arc<dyn Clock> = watched.clone();
         let (prefix, stores) = match self.custom {
             Some(custom) => (
                 self.custom_prefix.unwrap_or_else(|| DEFAULT_PREFIX.to_owned()),
@@ -374,6 +375,9 @@ impl CorralBuilder {
         let metrics = Arc::new(Metrics::new(&prefix));
         let tags = Arc::new(super::tags::TagState::new(policy.clone())?);
         listen(&stores, &l1, &metrics, &tags, &policy, &clock, settings.l1_ttl_ms);
+        // A wall clock stepped back is a gap in what this process heard (contract §6b.5).
+        let gap = super::l1_invalidation(l1.clone(), metrics.clone(), tags.clone());
+        watched.on_step(move || gap(None));
         let flight = FlightSettings::of(&settings, policy.store_budget(settings)?);
         let owed = crate::owed::Owed::default();
         let locks = locks_over(&stores, &policy, &clock, &owed);

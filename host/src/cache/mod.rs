@@ -32,6 +32,7 @@ mod read;
 pub(crate) mod registry;
 pub(crate) mod tags;
 mod typed;
+mod watched;
 
 pub use builder::CorralBuilder;
 pub(crate) use builder::Overrides;

@@ -678,12 +678,16 @@ mod tests {
             expired_ms: 0,
         };
         let kept = |until_ms| KeptTag { moments, until_ms };
-        // A service whose tags each name one user: thousands, each judged by once.
-        for n in 0..10_000u64 {
-            state.learn(&format!("user:{n}"), kept(n + 1), n);
-        }
+        // A service whose tags each name one user: thousands, each judged by once. A
+        // tag new to the process moves nothing, but a sweep does: an L1 copy judged by a
+        // swept tag may outlive its bound (a fail-safe copy, a clock stepped back by
+        // less than a step) and must be judged again.
+        let moved = (0..10_000u64)
+            .filter(|&n| state.learn(&format!("user:{n}"), kept(n + 1), n))
+            .count();
         let size = state.moments.lock().map.len();
         assert!(size <= 2 * 1024, "{size} tags kept");
+        assert!(moved >= 4, "every sweep moves L1's tag epoch: {moved} moves");
         // One that has not lapsed stays, however many come after it.
         state.learn("live", kept(u64::MAX), 10_000);
         for n in 10_000..20_000u64 {

@@ -397,3 +397,63 @@ async fn a_process_that_swept_its_tags_still_stops_serving_a_removed_one() -> Re
     }
     Ok(())
 }
+
+/// A clear whose announcement never came (its process died between the write and the
+/// publish) is learnt within the L1 TTL, the generation's trust, even across a wall
+/// clock stepped back: the step is a gap in what this process heard (L1 flushed, the
+/// generation read again), not an hour more of trust. A reading less than a second
+/// behind is not a step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clock_stepped_back_does_not_extend_what_a_process_trusts() -> Result<()> {
+    use corral::Clock as _;
+    let server = RedisServer::start()?;
+    let clock = corral::ManualClock::starting_now();
+    let start = clock.now_ms();
+    let l1_ttl = Duration::from_secs(30);
+    let prefix = "stepped:";
+    let mut o = RedisOptions::new(server.url());
+    o.prefix = prefix.to_owned();
+    let a = Corral::builder()
+        .clock(clock.clone())
+        .l1_ttl(l1_ttl)
+        .redis_options(o)
+        .build()?;
+    a.set("k", b"v".to_vec(), EntryOptions::new().relative(LONG))
+        .await?;
+    assert_eq!(a.get("k").await?.as_deref(), Some(&b"v"[..]));
+
+    // Another process's clear, written but never announced: the generation moves on.
+    let generation = format!("{{{}:{prefix}}}:g", prefix.len());
+    let mut conn = server.connection().await?;
+    let known: Option<u64> = redis::cmd("GET").arg(&generation).query_async(&mut conn).await?;
+    let cleared = known.unwrap_or(0).max(start) + 1;
+    let _: () = redis::cmd("SET")
+        .arg(&generation)
+        .arg(cleared)
+        .query_async(&mut conn)
+        .await?;
+    clock.advance(Duration::from_secs(10));
+    assert_eq!(
+        a.get("k").await?.as_deref(),
+        Some(&b"v"[..]),
+        "within the L1 TTL, unheard: still served (the documented bound)"
+    );
+    let flushes = a.metrics().l1_flushes;
+    clock.set(clock.now_ms() - 500);
+    assert_eq!(a.get("k").await?.as_deref(), Some(&b"v"[..]));
+    assert_eq!(
+        a.metrics().l1_flushes,
+        flushes,
+        "half a second back is not a step"
+    );
+
+    // An hour back, then more than the L1 TTL forward.
+    clock.set(start - 3_600_000);
+    clock.advance(l1_ttl + Duration::from_secs(1));
+    assert_eq!(
+        a.get("k").await?,
+        None,
+        "the clear was not learnt within the L1 TTL of the clock's own time"
+    );
+    Ok(())
+}
