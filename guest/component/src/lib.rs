@@ -189,10 +189,7 @@ fn known_in(k: wit::KnownGeneration) -> generation::Known {
         generation: k.generation,
         until_ms: k.until_ms,
         trusted: k.trusted,
-        heard: generation::Heard {
-            clears: k.heard.clears,
-            gaps: k.heard.gaps,
-        },
+        heard: heard_in(k.heard),
         judges_l1: k.judges_l1,
     }
 }
@@ -205,6 +202,7 @@ fn known_out(k: generation::Known) -> wit::KnownGeneration {
         heard: wit::Heard {
             clears: k.heard.clears,
             gaps: k.heard.gaps,
+            reads: k.heard.reads,
         },
         judges_l1: k.judges_l1,
     }
@@ -234,6 +232,7 @@ fn heard_in(h: wit::Heard) -> generation::Heard {
     generation::Heard {
         clears: h.clears,
         gaps: h.gaps,
+        reads: h.reads,
     }
 }
 

@@ -58,8 +58,8 @@ fn kept(tag: &str, clears: u64) -> Option<KeptTag> {
 /// this instance did not make may hide an announcement, so each counts as a gap.
 fn heard(flushes: u64) -> Heard {
     Heard {
-        clears: 0,
         gaps: flushes,
+        ..Heard::default()
     }
 }
 

@@ -9,10 +9,12 @@
 //!
 //! - a **read** that overlapped a clear this process heard gives way to what the clear
 //!   set (the later of the two: an announcement may come late); one that overlapped a
-//!   **gap** (announcements may have been missed) is used for its call and not kept;
+//!   **gap** (announcements may have been missed), or another read that was kept (the
+//!   replies may have crossed), is used for its call and not kept;
 //! - this process's **own clear** is trusted, unless another clear was heard (or a gap
 //!   happened) while it was written (that one may be newer): then it is read again;
-//! - an **announced** clear moves the generation forward; a repeated one is no news;
+//! - an **announced** clear moves the generation forward, trusted no longer than the
+//!   last read (an announcement may be late, a later one lost); a repeated one is no news;
 //!   an older one means the counter went back (a store restart), a gap;
 //! - a generation **stands in** for one that cannot be read ([`Known::fallback`]) only
 //!   if it was read (or written) since the last gap: else a clear may have been missed,
@@ -29,6 +31,18 @@ pub struct Heard {
     /// Times what is known went stale: a gap in the subscription (announcements may
     /// have been missed), a clear announced below the known generation.
     pub gaps: u64,
+    /// Reads of the generation kept. Two reads on their way at once may be answered in
+    /// either order: one that began before another was kept may be the older, and is
+    /// used for its own call only.
+    pub reads: u64,
+}
+
+impl Heard {
+    /// Whether no clear and no gap was heard between `since` (taken before) and this.
+    #[must_use]
+    pub fn no_news_since(&self, since: &Heard) -> bool {
+        self.clears == since.clears && self.gaps == since.gaps
+    }
 }
 
 /// What a process knows of its prefix's generation.
@@ -113,7 +127,11 @@ impl Known {
             generation: 0,
             until_ms: 0,
             trusted: false,
-            heard: Heard { clears: 0, gaps: 0 },
+            heard: Heard {
+                clears: 0,
+                gaps: 0,
+                reads: 0,
+            },
             judges_l1: false,
         }
     }
@@ -183,14 +201,18 @@ impl Known {
                 flush_l1: false,
             };
         }
-        if self.heard.gaps != since.gaps {
-            // Newer than anything known, and perhaps older than what was missed: good
-            // for this call (a clear that ended before it began is in it), not kept.
+        if self.heard.gaps != since.gaps || self.heard.reads != since.reads {
+            // After a gap: newer than anything known, and perhaps older than what was
+            // missed. After another read was kept: perhaps older than that one (their
+            // replies crossed), and a store that restarted empty is believed, so a
+            // lower generation would stand. Either way good for this call (a clear
+            // that ended before it began is in it), not kept.
             return Heeded {
                 generation,
                 flush_l1: false,
             };
         }
+        self.heard.reads += 1;
         // Not a maximum: a store that restarted empty counts from 0 again, and every
         // process must agree with it.
         let before = std::mem::replace(&mut self.generation, generation);
@@ -203,9 +225,9 @@ impl Known {
         self.heeded(flush_l1)
     }
 
-    /// Newer than what is known: it moves there, kept until `until_ms` if what is known
-    /// was trusted (after a gap a newer clear may have been missed too: the next call
-    /// reads it). The known one again (a late or repeated announcement): no news. Older:
+    /// Newer than what is known: it moves there, kept no longer than what is known was
+    /// (a read's bound, or `until_ms` if sooner; none after a gap, in which a newer clear
+    /// may have been missed too: the next call reads it). The known one again (a late or repeated announcement): no news. Older:
     /// the counter went back (a store restart emptied it, and a clear counted from
     /// there), so what is known is stale and the next call reads it again: a gap.
     fn announced(&mut self, generation: u64, until_ms: u64) -> Heeded {
@@ -213,9 +235,10 @@ impl Known {
         if generation > self.generation {
             self.heard.clears += 1;
             self.generation = generation;
-            if self.until_ms != 0 {
-                self.until_ms = until_ms;
-            }
+            // Trusted no longer than the last read said: an announcement may come late
+            // (its clear retried it), and a later clear whose announcement was lost may
+            // have moved the store past it since. Only a read restarts the L1 TTL.
+            self.until_ms = self.until_ms.min(until_ms);
         } else if generation < self.generation {
             self.heard.gaps += 1;
             self.until_ms = 0;
@@ -311,6 +334,52 @@ mod tests {
         assert_eq!(heeded.generation, 1_700_000_000_050);
         assert!(heeded.flush_l1);
         assert_eq!(known.until_ms, UNTIL);
+    }
+
+    #[test]
+    fn a_read_answered_after_a_later_one_was_kept_is_not_kept() {
+        let mut known = read_once(0);
+        let slow = known.heard();
+        // Another read begins later, sees the clear to ...500 and is answered first.
+        let quick = known.heard();
+        read(&mut known, quick, 1_700_000_000_500);
+        // The slow read was applied before the clear: good for its own call only.
+        let heeded = read(&mut known, slow, 0);
+        assert_eq!(heeded.generation, 0);
+        assert!(!heeded.flush_l1);
+        assert_eq!(known.usable(0), Some(1_700_000_000_500), "the later read stands");
+        // A read begun after both is kept.
+        let next = known.heard();
+        read(&mut known, next, 1_700_000_000_900);
+        assert_eq!(known.usable(0), Some(1_700_000_000_900));
+    }
+
+    #[test]
+    fn a_late_announcement_never_extends_what_a_read_trusted() {
+        let mut known = Known::in_process();
+        known.hear(News::Read {
+            since: known.heard(),
+            generation: 0,
+            until_ms: 3_000,
+        });
+        // A clear to ...1_011 whose announcement never came; then, past the read's
+        // bound, the late announcement of an older clear (...135, retried).
+        let heeded = known.hear(News::Announced {
+            generation: 1_700_000_000_135,
+            until_ms: 7_000,
+        });
+        assert!(heeded.flush_l1);
+        assert_eq!(known.generation, 1_700_000_000_135);
+        assert_eq!(
+            known.usable(4_000),
+            None,
+            "past the read's bound the store is read again, where the later clear is"
+        );
+        assert_eq!(
+            known.usable(2_000),
+            Some(1_700_000_000_135),
+            "within it: moved on"
+        );
     }
 
     #[test]

@@ -323,7 +323,7 @@ pub struct TagHeeded {
 #[must_use]
 pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHeeded {
     let (found, keep) = match news {
-        TagNews::Read { since, heard, found } => (found, since == heard),
+        TagNews::Read { since, heard, found } => (found, heard.no_news_since(&since)),
         TagNews::Told(found) => (found, true),
     };
     let moments = kept.map_or(found.moments, |k| k.moments.merge(&found.moments));
@@ -714,8 +714,11 @@ mod tests {
 
     #[test]
     fn a_read_that_overlapped_a_gap_is_used_once_and_not_kept() {
-        let since = Heard { clears: 0, gaps: 0 };
-        let heard = Heard { clears: 0, gaps: 1 };
+        let since = Heard::default();
+        let heard = Heard {
+            gaps: 1,
+            ..Heard::default()
+        };
         let found = kept(moments(0, NOW - 1), NOW + 300);
         let read = |kept| hear_moments(kept, TagNews::Read { since, heard, found }, NOW);
         let alone = read(None);

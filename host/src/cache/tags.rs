@@ -644,7 +644,8 @@ mod tests {
         assert!(state.hear_announced_clear(1_700_000_000_500, 20_000));
         assert_eq!(
             (state.generation_now(), until(&state)),
-            (1_700_000_000_500, 20_000)
+            (1_700_000_000_500, 10_000),
+            "moved on, trusted no longer than the read"
         );
         assert!(!state.hear_announced_clear(1_700_000_000_500, 20_000), "no news");
         // A clear overlapping this cache's own: read again.
