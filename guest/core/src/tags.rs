@@ -313,7 +313,9 @@ pub struct TagHeeded {
 /// Takes in `news` of a tag of which the process keeps `kept`, at `now_ms`:
 ///
 /// - what is kept and what is learnt are merged, each moment the later of the two
-///   ([`TagMoments::merge`]), and kept until the later of their bounds;
+///   ([`TagMoments::merge`]), and kept until the later of their bounds; what a read
+///   finds replaces what has lapsed (the store may have lost a moment: every process
+///   then goes by the store);
 /// - a read during which a clear or a gap was heard is used for its call and not kept
 ///   (it may predate what was missed); what is kept is then used with it until its own
 ///   bound, if it still holds, and a moment it moved forward moves the epoch still;
@@ -322,24 +324,32 @@ pub struct TagHeeded {
 ///   moment that moved does.
 #[must_use]
 pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHeeded {
-    let (found, keep) = match news {
-        TagNews::Read { since, heard, found } => (found, heard.no_news_since(&since)),
-        TagNews::Told(found) => (found, true),
+    let (found, keep, with) = match news {
+        // What the store holds stands for what has lapsed: the store may have lost a
+        // moment a process kept (restarted empty, evicted), and every other process
+        // then goes by the store; one that went by its own memory would judge a write
+        // made since (stamped by the writer's clock, the moment unread) older than it.
+        TagNews::Read { since, heard, found } => (
+            found,
+            heard.no_news_since(&since),
+            kept.filter(|k| k.usable(now_ms).is_some()),
+        ),
+        TagNews::Told(found) => (found, true, kept),
     };
-    let moments = kept.map_or(found.moments, |k| k.moments.merge(&found.moments));
+    let moments = with.map_or(found.moments, |k| k.moments.merge(&found.moments));
     if !keep {
-        let until_ms = kept
-            .filter(|k| k.usable(now_ms).is_some())
-            .map_or(now_ms, |k| k.until_ms);
         return TagHeeded {
             kept,
             moved: kept.is_some_and(|k| k.moments != moments),
-            using: KeptTag { moments, until_ms },
+            using: KeptTag {
+                moments,
+                until_ms: with.map_or(now_ms, |k| k.until_ms),
+            },
         };
     }
     let now_kept = KeptTag {
         moments,
-        until_ms: kept.map_or(found.until_ms, |k| k.until_ms.max(found.until_ms)),
+        until_ms: with.map_or(found.until_ms, |k| k.until_ms.max(found.until_ms)),
     };
     TagHeeded {
         kept: Some(now_kept),
@@ -730,9 +740,9 @@ mod tests {
         assert_eq!(with.kept, Some(before), "what is kept is unchanged");
         assert_eq!(with.using, kept(moments(NOW - 9, NOW - 1), NOW + 50));
         assert!(with.moved, "a moment moved: L1's judgements by the old ones go");
-        // A lapsed one still adds its moments (they only move forward), not its bound.
+        // A lapsed one adds nothing: the store's moments stand (it may have lost one).
         let lapsed = read(Some(kept(moments(NOW - 9, 0), NOW)));
-        assert_eq!(lapsed.using, kept(moments(NOW - 9, NOW - 1), NOW));
+        assert_eq!(lapsed.using, kept(moments(0, NOW - 1), NOW));
         // A read with nothing heard meanwhile is kept.
         let quiet = hear_moments(
             None,
@@ -744,6 +754,18 @@ mod tests {
             NOW,
         );
         assert_eq!((quiet.kept, quiet.using), (Some(found), found));
+        // Nor when kept: a moment the store lost is forgotten with it.
+        let forgot = hear_moments(
+            Some(kept(moments(NOW + 1_552, 0), NOW - 1)),
+            TagNews::Read {
+                since,
+                heard: since,
+                found,
+            },
+            NOW,
+        );
+        assert_eq!(forgot.kept, Some(found));
+        assert!(forgot.moved, "L1's judgements by the forgotten moment go");
         assert_eq!(found.usable(NOW + 299), Some(found.moments));
         assert_eq!(found.usable(NOW + 300), None);
     }
