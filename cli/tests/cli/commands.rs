@@ -110,6 +110,34 @@ fn a_slow_link_needs_connect_timeout_and_works_with_it() {
     assert_eq!(text(&read.stdout).trim(), "far");
 }
 
+/// A round trip (1.2 s) longer than the default response timeout (1 s) as well: a
+/// longer connect timeout alone is not enough, `--response-timeout` gives each command
+/// the time it needs.
+#[test]
+fn a_link_slower_than_a_second_needs_response_timeout_too() {
+    let server = redis_server();
+    let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
+    proxy.set_latency(std::time::Duration::from_millis(600));
+    let url = proxy.url();
+    let connect_only = ["--connect-timeout", "5s", "--redis", &url];
+    let refused = run(&[&connect_only[..], &["set", "k", "far"]].concat(), None);
+    let stderr = text(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(69), "{stderr}");
+
+    let both = [
+        "--connect-timeout",
+        "5s",
+        "--response-timeout",
+        "5s",
+        "--redis",
+        &url,
+    ];
+    let stored = run(&[&both[..], &["set", "k", "far"]].concat(), None);
+    assert!(stored.status.success(), "{}", text(&stored.stderr));
+    let read = run(&[&both[..], &["get", "k"]].concat(), None);
+    assert_eq!(text(&read.stdout).trim(), "far", "{}", text(&read.stderr));
+}
+
 /// A timeout of nothing, or of more than ten minutes, is refused as a usage error (2,
 /// as every other one), naming the flag, before anything connects.
 #[test]

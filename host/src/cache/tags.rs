@@ -200,8 +200,9 @@ impl TagState {
         self.policy.generation_fallback(known).ok().flatten()
     }
 
-    /// The moments kept of `tags` (those this process knows, lapsed or not: they only
-    /// move forward), for a write's stamp when the store cannot be read (no I/O).
+    /// The moments kept of `tags` (those this process knows, lapsed or not), for a
+    /// write's stamp when the store cannot be read (no I/O): a stamp after them is
+    /// never older than an invalidation this process knew of.
     pub(crate) fn known_moments(&self, tags: &[String]) -> Vec<TagMoments> {
         let kept = self.moments.lock();
         tags.iter()

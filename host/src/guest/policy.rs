@@ -505,7 +505,6 @@ impl Policy {
         })
     }
 
-    /// Until when moments read at `now_ms` may be kept.
     /// Whether a wall clock read at `now_ms`, after `latest_ms`, stepped back.
     pub(crate) fn clock_stepped_back(&self, latest_ms: u64, now_ms: u64) -> Result<bool> {
         self.call(|s| {
@@ -515,6 +514,7 @@ impl Policy {
         })
     }
 
+    /// Until when moments read at `now_ms` may be kept.
     pub(crate) fn tag_known_until(&self, now_ms: u64, l1_ttl_ms: u64) -> Result<u64> {
         self.call(|s| {
             s.guest
