@@ -81,33 +81,35 @@ fn a_removal_redis_did_not_answer_is_retried_before_corral_exits() {
     );
 }
 
+/// `set k far` over a link adding `each_way` of latency: refused (69, Redis named as
+/// the cause) with the flags `short`, stored and read back with the flags `long`.
+fn over_a_slow_link(each_way: u64, short: &[&str], long: &[&str]) {
+    let server = redis_server();
+    let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
+    proxy.set_latency(std::time::Duration::from_millis(each_way));
+    let url = proxy.url();
+    let on_proxy =
+        |flags: &[&str], command: &[&str]| run(&[flags, &["--redis", url.as_str()], command].concat(), None);
+    let refused = on_proxy(short, &["set", "k", "far"]);
+    let stderr = text(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(69), "{stderr}");
+    assert!(stderr.contains("cannot use Redis"), "{stderr}");
+
+    let stored = on_proxy(long, &["set", "k", "far"]);
+    assert!(stored.status.success(), "{}", text(&stored.stderr));
+    let read = on_proxy(long, &["get", "k"]);
+    assert!(read.status.success(), "{}", text(&read.stderr));
+    assert_eq!(text(&read.stdout).trim(), "far");
+}
+
+const LONG_TIMEOUTS: [&str; 4] = ["--connect-timeout", "5s", "--response-timeout", "5s"];
+
 /// A link whose round trip (700 ms here) is longer than the default connect timeout
 /// (500 ms, which covers the handshake's round trip): `corral` cannot connect, and says
 /// so (69), until `--connect-timeout` gives the handshake the time it needs.
 #[test]
 fn a_slow_link_needs_connect_timeout_and_works_with_it() {
-    let server = redis_server();
-    let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
-    proxy.set_latency(std::time::Duration::from_millis(350));
-    let url = proxy.url();
-    let refused = run(&["--redis", &url, "set", "k", "far"], None);
-    let stderr = text(&refused.stderr);
-    assert_eq!(refused.status.code(), Some(69), "{stderr}");
-    assert!(stderr.contains("cannot use Redis"), "{stderr}");
-
-    let slow = [
-        "--connect-timeout",
-        "5s",
-        "--response-timeout",
-        "5s",
-        "--redis",
-        &url,
-    ];
-    let stored = run(&[&slow[..], &["set", "k", "far"]].concat(), None);
-    assert!(stored.status.success(), "{}", text(&stored.stderr));
-    let read = run(&[&slow[..], &["get", "k"]].concat(), None);
-    assert!(read.status.success(), "{}", text(&read.stderr));
-    assert_eq!(text(&read.stdout).trim(), "far");
+    over_a_slow_link(350, &[], &LONG_TIMEOUTS);
 }
 
 /// A round trip (1.2 s) longer than the default response timeout (1 s) as well: a
@@ -115,27 +117,7 @@ fn a_slow_link_needs_connect_timeout_and_works_with_it() {
 /// the time it needs.
 #[test]
 fn a_link_slower_than_a_second_needs_response_timeout_too() {
-    let server = redis_server();
-    let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
-    proxy.set_latency(std::time::Duration::from_millis(600));
-    let url = proxy.url();
-    let connect_only = ["--connect-timeout", "5s", "--redis", &url];
-    let refused = run(&[&connect_only[..], &["set", "k", "far"]].concat(), None);
-    let stderr = text(&refused.stderr);
-    assert_eq!(refused.status.code(), Some(69), "{stderr}");
-
-    let both = [
-        "--connect-timeout",
-        "5s",
-        "--response-timeout",
-        "5s",
-        "--redis",
-        &url,
-    ];
-    let stored = run(&[&both[..], &["set", "k", "far"]].concat(), None);
-    assert!(stored.status.success(), "{}", text(&stored.stderr));
-    let read = run(&[&both[..], &["get", "k"]].concat(), None);
-    assert_eq!(text(&read.stdout).trim(), "far", "{}", text(&read.stderr));
+    over_a_slow_link(600, &["--connect-timeout", "5s"], &LONG_TIMEOUTS);
 }
 
 /// A timeout of nothing, or of more than ten minutes, is refused as a usage error (2,

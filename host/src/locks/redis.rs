@@ -254,6 +254,12 @@ impl RedisLocks {
     /// As [`connect`](Self::connect).
     pub fn connect_with<S: AsRef<str>>(urls: &[S], prefix: &str, clock: impl Clock) -> Result<Self> {
         let _ = clock;
+        if urls.is_empty() {
+            return Err(Error::invalid_argument(
+                "redis url",
+                "must be given at least once",
+            ));
+        }
         let servers: Vec<RedisOptions> = urls
             .iter()
             .map(|url| RedisOptions {
@@ -261,10 +267,7 @@ impl RedisLocks {
                 ..RedisOptions::new(url.as_ref())
             })
             .collect();
-        Self::from_options(&servers).map_err(|e| match e.argument() {
-            Some("redis options") => Error::invalid_argument("redis url", "must be given at least once"),
-            _ => e,
-        })
+        Self::from_options(&servers)
     }
 
     /// Locks on one Redis Cluster reached through its seed nodes: a single-server lease

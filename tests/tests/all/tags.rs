@@ -24,6 +24,24 @@ fn cache(url: &str, prefix: &str) -> Result<Corral> {
     Ok(Corral::builder().redis_options(o).build()?)
 }
 
+/// A cache on `server` under `prefix` whose clock moves only when told (standing at the
+/// system's time now), with an L1 TTL of `l1_ttl`.
+fn on_a_manual_clock(
+    server: &RedisServer,
+    prefix: &str,
+    l1_ttl: Duration,
+) -> Result<(Corral, corral::ManualClock)> {
+    let clock = corral::ManualClock::starting_now();
+    let mut o = RedisOptions::new(server.url());
+    o.prefix = prefix.to_owned();
+    let cache = Corral::builder()
+        .clock(clock.clone())
+        .l1_ttl(l1_ttl)
+        .redis_options(o)
+        .build()?;
+    Ok((cache, clock))
+}
+
 /// The child's side: serve `get` lines until stdin closes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run by tags::invalidations_reach_every_process as another process"]
@@ -351,22 +369,16 @@ async fn a_tagged_load_in_the_millisecond_of_a_removal_is_cached() -> Result<()>
 /// A process that swept the tags it no longer trusts (a service whose tags name users
 /// keeps a bounded map) still stops serving an entry from L1 once a tag it was judged by
 /// is removed by another process, even with its clock stepped back below the tag's
-/// bound: the sweep made L1 judge its tagged entries again (contract §6b.5). Before, the
-/// removal's announcement found the tag new, moved nothing, and L1 served the entry on.
+/// bound (contract §6b.5). The step here (a minute) is itself a gap that flushes L1; that
+/// the sweep alone makes L1 judge its tagged entries again (for a copy that outlives its
+/// tags' bound without a step) is `cache::tags` `lapsed_tags_are_swept_out_once_the_map_doubles`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_that_swept_its_tags_still_stops_serving_a_removed_one() -> Result<()> {
     use corral::Clock as _;
     let server = RedisServer::start()?;
-    let clock = corral::ManualClock::starting_now();
-    let start = clock.now_ms();
     let l1_ttl = Duration::from_secs(30);
-    let mut o = RedisOptions::new(server.url());
-    o.prefix = "swept:".to_owned();
-    let a = Corral::builder()
-        .clock(clock.clone())
-        .l1_ttl(l1_ttl)
-        .redis_options(o)
-        .build()?;
+    let (a, clock) = on_a_manual_clock(&server, "swept:", l1_ttl)?;
+    let start = clock.now_ms();
     let b = cache(&server.url(), "swept:")?;
     a.set_tagged("k", b"v".to_vec(), EntryOptions::new().relative(LONG), &["t"])
         .await?;
@@ -407,17 +419,10 @@ async fn a_process_that_swept_its_tags_still_stops_serving_a_removed_one() -> Re
 async fn a_clock_stepped_back_does_not_extend_what_a_process_trusts() -> Result<()> {
     use corral::Clock as _;
     let server = RedisServer::start()?;
-    let clock = corral::ManualClock::starting_now();
-    let start = clock.now_ms();
     let l1_ttl = Duration::from_secs(30);
     let prefix = "stepped:";
-    let mut o = RedisOptions::new(server.url());
-    o.prefix = prefix.to_owned();
-    let a = Corral::builder()
-        .clock(clock.clone())
-        .l1_ttl(l1_ttl)
-        .redis_options(o)
-        .build()?;
+    let (a, clock) = on_a_manual_clock(&server, prefix, l1_ttl)?;
+    let start = clock.now_ms();
     a.set("k", b"v".to_vec(), EntryOptions::new().relative(LONG))
         .await?;
     assert_eq!(a.get("k").await?.as_deref(), Some(&b"v"[..]));
