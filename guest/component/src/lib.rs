@@ -506,7 +506,8 @@ impl wit::Guest for Component {
                 heard: heard_in(read.heard),
                 found: kept_tag_in(read.found),
             },
-            wit::TagNews::Told(found) => TagNews::Told(kept_tag_in(found)),
+            wit::TagNews::Wrote(found) => TagNews::Wrote(kept_tag_in(found)),
+            wit::TagNews::Announced(found) => TagNews::Announced(kept_tag_in(found)),
         };
         let heeded = corral_core::tags::hear_moments(kept.map(kept_tag_in), news, now_ms);
         wit::TagHeeded {

@@ -481,12 +481,12 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
             // Every instance of this process judges again at once, without waiting for
             // the announcement to come back (a clear of L1 moves their count).
             l1::clear();
-            let told = KeptTag {
+            let wrote = KeptTag {
                 moments: m,
                 until_ms: tags::known_until(now, settings().l1_ttl_ms),
             };
             let clears = l1_clears();
-            hear_tag(tag, TagNews::Told(told), clears, now);
+            hear_tag(tag, TagNews::Wrote(wrote), clears, now);
             announce(&tags::Message::Tag {
                 tag: tag.to_owned(),
                 moments: m,

@@ -293,8 +293,14 @@ pub enum TagNews {
         /// What the store held, and until when it may be kept.
         found: KeptTag,
     },
-    /// Another process announced them, or this process's own invalidation wrote them.
-    Told(KeptTag),
+    /// This process's own invalidation wrote them over the very bytes it read
+    /// ([`update`]): what the store held then, as a read finds it.
+    Wrote(KeptTag),
+    /// Another process announced them. An announcement may come late (its invalidation
+    /// retried it) and a later one may have been lost, so it moves moments forward but
+    /// is kept no longer than what is kept already: only a read or a write restarts the
+    /// bound.
+    Announced(KeptTag),
 }
 
 /// What [`hear_moments`] leaves the body to do.
@@ -313,9 +319,11 @@ pub struct TagHeeded {
 /// Takes in `news` of a tag of which the process keeps `kept`, at `now_ms`:
 ///
 /// - what is kept and what is learnt are merged, each moment the later of the two
-///   ([`TagMoments::merge`]), and kept until the later of their bounds; what a read
-///   finds replaces what has lapsed (the store may have lost a moment: every process
-///   then goes by the store);
+///   ([`TagMoments::merge`]); what a read finds replaces what has lapsed (the store may
+///   have lost a moment: every process then goes by the store);
+/// - a read or an own write is kept until the later of the two bounds; an announcement
+///   until what is kept lapses (with nothing kept, it is kept lapsed: it still bounds a
+///   write's stamp, [`written_at`], and the next call reads the tag);
 /// - a read during which a clear or a gap was heard is used for its call and not kept
 ///   (it may predate what was missed); what is kept is then used with it until its own
 ///   bound, if it still holds, and a moment it moved forward moves the epoch still;
@@ -324,36 +332,43 @@ pub struct TagHeeded {
 ///   moment that moved does.
 #[must_use]
 pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHeeded {
-    let (found, keep, with) = match news {
+    let later = |with: Option<KeptTag>, found: KeptTag| {
+        with.map_or(found.until_ms, |k| k.until_ms.max(found.until_ms))
+    };
+    let (found, with, until_ms) = match news {
         // What the store holds stands for what has lapsed: the store may have lost a
         // moment a process kept (restarted empty, evicted), and every other process
         // then goes by the store; one that went by its own memory would judge a write
         // made since (stamped by the writer's clock, the moment unread) older than it.
-        TagNews::Read { since, heard, found } => (
+        TagNews::Read { since, heard, found } => {
+            let with = kept.filter(|k| k.usable(now_ms).is_some());
+            if !heard.no_news_since(&since) {
+                let moments = with.map_or(found.moments, |k| k.moments.merge(&found.moments));
+                return TagHeeded {
+                    kept,
+                    moved: kept.is_some_and(|k| k.moments != moments),
+                    using: KeptTag {
+                        moments,
+                        until_ms: with.map_or(now_ms, |k| k.until_ms),
+                    },
+                };
+            }
+            (found, with, later(with, found))
+        }
+        TagNews::Wrote(found) => (found, kept, later(kept, found)),
+        TagNews::Announced(found) => (
             found,
-            heard.no_news_since(&since),
-            kept.filter(|k| k.usable(now_ms).is_some()),
-        ),
-        TagNews::Told(found) => (found, true, kept),
-    };
-    let moments = with.map_or(found.moments, |k| k.moments.merge(&found.moments));
-    if !keep {
-        return TagHeeded {
             kept,
-            moved: kept.is_some_and(|k| k.moments != moments),
-            using: KeptTag {
-                moments,
-                until_ms: with.map_or(now_ms, |k| k.until_ms),
-            },
-        };
-    }
+            kept.map_or(now_ms, |k| k.until_ms.min(found.until_ms)),
+        ),
+    };
     let now_kept = KeptTag {
-        moments,
-        until_ms: with.map_or(found.until_ms, |k| k.until_ms.max(found.until_ms)),
+        moments: with.map_or(found.moments, |k| k.moments.merge(&found.moments)),
+        until_ms,
     };
     TagHeeded {
         kept: Some(now_kept),
-        moved: kept.is_some_and(|k| k.moments != moments),
+        moved: kept.is_some_and(|k| k.moments != now_kept.moments),
         using: now_kept,
     }
 }
@@ -701,7 +716,7 @@ mod tests {
         let a = kept(moments(NOW - 10, 0), NOW + 100);
         let heeded = hear_moments(
             Some(a),
-            TagNews::Told(kept(moments(NOW - 20, NOW - 5), NOW + 50)),
+            TagNews::Wrote(kept(moments(NOW - 20, NOW - 5), NOW + 50)),
             NOW,
         );
         let both = kept(moments(NOW - 10, NOW - 5), NOW + 100);
@@ -710,16 +725,40 @@ mod tests {
         assert!(heeded.moved, "the expire moment moved");
         let again = hear_moments(
             Some(both),
-            TagNews::Told(kept(moments(NOW - 10, NOW - 5), NOW)),
+            TagNews::Announced(kept(moments(NOW - 10, NOW - 5), NOW + 300)),
             NOW,
         );
         assert!(!again.moved, "nothing new: L1's judgements stand");
         // A tag new to the process moves nothing: no entry was judged by it.
-        let new = hear_moments(None, TagNews::Told(kept(moments(NOW, 0), NOW + 1)), NOW);
+        let new = hear_moments(None, TagNews::Wrote(kept(moments(NOW, 0), NOW + 1)), NOW);
         assert_eq!(
             (new.kept, new.moved),
             (Some(kept(moments(NOW, 0), NOW + 1)), false)
         );
+    }
+
+    #[test]
+    fn an_announcement_moves_moments_forward_but_never_extends_what_is_kept() {
+        let read = kept(moments(NOW - 10, 0), NOW + 100);
+        // Late (its invalidation retried it): a later removal's announcement may have
+        // been lost, and the store may be past it. Only a read restarts the bound.
+        let late = kept(moments(NOW - 5, 0), NOW + 300);
+        let heeded = hear_moments(Some(read), TagNews::Announced(late), NOW);
+        let moved = kept(moments(NOW - 5, 0), NOW + 100);
+        assert_eq!((heeded.kept, heeded.using), (Some(moved), moved));
+        assert!(heeded.moved, "L1's judgements by the old moment go");
+        // Of a tag not kept: kept lapsed, so the next call reads the tag, and the
+        // moments still bound a write's stamp.
+        let unknown = hear_moments(None, TagNews::Announced(late), NOW);
+        assert_eq!(unknown.kept, Some(kept(late.moments, NOW)));
+        assert_eq!(unknown.using.usable(NOW), None);
+        assert!(!unknown.moved, "no entry was judged by it");
+        // A lapsed one stays lapsed.
+        let lapsed = hear_moments(Some(kept(moments(0, 0), NOW - 1)), TagNews::Announced(late), NOW);
+        assert_eq!(lapsed.kept, Some(kept(late.moments, NOW - 1)));
+        // This process's own write is what the store held: it restarts the bound.
+        let wrote = hear_moments(Some(read), TagNews::Wrote(late), NOW);
+        assert_eq!(wrote.kept, Some(late));
     }
 
     #[test]

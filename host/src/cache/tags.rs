@@ -161,12 +161,11 @@ impl TagState {
         self.heed(tag, news, now).unwrap_or((unkept, true))
     }
 
-    /// Takes in `told`, `tag`'s moments as announced or as this process's own
+    /// Takes in `news` of `tag`'s moments, as announced or as this process's own
     /// invalidation wrote them: says whether a moment L1 judged by moved (should the
     /// guest not answer, what is kept of the tag is dropped, and it did).
-    fn learn(&self, tag: &str, told: KeptTag, now: u64) -> bool {
-        self.heed(tag, TagNews::Told(told), now)
-            .is_none_or(|(_, moved)| moved)
+    fn learn(&self, tag: &str, news: TagNews, now: u64) -> bool {
+        self.heed(tag, news, now).is_none_or(|(_, moved)| moved)
     }
 
     /// What is kept of `tag` after `news`, as the guest says (`None` if it trapped:
@@ -272,7 +271,8 @@ pub(crate) fn invalidation_hook(
         match message {
             TagMessage::Tag((tag, moments)) => {
                 let until_ms = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
-                if state.learn(&tag, KeptTag { moments, until_ms }, now) {
+                let news = TagNews::Announced(KeptTag { moments, until_ms });
+                if state.learn(&tag, news, now) {
                     l1.bump_tags();
                 }
                 Metrics::bump(&metrics.l1_invalidations);
@@ -494,7 +494,9 @@ impl Corral {
             ));
         };
         let until_ms = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
-        inner.tags.learn(tag, KeptTag { moments, until_ms }, now);
+        inner
+            .tags
+            .learn(tag, TagNews::Wrote(KeptTag { moments, until_ms }), now);
         inner.l1.bump_tags();
         Metrics::bump(&inner.metrics.tag_invalidations);
         let message = inner
@@ -679,7 +681,7 @@ mod tests {
             removed_ms: 1,
             expired_ms: 0,
         };
-        let kept = |until_ms| KeptTag { moments, until_ms };
+        let kept = |until_ms| TagNews::Wrote(KeptTag { moments, until_ms });
         // A service whose tags each name one user: thousands, each judged by once. A
         // tag new to the process moves nothing, but a sweep does: an L1 copy judged by a
         // swept tag may outlive its bound (a fail-safe copy, a clock stepped back by
