@@ -695,7 +695,8 @@ impl State {
                 corral_core::tags::TagMoments::decode(stored.map(|s| &s.bytes[..]))
             })
             .collect();
-        corral_core::tags::judge(&tagged, &decoded.meta, &moments, 0) != corral_core::tags::Verdict::Untouched
+        corral_core::tags::judge(&tagged, &decoded.meta, &moments, true, 0)
+            != corral_core::tags::Verdict::Untouched
     }
 
     /// The live lock `name`, if any.

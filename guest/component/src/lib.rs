@@ -453,13 +453,16 @@ impl wit::Guest for Component {
         tagged: types::Tagged,
         meta: types::EntryMeta,
         moments: Vec<wit::TagMoments>,
+        stored: bool,
         now_ms: u64,
     ) -> wit::TagVerdict {
+        use corral_core::tags::Verdict;
         let moments: Vec<_> = moments.into_iter().map(moments_in).collect();
-        match corral_core::tags::judge(&tagged_in(tagged), &meta_in(meta), &moments, now_ms) {
-            corral_core::tags::Verdict::Untouched => wit::TagVerdict::Untouched,
-            corral_core::tags::Verdict::Stale(meta) => wit::TagVerdict::Stale(meta_out(meta)),
-            corral_core::tags::Verdict::Removed => wit::TagVerdict::Removed,
+        match corral_core::tags::judge(&tagged_in(tagged), &meta_in(meta), &moments, stored, now_ms) {
+            Verdict::Untouched => wit::TagVerdict::Untouched,
+            Verdict::Stale(meta) => wit::TagVerdict::Stale(meta_out(meta)),
+            Verdict::Removed => wit::TagVerdict::Removed,
+            Verdict::Hidden => wit::TagVerdict::Hidden,
         }
     }
 
@@ -514,6 +517,7 @@ impl wit::Guest for Component {
             kept: heeded.kept.map(kept_tag_out),
             moved: heeded.moved,
             using: kept_tag_out(heeded.using),
+            stored: heeded.stored,
         }
     }
 

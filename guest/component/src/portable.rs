@@ -65,8 +65,8 @@ fn heard(flushes: u64) -> Heard {
 
 /// Takes in `news` of `tag`, learnt while L1's flushes counted `clears`, as the brain
 /// says (`tags::hear_moments`): kept if L1 was not flushed since. Returns what the
-/// caller's call judges by.
-fn hear_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> KeptTag {
+/// caller's call judges by, and whether those are the store's own moments.
+fn hear_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> (KeptTag, bool) {
     let heeded = tags::hear_moments(kept(tag, clears), news, now);
     if let Some(now_kept) = heeded.kept
         && l1_clears() == clears
@@ -83,7 +83,7 @@ fn hear_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> KeptTag {
         // This body judges every tagged L1 hit again: no tag epoch to move.
         let _swept = k.moments.keep(tag, now_kept, now);
     }
-    heeded.using
+    (heeded.using, heeded.stored)
 }
 
 /// A read of `tag`'s moments that began while L1's flushes counted `clears`.
@@ -204,15 +204,17 @@ fn locate_for_flight(key: &str, limits: &Limits) -> Result<(names::Names, bool),
 }
 
 /// The moments of `tags` at `now`: kept ones while trusted, else read from the store.
-/// Also says until when the answer may be trusted.
-fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), types::Error> {
+/// Also says until when the answer may be trusted, and whether all of them are the
+/// store's own (only those may delete an entry: `tags::judge`).
+fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64, bool), types::Error> {
     let mut out = Vec::with_capacity(tag_list.len());
     let mut until_all = u64::MAX;
+    let mut stored_all = true;
     // One count for the whole judgement (an import call, not one per tag).
     let clears = l1_clears();
     for tag in tag_list {
-        let using = match kept(tag, clears).filter(|k| k.usable(now).is_some()) {
-            Some(kept) => kept,
+        let (using, stored) = match kept(tag, clears).filter(|k| k.usable(now).is_some()) {
+            Some(kept) => (kept, false),
             None => {
                 let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
                 let stored = l2::get(&name)?;
@@ -220,9 +222,10 @@ fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), type
             }
         };
         until_all = until_all.min(using.until_ms);
+        stored_all &= stored;
         out.push(using.moments);
     }
-    Ok((out, until_all))
+    Ok((out, until_all, stored_all))
 }
 
 /// The `written_at` of a tagged write (a set, or a load) that begins at `now`: after
@@ -235,7 +238,11 @@ fn written_at(tag_list: &[String], now: u64) -> Result<u64, types::Error> {
     for tag in tag_list {
         let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
         let m = match l2::get(&name) {
-            Ok(stored) => hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now).moments,
+            Ok(stored) => {
+                hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now)
+                    .0
+                    .moments
+            }
             Err(_) => kept(tag, clears).map(|k| k.moments).unwrap_or_default(),
         };
         known.push(m);
@@ -249,8 +256,8 @@ fn judge(tagged: Option<&Tagged>, meta: &EntryMeta, now: u64) -> Result<(Verdict
     let Some(tagged) = tagged else {
         return Ok((Verdict::Untouched, u64::MAX));
     };
-    let (m, until) = moments(&tagged.tags, now)?;
-    Ok((tags::judge(tagged, meta, &m, now), until))
+    let (m, until, stored) = moments(&tagged.tags, now)?;
+    Ok((tags::judge(tagged, meta, &m, stored, now), until))
 }
 
 fn tagged_in(t: types::Tagged) -> Tagged {
@@ -347,6 +354,11 @@ fn judge_read(
             return Ok((Found::Stale(copy, meta), Some(stored)));
         }
         (ReadOutcome::Fresh(_) | ReadOutcome::Stale(_), Verdict::Removed) => ReadOutcome::Expired,
+        // Judged by moments the store may have lost: a miss, left in the store (a fill
+        // replaces exactly it).
+        (ReadOutcome::Fresh(_) | ReadOutcome::Stale(_), Verdict::Hidden) => {
+            return Ok((Found::Nothing, Some(stored)));
+        }
         (outcome, _) => outcome,
     };
     match outcome {

@@ -314,6 +314,10 @@ pub struct TagHeeded {
     /// What the caller's call judges by: the moments, and until when that judgement
     /// holds (`now`: for this call only, nothing may keep it).
     pub using: KeptTag,
+    /// Whether `using`'s moments are the store's own: what a read found (or the
+    /// process's own write wrote), moved by nothing the process kept. Only a judgement
+    /// by the store's own moments may delete an entry ([`judge`]).
+    pub stored: bool,
 }
 
 /// Takes in `news` of a tag of which the process keeps `kept`, at `now_ms`:
@@ -351,16 +355,16 @@ pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHee
                         moments,
                         until_ms: with.map_or(now_ms, |k| k.until_ms),
                     },
+                    stored: moments == found.moments,
                 };
             }
             (found, with, later(with, found))
         }
         TagNews::Wrote(found) => (found, kept, later(kept, found)),
-        TagNews::Announced(found) => (
-            found,
-            kept,
-            kept.map_or(now_ms, |k| k.until_ms.min(found.until_ms)),
-        ),
+        TagNews::Announced(found) => {
+            let until_ms = kept.map_or(now_ms, |k| k.until_ms.min(found.until_ms));
+            (found, kept, until_ms)
+        }
     };
     let now_kept = KeptTag {
         moments: with.map_or(found.moments, |k| k.moments.merge(&found.moments)),
@@ -370,6 +374,8 @@ pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHee
         kept: Some(now_kept),
         moved: kept.is_some_and(|k| k.moments != now_kept.moments),
         using: now_kept,
+        // Heard of, an announcement is never the store's own.
+        stored: !matches!(news, TagNews::Announced(_)) && now_kept.moments == found.moments,
     }
 }
 
@@ -382,21 +388,34 @@ pub enum Verdict {
     /// that moment), within its stale window still at `now`. Fail-safe may serve it;
     /// a plain read does not.
     Stale(EntryMeta),
-    /// Removed by a tag, or stale without a window to serve it in: a miss; a reader
-    /// removes it.
+    /// Removed by a tag, or stale without a window to serve it in, by the store's own
+    /// moments: a miss; a reader removes it.
     Removed,
+    /// As [`Verdict::Removed`], but by moments the process kept or heard of: a miss, and
+    /// the entry stays. The store may have lost such a moment (restarted empty,
+    /// evicted); every other process then goes by the store, and an entry written since
+    /// (stamped before the lost moment by its writer's clock) is theirs to read.
+    Hidden,
 }
 
 /// Judges a tagged entry (`tagged`, with metadata `meta`) by the moments of its tags
-/// (`moments[i]` being those of `tagged.tags[i]`) at `now_ms`. An entry written at or
-/// before a moment is invalidated by it: a write and an invalidation in the same
-/// millisecond count the write as the older (a miss, never a stale value), unless the
-/// writer knew of the invalidation and stamped its write after it ([`written_at`]).
-pub fn judge(tagged: &Tagged, meta: &EntryMeta, moments: &[TagMoments], now_ms: u64) -> Verdict {
+/// (`moments[i]` being those of `tagged.tags[i]`; `stored`: all of them the store's own,
+/// [`TagHeeded::stored`]) at `now_ms`. An entry written at or before a moment is
+/// invalidated by it: a write and an invalidation in the same millisecond count the
+/// write as the older (a miss, never a stale value), unless the writer knew of the
+/// invalidation and stamped its write after it ([`written_at`]).
+pub fn judge(
+    tagged: &Tagged,
+    meta: &EntryMeta,
+    moments: &[TagMoments],
+    stored: bool,
+    now_ms: u64,
+) -> Verdict {
+    let removed = if stored { Verdict::Removed } else { Verdict::Hidden };
     let written = tagged.written_at_ms;
     let hit = |at: u64| at != 0 && written <= at;
     if moments.iter().any(|m| hit(m.removed_ms)) {
-        return Verdict::Removed;
+        return removed;
     }
     let Some(expired_at) = moments
         .iter()
@@ -407,14 +426,14 @@ pub fn judge(tagged: &Tagged, meta: &EntryMeta, moments: &[TagMoments], now_ms: 
         return Verdict::Untouched;
     };
     if meta.stale_ms.is_none() {
-        return Verdict::Removed;
+        return removed;
     }
     let stale = EntryMeta {
         expires_at_ms: meta.expires_at_ms.min(expired_at),
         ..*meta
     };
     if now_ms >= stale.gone_at_ms() {
-        return Verdict::Removed;
+        return removed;
     }
     Verdict::Stale(stale)
 }
@@ -528,11 +547,11 @@ mod tests {
             expires_at_ms: T + 60_000,
             stale_ms: None,
         };
-        assert_eq!(judge(&tagged, &meta, &[removed], T), Verdict::Untouched);
+        assert_eq!(judge(&tagged, &meta, &[removed], true, T), Verdict::Untouched);
         // The next removal, still in that millisecond, is later than the write.
         let again = update(Some(&removed.encode()), Invalidation::Remove, T);
         assert_eq!(again.removed_ms, T + 1);
-        assert_eq!(judge(&tagged, &meta, &[again], T), Verdict::Removed);
+        assert_eq!(judge(&tagged, &meta, &[again], true, T), Verdict::Removed);
         // An expiry counts too, and a clock that moved on is used as it is.
         let expired = update(Some(&again.encode()), Invalidation::Expire, T + 50);
         assert_eq!((expired.removed_ms, expired.expired_ms), (T + 1, T + 50));
@@ -582,15 +601,19 @@ mod tests {
                 TagMoments::default(),
             ]
         };
-        assert_eq!(judge(&t, &m, &removed(NOW - 1), NOW), Verdict::Untouched);
+        assert_eq!(judge(&t, &m, &removed(NOW - 1), true, NOW), Verdict::Untouched);
         assert_eq!(
-            judge(&t, &m, &removed(NOW), NOW),
+            judge(&t, &m, &removed(NOW), true, NOW),
             Verdict::Removed,
             "same ms: the write is older"
         );
-        assert_eq!(judge(&t, &m, &removed(NOW + 5), NOW + 5), Verdict::Removed);
+        assert_eq!(judge(&t, &m, &removed(NOW + 5), true, NOW + 5), Verdict::Removed);
+        // By moments the process kept or heard of: a miss all the same, but left in the
+        // store (it may have lost them).
+        assert_eq!(judge(&t, &m, &removed(NOW + 5), false, NOW + 5), Verdict::Hidden);
+        assert_eq!(judge(&t, &m, &removed(NOW - 1), false, NOW), Verdict::Untouched);
         assert_eq!(
-            judge(&t, &m, &[TagMoments::default(); 2], NOW),
+            judge(&t, &m, &[TagMoments::default(); 2], true, NOW),
             Verdict::Untouched
         );
     }
@@ -605,20 +628,25 @@ mod tests {
             },
         ];
         let (t, m) = entry(NOW, Some(1_000));
-        match judge(&t, &m, &expired, NOW + 10) {
+        match judge(&t, &m, &expired, true, NOW + 10) {
             Verdict::Stale(meta) => assert_eq!(meta.expires_at_ms, NOW + 10),
             other => panic!("{other:?}"),
         }
         assert_eq!(
-            judge(&t, &m, &expired, NOW + 1_010),
+            judge(&t, &m, &expired, true, NOW + 1_010),
             Verdict::Removed,
             "past its window"
         );
         let (t, m) = entry(NOW, None);
-        assert_eq!(judge(&t, &m, &expired, NOW + 10), Verdict::Removed, "no window");
+        assert_eq!(
+            judge(&t, &m, &expired, true, NOW + 10),
+            Verdict::Removed,
+            "no window"
+        );
+        assert_eq!(judge(&t, &m, &expired, false, NOW + 10), Verdict::Hidden);
         let (t, m) = entry(NOW + 11, Some(1_000));
         assert_eq!(
-            judge(&t, &m, &expired, NOW + 20),
+            judge(&t, &m, &expired, true, NOW + 20),
             Verdict::Untouched,
             "written after"
         );
@@ -759,6 +787,27 @@ mod tests {
         // This process's own write is what the store held: it restarts the bound.
         let wrote = hear_moments(Some(read), TagNews::Wrote(late), NOW);
         assert_eq!(wrote.kept, Some(late));
+        // Heard of, never the store's own: an entry it judges removed stays in the store.
+        assert!(!heeded.stored && !unknown.stored && wrote.stored);
+    }
+
+    #[test]
+    fn only_moments_a_read_found_unmoved_are_the_stores_own() {
+        let since = Heard::default();
+        let found = kept(moments(NOW - 10, 0), NOW + 300);
+        let read = |kept, heard| hear_moments(kept, TagNews::Read { since, heard, found }, NOW);
+        assert!(read(None, since).stored);
+        // What is kept agrees, or has lapsed (the read replaces it): the store's own.
+        assert!(read(Some(kept(moments(NOW - 20, 0), NOW + 50)), since).stored);
+        assert!(read(Some(kept(moments(NOW + 1_552, 0), NOW - 1)), since).stored);
+        // A kept moment later than the store's (which may have lost it) moves it: not.
+        let later = read(Some(kept(moments(NOW + 1_552, 0), NOW + 50)), since);
+        assert_eq!(later.using.moments, moments(NOW + 1_552, 0));
+        assert!(!later.stored);
+        // Used once after a gap, the read is still the store's own when nothing moved it.
+        let gap = Heard { gaps: 1, ..since };
+        assert!(read(None, gap).stored);
+        assert!(!read(Some(kept(moments(NOW + 1_552, 0), NOW + 50)), gap).stored);
     }
 
     #[test]

@@ -348,6 +348,8 @@ impl Corral {
                     });
                 }
                 TagVerdict::Removed => return self.remove_read(name, stored).await,
+                // By moments the store may have lost: a miss, left in the store.
+                TagVerdict::Hidden => return Ok(L2Read::Miss { holds: Some(stored) }),
             }
         }
         self.l2_settle(name, hint, stored, outcome, stamp).await

@@ -26,8 +26,8 @@ use super::metrics::Metrics;
 use crate::clock::Clock;
 use crate::guest::Policy;
 use crate::guest::policy::{
-    GenerationFound, GenerationNews, Heard, KeptTag, KnownGeneration, TagMessage, TagMoments, TagNews,
-    TagRead, TagVerdict, Tagged, WitMeta,
+    GenerationFound, GenerationNews, Heard, KeptTag, KnownGeneration, TagHeeded, TagMessage, TagMoments,
+    TagNews, TagRead, TagVerdict, Tagged, WitMeta,
 };
 use crate::store::l1::{L1, L1Tagged};
 use crate::{Error, ErrorKind, Result};
@@ -144,8 +144,8 @@ impl TagState {
     /// Takes in `found`, `tag`'s moments read from the store after
     /// [`Self::heard_so_far`] said `since`, as the guest says (`hear-tag`: not kept if a
     /// clear or a gap was heard meanwhile). Returns what the caller's call judges by,
-    /// and whether a moment L1 judged by moved.
-    fn learn_read(&self, since: Heard, tag: &str, found: KeptTag, now: u64) -> (KeptTag, bool) {
+    /// whether a moment L1 judged by moved, and whether those are the store's own.
+    fn learn_read(&self, since: Heard, tag: &str, found: KeptTag, now: u64) -> TagHeeded {
         // Held while what is kept changes: a gap heard meanwhile forgets it after.
         let known = self.known.lock();
         let news = TagNews::Read(TagRead {
@@ -153,30 +153,37 @@ impl TagState {
             heard: known.heard,
             found,
         });
-        let unkept = KeptTag {
-            moments: found.moments,
-            until_ms: now,
-        };
         // Should the guest not answer, the tag is dropped: judge L1's entries again.
-        self.heed(tag, news, now).unwrap_or((unkept, true))
+        self.heed(tag, news, now).unwrap_or(TagHeeded {
+            kept: None,
+            moved: true,
+            using: KeptTag {
+                moments: found.moments,
+                until_ms: now,
+            },
+            stored: true,
+        })
     }
 
     /// Takes in `news` of `tag`'s moments, as announced or as this process's own
     /// invalidation wrote them: says whether a moment L1 judged by moved (should the
     /// guest not answer, what is kept of the tag is dropped, and it did).
     fn learn(&self, tag: &str, news: TagNews, now: u64) -> bool {
-        self.heed(tag, news, now).is_none_or(|(_, moved)| moved)
+        self.heed(tag, news, now).is_none_or(|heeded| heeded.moved)
     }
 
-    /// What is kept of `tag` after `news`, as the guest says (`None` if it trapped:
-    /// then nothing is kept of the tag), and whether L1's tagged entries must be judged
-    /// again (a moment they were judged by moved, or lapsed tags were swept out).
-    fn heed(&self, tag: &str, news: TagNews, now: u64) -> Option<(KeptTag, bool)> {
+    /// What the guest says of `news` after keeping what it says to keep of `tag`
+    /// (`None` if it trapped: then nothing is kept of the tag), `moved` also when L1's
+    /// tagged entries must be judged again because lapsed tags were swept out.
+    fn heed(&self, tag: &str, news: TagNews, now: u64) -> Option<TagHeeded> {
         let mut kept = self.moments.lock();
         match self.policy.hear_tag(kept.map.get(tag).copied(), news, now) {
             Ok(heeded) => {
                 let swept = heeded.kept.is_some_and(|k| kept.keep(tag, k, now, &self.policy));
-                Some((heeded.using, heeded.moved || swept))
+                Some(TagHeeded {
+                    moved: heeded.moved || swept,
+                    ..heeded
+                })
             }
             Err(_) => {
                 kept.map.remove(tag);
@@ -335,15 +342,17 @@ impl Corral {
         Ok(generation)
     }
 
-    /// The moments of `tags` at `now`, and until when all of them are known: kept ones,
-    /// else read from the store (one read per tag not kept).
-    async fn moments_of(&self, tags: &[String], now: u64) -> Result<(Vec<TagMoments>, u64)> {
+    /// The moments of `tags` at `now`, until when all of them are known, and whether
+    /// all are the store's own (only those may delete an entry: `judge-tags`): kept
+    /// ones, else read from the store (one read per tag not kept).
+    async fn moments_of(&self, tags: &[String], now: u64) -> Result<(Vec<TagMoments>, u64, bool)> {
         let inner = &*self.inner;
         let mut out = Vec::with_capacity(tags.len());
         let mut until_all = u64::MAX;
+        let mut stored_all = true;
         for tag in tags {
-            let using = match inner.tags.usable(tag, now) {
-                Some(kept) => kept,
+            let (using, stored) = match inner.tags.usable(tag, now) {
+                Some(kept) => (kept, false),
                 None => {
                     let name = inner.policy.locate_tag(&inner.prefix, tag)?;
                     let since = inner.tags.heard_so_far();
@@ -352,17 +361,18 @@ impl Corral {
                         moments: inner.policy.tag_moments_of(stored.as_deref())?,
                         until_ms: inner.policy.tag_known_until(now, inner.l1_ttl_ms)?,
                     };
-                    let (using, moved) = inner.tags.learn_read(since, tag, found, now);
-                    if moved {
+                    let heeded = inner.tags.learn_read(since, tag, found, now);
+                    if heeded.moved {
                         inner.l1.bump_tags();
                     }
-                    using
+                    (heeded.using, heeded.stored)
                 }
             };
             until_all = until_all.min(using.until_ms);
+            stored_all &= stored;
             out.push(using.moments);
         }
-        Ok((out, until_all))
+        Ok((out, until_all, stored_all))
     }
 
     /// The moments of `tags` as the store holds them now (one read per tag, in
@@ -385,11 +395,11 @@ impl Corral {
                 moments: stored,
                 until_ms,
             };
-            let (using, moved) = inner.tags.learn_read(since, tag, found, now);
-            if moved {
+            let heeded = inner.tags.learn_read(since, tag, found, now);
+            if heeded.moved {
                 inner.l1.bump_tags();
             }
-            moments.push(using.moments);
+            moments.push(heeded.using.moments);
         }
         Ok(moments)
     }
@@ -417,8 +427,11 @@ impl Corral {
         now: u64,
     ) -> Result<(TagVerdict, TagStamp)> {
         let epoch = self.inner.l1.tag_epoch();
-        let (moments, until_ms) = self.moments_of(&tagged.tags, now).await?;
-        let verdict = self.inner.policy.judge_tags(&tagged, meta, &moments, now)?;
+        let (moments, until_ms, stored) = self.moments_of(&tagged.tags, now).await?;
+        let verdict = self
+            .inner
+            .policy
+            .judge_tags(&tagged, meta, &moments, stored, now)?;
         Ok((
             verdict,
             TagStamp {
@@ -665,9 +678,9 @@ mod tests {
             moments,
             until_ms: 30_000,
         };
-        let (using, moved) = state.learn_read(since, "t", found, 0);
+        let heeded = state.learn_read(since, "t", found, 0);
         assert_eq!(
-            (using.moments, using.until_ms, moved),
+            (heeded.using.moments, heeded.using.until_ms, heeded.moved),
             (moments, 0, false),
             "for its call only"
         );

@@ -473,12 +473,13 @@ impl Policy {
         tagged: &Tagged,
         meta: WitMeta,
         moments: &[TagMoments],
+        stored: bool,
         now_ms: u64,
     ) -> Result<TagVerdict> {
         self.call(|s| {
             s.guest
                 .corral_cache_policy()
-                .call_judge_tags(&mut s.store, tagged, meta, moments, now_ms)
+                .call_judge_tags(&mut s.store, tagged, meta, moments, stored, now_ms)
         })
     }
 

@@ -442,6 +442,50 @@ async fn a_store_step_that_never_answers_ends_at_the_flights_deadline_in_both_bo
     Ok(())
 }
 
+/// A tag moment a portable process keeps but the store lost judges entries for that
+/// process alone: a miss for it, the entry left for every other process, which goes by
+/// the store (contract §6b.5; native: `tags::a_moment_the_store_lost_deletes_nothing_another_process_wrote`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_process_deletes_nothing_by_a_moment_the_store_lost() -> Result<()> {
+    let server = RedisServer::start()?;
+    let (keeper, writer) = over_one_redis(&server)?;
+    until_each_hears_the_other(&keeper, &writer).await?;
+    keeper.set_tagged("k0", "v0", EntryOptions::new(), &["t"]).await?;
+    // A removal stamped by a clock 5 s ahead, heard by the keeper (its L1 flushed).
+    let clock = corral::ManualClock::starting_now();
+    clock.advance(5 * SEC);
+    let ahead = Corral::builder().redis(server.url()).clock(clock).build()?;
+    ahead.remove_by_tag("t").await?;
+    until(5 * SEC, "the keeper never heard the removal", async || {
+        Ok(keeper.get("k0").await?.is_none())
+    })
+    .await?;
+    // The keeper reads the tag's moments and keeps them; then the store loses them.
+    keeper.set_tagged("k1", "v1", EntryOptions::new(), &["t"]).await?;
+    let mut conn = server.connection().await?;
+    let lost: u32 = redis::cmd("DEL")
+        .arg("{7:corral:t}:t")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(lost, 1, "the tag's moments were under {{7:corral:t}}:t");
+
+    writer
+        .set_tagged("k", "v", EntryOptions::new().relative(600 * SEC), &["t"])
+        .await?;
+    assert_eq!(
+        keeper.get("k").await?,
+        None,
+        "by the removal it keeps: a miss for it"
+    );
+    let reader = Corral::builder().redis(server.url()).build()?;
+    assert_eq!(
+        reader.get("k").await?.as_deref(),
+        Some(&b"v"[..]),
+        "the portable process deleted a write the store's moments do not remove"
+    );
+    Ok(())
+}
+
 /// Tag and clear invalidations reach the other body's L1 at once, both ways (contract
 /// §6b.5): a portable process hears a native process's `remove_by_tag` and `clear`, and
 /// a native process hears a portable one's, well before their L1 TTL (an hour here).

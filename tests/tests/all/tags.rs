@@ -366,6 +366,40 @@ async fn a_tagged_load_in_the_millisecond_of_a_removal_is_cached() -> Result<()>
     Ok(())
 }
 
+/// A moment a process keeps but the store lost (evicted; a restart loses it too) judges
+/// entries for that process alone: it serves a miss and leaves the entry, since every
+/// other process goes by the store's moments. A write made since, stamped before the
+/// lost moment by a clock behind the keeper's, stays readable (contract §6b.5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moment_the_store_lost_deletes_nothing_another_process_wrote() -> Result<()> {
+    let server = RedisServer::start()?;
+    let prefix = "lost:";
+    let (ahead, clock) = on_a_manual_clock(&server, prefix, Duration::from_secs(60))?;
+    clock.advance(Duration::from_secs(5));
+    ahead.remove_by_tag("t").await?;
+    let mut conn = server.connection().await?;
+    let moments = format!("{{{}:{prefix}t}}:t", prefix.len());
+    let lost: u32 = redis::cmd("DEL").arg(&moments).query_async(&mut conn).await?;
+    assert_eq!(lost, 1, "the tag's moments were under {moments}");
+
+    let writer = cache(&server.url(), prefix)?;
+    writer
+        .set_tagged("k", b"v".to_vec(), EntryOptions::new().relative(LONG), &["t"])
+        .await?;
+    assert_eq!(
+        ahead.get("k").await?,
+        None,
+        "by the removal it keeps (5 s after the write by its clock): a miss for it"
+    );
+    let reader = cache(&server.url(), prefix)?;
+    assert_eq!(
+        reader.get("k").await?.as_deref(),
+        Some(&b"v"[..]),
+        "the keeper deleted a write the store's moments do not remove"
+    );
+    Ok(())
+}
+
 /// A process that swept the tags it no longer trusts (a service whose tags name users
 /// keeps a bounded map) still stops serving an entry from L1 once a tag it was judged by
 /// is removed by another process, even with its clock stepped back below the tag's
