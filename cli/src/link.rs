@@ -59,6 +59,12 @@ impl Link {
     pub fn owed_within(&self) -> Duration {
         OWED_AT_LEAST.max(self.connect_timeout + self.response_timeout)
     }
+
+    /// How long asking a server why it failed may take: a connection and two replies
+    /// (a `PING`, a script), 2.5 s on the library's timeouts.
+    pub fn probe_within(&self) -> Duration {
+        self.connect_timeout + 2 * self.response_timeout
+    }
 }
 
 /// A timeout on the command line (`--connect-timeout 2s`): more than zero, at most
@@ -92,5 +98,6 @@ mod tests {
         assert_eq!(Link::new(None, None).owed_within(), OWED_AT_LEAST);
         let slow = Link::new(Some(Duration::from_secs(4)), Some(Duration::from_secs(5)));
         assert_eq!(slow.owed_within(), Duration::from_secs(9));
+        assert_eq!(slow.probe_within(), Duration::from_secs(14));
     }
 }

@@ -229,7 +229,7 @@ async fn unavailable(e: &Error, request: &Request<'_>) -> Failure {
     let findings = if named {
         Vec::new()
     } else {
-        probe::servers(request.named()).await
+        probe::servers(request.named(), request.link).await
     };
     let failure = match single(request.named()) {
         Some(url) => {

@@ -4,15 +4,11 @@
 //! the CLI asks each server itself, once, on a fresh connection: a `PING`, then a
 //! trivial script (the lock commands are scripts).
 
-use std::time::Duration;
-
 use futures::future::join_all;
 
 use crate::failure::Cause;
+use crate::link::Link;
 use crate::redact::RedisUrl;
-
-/// How long one server may take to connect and answer the probe.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What one server said to the probe.
 #[derive(Debug)]
@@ -38,13 +34,15 @@ impl Finding {
     }
 }
 
-/// Probes every server at once; each probe is bounded by [`PROBE_TIMEOUT`].
-pub async fn servers(urls: &[RedisUrl]) -> Vec<Finding> {
+/// Probes every server at once, each over `link`: it may take a connection and two
+/// replies ([`Link::probe_within`]), as the commands it stands in for.
+pub async fn servers(urls: &[RedisUrl], link: Link) -> Vec<Finding> {
+    let within = link.probe_within();
     join_all(urls.iter().map(|url| async move {
-        let error = match tokio::time::timeout(PROBE_TIMEOUT, check(url.expose())).await {
+        let error = match tokio::time::timeout(within, check(url.expose(), link)).await {
             Ok(Ok(())) => None,
             Ok(Err(e)) => Some(e.to_string()),
-            Err(_) => Some(format!("no answer within {PROBE_TIMEOUT:?} (timed out)")),
+            Err(_) => Some(format!("no answer within {within:?} (timed out)")),
         };
         Finding {
             url: url.clone(),
@@ -54,10 +52,10 @@ pub async fn servers(urls: &[RedisUrl]) -> Vec<Finding> {
     .await
 }
 
-async fn check(url: &str) -> redis::RedisResult<()> {
+async fn check(url: &str, link: Link) -> redis::RedisResult<()> {
     let config = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(PROBE_TIMEOUT / 2))
-        .set_response_timeout(Some(PROBE_TIMEOUT / 2));
+        .set_connection_timeout(Some(link.connect_timeout))
+        .set_response_timeout(Some(link.response_timeout));
     let mut conn = redis::Client::open(url)?
         .get_multiplexed_async_connection_with_config(&config)
         .await?;

@@ -770,6 +770,53 @@ fn redlock_without_a_majority_exits_69() {
     assert!(stderr.contains("a lock needs a majority (2 of 3)"), "{stderr}");
 }
 
+/// A port where something accepts connections and closes them at once: an error whose
+/// words name no cause, so `corral` asks the servers why.
+fn hanging_up() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let url = format!("redis://{}", listener.local_addr().expect("its address"));
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            drop(conn);
+        }
+    });
+    url
+}
+
+/// Redlock without a majority, one server up behind a slow link (1.2 s round trip),
+/// two that hang up: the servers `corral` asks why the lock failed get the link's
+/// timeouts too, so the one that is up is named as answering, not as timed out.
+#[test]
+fn redlock_without_a_majority_over_a_slow_link_names_the_server_that_answers() {
+    let server = redis_server();
+    let proxy = corral_tests::FaultProxy::start(server.addr()).expect("the fault proxy starts");
+    proxy.set_latency(Duration::from_millis(600));
+    let (url, a, b) = (proxy.url(), hanging_up(), hanging_up());
+    let args = [
+        "--connect-timeout",
+        "5s",
+        "--response-timeout",
+        "5s",
+        "lock",
+        "--key",
+        "job",
+        "--wait",
+        "0s",
+        "--redis",
+        &url,
+        "--redis",
+        &a,
+        "--redis",
+        &b,
+        "--",
+        "true",
+    ];
+    let out = run(&args, None);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(stderr.contains(&format!("{url}: answers now")), "{stderr}");
+}
+
 #[test]
 fn a_refused_login_or_command_exits_69_naming_the_cause() {
     let server = redis_server();
