@@ -52,17 +52,24 @@ impl Watched {
 
     /// Takes in a reading behind the latest one: a step back (as the guest judges it)
     /// sets off `on_step`, once per step (the reading it found becomes the latest).
+    ///
+    /// A reading taken on another thread just before the step may still raise the latest
+    /// after the step was taken in: the next reading is then a step again, and L1 is
+    /// flushed twice for one step (more work, never less safety).
     #[cold]
-    fn behind(&self, latest: u64, now: u64) {
-        if !self.policy.clock_stepped_back(latest, now).unwrap_or(false) {
-            return;
-        }
-        if self
-            .latest
-            .compare_exchange(latest, now, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
-            return; // Another reading took it in first.
+    fn behind(&self, mut latest: u64, now: u64) {
+        loop {
+            if !self.policy.clock_stepped_back(latest, now).unwrap_or(false) {
+                return; // Not a step, or another reading took it in first.
+            }
+            match self
+                .latest
+                .compare_exchange(latest, now, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                // Raised meanwhile by a reading from before the step: judge against that.
+                Err(moved) => latest = moved,
+            }
         }
         tracing::warn!(
             from_ms = latest,
@@ -129,5 +136,19 @@ mod tests {
         watched.now_ms();
         assert_eq!(steps.load(Ordering::SeqCst), 1, "one step, one gap");
         assert!(watched.is_real_time() == clock.is_real_time());
+    }
+
+    #[test]
+    fn a_step_taken_in_while_another_reading_raised_the_latest_still_sets_off_the_gap() {
+        let clock = ManualClock::new(1_000_000);
+        let (watched, steps) = watched(&clock);
+        // This reading saw 1_000_000 as the latest; a reading from before the step, on
+        // another thread, raised it before this one could take the step in.
+        watched.latest.store(1_000_005, Ordering::Release);
+        watched.behind(1_000_000, 990_000);
+        assert_eq!(steps.load(Ordering::SeqCst), 1, "the step was not deferred");
+        // Taken in: the same reading again is no step.
+        watched.behind(1_000_005, 990_000);
+        assert_eq!(steps.load(Ordering::SeqCst), 1);
     }
 }
