@@ -240,7 +240,8 @@ impl MemoryStore {
 impl Entries for MemoryStore {
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<Option<Bytes>>> {
         self.maybe_invalidate();
-        let found = Self::live(&mut self.shard(key).lock(), key, self.now());
+        let now = self.now();
+        let found = Self::live(&mut self.shard(key).lock(), key, now);
         ready(Ok(found)).boxed()
     }
 
@@ -299,15 +300,17 @@ impl Entries for MemoryStore {
 
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
         self.maybe_invalidate();
+        let now = self.now();
         let mut map = self.shard(key).lock();
-        let was_live = Self::live(&mut map, key, self.now()).is_some();
+        let was_live = Self::live(&mut map, key, now).is_some();
         map.remove(key);
         ready(Ok(was_live)).boxed()
     }
 
     fn delete_if_equal<'a>(&'a self, key: &'a str, expected: Bytes) -> BoxFuture<'a, Result<bool>> {
+        let now = self.now();
         let mut map = self.shard(key).lock();
-        let equal = Self::live(&mut map, key, self.now()).is_some_and(|b| b == expected);
+        let equal = Self::live(&mut map, key, now).is_some_and(|b| b == expected);
         if equal {
             map.remove(key);
         }
