@@ -209,14 +209,15 @@ impl KeptTag {
 }
 
 /// The tags' moments a process keeps, by tag. What has lapsed is swept out once the
-/// map doubles (from [`KeptTags::SWEEP_FROM`] tags); a sweep that drops a tag moves
-/// L1's tag epoch on (every tagged entry L1 holds is judged again), since an entry may
-/// outlive the bound of a tag it was judged by (a stale copy served for a fail-safe
-/// throttle, a clock stepped back), and [`hear_moments`] treats a tag missing from the
-/// map as new.
+/// map doubles (from [`KeptTags::SWEEP_FROM`] tags); a sweep that drops a tag that may
+/// have judged an entry moves L1's tag epoch on (every tagged entry L1 holds is judged
+/// again), since an entry may outlive the bound of a tag it was judged by (a stale copy
+/// served for a fail-safe throttle, a clock stepped back), and [`hear_moments`] treats
+/// a tag missing from the map as new.
 #[derive(Clone, Debug, Default)]
 pub struct KeptTags {
-    map: std::collections::HashMap<String, KeptTag>,
+    /// Per tag: what is kept, and whether it was ever usable when kept.
+    map: std::collections::HashMap<String, (KeptTag, bool)>,
     /// The size at which lapsed tags are swept out next.
     sweep_at: usize,
 }
@@ -235,26 +236,36 @@ impl KeptTags {
     /// What is kept of `tag`, lapsed or not.
     #[must_use]
     pub fn get(&self, tag: &str) -> Option<KeptTag> {
-        self.map.get(tag).copied()
+        self.map.get(tag).map(|(k, _)| *k)
     }
 
     /// Keeps `kept` of `tag` (what [`hear_moments`] said), at `now_ms`. Says whether
-    /// lapsed tags were swept out: L1's tag epoch must then move on.
+    /// lapsed tags that may have judged an entry (usable when kept) were swept out: L1's
+    /// tag epoch must then move on. Tags only heard of (announced, never usable) judged
+    /// nothing.
     #[must_use]
     pub fn keep(&mut self, tag: &str, kept: KeptTag, now_ms: u64) -> bool {
+        let usable = kept.usable(now_ms).is_some();
         match self.map.get_mut(tag) {
-            Some(k) => *k = kept,
+            Some((k, judged)) => {
+                *k = kept;
+                *judged |= usable;
+            }
             None => {
-                self.map.insert(tag.to_owned(), kept);
+                self.map.insert(tag.to_owned(), (kept, usable));
             }
         }
         if self.map.len() < self.sweep_at.max(Self::SWEEP_FROM) {
             return false;
         }
-        let before = self.map.len();
-        self.map.retain(|_, k| k.usable(now_ms).is_some());
+        let mut judged_swept = false;
+        self.map.retain(|_, (k, judged)| {
+            let stays = k.usable(now_ms).is_some();
+            judged_swept |= !stays && *judged;
+            stays
+        });
         self.sweep_at = Self::next_sweep(self.map.len());
-        self.map.len() < before
+        judged_swept
     }
 
     /// Forgets `tag`.
@@ -320,34 +331,41 @@ pub struct TagHeeded {
     pub stored: bool,
 }
 
-/// Takes in `news` of a tag of which the process keeps `kept`, at `now_ms`:
+/// Takes in `news` of a tag of which the process keeps `kept`, at `now_ms` (for a read:
+/// the call's time, taken before the read began):
 ///
 /// - what is kept and what is learnt are merged, each moment the later of the two
-///   ([`TagMoments::merge`]); what a read finds replaces what has lapsed (the store may
-///   have lost a moment: every process then goes by the store);
-/// - a read or an own write is kept until the later of the two bounds; an announcement
-///   until what is kept lapses (with nothing kept, it is kept lapsed: it still bounds a
-///   write's stamp, [`written_at`], and the next call reads the tag);
+///   ([`TagMoments::merge`]);
+/// - a read or the process's own write restarts the bound (the later of the two), unless
+///   what is kept moved what it found: the store may have lost that moment, and a moment
+///   the store does not hold is never trusted past its own bound;
+/// - an announcement moves moments forward but never extends the bound (it may come
+///   late, retried, and a later invalidation's may have been lost); with nothing usable
+///   kept, it is kept until the moment it was heard: it judges nothing, but a read that
+///   began by then (and may have been answered before the invalidation) merges it;
+/// - what a read finds replaces what had lapsed before it began (the store may have
+///   lost a moment: every process then goes by the store);
 /// - a read during which a clear or a gap was heard is used for its call and not kept
 ///   (it may predate what was missed); what is kept is then used with it until its own
-///   bound, if it still holds, and a moment it moved forward moves the epoch still;
+///   bound, and a moment it moved forward moves the epoch still;
 /// - a tag new to the process moves nothing: no entry L1 serves was judged by it, since
 ///   what is kept is forgotten only with L1 or once lapsed ([`KeptTags`]). Else any
 ///   moment that moved does.
 #[must_use]
 pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHeeded {
-    let later = |with: Option<KeptTag>, found: KeptTag| {
-        with.map_or(found.until_ms, |k| k.until_ms.max(found.until_ms))
+    let usable = kept.filter(|k| k.usable(now_ms).is_some());
+    let merged = |with: Option<KeptTag>, found: KeptTag| {
+        with.map_or(found.moments, |k| k.moments.merge(&found.moments))
     };
-    let (found, with, until_ms) = match news {
-        // What the store holds stands for what has lapsed: the store may have lost a
+    let (found, moments, until_ms) = match news {
+        // What the store holds stands for what had lapsed: the store may have lost a
         // moment a process kept (restarted empty, evicted), and every other process
         // then goes by the store; one that went by its own memory would judge a write
         // made since (stamped by the writer's clock, the moment unread) older than it.
         TagNews::Read { since, heard, found } => {
-            let with = kept.filter(|k| k.usable(now_ms).is_some());
+            let with = kept.filter(|k| now_ms <= k.until_ms);
+            let moments = merged(with, found);
             if !heard.no_news_since(&since) {
-                let moments = with.map_or(found.moments, |k| k.moments.merge(&found.moments));
                 return TagHeeded {
                     kept,
                     moved: kept.is_some_and(|k| k.moments != moments),
@@ -358,24 +376,36 @@ pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHee
                     stored: moments == found.moments,
                 };
             }
-            (found, with, later(with, found))
+            (found, moments, restarted(with, found, moments))
         }
-        TagNews::Wrote(found) => (found, kept, later(kept, found)),
-        TagNews::Announced(found) => {
-            let until_ms = kept.map_or(now_ms, |k| k.until_ms.min(found.until_ms));
-            (found, kept, until_ms)
+        TagNews::Wrote(found) => {
+            let moments = merged(usable, found);
+            (found, moments, restarted(usable, found, moments))
         }
+        TagNews::Announced(found) => (
+            found,
+            merged(usable, found),
+            usable.map_or(now_ms, |k| k.until_ms.min(found.until_ms)),
+        ),
     };
-    let now_kept = KeptTag {
-        moments: with.map_or(found.moments, |k| k.moments.merge(&found.moments)),
-        until_ms,
-    };
+    let now_kept = KeptTag { moments, until_ms };
     TagHeeded {
         kept: Some(now_kept),
-        moved: kept.is_some_and(|k| k.moments != now_kept.moments),
+        moved: kept.is_some_and(|k| k.moments != moments),
         using: now_kept,
         // Heard of, an announcement is never the store's own.
-        stored: !matches!(news, TagNews::Announced(_)) && now_kept.moments == found.moments,
+        stored: !matches!(news, TagNews::Announced(_)) && moments == found.moments,
+    }
+}
+
+/// The bound of what a read or an own write (`found`) leaves kept as `moments`, with
+/// `with` kept before: the later of the two bounds, unless `with` moved what the store
+/// held (then `with`'s own: a moment the store does not hold is not trusted longer).
+fn restarted(with: Option<KeptTag>, found: KeptTag, moments: TagMoments) -> u64 {
+    match with {
+        Some(k) if moments != found.moments => k.until_ms,
+        Some(k) => k.until_ms.max(found.until_ms),
+        None => found.until_ms,
     }
 }
 
@@ -781,14 +811,79 @@ mod tests {
         assert_eq!(unknown.kept, Some(kept(late.moments, NOW)));
         assert_eq!(unknown.using.usable(NOW), None);
         assert!(!unknown.moved, "no entry was judged by it");
-        // A lapsed one stays lapsed.
+        // A lapsed one is as nothing kept.
         let lapsed = hear_moments(Some(kept(moments(0, 0), NOW - 1)), TagNews::Announced(late), NOW);
-        assert_eq!(lapsed.kept, Some(kept(late.moments, NOW - 1)));
+        assert_eq!(lapsed.kept, Some(kept(late.moments, NOW)));
         // This process's own write is what the store held: it restarts the bound.
         let wrote = hear_moments(Some(read), TagNews::Wrote(late), NOW);
         assert_eq!(wrote.kept, Some(late));
         // Heard of, never the store's own: an entry it judges removed stays in the store.
         assert!(!heeded.stored && !unknown.stored && wrote.stored);
+    }
+
+    #[test]
+    fn an_announcement_heard_while_a_read_was_on_its_way_is_not_lost() {
+        let since = Heard::default();
+        // The call began at NOW and sent its read; the removal's announcement came first,
+        // within the same millisecond.
+        let removal = kept(moments(NOW - 1, 0), NOW + 300);
+        let heard = hear_moments(None, TagNews::Announced(removal), NOW);
+        // The read was answered before the removal was written.
+        let found = kept(moments(NOW - 10, 0), NOW + 300);
+        let read = hear_moments(
+            heard.kept,
+            TagNews::Read {
+                since,
+                heard: since,
+                found,
+            },
+            NOW,
+        );
+        assert_eq!(
+            read.using.moments, removal.moments,
+            "the removal judges this call"
+        );
+        assert_eq!(read.kept, Some(kept(removal.moments, NOW)), "not trusted longer");
+        assert!(!read.stored);
+        // A read that began after it was heard finds it, or the store lost it.
+        let later = hear_moments(
+            heard.kept,
+            TagNews::Read {
+                since,
+                heard: since,
+                found,
+            },
+            NOW + 1,
+        );
+        assert_eq!(later.using, found);
+    }
+
+    #[test]
+    fn a_moment_the_store_does_not_hold_is_never_kept_past_its_bound() {
+        let since = Heard::default();
+        let lost = kept(moments(NOW + 1_552, 0), NOW + 50);
+        let found = kept(moments(NOW - 10, 0), NOW + 300);
+        let read = hear_moments(
+            Some(lost),
+            TagNews::Read {
+                since,
+                heard: since,
+                found,
+            },
+            NOW,
+        );
+        assert_eq!(read.kept, Some(lost), "merged, bound not restarted");
+        // Nor by the process's own write.
+        let wrote = hear_moments(Some(lost), TagNews::Wrote(found), NOW);
+        assert_eq!(wrote.kept, Some(lost));
+        // An own write over a lapsed moment goes by the store's, as a read does.
+        let over_lapsed = hear_moments(
+            Some(kept(moments(NOW + 1_552, 0), NOW - 1)),
+            TagNews::Wrote(found),
+            NOW,
+        );
+        assert_eq!(over_lapsed.kept, Some(found));
+        assert!(over_lapsed.stored);
     }
 
     #[test]
@@ -828,8 +923,9 @@ mod tests {
         assert_eq!(with.kept, Some(before), "what is kept is unchanged");
         assert_eq!(with.using, kept(moments(NOW - 9, NOW - 1), NOW + 50));
         assert!(with.moved, "a moment moved: L1's judgements by the old ones go");
-        // A lapsed one adds nothing: the store's moments stand (it may have lost one).
-        let lapsed = read(Some(kept(moments(NOW - 9, 0), NOW)));
+        // One that lapsed before the read began adds nothing: the store's moments stand
+        // (it may have lost one).
+        let lapsed = read(Some(kept(moments(NOW - 9, 0), NOW - 1)));
         assert_eq!(lapsed.using, kept(moments(0, NOW - 1), NOW));
         // A read with nothing heard meanwhile is kept.
         let quiet = hear_moments(
@@ -887,5 +983,10 @@ mod tests {
         );
         kept_tags.clear();
         assert!(kept_tags.is_empty());
+        // Tags only heard of (kept lapsed) judged nothing: sweeping them moves no epoch.
+        let heard = (0..10_000u64)
+            .filter(|&n| kept_tags.keep(&format!("other:{n}"), kept(m, n), n))
+            .count();
+        assert_eq!(heard, 0);
     }
 }

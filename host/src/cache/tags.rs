@@ -177,7 +177,7 @@ impl TagState {
     /// tagged entries must be judged again because lapsed tags were swept out.
     fn heed(&self, tag: &str, news: TagNews, now: u64) -> Option<TagHeeded> {
         let mut kept = self.moments.lock();
-        match self.policy.hear_tag(kept.map.get(tag).copied(), news, now) {
+        match self.policy.hear_tag(kept.get(tag), news, now) {
             Ok(heeded) => {
                 let swept = heeded.kept.is_some_and(|k| kept.keep(tag, k, now, &self.policy));
                 Some(TagHeeded {
@@ -212,27 +212,23 @@ impl TagState {
     pub(crate) fn known_moments(&self, tags: &[String]) -> Vec<TagMoments> {
         let kept = self.moments.lock();
         tags.iter()
-            .filter_map(|tag| kept.map.get(tag).map(|k| k.moments))
+            .filter_map(|tag| kept.get(tag).map(|k| k.moments))
             .collect()
     }
 
     /// What is kept of `tag`, if it may judge an entry at `now` without a read.
     fn usable(&self, tag: &str, now: u64) -> Option<KeptTag> {
-        self.moments
-            .lock()
-            .map
-            .get(tag)
-            .copied()
-            .filter(|k| now < k.until_ms)
+        self.moments.lock().get(tag).filter(|k| now < k.until_ms)
     }
 }
 
 /// The tags' moments a process keeps, as `corral-core`'s `tags::KeptTags` keeps them
 /// (its types are the WIT ones here): what has lapsed is swept out once the map
-/// reaches the size the guest says (`tag-sweep-at`), and a sweep moves L1's tag epoch
-/// on.
+/// reaches the size the guest says (`tag-sweep-at`), and a sweep that drops a tag that
+/// may have judged an entry (usable when kept) moves L1's tag epoch on.
 struct KeptTags {
-    map: HashMap<String, KeptTag>,
+    /// Per tag: what is kept, and whether it was ever usable when kept.
+    map: HashMap<String, (KeptTag, bool)>,
     /// The size at which lapsed tags are swept out next.
     sweep_at: usize,
 }
@@ -242,19 +238,32 @@ impl KeptTags {
     /// not say when to sweep next, nothing is swept any more (the map is still emptied
     /// at every gap in the announcements).
     fn keep(&mut self, tag: &str, kept: KeptTag, now: u64, policy: &Policy) -> bool {
+        let usable = now < kept.until_ms;
         match self.map.get_mut(tag) {
-            Some(k) => *k = kept,
+            Some((k, judged)) => {
+                *k = kept;
+                *judged |= usable;
+            }
             None => {
-                self.map.insert(tag.to_owned(), kept);
+                self.map.insert(tag.to_owned(), (kept, usable));
             }
         }
         if self.map.len() < self.sweep_at {
             return false;
         }
-        let before = self.map.len();
-        self.map.retain(|_, k| now < k.until_ms);
+        let mut judged_swept = false;
+        self.map.retain(|_, (k, judged)| {
+            let stays = now < k.until_ms;
+            judged_swept |= !stays && *judged;
+            stays
+        });
         self.sweep_at = policy.tag_sweep_at(self.map.len()).unwrap_or(usize::MAX);
-        self.map.len() < before
+        judged_swept
+    }
+
+    /// What is kept of `tag`, lapsed or not.
+    fn get(&self, tag: &str) -> Option<KeptTag> {
+        self.map.get(tag).map(|(k, _)| *k)
     }
 }
 
@@ -712,5 +721,19 @@ mod tests {
         }
         assert!(state.usable("live", 20_000).is_some());
         assert_eq!(state.known_moments(&["live".to_owned()]), vec![moments]);
+        // Announcements of tags this process never judged by are kept lapsed (until a
+        // read in flight has merged them); sweeping them out moves no epoch.
+        let state = self::state();
+        let heard = |n: u64| {
+            TagNews::Announced(KeptTag {
+                moments,
+                until_ms: n + 30_000,
+            })
+        };
+        let moved = (20_000..30_000u64)
+            .filter(|&n| state.learn(&format!("other:{n}"), heard(n), n))
+            .count();
+        assert_eq!(moved, 0, "no L1 entry was judged by them");
+        assert!(state.moments.lock().map.len() <= 2 * 1024);
     }
 }
