@@ -257,7 +257,29 @@ fn judge(tagged: Option<&Tagged>, meta: &EntryMeta, now: u64) -> Result<(Verdict
         return Ok((Verdict::Untouched, u64::MAX));
     };
     let (m, until, stored) = moments(&tagged.tags, now)?;
-    Ok((tags::judge(tagged, meta, &m, stored, now), until))
+    match tags::judge(tagged, meta, &m, stored, now) {
+        // By moments the store may have lost: judged again by the store's own, as
+        // every other process judges it.
+        Verdict::Hidden => {
+            let (found, until) = store_moments(&tagged.tags, now)?;
+            Ok((tags::judge(tagged, meta, &found, true, now), until))
+        }
+        verdict => Ok((verdict, until)),
+    }
+}
+
+/// The moments of `tag_list` as the store holds them now, read afresh and heard, and
+/// until when L1 may keep what they judged.
+fn store_moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), types::Error> {
+    let clears = l1_clears();
+    let mut found = Vec::with_capacity(tag_list.len());
+    for tag in tag_list {
+        let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
+        let stored = l2::get(&name)?;
+        found.push(TagMoments::decode(stored.as_deref()));
+        hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now);
+    }
+    Ok((found, tags::known_until(now, settings().l1_ttl_ms)))
 }
 
 fn tagged_in(t: types::Tagged) -> Tagged {
@@ -354,8 +376,7 @@ fn judge_read(
             return Ok((Found::Stale(copy, meta), Some(stored)));
         }
         (ReadOutcome::Fresh(_) | ReadOutcome::Stale(_), Verdict::Removed) => ReadOutcome::Expired,
-        // Judged by moments the store may have lost: a miss, left in the store (a fill
-        // replaces exactly it).
+        // Judged again by the store's own moments in `judge`: never left here.
         (ReadOutcome::Fresh(_) | ReadOutcome::Stale(_), Verdict::Hidden) => {
             return Ok((Found::Nothing, Some(stored)));
         }

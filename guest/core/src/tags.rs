@@ -421,10 +421,13 @@ pub enum Verdict {
     /// Removed by a tag, or stale without a window to serve it in, by the store's own
     /// moments: a miss; a reader removes it.
     Removed,
-    /// As [`Verdict::Removed`], but by moments the process kept or heard of: a miss, and
-    /// the entry stays. The store may have lost such a moment (restarted empty,
-    /// evicted); every other process then goes by the store, and an entry written since
-    /// (stamped before the lost moment by its writer's clock) is theirs to read.
+    /// As [`Verdict::Removed`], but by moments the process kept or heard of, which the
+    /// store may have lost (restarted empty, evicted): every other process then goes by
+    /// the store, and an entry written since (stamped before the lost moment by its
+    /// writer's clock) is theirs to read. Not an answer: a body reads the tags' moments
+    /// from the store and judges the entry again by those alone (`stored` true), so a
+    /// reader, and a leader's double-check under its flight lock, sees what every other
+    /// process sees, and deletes only by what the store holds.
     Hidden,
 }
 

@@ -348,7 +348,8 @@ impl Corral {
                     });
                 }
                 TagVerdict::Removed => return self.remove_read(name, stored).await,
-                // By moments the store may have lost: a miss, left in the store.
+                // Judged again by the store's own moments in `judge_tagged`: never
+                // left to settle.
                 TagVerdict::Hidden => return Ok(L2Read::Miss { holds: Some(stored) }),
             }
         }

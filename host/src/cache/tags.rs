@@ -389,6 +389,13 @@ impl Corral {
     /// them ([`Self::tagged_write_at`]) is newer than every invalidation of its tags that
     /// completed before it began, in any process, whatever the processes' clocks say.
     pub(crate) async fn moments_now(&self, tags: &[String], now: u64) -> Result<Vec<TagMoments>> {
+        let read = self.read_moments(tags, now).await?;
+        Ok(read.into_iter().map(|(_, using)| using.moments).collect())
+    }
+
+    /// Each of `tags`' moments read from the store now (in parallel) and learnt: the
+    /// store's own, and what this process judges by once it learnt them.
+    async fn read_moments(&self, tags: &[String], now: u64) -> Result<Vec<(KeptTag, KeptTag)>> {
         let inner = &*self.inner;
         let since = inner.tags.heard_so_far();
         let reads = tags.iter().map(|tag| async move {
@@ -398,7 +405,7 @@ impl Corral {
         });
         let read = futures::future::try_join_all(reads).await?;
         let until_ms = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
-        let mut moments = Vec::with_capacity(tags.len());
+        let mut learnt = Vec::with_capacity(tags.len());
         for (tag, stored) in tags.iter().zip(read) {
             let found = KeptTag {
                 moments: stored,
@@ -408,9 +415,9 @@ impl Corral {
             if heeded.moved {
                 inner.l1.bump_tags();
             }
-            moments.push(heeded.using.moments);
+            learnt.push((found, heeded.using));
         }
-        Ok(moments)
+        Ok(learnt)
     }
 
     /// The `written_at` of a tagged write (a set, or a load) that begins now: after
@@ -436,11 +443,21 @@ impl Corral {
         now: u64,
     ) -> Result<(TagVerdict, TagStamp)> {
         let epoch = self.inner.l1.tag_epoch();
-        let (moments, until_ms, stored) = self.moments_of(&tagged.tags, now).await?;
-        let verdict = self
-            .inner
-            .policy
-            .judge_tags(&tagged, meta, &moments, stored, now)?;
+        let policy = &self.inner.policy;
+        let (moments, mut until_ms, stored) = self.moments_of(&tagged.tags, now).await?;
+        let mut verdict = policy.judge_tags(&tagged, meta, &moments, stored, now)?;
+        if let TagVerdict::Hidden = verdict {
+            // By moments the store may have lost: judged again by the store's own
+            // (`tags::Verdict::Hidden`), as every other process judges it.
+            let read = self.read_moments(&tagged.tags, now).await?;
+            let found: Vec<TagMoments> = read.iter().map(|(found, _)| found.moments).collect();
+            until_ms = read
+                .iter()
+                .map(|(found, _)| found.until_ms)
+                .min()
+                .unwrap_or(u64::MAX);
+            verdict = policy.judge_tags(&tagged, meta, &found, true, now)?;
+        }
         Ok((
             verdict,
             TagStamp {

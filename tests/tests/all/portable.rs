@@ -442,11 +442,12 @@ async fn a_store_step_that_never_answers_ends_at_the_flights_deadline_in_both_bo
     Ok(())
 }
 
-/// A tag moment a portable process keeps but the store lost judges entries for that
-/// process alone: a miss for it, the entry left for every other process, which goes by
-/// the store (contract §6b.5; native: `tags::a_moment_the_store_lost_deletes_nothing_another_process_wrote`).
+/// A tag moment a portable process keeps but the store lost hides nothing from it and
+/// deletes nothing: the entry is judged again by the store's moments, as every other
+/// process judges it, and a get-or-set serves it rather than loading over it (contract
+/// §6b.5; native: `tags::a_moment_the_store_lost_hides_nothing_another_process_wrote`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_portable_process_deletes_nothing_by_a_moment_the_store_lost() -> Result<()> {
+async fn a_portable_process_hides_nothing_by_a_moment_the_store_lost() -> Result<()> {
     let server = RedisServer::start()?;
     let (keeper, writer) = over_one_redis(&server)?;
     until_each_hears_the_other(&keeper, &writer).await?;
@@ -472,11 +473,16 @@ async fn a_portable_process_deletes_nothing_by_a_moment_the_store_lost() -> Resu
     writer
         .set_tagged("k", "v", EntryOptions::new().relative(600 * SEC), &["t"])
         .await?;
+    let load = |_: &str| Ok::<_, String>(b"loaded".to_vec());
+    let got = keeper
+        .get_or_set("k", EntryOptions::new(), false, load, |_| true)
+        .await?;
     assert_eq!(
-        keeper.get("k").await?,
-        None,
-        "by the removal it keeps: a miss for it"
+        &got[..],
+        b"v",
+        "the portable process loaded over a write the store's moments do not remove"
     );
+    assert_eq!(keeper.get("k").await?.as_deref(), Some(&b"v"[..]));
     let reader = Corral::builder().redis(server.url()).build()?;
     assert_eq!(
         reader.get("k").await?.as_deref(),
