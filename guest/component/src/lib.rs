@@ -240,6 +240,7 @@ fn kept_tag_in(k: wit::KeptTag) -> corral_core::tags::KeptTag {
     corral_core::tags::KeptTag {
         moments: moments_in(k.moments),
         until_ms: k.until_ms,
+        judged: k.judged,
     }
 }
 
@@ -247,6 +248,7 @@ fn kept_tag_out(k: corral_core::tags::KeptTag) -> wit::KeptTag {
     wit::KeptTag {
         moments: moments_out(k.moments),
         until_ms: k.until_ms,
+        judged: k.judged,
     }
 }
 

@@ -91,10 +91,10 @@ fn read_of(stored: Option<&[u8]>, clears: u64, now: u64) -> TagNews {
     TagNews::Read {
         since: heard(clears),
         heard: heard(l1_clears()),
-        found: KeptTag {
-            moments: TagMoments::decode(stored),
-            until_ms: tags::known_until(now, settings().l1_ttl_ms),
-        },
+        found: KeptTag::news(
+            TagMoments::decode(stored),
+            tags::known_until(now, settings().l1_ttl_ms),
+        ),
     }
 }
 
@@ -514,10 +514,7 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
             // Every instance of this process judges again at once, without waiting for
             // the announcement to come back (a clear of L1 moves their count).
             l1::clear();
-            let wrote = KeptTag {
-                moments: m,
-                until_ms: tags::known_until(now, settings().l1_ttl_ms),
-            };
+            let wrote = KeptTag::news(m, tags::known_until(now, settings().l1_ttl_ms));
             let clears = l1_clears();
             hear_tag(tag, TagNews::Wrote(wrote), clears, now);
             announce(&tags::Message::Tag {

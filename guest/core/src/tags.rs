@@ -198,9 +198,23 @@ pub struct KeptTag {
     pub moments: TagMoments,
     /// Until when (Unix ms) they may judge an entry without a read.
     pub until_ms: u64,
+    /// Whether what is kept was ever usable (so may have judged an entry L1 holds):
+    /// set by [`hear_moments`]; news carries `false`. Dropping such a tag moves L1's
+    /// tag epoch on ([`KeptTags`]).
+    pub judged: bool,
 }
 
 impl KeptTag {
+    /// News of `moments`, usable until `until_ms` (nothing judged by them yet).
+    #[must_use]
+    pub fn news(moments: TagMoments, until_ms: u64) -> KeptTag {
+        KeptTag {
+            moments,
+            until_ms,
+            judged: false,
+        }
+    }
+
     /// The moments, if they may judge an entry at `now_ms` without a read.
     #[must_use]
     pub fn usable(&self, now_ms: u64) -> Option<TagMoments> {
@@ -216,8 +230,8 @@ impl KeptTag {
 /// a tag missing from the map as new.
 #[derive(Clone, Debug, Default)]
 pub struct KeptTags {
-    /// Per tag: what is kept, and whether it was ever usable when kept.
-    map: std::collections::HashMap<String, (KeptTag, bool)>,
+    /// Per tag: what is kept.
+    map: std::collections::HashMap<String, KeptTag>,
     /// The size at which lapsed tags are swept out next.
     sweep_at: usize,
 }
@@ -236,32 +250,28 @@ impl KeptTags {
     /// What is kept of `tag`, lapsed or not.
     #[must_use]
     pub fn get(&self, tag: &str) -> Option<KeptTag> {
-        self.map.get(tag).map(|(k, _)| *k)
+        self.map.get(tag).copied()
     }
 
     /// Keeps `kept` of `tag` (what [`hear_moments`] said), at `now_ms`. Says whether
-    /// lapsed tags that may have judged an entry (usable when kept) were swept out: L1's
-    /// tag epoch must then move on. Tags only heard of (announced, never usable) judged
-    /// nothing.
+    /// lapsed tags that may have judged an entry ([`KeptTag::judged`]) were swept out:
+    /// L1's tag epoch must then move on. Tags only heard of (announced, never usable)
+    /// judged nothing.
     #[must_use]
     pub fn keep(&mut self, tag: &str, kept: KeptTag, now_ms: u64) -> bool {
-        let usable = kept.usable(now_ms).is_some();
         match self.map.get_mut(tag) {
-            Some((k, judged)) => {
-                *k = kept;
-                *judged |= usable;
-            }
+            Some(k) => *k = kept,
             None => {
-                self.map.insert(tag.to_owned(), (kept, usable));
+                self.map.insert(tag.to_owned(), kept);
             }
         }
         if self.map.len() < self.sweep_at.max(Self::SWEEP_FROM) {
             return false;
         }
         let mut judged_swept = false;
-        self.map.retain(|_, (k, judged)| {
+        self.map.retain(|_, k| {
             let stays = k.usable(now_ms).is_some();
-            judged_swept |= !stays && *judged;
+            judged_swept |= !stays && k.judged;
             stays
         });
         self.sweep_at = Self::next_sweep(self.map.len());
@@ -369,10 +379,7 @@ pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHee
                 return TagHeeded {
                     kept,
                     moved: kept.is_some_and(|k| k.moments != moments),
-                    using: KeptTag {
-                        moments,
-                        until_ms: with.map_or(now_ms, |k| k.until_ms),
-                    },
+                    using: KeptTag::news(moments, with.map_or(now_ms, |k| k.until_ms)),
                     stored: moments == found.moments,
                 };
             }
@@ -388,7 +395,11 @@ pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHee
             usable.map_or(now_ms, |k| k.until_ms.min(found.until_ms)),
         ),
     };
-    let now_kept = KeptTag { moments, until_ms };
+    let now_kept = KeptTag {
+        moments,
+        until_ms,
+        judged: kept.is_some_and(|k| k.judged) || now_ms < until_ms,
+    };
     TagHeeded {
         kept: Some(now_kept),
         moved: kept.is_some_and(|k| k.moments != moments),
@@ -769,7 +780,12 @@ mod tests {
     }
 
     fn kept(m: TagMoments, until_ms: u64) -> KeptTag {
-        KeptTag { moments: m, until_ms }
+        KeptTag::news(m, until_ms)
+    }
+
+    /// `k` as kept once it was usable: it may have judged an entry.
+    fn judged(k: KeptTag) -> KeptTag {
+        KeptTag { judged: true, ..k }
     }
 
     #[test]
@@ -780,7 +796,7 @@ mod tests {
             TagNews::Wrote(kept(moments(NOW - 20, NOW - 5), NOW + 50)),
             NOW,
         );
-        let both = kept(moments(NOW - 10, NOW - 5), NOW + 100);
+        let both = judged(kept(moments(NOW - 10, NOW - 5), NOW + 100));
         assert_eq!(heeded.kept, Some(both));
         assert_eq!(heeded.using, both);
         assert!(heeded.moved, "the expire moment moved");
@@ -794,7 +810,7 @@ mod tests {
         let new = hear_moments(None, TagNews::Wrote(kept(moments(NOW, 0), NOW + 1)), NOW);
         assert_eq!(
             (new.kept, new.moved),
-            (Some(kept(moments(NOW, 0), NOW + 1)), false)
+            (Some(judged(kept(moments(NOW, 0), NOW + 1))), false)
         );
     }
 
@@ -805,13 +821,13 @@ mod tests {
         // been lost, and the store may be past it. Only a read restarts the bound.
         let late = kept(moments(NOW - 5, 0), NOW + 300);
         let heeded = hear_moments(Some(read), TagNews::Announced(late), NOW);
-        let moved = kept(moments(NOW - 5, 0), NOW + 100);
+        let moved = judged(kept(moments(NOW - 5, 0), NOW + 100));
         assert_eq!((heeded.kept, heeded.using), (Some(moved), moved));
         assert!(heeded.moved, "L1's judgements by the old moment go");
         // Of a tag not kept: kept lapsed, so the next call reads the tag, and the
         // moments still bound a write's stamp.
         let unknown = hear_moments(None, TagNews::Announced(late), NOW);
-        assert_eq!(unknown.kept, Some(kept(late.moments, NOW)));
+        assert_eq!(unknown.kept, Some(kept(late.moments, NOW)), "judged nothing");
         assert_eq!(unknown.using.usable(NOW), None);
         assert!(!unknown.moved, "no entry was judged by it");
         // A lapsed one is as nothing kept.
@@ -819,7 +835,10 @@ mod tests {
         assert_eq!(lapsed.kept, Some(kept(late.moments, NOW)));
         // This process's own write is what the store held: it restarts the bound.
         let wrote = hear_moments(Some(read), TagNews::Wrote(late), NOW);
-        assert_eq!(wrote.kept, Some(late));
+        assert_eq!(wrote.kept, Some(judged(late)));
+        // Once usable, a tag may have judged an entry, lapsed or not.
+        let lapsed_again = hear_moments(wrote.kept, TagNews::Announced(late), NOW + 301);
+        assert!(lapsed_again.kept.is_some_and(|k| k.judged));
         // Heard of, never the store's own: an entry it judges removed stays in the store.
         assert!(!heeded.stored && !unknown.stored && wrote.stored);
     }
@@ -858,7 +877,7 @@ mod tests {
             },
             NOW + 1,
         );
-        assert_eq!(later.using, found);
+        assert_eq!(later.using, judged(found));
     }
 
     #[test]
@@ -875,17 +894,17 @@ mod tests {
             },
             NOW,
         );
-        assert_eq!(read.kept, Some(lost), "merged, bound not restarted");
+        assert_eq!(read.kept, Some(judged(lost)), "merged, bound not restarted");
         // Nor by the process's own write.
         let wrote = hear_moments(Some(lost), TagNews::Wrote(found), NOW);
-        assert_eq!(wrote.kept, Some(lost));
+        assert_eq!(wrote.kept, Some(judged(lost)));
         // An own write over a lapsed moment goes by the store's, as a read does.
         let over_lapsed = hear_moments(
             Some(kept(moments(NOW + 1_552, 0), NOW - 1)),
             TagNews::Wrote(found),
             NOW,
         );
-        assert_eq!(over_lapsed.kept, Some(found));
+        assert_eq!(over_lapsed.kept, Some(judged(found)));
         assert!(over_lapsed.stored);
     }
 
@@ -940,7 +959,7 @@ mod tests {
             },
             NOW,
         );
-        assert_eq!((quiet.kept, quiet.using), (Some(found), found));
+        assert_eq!((quiet.kept, quiet.using), (Some(judged(found)), judged(found)));
         // Nor when kept: a moment the store lost is forgotten with it.
         let forgot = hear_moments(
             Some(kept(moments(NOW + 1_552, 0), NOW - 1)),
@@ -951,7 +970,7 @@ mod tests {
             },
             NOW,
         );
-        assert_eq!(forgot.kept, Some(found));
+        assert_eq!(forgot.kept, Some(judged(found)));
         assert!(forgot.moved, "L1's judgements by the forgotten moment go");
         assert_eq!(found.usable(NOW + 299), Some(found.moments));
         assert_eq!(found.usable(NOW + 300), None);
@@ -964,7 +983,7 @@ mod tests {
         // A service whose tags each name one user: thousands, each judged by once.
         let mut sweeps = 0;
         for n in 0..10_000u64 {
-            sweeps += usize::from(kept_tags.keep(&format!("user:{n}"), kept(m, n + 1), n));
+            sweeps += usize::from(kept_tags.keep(&format!("user:{n}"), judged(kept(m, n + 1)), n));
         }
         assert!(
             kept_tags.len() <= 2 * KeptTags::SWEEP_FROM,
@@ -975,13 +994,13 @@ mod tests {
             (1..=10).contains(&sweeps),
             "{sweeps} sweeps: each moves L1's tag epoch"
         );
-        let _ = kept_tags.keep("live", kept(m, u64::MAX), 10_000);
+        let _ = kept_tags.keep("live", judged(kept(m, u64::MAX)), 10_000);
         for n in 10_000..20_000u64 {
-            let _ = kept_tags.keep(&format!("user:{n}"), kept(m, n + 1), n);
+            let _ = kept_tags.keep(&format!("user:{n}"), judged(kept(m, n + 1)), n);
         }
         assert_eq!(
             kept_tags.get("live"),
-            Some(kept(m, u64::MAX)),
+            Some(judged(kept(m, u64::MAX))),
             "what has not lapsed stays"
         );
         kept_tags.clear();

@@ -157,10 +157,7 @@ impl TagState {
         self.heed(tag, news, now).unwrap_or(TagHeeded {
             kept: None,
             moved: true,
-            using: KeptTag {
-                moments: found.moments,
-                until_ms: now,
-            },
+            using: kept_tag(found.moments, now),
             stored: true,
         })
     }
@@ -222,13 +219,24 @@ impl TagState {
     }
 }
 
+/// News of a tag's `moments`, usable until `until_ms`: nothing judged by them yet
+/// (`kept-tag.judged` is the guest's to set).
+fn kept_tag(moments: TagMoments, until_ms: u64) -> KeptTag {
+    KeptTag {
+        moments,
+        until_ms,
+        judged: false,
+    }
+}
+
 /// The tags' moments a process keeps, as `corral-core`'s `tags::KeptTags` keeps them
 /// (its types are the WIT ones here): what has lapsed is swept out once the map
 /// reaches the size the guest says (`tag-sweep-at`), and a sweep that drops a tag that
-/// may have judged an entry (usable when kept) moves L1's tag epoch on.
+/// may have judged an entry (`kept-tag.judged`, as the guest set it) moves L1's tag
+/// epoch on.
 struct KeptTags {
-    /// Per tag: what is kept, and whether it was ever usable when kept.
-    map: HashMap<String, (KeptTag, bool)>,
+    /// Per tag: what is kept.
+    map: HashMap<String, KeptTag>,
     /// The size at which lapsed tags are swept out next.
     sweep_at: usize,
 }
@@ -238,23 +246,19 @@ impl KeptTags {
     /// not say when to sweep next, nothing is swept any more (the map is still emptied
     /// at every gap in the announcements).
     fn keep(&mut self, tag: &str, kept: KeptTag, now: u64, policy: &Policy) -> bool {
-        let usable = now < kept.until_ms;
         match self.map.get_mut(tag) {
-            Some((k, judged)) => {
-                *k = kept;
-                *judged |= usable;
-            }
+            Some(k) => *k = kept,
             None => {
-                self.map.insert(tag.to_owned(), (kept, usable));
+                self.map.insert(tag.to_owned(), kept);
             }
         }
         if self.map.len() < self.sweep_at {
             return false;
         }
         let mut judged_swept = false;
-        self.map.retain(|_, (k, judged)| {
+        self.map.retain(|_, k| {
             let stays = now < k.until_ms;
-            judged_swept |= !stays && *judged;
+            judged_swept |= !stays && k.judged;
             stays
         });
         self.sweep_at = policy.tag_sweep_at(self.map.len()).unwrap_or(usize::MAX);
@@ -263,7 +267,7 @@ impl KeptTags {
 
     /// What is kept of `tag`, lapsed or not.
     fn get(&self, tag: &str) -> Option<KeptTag> {
-        self.map.get(tag).map(|(k, _)| *k)
+        self.map.get(tag).copied()
     }
 }
 
@@ -287,7 +291,7 @@ pub(crate) fn invalidation_hook(
         match message {
             TagMessage::Tag((tag, moments)) => {
                 let until_ms = policy.tag_known_until(now, l1_ttl_ms).unwrap_or(now);
-                let news = TagNews::Announced(KeptTag { moments, until_ms });
+                let news = TagNews::Announced(kept_tag(moments, until_ms));
                 if state.learn(&tag, news, now) {
                     l1.bump_tags();
                 }
@@ -366,10 +370,10 @@ impl Corral {
                     let name = inner.policy.locate_tag(&inner.prefix, tag)?;
                     let since = inner.tags.heard_so_far();
                     let stored = self.l2_op(inner.stores.entries.get(&name)).await?;
-                    let found = KeptTag {
-                        moments: inner.policy.tag_moments_of(stored.as_deref())?,
-                        until_ms: inner.policy.tag_known_until(now, inner.l1_ttl_ms)?,
-                    };
+                    let found = kept_tag(
+                        inner.policy.tag_moments_of(stored.as_deref())?,
+                        inner.policy.tag_known_until(now, inner.l1_ttl_ms)?,
+                    );
                     let heeded = inner.tags.learn_read(since, tag, found, now);
                     if heeded.moved {
                         inner.l1.bump_tags();
@@ -407,10 +411,7 @@ impl Corral {
         let until_ms = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
         let mut learnt = Vec::with_capacity(tags.len());
         for (tag, stored) in tags.iter().zip(read) {
-            let found = KeptTag {
-                moments: stored,
-                until_ms,
-            };
+            let found = kept_tag(stored, until_ms);
             let heeded = inner.tags.learn_read(since, tag, found, now);
             if heeded.moved {
                 inner.l1.bump_tags();
@@ -535,7 +536,7 @@ impl Corral {
         let until_ms = inner.policy.tag_known_until(now, inner.l1_ttl_ms)?;
         inner
             .tags
-            .learn(tag, TagNews::Wrote(KeptTag { moments, until_ms }), now);
+            .learn(tag, TagNews::Wrote(kept_tag(moments, until_ms)), now);
         inner.l1.bump_tags();
         Metrics::bump(&inner.metrics.tag_invalidations);
         let message = inner
@@ -700,10 +701,7 @@ mod tests {
             removed_ms: 1,
             expired_ms: 0,
         };
-        let found = KeptTag {
-            moments,
-            until_ms: 30_000,
-        };
+        let found = kept_tag(moments, 30_000);
         let heeded = state.learn_read(since, "t", found, 0);
         assert_eq!(
             (heeded.using.moments, heeded.using.until_ms, heeded.moved),
@@ -720,7 +718,7 @@ mod tests {
             removed_ms: 1,
             expired_ms: 0,
         };
-        let kept = |until_ms| TagNews::Wrote(KeptTag { moments, until_ms });
+        let kept = |until_ms| TagNews::Wrote(kept_tag(moments, until_ms));
         // A service whose tags each name one user: thousands, each judged by once. A
         // tag new to the process moves nothing, but a sweep does: an L1 copy judged by a
         // swept tag may outlive its bound (a fail-safe copy, a clock stepped back by
@@ -741,12 +739,7 @@ mod tests {
         // Announcements of tags this process never judged by are kept lapsed (until a
         // read in flight has merged them); sweeping them out moves no epoch.
         let state = self::state();
-        let heard = |n: u64| {
-            TagNews::Announced(KeptTag {
-                moments,
-                until_ms: n + 30_000,
-            })
-        };
+        let heard = |n: u64| TagNews::Announced(kept_tag(moments, n + 30_000));
         let moved = (20_000..30_000u64)
             .filter(|&n| state.learn(&format!("other:{n}"), heard(n), n))
             .count();
