@@ -273,13 +273,21 @@ fn judge(tagged: Option<&Tagged>, meta: &EntryMeta, now: u64) -> Result<(Verdict
 fn store_moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), types::Error> {
     let clears = l1_clears();
     let mut found = Vec::with_capacity(tag_list.len());
+    let mut kept_as_stored = true;
     for tag in tag_list {
         let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
         let stored = l2::get(&name)?;
         found.push(TagMoments::decode(stored.as_deref()));
-        hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now);
+        kept_as_stored &= hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now).1;
     }
-    Ok((found, tags::known_until(now, settings().l1_ttl_ms)))
+    // L1 keeps what they judge only while the store's very moments are kept
+    // (`tags::Verdict::Hidden`).
+    let until = if kept_as_stored {
+        tags::known_until(now, settings().l1_ttl_ms)
+    } else {
+        now
+    };
+    Ok((found, until))
 }
 
 fn tagged_in(t: types::Tagged) -> Tagged {

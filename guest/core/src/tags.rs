@@ -389,9 +389,11 @@ pub fn hear_moments(kept: Option<KeptTag>, news: TagNews, now_ms: u64) -> TagHee
             let moments = merged(usable, found);
             (found, moments, restarted(usable, found, moments))
         }
+        // Merged with what is kept, lapsed or not (a late announcement never moves a
+        // moment back), but trusted no longer than what is usable.
         TagNews::Announced(found) => (
             found,
-            merged(usable, found),
+            merged(kept, found),
             usable.map_or(now_ms, |k| k.until_ms.min(found.until_ms)),
         ),
     };
@@ -438,7 +440,10 @@ pub enum Verdict {
     /// writer's clock) is theirs to read. Not an answer: a body reads the tags' moments
     /// from the store and judges the entry again by those alone (`stored` true), so a
     /// reader, and a leader's double-check under its flight lock, sees what every other
-    /// process sees, and deletes only by what the store holds.
+    /// process sees, and deletes only by what the store holds. L1 keeps what that judged
+    /// only if every tag's read left the store's own moments kept ([`TagHeeded::stored`]):
+    /// past a kept moment the store lost, a later invalidation's announcement merges
+    /// below it, moves nothing, and would not stop L1 serving the entry.
     Hidden,
 }
 
@@ -830,9 +835,16 @@ mod tests {
         assert_eq!(unknown.kept, Some(kept(late.moments, NOW)), "judged nothing");
         assert_eq!(unknown.using.usable(NOW), None);
         assert!(!unknown.moved, "no entry was judged by it");
-        // A lapsed one is as nothing kept.
+        // A lapsed one is trusted no longer, but its moments never move back.
         let lapsed = hear_moments(Some(kept(moments(0, 0), NOW - 1)), TagNews::Announced(late), NOW);
         assert_eq!(lapsed.kept, Some(kept(late.moments, NOW)));
+        let later = hear_moments(
+            Some(kept(moments(NOW - 1, 0), NOW - 1)),
+            TagNews::Announced(late),
+            NOW,
+        );
+        assert_eq!(later.kept, Some(kept(moments(NOW - 1, 0), NOW)));
+        assert!(!later.moved);
         // This process's own write is what the store held: it restarts the bound.
         let wrote = hear_moments(Some(read), TagNews::Wrote(late), NOW);
         assert_eq!(wrote.kept, Some(judged(late)));

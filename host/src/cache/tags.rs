@@ -394,12 +394,12 @@ impl Corral {
     /// completed before it began, in any process, whatever the processes' clocks say.
     pub(crate) async fn moments_now(&self, tags: &[String], now: u64) -> Result<Vec<TagMoments>> {
         let read = self.read_moments(tags, now).await?;
-        Ok(read.into_iter().map(|(_, using)| using.moments).collect())
+        Ok(read.into_iter().map(|(_, heeded)| heeded.using.moments).collect())
     }
 
     /// Each of `tags`' moments read from the store now (in parallel) and learnt: the
-    /// store's own, and what this process judges by once it learnt them.
-    async fn read_moments(&self, tags: &[String], now: u64) -> Result<Vec<(KeptTag, KeptTag)>> {
+    /// store's own, and what the guest says of them once learnt.
+    async fn read_moments(&self, tags: &[String], now: u64) -> Result<Vec<(KeptTag, TagHeeded)>> {
         let inner = &*self.inner;
         let since = inner.tags.heard_so_far();
         let reads = tags.iter().map(|tag| async move {
@@ -416,7 +416,7 @@ impl Corral {
             if heeded.moved {
                 inner.l1.bump_tags();
             }
-            learnt.push((found, heeded.using));
+            learnt.push((found, heeded));
         }
         Ok(learnt)
     }
@@ -452,11 +452,17 @@ impl Corral {
             // (`tags::Verdict::Hidden`), as every other process judges it.
             let read = self.read_moments(&tagged.tags, now).await?;
             let found: Vec<TagMoments> = read.iter().map(|(found, _)| found.moments).collect();
-            until_ms = read
-                .iter()
-                .map(|(found, _)| found.until_ms)
-                .min()
-                .unwrap_or(u64::MAX);
+            // L1 keeps what this judged only while this process keeps the store's very
+            // moments: past a kept one the store lost, an announcement would not move
+            // the tag epoch (`tags::Verdict::Hidden`).
+            until_ms = if read.iter().all(|(_, heeded)| heeded.stored) {
+                read.iter()
+                    .map(|(found, _)| found.until_ms)
+                    .min()
+                    .unwrap_or(u64::MAX)
+            } else {
+                now
+            };
             verdict = policy.judge_tags(&tagged, meta, &found, true, now)?;
         }
         Ok((

@@ -489,6 +489,13 @@ async fn a_portable_process_hides_nothing_by_a_moment_the_store_lost() -> Result
         Some(&b"v"[..]),
         "the portable process deleted a write the store's moments do not remove"
     );
+    // A later removal, stamped before the moment the keeper still keeps.
+    reader.remove_by_tag("t").await?;
+    assert_eq!(
+        keeper.get("k").await?,
+        None,
+        "the portable process served an entry a completed remove_by_tag removed"
+    );
     Ok(())
 }
 

@@ -407,6 +407,15 @@ async fn a_moment_the_store_lost_hides_nothing_another_process_wrote() -> Result
         Some(&b"v"[..]),
         "the keeper deleted a write the store's moments do not remove"
     );
+    // A later removal, stamped before the moment the keeper still keeps: its
+    // announcement moves nothing the keeper keeps, so the keeper's L1 must not have
+    // kept what the store's moments judged.
+    reader.remove_by_tag("t").await?;
+    assert_eq!(
+        ahead.get("k").await?,
+        None,
+        "the keeper served from L1 an entry a completed remove_by_tag removed"
+    );
     Ok(())
 }
 
