@@ -396,6 +396,7 @@ impl CorralBuilder {
                 l1_ttl_ms: settings.l1_ttl_ms,
                 flight,
                 read_hints: super::read::ReadHints::new(settings.l1_capacity, removal_ttl_ms),
+                names: super::named::Names::new(settings.l1_capacity),
                 gets,
                 decoded: super::typed::Decoded::new(settings.l1_capacity, settings.l1_ttl_ms),
                 retry: crate::guest::policy::retry(&settings),

@@ -28,6 +28,7 @@ mod health;
 mod judge;
 pub(crate) mod load;
 pub(crate) mod metrics;
+mod named;
 mod read;
 pub(crate) mod registry;
 pub(crate) mod tags;
@@ -75,6 +76,8 @@ pub(crate) struct Inner {
     pub(crate) cas_tries: u32,
     /// How each key read lately is to be read next (`GET`, `GETEX` or the script).
     pub(crate) read_hints: read::ReadHints,
+    /// The entry names the guest gave lately (a key named again without a guest call).
+    pub(crate) names: named::Names,
     /// `get`'s L2 reads that reach the cache together, read together (named in one
     /// guest call, read in one request, judged in one guest call); `None` when the
     /// store is in memory and a read costs no round trip.
@@ -841,7 +844,13 @@ impl Corral {
     pub(crate) async fn entry_of(&self, key: &str) -> Result<String> {
         let policy = &self.inner.policy;
         let generation = self.current_generation(|| policy.validate_key(key)).await?;
-        policy.locate_entry(&self.inner.prefix, key, generation)
+        // Only a valid key was ever named.
+        if let Some(name) = self.inner.names.get(key, generation) {
+            return Ok(name);
+        }
+        let name = policy.locate_entry(&self.inner.prefix, key, generation)?;
+        self.inner.names.keep(key, generation, &name);
+        Ok(name)
     }
 
     /// The entry names of `keys`, all checked and named in one call, in the generation
