@@ -77,7 +77,9 @@ pub(crate) struct Inner {
     /// How each key read lately is to be read next (`GET`, `GETEX` or the script).
     pub(crate) read_hints: read::ReadHints,
     /// The entry names the guest gave lately (a key named again without a guest call).
-    pub(crate) names: named::Names,
+    pub(crate) names: named::Names<String>,
+    /// All the store names of keys the guest named lately for a get-or-set.
+    pub(crate) flight_names: named::Names<StoreNames>,
     /// `get`'s L2 reads that reach the cache together, read together (named in one
     /// guest call, read in one request, judged in one guest call); `None` when the
     /// store is in memory and a read costs no round trip.
@@ -807,7 +809,18 @@ impl Corral {
     pub(crate) async fn locate(&self, key: &str) -> Result<(StoreNames, bool)> {
         let policy = &self.inner.policy;
         let (generation, readable) = self.flight_generation(|| policy.validate_key(key)).await?;
-        Ok((policy.locate(&self.inner.prefix, key, generation)?, readable))
+        Ok((self.names_in(key, generation)?, readable))
+    }
+
+    /// The store names of `key` (already checked) in `generation`: remembered, else the
+    /// guest's.
+    pub(crate) fn names_in(&self, key: &str, generation: u64) -> Result<StoreNames> {
+        if let Some(names) = self.inner.flight_names.get(key, generation) {
+            return Ok(names);
+        }
+        let names = self.inner.policy.locate(&self.inner.prefix, key, generation)?;
+        self.inner.flight_names.keep(key, generation, &names);
+        Ok(names)
     }
 
     /// The generation a get-or-set names its data in: the known one, else one read
@@ -837,7 +850,7 @@ impl Corral {
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
         let check = || policy.locate_entries(prefix, keys, 0).map(drop);
         let (generation, readable) = self.flight_generation(check).await?;
-        Ok((policy.locate_entries(prefix, keys, generation)?, readable))
+        Ok((self.entries_in(keys, generation)?, readable))
     }
 
     /// Checks `key` and names its entry in the store, in the current generation.
@@ -859,7 +872,32 @@ impl Corral {
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
         let check = || policy.locate_entries(prefix, keys, 0).map(drop);
         let generation = self.current_generation(check).await?;
-        policy.locate_entries(prefix, keys, generation)
+        self.entries_in(keys, generation)
+    }
+
+    /// The entry names of `keys` in `generation`: remembered when every one is (those
+    /// keys were checked when the guest named them), else all checked and named by the
+    /// guest in one call.
+    fn entries_in<K: AsRef<str>>(&self, keys: &[K], generation: u64) -> Result<Parts> {
+        let remembered = &self.inner.names;
+        let bytes = keys.iter().map(|k| k.as_ref().len() + 16).sum();
+        let mut parts = Parts::with_capacity(keys.len(), bytes);
+        let all = keys.iter().all(|key| {
+            let found = remembered.write_to(key.as_ref(), generation, parts.text_mut());
+            parts.close_part();
+            found
+        });
+        if all {
+            return Ok(parts);
+        }
+        let named = self
+            .inner
+            .policy
+            .locate_entries(&self.inner.prefix, keys, generation)?;
+        for (key, name) in keys.iter().zip(named.iter()) {
+            remembered.keep(key.as_ref(), generation, name);
+        }
+        Ok(named)
     }
 
     /// The generation a read names its entry in: the known one, else one read (never a

@@ -9,6 +9,7 @@
 //! trusted only for the very key and generation it holds, so a collision, hostile or
 //! not, costs one guest call and never a wrong name.
 
+use std::borrow::Borrow;
 use std::hash::BuildHasher;
 
 use parking_lot::Mutex;
@@ -17,24 +18,26 @@ use parking_lot::Mutex;
 const LONGEST_KEY: usize = 256;
 
 /// One remembered answer.
-struct Named {
+struct Named<N> {
     generation: u64,
     key: Box<str>,
-    name: Box<str>,
+    name: N,
 }
 
-pub(crate) struct Names {
-    slots: Box<[Mutex<Option<Named>>]>,
+/// Names of type `N` (an entry's, or all of a key's: WIT `store-names`) by key and
+/// generation.
+pub(crate) struct Names<N> {
+    slots: Box<[Mutex<Option<Named<N>>>]>,
     hasher: foldhash::fast::RandomState,
 }
 
-impl std::fmt::Debug for Names {
+impl<N> std::fmt::Debug for Names<N> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Names").field("slots", &self.slots.len()).finish()
     }
 }
 
-impl Names {
+impl<N: Clone> Names<N> {
     /// A table for about `capacity` keys (as many as L1 holds), between 1,024 and
     /// 4,096 slots: at most a few MiB with the longest keys.
     pub(crate) fn new(capacity: u64) -> Self {
@@ -45,21 +48,25 @@ impl Names {
         }
     }
 
-    fn slot(&self, key: &str) -> &Mutex<Option<Named>> {
+    fn slot(&self, key: &str) -> &Mutex<Option<Named<N>>> {
         let at = self.hasher.hash_one(key) as usize & (self.slots.len() - 1);
         &self.slots[at]
     }
 
     /// The name the guest gave `key` in `generation`, if remembered.
-    pub(crate) fn get(&self, key: &str, generation: u64) -> Option<String> {
+    pub(crate) fn get(&self, key: &str, generation: u64) -> Option<N> {
         let slot = self.slot(key).lock();
         slot.as_ref()
             .filter(|n| n.generation == generation && &*n.key == key)
-            .map(|n| String::from(&*n.name))
+            .map(|n| n.name.clone())
     }
 
     /// Remembers that the guest named `key` `name` in `generation`.
-    pub(crate) fn keep(&self, key: &str, generation: u64, name: &str) {
+    pub(crate) fn keep<Q>(&self, key: &str, generation: u64, name: &Q)
+    where
+        Q: ?Sized + ToOwned<Owned = N> + PartialEq,
+        N: Borrow<Q>,
+    {
         if key.len() > LONGEST_KEY {
             return;
         }
@@ -68,17 +75,32 @@ impl Names {
             // The slot's strings are reused when the key is the same (a new generation).
             Some(n) if &*n.key == key => {
                 n.generation = generation;
-                if *n.name != *name {
-                    n.name = name.into();
+                if n.name.borrow() != name {
+                    n.name = name.to_owned();
                 }
             }
             _ => {
                 *slot = Some(Named {
                     generation,
                     key: key.into(),
-                    name: name.into(),
+                    name: name.to_owned(),
                 })
             }
+        }
+    }
+}
+
+impl Names<String> {
+    /// Writes the name the guest gave `key` in `generation` at the end of `out`, if
+    /// remembered; says whether it was.
+    pub(crate) fn write_to(&self, key: &str, generation: u64, out: &mut String) -> bool {
+        let slot = self.slot(key).lock();
+        match slot.as_ref() {
+            Some(n) if n.generation == generation && &*n.key == key => {
+                out.push_str(&n.name);
+                true
+            }
+            _ => false,
         }
     }
 }
@@ -94,10 +116,13 @@ mod tests {
         assert_eq!(names.get("k", 3).as_deref(), Some("{c:k}:e:3"));
         assert_eq!(names.get("k", 4), None, "another generation");
         assert_eq!(names.get("k2", 3), None, "another key");
+        let mut out = String::from("a");
+        assert!(names.write_to("k", 3, &mut out) && !names.write_to("k", 2, &mut out));
+        assert_eq!(out, "a{c:k}:e:3");
         // Keys sharing a slot: the later one holds it, the earlier is named again.
         let crowd: Vec<String> = (0..5_000).map(|n| format!("key:{n}")).collect();
         for key in &crowd {
-            names.keep(key, 1, &format!("name of {key}"));
+            names.keep(key, 1, format!("name of {key}").as_str());
         }
         for key in &crowd {
             if let Some(name) = names.get(key, 1) {

@@ -109,6 +109,25 @@ impl Parts {
     pub(crate) fn len(&self) -> usize {
         self.ends.len()
     }
+
+    /// Room for `count` parts of about `bytes` bytes in all, none yet.
+    pub(crate) fn with_capacity(count: usize, bytes: usize) -> Parts {
+        Parts {
+            text: String::with_capacity(bytes),
+            ends: Vec::with_capacity(count),
+        }
+    }
+
+    /// The text parts are added to: a part written at its end is closed by
+    /// [`Self::close_part`].
+    pub(crate) fn text_mut(&mut self) -> &mut String {
+        &mut self.text
+    }
+
+    /// Ends the part written since the last one ended.
+    pub(crate) fn close_part(&mut self) {
+        self.ends.push(self.text.len());
+    }
 }
 
 #[cfg(test)]

@@ -414,7 +414,7 @@ impl Corral {
         let inner = &*self.inner;
         let policy = &inner.policy;
         if let Some(generation) = self.known_generation() {
-            return Ok((policy.locate(&inner.prefix, key, generation)?, None));
+            return Ok((self.names_in(key, generation)?, None));
         }
         policy.validate_key(key)?;
         let expected = inner.tags.generation_now();
@@ -447,7 +447,7 @@ impl Corral {
             return Ok((names, Some(self.unreadable(key, named))));
         };
         if generation != expected {
-            return Ok((policy.locate(&inner.prefix, key, generation)?, None));
+            return Ok((self.names_in(key, generation)?, None));
         }
         let first = match read.next() {
             Some(Ok(stored)) => Some(FirstRead {
