@@ -244,6 +244,25 @@ fn kept_tag_in(k: wit::KeptTag) -> corral_core::tags::KeptTag {
     }
 }
 
+fn verdict_out(verdict: corral_core::tags::Verdict) -> wit::TagVerdict {
+    use corral_core::tags::Verdict;
+    match verdict {
+        Verdict::Untouched => wit::TagVerdict::Untouched,
+        Verdict::Stale(meta) => wit::TagVerdict::Stale(meta_out(meta)),
+        Verdict::Removed => wit::TagVerdict::Removed,
+        Verdict::Hidden => wit::TagVerdict::Hidden,
+    }
+}
+
+fn heeded_in(h: wit::TagHeeded) -> corral_core::tags::TagHeeded {
+    corral_core::tags::TagHeeded {
+        kept: h.kept.map(kept_tag_in),
+        moved: h.moved,
+        using: kept_tag_in(h.using),
+        stored: h.stored,
+    }
+}
+
 fn kept_tag_out(k: corral_core::tags::KeptTag) -> wit::KeptTag {
     wit::KeptTag {
         moments: moments_out(k.moments),
@@ -458,14 +477,28 @@ impl wit::Guest for Component {
         stored: bool,
         now_ms: u64,
     ) -> wit::TagVerdict {
-        use corral_core::tags::Verdict;
         let moments: Vec<_> = moments.into_iter().map(moments_in).collect();
-        match corral_core::tags::judge(&tagged_in(tagged), &meta_in(meta), &moments, stored, now_ms) {
-            Verdict::Untouched => wit::TagVerdict::Untouched,
-            Verdict::Stale(meta) => wit::TagVerdict::Stale(meta_out(meta)),
-            Verdict::Removed => wit::TagVerdict::Removed,
-            Verdict::Hidden => wit::TagVerdict::Hidden,
-        }
+        verdict_out(corral_core::tags::judge(
+            &tagged_in(tagged),
+            &meta_in(meta),
+            &moments,
+            stored,
+            now_ms,
+        ))
+    }
+
+    fn judge_tags_again(
+        tagged: types::Tagged,
+        meta: types::EntryMeta,
+        found: Vec<wit::TagMoments>,
+        heeded: Vec<wit::TagHeeded>,
+        now_ms: u64,
+    ) -> (wit::TagVerdict, u64) {
+        let found: Vec<_> = found.into_iter().map(moments_in).collect();
+        let heeded: Vec<_> = heeded.into_iter().map(heeded_in).collect();
+        let (verdict, until) =
+            corral_core::tags::judge_again(&tagged_in(tagged), &meta_in(meta), &found, &heeded, now_ms);
+        (verdict_out(verdict), until)
     }
 
     fn tag_moments_of(stored: Option<Vec<u8>>) -> wit::TagMoments {

@@ -9,7 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use corral_core::generation::{Heard, Known, News};
 use corral_core::policy::{self, ReadOutcome, Touch};
-use corral_core::tags::{self, KeptTag, KeptTags, TagMoments, TagNews, Tagged, Verdict};
+use corral_core::tags::{self, KeptTag, KeptTags, TagHeeded, TagMoments, TagNews, Tagged, Verdict};
 use corral_core::{EntryMeta, Limits, Settings, envelope, flight, lock, names};
 
 use super::bindings::corral::cache::{l1, l2, types};
@@ -67,6 +67,12 @@ fn heard(flushes: u64) -> Heard {
 /// says (`tags::hear_moments`): kept if L1 was not flushed since. Returns what the
 /// caller's call judges by, and whether those are the store's own moments.
 fn hear_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> (KeptTag, bool) {
+    let heeded = heed_tag(tag, news, clears, now);
+    (heeded.using, heeded.stored)
+}
+
+/// [`hear_tag`], saying all the brain said.
+fn heed_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> TagHeeded {
     let heeded = tags::hear_moments(kept(tag, clears), news, now);
     if let Some(now_kept) = heeded.kept
         && l1_clears() == clears
@@ -83,7 +89,7 @@ fn hear_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> (KeptTag, bool) 
         // This body judges every tagged L1 hit again: no tag epoch to move.
         let _swept = k.moments.keep(tag, now_kept, now);
     }
-    (heeded.using, heeded.stored)
+    heeded
 }
 
 /// A read of `tag`'s moments that began while L1's flushes counted `clears`.
@@ -261,33 +267,31 @@ fn judge(tagged: Option<&Tagged>, meta: &EntryMeta, now: u64) -> Result<(Verdict
         // By moments the store may have lost: judged again by the store's own, as
         // every other process judges it.
         Verdict::Hidden => {
-            let (found, until) = store_moments(&tagged.tags, now)?;
-            Ok((tags::judge(tagged, meta, &found, true, now), until))
+            let (found, heeded) = store_moments(&tagged.tags, now)?;
+            Ok(tags::judge_again(tagged, meta, &found, &heeded, now))
         }
         verdict => Ok((verdict, until)),
     }
 }
 
-/// The moments of `tag_list` as the store holds them now, read afresh and heard, and
-/// until when L1 may keep what they judged.
-fn store_moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64), types::Error> {
+/// The moments of `tag_list` as the store holds them now, read afresh, and what hearing
+/// each read said.
+fn store_moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, Vec<TagHeeded>), types::Error> {
     let clears = l1_clears();
     let mut found = Vec::with_capacity(tag_list.len());
-    let mut kept_as_stored = true;
+    let mut heeded = Vec::with_capacity(tag_list.len());
     for tag in tag_list {
         let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
         let stored = l2::get(&name)?;
         found.push(TagMoments::decode(stored.as_deref()));
-        kept_as_stored &= hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now).1;
+        heeded.push(heed_tag(
+            tag,
+            read_of(stored.as_deref(), clears, now),
+            clears,
+            now,
+        ));
     }
-    // L1 keeps what they judge only while the store's very moments are kept
-    // (`tags::Verdict::Hidden`).
-    let until = if kept_as_stored {
-        tags::known_until(now, settings().l1_ttl_ms)
-    } else {
-        now
-    };
-    Ok((found, until))
+    Ok((found, heeded))
 }
 
 fn tagged_in(t: types::Tagged) -> Tagged {
@@ -384,7 +388,8 @@ fn judge_read(
             return Ok((Found::Stale(copy, meta), Some(stored)));
         }
         (ReadOutcome::Fresh(_) | ReadOutcome::Stale(_), Verdict::Removed) => ReadOutcome::Expired,
-        // Judged again by the store's own moments in `judge`: never left here.
+        // Judged again by the store's own moments (`judge`), and still not servable as
+        // it is (stale past a moment the store lost): a miss, left in the store.
         (ReadOutcome::Fresh(_) | ReadOutcome::Stale(_), Verdict::Hidden) => {
             return Ok((Found::Nothing, Some(stored)));
         }

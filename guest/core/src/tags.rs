@@ -437,14 +437,41 @@ pub enum Verdict {
     /// As [`Verdict::Removed`], but by moments the process kept or heard of, which the
     /// store may have lost (restarted empty, evicted): every other process then goes by
     /// the store, and an entry written since (stamped before the lost moment by its
-    /// writer's clock) is theirs to read. Not an answer: a body reads the tags' moments
-    /// from the store and judges the entry again by those alone (`stored` true), so a
-    /// reader, and a leader's double-check under its flight lock, sees what every other
-    /// process sees, and deletes only by what the store holds. L1 keeps what that judged
-    /// only if every tag's read left the store's own moments kept ([`TagHeeded::stored`]):
-    /// past a kept moment the store lost, a later invalidation's announcement merges
-    /// below it, moves nothing, and would not stop L1 serving the entry.
+    /// writer's clock) is theirs to read. From [`judge`], not an answer: a body reads
+    /// the tags' moments from the store and judges the entry again ([`judge_again`]),
+    /// so a reader, and a leader's double-check under its flight lock, sees what every
+    /// other process sees, and deletes only by what the store holds. From
+    /// [`judge_again`]: a miss, the entry left.
     Hidden,
+}
+
+/// Judges again, by the store's own moments, an entry [`judge`] found
+/// [`Verdict::Hidden`]: `found[i]` is what a read of `tagged.tags[i]`'s key found now,
+/// and `heeded[i]` what [`hear_moments`] said of that read. Returns the verdict and until
+/// when L1 may keep what it judged.
+///
+/// L1 keeps it only while every tag's kept moments are the store's own
+/// ([`TagHeeded::stored`]), and no longer than they are trusted: past a kept moment the
+/// store lost, a later invalidation's announcement merges below that moment and moves
+/// nothing, so it would not stop L1 serving the entry. For the same reason a stale copy
+/// (which a fail-safe keeps past its tags' bound) is then not served: a miss, the entry
+/// left ([`Verdict::Hidden`]).
+pub fn judge_again(
+    tagged: &Tagged,
+    meta: &EntryMeta,
+    found: &[TagMoments],
+    heeded: &[TagHeeded],
+    now_ms: u64,
+) -> (Verdict, u64) {
+    let verdict = judge(tagged, meta, found, true, now_ms);
+    if heeded.iter().all(|h| h.stored) {
+        let until = heeded.iter().map(|h| h.using.until_ms).min().unwrap_or(u64::MAX);
+        return (verdict, until);
+    }
+    match verdict {
+        Verdict::Stale(_) => (Verdict::Hidden, now_ms),
+        verdict => (verdict, now_ms),
+    }
 }
 
 /// Judges a tagged entry (`tagged`, with metadata `meta`) by the moments of its tags
@@ -664,6 +691,51 @@ mod tests {
         assert_eq!(
             judge(&t, &m, &[TagMoments::default(); 2], true, NOW),
             Verdict::Untouched
+        );
+    }
+
+    #[test]
+    fn a_hidden_entry_judged_again_goes_by_the_store_and_l1_keeps_it_only_as_stored() {
+        let (t, m) = entry(NOW - 100, Some(60_000));
+        let found = |removed_ms, expired_ms| {
+            [
+                TagMoments {
+                    removed_ms,
+                    expired_ms,
+                },
+                TagMoments::default(),
+            ]
+        };
+        let heard = |stored, until_ms| TagHeeded {
+            kept: None,
+            moved: false,
+            using: KeptTag::news(TagMoments::default(), until_ms),
+            stored,
+        };
+        let both_stored = [heard(true, NOW + 300), heard(true, NOW + 200)];
+        let one_lost = [heard(true, NOW + 300), heard(false, NOW + 50)];
+        // The store lost the moment that hid it: untouched, kept in L1 no longer than
+        // the moments are trusted, and not at all past a kept moment it lost.
+        let untouched = judge_again(&t, &m, &found(0, 0), &both_stored, NOW);
+        assert_eq!(untouched, (Verdict::Untouched, NOW + 200));
+        assert_eq!(
+            judge_again(&t, &m, &found(0, 0), &one_lost, NOW),
+            (Verdict::Untouched, NOW)
+        );
+        // The store holds the removal: removed by its own moments (the reader deletes).
+        assert_eq!(
+            judge_again(&t, &m, &found(NOW - 50, 0), &one_lost, NOW).0,
+            Verdict::Removed
+        );
+        // Stale by the store's moments: served as such only as stored.
+        assert!(matches!(
+            judge_again(&t, &m, &found(0, NOW - 50), &both_stored, NOW).0,
+            Verdict::Stale(_)
+        ));
+        assert_eq!(
+            judge_again(&t, &m, &found(0, NOW - 50), &one_lost, NOW),
+            (Verdict::Hidden, NOW),
+            "a stale copy L1 keeps past a lost moment would outlive a later removal"
         );
     }
 

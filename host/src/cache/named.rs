@@ -39,7 +39,9 @@ impl<N> std::fmt::Debug for Names<N> {
 
 impl<N: Clone> Names<N> {
     /// A table for about `capacity` keys (as many as L1 holds), between 1,024 and
-    /// 4,096 slots: at most a few MiB with the longest keys.
+    /// 4,096 slots. At most each slot's key (up to 256 bytes) and what the guest named
+    /// it (each name about the prefix and twice the key, escaped): with all five of a
+    /// key's names and the default prefix, about 12 MiB at the very worst.
     pub(crate) fn new(capacity: u64) -> Self {
         let slots = capacity.clamp(1 << 10, 1 << 12).next_power_of_two() as usize;
         Names {
@@ -108,6 +110,28 @@ impl Names<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_batch_named_from_memory_is_named_as_the_guest_names_it() {
+        let cache = crate::Corral::builder().build().expect("a memory cache");
+        let keys = ["a", "b}{", "a", "c"];
+        let by_guest = cache
+            .inner
+            .policy
+            .locate_entries(&cache.inner.prefix, &keys, 0)
+            .expect("named");
+        let first = cache.entries_of(&keys).await.expect("named");
+        let remembered = cache.entries_of(&keys).await.expect("named");
+        assert_eq!((&first, &remembered), (&by_guest, &by_guest));
+        assert_eq!(cache.entries_of(&[] as &[&str]).await.expect("named").len(), 0);
+        // A bad key among remembered ones still gets the guest's error, naming it.
+        let bad = cache.entries_of(&["a", "c", ""]).await.expect_err("an empty key");
+        assert_eq!(
+            (bad.kind(), bad.argument()),
+            (crate::ErrorKind::InvalidArgument, Some("key"))
+        );
+        assert_eq!(cache.entry_of("a").await.expect("named"), by_guest.get(0));
+    }
 
     #[test]
     fn a_name_is_given_back_only_for_its_own_key_and_generation() {

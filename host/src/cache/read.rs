@@ -348,8 +348,9 @@ impl Corral {
                     });
                 }
                 TagVerdict::Removed => return self.remove_read(name, stored).await,
-                // Judged again by the store's own moments in `judge_tagged`: never
-                // left to settle.
+                // Judged again by the store's own moments (`judge_tagged`), and still not
+                // servable as it is (stale past a moment the store lost): a miss, left in
+                // the store.
                 TagVerdict::Hidden => return Ok(L2Read::Miss { holds: Some(stored) }),
             }
         }

@@ -449,21 +449,13 @@ impl Corral {
         let mut verdict = policy.judge_tags(&tagged, meta, &moments, stored, now)?;
         if let TagVerdict::Hidden = verdict {
             // By moments the store may have lost: judged again by the store's own
-            // (`tags::Verdict::Hidden`), as every other process judges it.
+            // (`tags::judge_again`), as every other process judges it.
             let read = self.read_moments(&tagged.tags, now).await?;
-            let found: Vec<TagMoments> = read.iter().map(|(found, _)| found.moments).collect();
-            // L1 keeps what this judged only while this process keeps the store's very
-            // moments: past a kept one the store lost, an announcement would not move
-            // the tag epoch (`tags::Verdict::Hidden`).
-            until_ms = if read.iter().all(|(_, heeded)| heeded.stored) {
-                read.iter()
-                    .map(|(found, _)| found.until_ms)
-                    .min()
-                    .unwrap_or(u64::MAX)
-            } else {
-                now
-            };
-            verdict = policy.judge_tags(&tagged, meta, &found, true, now)?;
+            let (found, heeded): (Vec<TagMoments>, Vec<TagHeeded>) = read
+                .into_iter()
+                .map(|(found, heeded)| (found.moments, heeded))
+                .unzip();
+            (verdict, until_ms) = policy.judge_tags_again(&tagged, meta, &found, &heeded, now)?;
         }
         Ok((
             verdict,

@@ -483,6 +483,28 @@ impl Policy {
         })
     }
 
+    /// What a tagged entry `judge_tags` found hidden is, judged again by the store's own
+    /// moments (`found`, each read heard as `heeded`), and until when L1 may keep it.
+    pub(crate) fn judge_tags_again(
+        &self,
+        tagged: &Tagged,
+        meta: WitMeta,
+        found: &[TagMoments],
+        heeded: &[TagHeeded],
+        now_ms: u64,
+    ) -> Result<(TagVerdict, u64)> {
+        self.call(|s| {
+            s.guest.corral_cache_policy().call_judge_tags_again(
+                &mut s.store,
+                tagged,
+                meta,
+                found,
+                heeded,
+                now_ms,
+            )
+        })
+    }
+
     /// The moments a tag key holds.
     pub(crate) fn tag_moments_of(&self, stored: Option<&[u8]>) -> Result<TagMoments> {
         self.call(|s| {

@@ -418,7 +418,7 @@ impl Corral {
         }
         policy.validate_key(key)?;
         let expected = inner.tags.generation_now();
-        let names = policy.locate(&inner.prefix, key, expected)?;
+        let names = self.names_in(key, expected)?;
         if !matches!(inner.read_hints.get(&names.entry), None | Some(NextRead::Get)) {
             let (names, readable) = self.locate(key).await?;
             return Ok((names, (!readable).then(|| self.unreadable(key, named))));
