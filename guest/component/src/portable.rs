@@ -64,15 +64,9 @@ fn heard(flushes: u64) -> Heard {
 }
 
 /// Takes in `news` of `tag`, learnt while L1's flushes counted `clears`, as the brain
-/// says (`tags::hear_moments`): kept if L1 was not flushed since. Returns what the
-/// caller's call judges by, and whether those are the store's own moments.
-fn hear_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> (KeptTag, bool) {
-    let heeded = heed_tag(tag, news, clears, now);
-    (heeded.using, heeded.stored)
-}
-
-/// [`hear_tag`], saying all the brain said.
-fn heed_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> TagHeeded {
+/// says (`tags::hear_moments`): kept if L1 was not flushed since. Returns all the brain
+/// said: what the caller's call judges by, and whether those are the store's own.
+fn hear_tag(tag: &str, news: TagNews, clears: u64, now: u64) -> TagHeeded {
     let heeded = tags::hear_moments(kept(tag, clears), news, now);
     if let Some(now_kept) = heeded.kept
         && l1_clears() == clears
@@ -224,7 +218,8 @@ fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64, bool)
             None => {
                 let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
                 let stored = l2::get(&name)?;
-                hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now)
+                let heeded = hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now);
+                (heeded.using, heeded.stored)
             }
         };
         until_all = until_all.min(using.until_ms);
@@ -246,7 +241,7 @@ fn written_at(tag_list: &[String], now: u64) -> Result<u64, types::Error> {
         let m = match l2::get(&name) {
             Ok(stored) => {
                 hear_tag(tag, read_of(stored.as_deref(), clears, now), clears, now)
-                    .0
+                    .using
                     .moments
             }
             Err(_) => kept(tag, clears).map(|k| k.moments).unwrap_or_default(),
@@ -284,7 +279,7 @@ fn store_moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, Vec<
         let name = names::tag_name(&prefix(), tag).map_err(arg_error)?;
         let stored = l2::get(&name)?;
         found.push(TagMoments::decode(stored.as_deref()));
-        heeded.push(heed_tag(
+        heeded.push(hear_tag(
             tag,
             read_of(stored.as_deref(), clears, now),
             clears,

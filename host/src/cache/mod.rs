@@ -880,7 +880,9 @@ impl Corral {
     /// guest in one call.
     fn entries_in<K: AsRef<str>>(&self, keys: &[K], generation: u64) -> Result<Parts> {
         let remembered = &self.inner.names;
-        let bytes = keys.iter().map(|k| k.as_ref().len() + 16).sum();
+        // A name is about the prefix, the key and a few bytes more.
+        let per_name = self.inner.prefix.len() + 16;
+        let bytes = keys.iter().map(|k| k.as_ref().len() + per_name).sum();
         let mut parts = Parts::with_capacity(keys.len(), bytes);
         let all = keys.iter().all(|key| {
             let found = remembered.write_to(key.as_ref(), generation, parts.text_mut());

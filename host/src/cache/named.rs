@@ -9,7 +9,6 @@
 //! trusted only for the very key and generation it holds, so a collision, hostile or
 //! not, costs one guest call and never a wrong name.
 
-use std::borrow::Borrow;
 use std::hash::BuildHasher;
 
 use parking_lot::Mutex;
@@ -55,31 +54,33 @@ impl<N: Clone> Names<N> {
         &self.slots[at]
     }
 
-    /// The name the guest gave `key` in `generation`, if remembered.
-    pub(crate) fn get(&self, key: &str, generation: u64) -> Option<N> {
+    /// What `f` makes of the name the guest gave `key` in `generation`, if remembered.
+    fn with<R>(&self, key: &str, generation: u64, f: impl FnOnce(&N) -> R) -> Option<R> {
         let slot = self.slot(key).lock();
         slot.as_ref()
             .filter(|n| n.generation == generation && &*n.key == key)
-            .map(|n| n.name.clone())
+            .map(|n| f(&n.name))
+    }
+
+    /// The name the guest gave `key` in `generation`, if remembered.
+    pub(crate) fn get(&self, key: &str, generation: u64) -> Option<N> {
+        self.with(key, generation, N::clone)
     }
 
     /// Remembers that the guest named `key` `name` in `generation`.
     pub(crate) fn keep<Q>(&self, key: &str, generation: u64, name: &Q)
     where
-        Q: ?Sized + ToOwned<Owned = N> + PartialEq,
-        N: Borrow<Q>,
+        Q: ?Sized + ToOwned<Owned = N>,
     {
         if key.len() > LONGEST_KEY {
             return;
         }
         let mut slot = self.slot(key).lock();
         match slot.as_mut() {
-            // The slot's strings are reused when the key is the same (a new generation).
+            // The key's string is reused when the slot holds it (another generation).
             Some(n) if &*n.key == key => {
                 n.generation = generation;
-                if n.name.borrow() != name {
-                    n.name = name.to_owned();
-                }
+                n.name = name.to_owned();
             }
             _ => {
                 *slot = Some(Named {
@@ -96,14 +97,7 @@ impl Names<String> {
     /// Writes the name the guest gave `key` in `generation` at the end of `out`, if
     /// remembered; says whether it was.
     pub(crate) fn write_to(&self, key: &str, generation: u64, out: &mut String) -> bool {
-        let slot = self.slot(key).lock();
-        match slot.as_ref() {
-            Some(n) if n.generation == generation && &*n.key == key => {
-                out.push_str(&n.name);
-                true
-            }
-            _ => false,
-        }
+        self.with(key, generation, |name| out.push_str(name)).is_some()
     }
 }
 

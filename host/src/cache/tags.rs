@@ -399,7 +399,7 @@ impl Corral {
 
     /// Each of `tags`' moments read from the store now (in parallel) and learnt: the
     /// store's own, and what the guest says of them once learnt.
-    async fn read_moments(&self, tags: &[String], now: u64) -> Result<Vec<(KeptTag, TagHeeded)>> {
+    async fn read_moments(&self, tags: &[String], now: u64) -> Result<Vec<(TagMoments, TagHeeded)>> {
         let inner = &*self.inner;
         let since = inner.tags.heard_so_far();
         let reads = tags.iter().map(|tag| async move {
@@ -416,7 +416,7 @@ impl Corral {
             if heeded.moved {
                 inner.l1.bump_tags();
             }
-            learnt.push((found, heeded));
+            learnt.push((stored, heeded));
         }
         Ok(learnt)
     }
@@ -451,10 +451,7 @@ impl Corral {
             // By moments the store may have lost: judged again by the store's own
             // (`tags::judge_again`), as every other process judges it.
             let read = self.read_moments(&tagged.tags, now).await?;
-            let (found, heeded): (Vec<TagMoments>, Vec<TagHeeded>) = read
-                .into_iter()
-                .map(|(found, heeded)| (found.moments, heeded))
-                .unzip();
+            let (found, heeded): (Vec<TagMoments>, Vec<TagHeeded>) = read.into_iter().unzip();
             (verdict, until_ms) = policy.judge_tags_again(&tagged, meta, &found, &heeded, now)?;
         }
         Ok((
