@@ -875,31 +875,47 @@ impl Corral {
         self.entries_in(keys, generation)
     }
 
-    /// The entry names of `keys` in `generation`: remembered when every one is (those
-    /// keys were checked when the guest named them), else all checked and named by the
-    /// guest in one call.
+    /// The entry names of `keys` in `generation`: the remembered ones from memory (those
+    /// keys were checked when the guest named them), the others checked and named by
+    /// the guest in one call.
     fn entries_in<K: AsRef<str>>(&self, keys: &[K], generation: u64) -> Result<Parts> {
         let remembered = &self.inner.names;
         // A name is about the prefix, the key and a few bytes more.
         let per_name = self.inner.prefix.len() + 16;
         let bytes = keys.iter().map(|k| k.as_ref().len() + per_name).sum();
         let mut parts = Parts::with_capacity(keys.len(), bytes);
-        let all = keys.iter().all(|key| {
-            let found = remembered.write_to(key.as_ref(), generation, parts.text_mut());
+        let mut unnamed: Vec<(usize, &str)> = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            if !remembered.write_to(key.as_ref(), generation, parts.text_mut()) {
+                unnamed.push((i, key.as_ref()));
+            }
             parts.close_part();
-            found
-        });
-        if all {
+        }
+        if unnamed.is_empty() {
             return Ok(parts);
         }
-        let named = self
-            .inner
-            .policy
-            .locate_entries(&self.inner.prefix, keys, generation)?;
-        for (key, name) in keys.iter().zip(named.iter()) {
-            remembered.keep(key.as_ref(), generation, name);
+        let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
+        let asked: Vec<&str> = unnamed.iter().map(|&(_, key)| key).collect();
+        let named = match policy.locate_entries(prefix, &asked, generation) {
+            Ok(named) => named,
+            // Its error names the key's position among those asked: asked of the whole
+            // batch, it names the same key (the first bad one) at its position there.
+            Err(_) => return policy.locate_entries(prefix, keys, generation),
+        };
+        for (key, name) in asked.iter().zip(named.iter()) {
+            remembered.keep(key, generation, name);
         }
-        Ok(named)
+        let mut merged = Parts::with_capacity(keys.len(), bytes);
+        let mut fresh = unnamed.iter().zip(named.iter()).peekable();
+        for i in 0..keys.len() {
+            let name = match fresh.next_if(|((at, _), _)| *at == i) {
+                Some((_, name)) => name,
+                None => parts.get(i),
+            };
+            merged.text_mut().push_str(name);
+            merged.close_part();
+        }
+        Ok(merged)
     }
 
     /// The generation a read names its entry in: the known one, else one read (never a

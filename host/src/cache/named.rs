@@ -4,10 +4,10 @@
 //! An entry's name is the guest's (`locate-entry`): a function of the cache's prefix,
 //! its limits, the key and the generation, the first two fixed for a cache. So what
 //! the guest answered once for a key in a generation is its answer for good, and this
-//! table only remembers answers: it decides nothing. It is lossy (a slot holds the last
-//! key hashed to it), bounded (slots and the key length it keeps), and a slot is
+//! table only remembers answers: it decides nothing. It is lossy (a slot holds the two
+//! keys hashed to it last), bounded (slots and the key length it keeps), and a slot is
 //! trusted only for the very key and generation it holds, so a collision, hostile or
-//! not, costs one guest call and never a wrong name.
+//! not, costs a guest call and never a wrong name.
 
 use std::hash::BuildHasher;
 
@@ -23,10 +23,13 @@ struct Named<N> {
     name: N,
 }
 
+/// A slot's two ways, the one kept last first.
+type Slot<N> = [Option<Named<N>>; 2];
+
 /// Names of type `N` (an entry's, or all of a key's: WIT `store-names`) by key and
 /// generation.
 pub(crate) struct Names<N> {
-    slots: Box<[Mutex<Option<Named<N>>>]>,
+    slots: Box<[Mutex<Slot<N>>]>,
     hasher: foldhash::fast::RandomState,
 }
 
@@ -38,18 +41,18 @@ impl<N> std::fmt::Debug for Names<N> {
 
 impl<N: Clone> Names<N> {
     /// A table for about `capacity` keys (as many as L1 holds), between 1,024 and
-    /// 4,096 slots. At most each slot's key (up to 256 bytes) and what the guest named
-    /// it (each name about the prefix and twice the key, escaped): with all five of a
-    /// key's names and the default prefix, about 12 MiB at the very worst.
+    /// 4,096 slots of two keys each. At most each key (up to 256 bytes) and what the
+    /// guest named it (each name about the prefix and twice the key, escaped): with all
+    /// five of a key's names and the default prefix, about 24 MiB at the very worst.
     pub(crate) fn new(capacity: u64) -> Self {
         let slots = capacity.clamp(1 << 10, 1 << 12).next_power_of_two() as usize;
         Names {
-            slots: (0..slots).map(|_| Mutex::new(None)).collect(),
+            slots: (0..slots).map(|_| Mutex::new([None, None])).collect(),
             hasher: foldhash::fast::RandomState::default(),
         }
     }
 
-    fn slot(&self, key: &str) -> &Mutex<Option<Named<N>>> {
+    fn slot(&self, key: &str) -> &Mutex<Slot<N>> {
         let at = self.hasher.hash_one(key) as usize & (self.slots.len() - 1);
         &self.slots[at]
     }
@@ -57,8 +60,9 @@ impl<N: Clone> Names<N> {
     /// What `f` makes of the name the guest gave `key` in `generation`, if remembered.
     fn with<R>(&self, key: &str, generation: u64, f: impl FnOnce(&N) -> R) -> Option<R> {
         let slot = self.slot(key).lock();
-        slot.as_ref()
-            .filter(|n| n.generation == generation && &*n.key == key)
+        slot.iter()
+            .flatten()
+            .find(|n| n.generation == generation && &*n.key == key)
             .map(|n| f(&n.name))
     }
 
@@ -76,20 +80,19 @@ impl<N: Clone> Names<N> {
             return;
         }
         let mut slot = self.slot(key).lock();
-        match slot.as_mut() {
-            // The key's string is reused when the slot holds it (another generation).
-            Some(n) if &*n.key == key => {
-                n.generation = generation;
-                n.name = name.to_owned();
-            }
-            _ => {
-                *slot = Some(Named {
-                    generation,
-                    key: key.into(),
-                    name: name.to_owned(),
-                })
-            }
+        // The key's string is reused when the slot holds it (another generation).
+        if let Some(n) = slot.iter_mut().flatten().find(|n| &*n.key == key) {
+            n.generation = generation;
+            n.name = name.to_owned();
+            return;
         }
+        // A new key takes the first way; the key kept before it moves to the second.
+        slot.swap(0, 1);
+        slot[0] = Some(Named {
+            generation,
+            key: key.into(),
+            name: name.to_owned(),
+        });
     }
 }
 
@@ -125,6 +128,47 @@ mod tests {
             (crate::ErrorKind::InvalidArgument, Some("key"))
         );
         assert_eq!(cache.entry_of("a").await.expect("named"), by_guest.get(0));
+        // Partly remembered: the guest names the rest, and a bad key among them is
+        // named at its position in the whole batch, as a cold batch names it.
+        let mixed = ["new1", "a", "new{2}", "c"];
+        let by_guest = cache
+            .inner
+            .policy
+            .locate_entries(&cache.inner.prefix, &mixed, 0)
+            .expect("named");
+        assert_eq!(cache.entries_of(&mixed).await.expect("named"), by_guest);
+        let long = "x".repeat(100_000);
+        let bad_batch = ["a", "new1", long.as_str(), "c"];
+        let warm = cache.entries_of(&bad_batch).await.expect_err("a key too long");
+        assert!(warm.to_string().contains("position 2"), "{warm}");
+        let fresh = crate::Corral::builder().build().expect("a memory cache");
+        let cold_error = fresh.entries_of(&bad_batch).await.expect_err("a key too long");
+        assert_eq!(warm.to_string(), cold_error.to_string());
+    }
+
+    #[test]
+    fn two_keys_sharing_a_slot_are_both_remembered() {
+        let names = Names::new(0);
+        let first = "key:0".to_string();
+        let at = |key: &str| std::ptr::from_ref(names.slot(key));
+        let second = (1..)
+            .map(|n| format!("key:{n}"))
+            .find(|k| at(k) == at(&first))
+            .expect("a key in the same slot");
+        names.keep(&first, 1, "one");
+        names.keep(&second, 1, "two");
+        assert_eq!(
+            (names.get(&first, 1).as_deref(), names.get(&second, 1).as_deref()),
+            (Some("one"), Some("two"))
+        );
+        // A third pushes out the one kept first.
+        let third = (1..)
+            .map(|n| format!("other:{n}"))
+            .find(|k| at(k) == at(&first))
+            .expect("a key in the same slot");
+        names.keep(&third, 1, "three");
+        assert_eq!(names.get(&first, 1), None);
+        assert_eq!(names.get(&second, 1).as_deref(), Some("two"));
     }
 
     #[test]
@@ -137,7 +181,7 @@ mod tests {
         let mut out = String::from("a");
         assert!(names.write_to("k", 3, &mut out) && !names.write_to("k", 2, &mut out));
         assert_eq!(out, "a{c:k}:e:3");
-        // Keys sharing a slot: the later one holds it, the earlier is named again.
+        // Keys sharing a slot: the later two hold it, the earlier are named again.
         let crowd: Vec<String> = (0..5_000).map(|n| format!("key:{n}")).collect();
         for key in &crowd {
             names.keep(key, 1, format!("name of {key}").as_str());

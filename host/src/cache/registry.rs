@@ -51,7 +51,7 @@ struct Flight<T> {
 
 struct Flights<T> {
     /// By key: each key's one allocation, shared with its leader's guard.
-    by_key: HashMap<Arc<str>, Flight<T>>,
+    by_key: HashMap<Arc<str>, Flight<T>, foldhash::fast::RandomState>,
     /// Flights no caller may join any more (their key changed since they began), by id,
     /// until their leaders finish.
     sealed: HashMap<u64, Flight<T>>,
@@ -60,7 +60,12 @@ struct Flights<T> {
 
 /// The flights of one cache, by key. Cheap to clone; clones share the map.
 pub(crate) struct Registry<T> {
-    flights: Arc<Mutex<Flights<T>>>,
+    shared: Arc<Table<T>>,
+}
+
+/// What a registry's clones share.
+struct Table<T> {
+    flights: Mutex<Flights<T>>,
     /// Counts each flight while it leads (see [`Corral::close`](crate::Corral::close)).
     owed: Owed,
 }
@@ -68,8 +73,7 @@ pub(crate) struct Registry<T> {
 impl<T> Clone for Registry<T> {
     fn clone(&self) -> Self {
         Registry {
-            flights: self.flights.clone(),
-            owed: self.owed.clone(),
+            shared: self.shared.clone(),
         }
     }
 }
@@ -84,12 +88,14 @@ impl<T> Registry<T> {
     /// An empty registry whose flights count in `owed` while they lead.
     pub(crate) fn counted(owed: &Owed) -> Self {
         Registry {
-            flights: Arc::new(Mutex::new(Flights {
-                by_key: HashMap::new(),
-                sealed: HashMap::new(),
-                next_id: 0,
-            })),
-            owed: owed.clone(),
+            shared: Arc::new(Table {
+                flights: Mutex::new(Flights {
+                    by_key: HashMap::default(),
+                    sealed: HashMap::new(),
+                    next_id: 0,
+                }),
+                owed: owed.clone(),
+            }),
         }
     }
 }
@@ -117,8 +123,19 @@ impl<T: Clone> Registry<T> {
     /// (`ticket`, the key's L1 ticket now, says it is unchanged since the flight's);
     /// else leads one.
     pub(crate) fn join(&self, key: &str, ticket: Ticket) -> Join<T> {
-        let mut flights = self.flights.lock();
-        let flights = &mut *flights;
+        self.join_in(&mut self.shared.flights.lock(), key, ticket)
+    }
+
+    /// [`join`](Self::join) for each of `keys` (each with its ticket now), in order,
+    /// with the map locked once.
+    pub(crate) fn join_many<'k>(&self, keys: impl IntoIterator<Item = (&'k str, Ticket)>) -> Vec<Join<T>> {
+        let mut flights = self.shared.flights.lock();
+        keys.into_iter()
+            .map(|(key, ticket)| self.join_in(&mut flights, key, ticket))
+            .collect()
+    }
+
+    fn join_in(&self, flights: &mut Flights<T>, key: &str, ticket: Ticket) -> Join<T> {
         if let Some(flight) = flights.by_key.get_mut(key) {
             if ticket.key_unchanged_since(flight.ticket) {
                 let (tx, rx) = oneshot::channel();
@@ -147,7 +164,7 @@ impl<T: Clone> Registry<T> {
             key,
             id,
             done: false,
-            _leading: self.owed.hold(),
+            _leading: self.shared.owed.hold(),
         })
     }
 
@@ -174,14 +191,15 @@ impl<T: Clone> Registry<T> {
 impl<T> Registry<T> {
     /// Flights in progress (sealed ones included).
     pub(crate) fn len(&self) -> usize {
-        let flights = self.flights.lock();
+        let flights = self.shared.flights.lock();
         flights.by_key.len() + flights.sealed.len()
     }
 
     /// Callers waiting on the flight of `key`.
     #[cfg_attr(not(any(test, feature = "test-util")), allow(dead_code))]
     pub(crate) fn followers(&self, key: &str) -> usize {
-        self.flights
+        self.shared
+            .flights
             .lock()
             .by_key
             .get(key)
@@ -209,9 +227,15 @@ impl<T> fmt::Debug for LeaderGuard<T> {
 }
 
 impl<T: Clone> LeaderGuard<T> {
-    pub(crate) fn finish(mut self, outcome: T) {
+    pub(crate) fn finish(self, outcome: T) {
+        self.finish_with(|| outcome.clone());
+    }
+
+    /// Hands each follower the outcome `outcome` makes (called once per follower: a
+    /// flight without followers makes none).
+    pub(crate) fn finish_with(mut self, outcome: impl Fn() -> T) {
         for tx in self.close() {
-            let _ = tx.send(Shared::Done(outcome.clone()));
+            let _ = tx.send(Shared::Done(outcome()));
         }
     }
 }
@@ -224,7 +248,7 @@ impl<T> LeaderGuard<T> {
             return Vec::new();
         }
         self.done = true;
-        let mut flights = self.registry.flights.lock();
+        let mut flights = self.registry.shared.flights.lock();
         match flights.by_key.get(&*self.key) {
             Some(f) if f.id == self.id => flights
                 .by_key

@@ -549,8 +549,12 @@ impl flights::Host for &mut PortableState {
 
     fn join_many(&mut self, keys: Vec<String>) -> Vec<bool> {
         let b = &self.backend;
+        let joins = b
+            .registry
+            .join_many(keys.iter().map(|key| (key.as_str(), b.l1.ticket(key))));
         keys.into_iter()
-            .map(|key| match b.registry.join(&key, b.l1.ticket(&key)) {
+            .zip(joins)
+            .map(|(key, join)| match join {
                 Join::Leader(guard) => {
                     self.call.leading.insert(key, guard);
                     true

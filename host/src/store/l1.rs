@@ -13,7 +13,7 @@
 //! skipped fill or an extra flight, never a wrong value.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -138,8 +138,8 @@ impl<V> std::fmt::Debug for L1<V> {
 
 #[derive(Debug)]
 struct Epochs {
-    /// SipHash with fixed keys: deterministic stripes.
-    hasher: BuildHasherDefault<DefaultHasher>,
+    /// A fixed seed: deterministic stripes (a collision only makes a key look changed).
+    hasher: foldhash::fast::FixedState,
     /// Bumped by every clear.
     all: AtomicU64,
     /// Bumped by every clear that follows a change of the prefix's generation.
@@ -187,7 +187,7 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         L1 {
             cache: (capacity > 0).then(|| Cache::builder().max_capacity(capacity).time_to_live(ttl).build()),
             epochs: Arc::new(Epochs {
-                hasher: BuildHasherDefault::default(),
+                hasher: foldhash::fast::FixedState::with_seed(0),
                 all: AtomicU64::new(0),
                 generations: AtomicU64::new(0),
                 tags: AtomicU64::new(1),

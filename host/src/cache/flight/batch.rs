@@ -46,7 +46,8 @@ use crate::{Error, Result};
 /// (both bodies, contract §5.16).
 pub(crate) fn distinct_keys<K: AsRef<str>>(keys: &[K]) -> (Vec<&str>, Vec<usize>) {
     let mut distinct: Vec<&str> = Vec::with_capacity(keys.len());
-    let mut index_of: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+    let mut index_of: HashMap<&str, usize, foldhash::fast::RandomState> =
+        HashMap::with_capacity_and_hasher(keys.len(), Default::default());
     let asked = keys
         .iter()
         .map(|key| {
@@ -480,22 +481,34 @@ impl Corral {
         Vec<(usize, LeaderGuard<Outcome>)>,
     ) {
         let inner = &*self.inner;
+        if options.bypass {
+            return (
+                (0..keys.len()).map(|i| (i, Part::Lead(None), None)).collect(),
+                Vec::new(),
+            );
+        }
         let now = inner.clock.now_ms();
-        let (mut parts, mut led) = (Vec::new(), Vec::new());
+        let mut missed = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
-            if options.bypass {
-                parts.push((i, Part::Lead(None), None));
-            } else if let Some((value, stale)) = inner.l1.get_served(key, now) {
-                Metrics::bump(&inner.metrics.l1_hits);
-                if stale {
-                    Metrics::bump(&inner.metrics.stale_served);
+            match inner.l1.get_served(key, now) {
+                Some((value, stale)) => {
+                    Metrics::bump(&inner.metrics.l1_hits);
+                    if stale {
+                        Metrics::bump(&inner.metrics.stale_served);
+                    }
+                    answers[i] = Some(Ok(Served { value, stale }));
                 }
-                answers[i] = Some(Ok(Served { value, stale }));
-            } else {
-                match self.join_flight(key) {
-                    Part::Lead(Some(guard)) => led.push((i, guard)),
-                    part => parts.push((i, part, None)),
-                }
+                None => missed.push(i),
+            }
+        }
+        let joins = inner
+            .registry
+            .join_many(missed.iter().map(|&i| (keys[i], inner.l1.ticket(keys[i]))));
+        let (mut parts, mut led) = (Vec::new(), Vec::with_capacity(missed.len()));
+        for (i, join) in missed.into_iter().zip(joins) {
+            match join {
+                Join::Leader(guard) => led.push((i, guard)),
+                Join::Follower(rx) => parts.push((i, Part::Follow(rx), None)),
             }
         }
         (parts, led)

@@ -18,8 +18,11 @@ pub(super) fn share(guard: LeaderGuard<Outcome>, result: &Result<Served>) {
     match result {
         // A bad argument is this caller's too: its followers may have asked well.
         Err(e) if e.is_panic() || e.kind() == crate::ErrorKind::InvalidArgument => drop(guard),
-        Ok(value) => guard.finish(Ok(value.clone())),
-        Err(e) => guard.finish(Err(Arc::new(e.clone()))),
+        Ok(value) => guard.finish_with(|| Ok(value.clone())),
+        Err(e) => {
+            let e = Arc::new(e.clone());
+            guard.finish_with(|| Err(e.clone()));
+        }
     }
 }
 
