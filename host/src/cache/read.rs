@@ -12,7 +12,7 @@
 //! same way. Expired and corrupt bytes are removed, again only if unchanged.
 
 use std::fmt;
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
@@ -32,6 +32,7 @@ use crate::{ErrorKind, Result};
 pub(crate) struct ReadHints {
     /// Per slot: the key's hash (0: empty) and the guess, packed by [`pack`].
     slots: Box<[(AtomicU64, AtomicU64)]>,
+    hasher: foldhash::fast::RandomState,
     /// The shortest TTL a `GETEX` may set: a removal's. A guess may meet a removal's
     /// tombstone, and must not cut its life below the flight lock's TTL (contract
     /// §5.12) even if the fix-up that follows never runs. Keys that slide by less are
@@ -74,6 +75,7 @@ impl ReadHints {
             slots: (0..slots)
                 .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
                 .collect(),
+            hasher: foldhash::fast::RandomState::default(),
             floor_ms,
         }
     }
@@ -84,9 +86,7 @@ impl ReadHints {
     }
 
     fn slot(&self, key: &str) -> (u64, &(AtomicU64, AtomicU64)) {
-        let mut h = DefaultHasher::new();
-        key.hash(&mut h);
-        let hash = h.finish() | 1; // never 0, which marks an empty slot
+        let hash = self.hasher.hash_one(key) | 1; // never 0, which marks an empty slot
         (hash, &self.slots[(hash as usize) & (self.slots.len() - 1)])
     }
 
