@@ -112,6 +112,27 @@ impl ReadHints {
     }
 }
 
+/// A shared `MGET`'s reads, each with its judgement, taken in order: the bytes a key
+/// holds (none: `Ok(None)`) and what the guest judged of them. Should the judgement have
+/// failed, every read fails with it.
+struct SharedReads {
+    found: std::vec::IntoIter<Result<Option<Bytes>>>,
+    judged: Result<std::vec::IntoIter<Judged>>,
+}
+
+impl Iterator for SharedReads {
+    type Item = Result<Option<(Bytes, Judged)>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let read = self.found.next()?;
+        let judged = match &mut self.judged {
+            Ok(judged) => judged,
+            Err(e) => return Some(Err(e.clone())),
+        };
+        Some(read.map(|bytes| bytes.and_then(|b| judged.next().map(|j| (b, j)))))
+    }
+}
+
 /// What one read of a batch found, and for a fresh entry judged with the others, how
 /// long L1 may serve it.
 pub(crate) type Looked = (L2Read, Option<u64>);
@@ -195,8 +216,8 @@ impl Corral {
             .filter(|(_, hint)| matches!(hint, None | Some(NextRead::Get)))
             .map(|(name, _)| *name)
             .collect();
-        let mut shared = self.shared_reads(&plain, now).await.into_iter();
-        let mut found: Vec<Option<Result<Looked>>> = Vec::with_capacity(names.len());
+        let mut shared = self.shared_reads(&plain, now).await;
+        let mut found: Vec<Result<Looked>> = Vec::with_capacity(names.len());
         // The keys that need more than their judgement (a touch, tags, a removal, a read
         // of their own) go on as futures, the rest are settled here.
         // A loop, not a closure: the futures' borrows stay of one lifetime (a closure's
@@ -219,39 +240,35 @@ impl Corral {
                 )))) if hit.touch.is_none() && hit.tagged.is_none() => {
                     inner.read_hints.note(name, hint, hit.next_read);
                     let value = stored.slice(hit.value_offset as usize..);
-                    found.push(Some(Ok((
+                    found.push(Ok((
                         L2Read::Hit(value, hit.meta, stored, None),
                         Some(l1_until_ms),
-                    ))));
+                    )));
                 }
                 fetched => {
-                    found.push(None);
+                    // In its place until its look answers, below.
+                    found.push(Ok((L2Read::Miss { holds: None }, None)));
                     looks.push((i, self.l2_look_fetched(name, hint, fetched, now)));
                 }
             }
         }
         let (at, looks): (Vec<usize>, Vec<_>) = looks.into_iter().unzip();
+        // `join_all` answers every look, in order.
         for (i, look) in at.into_iter().zip(futures::future::join_all(looks).await) {
-            found[i] = Some(look);
+            found[i] = look;
         }
         found
-            .into_iter()
-            .map(|f| {
-                f.unwrap_or_else(|| {
-                    Err(crate::Error::guest(
-                        "a batch read went unanswered",
-                        "broken contract",
-                    ))
-                })
-            })
-            .collect()
     }
 
-    /// The bytes under `names`, in one `MGET` per node, each judged (all in one call).
-    async fn shared_reads(&self, names: &[&str], now: u64) -> Vec<Result<Option<(Bytes, Judged)>>> {
+    /// The bytes under `names`, in one `MGET` per node, to be judged (all in one call)
+    /// as they are taken, in order.
+    async fn shared_reads(&self, names: &[&str], now: u64) -> SharedReads {
         let inner = &*self.inner;
         if names.is_empty() {
-            return Vec::new();
+            return SharedReads {
+                found: Vec::new().into_iter(),
+                judged: Ok(Vec::new().into_iter()),
+            };
         }
         let found: Vec<Result<Option<Bytes>>> = inner
             .stores
@@ -268,17 +285,14 @@ impl Corral {
                 .filter_map(|read| read.as_ref().ok().and_then(Option::as_ref))
                 .map(|b| (&b[..], None)),
         );
-        let mut judged = match inner.policy.read_many(&reads, now, inner.l1_ttl_ms) {
-            Ok(judged) => judged.into_iter(),
-            Err(e) => return names.iter().map(|_| Err(e.clone())).collect(),
-        };
-        found
-            .into_iter()
-            .map(|read| match read? {
-                Some(b) => Ok(judged.next().map(|j| (b, j))),
-                None => Ok(None),
-            })
-            .collect()
+        let judged = inner
+            .policy
+            .read_many(&reads, now, inner.l1_ttl_ms)
+            .map(Vec::into_iter);
+        SharedReads {
+            found: found.into_iter(),
+            judged,
+        }
     }
 
     /// One key of [`l2_look_many`](Self::l2_look_many): judged with the others, when its

@@ -114,7 +114,7 @@ impl Drop for RemovalWatch {
 /// own record) and the epochs that fence its fills. Every fencing rule is written here,
 /// once, for both bodies; only the native body's reads know its entry's fields.
 pub(crate) struct L1<V = L1Entry> {
-    cache: Option<Cache<String, V, foldhash::fast::RandomState>>,
+    cache: Option<Cache<String, V>>,
     epochs: Arc<Epochs>,
 }
 
@@ -185,12 +185,7 @@ impl Epochs {
 impl<V: Clone + Send + Sync + 'static> L1<V> {
     pub(crate) fn new(capacity: u64, ttl: Duration) -> Self {
         L1 {
-            cache: (capacity > 0).then(|| {
-                Cache::builder()
-                    .max_capacity(capacity)
-                    .time_to_live(ttl)
-                    .build_with_hasher(foldhash::fast::RandomState::default())
-            }),
+            cache: (capacity > 0).then(|| Cache::builder().max_capacity(capacity).time_to_live(ttl).build()),
             epochs: Arc::new(Epochs {
                 hasher: foldhash::fast::FixedState::with_seed(0),
                 all: AtomicU64::new(0),

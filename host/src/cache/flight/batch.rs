@@ -583,13 +583,13 @@ impl Corral {
     /// The first L2 reads of the keys `to_read` (indices into `keys`), made together,
     /// each with the tickets taken before it, the deadline it began, and for a fresh
     /// entry judged with the others, how long L1 may serve it.
-    async fn first_reads(
+    async fn first_reads<'a>(
         &self,
         keys: &[&str],
         (entries, readable): (&Parts, bool),
-        named: &[Ticket],
-        to_read: &[usize],
-    ) -> Vec<(usize, FirstRead, Option<u64>)> {
+        named: &'a [Ticket],
+        to_read: &'a [usize],
+    ) -> impl Iterator<Item = (usize, FirstRead, Option<u64>)> + 'a {
         let inner = &*self.inner;
         let deadline = in_ms(inner.flight.store_budget.before_load_ms);
         let tag_epoch = inner.l1.tag_epoch();
@@ -611,7 +611,7 @@ impl Corral {
             .iter()
             .zip(tickets)
             .zip(reads)
-            .map(|((&i, l1_ticket), read)| {
+            .map(move |((&i, l1_ticket), read)| {
                 let (read, l1_until) = match read {
                     Ok((read, l1_until)) => (Ok(read), l1_until),
                     Err(e) => (Err(e), None),
@@ -626,7 +626,6 @@ impl Corral {
                 };
                 (i, first, l1_until)
             })
-            .collect()
     }
 
     /// One key of a batch, answered: followed, or led (then its flight's loader is the
