@@ -844,8 +844,9 @@ impl Corral {
         })
     }
 
-    /// The entry names of a batch's keys, all checked and named in one call, in the
-    /// generation [`locate`](Self::locate) would use, and whether they may be read.
+    /// The entry names of a batch's keys, all checked and named (by memory or in one
+    /// guest call), in the generation [`locate`](Self::locate) would use, and whether
+    /// they may be read.
     pub(crate) async fn locate_entries(&self, keys: &[&str]) -> Result<(Parts, bool)> {
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
         let check = || policy.locate_entries(prefix, keys, 0).map(drop);
@@ -866,8 +867,8 @@ impl Corral {
         Ok(name)
     }
 
-    /// The entry names of `keys`, all checked and named in one call, in the generation
-    /// [`entry_of`](Self::entry_of) would use.
+    /// The entry names of `keys`, all checked and named (by memory or in one guest call),
+    /// in the generation [`entry_of`](Self::entry_of) would use.
     pub(crate) async fn entries_of<K: AsRef<str>>(&self, keys: &[K]) -> Result<Parts> {
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
         let check = || policy.locate_entries(prefix, keys, 0).map(drop);
@@ -898,9 +899,12 @@ impl Corral {
         let asked: Vec<&str> = unnamed.iter().map(|&(_, key)| key).collect();
         let named = match policy.locate_entries(prefix, &asked, generation) {
             Ok(named) => named,
-            // Its error names the key's position among those asked: asked of the whole
-            // batch, it names the same key (the first bad one) at its position there.
-            Err(_) => return policy.locate_entries(prefix, keys, generation),
+            // A bad key's error names its position among those asked: asked of the whole
+            // batch, the guest names the same key (the first bad one) at its place there.
+            Err(e) if e.kind() == crate::ErrorKind::InvalidArgument => {
+                return policy.locate_entries(prefix, keys, generation);
+            }
+            Err(e) => return Err(e),
         };
         for (key, name) in asked.iter().zip(named.iter()) {
             remembered.keep(key, generation, name);

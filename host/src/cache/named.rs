@@ -80,10 +80,17 @@ impl<N: Clone> Names<N> {
             return;
         }
         let mut slot = self.slot(key).lock();
-        // The key's string is reused when the slot holds it (another generation).
-        if let Some(n) = slot.iter_mut().flatten().find(|n| &*n.key == key) {
-            n.generation = generation;
-            n.name = name.to_owned();
+        // The key's string is reused when the slot holds it (another generation), and
+        // the key moves to the first way: kept last.
+        if let Some(way) = slot
+            .iter()
+            .position(|n| n.as_ref().is_some_and(|n| &*n.key == key))
+        {
+            slot.swap(0, way);
+            if let Some(n) = &mut slot[0] {
+                n.generation = generation;
+                n.name = name.to_owned();
+            }
             return;
         }
         // A new key takes the first way; the key kept before it moves to the second.
@@ -161,14 +168,16 @@ mod tests {
             (names.get(&first, 1).as_deref(), names.get(&second, 1).as_deref()),
             (Some("one"), Some("two"))
         );
-        // A third pushes out the one kept first.
+        // A third pushes out the one kept longest ago: kept again, the first is newer.
         let third = (1..)
             .map(|n| format!("other:{n}"))
             .find(|k| at(k) == at(&first))
             .expect("a key in the same slot");
+        names.keep(&first, 2, "one again");
         names.keep(&third, 1, "three");
-        assert_eq!(names.get(&first, 1), None);
-        assert_eq!(names.get(&second, 1).as_deref(), Some("two"));
+        assert_eq!(names.get(&second, 1), None, "kept before the other two");
+        assert_eq!(names.get(&first, 2).as_deref(), Some("one again"));
+        assert_eq!(names.get(&third, 1).as_deref(), Some("three"));
     }
 
     #[test]

@@ -32,7 +32,9 @@ use crate::{ErrorKind, Result};
 pub(crate) struct ReadHints {
     /// Per slot: the key's hash (0: empty) and the guess, packed by [`pack`].
     slots: Box<[(AtomicU64, AtomicU64)]>,
-    hasher: foldhash::fast::RandomState,
+    /// A fixed seed: which keys share a slot is the same in every run (a simulated run
+    /// replays its commands byte for byte); a collision costs a command, never a value.
+    hasher: foldhash::fast::FixedState,
     /// The shortest TTL a `GETEX` may set: a removal's. A guess may meet a removal's
     /// tombstone, and must not cut its life below the flight lock's TTL (contract
     /// §5.12) even if the fix-up that follows never runs. Keys that slide by less are
@@ -75,7 +77,7 @@ impl ReadHints {
             slots: (0..slots)
                 .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
                 .collect(),
-            hasher: foldhash::fast::RandomState::default(),
+            hasher: foldhash::fast::FixedState::with_seed(0),
             floor_ms,
         }
     }
@@ -483,6 +485,22 @@ impl Corral {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn which_keys_share_a_hint_slot_is_the_same_in_every_table() {
+        // A simulated run replays its commands byte for byte: the slots may not depend
+        // on a random seed.
+        let (one, two) = (ReadHints::new(0, 0), ReadHints::new(0, 0));
+        for key in ["e", "{corral:k}:e@3", "another key"] {
+            let at = |hints: &ReadHints| {
+                let (hash, slot) = hints.slot(key);
+                let index = (std::ptr::from_ref(slot) as usize - hints.slots.as_ptr() as usize)
+                    / std::mem::size_of::<(AtomicU64, AtomicU64)>();
+                (hash, index)
+            };
+            assert_eq!(at(&one), at(&two), "{key}");
+        }
+    }
 
     #[test]
     fn a_guess_is_kept_until_another_replaces_it() {

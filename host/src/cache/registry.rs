@@ -50,7 +50,9 @@ struct Flight<T> {
 }
 
 struct Flights<T> {
-    /// By key: each key's one allocation, shared with its leader's guard.
+    /// By key: each key's one allocation, shared with its leader's guard. Hashed with
+    /// foldhash (randomly seeded, weaker against crafted collisions than SipHash): the
+    /// map holds only the keys with a flight under way.
     by_key: HashMap<Arc<str>, Flight<T>, foldhash::fast::RandomState>,
     /// Flights no caller may join any more (their key changed since they began), by id,
     /// until their leaders finish.
