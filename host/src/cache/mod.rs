@@ -815,12 +815,10 @@ impl Corral {
     /// The store names of `key` (already checked) in `generation`: remembered, else the
     /// guest's.
     pub(crate) fn names_in(&self, key: &str, generation: u64) -> Result<StoreNames> {
-        if let Some(names) = self.inner.flight_names.get(key, generation) {
-            return Ok(names);
-        }
-        let names = self.inner.policy.locate(&self.inner.prefix, key, generation)?;
-        self.inner.flight_names.keep(key, generation, &names);
-        Ok(names)
+        let inner = &*self.inner;
+        inner.flight_names.remembered_or(key, generation, || {
+            inner.policy.locate(&inner.prefix, key, generation)
+        })
     }
 
     /// The generation a get-or-set names its data in: the known one, else one read
@@ -859,12 +857,9 @@ impl Corral {
         let policy = &self.inner.policy;
         let generation = self.current_generation(|| policy.validate_key(key)).await?;
         // Only a valid key was ever named.
-        if let Some(name) = self.inner.names.get(key, generation) {
-            return Ok(name);
-        }
-        let name = policy.locate_entry(&self.inner.prefix, key, generation)?;
-        self.inner.names.keep(key, generation, &name);
-        Ok(name)
+        self.inner.names.remembered_or(key, generation, || {
+            policy.locate_entry(&self.inner.prefix, key, generation)
+        })
     }
 
     /// The entry names of `keys`, all checked and named (by memory or in one guest call),
@@ -885,18 +880,19 @@ impl Corral {
         let per_name = self.inner.prefix.len() + 16;
         let bytes = keys.iter().map(|k| k.as_ref().len() + per_name).sum();
         let mut parts = Parts::with_capacity(keys.len(), bytes);
-        let mut unnamed: Vec<(usize, &str)> = Vec::new();
+        // The keys not remembered, and where each stands in `keys`.
+        let (mut asked, mut at): (Vec<&str>, Vec<usize>) = (Vec::new(), Vec::new());
         for (i, key) in keys.iter().enumerate() {
             if !remembered.write_to(key.as_ref(), generation, parts.text_mut()) {
-                unnamed.push((i, key.as_ref()));
+                asked.push(key.as_ref());
+                at.push(i);
             }
             parts.close_part();
         }
-        if unnamed.is_empty() {
+        if asked.is_empty() {
             return Ok(parts);
         }
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
-        let asked: Vec<&str> = unnamed.iter().map(|&(_, key)| key).collect();
         let named = match policy.locate_entries(prefix, &asked, generation) {
             Ok(named) => named,
             // A bad key's error names its position among those asked: asked of the whole
@@ -910,9 +906,9 @@ impl Corral {
             remembered.keep(key, generation, name);
         }
         let mut merged = Parts::with_capacity(keys.len(), bytes);
-        let mut fresh = unnamed.iter().zip(named.iter()).peekable();
+        let mut fresh = at.iter().zip(named.iter()).peekable();
         for i in 0..keys.len() {
-            let name = match fresh.next_if(|((at, _), _)| *at == i) {
+            let name = match fresh.next_if(|(at, _)| **at == i) {
                 Some((_, name)) => name,
                 None => parts.get(i),
             };

@@ -71,6 +71,22 @@ impl<N: Clone> Names<N> {
         self.with(key, generation, N::clone)
     }
 
+    /// The name of `key` in `generation`: remembered, else what `name` asks the guest
+    /// for, then remembered.
+    pub(crate) fn remembered_or<E>(
+        &self,
+        key: &str,
+        generation: u64,
+        name: impl FnOnce() -> Result<N, E>,
+    ) -> Result<N, E> {
+        if let Some(known) = self.get(key, generation) {
+            return Ok(known);
+        }
+        let named = name()?;
+        self.keep(key, generation, &named);
+        Ok(named)
+    }
+
     /// Remembers that the guest named `key` `name` in `generation`.
     pub(crate) fn keep<Q>(&self, key: &str, generation: u64, name: &Q)
     where
@@ -158,10 +174,13 @@ mod tests {
         let names = Names::new(0);
         let first = "key:0".to_string();
         let at = |key: &str| std::ptr::from_ref(names.slot(key));
-        let second = (1..)
-            .map(|n| format!("key:{n}"))
-            .find(|k| at(k) == at(&first))
-            .expect("a key in the same slot");
+        let sharing_with_first = |prefix: &str| {
+            (1..)
+                .map(|n| format!("{prefix}:{n}"))
+                .find(|k| at(k) == at(&first))
+                .expect("a key in the same slot")
+        };
+        let second = sharing_with_first("key");
         names.keep(&first, 1, "one");
         names.keep(&second, 1, "two");
         assert_eq!(
@@ -169,10 +188,7 @@ mod tests {
             (Some("one"), Some("two"))
         );
         // A third pushes out the one kept longest ago: kept again, the first is newer.
-        let third = (1..)
-            .map(|n| format!("other:{n}"))
-            .find(|k| at(k) == at(&first))
-            .expect("a key in the same slot");
+        let third = sharing_with_first("other");
         names.keep(&first, 2, "one again");
         names.keep(&third, 1, "three");
         assert_eq!(names.get(&second, 1), None, "kept before the other two");
