@@ -5,6 +5,7 @@
 //! other loop over the same actions.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use corral_core::generation::{Heard, Known, News};
@@ -311,10 +312,25 @@ fn removal_nonce() -> [u8; 8] {
         .to_be_bytes()
 }
 
+/// The latest reading of the wall clock this instance took.
+static LATEST_MS: AtomicU64 = AtomicU64::new(0);
+
+/// The wall clock (Unix ms), watched for steps back (contract §6b.5). What this
+/// instance knows it keeps until wall-clock moments (the generation, the tags' moments,
+/// the host's L1 copies), which a step back pushes away by the step; so a reading the
+/// brain calls a step back (`generation::stepped_back`) is a gap in what was heard: L1
+/// is emptied (`l1.clear`), and this instance and every other of the process, seeing
+/// its flushes move, read the generation and the tags again.
 fn now_ms() -> u64 {
-    SystemTime::now()
+    let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, |d| d.as_millis() as u64);
+    let latest = LATEST_MS.fetch_max(now, Ordering::Relaxed);
+    if corral_core::generation::stepped_back(latest, now) {
+        LATEST_MS.store(now, Ordering::Relaxed);
+        l1::clear();
+    }
+    now
 }
 
 /// What an L2 read found.

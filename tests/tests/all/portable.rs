@@ -499,6 +499,66 @@ async fn a_portable_process_hides_nothing_by_a_moment_the_store_lost() -> Result
     Ok(())
 }
 
+/// A portable process watches its wall clock as the native one does (contract §6b.5): a
+/// clear whose announcement never came is learnt within the L1 TTL of the clock's own
+/// time even across a step back, since the step is a gap in what the instance heard (L1
+/// emptied, the generation read again); a reading less than a second behind is not a
+/// step (native: `tags::a_clock_stepped_back_does_not_extend_what_a_process_trusts`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_clock_stepped_back_does_not_extend_what_it_trusts() -> Result<()> {
+    use corral::Clock as _;
+    let server = RedisServer::start()?;
+    let l1_ttl = 30 * SEC;
+    let clock = corral::ManualClock::starting_now();
+    let portable = PortableCache::builder()
+        .redis_options(corral::RedisOptions::new(server.url()))
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?;
+    // Subscribed first: a (re)subscription empties L1 too.
+    let native = Corral::builder().redis(server.url()).build()?;
+    until_each_hears_the_other(&portable, &native).await?;
+    let start = clock.now_ms();
+    portable
+        .set("k", "v", EntryOptions::new().relative(600 * SEC))
+        .await?;
+    assert_eq!(portable.get("k").await?.as_deref(), Some(&b"v"[..]));
+
+    // Another process's clear, written but never announced: the generation moves on.
+    let mut conn = server.connection().await?;
+    let known: Option<u64> = redis::cmd("GET")
+        .arg("{7:corral:}:g")
+        .query_async(&mut conn)
+        .await?;
+    let _: () = redis::cmd("SET")
+        .arg("{7:corral:}:g")
+        .arg(known.unwrap_or(0).max(start) + 1)
+        .query_async(&mut conn)
+        .await?;
+    clock.advance(10 * SEC);
+    assert_eq!(
+        portable.get("k").await?.as_deref(),
+        Some(&b"v"[..]),
+        "within the L1 TTL, unheard: still served (the documented bound)"
+    );
+    clock.set(clock.now_ms() - 500);
+    assert_eq!(
+        portable.get("k").await?.as_deref(),
+        Some(&b"v"[..]),
+        "half a second back is not a step"
+    );
+
+    // An hour back, then more than the L1 TTL forward.
+    clock.set(start - 3_600_000);
+    clock.advance(l1_ttl + SEC);
+    assert_eq!(
+        portable.get("k").await?,
+        None,
+        "the clear was not learnt within the L1 TTL of the clock's own time"
+    );
+    Ok(())
+}
+
 /// Tag and clear invalidations reach the other body's L1 at once, both ways (contract
 /// §6b.5): a portable process hears a native process's `remove_by_tag` and `clear`, and
 /// a native process hears a portable one's, well before their L1 TTL (an hour here).
