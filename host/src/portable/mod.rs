@@ -253,6 +253,16 @@ impl PortableBuilder {
         self
     }
 
+    /// The soft loader timeout (contract §6b.2); default: none. A component call runs
+    /// its caller's load to its end, so it serves the callers of the same instance that
+    /// follow a load its holder still runs (a host that keeps an instance across
+    /// callers, as jco does): asking once it is due, they get the stale copy, if the
+    /// flight has one, and the load goes on to fill the tiers.
+    pub fn soft_timeout(mut self, timeout: Duration) -> Self {
+        self.overrides.soft_timeout_ms = Some(duration_ms(timeout).max(1));
+        self
+    }
+
     /// Eager refresh (contract §6b.3) for every get-or-set. A component call cannot
     /// leave work behind, so the refresh runs in the call that found the value due,
     /// after the hit, before it returns; its decisions are the native body's.
@@ -806,5 +816,128 @@ impl PortableCache {
                 .call_is_lock_expired(&mut s.store, &key)
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::guest::bindings::exports::corral::cache::cache::Followed;
+
+    const SEC: Duration = Duration::from_secs(1);
+
+    /// What an instance's caller following another caller's load is told, asked before
+    /// and after `advance` on the cache's clock, and what the load's holder gets when it
+    /// ends the load after both (`late`). The two callers share one instance, as a host
+    /// keeping an instance across callers (jco) has them.
+    async fn follow_a_load(
+        cache: &PortableCache,
+        clock: &ManualClock,
+        advance: Duration,
+        late: &'static [u8],
+    ) -> Result<(Followed, Followed, std::result::Result<Vec<u8>, types::Error>)> {
+        let clock = clock.clone();
+        let options = options_in(&EntryOptions::new().relative(60 * SEC).fail_safe(3600 * SEC));
+        cache
+            .call(move |s| {
+                let cache = s.guest.corral_cache_cache();
+                let store = &mut s.store;
+                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
+                    return Err(wasmtime::format_err!("the first caller did not lead"));
+                };
+                let Ok(Begun::Wait(follower)) = cache.call_begin(&mut *store, "k", options, false, &[])?
+                else {
+                    return Err(wasmtime::format_err!("the second caller did not follow"));
+                };
+                let before = cache.follower().call_outcome(&mut *store, follower)?;
+                clock.advance(advance);
+                let after = cache.follower().call_outcome(&mut *store, follower)?;
+                follower.resource_drop(&mut *store)?;
+                let ended = cache.load().call_complete(&mut *store, load, late, true)?;
+                Ok(Ok((before, after, ended)))
+            })
+            .await
+    }
+
+    fn value(followed: &Followed) -> Option<std::result::Result<&[u8], &types::Error>> {
+        match followed {
+            Followed::Ready(r) => Some(r.as_ref().map(Vec::as_slice)),
+            _ => None,
+        }
+    }
+
+    /// A follower in the instance asking past the load's hard timeout ends the flight
+    /// with what a hard timeout gives every caller (a timeout, no stale copy here), and
+    /// the holder's late value is judged the same, cached nowhere (contract §6b.2).
+    /// Before, the follower was told `pending` for as long as the holder loaded.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_follower_in_the_instance_is_answered_at_the_loads_hard_timeout() -> Result<()> {
+        let clock = ManualClock::starting_now();
+        let cache = PortableCache::builder()
+            .clock(clock.clone())
+            .hard_timeout(2 * SEC)
+            .build()?;
+        let (before, after, ended) = follow_a_load(&cache, &clock, 3 * SEC, b"late").await?;
+        assert!(matches!(before, Followed::Pending), "within the timeout: pending");
+        assert!(
+            matches!(value(&after), Some(Err(types::Error::Timeout(_)))),
+            "past the hard timeout the follower was not answered with a timeout"
+        );
+        assert!(
+            matches!(ended, Err(types::Error::Timeout(_))),
+            "the holder's late end"
+        );
+        assert_eq!(cache.get("k").await?, None, "a late value was cached");
+        assert_eq!(cache.flights_in_progress(), 0);
+        Ok(())
+    }
+
+    /// With a stale copy, a follower asking past the soft timeout gets it, and the
+    /// holder's load goes on to fill the tiers; past the hard timeout, the stale copy
+    /// is what every caller gets (contract §6b.1, §6b.2).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_follower_in_the_instance_gets_the_stale_copy_at_the_loads_timeouts() -> Result<()> {
+        let clock = ManualClock::starting_now();
+        let cache = PortableCache::builder()
+            .clock(clock.clone())
+            .soft_timeout(SEC)
+            .hard_timeout(10 * SEC)
+            .build()?;
+        let stale = EntryOptions::new().relative(SEC).fail_safe(3600 * SEC);
+        cache.set("k", "old", stale.clone()).await?;
+        clock.advance(2 * SEC);
+
+        let (before, after, ended) = follow_a_load(&cache, &clock, 2 * SEC, b"new").await?;
+        assert!(
+            matches!(before, Followed::Pending),
+            "within the soft timeout: pending"
+        );
+        assert_eq!(
+            value(&after),
+            Some(Ok(&b"old"[..])),
+            "at the soft timeout: the stale copy"
+        );
+        assert_eq!(ended.as_deref(), Ok(&b"new"[..]), "the holder gets its value");
+        assert_eq!(
+            cache.get("k").await?.as_deref(),
+            Some(&b"new"[..]),
+            "the load went on to fill the tiers"
+        );
+
+        cache.set("k", "old", stale).await?;
+        clock.advance(2 * SEC);
+        let (_, after, ended) = follow_a_load(&cache, &clock, 11 * SEC, b"late").await?;
+        assert_eq!(
+            value(&after),
+            Some(Ok(&b"old"[..])),
+            "past the hard timeout: the stale copy"
+        );
+        assert_eq!(
+            ended.as_deref(),
+            Ok(&b"old"[..]),
+            "the holder's late end, the same"
+        );
+        Ok(())
     }
 }

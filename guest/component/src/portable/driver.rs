@@ -80,6 +80,13 @@ pub(super) struct Driver {
     first_read: Option<(StoredRead, l1::L1Ticket)>,
     /// Stop at the first wait for a landing instead of waiting ([`Step::Parked`]).
     park: bool,
+    /// While the caller loads: the load's hard and soft timeouts, each until it is
+    /// reported ([`Driver::overdue`]).
+    hard_at: Option<u64>,
+    soft_at: Option<u64>,
+    /// The stale copy the machine had the callers answered with at the soft timeout,
+    /// while the load goes on.
+    answered: Option<Vec<u8>>,
 }
 
 impl Driver {
@@ -114,6 +121,9 @@ impl Driver {
             unnamed: false,
             first_read: None,
             park: false,
+            hard_at: None,
+            soft_at: None,
+            answered: None,
         }
     }
 
@@ -191,6 +201,29 @@ impl Driver {
         self.resume(Event::LoadFailed)
     }
 
+    /// While the caller loads, a timeout of the load that is due and not yet reported:
+    /// reported now (contract §6b.2), as the native body's timers report it while its
+    /// loader runs. The hard timeout ends the flight (the stale copy, else a timeout,
+    /// for every caller; the caller's late value is judged the same); the soft timeout
+    /// may have the callers answered with the stale copy ([`Driver::answered`]) while
+    /// the load goes on. `None`: nothing due.
+    pub(super) fn overdue(&mut self) -> Option<Step> {
+        let now = now_ms();
+        if self.hard_at.is_some_and(|at| now >= at) {
+            return Some(self.resume(Event::LoadTimedOut));
+        }
+        if self.soft_at.is_some_and(|at| now >= at) {
+            self.soft_at = None;
+            return Some(self.resume(Event::LoadSlow));
+        }
+        None
+    }
+
+    /// The stale copy the callers were answered with at the soft timeout, if they were.
+    pub(super) fn answered(&self) -> Option<&[u8]> {
+        self.answered.as_deref()
+    }
+
     /// The caller dropped the load: the flight lock goes (owner-checked, announced, so
     /// the next leader need not wait out its TTL), and the process's flight of the key
     /// to one of its followers (contract §5.11).
@@ -204,6 +237,10 @@ impl Driver {
     }
 
     fn resume(&mut self, event: Event) -> Step {
+        if !matches!(event, Event::LoadSlow) {
+            self.hard_at = None;
+            self.soft_at = None;
+        }
         l2::bound(settings().store_budget().after_load_ms);
         let action = self.flight.handle(event, now_ms(), &self.limits);
         self.run(action)
@@ -220,24 +257,37 @@ impl Driver {
                     l2::wait_landing(&self.key, until_ms);
                     Event::Woken
                 }
+                // At the soft timeout: the callers get the stale copy, the load goes on.
+                Action::AnswerStale { l1_until_ms } => {
+                    self.answered = Some(self.stale.clone());
+                    if let Some(until_ms) = l1_until_ms {
+                        self.fill_l1(&self.stale, until_ms, None, true);
+                    }
+                    return Step::Load;
+                }
+                Action::KeepLoading { .. } => return Step::Load,
                 // The caller's load cannot be stopped from here: it ends when the caller
-                // ends it, and the machine judges an end past the hard timeout a timeout.
-                // It never reports `load-slow`, `load-overdue` or `renew-due` (this
-                // body's settings never ask for background completion, and it cannot act
-                // while the caller loads), so it is never asked to answer early or to
-                // renew: a load that outlives the lock fills nothing.
-                Action::AnswerStale { .. }
-                | Action::KeepLoading { .. }
-                | Action::AnswerTimedOut
-                | Action::RenewLock { .. } => {
+                // ends it, or at its hard timeout when a follower finds it due
+                // ([`Driver::overdue`]); the machine judges an end past the hard timeout
+                // a timeout all the same. It never reports `load-overdue` or `renew-due`
+                // (this body's settings never ask for background completion, and it
+                // cannot act while the caller loads), so it is never asked to answer a
+                // timeout early or to renew: a load that outlives the lock fills nothing.
+                Action::AnswerTimedOut | Action::RenewLock { .. } => {
                     return Step::Done(Err(types::Error::Other(
                         "the flight asked for an early answer it was never offered".to_string(),
                     )));
                 }
-                Action::Load { .. } => {
+                Action::Load {
+                    until_ms,
+                    soft_until_ms,
+                    ..
+                } => {
                     let now = now_ms();
                     // A key with a bad tag was refused before its flight began.
                     self.written_at = written_at(&self.tag_list, now).unwrap_or(now);
+                    self.hard_at = until_ms;
+                    self.soft_at = soft_until_ms;
                     return Step::Load;
                 }
                 Action::WriteL2 {

@@ -8,6 +8,12 @@
 //! own end could never reach. Followers in other instances meet through the registry.
 //! As there (contract §5.3), a follower takes the load's outcome only if its key is as
 //! it was when the load began; else, once that load ended, it leads one of its own.
+//!
+//! The caller's load cannot be stopped, but its timeouts are kept for its followers: a
+//! follower that asks once the load's soft timeout is due gets the stale copy the
+//! machine answers with, and one that asks past its hard timeout ends the flight with
+//! what a hard timeout gives every caller (contract §6b.2), the holder's late end
+//! included.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -23,14 +29,63 @@ use crate::bindings::corral::cache::{l1, l2, types};
 use crate::bindings::exports::corral::cache::cache::{self as wcache, Begun, Followed};
 use crate::{arg_error, options_in};
 
-/// What a load's followers in this instance learn of it.
+/// A load a caller holds, and what its followers in this instance learn of it.
 struct Shared {
+    /// The flight, stopped at its load. Taken when the load ends: by its holder, or by a
+    /// follower that found its hard timeout past ([`Shared::overdue`]); still here when
+    /// it is dropped without an end.
+    driver: RefCell<Option<Driver>>,
     /// The key's L1 ticket when the load's flight began.
     ticket: l1::L1Ticket,
     /// How it ended.
     outcome: RefCell<Option<Result<Vec<u8>, types::Error>>>,
     /// It was dropped without an end.
     dropped: RefCell<bool>,
+    /// It leads the process's flight of its key: this instance's callers of the key
+    /// follow it.
+    leads: bool,
+}
+
+impl Shared {
+    /// The load ended with `result`: its followers get it.
+    fn ended(self: &Rc<Self>, key: &str, result: &Result<Vec<u8>, types::Error>) {
+        *self.outcome.borrow_mut() = Some(result.clone());
+        if self.leads {
+            forget(key, self);
+        }
+    }
+
+    /// Reports a timeout of the load that fell due (the follower asking is the timer a
+    /// native body would have); a hard timeout ends the flight here.
+    fn overdue(self: &Rc<Self>) {
+        let mut cell = self.driver.borrow_mut();
+        let Some(driver) = cell.as_mut() else {
+            return;
+        };
+        let Some(step) = driver.overdue() else {
+            return;
+        };
+        let result = match step {
+            Step::Load => return,
+            Step::Done(result) => result,
+            Step::Parked => Err(second_load()),
+        };
+        let Some(driver) = cell.take() else {
+            return;
+        };
+        drop(cell);
+        self.ended(driver.key(), &result);
+    }
+
+    /// The stale copy the load's callers were answered with at its soft timeout.
+    fn answered(&self) -> Option<Vec<u8>> {
+        self.driver.borrow().as_ref()?.answered().map(<[u8]>::to_vec)
+    }
+}
+
+/// What a flight that asked for a second load ends with (never: a load ends it).
+fn second_load() -> types::Error {
+    types::Error::Other("the flight asked for a second load".to_string())
 }
 
 thread_local! {
@@ -53,20 +108,28 @@ struct Request {
     tags: Vec<String>,
 }
 
-/// A load the caller holds: the flight stopped at its load.
+/// A load the caller holds: the flight stopped at its load, and what its followers in
+/// this instance learn of it.
 pub(crate) struct Loading {
-    /// Taken when the load ends; still here when it is dropped without an end.
-    driver: RefCell<Option<Driver>>,
-    /// Its followers in this instance, when it leads the process's flight of its key.
-    shared: Option<Rc<Shared>>,
+    shared: Rc<Shared>,
 }
 
 impl Loading {
     /// Ends the load with `end` performed on its flight.
     fn end(this: wcache::Load, end: impl FnOnce(&mut Driver) -> Step) -> Result<Vec<u8>, types::Error> {
         let loading: Loading = this.into_inner();
-        let Some(mut driver) = loading.driver.borrow_mut().take() else {
-            return Err(types::Error::Other("the load had ended already".to_string()));
+        let shared = &loading.shared;
+        // A timeout that fell due is the machine's to judge first, as a native body's
+        // timer would have reported it while the loader ran.
+        shared.overdue();
+        let taken = shared.driver.borrow_mut().take();
+        let Some(mut driver) = taken else {
+            // Its hard timeout ended the flight: what its followers got is the holder's.
+            return shared
+                .outcome
+                .borrow()
+                .clone()
+                .unwrap_or_else(|| Err(types::Error::Other("the load had ended already".to_string())));
         };
         let result = match end(&mut driver) {
             Step::Done(result) => result,
@@ -74,15 +137,10 @@ impl Loading {
             // ends it).
             Step::Load | Step::Parked => {
                 driver.abandon();
-                Err(types::Error::Other(
-                    "the flight asked for a second load".to_string(),
-                ))
+                Err(second_load())
             }
         };
-        if let Some(shared) = &loading.shared {
-            *shared.outcome.borrow_mut() = Some(result.clone());
-            forget(driver.key(), shared);
-        }
+        shared.ended(driver.key(), &result);
         result
     }
 }
@@ -99,20 +157,21 @@ fn forget(key: &str, shared: &Rc<Shared>) {
 
 impl Drop for Loading {
     fn drop(&mut self) {
-        let Some(mut driver) = self.driver.get_mut().take() else {
+        let Some(mut driver) = self.shared.driver.borrow_mut().take() else {
             return;
         };
         driver.abandon();
-        if let Some(shared) = &self.shared {
-            *shared.dropped.borrow_mut() = true;
-            forget(driver.key(), shared);
+        *self.shared.dropped.borrow_mut() = true;
+        if self.shared.leads {
+            forget(driver.key(), &self.shared);
         }
     }
 }
 
 impl wcache::GuestLoad for Loading {
     fn key(&self) -> String {
-        self.driver
+        self.shared
+            .driver
             .borrow()
             .as_ref()
             .map_or_else(String::new, |d| d.key().to_owned())
@@ -152,9 +211,14 @@ impl wcache::GuestFollower for Following {
         }
         let shared = self.shared.borrow().clone();
         if let Some(shared) = shared {
+            shared.overdue();
+            let unchanged = key_unchanged(&shared.ticket, &self.since.borrow());
+            if unchanged && let Some(stale) = shared.answered() {
+                return Followed::Ready(Ok(stale));
+            }
             let ended = shared.outcome.borrow().clone();
             match ended {
-                Some(outcome) if key_unchanged(&shared.ticket, &self.since.borrow()) => {
+                Some(outcome) if unchanged => {
                     return Followed::Ready(outcome);
                 }
                 // The key changed after that load began: its value may be older than
@@ -443,19 +507,18 @@ fn drive(
 ) -> Result<Begun, types::Error> {
     match driver.start(action) {
         Step::Load => {
-            let shared = (role == Role::Leader).then(|| {
-                let shared = Rc::new(Shared {
-                    ticket,
-                    outcome: RefCell::new(None),
-                    dropped: RefCell::new(false),
-                });
-                OPEN.with(|open| open.borrow_mut().insert(request.key.clone(), shared.clone()));
-                shared
-            });
-            Ok(Begun::Lead(wcache::Load::new(Loading {
+            let leads = role == Role::Leader;
+            let shared = Rc::new(Shared {
                 driver: RefCell::new(Some(driver)),
-                shared,
-            })))
+                ticket,
+                outcome: RefCell::new(None),
+                dropped: RefCell::new(false),
+                leads,
+            });
+            if leads {
+                OPEN.with(|open| open.borrow_mut().insert(request.key.clone(), shared.clone()));
+            }
+            Ok(Begun::Lead(wcache::Load::new(Loading { shared })))
         }
         Step::Done(result) => {
             let value = result?;
