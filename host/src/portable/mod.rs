@@ -905,7 +905,7 @@ mod tests {
             .hard_timeout(10 * SEC)
             .build()?;
         let stale = EntryOptions::new().relative(SEC).fail_safe(3600 * SEC);
-        cache.set("k", "old", stale.clone()).await?;
+        cache.set("k", "old", stale).await?;
         clock.advance(2 * SEC);
 
         let (before, after, ended) = follow_a_load(&cache, &clock, 2 * SEC, b"new").await?;
