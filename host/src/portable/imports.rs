@@ -421,6 +421,53 @@ impl l2::Host for &mut PortableState {
         })
     }
 
+    /// Through [`FlightLock::fill_releasing`](crate::store::FlightLock::fill_releasing)
+    /// where the entries and the lock are one store, as the native body's fill; a lock
+    /// whose step failed stays the call's, released at its end.
+    fn fill_releasing(
+        &mut self,
+        name: String,
+        expected: Option<Vec<u8>>,
+        value: Vec<u8>,
+        ttl_ms: u64,
+        lock: String,
+        owner: String,
+        key: String,
+    ) -> Result<Option<l2::Filled>, types::Error> {
+        let b = self.backend.clone();
+        if !b.stores.fill_with_lock() {
+            return Ok(None);
+        }
+        let filled = {
+            let (lock, announce_key) = (lock.clone(), key.clone());
+            self.store(async move {
+                let fill = crate::store::Fill {
+                    name: &name,
+                    over: Some(expected.map(Into::into)),
+                    bytes: value.into(),
+                    ttl_ms,
+                };
+                let announcement = b.stores.notifications.announcement(&announce_key);
+                let announce = announcement.as_ref().map(|(c, m)| (c.as_str(), m.as_str()));
+                match b.stores.flight_lock.fill_releasing(fill, &lock, &owner, announce) {
+                    Some(step) => step.await.map(Some),
+                    None => Ok(None),
+                }
+            })?
+        };
+        let Some(filled) = filled else {
+            return Ok(None);
+        };
+        self.call.locks.remove(&lock);
+        if !filled.announced {
+            l2::Host::announce_landing(self, key);
+        }
+        Ok(Some(l2::Filled {
+            written: filled.written,
+            held: filled.held,
+        }))
+    }
+
     fn try_lock(&mut self, key: String, ttl_ms: u64) -> Result<Option<String>, types::Error> {
         let b = self.backend.clone();
         // The token is the call's before it is sent (contract §5.13): should the reply be

@@ -186,6 +186,20 @@ impl l2::Guest for Adapter {
         })
     }
 
+    /// Compare-and-swap covers one key: an entry and its lock cannot change in one step
+    /// here, so the guest writes with `set-if`, then releases.
+    fn fill_releasing(
+        _name: String,
+        _expected: Option<Vec<u8>>,
+        _value: Vec<u8>,
+        _ttl_ms: u64,
+        _lock: String,
+        _owner: String,
+        _key: String,
+    ) -> Result<Option<l2::Filled>, Error> {
+        Ok(None)
+    }
+
     fn try_lock(name: String, ttl_ms: u64) -> Result<Option<String>, Error> {
         let owner = owner_token();
         change(&name, |live| match live {

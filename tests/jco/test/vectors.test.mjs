@@ -250,6 +250,19 @@ function newHost(world) {
         world.l2.set(key, value);
         return true;
       },
+      // The fill only while `owner` holds the lock (not lapsed), the release, and the
+      // landing announced, in one step.
+      fillReleasing: (key, expected, value, _ttl, lock, owner, landed) => {
+        const lease = world.locks.get(lock);
+        const held = lease?.owner === owner && world.now < lease.until;
+        const stored = world.l2.get(key);
+        const fenced = expected === undefined || expected === null ? stored === undefined : same(stored, expected);
+        const written = held && fenced;
+        if (written) world.l2.set(key, value);
+        if (held) world.locks.delete(lock);
+        world.hosts.filter((h) => h !== host).forEach((h) => h.hear(landed));
+        return { written, held };
+      },
       // Held until released or `ttl` ms on the world's clock; a call that ends releases
       // what it holds (as a component host does when a call traps).
       tryLock: (name, ttl) => {

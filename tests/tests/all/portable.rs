@@ -499,6 +499,47 @@ async fn a_portable_process_hides_nothing_by_a_moment_the_store_lost() -> Result
     Ok(())
 }
 
+/// A portable load that lost its flight lock while it ran (another leader took the key
+/// over) fills nothing, even where the entry is as the flight read it: its fill and its
+/// lock's release are one owner-checked step (`l2.fill-releasing`), as the native
+/// body's (contract §5.12), and the other leader's lock is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_load_that_lost_its_lock_fills_nothing() -> Result<()> {
+    let server = RedisServer::start()?;
+    let portable = PortableCache::builder()
+        .redis_options(corral::RedisOptions::new(server.url()))
+        .build()?;
+    let url = server.url();
+    let load = move |_: &str| {
+        // Another leader takes the lock over while this load runs.
+        let mut conn = redis::Client::open(url.as_str())
+            .and_then(|c| c.get_connection())
+            .map_err(|e| e.to_string())?;
+        redis::cmd("SET")
+            .arg("{7:corral:k}:l")
+            .arg("another")
+            .query::<()>(&mut conn)
+            .map_err(|e| e.to_string())?;
+        Ok::<_, String>(b"loaded".to_vec())
+    };
+    let got = portable
+        .get_or_set("k", EntryOptions::new(), false, load, |_| true)
+        .await?;
+    assert_eq!(&got[..], b"loaded", "the caller gets its value");
+    let mut conn = server.connection().await?;
+    let entry: Option<Vec<u8>> = redis::cmd("GET")
+        .arg("{7:corral:k}:e")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(entry, None, "a load whose lock another leader held filled L2");
+    let lock: Option<String> = redis::cmd("GET")
+        .arg("{7:corral:k}:l")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(lock.as_deref(), Some("another"), "the other leader's lock was released");
+    Ok(())
+}
+
 /// A portable process watches its wall clock as the native one does (contract §6b.5): a
 /// clear whose announcement never came is learnt within the L1 TTL of the clock's own
 /// time even across a step back, since the step is a gap in what the instance heard (L1

@@ -295,10 +295,7 @@ impl Driver {
                     store_ttl_ms,
                     fenced,
                     release,
-                } => {
-                    self.release_owed = release;
-                    self.write_l2(&header, store_ttl_ms, fenced)
-                }
+                } => self.write_l2(&header, store_ttl_ms, fenced, release),
                 Action::Finish {
                     outcome,
                     release,
@@ -376,8 +373,11 @@ impl Driver {
     }
 
     /// Writes the loaded value; a fenced write lands only over what the last read found
-    /// (contract §5.12: a set or removal since that read wins).
-    fn write_l2(&mut self, header: &[u8], store_ttl_ms: u64, fenced: bool) -> Event {
+    /// (contract §5.12: a set or removal since that read wins). Asked to `release`, it
+    /// writes only while the flight still holds its lock, and releases and announces in
+    /// the same step, where the host can ([`Driver::fill_releasing`]); else the finish
+    /// releases and announces, once the followers have the outcome.
+    fn write_l2(&mut self, header: &[u8], store_ttl_ms: u64, fenced: bool, release: bool) -> Event {
         let loaded = Tagged {
             written_at_ms: self.written_at,
             tags: self.tag_list.clone(),
@@ -395,6 +395,13 @@ impl Driver {
             self.tagged = Some(loaded);
             self.tags_until = u64::MAX;
         }
+        if release
+            && fenced
+            && let Some(step) = self.fill_releasing(&stored, ttl)
+        {
+            return step;
+        }
+        self.release_owed = release;
         let written = if fenced {
             l2::set_if(&self.names.entry, self.holds.as_deref(), &stored, ttl)
         } else {
@@ -403,6 +410,37 @@ impl Driver {
         match written {
             Ok(true) => Event::L2Written,
             Ok(false) | Err(_) => Event::L2WriteFailed,
+        }
+    }
+
+    /// The fenced fill of `stored` and the release of the flight's lock in one step
+    /// (`l2.fill-releasing`): `None` when the flight holds no lock or the host cannot.
+    /// A step that failed leaves the lock to the finish's release.
+    fn fill_releasing(&mut self, stored: &[u8], ttl_ms: u64) -> Option<Event> {
+        let owner = self.owner.as_deref()?;
+        let filled = l2::fill_releasing(
+            &self.names.entry,
+            self.holds.as_deref(),
+            stored,
+            ttl_ms,
+            &self.names.flight_lock,
+            owner,
+            &self.key,
+        );
+        match filled {
+            Ok(None) => None,
+            Ok(Some(filled)) => {
+                self.owner = None;
+                Some(if filled.written {
+                    Event::L2Written
+                } else {
+                    Event::L2WriteFailed
+                })
+            }
+            Err(_) => {
+                self.release_owed = true;
+                Some(Event::L2WriteFailed)
+            }
         }
     }
 
