@@ -319,8 +319,11 @@ static LATEST_MS: AtomicU64 = AtomicU64::new(0);
 /// instance knows it keeps until wall-clock moments (the generation, the tags' moments,
 /// the host's L1 copies), which a step back pushes away by the step; so a reading the
 /// brain calls a step back (`generation::stepped_back`) is a gap in what was heard: L1
-/// is emptied (`l1.clear`), and this instance and every other of the process, seeing
-/// its flushes move, read the generation and the tags again.
+/// is emptied (`l1.flush`: loads in flight still coalesce, the key is not changed), and
+/// this instance and every other of the process, seeing its flushes move, read the
+/// generation and the tags again. Each instance watches its own readings: a step is
+/// taken in by every instance that read the clock before it (more flushes, never
+/// fewer), and an instance made after it starts from its first reading.
 fn now_ms() -> u64 {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -328,7 +331,7 @@ fn now_ms() -> u64 {
     let latest = LATEST_MS.fetch_max(now, Ordering::Relaxed);
     if corral_core::generation::stepped_back(latest, now) {
         LATEST_MS.store(now, Ordering::Relaxed);
-        l1::clear();
+        l1::flush();
     }
     now
 }

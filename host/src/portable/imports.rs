@@ -342,6 +342,10 @@ impl l1::Host for &mut PortableState {
     fn clear(&mut self) {
         self.backend.l1.clear_generation();
     }
+
+    fn flush(&mut self) {
+        self.backend.l1.hear(None);
+    }
 }
 
 impl l2::Host for &mut PortableState {

@@ -940,4 +940,103 @@ mod tests {
         );
         Ok(())
     }
+
+    /// The soft timeout answers the followers waiting then, each for good; one that
+    /// begins after it waits for the load's end (L1 kept no stale copy here: no
+    /// throttle), as a native caller coming after the answer does (contract §6b.2).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_the_followers_waiting_at_the_soft_timeout_get_the_stale_copy() -> Result<()> {
+        let clock = ManualClock::starting_now();
+        let cache = PortableCache::builder()
+            .clock(clock.clone())
+            .soft_timeout(SEC)
+            .fail_safe_throttle(Duration::ZERO)
+            .build()?;
+        let options = EntryOptions::new().relative(SEC).fail_safe(3600 * SEC);
+        cache.set("k", "old", options).await?;
+        clock.advance(2 * SEC);
+        let options = options_in(&options);
+        let asked = cache
+            .call(move |s| {
+                let cache = s.guest.corral_cache_cache();
+                let store = &mut s.store;
+                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
+                    return Err(wasmtime::format_err!("the first caller did not lead"));
+                };
+                let Ok(Begun::Wait(early)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
+                    return Err(wasmtime::format_err!("the second caller did not follow"));
+                };
+                clock.advance(2 * SEC);
+                let mut asked = vec![cache.follower().call_outcome(&mut *store, early)?];
+                let Ok(Begun::Wait(late)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
+                    return Err(wasmtime::format_err!("the third caller did not follow"));
+                };
+                asked.push(cache.follower().call_outcome(&mut *store, late)?);
+                let ended = cache.load().call_complete(&mut *store, load, b"new", true)?;
+                asked.push(cache.follower().call_outcome(&mut *store, early)?);
+                asked.push(cache.follower().call_outcome(&mut *store, late)?);
+                early.resource_drop(&mut *store)?;
+                late.resource_drop(&mut *store)?;
+                Ok(ended.map(|_| asked))
+            })
+            .await?;
+        assert_eq!(
+            value(&asked[0]),
+            Some(Ok(&b"old"[..])),
+            "waiting at the soft timeout"
+        );
+        assert!(
+            matches!(asked[1], Followed::Pending),
+            "began after the answer: waits"
+        );
+        assert_eq!(
+            value(&asked[2]),
+            Some(Ok(&b"old"[..])),
+            "asked again: the same answer"
+        );
+        assert_eq!(value(&asked[3]), Some(Ok(&b"new"[..])), "the load's end");
+        Ok(())
+    }
+
+    /// A wall clock stepped back while a load runs empties L1 as a gap does, not as a
+    /// clear: the key did not change, so a caller that began after the step still
+    /// follows the load and takes its outcome (contract §6b.5, §5.3).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_clock_step_during_a_load_leaves_its_follower_following() -> Result<()> {
+        let clock = ManualClock::starting_now();
+        let cache = PortableCache::builder().clock(clock.clone()).build()?;
+        let options = options_in(&EntryOptions::new().relative(60 * SEC));
+        let (pending, ended, followed) = cache
+            .call(move |s| {
+                let cache = s.guest.corral_cache_cache();
+                let store = &mut s.store;
+                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
+                    return Err(wasmtime::format_err!("the first caller did not lead"));
+                };
+                // The second caller's first reading is the step.
+                clock.set(clock.now_ms() - 3_600_000);
+                let Ok(Begun::Wait(follower)) = cache.call_begin(&mut *store, "k", options, false, &[])?
+                else {
+                    return Err(wasmtime::format_err!("the second caller did not follow"));
+                };
+                let pending = cache.follower().call_outcome(&mut *store, follower)?;
+                // Not cached: a caller that does not take the outcome must load again.
+                let ended = cache.load().call_complete(&mut *store, load, b"loaded", false)?;
+                let followed = cache.follower().call_outcome(&mut *store, follower)?;
+                if let Followed::Lead(again) = &followed {
+                    again.resource_drop(&mut *store)?;
+                }
+                follower.resource_drop(&mut *store)?;
+                Ok(Ok((pending, ended, followed)))
+            })
+            .await?;
+        assert!(matches!(pending, Followed::Pending));
+        assert_eq!(ended.as_deref(), Ok(&b"loaded"[..]));
+        assert_eq!(
+            value(&followed),
+            Some(Ok(&b"loaded"[..])),
+            "the step made the follower load again"
+        );
+        Ok(())
+    }
 }

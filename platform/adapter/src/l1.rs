@@ -112,6 +112,10 @@ impl l1::Guest for Adapter {
             t.flush();
         });
     }
+
+    fn flush() {
+        TIER.with(|t| t.borrow_mut().flush());
+    }
 }
 
 /// The flight registry of an instance that is its own process: the component makes a

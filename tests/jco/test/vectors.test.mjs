@@ -226,6 +226,7 @@ function newHost(world) {
       },
       delete: (key) => { wrote(key); state.l1.delete(key); },
       clear: () => moveGeneration(),
+      flush: () => { state.flushes += 1n; state.l1.clear(); },
     },
     'corral:cache/l2': {
       get: (key) => world.l2.get(key),

@@ -536,7 +536,11 @@ async fn a_portable_load_that_lost_its_lock_fills_nothing() -> Result<()> {
         .arg("{7:corral:k}:l")
         .query_async(&mut conn)
         .await?;
-    assert_eq!(lock.as_deref(), Some("another"), "the other leader's lock was released");
+    assert_eq!(
+        lock.as_deref(),
+        Some("another"),
+        "the other leader's lock was released"
+    );
     Ok(())
 }
 

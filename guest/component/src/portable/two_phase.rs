@@ -15,7 +15,7 @@
 //! what a hard timeout gives every caller (contract §6b.2), the holder's late end
 //! included.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -44,6 +44,11 @@ struct Shared {
     /// It leads the process's flight of its key: this instance's callers of the key
     /// follow it.
     leads: bool,
+    /// The callers answered at the soft timeout: the followers that began up to this
+    /// count ([`FOLLOWERS`]) were waiting then. One that begins later waits for the
+    /// load's end, or finds the stale copy in L1 for as long as the machine let L1 keep
+    /// it, as a native caller coming after the answer does.
+    answered_upto: Cell<Option<u64>>,
 }
 
 impl Shared {
@@ -66,7 +71,12 @@ impl Shared {
             return;
         };
         let result = match step {
-            Step::Load => return,
+            Step::Load => {
+                if driver.answered().is_some() && self.answered_upto.get().is_none() {
+                    self.answered_upto.set(Some(FOLLOWERS.with(Cell::get)));
+                }
+                return;
+            }
             Step::Done(result) => result,
             Step::Parked => Err(second_load()),
         };
@@ -77,8 +87,10 @@ impl Shared {
         self.ended(driver.key(), &result);
     }
 
-    /// The stale copy the load's callers were answered with at its soft timeout.
-    fn answered(&self) -> Option<Vec<u8>> {
+    /// The stale copy the load's callers were answered with at its soft timeout, if
+    /// the follower counted `follower` was one of them.
+    fn answered(&self, follower: u64) -> Option<Vec<u8>> {
+        self.answered_upto.get().filter(|&upto| follower <= upto)?;
         self.driver.borrow().as_ref()?.answered().map(<[u8]>::to_vec)
     }
 }
@@ -91,6 +103,8 @@ fn second_load() -> types::Error {
 thread_local! {
     /// The loads this instance's callers hold as their process's leader of a key.
     static OPEN: RefCell<HashMap<String, Rc<Shared>>> = RefCell::new(HashMap::new());
+    /// How many followers this instance's callers began: each follower's number.
+    static FOLLOWERS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// The load of `key` a caller of this instance holds, if any.
@@ -119,9 +133,6 @@ impl Loading {
     fn end(this: wcache::Load, end: impl FnOnce(&mut Driver) -> Step) -> Result<Vec<u8>, types::Error> {
         let loading: Loading = this.into_inner();
         let shared = &loading.shared;
-        // A timeout that fell due is the machine's to judge first, as a native body's
-        // timer would have reported it while the loader ran.
-        shared.overdue();
         let taken = shared.driver.borrow_mut().take();
         let Some(mut driver) = taken else {
             // Its hard timeout ended the flight: what its followers got is the holder's.
@@ -194,8 +205,11 @@ pub(crate) struct Following {
     /// The key's L1 ticket when this caller began (or led in a load's place).
     since: RefCell<l1::L1Ticket>,
     request: Request,
-    /// What this caller got once it led in its own right: asked again, the same.
+    /// What this caller got once it led in its own right, or was answered with at a
+    /// load's soft timeout: asked again, the same.
     settled: RefCell<Option<Result<Vec<u8>, types::Error>>>,
+    /// Its number among the instance's followers ([`FOLLOWERS`]).
+    number: u64,
 }
 
 /// Whether the key is as it was at `then` (its writes, heard changes and clears; a
@@ -213,7 +227,8 @@ impl wcache::GuestFollower for Following {
         if let Some(shared) = shared {
             shared.overdue();
             let unchanged = key_unchanged(&shared.ticket, &self.since.borrow());
-            if unchanged && let Some(stale) = shared.answered() {
+            if unchanged && let Some(stale) = shared.answered(self.number) {
+                *self.settled.borrow_mut() = Some(Ok(stale.clone()));
                 return Followed::Ready(Ok(stale));
             }
             let ended = shared.outcome.borrow().clone();
@@ -325,11 +340,19 @@ fn from_l1(request: &Request, now: u64, settings: &Settings) -> Option<Begun> {
 /// A caller that follows `shared` (a load of this instance), or the flight of the
 /// process it joined (`None`).
 fn follow(shared: Option<Rc<Shared>>, request: Request) -> Begun {
+    // A soft timeout that fell due answered the followers before this one only.
+    if let Some(shared) = &shared {
+        shared.overdue();
+    }
     Begun::Wait(wcache::Follower::new(Following {
         shared: RefCell::new(shared),
         since: RefCell::new(l1::ticket(&request.key)),
         request,
         settled: RefCell::new(None),
+        number: FOLLOWERS.with(|n| {
+            n.set(n.get() + 1);
+            n.get()
+        }),
     }))
 }
 
@@ -513,6 +536,7 @@ fn drive(
                 ticket,
                 outcome: RefCell::new(None),
                 dropped: RefCell::new(false),
+                answered_upto: Cell::new(None),
                 leads,
             });
             if leads {
