@@ -169,7 +169,8 @@ impl Body {
 
     /// A get-or-set with timeouts or eager refresh: the native body's `fetch` (its
     /// loader may run on after the call; `stale` is told whether the value served is a
-    /// stale copy); the portable body, which has neither, runs a plain get-or-set.
+    /// stale copy); the portable body, whose timeouts and eager refresh are its cache's
+    /// settings (not a call's options) and which has no `fetch`, runs a plain get-or-set.
     pub(crate) async fn fetch(
         &self,
         key: &str,
