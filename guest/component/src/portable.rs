@@ -142,9 +142,10 @@ fn hear_generation(news: News) -> u64 {
     heeded.generation
 }
 
-/// How many times this process's L1 was emptied (`l1-ticket.flushes`): a `clear` import
-/// call from any instance, a tag or clear announcement the host heard, or a gap in the
-/// announcements (the host's channel was re-established). Whatever this instance read
+/// How many times this process's L1 was emptied (`l1-ticket.flushes`): a `clear` or
+/// `flush` import call from any instance (a clear, a clock stepped back), a tag or clear
+/// announcement the host heard, or a gap in the announcements (the host's channel was
+/// re-established). Whatever this instance read
 /// of the generation and the tags before is then read again: an invalidation may have
 /// gone unheard, the way the native body forgets what it kept (contract §6b.5).
 fn l1_clears() -> u64 {

@@ -488,10 +488,17 @@ impl l2::Host for &mut PortableState {
         Ok(taken.then_some(owner))
     }
 
+    /// A release that failed leaves the lock the call's: its end releases it again.
     fn release_lock(&mut self, key: String, owner: String) -> Result<bool, types::Error> {
-        self.call.locks.remove(&key);
         let b = self.backend.clone();
-        self.store(async move { b.stores.flight_lock.release(&key, &owner).await })
+        let released = {
+            let (key, owner) = (key.clone(), owner);
+            self.store(async move { b.stores.flight_lock.release(&key, &owner).await })
+        };
+        if released.is_ok() {
+            self.call.locks.remove(&key);
+        }
+        released
     }
 
     fn wait_landing(&mut self, key: String, until_ms: u64) {

@@ -17,9 +17,16 @@ use crate::bindings::exports::corral::cache::types;
 #[derive(Default)]
 struct Tier {
     entries: HashMap<String, L1Entry>,
-    /// Writes per key since the last flush (a flush forgets them: every ticket of
-    /// before it is refused anyway).
+    /// The number of each key's last write since the last flush (a flush forgets them).
+    /// A ticket's `writes` only ever grows: a key not written since the flush counts
+    /// `floor`, the number of the last write before it, so a follower that compares its
+    /// ticket with its load's (`key_unchanged`) never takes a write after a flush for
+    /// none.
     writes: HashMap<String, u64>,
+    /// Writes numbered so far.
+    last_write: u64,
+    /// `last_write` at the last flush.
+    floor: u64,
     flushes: u64,
     generations: u64,
 }
@@ -38,17 +45,19 @@ impl Tier {
         L1Ticket {
             flushes: self.flushes,
             generations: self.generations,
-            writes: self.writes.get(key).copied().unwrap_or(0),
+            writes: self.writes.get(key).copied().unwrap_or(self.floor),
         }
     }
 
     fn wrote(&mut self, key: &str) {
-        *self.writes.entry(key.to_owned()).or_default() += 1;
+        self.last_write += 1;
+        self.writes.insert(key.to_owned(), self.last_write);
     }
 
     fn flush(&mut self) {
         self.entries.clear();
         self.writes.clear();
+        self.floor = self.last_write;
         self.flushes += 1;
     }
 

@@ -544,6 +544,71 @@ async fn a_portable_load_that_lost_its_lock_fills_nothing() -> Result<()> {
     Ok(())
 }
 
+/// A get-or-set lock whose first release fails (the store out of reach for that one
+/// step).
+#[derive(Debug)]
+struct FirstReleaseFails {
+    inner: MemoryStore,
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl FlightLock for FirstReleaseFails {
+    fn try_lock<'a>(
+        &'a self,
+        key: &'a str,
+        owner: &'a str,
+        ttl_ms: u64,
+    ) -> BoxFuture<'a, corral::Result<bool>> {
+        self.inner.try_lock(key, owner, ttl_ms)
+    }
+
+    fn release<'a>(&'a self, key: &'a str, owner: &'a str) -> BoxFuture<'a, corral::Result<bool>> {
+        if !self.failed.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return async {
+                Err(corral::Error::from(corral::ErrorKind::Unavailable)
+                    .with_context("the release did not go through"))
+            }
+            .boxed();
+        }
+        self.inner.release(key, owner)
+    }
+}
+
+/// A portable flight's lock whose release failed stays the call's: the call's end
+/// releases it again, owner-checked, so the next caller need not wait out its TTL
+/// (contract §5.13). Before, the lock was dropped from the call's before the release
+/// ran, and lived on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_lock_whose_release_failed_is_released_when_the_call_ends() -> Result<()> {
+    let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
+    let lock = Arc::new(FirstReleaseFails {
+        inner: memory.clone(),
+        failed: std::sync::atomic::AtomicBool::new(false),
+    });
+    let portable = PortableCache::builder()
+        .stores(
+            "apart:",
+            Arc::new(memory.clone()) as Arc<dyn Entries>,
+            lock.clone() as Arc<dyn FlightLock>,
+            Arc::new(memory.clone()) as Arc<dyn Notifications>,
+        )
+        .build()?;
+    let load = |_: &str| Ok::<_, String>(b"loaded".to_vec());
+    let got = portable
+        .get_or_set("k", EntryOptions::new(), false, load, |_| true)
+        .await?;
+    assert_eq!(&got[..], b"loaded");
+    assert!(
+        lock.failed.load(std::sync::atomic::Ordering::SeqCst),
+        "the release was tried"
+    );
+    assert!(
+        memory.try_lock("{6:apart:k}:l", "probe", 60_000).await?,
+        "the flight's lock was left held after its call ended"
+    );
+    Ok(())
+}
+
 /// A portable process watches its wall clock as the native one does (contract §6b.5): a
 /// clear whose announcement never came is learnt within the L1 TTL of the clock's own
 /// time even across a step back, since the step is a gap in what the instance heard (L1

@@ -58,9 +58,9 @@ pub(super) struct Driver {
     l1_ticket: l1::L1Ticket,
     /// The flight lock's owner token, while this flight holds it.
     owner: Option<String>,
-    /// The write was asked to release the lock and announce the landing: done at the
-    /// finish, after the followers got the outcome (the imports have no step that
-    /// writes and releases at once).
+    /// The write was asked to release the lock and announce the landing, and the host
+    /// could not in the write's own step (`l2.fill-releasing`), or that step failed:
+    /// done at the finish, after the followers got the outcome.
     release_owed: bool,
     loader_error: String,
     /// What the key held after the last successful read: a fenced fill writes only over
