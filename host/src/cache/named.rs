@@ -134,15 +134,18 @@ mod tests {
     #[tokio::test]
     async fn a_batch_named_from_memory_is_named_as_the_guest_names_it() {
         let cache = crate::Corral::builder().build().expect("a memory cache");
+        let by_guest = |keys: &[&str]| {
+            cache
+                .inner
+                .policy
+                .locate_entries(&cache.inner.prefix, keys, 0)
+                .expect("named")
+        };
         let keys = ["a", "b}{", "a", "c"];
-        let by_guest = cache
-            .inner
-            .policy
-            .locate_entries(&cache.inner.prefix, &keys, 0)
-            .expect("named");
+        let guests = by_guest(&keys);
         let first = cache.entries_of(&keys).await.expect("named");
         let remembered = cache.entries_of(&keys).await.expect("named");
-        assert_eq!((&first, &remembered), (&by_guest, &by_guest));
+        assert_eq!((&first, &remembered), (&guests, &guests));
         assert_eq!(cache.entries_of(&[] as &[&str]).await.expect("named").len(), 0);
         // A bad key among remembered ones still gets the guest's error, naming it.
         let bad = cache.entries_of(&["a", "c", ""]).await.expect_err("an empty key");
@@ -150,16 +153,11 @@ mod tests {
             (bad.kind(), bad.argument()),
             (crate::ErrorKind::InvalidArgument, Some("key"))
         );
-        assert_eq!(cache.entry_of("a").await.expect("named"), by_guest.get(0));
+        assert_eq!(cache.entry_of("a").await.expect("named"), guests.get(0));
         // Partly remembered: the guest names the rest, and a bad key among them is
         // named at its position in the whole batch, as a cold batch names it.
         let mixed = ["new1", "a", "new{2}", "c"];
-        let by_guest = cache
-            .inner
-            .policy
-            .locate_entries(&cache.inner.prefix, &mixed, 0)
-            .expect("named");
-        assert_eq!(cache.entries_of(&mixed).await.expect("named"), by_guest);
+        assert_eq!(cache.entries_of(&mixed).await.expect("named"), by_guest(&mixed));
         let long = "x".repeat(100_000);
         let bad_batch = ["a", "new1", long.as_str(), "c"];
         let warm = cache.entries_of(&bad_batch).await.expect_err("a key too long");

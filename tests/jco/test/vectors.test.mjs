@@ -108,6 +108,11 @@ function newHost(world) {
   const gates = new Set();
   const poke = () => gates.forEach((gate) => gate());
   const same = (a, b) => a !== undefined && b !== undefined && Buffer.compare(Buffer.from(a), Buffer.from(b)) === 0;
+  // Whether `key` holds exactly `expected` (absent: nothing), as a fenced write asks.
+  const holds = (key, expected) => {
+    const held = world.l2.get(key);
+    return expected === undefined || expected === null ? held === undefined : same(held, expected);
+  };
   const heldEq = (a, b) => (a === undefined && b === undefined) || (a !== undefined && b !== undefined && a.owner === b.owner && a.expiresAtMs === b.expiresAtMs);
 
   function join(caller, key) {
@@ -246,8 +251,7 @@ function newHost(world) {
       },
       // `expected` absent: only where the key holds nothing (a fenced fill).
       setIf: (key, expected, value) => {
-        const held = world.l2.get(key);
-        if (expected === undefined || expected === null ? held !== undefined : !same(held, expected)) return false;
+        if (!holds(key, expected)) return false;
         world.l2.set(key, value);
         return true;
       },
@@ -256,9 +260,7 @@ function newHost(world) {
       fillReleasing: (key, expected, value, _ttl, lock, owner, landed) => {
         const lease = world.locks.get(lock);
         const held = lease?.owner === owner && world.now < lease.until;
-        const stored = world.l2.get(key);
-        const fenced = expected === undefined || expected === null ? stored === undefined : same(stored, expected);
-        const written = held && fenced;
+        const written = held && holds(key, expected);
         if (written) world.l2.set(key, value);
         if (held) world.locks.delete(lock);
         world.hosts.filter((h) => h !== host).forEach((h) => h.hear(landed));

@@ -84,9 +84,9 @@ pub(super) struct Driver {
     /// reported ([`Driver::overdue`]).
     hard_at: Option<u64>,
     soft_at: Option<u64>,
-    /// The stale copy the machine had the callers answered with at the soft timeout,
-    /// while the load goes on.
-    answered: Option<Vec<u8>>,
+    /// The machine had the callers answered with the stale copy (`stale`) at the soft
+    /// timeout, while the load goes on.
+    answered: bool,
 }
 
 impl Driver {
@@ -123,7 +123,7 @@ impl Driver {
             park: false,
             hard_at: None,
             soft_at: None,
-            answered: None,
+            answered: false,
         }
     }
 
@@ -221,7 +221,7 @@ impl Driver {
 
     /// The stale copy the callers were answered with at the soft timeout, if they were.
     pub(super) fn answered(&self) -> Option<&[u8]> {
-        self.answered.as_deref()
+        self.answered.then_some(self.stale.as_slice())
     }
 
     /// The caller dropped the load: the flight lock goes (owner-checked, announced, so
@@ -259,7 +259,7 @@ impl Driver {
                 }
                 // At the soft timeout: the callers get the stale copy, the load goes on.
                 Action::AnswerStale { l1_until_ms } => {
-                    self.answered = Some(self.stale.clone());
+                    self.answered = true;
                     if let Some(until_ms) = l1_until_ms {
                         self.fill_l1(&self.stale, until_ms, None, true);
                     }
