@@ -5,7 +5,7 @@
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// A source of the current time, in Unix epoch milliseconds.
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
@@ -35,6 +35,40 @@ impl Clock for SystemClock {
     fn is_real_time(&self) -> bool {
         true
     }
+}
+
+/// A real-time clock read once, then run on the monotonic clock: Unix epoch
+/// milliseconds that never step. A lock table given a real-time clock measures its
+/// expiries on one ([`steady`]), so a step of the wall clock moves no lock (contract §6.2).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SteadyClock {
+    origin_ms: u64,
+    origin: Instant,
+}
+
+impl Clock for SteadyClock {
+    fn now_ms(&self) -> u64 {
+        let elapsed = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.origin_ms.saturating_add(elapsed)
+    }
+
+    fn is_real_time(&self) -> bool {
+        true
+    }
+}
+
+/// What a lock table measures its expiries on, given `clock`: a clock that runs in real
+/// time ([`Clock::is_real_time`], the wall clock) stands for a [`SteadyClock`] starting
+/// at its reading now; any other (a manual or simulated clock) is used as it is, so a
+/// test still moves the locks' time by hand.
+pub(crate) fn steady(clock: Arc<dyn Clock>) -> Arc<dyn Clock> {
+    if !clock.is_real_time() {
+        return clock;
+    }
+    Arc::new(SteadyClock {
+        origin_ms: clock.now_ms(),
+        origin: Instant::now(),
+    })
 }
 
 /// A clock that moves only when told to: for deterministic tests and simulations.
@@ -75,6 +109,34 @@ impl Clock for ManualClock {
     }
 }
 
+/// A wall clock stepped by hand: real time by its own account, as the system clock is.
+#[cfg(test)]
+#[derive(Clone, Debug)]
+pub(crate) struct SteppedWall(ManualClock);
+
+#[cfg(test)]
+impl SteppedWall {
+    pub(crate) fn new(now_ms: u64) -> Self {
+        SteppedWall(ManualClock::new(now_ms))
+    }
+
+    /// Steps the clock to `now_ms`.
+    pub(crate) fn set(&self, now_ms: u64) {
+        self.0.set(now_ms);
+    }
+}
+
+#[cfg(test)]
+impl Clock for SteppedWall {
+    fn now_ms(&self) -> u64 {
+        self.0.now_ms()
+    }
+
+    fn is_real_time(&self) -> bool {
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,5 +150,29 @@ mod tests {
         assert_eq!(clock.now_ms(), 1_250);
         clock.set(7);
         assert_eq!(twin.now_ms(), 7);
+    }
+
+    #[test]
+    fn a_steady_clock_starts_at_the_wall_clock_and_ignores_its_steps() {
+        let wall = SteppedWall::new(5_000_000);
+        let steady = steady(Arc::new(wall.clone()));
+        let first = steady.now_ms();
+        assert!(
+            (5_000_000..5_001_000).contains(&first),
+            "starts at the wall clock: {first}"
+        );
+        wall.set(9_000_000);
+        assert!(steady.now_ms() < 5_001_000, "a step forward is not taken");
+        wall.set(1_000);
+        assert!(steady.now_ms() >= first, "nor a step back");
+        assert!(steady.is_real_time());
+    }
+
+    #[test]
+    fn a_clock_that_is_not_real_time_is_kept_as_it_is() {
+        let manual = ManualClock::new(1_000);
+        let kept = steady(Arc::new(manual.clone()));
+        manual.advance(Duration::from_secs(3_600));
+        assert_eq!(kept.now_ms(), 3_601_000, "moved by hand");
     }
 }

@@ -471,7 +471,7 @@ fn locks_over(
     #[cfg(not(feature = "redis"))]
     let _ = (stores, owed);
     Locks {
-        table: MemoryLocks::from_parts(policy.clone(), clock.clone()),
+        table: MemoryLocks::from_parts(policy.clone(), crate::clock::steady(clock.clone())),
         #[cfg(feature = "redis")]
         redis: stores.redis.as_ref().map(|store| {
             let server = Server::shared(store.options(), store.link());

@@ -17,7 +17,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::Result;
-use crate::clock::{Clock, SystemClock};
+use crate::clock::{Clock, SystemClock, steady};
 use crate::guest::Policy;
 use crate::guest::policy::{Held, defaults};
 use crate::options::duration_ms;
@@ -117,7 +117,9 @@ impl fmt::Debug for MemoryLocks {
 }
 
 impl MemoryLocks {
-    /// A lock table on the system clock, sweeping its expired entries every second.
+    /// A lock table on the system clock, sweeping its expired entries every second. Its
+    /// expiries run on the monotonic clock from the table's making: a step of the wall
+    /// clock neither frees a held lock nor keeps a lapsed one.
     ///
     /// Made inside a Tokio runtime, the table sweeps on a task of that runtime (so it
     /// stops sweeping if the runtime shuts down before the table is dropped); made
@@ -131,14 +133,16 @@ impl MemoryLocks {
     }
 
     /// A lock table on `clock` (a [`ManualClock`](crate::ManualClock) in tests),
-    /// sweeping as [`new`](Self::new) does.
+    /// sweeping as [`new`](Self::new) does. A clock that runs in real time
+    /// ([`Clock::is_real_time`], as the system clock does) is read once, at the making,
+    /// and the table's time then runs on the monotonic clock, as [`new`](Self::new)'s does.
     ///
     /// # Errors
     /// As [`new`](Self::new).
     pub fn with_clock(clock: impl Clock) -> Result<Self> {
         let policy = Policy::load(defaults()?.limits)?;
         let every = Duration::from_millis(policy.lock_sweep_interval_ms()?);
-        Ok(Self::build(policy, Arc::new(clock), Some(every)))
+        Ok(Self::build(policy, steady(Arc::new(clock)), Some(every)))
     }
 
     /// A lock table on `clock` that sweeps every `every` (real time) instead of the
@@ -155,11 +159,13 @@ impl MemoryLocks {
             ));
         }
         let policy = Policy::load(defaults()?.limits)?;
-        Ok(Self::build(policy, Arc::new(clock), Some(every)))
+        Ok(Self::build(policy, steady(Arc::new(clock)), Some(every)))
     }
 
-    /// A table sharing a cache's guest handle, limits and clock ([`Corral::locks`](crate::Corral::locks)),
-    /// sweeping at the guest's interval.
+    /// A table sharing a cache's guest handle and limits, its expiries judged on `clock`
+    /// as given ([`Corral::locks`](crate::Corral::locks) passes the cache's made
+    /// [`steady`]; the portable body, the clock its guest reads), sweeping at the guest's
+    /// interval.
     pub(crate) fn from_parts(policy: Policy, clock: Arc<dyn Clock>) -> Self {
         let every = match policy.lock_sweep_interval_ms() {
             Ok(ms) => Some(Duration::from_millis(ms)),
@@ -348,6 +354,41 @@ impl MemoryLocks {
 mod tests {
     use super::*;
     use crate::ManualClock;
+    use crate::clock::SteppedWall;
+
+    #[test]
+    fn a_step_of_the_wall_clock_neither_frees_a_held_lock_nor_keeps_a_lapsed_one() {
+        let wall = SteppedWall::new(1_000_000_000);
+        let locks = MemoryLocks::with_clock(wall.clone()).unwrap();
+        assert!(locks.try_lock("a", "one", Duration::from_secs(10)).unwrap());
+        wall.set(1_000_000_000 + 3_600_000);
+        assert!(
+            locks.is_locked_by("a", "one").unwrap(),
+            "an hour's step forward frees nothing"
+        );
+        assert!(!locks.try_lock("a", "two", Duration::from_secs(10)).unwrap());
+        assert_eq!(locks.sweep().unwrap(), 0, "nor does the sweep take it");
+        assert!(locks.try_lock("b", "one", Duration::from_millis(20)).unwrap());
+        wall.set(1_000_000_000 - 3_600_000);
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(
+            locks.try_lock("b", "two", Duration::from_secs(10)).unwrap(),
+            "an hour's step back keeps no lapsed lock"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_caches_lock_table_is_steady_on_a_real_time_clock() {
+        let wall = SteppedWall::new(1_000_000_000);
+        let cache = crate::Corral::builder().clock(wall.clone()).build().unwrap();
+        let locks = cache.locks().table();
+        assert!(locks.try_lock("a", "one", Duration::from_secs(10)).unwrap());
+        wall.set(1_000_000_000 + 3_600_000);
+        assert!(
+            locks.is_locked_by("a", "one").unwrap(),
+            "an hour's step forward frees nothing"
+        );
+    }
 
     #[test]
     fn the_sweep_never_removes_an_entry_renewed_between_its_two_phases() {
