@@ -205,6 +205,31 @@ impl Body {
         }
     }
 
+    /// Takes the process's table lock of `key` for `owner`, if free (the native
+    /// body's `MemoryLocks` through `Corral::locks()`, the portable body's `lock` export).
+    pub(crate) async fn try_lock(&self, key: &str, owner: &str, ttl: Duration) -> corral::Result<bool> {
+        match self {
+            Body::Native(c) => c.locks().table().try_lock(key, owner, ttl),
+            Body::Portable(c) => c.try_lock(key, owner, ttl).await,
+        }
+    }
+
+    /// Releases the table lock of `key` if `owner` holds it.
+    pub(crate) async fn unlock(&self, key: &str, owner: &str) -> corral::Result<bool> {
+        match self {
+            Body::Native(c) => c.locks().table().unlock(key, owner),
+            Body::Portable(c) => c.unlock(key, owner).await,
+        }
+    }
+
+    /// Whether `owner` holds the table lock of `key`.
+    pub(crate) async fn is_locked_by(&self, key: &str, owner: &str) -> corral::Result<bool> {
+        match self {
+            Body::Native(c) => c.locks().table().is_locked_by(key, owner),
+            Body::Portable(c) => c.is_locked_by(key, owner).await,
+        }
+    }
+
     /// Degraded loads the body counted (the portable body keeps no metrics).
     pub(crate) fn degraded(&self) -> u64 {
         match self {

@@ -11,6 +11,7 @@ pub mod report;
 pub mod rng;
 pub mod run;
 pub mod scenario;
+pub(crate) mod table;
 pub(crate) mod tracked;
 pub(crate) mod wire;
 pub mod world;

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -36,12 +36,24 @@ const VALUE_TTL: Duration = Duration::from_secs(120);
 pub struct SimClock {
     start: tokio::time::Instant,
     skew: Arc<AtomicI64>,
+    /// The highest reading anyone took.
+    highest: Arc<AtomicU64>,
+}
+
+impl SimClock {
+    /// The highest reading anyone took of this clock so far: a point its readers may
+    /// have judged passed, even after a step back.
+    pub(crate) fn highest_ms(&self) -> u64 {
+        self.highest.load(Ordering::SeqCst)
+    }
 }
 
 impl Clock for SimClock {
     fn now_ms(&self) -> u64 {
         let virt = self.start.elapsed().as_millis() as i64;
-        (EPOCH_MS as i64 + virt + self.skew.load(Ordering::SeqCst)) as u64
+        let now = (EPOCH_MS as i64 + virt + self.skew.load(Ordering::SeqCst)) as u64;
+        self.highest.fetch_max(now, Ordering::SeqCst);
+        now
     }
 }
 
@@ -523,6 +535,11 @@ pub(crate) struct Ctx {
 }
 
 impl Ctx {
+    /// Process `proc`'s clock.
+    pub(crate) fn clock(&self, proc: usize) -> &SimClock {
+        &self.clocks[proc]
+    }
+
     /// The next call's number.
     pub(crate) fn next_id(&self) -> u64 {
         let mut n = self.next_call.lock();
@@ -558,6 +575,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         let clock = SimClock {
             start: world.start,
             skew: skew.clone(),
+            highest: Arc::default(),
         };
         clocks.push(clock.clone());
         // Either body runs the real Redis store and subscription over its wire. (A
@@ -760,6 +778,20 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
                     tokio::time::sleep(Duration::from_millis(s.think())).await;
                     ctx2.world.gate(p).await;
                     crate::locks::session(&ctx2, p, &locks, s).await;
+                }
+            });
+            ctx.tasks[p].lock().push(actor.abort_handle());
+            actors.push((p, actor));
+        }
+        let known = Arc::new(crate::table::Known::default());
+        for l in 0..scenario.table_lockers {
+            let sessions = crate::table::sessions(&scenario, seed, p, l);
+            let (ctx2, cache, known) = (ctx.clone(), cache.clone(), known.clone());
+            let actor = tokio::spawn(async move {
+                for s in sessions {
+                    tokio::time::sleep(Duration::from_millis(s.think())).await;
+                    ctx2.world.gate(p).await;
+                    crate::table::session(&ctx2, p, &cache, &known, s).await;
                 }
             });
             ctx.tasks[p].lock().push(actor.abort_handle());

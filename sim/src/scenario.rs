@@ -282,6 +282,9 @@ pub struct Scenario {
     pub lock_sessions: usize,
     pub lock_keys: usize,
     pub lease_ttl_ms: u64,
+    /// Holders of in-process table locks per process (the native `MemoryLocks`, the
+    /// portable `lock` export), with the lease holders' sessions, keys and TTL.
+    pub table_lockers: usize,
     /// The servers each lease is taken on: 1, or several for Redlock (a majority holds).
     pub lease_servers: usize,
     pub faults: FaultRates,
@@ -312,6 +315,7 @@ impl Scenario {
             lock_sessions: 3,
             lock_keys: 2,
             lease_ttl_ms: 1_200,
+            table_lockers: 2,
             lease_servers: 1,
             faults: FaultRates::default(),
             broken: Broken::default(),
