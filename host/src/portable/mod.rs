@@ -867,6 +867,70 @@ mod tests {
         }
     }
 
+    /// A caller of the instance whose flight meets the key's lock held by the instance's
+    /// own eager refresh follows the refresh, and once it ended goes on as a new caller
+    /// (contract §5.15): here the refresh found its entry gone and filled nothing, so the
+    /// follower loads. Before, its flight waited out the lock wait inside the instance,
+    /// where the refresh could not end.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_caller_meeting_its_instances_refresh_follows_it() -> Result<()> {
+        let clock = ManualClock::starting_now();
+        let cache = PortableCache::builder()
+            .clock(clock.clone())
+            .eager_refresh(0.5)
+            .lock_wait(SEC)
+            .build()?;
+        let entry = EntryOptions::new().relative(10 * SEC);
+        cache
+            .get_or_set("k", entry, false, |_| Ok(b"old".to_vec()), |_| true)
+            .await?;
+        let options = options_in(&entry);
+        let (began, pending, refreshed, followed, mine) = cache
+            .call(move |s| {
+                let cache = s.guest.corral_cache_cache();
+                let store = &mut s.store;
+                clock.advance(6 * SEC);
+                let Ok(Begun::Refresh((_, load))) =
+                    cache.call_begin(&mut *store, "k", options, false, &[])?
+                else {
+                    return Err(wasmtime::format_err!("no refresh was due"));
+                };
+                // Past the entry's end: L1 and L2 miss, and the lock is the refresh's.
+                clock.advance(5 * SEC);
+                let began = cache.call_begin(&mut *store, "k", options, false, &[])?;
+                let Ok(Begun::Wait(follower)) = began else {
+                    load.resource_drop(&mut *store)?;
+                    return Ok(Ok((false, None, None, None, None)));
+                };
+                let pending = cache.follower().call_outcome(&mut *store, follower)?;
+                let refreshed = cache.load().call_complete(&mut *store, load, b"new", true)?;
+                let followed = cache.follower().call_outcome(&mut *store, follower)?;
+                let mut mine = None;
+                let followed = match followed {
+                    Followed::Lead(again) => {
+                        mine = Some(cache.load().call_complete(&mut *store, again, b"mine", true)?);
+                        "lead"
+                    }
+                    Followed::Pending => "pending",
+                    Followed::Ready(_) => "ready",
+                };
+                follower.resource_drop(&mut *store)?;
+                Ok(Ok((true, Some(pending), Some(refreshed), Some(followed), mine)))
+            })
+            .await?;
+        assert!(began, "the caller did not follow the refresh");
+        assert!(
+            matches!(pending, Some(Followed::Pending)),
+            "the refresh still loads"
+        );
+        assert_eq!(refreshed.and_then(|r| r.ok()).as_deref(), Some(&b"new"[..]));
+        assert_eq!(followed, Some("lead"), "once the refresh ended, the caller loads");
+        assert_eq!(mine.and_then(|r| r.ok()).as_deref(), Some(&b"mine"[..]));
+        assert_eq!(cache.get("k").await?.as_deref(), Some(&b"mine"[..]));
+        assert_eq!(cache.flights_in_progress(), 0);
+        Ok(())
+    }
+
     /// A follower in the instance asking past the load's hard timeout ends the flight
     /// with what a hard timeout gives every caller (a timeout, no stale copy here), and
     /// the holder's late value is judged the same, cached nowhere (contract §6b.2).

@@ -9,6 +9,11 @@
 //! As there (contract §5.3), a follower takes the load's outcome only if its key is as
 //! it was when the load began; else, once that load ended, it leads one of its own.
 //!
+//! An eager refresh's load is kept too: a caller of the instance whose flight would wait
+//! for the key's lock, which that refresh holds, follows the refresh instead (the
+//! instance could not end the refresh while it waits), and once the refresh ended, reads
+//! again what it left.
+//!
 //! The caller's load cannot be stopped, but its timeouts are kept for its followers: a
 //! follower that asks once the load's soft timeout is due gets the stale copy the
 //! machine answers with, and one that asks past its hard timeout ends the flight with
@@ -44,6 +49,10 @@ struct Shared {
     /// It leads the process's flight of its key: this instance's callers of the key
     /// follow it.
     leads: bool,
+    /// It is an eager refresh: its followers read the key again once it ended, rather
+    /// than take its outcome (a refresh's failure is no caller's), and its timeouts
+    /// answer nobody.
+    refresh: bool,
     /// The callers answered at the soft timeout: the followers that began up to this
     /// count ([`FOLLOWERS`]) were waiting then. One that begins later waits for the
     /// load's end, or finds the stale copy in L1 for as long as the machine let L1 keep
@@ -55,14 +64,24 @@ impl Shared {
     /// The load ended with `result`: its followers get it.
     fn ended(self: &Rc<Self>, key: &str, result: &Result<Vec<u8>, types::Error>) {
         *self.outcome.borrow_mut() = Some(result.clone());
+        self.forget(key);
+    }
+
+    /// Its load is no longer open in this instance.
+    fn forget(self: &Rc<Self>, key: &str) {
         if self.leads {
-            forget(key, self);
+            forget(&OPEN, key, self);
+        } else if self.refresh {
+            forget(&REFRESHING, key, self);
         }
     }
 
     /// Reports a timeout of the load that fell due (the follower asking is the timer a
     /// native body would have); a hard timeout ends the flight here.
     fn overdue(self: &Rc<Self>) {
+        if self.refresh {
+            return;
+        }
         let mut cell = self.driver.borrow_mut();
         let Some(driver) = cell.as_mut() else {
             return;
@@ -103,6 +122,8 @@ fn second_load() -> types::Error {
 thread_local! {
     /// The loads this instance's callers hold as their process's leader of a key.
     static OPEN: RefCell<HashMap<String, Rc<Shared>>> = RefCell::new(HashMap::new());
+    /// The eager refreshes this instance's callers hold, by key.
+    static REFRESHING: RefCell<HashMap<String, Rc<Shared>>> = RefCell::new(HashMap::new());
     /// How many followers this instance's callers began: each follower's number.
     static FOLLOWERS: Cell<u64> = const { Cell::new(0) };
 }
@@ -110,6 +131,11 @@ thread_local! {
 /// The load of `key` a caller of this instance holds, if any.
 fn open(key: &str) -> Option<Rc<Shared>> {
     OPEN.with(|open| open.borrow().get(key).cloned())
+}
+
+/// The eager refresh of `key` a caller of this instance holds, if any.
+fn refreshing(key: &str) -> Option<Rc<Shared>> {
+    REFRESHING.with(|open| open.borrow().get(key).cloned())
 }
 
 /// What a get-or-set was asked with: what a follower needs to lead in a dropped load's
@@ -156,9 +182,14 @@ impl Loading {
     }
 }
 
-/// The load of `key` is no longer open in this instance (if `shared` is still its).
-fn forget(key: &str, shared: &Rc<Shared>) {
-    OPEN.with(|open| {
+/// The load of `key` is no longer open in this instance (if `shared` is still its in
+/// `loads`).
+fn forget(
+    loads: &'static std::thread::LocalKey<RefCell<HashMap<String, Rc<Shared>>>>,
+    key: &str,
+    shared: &Rc<Shared>,
+) {
+    loads.with(|open| {
         let mut open = open.borrow_mut();
         if open.get(key).is_some_and(|s| Rc::ptr_eq(s, shared)) {
             open.remove(key);
@@ -173,9 +204,7 @@ impl Drop for Loading {
         };
         driver.abandon();
         *self.shared.dropped.borrow_mut() = true;
-        if self.shared.leads {
-            forget(driver.key(), &self.shared);
-        }
+        self.shared.forget(driver.key());
     }
 }
 
@@ -197,8 +226,9 @@ impl wcache::GuestLoad for Loading {
     }
 }
 
-/// A caller waiting for the load another caller of this instance holds, or (`None`)
-/// for the flight another caller of the process leads, joined by a batch
+/// A caller waiting for the load another caller of this instance holds (or for the
+/// end of the instance's eager refresh of the key, whose lock its flight met), or
+/// (`None`) for the flight another caller of the process leads, joined by a batch
 /// (`flights.join-many`): asked, it joins that flight for its outcome.
 pub(crate) struct Following {
     shared: RefCell<Option<Rc<Shared>>>,
@@ -224,7 +254,12 @@ impl wcache::GuestFollower for Following {
             return Followed::Ready(settled);
         }
         let shared = self.shared.borrow().clone();
-        if let Some(shared) = shared {
+        if let Some(shared) = shared.as_ref().filter(|s| s.refresh) {
+            let ended = shared.outcome.borrow().is_some() || *shared.dropped.borrow();
+            if !ended {
+                return Followed::Pending;
+            }
+        } else if let Some(shared) = shared {
             shared.overdue();
             let unchanged = key_unchanged(&shared.ticket, &self.since.borrow());
             if unchanged && let Some(stale) = shared.answered(self.number) {
@@ -514,6 +549,11 @@ fn begin_flight(
     })?;
     if role == Role::Leader {
         driver.lead();
+        // Waiting for the lock this instance's refresh holds would keep the refresh
+        // from ending: the flight follows the refresh instead.
+        if refreshing(&request.key).is_some() {
+            driver.park_at_wait();
+        }
     }
     Ok((driver, action, ticket))
 }
@@ -531,6 +571,7 @@ fn drive(
     match driver.start(action) {
         Step::Load => {
             let leads = role == Role::Leader;
+            let refresh = role == Role::Refresh && refreshing(&request.key).is_none();
             let shared = Rc::new(Shared {
                 driver: RefCell::new(Some(driver)),
                 ticket,
@@ -538,9 +579,12 @@ fn drive(
                 dropped: RefCell::new(false),
                 answered_upto: Cell::new(None),
                 leads,
+                refresh,
             });
             if leads {
                 OPEN.with(|open| open.borrow_mut().insert(request.key.clone(), shared.clone()));
+            } else if refresh {
+                REFRESHING.with(|open| open.borrow_mut().insert(request.key.clone(), shared.clone()));
             }
             Ok(Begun::Lead(wcache::Load::new(Loading { shared })))
         }
@@ -558,7 +602,7 @@ fn drive(
         // batches wait on each other.
         Step::Parked => {
             driver.abandon();
-            Ok(follow(None, request))
+            Ok(follow(refreshing(&request.key), request))
         }
     }
 }
