@@ -11,7 +11,7 @@
 //! - A try that wins while another owner's lock surely lives (taken, not being
 //!   released) is a violation: two holders.
 //! - A holder that asks while its lock surely lives is told it holds it; one whose
-//!   lock another owner took over is told it does not.
+//!   lock another owner took over, or surely lapsed, is told it does not.
 //! - An unlock by a holder whose lock surely lives releases it; an unlock of a lock
 //!   another owner took over releases nothing.
 //! - A try loses only to a lock that may still live: one that was never taken, was
@@ -194,7 +194,9 @@ impl Table<'_> {
             Holder {
                 owner: owner.to_owned(),
                 lives_until: before.min(after) + ttl,
-                lapses_at: before.max(after) + ttl,
+                // The table read its time during the call: a step back within the
+                // call may leave both readings below it, never the highest.
+                lapses_at: before.max(after).max(self.ctx.clock(self.proc).highest_ms()) + ttl,
                 releasing: false,
             },
         );
@@ -203,6 +205,7 @@ impl Table<'_> {
     /// The holder looks at its lock: the table must agree with what is known of it.
     async fn look(&self, key: &str, owner: &str) -> bool {
         let known = self.known.holders.lock().get(key).cloned();
+        let before = self.now();
         let holds = match self.body.is_locked_by(key, owner).await {
             Ok(holds) => holds,
             Err(e) => {
@@ -210,6 +213,7 @@ impl Table<'_> {
                 return false;
             }
         };
+        let after = self.now();
         match known {
             Some(h) if h.owner == owner && !holds && !self.may_have_lapsed(h.lives_until) => {
                 self.violation(format_args!(
@@ -221,6 +225,9 @@ impl Table<'_> {
                 "{owner} told it holds {key}, which {} took over",
                 h.owner
             )),
+            Some(h) if h.owner == owner && holds && before.min(after) >= h.lapses_at => self.violation(
+                format_args!("{owner} told it holds {key}, which lapsed at {}", h.lapses_at),
+            ),
             _ => {}
         }
         holds

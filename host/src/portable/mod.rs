@@ -867,13 +867,15 @@ mod tests {
         }
     }
 
-    /// A caller of the instance whose flight meets the key's lock held by the instance's
-    /// own eager refresh follows the refresh, and once it ended goes on as a new caller
-    /// (contract §5.15): here the refresh found its entry gone and filled nothing, so the
-    /// follower loads. Before, its flight waited out the lock wait inside the instance,
-    /// where the refresh could not end.
+    /// Callers of the instance whose flights meet the key's lock held by the instance's
+    /// own eager refresh follow the refresh, and once it ended begin again as new
+    /// callers would (contract §5.15): here the refresh found its entry gone and filled
+    /// nothing, so the first to ask loads and the other follows that load. Before, the
+    /// first caller's flight waited out the lock wait inside the instance, where the
+    /// refresh could not end; and a second follower, joining the process's flight its
+    /// own instance led, never returned.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_caller_meeting_its_instances_refresh_follows_it() -> Result<()> {
+    async fn callers_meeting_their_instances_refresh_follow_it() -> Result<()> {
         let clock = ManualClock::starting_now();
         let cache = PortableCache::builder()
             .clock(clock.clone())
@@ -885,10 +887,11 @@ mod tests {
             .get_or_set("k", entry, false, |_| Ok(b"old".to_vec()), |_| true)
             .await?;
         let options = options_in(&entry);
-        let (began, pending, refreshed, followed, mine) = cache
+        let seen = cache
             .call(move |s| {
                 let cache = s.guest.corral_cache_cache();
                 let store = &mut s.store;
+                let mut seen = Vec::new();
                 clock.advance(6 * SEC);
                 let Ok(Begun::Refresh((_, load))) =
                     cache.call_begin(&mut *store, "k", options, false, &[])?
@@ -897,35 +900,57 @@ mod tests {
                 };
                 // Past the entry's end: L1 and L2 miss, and the lock is the refresh's.
                 clock.advance(5 * SEC);
-                let began = cache.call_begin(&mut *store, "k", options, false, &[])?;
-                let Ok(Begun::Wait(follower)) = began else {
-                    load.resource_drop(&mut *store)?;
-                    return Ok(Ok((false, None, None, None, None)));
-                };
-                let pending = cache.follower().call_outcome(&mut *store, follower)?;
-                let refreshed = cache.load().call_complete(&mut *store, load, b"new", true)?;
-                let followed = cache.follower().call_outcome(&mut *store, follower)?;
-                let mut mine = None;
-                let followed = match followed {
-                    Followed::Lead(again) => {
-                        mine = Some(cache.load().call_complete(&mut *store, again, b"mine", true)?);
-                        "lead"
+                let mut followers = Vec::new();
+                for _ in 0..2 {
+                    match cache.call_begin(&mut *store, "k", options, false, &[])? {
+                        Ok(Begun::Wait(follower)) => followers.push(follower),
+                        _ => {
+                            load.resource_drop(&mut *store)?;
+                            return Ok(Ok(vec!["a caller did not follow the refresh".to_owned()]));
+                        }
                     }
-                    Followed::Pending => "pending",
-                    Followed::Ready(_) => "ready",
+                }
+                let said = |followed: Followed| match followed {
+                    Followed::Pending => "pending".to_owned(),
+                    Followed::Ready(r) => format!("ready {:?}", r.map(String::from_utf8)),
+                    Followed::Lead(_) => "led".to_owned(),
                 };
-                follower.resource_drop(&mut *store)?;
-                Ok(Ok((true, Some(pending), Some(refreshed), Some(followed), mine)))
+                let first = cache.follower().call_outcome(&mut *store, followers[0])?;
+                seen.push(said(first));
+                let ended = cache.load().call_complete(&mut *store, load, b"new", true)?;
+                seen.push(format!("refreshed {:?}", ended.map(String::from_utf8)));
+                // The first to ask after the refresh leads (the refresh filled nothing)...
+                let Followed::Lead(mine) = cache.follower().call_outcome(&mut *store, followers[1])? else {
+                    return Ok(Ok(vec!["the first to ask did not lead".to_owned()]));
+                };
+                seen.push("led".to_owned());
+                // ...and the other follows that load while it is open.
+                let second = cache.follower().call_outcome(&mut *store, followers[0])?;
+                seen.push(said(second));
+                let ended = cache.load().call_complete(&mut *store, mine, b"mine", true)?;
+                seen.push(format!("loaded {:?}", ended.map(String::from_utf8)));
+                for &follower in &followers {
+                    let last = cache.follower().call_outcome(&mut *store, follower)?;
+                    seen.push(said(last));
+                }
+                for follower in followers {
+                    follower.resource_drop(&mut *store)?;
+                }
+                Ok(Ok(seen))
             })
             .await?;
-        assert!(began, "the caller did not follow the refresh");
-        assert!(
-            matches!(pending, Some(Followed::Pending)),
-            "the refresh still loads"
+        assert_eq!(
+            seen,
+            [
+                "pending",
+                r#"refreshed Ok(Ok("new"))"#,
+                "led",
+                "pending",
+                r#"loaded Ok(Ok("mine"))"#,
+                r#"ready Ok(Ok("mine"))"#,
+                r#"ready Ok(Ok("mine"))"#,
+            ]
         );
-        assert_eq!(refreshed.and_then(|r| r.ok()).as_deref(), Some(&b"new"[..]));
-        assert_eq!(followed, Some("lead"), "once the refresh ended, the caller loads");
-        assert_eq!(mine.and_then(|r| r.ok()).as_deref(), Some(&b"mine"[..]));
         assert_eq!(cache.get("k").await?.as_deref(), Some(&b"mine"[..]));
         assert_eq!(cache.flights_in_progress(), 0);
         Ok(())

@@ -49,10 +49,13 @@ struct Shared {
     /// It leads the process's flight of its key: this instance's callers of the key
     /// follow it.
     leads: bool,
-    /// It is an eager refresh: its followers read the key again once it ended, rather
-    /// than take its outcome (a refresh's failure is no caller's), and its timeouts
-    /// answer nobody.
+    /// It is an eager refresh: its followers begin again once it ended, rather than
+    /// take its outcome (a refresh's failure is no caller's), and its timeouts answer
+    /// nobody.
     refresh: bool,
+    /// When its flight lock lapses (an eager refresh's: its holder may never end it,
+    /// and it renews nothing): past then, nobody follows it.
+    lapses_at_ms: u64,
     /// The callers answered at the soft timeout: the followers that began up to this
     /// count ([`FOLLOWERS`]) were waiting then. One that begins later waits for the
     /// load's end, or finds the stale copy in L1 for as long as the machine let L1 keep
@@ -61,6 +64,12 @@ struct Shared {
 }
 
 impl Shared {
+    /// An eager refresh that ended, was dropped, or whose lock lapsed: its followers
+    /// begin again.
+    fn over(&self) -> bool {
+        self.outcome.borrow().is_some() || *self.dropped.borrow() || now_ms() >= self.lapses_at_ms
+    }
+
     /// The load ended with `result`: its followers get it.
     fn ended(self: &Rc<Self>, key: &str, result: &Result<Vec<u8>, types::Error>) {
         *self.outcome.borrow_mut() = Some(result.clone());
@@ -133,9 +142,12 @@ fn open(key: &str) -> Option<Rc<Shared>> {
     OPEN.with(|open| open.borrow().get(key).cloned())
 }
 
-/// The eager refresh of `key` a caller of this instance holds, if any.
+/// The eager refresh of `key` a caller of this instance holds, if any, while its lock
+/// lives.
 fn refreshing(key: &str) -> Option<Rc<Shared>> {
-    REFRESHING.with(|open| open.borrow().get(key).cloned())
+    REFRESHING
+        .with(|open| open.borrow().get(key).cloned())
+        .filter(|refresh| !refresh.over())
 }
 
 /// What a get-or-set was asked with: what a follower needs to lead in a dropped load's
@@ -255,10 +267,10 @@ impl wcache::GuestFollower for Following {
         }
         let shared = self.shared.borrow().clone();
         if let Some(shared) = shared.as_ref().filter(|s| s.refresh) {
-            let ended = shared.outcome.borrow().is_some() || *shared.dropped.borrow();
-            if !ended {
+            if !shared.over() {
                 return Followed::Pending;
             }
+            return self.again();
         } else if let Some(shared) = shared {
             shared.overdue();
             let unchanged = key_unchanged(&shared.ticket, &self.since.borrow());
@@ -290,6 +302,21 @@ impl wcache::GuestFollower for Following {
 }
 
 impl Following {
+    /// Begins again once the refresh it followed is over, as a new caller would: from
+    /// L1, following a load of the instance, or through the process's flight.
+    fn again(&self) -> Followed {
+        let request = &self.request;
+        if let Some(hit) = from_l1(request, now_ms(), &settings()) {
+            return self.led(Ok(hit));
+        }
+        if let Some(own) = open(&request.key) {
+            *self.since.borrow_mut() = l1::ticket(&request.key);
+            *self.shared.borrow_mut() = Some(own);
+            return Followed::Pending;
+        }
+        self.led(lead(request.clone()))
+    }
+
     /// What this caller got once it led in its own right (`begun`).
     fn led(&self, begun: Result<Begun, types::Error>) -> Followed {
         let settle = |outcome: Result<Vec<u8>, types::Error>| {
@@ -306,7 +333,13 @@ impl Following {
                 Followed::Lead(load)
             }
             Ok(Begun::Hit(value) | Begun::Refresh((value, _))) => settle(Ok(value)),
-            Ok(Begun::Wait(_)) => Followed::Pending,
+            // It follows another load now (a newer refresh's, or the process's flight).
+            Ok(Begun::Wait(follower)) => {
+                let newer: Following = follower.into_inner();
+                *self.since.borrow_mut() = newer.since.into_inner();
+                *self.shared.borrow_mut() = newer.shared.into_inner();
+                Followed::Pending
+            }
             Err(e) => settle(Err(e)),
         }
     }
@@ -571,7 +604,7 @@ fn drive(
     match driver.start(action) {
         Step::Load => {
             let leads = role == Role::Leader;
-            let refresh = role == Role::Refresh && refreshing(&request.key).is_none();
+            let refresh = role == Role::Refresh;
             let shared = Rc::new(Shared {
                 driver: RefCell::new(Some(driver)),
                 ticket,
@@ -580,6 +613,11 @@ fn drive(
                 answered_upto: Cell::new(None),
                 leads,
                 refresh,
+                lapses_at_ms: if refresh {
+                    now_ms().saturating_add(settings.lock_ttl_ms)
+                } else {
+                    u64::MAX
+                },
             });
             if leads {
                 OPEN.with(|open| open.borrow_mut().insert(request.key.clone(), shared.clone()));
