@@ -49,13 +49,11 @@ struct Shared {
     /// It leads the process's flight of its key: this instance's callers of the key
     /// follow it.
     leads: bool,
-    /// It is an eager refresh: its followers begin again once it ended, rather than
-    /// take its outcome (a refresh's failure is no caller's), and its timeouts answer
-    /// nobody.
-    refresh: bool,
-    /// When its flight lock lapses (an eager refresh's: its holder may never end it,
-    /// and it renews nothing): past then, nobody follows it.
-    lapses_at_ms: u64,
+    /// An eager refresh's: when its flight lock lapses (its holder may never end it, and
+    /// it renews nothing; past then, nobody follows it). Its followers begin again once
+    /// it is over, rather than take its outcome (a refresh's failure is no caller's), and
+    /// its timeouts answer nobody.
+    refresh: Option<u64>,
     /// The callers answered at the soft timeout: the followers that began up to this
     /// count ([`FOLLOWERS`]) were waiting then. One that begins later waits for the
     /// load's end, or finds the stale copy in L1 for as long as the machine let L1 keep
@@ -67,7 +65,9 @@ impl Shared {
     /// An eager refresh that ended, was dropped, or whose lock lapsed: its followers
     /// begin again.
     fn over(&self) -> bool {
-        self.outcome.borrow().is_some() || *self.dropped.borrow() || now_ms() >= self.lapses_at_ms
+        self.outcome.borrow().is_some()
+            || *self.dropped.borrow()
+            || self.refresh.is_some_and(|lapses_at| now_ms() >= lapses_at)
     }
 
     /// The load ended with `result`: its followers get it.
@@ -80,7 +80,7 @@ impl Shared {
     fn forget(self: &Rc<Self>, key: &str) {
         if self.leads {
             forget(&OPEN, key, self);
-        } else if self.refresh {
+        } else if self.refresh.is_some() {
             forget(&REFRESHING, key, self);
         }
     }
@@ -88,7 +88,7 @@ impl Shared {
     /// Reports a timeout of the load that fell due (the follower asking is the timer a
     /// native body would have); a hard timeout ends the flight here.
     fn overdue(self: &Rc<Self>) {
-        if self.refresh {
+        if self.refresh.is_some() {
             return;
         }
         let mut cell = self.driver.borrow_mut();
@@ -266,7 +266,7 @@ impl wcache::GuestFollower for Following {
             return Followed::Ready(settled);
         }
         let shared = self.shared.borrow().clone();
-        if let Some(shared) = shared.as_ref().filter(|s| s.refresh) {
+        if let Some(shared) = shared.as_ref().filter(|s| s.refresh.is_some()) {
             if !shared.over() {
                 return Followed::Pending;
             }
@@ -302,19 +302,9 @@ impl wcache::GuestFollower for Following {
 }
 
 impl Following {
-    /// Begins again once the refresh it followed is over, as a new caller would: from
-    /// L1, following a load of the instance, or through the process's flight.
+    /// Begins again once the refresh it followed is over, as a new caller would.
     fn again(&self) -> Followed {
-        let request = &self.request;
-        if let Some(hit) = from_l1(request, now_ms(), &settings()) {
-            return self.led(Ok(hit));
-        }
-        if let Some(own) = open(&request.key) {
-            *self.since.borrow_mut() = l1::ticket(&request.key);
-            *self.shared.borrow_mut() = Some(own);
-            return Followed::Pending;
-        }
-        self.led(lead(request.clone()))
+        self.led(begin_request(self.request.clone(), now_ms(), &settings()))
     }
 
     /// What this caller got once it led in its own right (`begun`).
@@ -333,7 +323,8 @@ impl Following {
                 Followed::Lead(load)
             }
             Ok(Begun::Hit(value) | Begun::Refresh((value, _))) => settle(Ok(value)),
-            // It follows another load now (a newer refresh's, or the process's flight).
+            // It follows another load now (one of the instance, a newer refresh's, or the
+            // process's flight).
             Ok(Begun::Wait(follower)) => {
                 let newer: Following = follower.into_inner();
                 *self.since.borrow_mut() = newer.since.into_inner();
@@ -376,7 +367,13 @@ pub(crate) fn begin(
     if bypass {
         return fly(request, &settings, Role::Bypass);
     }
-    if let Some(hit) = from_l1(&request, now, &settings) {
+    begin_request(request, now, &settings)
+}
+
+/// A (not bypassing) caller of the request begins at `now`: served from L1, following a
+/// load of the instance, or through the process's flight.
+fn begin_request(request: Request, now: u64, settings: &Settings) -> Result<Begun, types::Error> {
+    if let Some(hit) = from_l1(&request, now, settings) {
         return Ok(hit);
     }
     if let Some(shared) = open(&request.key) {
@@ -604,7 +601,6 @@ fn drive(
     match driver.start(action) {
         Step::Load => {
             let leads = role == Role::Leader;
-            let refresh = role == Role::Refresh;
             let shared = Rc::new(Shared {
                 driver: RefCell::new(Some(driver)),
                 ticket,
@@ -612,16 +608,11 @@ fn drive(
                 dropped: RefCell::new(false),
                 answered_upto: Cell::new(None),
                 leads,
-                refresh,
-                lapses_at_ms: if refresh {
-                    now_ms().saturating_add(settings.lock_ttl_ms)
-                } else {
-                    u64::MAX
-                },
+                refresh: (role == Role::Refresh).then(|| now_ms().saturating_add(settings.lock_ttl_ms)),
             });
             if leads {
                 OPEN.with(|open| open.borrow_mut().insert(request.key.clone(), shared.clone()));
-            } else if refresh {
+            } else if role == Role::Refresh {
                 REFRESHING.with(|open| open.borrow_mut().insert(request.key.clone(), shared.clone()));
             }
             Ok(Begun::Lead(wcache::Load::new(Loading { shared })))
