@@ -790,6 +790,7 @@ mod flight {
             wit::Event::LockBusy(watching) => Event::LockBusy { watching },
             wit::Event::LockFailed => Event::LockFailed,
             wit::Event::Woken => Event::Woken,
+            wit::Event::BudgetSpent => Event::BudgetSpent,
             wit::Event::Loaded(l) => Event::Loaded {
                 len: l.len,
                 cacheable: l.cacheable,

@@ -198,6 +198,12 @@ pub enum Event {
     LockFailed,
     /// A wait ended: a value landed, or the timer fired.
     Woken,
+    /// A wait ended at the real-time deadline of the steps before the load
+    /// ([`StoreBudget::before_load_ms`]): the lock wait is over, whatever the cache's clock
+    /// says. Only real time ends a wait on a clock that stands still (a manual clock) or
+    /// stepped back; the flight then judges the lock timed out, as it does at its own
+    /// deadline, rather than looking again at once for as long as the clock lags.
+    BudgetSpent,
     /// The loader returned a value of `len` bytes; `cacheable` is the caller's
     /// `should_cache` verdict on it.
     Loaded {
@@ -301,7 +307,8 @@ pub enum Action {
         ttl_ms: u64,
     },
     /// Wait until a value for the key lands (a notification) or until `until_ms`,
-    /// whichever is first, then report [`Event::Woken`].
+    /// whichever is first, then report [`Event::Woken`] ([`Event::BudgetSpent`] when the
+    /// real-time deadline of the steps before the load passed: the wait ends at once).
     Wait {
         /// When to stop waiting.
         until_ms: u64,
@@ -614,14 +621,9 @@ impl Flight {
             (P::Locking, E::LockBusy { watching }) => self.wait(now_ms, watching),
             (P::Locking, E::LockFailed) => self.degrade(StaleCause::StoreFailed, now_ms),
             (P::Waiting, E::Woken) => Action::ReadL2,
-            (P::Waiting, E::L2Miss) => {
-                if now_ms >= self.deadline_ms {
-                    self.timed_out = true;
-                    self.degrade(StaleCause::LockTimedOut, now_ms)
-                } else {
-                    self.try_lock(now_ms)
-                }
-            }
+            (P::Waiting, E::BudgetSpent) => self.lock_timed_out(now_ms),
+            (P::Waiting, E::L2Miss) if now_ms >= self.deadline_ms => self.lock_timed_out(now_ms),
+            (P::Waiting, E::L2Miss) => self.try_lock(now_ms),
             (P::DoubleChecking, E::L2Miss | E::L2Failed) => self.load(now_ms),
             (
                 P::Loading,
@@ -739,6 +741,12 @@ impl Flight {
         let until_ms = now_ms.saturating_add(pause).min(self.deadline_ms.max(now_ms));
         self.attempt = self.attempt.saturating_add(1);
         Action::Wait { until_ms }
+    }
+
+    /// The wait for the lock is over (by the clock, or by real time): degrade.
+    fn lock_timed_out(&mut self, now_ms: u64) -> Action {
+        self.timed_out = true;
+        self.degrade(StaleCause::LockTimedOut, now_ms)
     }
 
     /// The lock cannot be had (`cause`): serve the stale copy if there is one, else
@@ -1167,6 +1175,37 @@ mod tests {
             (outcome, release),
             (Outcome::Stale(StaleCause::StoreFailed), false)
         );
+    }
+
+    #[test]
+    fn a_wait_out_of_real_time_ends_the_lock_wait_whatever_the_clock_says() {
+        // The clock stands still (a manual clock): only real time ends the wait, and it
+        // ends as the clock's deadline would (a lock timeout), not with another look.
+        let config = FlightConfig::default();
+        let (f, actions) = run(
+            config,
+            &[
+                (0, Event::L2Miss),
+                (0, Event::LockBusy { watching: true }),
+                (0, Event::BudgetSpent),
+            ],
+        );
+        assert!(
+            matches!(actions[3], Action::Load { .. }),
+            "loads uncached: {:?}",
+            actions[3]
+        );
+        assert!(f.timed_out && !f.locked, "a lock timeout, no lock held");
+        let stale = stale_meta(NOW);
+        let (_, actions) = run(
+            config,
+            &[
+                (0, Event::L2Stale(stale)),
+                (0, Event::LockBusy { watching: false }),
+                (0, Event::BudgetSpent),
+            ],
+        );
+        assert_eq!(finish(&actions[3]).0, Outcome::Stale(StaleCause::LockTimedOut));
     }
 
     #[test]

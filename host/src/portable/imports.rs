@@ -501,7 +501,7 @@ impl l2::Host for &mut PortableState {
         released
     }
 
-    fn wait_landing(&mut self, key: String, until_ms: u64) {
+    fn wait_landing(&mut self, key: String, until_ms: u64) -> bool {
         let b = self.backend.clone();
         let pause = Duration::from_millis(until_ms.saturating_sub(b.clock.now_ms()));
         let deadline = self.call.deadline;
@@ -517,10 +517,16 @@ impl l2::Host for &mut PortableState {
             match deadline {
                 Some(deadline) => {
                     let _ = tokio::time::timeout_at(deadline, waited).await;
+                    tokio::time::Instant::now() >= deadline
                 }
-                None => waited.await,
+                None => {
+                    waited.await;
+                    false
+                }
             }
-        });
+        })
+        // The caller went away: its call has no time left.
+        .unwrap_or(true)
     }
 
     /// Published within the store's timeout; one that fails is retried in the

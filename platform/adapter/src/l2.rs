@@ -220,9 +220,11 @@ impl l2::Guest for Adapter {
 
     /// No host offers a watcher: the wait ends at `until-ms`, the flight machine's next
     /// look (its backoff, 50 ms doubling to 1 s), and the flight reads again.
-    fn wait_landing(_key: String, until_ms: u64) {
+    /// Sleeps to `until_ms`: `bound` is not kept here, so the budget never runs out.
+    fn wait_landing(_key: String, until_ms: u64) -> bool {
         let left = until_ms.saturating_sub(now_ms());
         std::thread::sleep(std::time::Duration::from_millis(left));
+        false
     }
 
     fn announce_landing(_key: String) {}

@@ -276,7 +276,8 @@ function newHost(world) {
         return owner;
       },
       releaseLock: (name, owner) => world.locks.get(name)?.owner === owner && world.locks.delete(name),
-      waitLanding: () => {},
+      // Nothing is bounded here (see `bound`): the budget never runs out.
+      waitLanding: () => false,
       announceLanding: (key) => world.hosts.filter((h) => h !== host).forEach((h) => h.hear(key)),
       // Every step here answers at once: nothing to bound.
       bound: () => {},

@@ -442,6 +442,63 @@ async fn a_store_step_that_never_answers_ends_at_the_flights_deadline_in_both_bo
     Ok(())
 }
 
+/// A follower's wait for another process's lock ends at the real-time budget of the
+/// steps before the load (contract §5.13) even when the cache's clock stands still (a
+/// frozen manual clock, a wall clock stepped back): the flight judges the lock timed out
+/// and loads uncached. Before, past the budget each wait ended at once and the flight
+/// looked again, for as long as the clock stood still (a spin at full CPU).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_wait_ends_at_its_budget_on_a_frozen_clock_in_both_bodies() -> Result<()> {
+    let clock = corral::ManualClock::starting_now();
+    let memory = MemoryStore::new(Arc::new(clock.clone()), 30_000);
+    let wait = Duration::from_millis(300);
+    let stores = || {
+        (
+            Arc::new(memory.clone()) as Arc<dyn Entries>,
+            Arc::new(memory.clone()) as Arc<dyn FlightLock>,
+            Arc::new(memory.clone()) as Arc<dyn Notifications>,
+        )
+    };
+    let (entries, lock, notifications) = stores();
+    let portable = PortableCache::builder()
+        .stores("frozen:", entries, lock, notifications)
+        .clock(clock.clone())
+        .lock_wait(wait)
+        .build()?;
+    let (entries, lock, notifications) = stores();
+    let native = Corral::builder()
+        .stores("frozen:", entries, lock, notifications)
+        .clock(clock.clone())
+        .lock_wait(wait)
+        .build()?;
+    // Another process leads "k" and never lands: its lock lives for an hour of the clock.
+    let held = corral_core::names::name("frozen:", "k", corral_core::names::Kind::FlightLock);
+    assert!(memory.try_lock(&held, "another process", 3_600_000).await?);
+    let bound = 20 * SEC;
+
+    let load = |_: &str| Ok::<_, String>(b"portable".to_vec());
+    let got = tokio::time::timeout(
+        bound,
+        portable.get_or_set("k", EntryOptions::new(), false, load, |_| true),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("the portable follower still waited after {bound:?}"))??;
+    assert_eq!(&got[..], b"portable", "loaded uncached");
+
+    let got = tokio::time::timeout(
+        bound,
+        native.get_or_set("k", corral::LoadOptions::new(), || async {
+            Ok::<_, std::io::Error>(b"native".to_vec())
+        }),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("the native follower still waited after {bound:?}"))??;
+    assert_eq!(&got[..], b"native", "loaded uncached");
+    let m = native.metrics();
+    assert_eq!((m.lock_timeouts, m.degraded), (1, 1), "judged a lock timeout");
+    Ok(())
+}
+
 /// A tag moment a portable process keeps but the store lost hides nothing from it and
 /// deletes nothing: the entry is judged again by the store's moments, as every other
 /// process judges it, and a get-or-set serves it rather than loading over it (contract

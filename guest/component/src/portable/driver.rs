@@ -253,10 +253,10 @@ impl Driver {
                 Action::TryLock { ttl_ms } => self.try_lock(ttl_ms),
                 // A parked flight is abandoned: it never goes on from here.
                 Action::Wait { .. } if self.park => return Step::Parked,
-                Action::Wait { until_ms } => {
-                    l2::wait_landing(&self.key, until_ms);
-                    Event::Woken
-                }
+                Action::Wait { until_ms } => match l2::wait_landing(&self.key, until_ms) {
+                    true => Event::BudgetSpent,
+                    false => Event::Woken,
+                },
                 // At the soft timeout: the callers get the stale copy, the load goes on.
                 Action::AnswerStale { l1_until_ms } => {
                     self.answered = true;

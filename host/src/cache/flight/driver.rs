@@ -314,7 +314,12 @@ where
             None => sleep(pause).await,
         }
         self.landing = None;
-        Event::Woken
+        // Only real time ends a wait on a clock that stands still or stepped back.
+        if Instant::now() >= self.deadline {
+            Event::BudgetSpent
+        } else {
+            Event::Woken
+        }
     }
 
     /// Calls the loader once. The caller is answered early at the moments the guest set
