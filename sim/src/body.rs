@@ -230,6 +230,14 @@ impl Body {
         }
     }
 
+    /// Entries in the process's lock table, lapsed ones included until swept.
+    pub(crate) fn table_len(&self) -> usize {
+        match self {
+            Body::Native(c) => c.locks().table().len(),
+            Body::Portable(c) => c.locks_held(),
+        }
+    }
+
     /// Degraded loads the body counted (the portable body keeps no metrics).
     pub(crate) fn degraded(&self) -> u64 {
         match self {

@@ -807,6 +807,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     }
     tokio::time::sleep(Duration::from_millis(QUIESCE_MS)).await;
     crate::locks::check_no_lock_left(&world);
+    crate::table::check_swept(&ctx, &caches);
     world.check_subscribed();
 
     // After quiesce: no flight left anywhere.

@@ -17,6 +17,10 @@
 //! - A try loses only to a lock that may still live: one that was never taken, was
 //!   released, or has surely lapsed is free (judged only when no other call on the key
 //!   overlapped the try).
+//! - A lock is not re-entrant: a holder that tries again while its lock surely lives
+//!   is refused, and keeps the lock it has.
+//! - Once the workload is over and every lock surely lapsed, the table's sweeper has
+//!   emptied it ([`check_swept`]).
 //!
 //! A crash takes its process's table with it: nothing outlives the process.
 
@@ -45,6 +49,8 @@ pub(crate) struct Session {
     steps: Vec<u64>,
     /// Unlocked at the end, else left to lapse (and be swept).
     release: bool,
+    /// Once it holds the lock, it tries for it again (refused: not re-entrant).
+    again: bool,
 }
 
 impl Session {
@@ -65,6 +71,7 @@ pub(crate) fn sessions(s: &Scenario, seed: u64, proc: usize, locker: usize) -> V
             // Some holders work past their TTL: their lock lapses and another takes it.
             steps: (0..r.range(1, 3)).map(|_| r.range(0, s.lease_ttl_ms)).collect(),
             release: r.chance(850),
+            again: r.chance(250),
         })
         .collect()
 }
@@ -180,14 +187,20 @@ impl Table<'_> {
         let ttl = ttl.as_millis() as u64;
         let mut holders = self.known.holders.lock();
         if let Some(other) = holders.get(key)
-            && other.owner != owner
             && !other.releasing
             && !self.may_have_lapsed(other.lives_until)
         {
-            self.violation(format_args!(
-                "two holders of {key}: {owner} won at {before}..{after} while {} held it until {}",
-                other.owner, other.lives_until
-            ));
+            if other.owner == owner {
+                self.violation(format_args!(
+                    "{owner} won {key} again at {before}..{after} while its lock lived until {}",
+                    other.lives_until
+                ));
+            } else {
+                self.violation(format_args!(
+                    "two holders of {key}: {owner} won at {before}..{after} while {} held it until {}",
+                    other.owner, other.lives_until
+                ));
+            }
         }
         holders.insert(
             key.to_owned(),
@@ -300,6 +313,15 @@ pub(crate) async fn session(ctx: &Arc<Ctx>, proc: usize, body: &Body, known: &Kn
         return;
     }
     w.log(format_args!("p{proc} c{id} holds table lock {}", s.key));
+    if s.again {
+        // Refused while the lock lives (won again only once it surely lapsed); the looks
+        // that follow check it kept the lock.
+        let again = table.acquire(&s.key, &owner, ttl, 0).await;
+        w.log(format_args!(
+            "p{proc} c{id} table lock {} tried again: {again:?}",
+            s.key
+        ));
+    }
     for work in s.steps {
         tokio::time::sleep(Duration::from_millis(work)).await;
         w.gate(proc).await;
@@ -313,5 +335,22 @@ pub(crate) async fn session(ctx: &Arc<Ctx>, proc: usize, body: &Body, known: &Kn
         w.log(format_args!("p{proc} c{id} table lock {} released", s.key));
     } else {
         w.log(format_args!("p{proc} c{id} table lock {} left to lapse", s.key));
+    }
+}
+
+/// After the workload and the quiet time: every table lock surely lapsed (the steps of
+/// the clock are over, the last TTL long past), so each live process's sweeper emptied
+/// its table. An entry left is a lock the table never forgets.
+pub(crate) fn check_swept(ctx: &Ctx, bodies: &[Body]) {
+    for (p, body) in bodies.iter().enumerate() {
+        if ctx.world.is_crashed(p) {
+            continue;
+        }
+        let left = body.table_len();
+        if left != 0 {
+            ctx.world.violation(format!(
+                "table: p{p} kept {left} lapsed locks past the quiet time"
+            ));
+        }
     }
 }
