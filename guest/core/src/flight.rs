@@ -199,8 +199,8 @@ pub enum Event {
     /// A wait ended: a value landed, or the timer fired.
     Woken,
     /// A wait ended at the real-time deadline of the steps before the load
-    /// ([`StoreBudget::before_load_ms`]): the lock wait is over, whatever the cache's clock
-    /// says. Only real time ends a wait on a clock that stands still (a manual clock) or
+    /// ([`StoreBudget::before_load_ms`]) before the clock reached its moment, with no
+    /// landing: the lock wait is over, whatever the cache's clock says. Only real time ends a wait on a clock that stands still (a manual clock) or
     /// stepped back; the flight then judges the lock timed out, as it does at its own
     /// deadline, rather than looking again at once for as long as the clock lags.
     BudgetSpent,
@@ -308,7 +308,7 @@ pub enum Action {
     },
     /// Wait until a value for the key lands (a notification) or until `until_ms`,
     /// whichever is first, then report [`Event::Woken`] ([`Event::BudgetSpent`] when the
-    /// real-time deadline of the steps before the load passed: the wait ends at once).
+    /// real-time deadline of the steps before the load ended it first, with no landing).
     Wait {
         /// When to stop waiting.
         until_ms: u64,

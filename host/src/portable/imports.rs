@@ -510,20 +510,17 @@ impl l2::Host for &mut PortableState {
                 let mut watch = b.stores.notifications.watch(&key).await;
                 tokio::select! {
                     biased;
-                    () = watch.landed() => {}
-                    () = tokio::time::sleep(pause) => {}
+                    () = watch.landed() => true,
+                    () = tokio::time::sleep(pause) => false,
                 }
             };
-            match deadline {
-                Some(deadline) => {
-                    let _ = tokio::time::timeout_at(deadline, waited).await;
-                    tokio::time::Instant::now() >= deadline
-                }
-                None => {
-                    waited.await;
-                    false
-                }
-            }
+            // Real time cut the wait before the clock reached its moment, with no landing.
+            let landed = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, waited).await.unwrap_or(false),
+                None => waited.await,
+            };
+            let spent = deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
+            !landed && spent && b.clock.now_ms() < until_ms
         })
         // The caller went away: its call has no time left.
         .unwrap_or(true)

@@ -475,8 +475,12 @@ async fn a_lock_wait_ends_at_its_budget_on_a_frozen_clock_in_both_bodies() -> Re
     let held = corral_core::names::name("frozen:", "k", corral_core::names::Kind::FlightLock);
     assert!(memory.try_lock(&held, "another process", 3_600_000).await?);
     let bound = 20 * SEC;
+    // The steps before the load share max(lock wait, store timeout): the memory store's
+    // 1 s. A wait is never cut before it.
+    let budget = SEC;
 
     let load = |_: &str| Ok::<_, String>(b"portable".to_vec());
+    let began = tokio::time::Instant::now();
     let got = tokio::time::timeout(
         bound,
         portable.get_or_set("k", EntryOptions::new(), false, load, |_| true),
@@ -484,7 +488,9 @@ async fn a_lock_wait_ends_at_its_budget_on_a_frozen_clock_in_both_bodies() -> Re
     .await
     .map_err(|_| anyhow::anyhow!("the portable follower still waited after {bound:?}"))??;
     assert_eq!(&got[..], b"portable", "loaded uncached");
+    assert!(began.elapsed() >= budget, "waited out the budget: {:?}", began.elapsed());
 
+    let began = tokio::time::Instant::now();
     let got = tokio::time::timeout(
         bound,
         native.get_or_set("k", corral::LoadOptions::new(), || async {
@@ -494,8 +500,13 @@ async fn a_lock_wait_ends_at_its_budget_on_a_frozen_clock_in_both_bodies() -> Re
     .await
     .map_err(|_| anyhow::anyhow!("the native follower still waited after {bound:?}"))??;
     assert_eq!(&got[..], b"native", "loaded uncached");
+    assert!(began.elapsed() >= budget, "waited out the budget: {:?}", began.elapsed());
     let m = native.metrics();
-    assert_eq!((m.lock_timeouts, m.degraded), (1, 1), "judged a lock timeout");
+    assert_eq!(
+        (m.lock_waits, m.lock_timeouts, m.degraded),
+        (1, 1, 1),
+        "one wait, judged a lock timeout"
+    );
     Ok(())
 }
 

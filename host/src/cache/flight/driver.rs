@@ -303,23 +303,24 @@ where
         }
         let pause = Duration::from_millis(until_ms.saturating_sub(inner.clock.now_ms()))
             .min(self.deadline.saturating_duration_since(Instant::now()));
-        match self.landing.as_mut() {
+        let landed = match self.landing.as_mut() {
             // Biased: no random draw (a landing and the timer at the same moment end
             // the wait alike).
             Some(watch) => tokio::select! {
                 biased;
-                () = watch.landed() => {}
-                () = sleep(pause) => {}
+                () = watch.landed() => true,
+                () = sleep(pause) => false,
             },
-            None => sleep(pause).await,
-        }
+            None => {
+                sleep(pause).await;
+                false
+            }
+        };
         self.landing = None;
-        // Only real time ends a wait on a clock that stands still or stepped back.
-        if Instant::now() >= self.deadline {
-            Event::BudgetSpent
-        } else {
-            Event::Woken
-        }
+        // Real time cut the wait before the clock reached its moment (a clock that
+        // stands still or stepped back): the wait is over, with no look at a landing.
+        let cut = !landed && Instant::now() >= self.deadline && inner.clock.now_ms() < until_ms;
+        if cut { Event::BudgetSpent } else { Event::Woken }
     }
 
     /// Calls the loader once. The caller is answered early at the moments the guest set
