@@ -11,7 +11,10 @@
 //! - `PUT /users/{id}` with `{"name": ".."}`: writes the database, then removes the cached
 //!   copy (invalidate on write). Every instance serves the new row from then on.
 //! - `POST /report`: one instance at a time, under a Redis lease with a fencing token.
-//! - `GET /stats`: database queries and the cache's counters; `GET /health`.
+//! - `GET /stats`: database queries and the cache's counters; `GET /health`; `GET /ready`
+//!   (the cache's readiness: 503 while Redis cannot be reached); `GET /metrics`: every
+//!   counter Corral keeps, in Prometheus text (`metrics-exporter-prometheus`, the recorder
+//!   of the `metrics` facade Corral counts through).
 //!
 //! ```sh
 //! redis-server --port 6379 --save '' &
@@ -35,6 +38,7 @@ use axum::{Json, Router};
 use clap::Parser;
 use corral::locks::LockOptions;
 use corral::{Corral, ErrorKind, LoadOptions};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::{Deserialize, Serialize};
 
 /// How long a user stays cached (a `PUT` removes it sooner).
@@ -43,6 +47,8 @@ const USER_TTL: Duration = Duration::from_secs(300);
 const UNKNOWN_TTL: Duration = Duration::from_secs(30);
 /// How long `POST /report` waits for another instance's report to finish.
 const REPORT_WAIT: Duration = Duration::from_secs(5);
+/// How often the Prometheus recorder's histograms are trimmed.
+const METRICS_UPKEEP: Duration = Duration::from_secs(5);
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -62,12 +68,23 @@ struct Args {
 struct App {
     cache: Corral,
     db: Arc<Database>,
+    metrics: PrometheusHandle,
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     tracing_subscriber::fmt().with_writer(io::stderr).init();
+    // Before the cache is built: it registers its counters with the recorder installed then.
+    let metrics = PrometheusBuilder::new().install_recorder()?;
+    let upkeep = metrics.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(METRICS_UPKEEP);
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
 
     let mut builder = Corral::builder();
     if let Some(url) = &args.redis {
@@ -77,6 +94,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = App {
         cache: cache.clone(),
         db: Arc::new(Database::open(args.data)?),
+        metrics,
     };
     let router = Router::new()
         .route("/users", get(list_users))
@@ -85,6 +103,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/stats", get(stats))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
+        .route("/metrics", get(prometheus))
         .with_state(app);
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
@@ -213,6 +232,14 @@ async fn ready(State(app): State<App>) -> (StatusCode, String) {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, health.to_string())
+}
+
+/// `GET /metrics`: the counters in Prometheus text (version 0.0.4 of its format).
+async fn prometheus(State(app): State<App>) -> impl IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
 }
 
 fn user_key(id: u64) -> String {

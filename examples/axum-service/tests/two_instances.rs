@@ -185,6 +185,69 @@ async fn a_cold_stampede_across_two_instances_costs_one_database_call() -> Resul
     Ok(())
 }
 
+/// The value of the Prometheus sample `series` (name and labels as rendered) in `text`.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+}
+
+/// Each instance's `/metrics` is Prometheus text with Corral's counters, and they count
+/// what `/stats` counts: one load in all, the other instance's read an L2 hit, a second
+/// read an L1 hit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_instances_export_corrals_counters_for_prometheus() -> Result<()> {
+    let _real_time = corral_tests::real_time().await;
+    let pair = Pair::start("metrics")?;
+    put_user(&pair.a, 7, "Grace").await?;
+    for (service, path) in [
+        (&pair.a, "/users/7"),
+        (&pair.a, "/users/7"),
+        (&pair.b, "/users/7"),
+    ] {
+        let (status, body) = service.get(path).await?;
+        ensure!(status == 200, "GET {path}: {status} {body}");
+    }
+    let mut loads = 0.0;
+    for (name, service) in [("a", &pair.a), ("b", &pair.b)] {
+        let (status, text) = service.get("/metrics").await?;
+        ensure!(status == 200, "GET /metrics on {name}: {status} {text}");
+        ensure!(
+            text.contains("# TYPE corral_cache_loads_total counter"),
+            "{name}: no counter type line in\n{text}"
+        );
+        let stats = service.stats().await?;
+        for (series, counter) in [
+            (r#"corral_cache_loads_total{prefix="corral:"}"#, "loads"),
+            (
+                r#"corral_cache_hits_total{prefix="corral:",tier="l1"}"#,
+                "l1_hits",
+            ),
+            (
+                r#"corral_cache_hits_total{prefix="corral:",tier="l2"}"#,
+                "l2_hits",
+            ),
+        ] {
+            let exported =
+                sample(&text, series).with_context(|| format!("{name}: no {series} in\n{text}"))?;
+            let counted = stats["cache"][counter].as_u64().context("a cache counter")?;
+            ensure!(
+                exported == counted as f64,
+                "{name}: {series} is {exported}, /stats says {counter} = {counted}"
+            );
+        }
+        loads += sample(&text, r#"corral_cache_loads_total{prefix="corral:"}"#).unwrap_or_default();
+    }
+    ensure!(loads == 1.0, "one load over both instances, exported {loads}");
+    ensure!(
+        sample(
+            &pair.a.get("/metrics").await?.1,
+            r#"corral_cache_hits_total{prefix="corral:",tier="l1"}"#
+        ) >= Some(1.0),
+        "a's second read was an L1 hit"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_update_through_one_instance_is_seen_by_the_other() -> Result<()> {
     let _real_time = corral_tests::real_time().await;

@@ -488,7 +488,11 @@ async fn a_lock_wait_ends_at_its_budget_on_a_frozen_clock_in_both_bodies() -> Re
     .await
     .map_err(|_| anyhow::anyhow!("the portable follower still waited after {bound:?}"))??;
     assert_eq!(&got[..], b"portable", "loaded uncached");
-    assert!(began.elapsed() >= budget, "waited out the budget: {:?}", began.elapsed());
+    assert!(
+        began.elapsed() >= budget,
+        "waited out the budget: {:?}",
+        began.elapsed()
+    );
 
     let began = tokio::time::Instant::now();
     let got = tokio::time::timeout(
@@ -500,7 +504,11 @@ async fn a_lock_wait_ends_at_its_budget_on_a_frozen_clock_in_both_bodies() -> Re
     .await
     .map_err(|_| anyhow::anyhow!("the native follower still waited after {bound:?}"))??;
     assert_eq!(&got[..], b"native", "loaded uncached");
-    assert!(began.elapsed() >= budget, "waited out the budget: {:?}", began.elapsed());
+    assert!(
+        began.elapsed() >= budget,
+        "waited out the budget: {:?}",
+        began.elapsed()
+    );
     let m = native.metrics();
     assert_eq!(
         (m.lock_waits, m.lock_timeouts, m.degraded),
