@@ -104,6 +104,34 @@ async fn an_unreachable_redis_fails_build_ready() -> Result<()> {
     Ok(())
 }
 
+/// A frozen server (SIGSTOP: it accepts connections and never answers): `build_ready`
+/// fails with `Unavailable` within its deadlines rather than hanging, naming L2; once
+/// the server resumes, a new `build_ready` succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_fails_build_ready_by_its_deadline() -> Result<()> {
+    let server = RedisServer::start()?;
+    server.pause()?;
+    let began = Instant::now();
+    let built = Corral::builder()
+        .redis_options(short(server.url()))
+        .build_ready()
+        .await;
+    let took = began.elapsed();
+    server.resume()?;
+    let e = built
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("build_ready succeeded on a frozen Redis"))?;
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.to_string().contains("L2"), "names what is wrong: {e}");
+    assert!(took < Duration::from_secs(10), "ends by its deadlines: {took:?}");
+    let cache = Corral::builder()
+        .redis_options(short(server.url()))
+        .build_ready()
+        .await?;
+    assert!(cache.health().await.is_ready());
+    Ok(())
+}
+
 /// The in-memory default is always ready.
 #[tokio::test]
 async fn the_memory_default_is_ready() -> Result<()> {
