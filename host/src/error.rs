@@ -74,6 +74,13 @@ impl fmt::Display for Error {
     }
 }
 
+/// An error of `kind` whose message is the kind's own description.
+impl From<ErrorKind> for Error {
+    fn from(kind: ErrorKind) -> Self {
+        Error::new(kind, kind.to_string())
+    }
+}
+
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.source

@@ -18,7 +18,7 @@ use crate::guest::policy::{ExpirePlan, ReadOutcome, StoreNames, WitMeta};
 use crate::options::{EntryOptions, Inspection};
 use crate::store::Stores;
 use crate::store::l1::{L1, RemovalWatch, Ticket};
-use crate::{Error, ErrorKind, Result};
+use crate::{Error, Result};
 use load::Served;
 
 mod builder;
@@ -1005,11 +1005,5 @@ impl Drop for Unsettled {
             let entry = self.entry.take();
             self.cache.remove_in_background(&self.key, entry, watch);
         }
-    }
-}
-
-impl From<ErrorKind> for Error {
-    fn from(kind: ErrorKind) -> Self {
-        Error::new(kind, kind.to_string())
     }
 }
