@@ -200,9 +200,10 @@ pub enum Event {
     Woken,
     /// A wait ended at the real-time deadline of the steps before the load
     /// ([`StoreBudget::before_load_ms`]) before the clock reached its moment, with no
-    /// landing: the lock wait is over, whatever the cache's clock says. Only real time ends a wait on a clock that stands still (a manual clock) or
-    /// stepped back; the flight then judges the lock timed out, as it does at its own
-    /// deadline, rather than looking again at once for as long as the clock lags.
+    /// landing: the lock wait is over, whatever the cache's clock says. Only real time
+    /// ends a wait on a clock that stands still (a manual clock) or stepped back; the
+    /// flight then judges the lock timed out, as it does at its own deadline, rather
+    /// than looking again at once for as long as the clock lags.
     BudgetSpent,
     /// The loader returned a value of `len` bytes; `cacheable` is the caller's
     /// `should_cache` verdict on it.

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+#[cfg(doc)]
+use crate::ErrorKind;
 use crate::clock::Clock;
 use crate::guest::Policy;
 use crate::guest::convert::Parts;
@@ -179,7 +181,7 @@ impl Corral {
     /// expired or corrupt entry is removed.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key; [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) when
+    /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] when
     /// the store fails.
     pub async fn get(&self, key: &str) -> Result<Option<Bytes>> {
         let now = self.inner.clock.now_ms();
@@ -218,8 +220,8 @@ impl Corral {
     /// Stores `value` under `key`, expiring as `options` say: L2 first, then L1.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key`, `value`, `absolute`, `relative` or
-    /// `sliding`; [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) when the store fails (L1 is then not written).
+    /// [`ErrorKind::InvalidArgument`] naming `key`, `value`, `absolute`, `relative` or
+    /// `sliding`; [`ErrorKind::Unavailable`] when the store fails (L1 is then not written).
     pub async fn set(&self, key: &str, value: impl Into<Bytes>, options: EntryOptions) -> Result<()> {
         self.write_tagged(key, value.into(), options, &[] as &[&str])
             .await
@@ -240,7 +242,7 @@ impl Corral {
     /// ```
     ///
     /// # Errors
-    /// As [`set`](Self::set), and [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `tags`.
+    /// As [`set`](Self::set), and [`ErrorKind::InvalidArgument`] naming `tags`.
     pub async fn set_tagged(
         &self,
         key: &str,
@@ -491,8 +493,8 @@ impl Corral {
     /// (contract §5.12).
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key; [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable) (or
-    /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout)) when the store fails: the removal may not have landed,
+    /// [`ErrorKind::InvalidArgument`] for a bad key; [`ErrorKind::Unavailable`] (or
+    /// [`ErrorKind::Timeout`]) when the store fails: the removal may not have landed,
     /// and is being retried.
     pub async fn remove(&self, key: &str) -> Result<bool> {
         self.remove_entry(key).await.map_err(|e| e.in_call("remove"))
@@ -665,7 +667,7 @@ impl Corral {
     /// The entry under `key` as stored in L2, decoded, without touching it.
     ///
     /// # Errors
-    /// [`ErrorKind::Corrupt`](crate::ErrorKind::Corrupt) when the stored bytes are not an envelope (they are left
+    /// [`ErrorKind::Corrupt`] when the stored bytes are not an envelope (they are left
     /// in place); otherwise as [`get`](Self::get).
     pub async fn inspect(&self, key: &str) -> Result<Option<Inspection>> {
         let entry = self.entry_of(key).await?;
@@ -740,7 +742,7 @@ impl Corral {
     /// The name `key`'s entry has in the store (for tests that plant raw bytes).
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key.
+    /// [`ErrorKind::InvalidArgument`] for a bad key.
     #[cfg(any(test, feature = "test-util"))]
     pub fn entry_name(&self, key: &str) -> Result<String> {
         self.inner

@@ -30,8 +30,8 @@ use crate::guest::bindings::corral::cache::{l1, l2, types};
 use crate::guest::bindings::corral::lock::table;
 use crate::guest::bindings::corral::lock::types::Held;
 use crate::guest::convert::to_wit;
-use crate::store::Stores;
 use crate::store::l1::Ticket;
+use crate::store::{LandingWatch, Stores};
 
 /// What a flight's followers get in the portable body: what `flights.finish` passed.
 pub(crate) type WitOutcome = Result<Vec<u8>, types::Error>;
@@ -503,24 +503,16 @@ impl l2::Host for &mut PortableState {
 
     fn wait_landing(&mut self, key: String, until_ms: u64) -> bool {
         let b = self.backend.clone();
-        let pause = Duration::from_millis(until_ms.saturating_sub(b.clock.now_ms()));
         let deadline = self.call.deadline;
         self.io(async move {
-            let waited = async {
-                let mut watch = b.stores.notifications.watch(&key).await;
-                tokio::select! {
-                    biased;
-                    () = watch.landed() => true,
-                    () = tokio::time::sleep(pause) => false,
-                }
+            let watching = b.stores.notifications.watch(&key);
+            let mut watch = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, watching)
+                    .await
+                    .unwrap_or_else(|_| LandingWatch::never()),
+                None => watching.await,
             };
-            // Real time cut the wait before the clock reached its moment, with no landing.
-            let landed = match deadline {
-                Some(deadline) => tokio::time::timeout_at(deadline, waited).await.unwrap_or(false),
-                None => waited.await,
-            };
-            let spent = deadline.is_some_and(|d| tokio::time::Instant::now() >= d);
-            !landed && spent && b.clock.now_ms() < until_ms
+            watch.wait(&*b.clock, until_ms, deadline).await
         })
         // The caller went away: its call has no time left.
         .unwrap_or(true)

@@ -9,6 +9,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::sync::futures::OwnedNotified;
+use tokio::time::{Duration, Instant, sleep, timeout_at};
+
+use crate::Clock;
 
 /// Per awaited key: the `Notify` its watches wait on, and how many watches there are.
 type Waiters = HashMap<String, (Arc<Notify>, usize)>;
@@ -99,6 +102,29 @@ impl LandingWatch {
             Some(n) => n.as_mut().await,
             None => std::future::pending().await,
         }
+    }
+
+    /// A follower's wait (the flight's `wait` action): until a value lands, `clock`
+    /// reaches `until_ms`, or real time reaches `deadline`, whichever is first. Says
+    /// whether the deadline cut it short: nothing landed and the clock is still short of
+    /// `until_ms` (a clock that stands still or stepped back), which the body reports as
+    /// `budget-spent`.
+    pub(crate) async fn wait(&mut self, clock: &dyn Clock, until_ms: u64, deadline: Option<Instant>) -> bool {
+        let pause = Duration::from_millis(until_ms.saturating_sub(clock.now_ms()));
+        let waited = async {
+            // Biased: no random draw (a landing and the timer at the same moment end the
+            // wait alike).
+            tokio::select! {
+                biased;
+                () = self.landed() => true,
+                () = sleep(pause) => false,
+            }
+        };
+        let landed = match deadline {
+            Some(deadline) => timeout_at(deadline, waited).await.unwrap_or(false),
+            None => waited.await,
+        };
+        !landed && deadline.is_some_and(|d| Instant::now() >= d) && clock.now_ms() < until_ms
     }
 }
 

@@ -11,7 +11,7 @@ use std::panic::AssertUnwindSafe;
 use bytes::Bytes;
 use futures::FutureExt;
 use tokio::sync::oneshot;
-use tokio::time::{Duration, Instant, sleep, timeout_at};
+use tokio::time::{Duration, Instant, timeout_at};
 
 use super::batch::Quiet;
 use super::held::{HeldFlight, by, in_ms, share};
@@ -301,26 +301,12 @@ where
             self.waited = true;
             Metrics::bump(&inner.metrics.lock_waits);
         }
-        let pause = Duration::from_millis(until_ms.saturating_sub(inner.clock.now_ms()))
-            .min(self.deadline.saturating_duration_since(Instant::now()));
-        let landed = match self.landing.as_mut() {
-            // Biased: no random draw (a landing and the timer at the same moment end
-            // the wait alike).
-            Some(watch) => tokio::select! {
-                biased;
-                () = watch.landed() => true,
-                () = sleep(pause) => false,
-            },
-            None => {
-                sleep(pause).await;
-                false
-            }
-        };
-        self.landing = None;
-        // Real time cut the wait before the clock reached its moment (a clock that
-        // stands still or stepped back): the wait is over, with no look at a landing.
-        let cut = !landed && Instant::now() >= self.deadline && inner.clock.now_ms() < until_ms;
-        if cut { Event::BudgetSpent } else { Event::Woken }
+        let mut watch = self.landing.take().unwrap_or_else(LandingWatch::never);
+        if watch.wait(&*inner.clock, until_ms, Some(self.deadline)).await {
+            Event::BudgetSpent
+        } else {
+            Event::Woken
+        }
     }
 
     /// Calls the loader once. The caller is answered early at the moments the guest set
