@@ -111,10 +111,10 @@ impl Body {
         tags: &[String],
         load: Load,
     ) -> corral::Result<Bytes> {
+        let options = LoadOptions::new().entry(entry).tags(tags.iter().cloned());
         match self {
             Body::Native(c) => {
                 let loader = native_loader(load);
-                let options = LoadOptions::new().entry(entry).tags(tags.iter().cloned());
                 c.get_or_set(key, options, loader).await
             }
             Body::Portable(c) => {
@@ -128,8 +128,7 @@ impl Body {
                     corral::portable::in_caller((load.wait)());
                     finish().map(|b| b.to_vec())
                 };
-                c.get_or_set_tagged(key, entry, false, tags, loader, |_| true)
-                    .await
+                c.get_or_set(key, options, loader).await
             }
         }
     }

@@ -280,7 +280,7 @@ fn drop_all(s: &mut Slot<PortableState>, waits: impl Iterator<Item = (usize, Res
 
 /// Refuses the options the portable body cannot keep (it has no loader timeouts), as
 /// the native batch refuses those that need `fetch`.
-fn refuse_timeouts(options: &LoadOptions) -> Result<()> {
+pub(super) fn refuse_timeouts(options: &LoadOptions) -> Result<()> {
     options.refuse_outliving(
         true,
         "the portable body takes timeouts and eager refresh from its builder, not per call",

@@ -20,6 +20,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use wasmtime::component::Linker;
 
+use crate::LoadOptions;
 use crate::cache::Overrides;
 use crate::clock::{Clock, SystemClock};
 use crate::guest::Policy;
@@ -229,7 +230,7 @@ impl PortableBuilder {
         self
     }
 
-    /// The sliding expiration of entries whose options name none.
+    /// The sliding expiration of entries whose options name none (default 20 minutes).
     pub fn default_sliding(mut self, idle: Duration) -> Self {
         self.overrides.default_sliding_ms = Some(duration_ms(idle));
         self
@@ -265,7 +266,8 @@ impl PortableBuilder {
 
     /// Eager refresh (contract §6b.3) for every get-or-set. A component call cannot
     /// leave work behind, so the refresh runs in the call that found the value due,
-    /// after the hit, before it returns; its decisions are the native body's.
+    /// after the hit, before it returns; its decisions are the native body's. Default:
+    /// none.
     pub fn eager_refresh(mut self, fraction: f64) -> Self {
         self.overrides.eager_refresh_permille = Some(crate::cache::load::permille(fraction));
         self
@@ -690,52 +692,42 @@ impl PortableCache {
             .await
     }
 
-    /// Get-or-set in the component: `loader` produces the value on a miss (once),
-    /// `should_cache` judges it.
+    /// Get-or-set in the component: `loader` produces the value on a miss (once), and
+    /// the options' [`should_cache`](LoadOptions::should_cache) judges it; a loaded entry
+    /// carries the options' [`tags`](LoadOptions::tags).
+    ///
+    /// The options are [`Corral::get_or_set`](crate::Corral::get_or_set)'s. The loader
+    /// runs inside the component's call, so it is a plain function of the key, and this
+    /// body's timeouts and eager refresh are the cache's own
+    /// ([`PortableBuilder`]): one call's hard or soft timeout, eager refresh or
+    /// background completion is refused.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key or
-    /// options; [`ErrorKind::Loader`](crate::ErrorKind::Loader) with the loader's text
-    /// when it failed.
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key,
+    /// entry option or tag, or an option this body cannot keep (naming it);
+    /// [`ErrorKind::Loader`](crate::ErrorKind::Loader) with the loader's text when it
+    /// failed.
     pub async fn get_or_set(
         &self,
         key: &str,
-        options: EntryOptions,
-        bypass: bool,
+        options: impl Into<LoadOptions>,
         loader: impl FnMut(&str) -> std::result::Result<Vec<u8>, String> + Send + 'static,
-        should_cache: impl Fn(&[u8]) -> bool + Send + 'static,
     ) -> Result<Bytes> {
-        self.get_or_set_tagged(key, options, bypass, &[] as &[&str], loader, should_cache)
-            .await
-    }
-
-    /// As [`get_or_set`](Self::get_or_set), a loaded entry carrying `tags`.
-    ///
-    /// # Errors
-    /// As [`get_or_set`](Self::get_or_set), and
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `tags`.
-    pub async fn get_or_set_tagged(
-        &self,
-        key: &str,
-        options: EntryOptions,
-        bypass: bool,
-        tags: &[impl AsRef<str>],
-        loader: impl FnMut(&str) -> std::result::Result<Vec<u8>, String> + Send + 'static,
-        should_cache: impl Fn(&[u8]) -> bool + Send + 'static,
-    ) -> Result<Bytes> {
-        let tags: Vec<String> = tags.iter().map(|t| t.as_ref().to_owned()).collect();
+        let options: LoadOptions = options.into();
+        batch::refuse_timeouts(&options)?;
+        let (tags, bypass) = (options.tags.to_vec(), options.bypass);
         let key = key.to_owned();
-        let options = options_in(&options);
+        let entry = options_in(&options.entry);
         let mut origin = Origin {
             loader: Box::new(loader),
-            should_cache: Box::new(should_cache),
+            should_cache: Box::new(move |value: &[u8]| options.accepts(value)),
         };
         let v = self
             .call(move |s| {
                 let begun =
                     s.guest
                         .corral_cache_cache()
-                        .call_begin(&mut s.store, &key, options, bypass, &tags)?;
+                        .call_begin(&mut s.store, &key, entry, bypass, &tags)?;
                 match begun {
                     Err(e) => Ok(Err(e)),
                     Ok(Begun::Hit(value)) => Ok(Ok(value)),
@@ -883,9 +875,7 @@ mod tests {
             .lock_wait(SEC)
             .build()?;
         let entry = EntryOptions::new().relative(10 * SEC);
-        cache
-            .get_or_set("k", entry, false, |_| Ok(b"old".to_vec()), |_| true)
-            .await?;
+        cache.get_or_set("k", entry, |_| Ok(b"old".to_vec())).await?;
         let options = options_in(&entry);
         let seen = cache
             .call(move |s| {

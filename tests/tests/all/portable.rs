@@ -3,6 +3,7 @@
 //! process.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Result;
@@ -318,19 +319,13 @@ async fn a_clear_in_one_portable_instance_reaches_the_others() -> Result<()> {
         let mut started = Some(started_tx);
         tokio::spawn(async move {
             cache
-                .get_or_set(
-                    "other",
-                    EntryOptions::new(),
-                    false,
-                    move |_| {
-                        if let Some(started) = started.take() {
-                            let _ = started.send(());
-                        }
-                        go_rx.recv().map_err(|e| e.to_string())?;
-                        Ok(b"x".to_vec())
-                    },
-                    |_| true,
-                )
+                .get_or_set("other", EntryOptions::new(), move |_| {
+                    if let Some(started) = started.take() {
+                        let _ = started.send(());
+                    }
+                    go_rx.recv().map_err(|e| e.to_string())?;
+                    Ok(b"x".to_vec())
+                })
                 .await
         })
     };
@@ -407,11 +402,7 @@ async fn a_store_step_that_never_answers_ends_at_the_flights_deadline_in_both_bo
     // The read of "k" is taken and never answered (nothing releases it).
     store.armed.store(true, std::sync::atomic::Ordering::SeqCst);
     let load = |_: &str| Ok::<_, String>(b"portable".to_vec());
-    let got = tokio::time::timeout(
-        bound,
-        portable.get_or_set("k", EntryOptions::new(), false, load, |_| true),
-    )
-    .await;
+    let got = tokio::time::timeout(bound, portable.get_or_set("k", EntryOptions::new(), load)).await;
     // A read still held (the call never gave up on it) lets go, so the test can end.
     store.release.notify_waiters();
     let got = got.map_err(|_| {
@@ -481,12 +472,9 @@ async fn a_lock_wait_ends_at_its_budget_on_a_frozen_clock_in_both_bodies() -> Re
 
     let load = |_: &str| Ok::<_, String>(b"portable".to_vec());
     let began = tokio::time::Instant::now();
-    let got = tokio::time::timeout(
-        bound,
-        portable.get_or_set("k", EntryOptions::new(), false, load, |_| true),
-    )
-    .await
-    .map_err(|_| anyhow::anyhow!("the portable follower still waited after {bound:?}"))??;
+    let got = tokio::time::timeout(bound, portable.get_or_set("k", EntryOptions::new(), load))
+        .await
+        .map_err(|_| anyhow::anyhow!("the portable follower still waited after {bound:?}"))??;
     assert_eq!(&got[..], b"portable", "loaded uncached");
     assert!(
         began.elapsed() >= budget,
@@ -550,9 +538,7 @@ async fn a_portable_process_hides_nothing_by_a_moment_the_store_lost() -> Result
         .set_tagged("k", "v", EntryOptions::new().relative(600 * SEC), &["t"])
         .await?;
     let load = |_: &str| Ok::<_, String>(b"loaded".to_vec());
-    let got = keeper
-        .get_or_set("k", EntryOptions::new(), false, load, |_| true)
-        .await?;
+    let got = keeper.get_or_set("k", EntryOptions::new(), load).await?;
     assert_eq!(
         &got[..],
         b"v",
@@ -598,9 +584,7 @@ async fn a_portable_load_that_lost_its_lock_fills_nothing() -> Result<()> {
             .map_err(|e| e.to_string())?;
         Ok::<_, String>(b"loaded".to_vec())
     };
-    let got = portable
-        .get_or_set("k", EntryOptions::new(), false, load, |_| true)
-        .await?;
+    let got = portable.get_or_set("k", EntryOptions::new(), load).await?;
     assert_eq!(&got[..], b"loaded", "the caller gets its value");
     let mut conn = server.connection().await?;
     let entry: Option<Vec<u8>> = redis::cmd("GET")
@@ -670,9 +654,7 @@ async fn a_portable_lock_whose_release_failed_is_released_when_the_call_ends() -
         )
         .build()?;
     let load = |_: &str| Ok::<_, String>(b"loaded".to_vec());
-    let got = portable
-        .get_or_set("k", EntryOptions::new(), false, load, |_| true)
-        .await?;
+    let got = portable.get_or_set("k", EntryOptions::new(), load).await?;
     assert_eq!(&got[..], b"loaded");
     assert!(
         lock.failed.load(std::sync::atomic::Ordering::SeqCst),
@@ -1005,5 +987,68 @@ async fn a_portable_batch_refuses_what_it_cannot_keep_before_anything_runs() -> 
         .unwrap_err();
     assert_eq!(e.argument(), Some("key"), "{e}");
     assert!(calls.lock().is_empty(), "no loader call: {:?}", calls.lock());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_portable_get_or_set_takes_the_native_options_and_refuses_what_it_cannot_keep() -> Result<()> {
+    let portable = portable_over_memory()?;
+    let loads = Arc::new(AtomicUsize::new(0));
+    let counting = |value: &'static [u8]| {
+        let loads = loads.clone();
+        move |_: &str| {
+            loads.fetch_add(1, Ordering::SeqCst);
+            Ok(value.to_vec())
+        }
+    };
+    let relative = || corral::LoadOptions::relative(Duration::from_secs(60));
+    for (options, name) in [
+        (relative().hard_timeout(SEC), "hard_timeout"),
+        (relative().soft_timeout(SEC), "soft_timeout"),
+        (relative().eager_refresh(0.5), "eager_refresh"),
+        (relative().background_completion(true), "background_completion"),
+        (relative().tags([""]), "tags"),
+    ] {
+        let e = portable
+            .get_or_set("k", options, counting(b"x"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), corral::ErrorKind::InvalidArgument, "{e}");
+        assert!(e.to_string().contains(name), "{name}: {e}");
+    }
+    assert_eq!(loads.load(Ordering::SeqCst), 0, "nothing refused ran the loader");
+
+    // `should_cache` judges: a refused value is returned, not cached.
+    let refusing = relative().should_cache(|v| v != b"bad");
+    assert_eq!(
+        &portable
+            .get_or_set("k", refusing.clone(), counting(b"bad"))
+            .await?[..],
+        b"bad"
+    );
+    assert_eq!(portable.get("k").await?, None, "a refused value is not cached");
+    assert_eq!(
+        &portable.get_or_set("k", refusing, counting(b"good")).await?[..],
+        b"good"
+    );
+    // `tags`: the loaded entry carries them.
+    assert_eq!(
+        &portable
+            .get_or_set("t", relative().tags(["team"]), counting(b"tagged"))
+            .await?[..],
+        b"tagged"
+    );
+    portable.remove_by_tag("team").await?;
+    assert_eq!(portable.get("t").await?, None, "the tag dropped the loaded entry");
+    // `bypass`: loads again over a fresh entry, and caches what it loaded.
+    let before = loads.load(Ordering::SeqCst);
+    assert_eq!(
+        &portable
+            .get_or_set("k", relative().bypass(true), counting(b"new"))
+            .await?[..],
+        b"new"
+    );
+    assert_eq!(loads.load(Ordering::SeqCst), before + 1);
+    assert_eq!(portable.get("k").await?.as_deref(), Some(&b"new"[..]));
     Ok(())
 }

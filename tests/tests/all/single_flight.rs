@@ -645,23 +645,17 @@ async fn the_portable_bodys_load_never_overwrites_a_newer_write() -> Result<()> 
     let url = server.url();
     let (writer_name, newer) = (name.clone(), b"written while the load ran".to_vec());
     let loaded = cache
-        .get_or_set(
-            "k",
-            EntryOptions::new().relative(MIN),
-            false,
-            move |_| {
-                let mut conn = redis::Client::open(url.as_str())
-                    .and_then(|c| c.get_connection())
-                    .map_err(|e| e.to_string())?;
-                redis::cmd("SET")
-                    .arg(&writer_name)
-                    .arg(&newer)
-                    .query::<()>(&mut conn)
-                    .map_err(|e| e.to_string())?;
-                Ok(b"loaded".to_vec())
-            },
-            |_| true,
-        )
+        .get_or_set("k", EntryOptions::new().relative(MIN), move |_| {
+            let mut conn = redis::Client::open(url.as_str())
+                .and_then(|c| c.get_connection())
+                .map_err(|e| e.to_string())?;
+            redis::cmd("SET")
+                .arg(&writer_name)
+                .arg(&newer)
+                .query::<()>(&mut conn)
+                .map_err(|e| e.to_string())?;
+            Ok(b"loaded".to_vec())
+        })
         .await?;
     assert_eq!(&loaded[..], b"loaded", "the loader's caller gets what it loaded");
     let mut conn = server.connection().await?;

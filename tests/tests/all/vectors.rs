@@ -391,8 +391,12 @@ async fn run_step(world: &Arc<World>, step: &Value, loads: &Arc<AtomicUsize>) ->
                         clock.advance(takes);
                         loaded.clone()
                     };
-                    p.get_or_set_tagged(key, options(step, now), bypass, &tags, load, move |_| cacheable)
-                        .await
+                    let o = LoadOptions::new()
+                        .entry(options(step, now))
+                        .bypass(bypass)
+                        .tags(tags.clone())
+                        .should_cache(move |_| cacheable);
+                    p.get_or_set(key, o, load).await
                 }
             };
             outcome(r.map(|b| text(Some(b))))
@@ -499,7 +503,8 @@ async fn together(body: &Body, step: &Value, now: u64, loads: &Arc<AtomicUsize>)
                 let mut load = Some(load);
                 tokio::spawn(async move {
                     let once = move |_: &str| load.take().map_or(Err("loaded twice".into()), |l| l());
-                    p.get_or_set(&key, entry, false, once, move |_| cacheable).await
+                    let o = LoadOptions::new().entry(entry).should_cache(move |_| cacheable);
+                    p.get_or_set(&key, o, once).await
                 })
             }
         };
