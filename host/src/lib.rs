@@ -20,18 +20,55 @@
 //! [`locks`] holds the lock APIs; [`portable`] runs the component's own body. The
 //! contract all of them keep is `docs/contract.md`.
 //!
-//! ```no_run
-//! # async fn demo() -> corral::Result<()> {
-//! use std::time::Duration;
-//! use corral::{Corral, EntryOptions, ErrorKind};
+//! A whole embedding, on the embedded in-memory L2 (add `.redis(url)` to the builder to
+//! share the cache, the single flight and the locks between processes):
 //!
-//! let cache = Corral::builder().redis("redis://127.0.0.1:6379").build()?;
-//! cache.set("greeting", "hello", EntryOptions::new().relative(Duration::from_secs(30))).await?;
-//! let value = cache.get("greeting").await?; // Some(b"hello")
-//! # assert!(value.is_some());
+//! ```
+//! use std::time::Duration;
+//! use corral::{Corral, EntryOptions, ErrorKind, LoadOptions};
+//! use serde::{Deserialize, Serialize};
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct User { id: u64, name: String }
+//!
+//! async fn load_user(id: u64) -> std::io::Result<User> {
+//!     Ok(User { id, name: "Ada".into() }) // the database, in a real service
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> corral::Result<()> {
+//! let cache = Corral::builder()
+//!     .default_sliding(Duration::from_secs(600)) // entries whose options name no expiry
+//!     .hard_timeout(Duration::from_secs(2))      // a loader that hangs is stopped
+//!     .build()?;
+//!
+//! // However many callers, in however many processes, miss "user:42" at once: one load.
+//! // Kept for 5 minutes, tagged so a change to the user drops every entry about it, and
+//! // served stale for up to an hour when the database fails (fail-safe).
+//! let options = LoadOptions::new()
+//!     .entry(EntryOptions::new().relative(Duration::from_secs(300)).fail_safe(Duration::from_secs(3600)))
+//!     .tags(["user:42"]);
+//! let user: User = cache.get_or_set_json("user:42", options, || load_user(42)).await?;
+//! assert_eq!(user.name, "Ada");
+//!
+//! // The user changed: drop everything tagged with it, in every process.
+//! cache.remove_by_tag("user:42").await?;
+//! assert!(cache.get("user:42").await?.is_none());
+//!
+//! // A lock for work that must not run twice at once (in process here; with Redis,
+//! // `cache.locks().redis()` gives leases with fencing tokens).
+//! let locks = cache.locks().table();
+//! assert!(locks.try_lock("nightly-report", "me", Duration::from_secs(30))?);
+//! assert!(!locks.try_lock("nightly-report", "someone else", Duration::from_secs(30))?);
+//! locks.unlock("nightly-report", "me")?;
+//!
+//! // Bad input is a typed error naming what was wrong.
 //! let err = cache.get("   ").await.unwrap_err();
-//! assert_eq!(err.kind(), ErrorKind::InvalidArgument);
-//! assert_eq!(err.argument(), Some("key"));
+//! assert_eq!((err.kind(), err.argument()), (ErrorKind::InvalidArgument, Some("key")));
+//!
+//! // Counters for a `/metrics` endpoint, then a shutdown that lets work in flight end.
+//! assert_eq!(cache.metrics().loads, 1);
+//! cache.close(Duration::from_secs(5)).await?;
 //! # Ok(()) }
 //! ```
 

@@ -134,11 +134,12 @@ impl fmt::Debug for Corral {
     }
 }
 
-/// A change that could not be made at once is retried in the background (a change
-/// announcement, a failed removal's tombstone, a tag or clear announcement): at once,
-/// then on the guest's schedule (`Settings::retry_first_ms`, doubling to
-/// `retry_max_ms`), for up to the L1 TTL. Only within a running process: a process that
-/// exits takes its retries with it.
+// A change that could not be made at once is retried in the background (a change
+// announcement, a failed removal's tombstone, a tag or clear announcement): at once,
+// then on the guest's schedule (`Settings::retry_first_ms`, doubling to
+// `retry_max_ms`), for up to the L1 TTL. Only within a running process: a process that
+// exits takes its retries with it.
+
 /// How a value reaches L1, with the ticket taken before the L2 step it comes from.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum L1Fill {

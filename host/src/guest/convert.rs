@@ -34,6 +34,7 @@ pub(crate) fn options_in(o: &EntryOptions) -> types::EntryOptions {
     }
 }
 
+#[cfg(any(test, feature = "test-util"))]
 pub(crate) fn meta_in(m: &EntryMeta) -> types::EntryMeta {
     types::EntryMeta {
         absolute_ms: m.absolute_ms,

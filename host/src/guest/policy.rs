@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 
 use super::bindings::corral::cache::types;
 use super::bindings::exports::corral::cache::policy as wit;
-use super::convert::{Parts, from_wit, joined, meta_in, meta_out, options_in, split};
+use super::convert::{Parts, from_wit, joined, meta_out, options_in, split};
 use super::engine::{CALL_BUDGET_TICKS, Loaded, PolicyState, Slot, instantiate, loaded, trap};
 use crate::Result;
 use crate::options::{EntryMeta, EntryOptions};
@@ -95,9 +95,9 @@ pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
 pub(crate) use types::Tagged;
 pub(crate) use wit::{
-    ExpirePlan, FirstRead, Freshness as WitFreshness, GenerationFound, GenerationHeeded, GenerationNews,
-    Heard, Judged, KeptTag, KnownGeneration, NextRead, Plan, ReadOutcome, StoreNames, TagHeeded, TagMessage,
-    TagMoments, TagNews, TagRead, TagVerdict, Touch,
+    ExpirePlan, FirstRead, GenerationFound, GenerationHeeded, GenerationNews, Heard, Judged, KeptTag,
+    KnownGeneration, NextRead, Plan, ReadOutcome, StoreNames, TagHeeded, TagMessage, TagMoments, TagNews,
+    TagRead, TagVerdict, Touch,
 };
 
 impl Policy {
@@ -211,17 +211,20 @@ impl Policy {
         .map_err(from_wit)
     }
 
-    /// Checks `meta` at `now_ms`, applying a read's sliding touch.
+    /// Checks `meta` at `now_ms`, applying a read's sliding touch. For tests that
+    /// compare a store's own judgement with the guest's.
     ///
     /// # Errors
     /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) if the component fails.
+    #[cfg(any(test, feature = "test-util"))]
     pub fn check(&self, meta: &EntryMeta, now_ms: u64) -> Result<Freshness> {
-        let meta = meta_in(meta);
+        let meta = super::convert::meta_in(meta);
         let f = self.call(|s| {
             s.guest
                 .corral_cache_policy()
                 .call_check(&mut s.store, meta, now_ms)
         })?;
+        use crate::guest::bindings::exports::corral::cache::policy::Freshness as WitFreshness;
         Ok(match f {
             WitFreshness::Fresh((meta, moved)) => Freshness::Fresh {
                 meta: meta_out(meta),
@@ -890,6 +893,7 @@ pub(crate) struct Decoded {
 }
 
 /// An entry checked at a moment (see [`Policy::check`]).
+#[cfg(any(test, feature = "test-util"))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Freshness {
