@@ -59,7 +59,7 @@ impl EntryOptions {
 
     /// Fail-safe: once expired, keep a stale copy for `max_stale` more, which a
     /// get-or-set serves when its reload fails, times out or cannot get the lock
-    /// (contract §6b.1). A plain [`get`](crate::Corral::get) never returns it;
+    /// (contract §7.1). A plain [`get`](crate::Corral::get) never returns it;
     /// [`get_stale`](crate::Corral::get_stale) does. Must be positive.
     pub fn fail_safe(mut self, max_stale: Duration) -> Self {
         self.max_stale_ms = Some(duration_ms(max_stale));

@@ -95,7 +95,7 @@ impl Body {
         }
     }
 
-    /// Soft invalidation (contract §6b.4): the workload's entries have no stale window,
+    /// Soft invalidation (contract §7.4): the workload's entries have no stale window,
     /// so it is a removal.
     pub(crate) async fn expire(&self, key: &str) -> corral::Result<bool> {
         match self {

@@ -1412,7 +1412,7 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             });
             // Written in another generation of the prefix than what was served: a
             // `clear` lies between them, and a write a process made in the generation it
-            // still knew is never read in the next one (contract §6b.5).
+            // still knew is never read in the next one (contract §7.5).
             let across_clear = {
                 let st = w.st.lock();
                 st.generation_at(served) != st.generation_at(a.order)
@@ -1436,7 +1436,7 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
 /// invalidation began and carrying `t` (any value, for a clear). Excused: the reader
 /// missed the announcement (lost: until the L1 TTL; its connection down: until it
 /// resubscribed), it was paused meanwhile, or clocks skewed or stepped by more than the
-/// time between the write and the invalidation (contract §6b.5: moments are the
+/// time between the write and the invalidation (contract §7.5: moments are the
 /// processes' clocks).
 fn check_invalidations(ctx: &Ctx, s: &Scenario, plan: &Plan) {
     let w = &ctx.world;

@@ -3,7 +3,7 @@
 //!
 //! - L2 hit: `get_or_set` of a fresh entry, L1 off: one `GET`.
 //! - Stale, throttled: `get_or_set` of a stale entry whose reload failed once, loader
-//!   failing, L1 on: the stale copy served from L1 for the throttle (contract §6b.1).
+//!   failing, L1 on: the stale copy served from L1 for the throttle (contract §7.1).
 //! - Stale, each reload failing: the same with L1 off, so every call reads the stale copy,
 //!   takes the lock, reads again, runs the failing loader, and releases: the price of one
 //!   failed reload, which the throttle pays once per interval per process.

@@ -4,7 +4,7 @@
 //! - L2 hit (L1 empty): `get` against a raw redis-rs `GET`, both over a
 //!   `ConnectionManager` to a redis-server this bench starts on a free loopback port.
 //!
-//! - L1 hit of an entry with two tags against one without (contract §6b.5), same run.
+//! - L1 hit of an entry with two tags against one without (contract §7.5), same run.
 //!
 //! `cargo bench -p corral-tests --bench tiers`. Figures go to BENCHMARKS.md.
 

@@ -38,7 +38,7 @@ fn settings() -> Settings {
 
 /// The tag moments this instance keeps (`corral_core::tags::KeptTag`), and the count of
 /// L1's flushes they were learnt at ([`l1_clears`]): once the host heard a tag or clear
-/// announcement, or missed some, they are read again (contract §6b.5).
+/// announcement, or missed some, they are read again (contract §7.5).
 static MOMENTS: Mutex<Option<Kept>> = Mutex::new(None);
 
 /// Tag moments as kept, with `l1_clears()` as it was when they were learnt.
@@ -147,7 +147,7 @@ fn hear_generation(news: News) -> u64 {
 /// announcement the host heard, or a gap in the announcements (the host's channel was
 /// re-established). Whatever this instance read
 /// of the generation and the tags before is then read again: an invalidation may have
-/// gone unheard, the way the native body forgets what it kept (contract §6b.5).
+/// gone unheard, the way the native body forgets what it kept (contract §7.5).
 fn l1_clears() -> u64 {
     l1::ticket("").flushes
 }
@@ -234,7 +234,7 @@ fn moments(tag_list: &[String], now: u64) -> Result<(Vec<TagMoments>, u64, bool)
 /// The `written_at` of a tagged write (a set, or a load) that begins at `now`: after
 /// every invalidation of `tag_list` the store holds now, read afresh (what this instance
 /// keeps may predate another process's invalidation), else, the store failing, after
-/// those kept (contract §6b.5). An untagged write is written at `now`.
+/// those kept (contract §7.5). An untagged write is written at `now`.
 fn written_at(tag_list: &[String], now: u64) -> Result<u64, types::Error> {
     let mut known = Vec::with_capacity(tag_list.len());
     let clears = l1_clears();
@@ -316,7 +316,7 @@ fn removal_nonce() -> [u8; 8] {
 /// The latest reading of the wall clock this instance took.
 static LATEST_MS: AtomicU64 = AtomicU64::new(0);
 
-/// The wall clock (Unix ms), watched for steps back (contract §6b.5). What this
+/// The wall clock (Unix ms), watched for steps back (contract §7.5). What this
 /// instance knows it keeps until wall-clock moments (the generation, the tags' moments,
 /// the host's L1 copies), which a step back pushes away by the step; so a reading the
 /// brain calls a step back (`generation::stepped_back`) is a gap in what was heard: L1
@@ -392,7 +392,7 @@ fn judge_read(
         Err(e) => return Err(e),
     };
     let outcome = policy::read(&stored, stored.len() as u64, now, limits, None);
-    // A tagged entry is judged by its tags' moments too (contract §6b.5).
+    // A tagged entry is judged by its tags' moments too (contract §7.5).
     let (verdict, tags_until) = match &outcome {
         ReadOutcome::Fresh(hit) | ReadOutcome::Stale(hit) => judge(hit.tagged.as_ref(), &hit.meta, now)?,
         _ => (Verdict::Untouched, u64::MAX),
@@ -557,13 +557,13 @@ fn invalidate_tag(tag: &str, remove: bool) -> Result<(), types::Error> {
     )))
 }
 
-/// Tells the other processes of a tag or clear invalidation (contract §6b.5): they drop
+/// Tells the other processes of a tag or clear invalidation (contract §7.5): they drop
 /// what it invalidates from their L1 at once, instead of within their L1 TTL.
 fn announce(message: &tags::Message) {
     l2::announce_invalidation(&tags::encode(ORIGIN, message));
 }
 
-/// An expiry of the entry `names` names (contract §6b.4): a stale rewrite only over the
+/// An expiry of the entry `names` names (contract §7.4): a stale rewrite only over the
 /// bytes read, a few tries over a concurrent writer; then a removal, which wins.
 fn expire_named(names: &names::Names, settings: &Settings) -> Result<bool, types::Error> {
     let remove = |was_fresh: bool| {

@@ -13,7 +13,7 @@
 //!     32     8  version 3 only: the stale window, ms, big-endian (never 0)
 //!     40     -  value bytes (version 3)
 //!
-//! version 4 (a tagged entry, contract §6b.5):
+//! version 4 (a tagged entry, contract §7.5):
 //!     32     8  the stale window, ms, big-endian; 0 = none
 //!     40     8  written at, Unix ms, big-endian (what tag invalidations compare)
 //!     48     1  tag count, 1..=16
@@ -29,7 +29,7 @@
 //! the new header in place of those bytes and keeps everything after them (the tag
 //! section and the value) as it was.
 //!
-//! Version 3 is an entry with a fail-safe stale window (contract §6b.1): its envelope
+//! Version 3 is an entry with a fail-safe stale window (contract §7.1): its envelope
 //! keeps its expiry moment (as version 1 does), and the store keeps it until the window
 //! ends. Entries without one are written as before, so older readers still read them.
 //!
@@ -193,7 +193,7 @@ pub fn rewrite_header(decoded: &Decoded, meta: &EntryMeta) -> Header {
     }
 }
 
-/// What a tagged entry carries for tag invalidations (contract §6b.5): when it was
+/// What a tagged entry carries for tag invalidations (contract §7.5): when it was
 /// written, by the cache's clock, and its tags.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Tagged {

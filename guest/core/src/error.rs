@@ -24,7 +24,7 @@ pub enum Arg {
     Timeout,
     /// The eager refresh fraction.
     EagerRefresh,
-    /// The tags an entry carries (contract §6b.5).
+    /// The tags an entry carries (contract §7.5).
     Tags,
     /// One tag named by an invalidation (`remove_by_tag`, `expire_by_tag`).
     Tag,

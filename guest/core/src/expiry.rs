@@ -4,7 +4,7 @@
 //! read or refresh moves a sliding entry's expiry to `now + sliding`, but never past its
 //! absolute point and never backwards. An entry without a sliding expiration never moves.
 //!
-//! Fail-safe (contract §6b.1): an entry set with a `max_stale` outlives its freshness.
+//! Fail-safe (contract §7.1): an entry set with a `max_stale` outlives its freshness.
 //! From `expires_at_ms` it is stale: never returned as fresh, never slid, but kept until
 //! `expires_at_ms + stale_ms` so that a get-or-set whose loader fails can serve it.
 
@@ -21,7 +21,7 @@ pub struct EntryOptions {
     /// Expire this long after the last read or refresh.
     pub sliding_ms: Option<u64>,
     /// Fail-safe: keep a stale copy this long past the expiry, to serve when a reload
-    /// fails (contract §6b.1). `None`: gone at its expiry.
+    /// fails (contract §7.1). `None`: gone at its expiry.
     pub max_stale_ms: Option<u64>,
 }
 

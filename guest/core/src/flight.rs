@@ -28,20 +28,20 @@ pub struct FlightConfig {
     /// How long a degraded load's value is served from L1 (0: not at all).
     pub degraded_l1_ttl_ms: u64,
     /// Fail-safe: how long a stale copy served in place of a failed reload is served
-    /// from L1 before the loader is tried again (contract §6b.1).
+    /// from L1 before the loader is tried again (contract §7.1).
     pub fail_safe_throttle_ms: u64,
     /// The hard loader timeout: a load running longer ends the flight (with the stale
     /// copy if there is one, else a timeout). `None`: no limit.
     pub hard_timeout_ms: Option<u64>,
-    /// The soft loader timeout (contract §6b.2): when a stale copy exists and the load
+    /// The soft loader timeout (contract §7.2): when a stale copy exists and the load
     /// runs longer, the callers get the stale copy and the load goes on in the
     /// background, still filling the tiers. `None`: no soft timeout.
     pub soft_timeout_ms: Option<u64>,
-    /// Eager refresh (contract §6b.3): once this many thousandths of an entry's
+    /// Eager refresh (contract §7.3): once this many thousandths of an entry's
     /// freshness (its `relative` duration) have passed, a hit returns it and starts one
     /// background refresh. `None`: never.
     pub eager_refresh_permille: Option<u32>,
-    /// Background completion (contract §6b.2): a load still running at the hard
+    /// Background completion (contract §7.2): a load still running at the hard
     /// timeout is not stopped. The callers are answered then, as a hard timeout answers
     /// them (the stale copy, else a timeout), and the load goes on to fill the tiers
     /// when it succeeds. Only a body that can answer before the loader returns sets it.
@@ -126,7 +126,7 @@ pub fn l1_deadline(meta: &EntryMeta, now_ms: u64, l1_ttl_ms: u64) -> u64 {
     until
 }
 
-/// When an eager refresh of an entry with `meta` falls due (contract §6b.3): after
+/// When an eager refresh of an entry with `meta` falls due (contract §7.3): after
 /// `permille` thousandths of its freshness, counted as the caller's `relative` duration
 /// ending at the entry's absolute point. `None` (never) without eager refresh, for
 /// options without a relative duration, or for an entry without an absolute point.
@@ -282,7 +282,7 @@ pub enum Outcome {
     Skipped,
 }
 
-/// Why a flight served a stale copy (contract §6b.1).
+/// Why a flight served a stale copy (contract §7.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StaleCause {
     /// The loader failed.
@@ -397,7 +397,7 @@ pub enum Action {
         notify: bool,
         /// Fill L1 with the value, servable until this moment.
         l1_until_ms: Option<u64>,
-        /// When an eager refresh of the value falls due (contract §6b.3), if ever: a hit
+        /// When an eager refresh of the value falls due (contract §7.3), if ever: a hit
         /// at or after it starts one background refresh. `None` when `refresh_now`.
         refresh_at_ms: Option<u64>,
         /// The value served (an L2 hit) is due for its eager refresh already: start one
@@ -534,7 +534,7 @@ impl Flight {
                 E::L2Miss
             }
             // The latest read found no stale copy: the one an earlier read found was
-            // removed, replaced or lapsed meanwhile, and is not served (contract §6b.1).
+            // removed, replaced or lapsed meanwhile, and is not served (contract §7.1).
             (P::Reading | P::DoubleChecking | P::Waiting, E::L2Miss) => {
                 self.stale = None;
                 E::L2Miss
@@ -862,7 +862,7 @@ impl Flight {
         }
     }
 
-    /// Fail-safe (contract §6b.1): ends the flight with the stale copy, if one is known
+    /// Fail-safe (contract §7.1): ends the flight with the stale copy, if one is known
     /// and still within its window, re-armed in L1 for the throttle (never past its
     /// window) so the loader is not hammered; the lock, if held, is released.
     fn serve_stale(&mut self, cause: StaleCause, now_ms: u64) -> Option<Action> {

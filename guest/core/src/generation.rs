@@ -1,4 +1,4 @@
-//! What a process knows of its prefix's generation (contract §6b.5), and the rules that
+//! What a process knows of its prefix's generation (contract §7.5), and the rules that
 //! keep it right under late, lost and overlapping news.
 //!
 //! Every entry is named in its prefix's generation ([`crate::tags`]: `clear` moves it

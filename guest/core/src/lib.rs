@@ -138,15 +138,15 @@ pub struct Settings {
     /// does not send every caller to the loader (contract §5.8).
     pub degraded_l1_ttl_ms: u64,
     /// Fail-safe: how long a stale copy served in place of a failed reload is served
-    /// from L1 before the loader is tried again (default 10 s; contract §6b.1).
+    /// from L1 before the loader is tried again (default 10 s; contract §7.1).
     pub fail_safe_throttle_ms: u64,
-    /// The hard loader timeout of a get-or-set (default none; contract §6b.2).
+    /// The hard loader timeout of a get-or-set (default none; contract §7.2).
     pub hard_timeout_ms: Option<u64>,
     /// The soft loader timeout of a get-or-set whose load may outlive its caller
-    /// (default none; contract §6b.2).
+    /// (default none; contract §7.2).
     pub soft_timeout_ms: Option<u64>,
     /// Eager refresh, in thousandths of an entry's relative freshness (default none;
-    /// contract §6b.3).
+    /// contract §7.3).
     pub eager_refresh_permille: Option<u32>,
     /// How many entries L1 holds at most (default 100,000; 0 turns L1 off).
     pub l1_capacity: u64,

@@ -15,7 +15,7 @@
 //! Names of the first round's scheme (`corral:e:user:42`) never start with `{`: they
 //! are simply never read again.
 //!
-//! **Generations** (`clear`, contract §6b.5): an entry and its flight lock are named in
+//! **Generations** (`clear`, contract §7.5): an entry and its flight lock are named in
 //! the prefix's current generation, `{…}:e` in generation 0 (the names above: nothing
 //! moves until a first clear) and `{…}:e@<g>` from generation 1. User locks and fence
 //! counters are not cache data: they keep their names across clears. A tag's moments

@@ -102,7 +102,7 @@ pub struct Hit {
     pub tagged: Option<Tagged>,
 }
 
-/// The header and store TTL of a tagged write (contract §6b.5): `header` (a plan's, for
+/// The header and store TTL of a tagged write (contract §7.5): `header` (a plan's, for
 /// a value of the length it says) re-encoded as version 4 with `tagged`. The entry
 /// keeps its expiry moment in the envelope, so the store TTL is recomputed. With no
 /// tags, `header` and `store_ttl_ms` as they are.
@@ -179,7 +179,7 @@ pub enum ReadOutcome {
     Corrupt(crate::Corruption),
 }
 
-/// What a soft invalidation (`expire`, contract §6b.4) of stored bytes does. It always
+/// What a soft invalidation (`expire`, contract §7.4) of stored bytes does. It always
 /// changes the bytes, so a load that began before it cannot fill over it (fenced fills,
 /// §5.12).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! Tags and clear (contract §6b.5): invalidating many entries at once, in every
+//! Tags and clear (contract §7.5): invalidating many entries at once, in every
 //! process, without scanning keys.
 //!
 //! **Tags.** An entry may be written with tags (at most [`MAX_TAGS`], each 1 to
@@ -175,7 +175,7 @@ pub fn written_at(now_ms: u64, known: &[TagMoments]) -> u64 {
 /// The store TTL of a tag key or a generation counter written at `now_ms`: until the
 /// latest expiry any entry may have ([`crate::expiry::LATEST_EXPIRY_MS`]), so it
 /// outlives every entry written before it. (A store that evicts keys before their TTL
-/// may forget an invalidation: contract §6b.5.)
+/// may forget an invalidation: contract §7.5.)
 pub fn state_ttl_ms(now_ms: u64) -> u64 {
     crate::expiry::LATEST_EXPIRY_MS.saturating_sub(now_ms).max(1)
 }

@@ -243,7 +243,7 @@ impl CorralBuilder {
 
     /// Fail-safe: how long a stale copy served in place of a failed reload is then
     /// served from this process's L1 before the loader is tried again (default 10 s),
-    /// so a failing source is not hammered (contract §6b.1).
+    /// so a failing source is not hammered (contract §7.1).
     pub fn fail_safe_throttle(mut self, throttle: Duration) -> Self {
         self.overrides.fail_safe_throttle_ms = Some(duration_ms(throttle));
         self
@@ -375,7 +375,7 @@ impl CorralBuilder {
         let metrics = Arc::new(Metrics::new(&prefix));
         let tags = Arc::new(super::tags::TagState::new(policy.clone())?);
         listen(&stores, &l1, &metrics, &tags, &policy, &clock, settings.l1_ttl_ms);
-        // A wall clock stepped back is a gap in what this process heard (contract §6b.5).
+        // A wall clock stepped back is a gap in what this process heard (contract §7.5).
         let gap = super::l1_invalidation(l1.clone(), metrics.clone(), tags.clone());
         watched.on_step(move || gap(None));
         let flight = FlightSettings::of(&settings, policy.store_budget(settings)?);
@@ -415,7 +415,7 @@ impl CorralBuilder {
 }
 
 /// What a cache hears from other processes: their set, removal or load of a key drops
-/// its L1 copy; their tag invalidation or clear (contract §6b.5) drops what it names.
+/// its L1 copy; their tag invalidation or clear (contract §7.5) drops what it names.
 fn listen(
     stores: &Stores,
     l1: &L1,

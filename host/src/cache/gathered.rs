@@ -42,7 +42,7 @@ impl Corral {
             return self.look_alone(key, now).await;
         }
         // A follower waits at most one store timeout, then reads alone: one command,
-        // plus one (contract §D).
+        // plus one (contract §9).
         gets.reads
             .run(
                 || key.to_owned(),

@@ -8,7 +8,7 @@ use crate::options::EntryOptions;
 type Predicate = Arc<dyn Fn(&[u8]) -> bool + Send + Sync>;
 
 /// A value as a cache served it, saying whether it was a stale copy kept for fail-safe
-/// (contract §6b.1): see [`Corral::get_stale`](crate::Corral::get_stale) and
+/// (contract §7.1): see [`Corral::get_stale`](crate::Corral::get_stale) and
 /// [`Corral::get_or_set_served`](crate::Corral::get_or_set_served).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -44,7 +44,7 @@ pub struct LoadOptions {
     pub(crate) background_completion: bool,
     /// This is a background refresh's flight.
     pub(crate) refresh: bool,
-    /// The tags a loaded entry carries (contract §6b.5).
+    /// The tags a loaded entry carries (contract §7.5).
     pub(crate) tags: Arc<[String]>,
     /// The most keys one call of a batch loader gets; `None`: no limit.
     pub(crate) max_batch: Option<usize>,
@@ -89,7 +89,7 @@ impl LoadOptions {
         Self::new().entry(EntryOptions::new().absolute(at))
     }
 
-    /// The tags a loaded entry carries (contract §6b.5): at most 16, each 1 to 128
+    /// The tags a loaded entry carries (contract §7.5): at most 16, each 1 to 128
     /// bytes (else the get-or-set is an argument error naming `tags`, before the loader
     /// runs). [`Corral::remove_by_tag`](crate::Corral::remove_by_tag) of any of them
     /// invalidates it in every process; a load that began before that invalidation
@@ -125,7 +125,7 @@ impl LoadOptions {
         self
     }
 
-    /// Fail-safe (contract §6b.1): keep each loaded entry's stale copy for `max_stale`
+    /// Fail-safe (contract §7.1): keep each loaded entry's stale copy for `max_stale`
     /// past its expiry, and when a later reload fails, runs past its hard timeout or
     /// cannot get the lock, serve that copy instead of the error (to every caller of the
     /// flight; then from L1 for the cache's
@@ -136,7 +136,7 @@ impl LoadOptions {
         self
     }
 
-    /// The hard loader timeout of this call (contract §6b.2): a loader still running
+    /// The hard loader timeout of this call (contract §7.2): a loader still running
     /// `timeout` after it started is stopped (its future dropped); the callers get the
     /// stale copy if fail-safe has one, else
     /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout). Nothing is cached. Overrides
@@ -146,7 +146,7 @@ impl LoadOptions {
         self
     }
 
-    /// Background completion (contract §6b.2): a loader still running at the hard
+    /// Background completion (contract §7.2): a loader still running at the hard
     /// timeout is not stopped. The callers are answered then as the hard timeout
     /// answers them (the stale copy if fail-safe has one, else
     /// [`ErrorKind::Timeout`](crate::ErrorKind::Timeout)), and the load goes on in the
@@ -160,7 +160,7 @@ impl LoadOptions {
         self
     }
 
-    /// The soft loader timeout (contract §6b.2): when a stale copy exists (see
+    /// The soft loader timeout (contract §7.2): when a stale copy exists (see
     /// [`fail_safe`](Self::fail_safe)) and the loader runs longer than `timeout`, the
     /// callers get the stale copy at once and the load goes on in the background,
     /// filling both tiers when it ends. Needs a loader that may outlive the call:
@@ -171,7 +171,7 @@ impl LoadOptions {
         self
     }
 
-    /// Eager refresh (contract §6b.3): once `fraction` (strictly between 0 and 1) of a
+    /// Eager refresh (contract §7.3): once `fraction` (strictly between 0 and 1) of a
     /// loaded entry's freshness has passed (its [`relative`](Self::relative)
     /// duration), a hit returns the current value at once and starts one background
     /// refresh; across processes only one runs (it takes the flight lock without

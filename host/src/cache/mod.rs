@@ -101,7 +101,7 @@ pub(crate) struct Inner {
     pub(crate) owed: crate::owed::Owed,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) locks: crate::locks::Locks,
-    /// The tag moments and the generation this process knows (contract §6b.5).
+    /// The tag moments and the generation this process knows (contract §7.5).
     pub(crate) tags: Arc<tags::TagState>,
 }
 
@@ -229,7 +229,7 @@ impl Corral {
             .map_err(|e| e.in_call("set"))
     }
 
-    /// As [`set`](Self::set), the entry carrying `tags` (contract §6b.5): at most 16,
+    /// As [`set`](Self::set), the entry carrying `tags` (contract §7.5): at most 16,
     /// each 1 to 128 bytes. [`remove_by_tag`](Self::remove_by_tag) and
     /// [`expire_by_tag`](Self::expire_by_tag) of any of them invalidate it in every
     /// process. No tags: as `set`.
@@ -569,7 +569,7 @@ impl Corral {
         Ok(removed)
     }
 
-    /// Soft invalidation (contract §6b.4): `key` stops being fresh now, in every
+    /// Soft invalidation (contract §7.4): `key` stops being fresh now, in every
     /// process, but an entry set with [`fail_safe`](crate::EntryOptions::fail_safe)
     /// keeps its stale copy, which a get-or-set whose reload fails still serves. An
     /// entry without a stale window is removed, as [`remove`](Self::remove) does.
@@ -638,7 +638,7 @@ impl Corral {
     }
 
     /// The value under `key`, fresh or, failing that, a stale copy kept for fail-safe
-    /// (contract §6b.1), saying which. [`get`](Self::get) returns fresh values only.
+    /// (contract §7.1), saying which. [`get`](Self::get) returns fresh values only.
     ///
     /// # Errors
     /// As [`get`](Self::get).
@@ -804,7 +804,7 @@ impl Corral {
     }
 
     /// Checks `key` and names its data in the store, in the prefix's current
-    /// generation (contract §2.4, §6b.5).
+    /// generation (contract §2.4, §7.5).
     /// A get-or-set's names: when the generation cannot be read (the store is down),
     /// the last one known, so the flight goes on to degrade as it would (§5.8); the
     /// read is bounded by one store timeout. Says whether the entry may be read under

@@ -149,7 +149,7 @@ pub(crate) enum L2Read {
     /// Nothing fresh. `holds` is what the key holds now as far as this read knows
     /// (nothing, or a removal's tombstone): a fill is fenced on it (contract §5.12).
     Miss { holds: Option<Bytes> },
-    /// A stale copy (fail-safe, contract §6b.1): its value and metadata; `holds` is
+    /// A stale copy (fail-safe, contract §7.1): its value and metadata; `holds` is
     /// the bytes read, which the key still holds (a fill is fenced on them).
     Stale {
         value: Bytes,
@@ -347,7 +347,7 @@ impl Corral {
         now: u64,
     ) -> Result<L2Read> {
         let inner = &*self.inner;
-        // A tagged entry is judged by its tags' moments too (contract §6b.5).
+        // A tagged entry is judged by its tags' moments too (contract §7.5).
         let mut stamp = None;
         if let ReadOutcome::Fresh(hit) | ReadOutcome::Stale(hit) = &mut outcome
             && let Some(tagged) = hit.tagged.take()

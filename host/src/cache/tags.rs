@@ -1,4 +1,4 @@
-//! Tags and clear in the native body (contract §6b.5). The guest decides every rule
+//! Tags and clear in the native body (contract §7.5). The guest decides every rule
 //! (`corral-core`'s `tags`: the envelope's tag section, the moments, the verdict, the
 //! generation in the names, the announcements); this file performs the I/O:
 //!
@@ -479,7 +479,7 @@ impl Corral {
     }
 
     /// Every entry carrying `tag`, in every process sharing the store, is removed: a
-    /// miss from now on (contract §6b.5). No key is scanned: the tag's one small key
+    /// miss from now on (contract §7.5). No key is scanned: the tag's one small key
     /// gets the moment, the other processes hear of it on the invalidation channel
     /// (and drop what their L1 holds of it), and every reader compares. Returns once
     /// the announcement is published (or the store timeout passed: it is then retried
@@ -489,7 +489,7 @@ impl Corral {
     /// An entry written at or before this moment (by the writer's clock) is removed:
     /// one written in the same millisecond counts as older, unless it was written after
     /// this process knew of the removal (a `set_tagged` after `remove_by_tag` here is
-    /// newer, and is served; contract §6b.5).
+    /// newer, and is served; contract §7.5).
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] naming `tag` (empty, or over 128 bytes);
@@ -503,7 +503,7 @@ impl Corral {
     /// Every entry carrying `tag` is stale from now, in every process: an entry with a
     /// fail-safe window ([`EntryOptions::fail_safe`](crate::EntryOptions::fail_safe))
     /// keeps its stale copy for it, which a get-or-set whose reload fails still serves;
-    /// one without is a miss (contract §6b.5).
+    /// one without is a miss (contract §7.5).
     ///
     /// # Errors
     /// As [`remove_by_tag`](Self::remove_by_tag).

@@ -1,4 +1,4 @@
-//! The cache's clock, watched for steps back (contract §6b.5).
+//! The cache's clock, watched for steps back (contract §7.5).
 //!
 //! What a process knows, it keeps until wall-clock moments: the generation and the tags'
 //! moments until an L1 TTL after their read, L1 copies until their own bound. A wall

@@ -235,7 +235,7 @@ impl Policy {
         })
     }
 
-    /// Soft invalidation of stored bytes at `now_ms` (contract §6b.4).
+    /// Soft invalidation of stored bytes at `now_ms` (contract §7.4).
     pub(crate) fn expire(&self, stored: &[u8], now_ms: u64) -> Result<ExpirePlan> {
         let limits = self.inner.limits;
         let head = &stored[..stored.len().min(self.inner.header_len)];
@@ -433,7 +433,7 @@ impl Policy {
         .map_err(from_wit)
     }
 
-    /// Checks an entry's tags (contract §6b.5): an argument error naming `tags`.
+    /// Checks an entry's tags (contract §7.5): an argument error naming `tags`.
     pub(crate) fn check_tags(&self, tags: &[String]) -> Result<()> {
         self.call(|s| s.guest.corral_cache_policy().call_check_tags(&mut s.store, tags))?
             .map_err(from_wit)

@@ -301,7 +301,7 @@ pub(crate) fn l1_invalidation(l1: crate::store::l1::L1<l1::L1Entry>) -> crate::s
     Arc::new(move |key: Option<String>| l1.hear(key.as_deref()))
 }
 
-/// What it does with a tag or clear announcement, its own included (contract §6b.5):
+/// What it does with a tag or clear announcement, its own included (contract §7.5):
 /// everything goes, as after a `clear`, and the guest, seeing L1's generations move,
 /// reads tags and the generation again. The host reads no message: the guest keeps
 /// what they say.

@@ -254,7 +254,7 @@ impl PortableBuilder {
         self
     }
 
-    /// The soft loader timeout (contract §6b.2); default: none. A component call runs
+    /// The soft loader timeout (contract §7.2); default: none. A component call runs
     /// its caller's load to its end, so it serves the callers of the same instance that
     /// follow a load its holder still runs (a host that keeps an instance across
     /// callers, as jco does): asking once it is due, they get the stale copy, if the
@@ -264,7 +264,7 @@ impl PortableBuilder {
         self
     }
 
-    /// Eager refresh (contract §6b.3) for every get-or-set. A component call cannot
+    /// Eager refresh (contract §7.3) for every get-or-set. A component call cannot
     /// leave work behind, so the refresh runs in the call that found the value due,
     /// after the hit, before it returns; its decisions are the native body's. Default:
     /// none.
@@ -948,7 +948,7 @@ mod tests {
 
     /// A follower in the instance asking past the load's hard timeout ends the flight
     /// with what a hard timeout gives every caller (a timeout, no stale copy here), and
-    /// the holder's late value is judged the same, cached nowhere (contract §6b.2).
+    /// the holder's late value is judged the same, cached nowhere (contract §7.2).
     /// Before, the follower was told `pending` for as long as the holder loaded.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_follower_in_the_instance_is_answered_at_the_loads_hard_timeout() -> Result<()> {
@@ -974,7 +974,7 @@ mod tests {
 
     /// With a stale copy, a follower asking past the soft timeout gets it, and the
     /// holder's load goes on to fill the tiers; past the hard timeout, the stale copy
-    /// is what every caller gets (contract §6b.1, §6b.2).
+    /// is what every caller gets (contract §7.1, §7.2).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_follower_in_the_instance_gets_the_stale_copy_at_the_loads_timeouts() -> Result<()> {
         let clock = ManualClock::starting_now();
@@ -1022,7 +1022,7 @@ mod tests {
 
     /// The soft timeout answers the followers waiting then, each for good; one that
     /// begins after it waits for the load's end (L1 kept no stale copy here: no
-    /// throttle), as a native caller coming after the answer does (contract §6b.2).
+    /// throttle), as a native caller coming after the answer does (contract §7.2).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn only_the_followers_waiting_at_the_soft_timeout_get_the_stale_copy() -> Result<()> {
         let clock = ManualClock::starting_now();
@@ -1079,7 +1079,7 @@ mod tests {
 
     /// A wall clock stepped back while a load runs empties L1 as a gap does, not as a
     /// clear: the key did not change, so a caller that began after the step still
-    /// follows the load and takes its outcome (contract §6b.5, §5.3).
+    /// follows the load and takes its outcome (contract §7.5, §5.3).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_clock_step_during_a_load_leaves_its_follower_following() -> Result<()> {
         let clock = ManualClock::starting_now();

@@ -29,15 +29,15 @@ pub(crate) struct L1Entry {
     pub(crate) value: Bytes,
     /// Served until this moment (Unix ms), as issued by the guest.
     pub(crate) until_ms: u64,
-    /// A stale copy served by fail-safe for the throttle (contract §6b.1).
+    /// A stale copy served by fail-safe for the throttle (contract §7.1).
     pub(crate) stale: bool,
-    /// When an eager refresh falls due (contract §6b.3), until one is started.
+    /// When an eager refresh falls due (contract §7.3), until one is started.
     pub(crate) refresh_at_ms: Option<u64>,
     /// A tagged entry: the tag epoch it was judged in (see [`L1Tagged`]).
     pub(crate) tagged: L1Tagged,
 }
 
-/// What L1 keeps of a tagged entry (contract §6b.5): the tag epoch in which the guest
+/// What L1 keeps of a tagged entry (contract §7.5): the tag epoch in which the guest
 /// judged its tags (`None`: untagged). Any invalidation this process hears of moves the
 /// epoch on, and a hit of an entry judged in an older epoch is a miss: the read goes to
 /// L2 and the guest judges it again. A hit in the same epoch needs no judgement (one
@@ -144,7 +144,7 @@ struct Epochs {
     all: AtomicU64,
     /// Bumped by every clear that follows a change of the prefix's generation.
     generations: AtomicU64,
-    /// Bumped whenever this process learns of a tag invalidation (contract §6b.5).
+    /// Bumped whenever this process learns of a tag invalidation (contract §7.5).
     tags: AtomicU64,
     /// Bumped by every write of a key hashing here.
     stripes: Box<[AtomicU64]>,
@@ -211,7 +211,7 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
 
     /// A ticket for `key` as of now, but as of `earlier` for changes of the prefix's
     /// generation: a caller that named its entry in the store (in the generation then,
-    /// contract §6b.5) after `earlier` never fills L1 across a `clear()` that moved the
+    /// contract §7.5) after `earlier` never fills L1 across a `clear()` that moved the
     /// prefix to another generation meanwhile.
     pub(crate) fn ticket_since(&self, key: &str, earlier: Ticket) -> Ticket {
         Ticket {

@@ -272,7 +272,7 @@ pub struct Filled {
 /// when anything may have changed (the channel was re-established after a gap).
 pub type ForeignHook = Arc<dyn Fn(Option<String>) + Send + Sync>;
 
-/// What a cache does with a tag or clear announcement (contract §6b.5): the message's
+/// What a cache does with a tag or clear announcement (contract §7.5): the message's
 /// text, as published, for the cache (its guest) to read. Stores only carry it.
 pub type InvalidationHook = Arc<dyn Fn(&str) + Send + Sync>;
 
@@ -301,7 +301,7 @@ pub trait Notifications: Send + Sync + fmt::Debug + 'static {
     }
 
     /// Tells every process sharing the store (this one included) of a tag or clear
-    /// announcement (contract §6b.5); a store without a channel for them does nothing.
+    /// announcement (contract §7.5); a store without a channel for them does nothing.
     fn publish_invalidation<'a>(&'a self, text: &'a str) -> BoxFuture<'a, Result<()>> {
         let _ = text;
         Box::pin(std::future::ready(Ok(())))

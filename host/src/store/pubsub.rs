@@ -48,7 +48,7 @@ struct Shared {
     /// The store's command link (announcements go there; replaced when it hangs).
     commands_conn: Arc<ArcSwap<Link>>,
     channel: String,
-    /// The prefix's tag and clear channel (contract §6b.5), on the same subscription.
+    /// The prefix's tag and clear channel (contract §7.5), on the same subscription.
     invalidations: String,
     /// This store's name on the channel, so it can tell its own messages apart.
     origin: String,

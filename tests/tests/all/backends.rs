@@ -19,7 +19,7 @@ fn the_guest_is_a_small_component() {
         &[0x0d, 0x00, 0x01, 0x00],
         "of the component layer, not a core module"
     );
-    // 164 KB before tags and clear (contract §6b.5), 211 KB with them, 276 KB with the
+    // 164 KB before tags and clear (contract §7.5), 211 KB with them, 276 KB with the
     // portable body's batch (§5.16).
     assert!(
         wasm.len() < 320 * 1024,

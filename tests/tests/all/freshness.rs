@@ -1,4 +1,4 @@
-//! Freshness (contract §6b) through the public API: fail-safe, the soft and hard loader
+//! Freshness (contract §7) through the public API: fail-safe, the soft and hard loader
 //! timeouts, eager refresh and soft invalidation, in one process and across caches that
 //! share a real redis-server (each `Corral` there has its own L1, connections and
 //! subscription, as a process does; `eager_refresh_runs_once_across_four_processes`

@@ -509,7 +509,7 @@ async fn a_lock_wait_ends_at_its_budget_on_a_frozen_clock_in_both_bodies() -> Re
 /// A tag moment a portable process keeps but the store lost hides nothing from it and
 /// deletes nothing: the entry is judged again by the store's moments, as every other
 /// process judges it, and a get-or-set serves it rather than loading over it (contract
-/// §6b.5; native: `tags::a_moment_the_store_lost_hides_nothing_another_process_wrote`).
+/// §7.5; native: `tags::a_moment_the_store_lost_hides_nothing_another_process_wrote`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_portable_process_hides_nothing_by_a_moment_the_store_lost() -> Result<()> {
     let server = RedisServer::start()?;
@@ -667,7 +667,7 @@ async fn a_portable_lock_whose_release_failed_is_released_when_the_call_ends() -
     Ok(())
 }
 
-/// A portable process watches its wall clock as the native one does (contract §6b.5): a
+/// A portable process watches its wall clock as the native one does (contract §7.5): a
 /// clear whose announcement never came is learnt within the L1 TTL of the clock's own
 /// time even across a step back, since the step is a gap in what the instance heard (L1
 /// emptied, the generation read again); a reading less than a second behind is not a
@@ -728,7 +728,7 @@ async fn a_portable_clock_stepped_back_does_not_extend_what_it_trusts() -> Resul
 }
 
 /// Tag and clear invalidations reach the other body's L1 at once, both ways (contract
-/// §6b.5): a portable process hears a native process's `remove_by_tag` and `clear`, and
+/// §7.5): a portable process hears a native process's `remove_by_tag` and `clear`, and
 /// a native process hears a portable one's, well before their L1 TTL (an hour here).
 /// Before, the portable body announced none and heard none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -827,7 +827,7 @@ async fn a_waiting_process_is_woken_by_the_landing_not_by_polling() -> Result<()
     assert_eq!((mb.loads, mb.lock_waits, mb.l2_hits), (0, 1, 1));
     // With backoff polling alone (50, 100, 200 ms...) b would have read and tried the
     // lock three more times in 0.5 s; woken by the landing it reads once more.
-    // (The prefix's generation, read once per process and L1 TTL (§6b.5), comes with
+    // (The prefix's generation, read once per process and L1 TTL (§7.5), comes with
     // the first read.)
     assert_eq!(
         redis_b, 4,

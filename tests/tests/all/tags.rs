@@ -1,4 +1,4 @@
-//! Tags and clear across processes over a real redis-server (contract §6b.5): every
+//! Tags and clear across processes over a real redis-server (contract §7.5): every
 //! process stops serving an invalidated entry (from its L1 too) within the announcement
 //! latency; tenants never see each other's tags or clears.
 //!
@@ -371,7 +371,7 @@ async fn a_tagged_load_in_the_millisecond_of_a_removal_is_cached() -> Result<()>
 /// nothing from it and deletes nothing: an entry its kept moments would remove is judged
 /// again by the store's, as every other process judges it. A write made since, stamped
 /// before the lost moment by a clock behind the keeper's, is served to the keeper too,
-/// and a get-or-set there serves it rather than loading over it (contract §5.4, §6b.5).
+/// and a get-or-set there serves it rather than loading over it (contract §5.4, §7.5).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_moment_the_store_lost_hides_nothing_another_process_wrote() -> Result<()> {
     let server = RedisServer::start()?;
@@ -422,7 +422,7 @@ async fn a_moment_the_store_lost_hides_nothing_another_process_wrote() -> Result
 /// A process that swept the tags it no longer trusts (a service whose tags name users
 /// keeps a bounded map) still stops serving an entry from L1 once a tag it was judged by
 /// is removed by another process, even with its clock stepped back below the tag's
-/// bound (contract §6b.5). The step here (a minute) is itself a gap that flushes L1; that
+/// bound (contract §7.5). The step here (a minute) is itself a gap that flushes L1; that
 /// the sweep alone makes L1 judge its tagged entries again (for a copy that outlives its
 /// tags' bound without a step) is `cache::tags` `lapsed_tags_are_swept_out_once_the_map_doubles`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -48,7 +48,7 @@ pub(super) struct Driver {
     tags_until: u64,
     /// When the loaded entry counts as written: when the load began, after every
     /// invalidation of its tags the store held then (a load that began before an
-    /// invalidation is older than it; one that began after is newer, contract §6b.5).
+    /// invalidation is older than it; one that began after is newer, contract §7.5).
     written_at: u64,
     /// The stale copy the last read found (fail-safe).
     stale: Vec<u8>,
@@ -202,7 +202,7 @@ impl Driver {
     }
 
     /// While the caller loads, a timeout of the load that is due and not yet reported:
-    /// reported now (contract §6b.2), as the native body's timers report it while its
+    /// reported now (contract §7.2), as the native body's timers report it while its
     /// loader runs. The hard timeout ends the flight (the stale copy, else a timeout,
     /// for every caller; the caller's late value is judged the same); the soft timeout
     /// may have the callers answered with the stale copy ([`Driver::answered`]) while

@@ -17,7 +17,7 @@
 //! The caller's load cannot be stopped, but its timeouts are kept for its followers: a
 //! follower that asks once the load's soft timeout is due gets the stale copy the
 //! machine answers with, and one that asks past its hard timeout ends the flight with
-//! what a hard timeout gives every caller (contract §6b.2), the holder's late end
+//! what a hard timeout gives every caller (contract §7.2), the holder's late end
 //! included.
 
 use std::cell::{Cell, RefCell};
@@ -549,7 +549,7 @@ enum Role {
     Leader,
     /// A bypass: no locks, no followers.
     Bypass,
-    /// A background refresh (contract §6b.3): no followers.
+    /// A background refresh (contract §7.3): no followers.
     Refresh,
 }
 

@@ -86,7 +86,7 @@ pub(super) struct Driver<'a, F> {
     stamp: Option<TagStamp>,
     written_tags: Option<Tagged>,
     /// When the loaded entry counts as written (its load's start, after its tags'
-    /// invalidations known then: contract §6b.5).
+    /// invalidations known then: contract §7.5).
     written_at: u64,
     /// The tag epoch before the last L2 read: a stale copy it found is kept in L1 only
     /// until any tag invalidation this process hears of.
@@ -310,7 +310,7 @@ where
     }
 
     /// Calls the loader once. The caller is answered early at the moments the guest set
-    /// (contract §6b.2), only when it can be answered before the flight ends (`fetch`);
+    /// (contract §7.2), only when it can be answered before the flight ends (`fetch`);
     /// a loader still running at the hard timeout is dropped, and the guest judges the
     /// answer's time by the cache's clock, so a late answer times out alike.
     async fn load(&mut self, request: LoadRequest) -> Result<Event> {

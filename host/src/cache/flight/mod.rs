@@ -81,7 +81,7 @@ impl Corral {
     }
 
     /// As [`get_or_set`](Self::get_or_set), saying whether the value is a stale copy
-    /// fail-safe served in place of a failed reload (contract §6b.1; see
+    /// fail-safe served in place of a failed reload (contract §7.1; see
     /// [`LoadOptions::fail_safe`]).
     ///
     /// # Errors
@@ -283,7 +283,7 @@ impl Corral {
         )
     }
 
-    /// Starts one eager refresh of `key` in the background (contract §6b.3), unless a
+    /// Starts one eager refresh of `key` in the background (contract §7.3), unless a
     /// flight of the key already runs in this process. It takes the flight lock without
     /// waiting: if another process holds it, that one refreshes, and this does nothing.
     /// `joined`: the registry's lead, if the caller took it already.
