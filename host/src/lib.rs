@@ -21,7 +21,7 @@
 //! contract all of them keep is `docs/contract.md`.
 //!
 //! A whole embedding, on the embedded in-memory L2 (add `.redis(url)` to the builder to
-//! share the cache, the single flight and the locks between processes):
+//! share the entries and the single flight between processes, and to get leases):
 //!
 //! ```
 //! use std::time::Duration;
@@ -42,7 +42,7 @@
 //!     .hard_timeout(Duration::from_secs(2))      // a loader that hangs is stopped
 //!     .build()?;
 //!
-//! // However many callers, in however many processes, miss "user:42" at once: one load.
+//! // However many callers miss "user:42" at once: one load (with Redis, across processes).
 //! // Kept for 5 minutes, tagged so a change to the user drops every entry about it, and
 //! // served stale for up to an hour when the database fails (fail-safe).
 //! let options = LoadOptions::new()
@@ -51,7 +51,7 @@
 //! let user: User = cache.get_or_set_json("user:42", options, || load_user(42)).await?;
 //! assert_eq!(user.name, "Ada");
 //!
-//! // The user changed: drop everything tagged with it, in every process.
+//! // The user changed: drop everything tagged with it (with Redis, in every process).
 //! cache.remove_by_tag("user:42").await?;
 //! assert!(cache.get("user:42").await?.is_none());
 //!

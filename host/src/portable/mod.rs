@@ -700,7 +700,9 @@ impl PortableCache {
     /// runs inside the component's call, so it is a plain function of the key, and this
     /// body's timeouts and eager refresh are the cache's own
     /// ([`PortableBuilder`]): one call's hard or soft timeout, eager refresh or
-    /// background completion is refused.
+    /// background completion is refused. [`cache_none_for`](LoadOptions::cache_none_for)
+    /// and [`max_batch`](LoadOptions::max_batch) have no effect here: this cache has no
+    /// typed API, and one key makes no batch.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key,
