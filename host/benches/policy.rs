@@ -1,7 +1,7 @@
 //! What one decision costs across the wasm boundary, and what reads of the embedded
 //! default cost: an L1 hit, and the in-memory L2 with L1 off.
 //!
-//! `cargo bench -p corral --features test-util --bench policy`. Figures go to BENCHMARKS.md with the machine.
+//! `cargo bench -p corral-cache --features test-util --bench policy`. Figures go to BENCHMARKS.md with the machine.
 
 use std::hint::black_box;
 use std::time::Duration;
