@@ -4,6 +4,12 @@
 //! - [`builder`]: how a cache is composed; [`read`]: one L2 read, judged by the guest;
 //! - [`flight`]: the get-or-set driver; [`registry`]: in-process single flight;
 //! - [`load`]: get-or-set options; [`typed`]: JSON values; [`metrics`]: counters.
+//!
+//! A change that could not be made at once is retried in the background (a change
+//! announcement, a failed removal's tombstone, a tag or clear announcement): at once,
+//! then on the guest's schedule (`Settings::retry_first_ms`, doubling to
+//! `retry_max_ms`), for up to the L1 TTL. Only within a running process: a process that
+//! exits takes its retries with it.
 
 use std::fmt;
 use std::sync::Arc;
@@ -133,12 +139,6 @@ impl fmt::Debug for Corral {
             .finish_non_exhaustive()
     }
 }
-
-// A change that could not be made at once is retried in the background (a change
-// announcement, a failed removal's tombstone, a tag or clear announcement): at once,
-// then on the guest's schedule (`Settings::retry_first_ms`, doubling to
-// `retry_max_ms`), for up to the L1 TTL. Only within a running process: a process that
-// exits takes its retries with it.
 
 /// How a value reaches L1, with the ticket taken before the L2 step it comes from.
 #[derive(Clone, Copy, Debug)]

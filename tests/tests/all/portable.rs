@@ -443,20 +443,13 @@ async fn a_lock_wait_ends_at_its_budget_on_a_frozen_clock_in_both_bodies() -> Re
     let clock = corral::ManualClock::starting_now();
     let memory = MemoryStore::new(Arc::new(clock.clone()), 30_000);
     let wait = Duration::from_millis(300);
-    let stores = || {
-        (
-            Arc::new(memory.clone()) as Arc<dyn Entries>,
-            Arc::new(memory.clone()) as Arc<dyn FlightLock>,
-            Arc::new(memory.clone()) as Arc<dyn Notifications>,
-        )
-    };
-    let (entries, lock, notifications) = stores();
+    let (entries, lock, notifications) = memory_stores(&memory);
     let portable = PortableCache::builder()
         .stores("frozen:", entries, lock, notifications)
         .clock(clock.clone())
         .lock_wait(wait)
         .build()?;
-    let (entries, lock, notifications) = stores();
+    let (entries, lock, notifications) = memory_stores(&memory);
     let native = Corral::builder()
         .stores("frozen:", entries, lock, notifications)
         .clock(clock.clone())
@@ -805,21 +798,14 @@ async fn tag_and_clear_invalidations_reach_the_other_bodys_l1_both_ways() -> Res
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_portable_batch_loads_its_own_keys_before_waiting_for_another_processs_load() -> Result<()> {
     let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
-    let stores = || {
-        (
-            Arc::new(memory.clone()) as Arc<dyn Entries>,
-            Arc::new(memory.clone()) as Arc<dyn FlightLock>,
-            Arc::new(memory.clone()) as Arc<dyn Notifications>,
-        )
-    };
-    let (e, l, n) = stores();
+    let (e, l, n) = memory_stores(&memory);
     // A lock wait far beyond the bound below: a batch waiting for the other load first
     // would be seen.
     let portable = PortableCache::builder()
         .stores("batch:", e, l, n)
         .lock_wait(Duration::from_secs(60))
         .build()?;
-    let (e, l, n) = stores();
+    let (e, l, n) = memory_stores(&memory);
     let other = Corral::builder().stores("batch:", e, l, n).build()?;
     // The other process leads "k2" and holds its lock until released.
     let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
@@ -887,6 +873,15 @@ async fn a_portable_batch_loads_its_own_keys_before_waiting_for_another_processs
 }
 
 /// A portable cache over its own memory store.
+/// `memory` as the three stores a builder's `stores` takes: one process's view of it.
+fn memory_stores(memory: &MemoryStore) -> (Arc<dyn Entries>, Arc<dyn FlightLock>, Arc<dyn Notifications>) {
+    (
+        Arc::new(memory.clone()),
+        Arc::new(memory.clone()),
+        Arc::new(memory.clone()),
+    )
+}
+
 fn portable_over_memory() -> Result<PortableCache> {
     let memory = MemoryStore::new(Arc::new(corral::SystemClock), 30_000);
     Ok(PortableCache::builder().memory(memory).build()?)
