@@ -50,6 +50,22 @@ const POLL: Duration = Duration::from_millis(10);
 /// How long processes may take to die after SIGKILL before `corral` gives up on them.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
+/// The longest `--grace`: a day. A command that has not stopped a day after its signal
+/// is killed.
+const LONGEST_GRACE: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// A `--grace` on the command line: at most [`LONGEST_GRACE`] (zero: SIGKILL at once).
+pub fn grace(text: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d > LONGEST_GRACE {
+        return Err(format!(
+            "must be at most {}",
+            humantime::format_duration(LONGEST_GRACE)
+        ));
+    }
+    Ok(d)
+}
+
 /// A running command: its process group, and its processes outside the group.
 #[derive(Debug)]
 pub struct Group {
@@ -169,12 +185,20 @@ impl Group {
     /// until none is left. Signals `corral` receives meanwhile are passed on too.
     pub async fn stop(&mut self, first: Signal, grace: Duration, signals: &mut Signals) {
         self.signal(first);
-        let deadline = Instant::now() + grace;
+        // A grace past what a clock can count (`--grace` refuses one) waits without end.
+        let deadline = Instant::now().checked_add(grace);
+        let kill_at = async {
+            match deadline {
+                Some(deadline) => sleep_until(deadline).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(kill_at);
         loop {
             tokio::select! {
                 _ = self.finished() => return,
                 signal = signals.next() => self.signal(signal),
-                () = sleep_until(deadline) => break,
+                () = &mut kill_at => break,
             }
         }
         say!(

@@ -167,8 +167,9 @@ pub enum Command {
         /// with --fair (a queue in Redis).
         #[arg(long)]
         fair: bool,
-        /// How long COMMAND's processes may take to stop after a signal, before SIGKILL.
-        #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
+        /// How long COMMAND's processes may take to stop after a signal, before SIGKILL
+        /// (at most 24h).
+        #[arg(long, value_parser = group::grace, default_value = "5s")]
         grace: Duration,
         /// The command and its arguments.
         #[arg(last = true, required = true, value_name = "COMMAND")]

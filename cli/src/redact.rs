@@ -6,7 +6,7 @@
 //! (`redis://user:secret@host`, masked by shape wherever it appears) and on its own (a
 //! library's Debug output, `password: Some("secret")`, masked because every password
 //! the CLI was given is remembered and replaced wherever it appears, or for a password
-//! of under 4 characters wherever it appears in quotes).
+//! of under 4 characters wherever it appears in quotes or as a URL's password).
 
 use std::borrow::Cow;
 use std::convert::Infallible;
@@ -47,7 +47,13 @@ impl RedisUrl {
 
 impl fmt::Display for RedisUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&redact(&self.0))
+        // The whole argument is one URL: its password ends at its last `@`, whatever
+        // characters it holds (a space or a quote included).
+        let shown = match password_span(&self.0) {
+            Some((from, to)) => format!("{}{MASK}{}", &self.0[..from], &self.0[to..]),
+            None => self.0.clone(),
+        };
+        f.write_str(&redact(&shown))
     }
 }
 
@@ -62,13 +68,20 @@ pub fn redact(text: &str) -> Cow<'_, str> {
     let mut out = mask_url_passwords(text);
     let secrets = SECRETS.read().unwrap_or_else(|poisoned| poisoned.into_inner());
     for secret in secrets.iter() {
-        let (shape, mask) = if secret.len() >= WHOLE_WORD_MIN {
-            (secret.clone(), MASK.to_owned())
+        let shapes = if secret.len() >= WHOLE_WORD_MIN {
+            vec![(secret.clone(), MASK.to_owned())]
         } else {
-            (format!("\"{secret}\""), format!("\"{MASK}\""))
+            // In quotes, and as a URL's password (one the scan above could not see
+            // whole, holding a space or a quote).
+            vec![
+                (format!("\"{secret}\""), format!("\"{MASK}\"")),
+                (format!(":{secret}@"), format!(":{MASK}@")),
+            ]
         };
-        if out.contains(&shape) {
-            out = Cow::Owned(out.replace(&shape, &mask));
+        for (shape, mask) in shapes {
+            if out.contains(&shape) {
+                out = Cow::Owned(out.replace(&shape, &mask));
+            }
         }
     }
     out
@@ -87,13 +100,8 @@ fn remember(secret: String) {
 /// parameter, each as written and percent-decoded.
 fn secrets_of(url: &str) -> Vec<String> {
     let mut found = Vec::new();
-    if let Some((_, rest)) = url.split_once("://") {
-        let authority = &rest[..authority_end(rest)];
-        if let Some((userinfo, _host)) = authority.rsplit_once('@')
-            && let Some((_user, password)) = userinfo.split_once(':')
-        {
-            found.push(password.to_owned());
-        }
+    if let Some((from, to)) = password_span(url) {
+        found.push(url[from..to].to_owned());
     }
     if let Some((_, query)) = url.split_once('?') {
         for pair in query.split('&') {
@@ -105,6 +113,29 @@ fn secrets_of(url: &str) -> Vec<String> {
     let decoded: Vec<String> = found.iter().map(|s| percent_decode(s)).collect();
     found.extend(decoded);
     found
+}
+
+/// Where the userinfo password of `url`, one URL as given on the command line, lies:
+/// between the first `:` of its user information and its last `@` before the path.
+/// Characters a URL should encode (a space, a quote) do not end it, and a URL without
+/// `://` (`:pw@host`, `redis:/:pw@host`, which the library will refuse) is read the
+/// same way, so that the refusal never shows the password either.
+fn password_span(url: &str) -> Option<(usize, usize)> {
+    let start = url.find("://").map_or(0, |at| at + 3);
+    let rest = &url[start..];
+    let authority = match url.find("://") {
+        Some(_) => &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())],
+        None => rest,
+    };
+    let at = authority.rfind('@')?;
+    let userinfo = &authority[..at];
+    let colon = if url.contains("://") {
+        userinfo.find(':')?
+    } else {
+        userinfo.rfind(':')?
+    };
+    let (from, to) = (start + colon + 1, start + at);
+    (from < to).then_some((from, to))
 }
 
 /// Where the authority (`user:password@host:port`) of a URL's remainder ends.
@@ -169,6 +200,41 @@ mod tests {
             redact(text),
             "connect to redis://u:***@127.0.0.1:6379/0 failed; see rediss://:***@[::1]:7000"
         );
+    }
+
+    #[test]
+    fn a_password_with_characters_a_url_should_encode_is_never_shown() {
+        for (raw, shown) in [
+            ("redis://:Wrong PW99@127.0.0.1:1", "redis://:***@127.0.0.1:1"),
+            (
+                "redis://u:W\"r<o>n`g@127.0.0.1:1/0",
+                "redis://u:***@127.0.0.1:1/0",
+            ),
+            ("redis://:a b@h:1", "redis://:***@h:1"),
+        ] {
+            let url = RedisUrl::parse(raw).unwrap();
+            assert_eq!(url.to_string(), shown);
+            let secret = raw[raw.find("://").unwrap() + 3..raw.rfind('@').unwrap()]
+                .split_once(':')
+                .unwrap()
+                .1;
+            let said = redact(&format!("cannot use Redis at {raw}: authentication failed")).into_owned();
+            assert!(!said.contains(&format!(":{secret}@")), "{said}");
+            assert!(secret.len() < WHOLE_WORD_MIN || !said.contains(secret), "{said}");
+        }
+    }
+
+    #[test]
+    fn a_url_the_library_will_refuse_shows_no_password_either() {
+        for raw in [
+            ":s3cretpw@host:1",
+            "redis:/:s3cretpw@host:1",
+            "redis:s3cretpw@host",
+        ] {
+            let url = RedisUrl::parse(raw).unwrap();
+            assert!(!url.to_string().contains("s3cretpw"), "{url}");
+            assert!(!redact(&format!("{raw} is not a Redis URL")).contains("s3cretpw"));
+        }
     }
 
     #[test]

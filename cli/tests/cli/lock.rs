@@ -855,3 +855,55 @@ fn lock_without_redis_is_a_usage_error() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("`lock` needs --redis URL"), "{stderr}");
 }
+
+/// A grace past a day is refused up front as a usage error naming `--grace`: one past
+/// what a clock can count made `corral` panic when the signal came, leaving the command
+/// running unsupervised and the lock to the next holder.
+#[test]
+fn a_grace_past_a_day_is_a_usage_error_naming_it() {
+    let server = redis_server();
+    for grace in ["300000000000y", "18446744073709551615s", "25h"] {
+        let out = run(
+            &[
+                "lock",
+                "--key",
+                "job",
+                "--redis",
+                &server.url(),
+                "--grace",
+                grace,
+                "--",
+                "true",
+            ],
+            None,
+        );
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--grace {grace}: {stderr}");
+        assert!(
+            stderr.contains("--grace") && !stderr.contains("panicked"),
+            "--grace {grace}: {stderr}"
+        );
+    }
+}
+
+/// The longest grace there is still stops the command's processes and releases the
+/// lock when `corral` is signalled and they stop by themselves.
+#[test]
+fn the_longest_grace_still_ends_with_the_command() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    let corral = lock_in_background(
+        &server.url(),
+        "job",
+        &["--grace", "24h"],
+        WITH_GRANDCHILD,
+        &marker,
+    );
+    let pgid = command_group(&marker);
+    corral.signal(Signal::SIGTERM);
+    let out = corral.finish();
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out.stderr));
+    assert!(group_gone(pgid), "the command's processes stopped");
+    assert_lock_free(&server.url(), "job");
+}

@@ -89,3 +89,39 @@ fn a_wrong_password_to_a_live_redis_is_never_printed() {
         assert!(stderr.contains("authentication failed"), "{stderr}");
     }
 }
+
+/// A password holding characters a URL should percent-encode (a space, a quote, an
+/// angle bracket, a backtick) is still a password: masked as any other, on a live
+/// server that refuses it and on a closed port alike.
+#[test]
+fn a_password_with_characters_a_url_should_encode_is_never_printed() {
+    let server = redis_server();
+    let () = redis_cmd(&server.url(), &["CONFIG", "SET", "requirepass", "sesame"]);
+    let port = server.url().rsplit(':').next().unwrap().to_owned();
+    let closed = closed_port().to_string();
+    for secret in ["hunter2 with spaces", "hunter2\"<q>`", "hunter2 x"] {
+        for port in [&port, &closed] {
+            let url = format!("redis://:{secret}@127.0.0.1:{port}");
+            for args in [
+                vec!["get", "k", "--redis", &url],
+                vec!["lock", "--key", "k", "--redis", &url, "--", "true"],
+            ] {
+                let (out, stderr) = assert_never_printed(&args, &[]);
+                assert_eq!(out.status.code(), Some(69), "{args:?}: {stderr}");
+                assert!(!stderr.contains(secret), "{args:?}: {stderr}");
+            }
+        }
+    }
+}
+
+/// A URL the library refuses to parse is reported without its password.
+#[test]
+fn a_password_in_a_url_that_does_not_parse_is_never_printed() {
+    for url in [
+        format!(":{SECRET}@127.0.0.1:1"),
+        format!("redis:/:{SECRET}@127.0.0.1:1"),
+    ] {
+        let (out, stderr) = assert_never_printed(&["get", "k", "--redis", &url], &[]);
+        assert_ne!(out.status.code(), Some(0), "{url}: {stderr}");
+    }
+}
