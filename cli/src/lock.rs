@@ -218,6 +218,13 @@ async fn not_acquired(e: &Error, request: &Request<'_>) -> Failure {
             .hint("another run holds it: try again later, or pass a longer --wait to wait for it")
         }
         ErrorKind::Unavailable | ErrorKind::Quorum => unavailable(e, request).await,
+        // A lock's names are not an entry's: `corral remove` does not reach them, and a
+        // fencing counter Corral raised to its end must not be deleted by hand.
+        ErrorKind::Corrupt => Failure::from_error(e, single(request.named())).hint(
+            "the error names what is wrong under the lock's names in Redis; a value no Corral lock \
+             wrote is another program's (rename the lock, or have its owner remove it); a fencing \
+             counter at its end cannot give a higher token: use another lock key",
+        ),
         _ => Failure::from_error(e, single(request.named())),
     }
 }

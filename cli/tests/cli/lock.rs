@@ -907,3 +907,20 @@ fn the_longest_grace_still_ends_with_the_command() {
     assert!(group_gone(pgid), "the command's processes stopped");
     assert_lock_free(&server.url(), "job");
 }
+
+/// Another program's value under the lock's name is reported as such (65), with a hint
+/// that fits a lock: `corral remove` does not reach a lock's names.
+#[test]
+fn a_foreign_value_under_the_locks_name_is_a_data_error_with_a_hint_for_locks() {
+    let server = redis_server();
+    let () = redis_cmd(&server.url(), &["LPUSH", "{7:corral:job}:k", "x"]);
+    let out = run(
+        &["lock", "--key", "job", "--redis", &server.url(), "--", "true"],
+        None,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(65), "{stderr}");
+    assert!(stderr.contains("not a Corral lock"), "{stderr}");
+    assert!(!stderr.contains("corral remove"), "{stderr}");
+    assert!(stderr.contains("another program"), "{stderr}");
+}
