@@ -43,9 +43,8 @@ pub struct RedisStore {
     grace_ms: u64,
     commands: Arc<AtomicU64>,
     notifications: RedisNotifications,
-    /// Entry reads gathered into one pipeline (one server only: a cluster's pipeline
-    /// must stay in one slot).
-    gather: Option<Arc<Reads>>,
+    /// Entry reads gathered into one pipeline (on a cluster, one per slot).
+    gather: Arc<Reads>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -207,7 +206,7 @@ impl RedisStore {
         // One command link for entries, the flight lock, announcements and the cache's
         // leases, so a replacement after timeouts heals them all.
         let healing = Healing::new(connection)?;
-        let gather = (!healing.connection().is_cluster()).then(Arc::default);
+        let gather = Arc::default();
         let prober = prober(
             healing.clone(),
             commands.clone(),
@@ -292,9 +291,6 @@ impl RedisStore {
     /// Reads `key` as `read` asks, with the reads that reach this store at the same
     /// moment ([`gather`](crate::gather)).
     async fn read(&self, key: &str, read: Read) -> Result<Option<Bytes>> {
-        let Some(gather) = &self.gather else {
-            return self.read_alone(key, read).await;
-        };
         let together = async |followers: Vec<ReadFollower>| {
             let mut answers = self.read_together(key, read, &followers).await.into_iter();
             let mine = answers.next();
@@ -304,7 +300,7 @@ impl RedisStore {
             }
             mine
         };
-        gather
+        self.gather
             .run(
                 || (key.to_owned(), read),
                 self.options.response_timeout,
@@ -326,58 +322,45 @@ impl RedisStore {
         Ok(found.map(Bytes::from))
     }
 
-    /// `key`'s read and the followers', in that order, in one pipeline: each with its
-    /// own answer (a key of another Redis type fails its own read only).
+    /// `key`'s read and the followers', in that order, each with its own answer (a key of
+    /// another Redis type fails its own read only). The same read asked for twice is sent
+    /// once. On one server they go in one pipeline; on a cluster, whose pipelines must
+    /// stay in one slot, in one pipeline per slot, all at once.
     async fn read_together(
         &self,
         key: &str,
         read: Read,
         followers: &[ReadFollower],
     ) -> Vec<Result<Option<Bytes>>> {
-        let all = 1 + followers.len();
-        let (mut conn, at) = match self.conn(key) {
-            Ok(admitted) => admitted,
-            Err(e) => return vec![Err(e); all],
-        };
-        // The same read asked for twice is sent once.
         let asked = followers.iter().map(|f| (f.query.0.as_str(), f.query.1));
         let (unique, at_unique) = distinct(std::iter::once((key, read)).chain(asked));
-        self.count(unique.len() as u64);
-        let mut pipe = redis::Pipeline::with_capacity(unique.len());
-        pipe.ignore_errors();
-        for &(key, read) in &unique {
-            pipe.add_command(read_command(key, read));
-        }
-        let answers: Vec<redis::RedisResult<Option<Vec<u8>>>> =
-            match pipe.query_async(&mut conn).await.seen(self, &at) {
-                Ok(answers) => answers,
-                Err(e) => return vec![Err(Error::unavailable(failed("pipeline of reads", &at), e)); all],
-            };
-        if answers.len() != unique.len() {
-            let e = Error::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "redis answered {} of a pipeline's {} reads",
-                    answers.len(),
-                    unique.len()
-                ),
-            );
-            return vec![Err(e); all];
-        }
-        let answers: Vec<Result<Option<Bytes>>> = answers
-            .into_iter()
-            .zip(&unique)
-            .map(|(found, &(_, read))| {
-                // A server error of one read (LOADING, MASTERDOWN, ...) counts on the
-                // breaker as it would alone.
-                if let Err(e) = &found {
-                    self.observe(&at, Some(e));
-                }
-                found
-                    .map(|bytes| bytes.map(Bytes::from))
-                    .map_err(read_failed(read_name(read), &at))
-            })
-            .collect();
+        let answers = if self.is_cluster() {
+            let (slots, in_slot) =
+                distinct(unique.iter().map(|(key, _)| super::owners::slot(key.as_bytes())));
+            let mut groups: Vec<Vec<(&str, Read)>> = vec![Vec::new(); slots.len()];
+            for (&read, &group) in unique.iter().zip(&in_slot) {
+                groups[group].push(read);
+            }
+            let mut answered: Vec<std::vec::IntoIter<Result<Option<Bytes>>>> =
+                futures::future::join_all(groups.iter().map(|group| self.pipeline_reads(group)))
+                    .await
+                    .into_iter()
+                    .map(Vec::into_iter)
+                    .collect();
+            in_slot
+                .iter()
+                .map(|&group| {
+                    answered[group].next().unwrap_or_else(|| {
+                        Err(Error::new(
+                            ErrorKind::Unavailable,
+                            "a pipelined read went unanswered",
+                        ))
+                    })
+                })
+                .collect()
+        } else {
+            self.pipeline_reads(&unique).await
+        };
         spread(answers, &at_unique)
             .into_iter()
             .map(|answer| {
@@ -387,6 +370,56 @@ impl RedisStore {
                         "a pipelined read went unanswered",
                     ))
                 })
+            })
+            .collect()
+    }
+
+    /// `reads` (of keys in one slot, on a cluster) in one pipeline, each with its own
+    /// answer, in order.
+    async fn pipeline_reads(&self, reads: &[(&str, Read)]) -> Vec<Result<Option<Bytes>>> {
+        let Some(&(first, _)) = reads.first() else {
+            return Vec::new();
+        };
+        let (mut conn, at) = match self.conn(first) {
+            Ok(admitted) => admitted,
+            Err(e) => return vec![Err(e); reads.len()],
+        };
+        self.count(reads.len() as u64);
+        let mut pipe = redis::Pipeline::with_capacity(reads.len());
+        pipe.ignore_errors();
+        for &(key, read) in reads {
+            pipe.add_command(read_command(key, read));
+        }
+        let answers: Vec<redis::RedisResult<Option<Vec<u8>>>> =
+            match pipe.query_async(&mut conn).await.seen(self, &at) {
+                Ok(answers) => answers,
+                Err(e) => {
+                    return vec![Err(Error::unavailable(failed("pipeline of reads", &at), e)); reads.len()];
+                }
+            };
+        if answers.len() != reads.len() {
+            let e = Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "redis answered {} of a pipeline's {} reads",
+                    answers.len(),
+                    reads.len()
+                ),
+            );
+            return vec![Err(e); reads.len()];
+        }
+        answers
+            .into_iter()
+            .zip(reads)
+            .map(|(found, &(_, read))| {
+                // A server error of one read (LOADING, MASTERDOWN, ...) counts on the
+                // breaker as it would alone.
+                if let Err(e) = &found {
+                    self.observe(&at, Some(e));
+                }
+                found
+                    .map(|bytes| bytes.map(Bytes::from))
+                    .map_err(read_failed(read_name(read), &at))
             })
             .collect()
     }

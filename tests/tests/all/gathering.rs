@@ -208,3 +208,43 @@ async fn a_gathered_get_after_a_clear_never_reads_the_generation_before_it() -> 
     }
     Ok(())
 }
+
+/// On a cluster too: reads that arrive together go out together, in one pipeline per
+/// slot (a cluster's pipeline stays in one slot), each with its own answer, and one
+/// key read by many is sent once.
+#[tokio::test]
+async fn on_a_cluster_reads_that_arrive_together_go_out_per_slot_each_with_its_own_answer() -> Result<()> {
+    let keys: Vec<String> = (0..12).map(|i| format!("k{i}")).collect();
+    let cluster = corral_tests::RedisCluster::start(3, 0, Duration::from_secs(5))?;
+    let cache = corral::Corral::builder()
+        .redis_cluster(cluster.urls())
+        .l1_capacity(0)
+        .build()?;
+    for key in &keys {
+        cache
+            .set(key, key.clone(), EntryOptions::new().sliding(HOUR))
+            .await?;
+        // The first read learns that the key slides.
+        cache.get(key).await?;
+    }
+    let store = cache.redis_store().expect("a Redis store");
+    let sent = store.commands_sent();
+    let asked: Vec<&str> = std::iter::repeat_n("k0", 32)
+        .chain(keys.iter().map(String::as_str))
+        .collect();
+    let found = futures::future::join_all(asked.iter().map(|k| cache.get(k))).await;
+    for (key, found) in asked.iter().zip(found) {
+        ensure!(
+            found?.as_deref() == Some(key.as_bytes()),
+            "{key} got its own value"
+        );
+    }
+    // 44 reads of 12 keys: each key once, and k0's one or two (a leader polled after
+    // one of its followers loses its gathering to it, and reads alone).
+    let sent = store.commands_sent() - sent;
+    ensure!(
+        (12..=14).contains(&sent),
+        "44 reads of 12 sliding keys on a cluster sent {sent} commands"
+    );
+    Ok(())
+}
