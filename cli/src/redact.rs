@@ -121,18 +121,18 @@ fn secrets_of(url: &str) -> Vec<String> {
 /// `://` (`:pw@host`, `redis:/:pw@host`, which the library will refuse) is read the
 /// same way, so that the refusal never shows the password either.
 fn password_span(url: &str) -> Option<(usize, usize)> {
-    let start = url.find("://").map_or(0, |at| at + 3);
+    let scheme_end = url.find("://");
+    let start = scheme_end.map_or(0, |at| at + 3);
     let rest = &url[start..];
-    let authority = match url.find("://") {
+    let authority = match scheme_end {
         Some(_) => &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())],
         None => rest,
     };
     let at = authority.rfind('@')?;
     let userinfo = &authority[..at];
-    let colon = if url.contains("://") {
-        userinfo.find(':')?
-    } else {
-        userinfo.rfind(':')?
+    let colon = match scheme_end {
+        Some(_) => userinfo.find(':')?,
+        None => userinfo.rfind(':')?,
     };
     let (from, to) = (start + colon + 1, start + at);
     (from < to).then_some((from, to))
