@@ -97,6 +97,14 @@ fn read_failed<'a>(what: &'static str, at: &'a Breaker) -> impl Fn(redis::RedisE
     }
 }
 
+/// The answer of a gathered read its pipeline did not answer.
+fn unanswered() -> Result<Option<Bytes>> {
+    Err(Error::new(
+        ErrorKind::Unavailable,
+        "a pipelined read went unanswered",
+    ))
+}
+
 /// Entry reads gathering: each asks with its key and what it reads.
 type Reads = Gather<(String, Read), Result<Option<Bytes>>>;
 type ReadFollower = Follower<(String, Read), Result<Option<Bytes>>>;
@@ -349,28 +357,14 @@ impl RedisStore {
                     .collect();
             in_slot
                 .iter()
-                .map(|&group| {
-                    answered[group].next().unwrap_or_else(|| {
-                        Err(Error::new(
-                            ErrorKind::Unavailable,
-                            "a pipelined read went unanswered",
-                        ))
-                    })
-                })
+                .map(|&group| answered[group].next().unwrap_or_else(unanswered))
                 .collect()
         } else {
             self.pipeline_reads(&unique).await
         };
         spread(answers, &at_unique)
             .into_iter()
-            .map(|answer| {
-                answer.unwrap_or_else(|| {
-                    Err(Error::new(
-                        ErrorKind::Unavailable,
-                        "a pipelined read went unanswered",
-                    ))
-                })
-            })
+            .map(|answer| answer.unwrap_or_else(unanswered))
             .collect()
     }
 
