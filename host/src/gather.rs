@@ -78,7 +78,55 @@ pub(crate) fn spread<A: Clone>(answers: Vec<A>, at: &[usize]) -> Vec<Option<A>> 
 /// answer goes.
 pub(crate) struct Follower<Q, A> {
     pub(crate) query: Q,
-    pub(crate) reply: oneshot::Sender<A>,
+    reply: oneshot::Sender<Heard<Q, A>>,
+}
+
+/// What a follower hears from its leader: its answer, or a gathering of its own to
+/// lead (work the leader hands over, [`keep_part`]).
+enum Heard<Q, A> {
+    Answer(A),
+    Lead(Vec<Follower<Q, A>>),
+}
+
+impl<Q, A> Follower<Q, A> {
+    /// Hands the follower its answer (none needed if it stopped waiting).
+    pub(crate) fn answer(self, answer: A) {
+        let _ = self.reply.send(Heard::Answer(answer));
+    }
+}
+
+/// Keeps the followers whose part (`parts`, one per follower, in order) is `mine`, and
+/// hands each other part's followers to the first of them still waiting, which leads
+/// them as if it had led their gathering: no part's work waits on another's (on a
+/// cluster, a part is a slot or a node, and a frozen node delays its own reads only).
+pub(crate) fn keep_part<Q, A, P: PartialEq>(
+    followers: Vec<Follower<Q, A>>,
+    parts: impl IntoIterator<Item = P>,
+    mine: &P,
+) -> Vec<Follower<Q, A>> {
+    let mut kept = Vec::with_capacity(followers.len());
+    let mut others: Vec<(P, Vec<Follower<Q, A>>)> = Vec::new();
+    for (follower, part) in followers.into_iter().zip(parts) {
+        if part == *mine {
+            kept.push(follower);
+        } else if let Some((_, group)) = others.iter_mut().find(|(p, _)| *p == part) {
+            group.push(follower);
+        } else {
+            others.push((part, vec![follower]));
+        }
+    }
+    for (_, group) in others {
+        let mut group = group.into_iter();
+        while let Some(first) = group.next() {
+            match first.reply.send(Heard::Lead(group.collect())) {
+                Ok(()) => break,
+                // It stopped waiting: the next one leads.
+                Err(Heard::Lead(rest)) => group = rest.into_iter(),
+                Err(Heard::Answer(_)) => unreachable!("a hand-over was sent"),
+            }
+        }
+    }
+    kept
 }
 
 /// The work gathering now, if a gathering is open, and the next gathering's number.
@@ -118,16 +166,16 @@ pub(crate) enum Turn<'a, Q, A> {
     /// Gather the others, then do all ([`Lead::close`]).
     Lead(Lead<'a, Q, A>),
     /// Wait for the leader's answer ([`Waiting`]).
-    Follow(Waiting<A>),
+    Follow(Waiting<Q, A>),
     /// The gathering is full: work alone.
     Alone,
 }
 
 /// A follower's place: the gathering it joined, where in it, and its answer to come.
-pub(crate) struct Waiting<A> {
+pub(crate) struct Waiting<Q, A> {
     id: u64,
     at: usize,
-    pub(crate) answer: oneshot::Receiver<A>,
+    answer: oneshot::Receiver<Heard<Q, A>>,
 }
 
 impl<Q, A> Gather<Q, A> {
@@ -136,7 +184,8 @@ impl<Q, A> Gather<Q, A> {
     /// the leader's own answer, or `None` to let them go. A follower yields once too:
     /// if its gathering is still open then (its leader was not polled again: a future
     /// set aside in a `select!`), it takes the gathering over and leads it. It waits
-    /// for an answer at most `wait`. Whatever is not done together is done `alone`.
+    /// for an answer at most `wait`; a part of the gathering its leader hands it, it
+    /// leads. Whatever is not done together is done `alone`.
     pub(crate) async fn run<Alone, Together>(
         &self,
         query: impl FnOnce() -> Q,
@@ -160,12 +209,11 @@ impl<Q, A> Gather<Q, A> {
                 tokio::task::yield_now().await;
                 match self.take_over(&waiting) {
                     Some(followers) => followers,
-                    None => {
-                        return match tokio::time::timeout(wait, waiting.answer).await {
-                            Ok(Ok(answer)) => answer,
-                            _ => alone().await,
-                        };
-                    }
+                    None => match tokio::time::timeout(wait, waiting.answer).await {
+                        Ok(Ok(Heard::Answer(answer))) => return answer,
+                        Ok(Ok(Heard::Lead(followers))) => followers,
+                        _ => return alone().await,
+                    },
                 }
             }
             Turn::Lead(lead) => {
@@ -220,7 +268,7 @@ impl<Q, A> Gather<Q, A> {
 
     /// Closes the gathering `waiting` joined if it is still open: the others in it (the
     /// follower's own place taken out), for the follower to lead.
-    fn take_over(&self, waiting: &Waiting<A>) -> Option<Vec<Follower<Q, A>>> {
+    fn take_over(&self, waiting: &Waiting<Q, A>) -> Option<Vec<Follower<Q, A>>> {
         let mut followers = self.close(waiting.id)?;
         followers.swap_remove(waiting.at);
         Some(followers)
@@ -293,9 +341,9 @@ mod tests {
             "closed: the next one leads"
         );
         for f in followers {
-            f.reply.send(7).unwrap();
+            f.answer(7);
         }
-        assert_eq!(waiting.answer.try_recv(), Ok(7));
+        assert!(matches!(waiting.answer.try_recv(), Ok(Heard::Answer(7))));
     }
 
     #[test]
@@ -365,7 +413,7 @@ mod tests {
                 |followers| async move {
                     assert_eq!(followers.len(), 1, "the third joined the second");
                     for f in followers {
-                        f.reply.send(10).unwrap();
+                        f.answer(10);
                     }
                     Some(2)
                 }
@@ -428,6 +476,78 @@ mod tests {
                 assert_eq!(started.elapsed(), WAIT);
             }
         }
+    }
+
+    #[test]
+    fn the_followers_of_other_parts_go_to_the_first_of_each_still_waiting() {
+        let gather = Reads::default();
+        let Turn::Lead(lead) = gather.join(|| "x1") else {
+            panic!("the first leads")
+        };
+        let mut waiting: Vec<_> = ["y1", "x2", "y2", "z1", "z2", "z3"]
+            .into_iter()
+            .map(|q| match gather.join(|| q) {
+                Turn::Follow(w) => w,
+                _ => panic!("{q} follows"),
+            })
+            .collect();
+        // z1 stopped waiting: z2 leads z's part.
+        drop(waiting.remove(3));
+        let followers = lead.close();
+        let parts: Vec<char> = followers.iter().map(|f| f.query.as_bytes()[0] as char).collect();
+        let kept = keep_part(followers, parts, &'x');
+        assert_eq!(kept.iter().map(|f| f.query).collect::<Vec<_>>(), ["x2"]);
+        let heard: Vec<Option<Vec<&str>>> = waiting
+            .iter_mut()
+            .map(|w| match w.answer.try_recv() {
+                Ok(Heard::Lead(group)) => Some(group.iter().map(|f| f.query).collect()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            heard,
+            [Some(vec!["y2"]), None, None, Some(vec!["z3"]), None],
+            "y1 leads y2, z2 leads z3, x2 stays with its leader"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_follower_handed_a_part_leads_it_with_its_own_work() {
+        let gather = Reads::default();
+        let (done, finished) = oneshot::channel::<u32>();
+        let lead_x = |followers: Vec<Follower<&'static str, u32>>| async move {
+            let parts: Vec<bool> = followers.iter().map(|f| f.query.starts_with('x')).collect();
+            for f in keep_part(followers, parts, &true) {
+                f.answer(11);
+            }
+            Some(10)
+        };
+        let lead_y = |followers: Vec<Follower<&'static str, u32>>| async move {
+            assert_eq!(followers.iter().map(|f| f.query).collect::<Vec<_>>(), ["y2"]);
+            for f in followers {
+                f.answer(21);
+            }
+            Some(20)
+        };
+        let (busy, x1, y1, x2, y2) = tokio::join!(
+            gather.run(
+                || "a",
+                WAIT,
+                move || async move { finished.await.unwrap() },
+                |_| async { None }
+            ),
+            gather.run(|| "x1", WAIT, || async { 1 }, lead_x),
+            gather.run(|| "y1", WAIT, || async { 2 }, lead_y),
+            gather.run(|| "x2", WAIT, || async { 3 }, |_| async { None }),
+            async {
+                let answer = gather
+                    .run(|| "y2", WAIT, || async { 4 }, |_| async { None })
+                    .await;
+                done.send(7).unwrap();
+                answer
+            },
+        );
+        assert_eq!((busy, x1, y1, x2, y2), (7, 10, 20, 11, 21));
     }
 
     #[test]

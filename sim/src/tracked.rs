@@ -110,6 +110,10 @@ impl Entries for Tracked {
         self.entries.gathers()
     }
 
+    fn part_of(&self, key: &str) -> Option<std::sync::Arc<str>> {
+        self.entries.part_of(key)
+    }
+
     fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Vec<Result<Option<Bytes>>>> {
         let call = self.call();
         for key in keys {

@@ -5,7 +5,7 @@
 //! gathers it: waiting on each other gains the reads that slide nothing.
 
 use crate::Result;
-use crate::gather::{Follower, Gather, distinct, spread};
+use crate::gather::{Follower, Gather, distinct, keep_part, spread};
 use crate::guest::policy::NextRead;
 
 use super::Corral;
@@ -70,18 +70,35 @@ impl Corral {
         }
     }
 
-    /// Names `key` and the followers' keys, reads them together, and answers each
-    /// follower; the leader's own answer, or `None` when the batch could not be named
-    /// (the followers, let go, each read alone).
+    /// Names `key` and the followers' keys, reads them together (on a store in parts,
+    /// those of `key`'s part), and answers each follower; the leader's own answer, or
+    /// `None` when the batch could not be named (the followers, let go, each read alone).
     async fn lead_gets(
         &self,
         key: &str,
         followers: Vec<Follower<String, Result<Looked>>>,
         now: u64,
     ) -> Option<Result<Looked>> {
-        // A key asked for twice is read once.
-        let (keys, at) = distinct(std::iter::once(key).chain(followers.iter().map(|f| f.query.as_str())));
-        let names = self.entries_of(&keys).await.ok()?;
+        let mut followers = followers;
+        let (keys, at, names) = loop {
+            // A key asked for twice is read once.
+            let (keys, at) = distinct(std::iter::once(key).chain(followers.iter().map(|f| f.query.as_str())));
+            let names = self.entries_of(&keys).await.ok()?;
+            // A store in parts (a cluster's masters) reads the keys of each part in a
+            // request of their own: the leader keeps those of its key's part and hands
+            // each other part's to one of its followers, so that none waits on another
+            // part's reply. The kept keys are named again: a lookup of names just made.
+            let entries = &self.inner.stores.entries;
+            let mine = entries.part_of(names.get(0));
+            if mine.is_some() {
+                let parts: Vec<_> = at[1..].iter().map(|&i| entries.part_of(names.get(i))).collect();
+                if parts.iter().any(|part| *part != mine) {
+                    followers = keep_part(followers, parts, &mine);
+                    continue;
+                }
+            }
+            break (keys, at, names);
+        };
         // Judged no earlier than now: a follower may have called after the leader.
         let now = now.max(self.inner.clock.now_ms());
         let reading: Vec<&str> = names.iter().collect();
@@ -99,8 +116,7 @@ impl Corral {
         });
         let mine = answers.next();
         for (follower, answer) in followers.into_iter().zip(answers) {
-            // A follower that stopped waiting needs no answer.
-            let _ = follower.reply.send(answer);
+            follower.answer(answer);
         }
         mine
     }

@@ -67,6 +67,15 @@ pub trait Entries: Send + Sync + fmt::Debug + 'static {
         false
     }
 
+    /// The part of the store that serves `key`, which a request that reads several keys
+    /// waits on whole: on a Redis Cluster its master (`host:port`, as far as the store
+    /// knows); `None` (the default) for a store in one part. Reads gathered from several
+    /// parts go each to its own, so that a frozen part delays only its own.
+    fn part_of(&self, key: &str) -> Option<Arc<str>> {
+        let _ = key;
+        None
+    }
+
     /// The bytes under each of `keys`, in order, as [`get`](Self::get) reads them, in as
     /// few round trips as the store allows (Redis: one `MGET` per node), each key with
     /// its own result: a node that fails fails its keys only. A key holding a value of

@@ -22,7 +22,7 @@ use super::pubsub::RedisNotifications;
 pub use super::redis_options::{RedisOptions, redact};
 use super::script::Script;
 use super::{Entries, Fill, Filled, FlightLock};
-use crate::gather::{Follower, Gather, distinct, spread};
+use crate::gather::{Follower, Gather, distinct, keep_part, spread};
 use crate::{Error, ErrorKind, Result};
 
 /// The Redis store. Cheap to clone.
@@ -299,12 +299,19 @@ impl RedisStore {
     /// Reads `key` as `read` asks, with the reads that reach this store at the same
     /// moment ([`gather`](crate::gather)).
     async fn read(&self, key: &str, read: Read) -> Result<Option<Bytes>> {
-        let together = async |followers: Vec<ReadFollower>| {
+        let together = async |mut followers: Vec<ReadFollower>| {
+            if self.is_cluster() {
+                // A cluster's pipeline goes to one node: the leader reads its own slot's
+                // keys, and hands each other slot's to one of them to lead, so that no
+                // read waits on another node's reply.
+                let slot = |key: &str| super::owners::slot(key.as_bytes());
+                let slots: Vec<u16> = followers.iter().map(|f| slot(&f.query.0)).collect();
+                followers = keep_part(followers, slots, &slot(key));
+            }
             let mut answers = self.read_together(key, read, &followers).await.into_iter();
             let mine = answers.next();
             for (follower, found) in followers.into_iter().zip(answers) {
-                // A follower that stopped waiting needs no answer.
-                let _ = follower.reply.send(found);
+                follower.answer(found);
             }
             mine
         };
@@ -330,10 +337,9 @@ impl RedisStore {
         Ok(found.map(Bytes::from))
     }
 
-    /// `key`'s read and the followers', in that order, each with its own answer (a key of
-    /// another Redis type fails its own read only). The same read asked for twice is sent
-    /// once. On one server they go in one pipeline; on a cluster, whose pipelines must
-    /// stay in one slot, in one pipeline per slot, all at once.
+    /// `key`'s read and the followers', in that order, in one pipeline, each with its own
+    /// answer (a key of another Redis type fails its own read only). The same read asked
+    /// for twice is sent once.
     async fn read_together(
         &self,
         key: &str,
@@ -342,34 +348,15 @@ impl RedisStore {
     ) -> Vec<Result<Option<Bytes>>> {
         let asked = followers.iter().map(|f| (f.query.0.as_str(), f.query.1));
         let (unique, at_unique) = distinct(std::iter::once((key, read)).chain(asked));
-        let answers = if self.is_cluster() {
-            let (slots, in_slot) =
-                distinct(unique.iter().map(|(key, _)| super::owners::slot(key.as_bytes())));
-            let mut groups: Vec<Vec<(&str, Read)>> = vec![Vec::new(); slots.len()];
-            for (&read, &group) in unique.iter().zip(&in_slot) {
-                groups[group].push(read);
-            }
-            let mut answered: Vec<std::vec::IntoIter<Result<Option<Bytes>>>> =
-                futures::future::join_all(groups.iter().map(|group| self.pipeline_reads(group)))
-                    .await
-                    .into_iter()
-                    .map(Vec::into_iter)
-                    .collect();
-            in_slot
-                .iter()
-                .map(|&group| answered[group].next().unwrap_or_else(unanswered))
-                .collect()
-        } else {
-            self.pipeline_reads(&unique).await
-        };
-        spread(answers, &at_unique)
+        spread(self.pipeline_reads(&unique).await, &at_unique)
             .into_iter()
             .map(|answer| answer.unwrap_or_else(unanswered))
             .collect()
     }
 
     /// `reads` (of keys in one slot, on a cluster) in one pipeline, each with its own
-    /// answer, in order.
+    /// answer, in order. A pipeline that fails whole fails each read, and counts once on
+    /// the breaker of its node: one request that failed.
     async fn pipeline_reads(&self, reads: &[(&str, Read)]) -> Vec<Result<Option<Bytes>>> {
         let Some(&(first, _)) = reads.first() else {
             return Vec::new();
@@ -500,6 +487,10 @@ impl Entries for RedisStore {
 
     fn gathers(&self) -> bool {
         true
+    }
+
+    fn part_of(&self, key: &str) -> Option<Arc<str>> {
+        self.healing.node_of(key)
     }
 
     fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Vec<Result<Option<Bytes>>>> {

@@ -506,3 +506,79 @@ async fn scripts_run_on_live_shards_while_a_node_is_down() -> Result<()> {
     }
     Ok(())
 }
+
+/// Reads that arrive together never wait on another master: with one master frozen,
+/// reads of the live masters' keys that arrive among reads of the frozen one's keys,
+/// whichever leads the gathering, are answered well inside the response timeout (a
+/// gathering that sent every slot's pipeline at once answered none before the frozen
+/// one's timed out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_master_never_delays_reads_of_the_others_that_arrive_with_its_own() -> Result<()> {
+    frozen_master_among_gathered_reads(EntryOptions::new()).await
+}
+
+/// The same with sliding entries, each read a `GETEX` the store gathers by slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_master_never_delays_sliding_reads_of_the_others_that_arrive_with_its_own() -> Result<()> {
+    frozen_master_among_gathered_reads(EntryOptions::new().sliding(Duration::from_secs(3600))).await
+}
+
+async fn frozen_master_among_gathered_reads(entries: EntryOptions) -> Result<()> {
+    let _real_time = real_time().await;
+    let mut cluster = RedisCluster::start(3, 0, Duration::from_secs(60))?;
+    let timeout = Duration::from_secs(3);
+    let mut options = RedisOptions::cluster(cluster.urls());
+    options.prefix = prefix("frozen-gathering");
+    options.response_timeout = timeout;
+    let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
+    let keys = keys_by_master(&cluster, 4, &|k| cache.entry_name(k))?;
+    for key in keys.values().flatten() {
+        cache.set(key, key.clone(), entries).await?;
+        // The first read learns how the key is read.
+        cache.get(key).await?;
+    }
+    let frozen = *keys.keys().next().context("a master")?;
+    let (frozen_keys, live_keys): (Vec<&String>, Vec<&String>) = {
+        let (f, l): (Vec<_>, Vec<_>) = keys.iter().partition(|(m, _)| **m == frozen);
+        (
+            f.into_iter().flat_map(|(_, k)| k).collect(),
+            l.into_iter().flat_map(|(_, k)| k).collect(),
+        )
+    };
+    cluster.node(frozen).pause()?;
+    // The first read goes alone; the second leads the gathering: a frozen key, then a
+    // live one.
+    let rounds = [[live_keys[0], frozen_keys[0]], [frozen_keys[1], live_keys[1]]];
+    let mut slow = Vec::new();
+    for lead in rounds {
+        let asked: Vec<&String> = lead
+            .into_iter()
+            .chain(live_keys.iter().copied().cycle().take(24))
+            .chain(frozen_keys.iter().copied())
+            .collect();
+        let started = Instant::now();
+        let found = futures::future::join_all(asked.iter().map(|key| async {
+            let found = cache.get(key).await;
+            (*key, found, started.elapsed())
+        }))
+        .await;
+        for (key, found, took) in found {
+            if frozen_keys.contains(&key) {
+                continue;
+            }
+            anyhow::ensure!(
+                matches!(&found, Ok(Some(v)) if v[..] == *key.as_bytes()),
+                "{key} on a live master read {found:?}"
+            );
+            if took >= timeout / 2 {
+                slow.push((key.clone(), took));
+            }
+        }
+    }
+    cluster.node(frozen).resume()?;
+    anyhow::ensure!(
+        slow.is_empty(),
+        "reads on live masters waited on the frozen one: {slow:?}"
+    );
+    Ok(())
+}
