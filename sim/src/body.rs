@@ -204,12 +204,13 @@ impl Body {
         }
     }
 
-    /// Takes the process's table lock of `key` for `owner`, if free (the native
-    /// body's `MemoryLocks` through `Corral::locks()`, the portable body's `lock` export).
-    pub(crate) async fn try_lock(&self, key: &str, owner: &str, ttl: Duration) -> corral::Result<bool> {
+    /// Takes the process's table lock of `key` for `owner`, if free, with its fencing
+    /// token (the native body's `MemoryLocks` through `Corral::locks()`, the portable
+    /// body's `lock` export).
+    pub(crate) async fn acquire(&self, key: &str, owner: &str, ttl: Duration) -> corral::Result<Option<u64>> {
         match self {
-            Body::Native(c) => c.locks().table().try_lock(key, owner, ttl),
-            Body::Portable(c) => c.try_lock(key, owner, ttl).await,
+            Body::Native(c) => c.locks().table().acquire(key, owner, ttl),
+            Body::Portable(c) => c.acquire(key, owner, ttl).await,
         }
     }
 

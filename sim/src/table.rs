@@ -19,6 +19,8 @@
 //!   overlapped the try).
 //! - A lock is not re-entrant: a holder that tries again while its lock surely lives
 //!   is refused, and keeps the lock it has.
+//! - Fencing: every acquire that wins a key gets a token never won on it before, and
+//!   above every token won by an acquire that ended before it began.
 //! - Once the workload is over and every lock surely lapsed, the table's sweeper has
 //!   emptied it ([`check_swept`]).
 //!
@@ -93,6 +95,8 @@ pub(crate) struct Known {
     holders: Mutex<HashMap<String, Holder>>,
     /// Per key, the table calls under way, and how many began so far.
     calls: Mutex<HashMap<String, (usize, u64)>>,
+    /// Per key, the fencing tokens acquires won, and the highest of them.
+    tokens: Mutex<HashMap<String, (std::collections::HashSet<u64>, u64)>>,
 }
 
 impl Known {
@@ -103,6 +107,19 @@ impl Known {
         *open += 1;
         *begun += 1;
         *begun
+    }
+
+    /// The highest fencing token won on `key` by an acquire that has ended.
+    fn highest_token(&self, key: &str) -> u64 {
+        self.tokens.lock().get(key).map_or(0, |(_, highest)| *highest)
+    }
+
+    /// Notes `token`, won on `key`: whether it was never won before.
+    fn won_token(&self, key: &str, token: u64) -> bool {
+        let mut tokens = self.tokens.lock();
+        let (won, highest) = tokens.entry(key.to_owned()).or_default();
+        *highest = (*highest).max(token);
+        won.insert(token)
     }
 
     /// A call on `key` that began at `at` ends: whether no other call overlapped it.
@@ -155,18 +172,29 @@ impl Table<'_> {
         loop {
             let known = self.known.holders.lock().get(key).cloned();
             let at = self.known.begin(key);
+            let floor = self.known.highest_token(key);
             let before = self.now();
-            let tried = self.body.try_lock(key, owner, ttl).await;
+            let tried = self.body.acquire(key, owner, ttl).await;
             let after = self.now();
             let alone = self.known.end(key, at);
-            let won = match tried {
-                Ok(won) => won,
+            let token = match tried {
+                Ok(token) => token,
                 Err(e) => {
-                    self.failed("try_lock", &e);
+                    self.failed("acquire", &e);
                     return None;
                 }
             };
-            if won {
+            if let Some(token) = token {
+                if token <= floor {
+                    self.violation(format_args!(
+                        "{owner} won {key} with fencing token {token}, not above {floor}, won before it began"
+                    ));
+                }
+                if !self.known.won_token(key, token) {
+                    self.violation(format_args!(
+                        "{owner} won {key} with fencing token {token} a second time"
+                    ));
+                }
                 self.took(key, owner, ttl, before, after);
                 return Some(true);
             }

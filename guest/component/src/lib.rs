@@ -921,6 +921,7 @@ mod lock {
         Held {
             owner: h.owner,
             expires_at_ms: h.expires_at_ms,
+            token: h.token,
         }
     }
 
@@ -928,6 +929,7 @@ mod lock {
         WitHeld {
             owner: h.owner,
             expires_at_ms: h.expires_at_ms,
+            token: h.token,
         }
     }
 
@@ -938,6 +940,10 @@ mod lock {
 
         fn try_lock(current: Option<WitHeld>, owner: String, ttl_ms: u64, now_ms: u64) -> Option<WitHeld> {
             core::try_lock(current.map(held_in).as_ref(), &owner, ttl_ms, now_ms).map(held_out)
+        }
+
+        fn release(current: Option<WitHeld>, owner: String, now_ms: u64) -> Option<WitHeld> {
+            core::release(current.map(held_in).as_ref(), &owner, now_ms).map(held_out)
         }
 
         fn is_expired(current: Option<WitHeld>, now_ms: u64) -> bool {

@@ -780,36 +780,46 @@ fn held_in(h: table::Held) -> lock::Held {
     lock::Held {
         owner: h.owner,
         expires_at_ms: h.expires_at_ms,
+        token: h.token,
     }
+}
+
+fn held_out(h: lock::Held) -> table::Held {
+    table::Held {
+        owner: h.owner,
+        expires_at_ms: h.expires_at_ms,
+        token: h.token,
+    }
+}
+
+/// Takes `key` for `owner` if it is free: the acquire's fencing token, or none.
+fn acquire(key: &str, owner: &str, ttl_ms: u64) -> Result<Option<u64>, types::Error> {
+    lock::check_request(key, ttl_ms, &settings().limits).map_err(arg_error)?;
+    let current = table::get(key);
+    let Some(new) = lock::try_lock(current.clone().map(held_in).as_ref(), owner, ttl_ms, now_ms()) else {
+        return Ok(None);
+    };
+    let token = new.token;
+    // Atomic: of racing callers, only the one whose swap finds the record unchanged
+    // (its token included) wins.
+    Ok(table::compare_and_swap(key, current.as_ref(), &held_out(new)).then_some(token))
 }
 
 impl wlock::Guest for Component {
     fn try_lock(key: String, owner: String, ttl_ms: u64) -> Result<bool, types::Error> {
-        lock::check_request(&key, ttl_ms, &settings().limits).map_err(arg_error)?;
-        let current = table::get(&key);
-        let Some(new) = lock::try_lock(current.clone().map(held_in).as_ref(), &owner, ttl_ms, now_ms())
-        else {
-            return Ok(false);
-        };
-        // Atomic: of racing callers, only the one whose swap finds the entry unchanged wins.
-        Ok(table::compare_and_swap(
-            &key,
-            current.as_ref(),
-            &table::Held {
-                owner: new.owner,
-                expires_at_ms: new.expires_at_ms,
-            },
-        ))
+        Ok(acquire(&key, &owner, ttl_ms)?.is_some())
+    }
+
+    fn acquire(key: String, owner: String, ttl_ms: u64) -> Result<Option<u64>, types::Error> {
+        acquire(&key, &owner, ttl_ms)
     }
 
     fn unlock(key: String, owner: String) -> Result<bool, types::Error> {
-        let Some(current) = table::get(&key) else {
+        let current = table::get(&key);
+        let Some(free) = lock::release(current.clone().map(held_in).as_ref(), &owner, now_ms()) else {
             return Ok(false);
         };
-        if !lock::is_locked_by(Some(&held_in(current.clone())), &owner, now_ms()) {
-            return Ok(false);
-        }
-        Ok(table::compare_and_delete(&key, &current))
+        Ok(table::compare_and_swap(&key, current.as_ref(), &held_out(free)))
     }
 
     fn is_locked_by(key: String, owner: String) -> Result<bool, types::Error> {

@@ -2,11 +2,15 @@
 //! compare-and-swap (`wasi:keyvalue@0.2.0-draft2`): every stored value is a *record*, the
 //! moment from which the store's copy counts as gone, then the bytes. A removal writes a
 //! record already gone (a tombstone), through compare-and-swap like every conditional
-//! change, so it never lands over a newer write; a lock is a record that is gone at its
-//! expiry, so a taker finds it free then without anyone deleting it.
+//! change, so it never lands over a newer write; the get-or-set lock is a record that is
+//! gone at its expiry, so a taker finds it free then without anyone deleting it. A lock
+//! table entry ([`held`]) is never gone: it keeps its key's fencing token, and the lock
+//! protocol judges its expiry.
 //!
 //! Reads and compare-and-swap judge the same view ([`live`]): what an adapter compares
 //! with `expected` is what its reads return.
+
+use crate::lock::Held;
 
 /// A record that never counts as gone.
 pub const NEVER: u64 = u64::MAX;
@@ -44,17 +48,26 @@ pub fn live(stored: &[u8], now_ms: u64) -> Option<&[u8]> {
     (now_ms < u64::from_be_bytes(*moment)).then_some(payload)
 }
 
-/// The payload of a lock table entry: its expiry, then its owner.
-pub fn held(owner: &str, expires_at_ms: u64) -> Vec<u8> {
-    record(expires_at_ms, owner.as_bytes())
+/// The payload of a lock table entry: its expiry, its fencing token, then its owner.
+pub fn held(held: &Held) -> Vec<u8> {
+    let mut payload = Vec::with_capacity(2 * MOMENT_LEN + held.owner.len());
+    payload.extend_from_slice(&held.expires_at_ms.to_be_bytes());
+    payload.extend_from_slice(&held.token.to_be_bytes());
+    payload.extend_from_slice(held.owner.as_bytes());
+    payload
 }
 
-/// The owner and expiry a lock table entry's payload holds; none for bytes that are not
-/// one (too short, or an owner that is not UTF-8).
-pub fn held_in(payload: &[u8]) -> Option<(String, u64)> {
-    let (moment, owner) = payload.split_first_chunk::<MOMENT_LEN>()?;
+/// The lock table entry a payload holds; none for bytes that are not one (too short,
+/// or an owner that is not UTF-8).
+pub fn held_in(payload: &[u8]) -> Option<Held> {
+    let (moment, rest) = payload.split_first_chunk::<MOMENT_LEN>()?;
+    let (token, owner) = rest.split_first_chunk::<8>()?;
     let owner = std::str::from_utf8(owner).ok()?;
-    Some((owner.to_owned(), u64::from_be_bytes(*moment)))
+    Some(Held {
+        owner: owner.to_owned(),
+        expires_at_ms: u64::from_be_bytes(*moment),
+        token: u64::from_be_bytes(*token),
+    })
 }
 
 #[cfg(test)]
@@ -97,9 +110,14 @@ mod tests {
 
     #[test]
     fn a_lock_entry_round_trips_and_foreign_bytes_are_none() {
-        let h = held("owner-1", 42);
-        assert_eq!(held_in(&h), Some(("owner-1".to_owned(), 42)));
+        let entry = Held {
+            owner: "owner-1".into(),
+            expires_at_ms: 42,
+            token: u64::MAX,
+        };
+        assert_eq!(held_in(&held(&entry)), Some(entry));
         assert_eq!(held_in(b"short"), None);
-        assert_eq!(held_in(&record(1, &[0xff, 0xfe])), None);
+        assert_eq!(held_in(&record(1, b"short")), None, "no token");
+        assert_eq!(held_in(&record(1, &[0, 0, 0, 0, 0, 0, 0, 1, 0xff, 0xfe])), None);
     }
 }

@@ -7,10 +7,17 @@ use crate::{Arg, ArgError, Limits, key};
 /// A held lock as a lock table stores it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Held {
-    /// Who holds it.
+    /// Who holds it (empty in a [released](release) record).
     pub owner: String,
     /// When it expires (Unix ms): expired when `now_ms >= expires_at_ms`.
     pub expires_at_ms: u64,
+    /// The fencing token of the acquire that stored it: each acquire of a key takes the
+    /// token of the record it replaces plus one, so the tokens of a key rise with every
+    /// acquire as long as its table keeps its record (a release leaves a free record
+    /// behind for that, and a table that forgets records keeps their highest token as
+    /// a floor under the key's next one). A compare-and-swap compares the token too:
+    /// a swap that read a record before a later acquire and release can never land.
+    pub token: u64,
 }
 
 /// Checks a lock request: the key follows the cache's key rules; the TTL is positive
@@ -50,12 +57,32 @@ pub fn is_locked_by(current: Option<&Held>, owner: &str, now_ms: u64) -> bool {
     current.is_some_and(|h| h.owner == owner && now_ms < h.expires_at_ms)
 }
 
-/// A try-lock: the new entry to store if the lock is free (absent or expired), else
-/// `None`. Not re-entrant: a holder trying again while its lock lives gets `None`.
+/// A try-lock: the new entry to store if the lock is free (absent, released or
+/// expired), else `None`. Not re-entrant: a holder trying again while its lock lives
+/// gets `None`. Its token is the current record's plus one (1 for a key without one);
+/// a key whose token reached `u64::MAX` is never taken again, rather than hand out a
+/// token twice.
 pub fn try_lock(current: Option<&Held>, owner: &str, ttl_ms: u64, now_ms: u64) -> Option<Held> {
-    is_expired(current, now_ms).then(|| Held {
+    if !is_expired(current, now_ms) {
+        return None;
+    }
+    let token = current.map_or(0, |h| h.token).checked_add(1)?;
+    Some(Held {
         owner: owner.to_owned(),
         expires_at_ms: now_ms.saturating_add(ttl_ms),
+        token,
+    })
+}
+
+/// An unlock: the free record to store in place of `current` if `owner` holds it at
+/// `now_ms`, else `None`. The record has no owner, is expired at every moment, and
+/// keeps the token, so the next acquire's is higher.
+pub fn release(current: Option<&Held>, owner: &str, now_ms: u64) -> Option<Held> {
+    let held = current.filter(|_| is_locked_by(current, owner, now_ms))?;
+    Some(Held {
+        owner: String::new(),
+        expires_at_ms: 0,
+        token: held.token,
     })
 }
 
@@ -170,6 +197,7 @@ mod tests {
         Held {
             owner: owner.into(),
             expires_at_ms,
+            token: 1,
         }
     }
 
@@ -194,8 +222,51 @@ mod tests {
         assert_eq!(try_lock(Some(&a), "a", 100, NOW + 99), None, "not re-entrant");
         assert_eq!(
             try_lock(Some(&a), "b", 100, NOW + 100),
-            Some(held("b", NOW + 200))
+            Some(Held {
+                token: 2,
+                ..held("b", NOW + 200)
+            })
         );
+    }
+
+    #[test]
+    fn every_acquire_takes_a_token_above_the_record_it_replaces() {
+        let a = try_lock(None, "a", 100, NOW).unwrap();
+        assert_eq!(a.token, 1, "a key's first");
+        let free = release(Some(&a), "a", NOW + 1).unwrap();
+        assert_eq!(
+            free,
+            Held {
+                owner: String::new(),
+                expires_at_ms: 0,
+                token: 1
+            },
+            "a release keeps the token"
+        );
+        assert!(is_expired(Some(&free), 0), "and frees the lock at once");
+        assert!(!is_locked_by(Some(&free), "", 0));
+        let b = try_lock(Some(&free), "b", 100, NOW + 1).unwrap();
+        assert_eq!(b.token, 2);
+        let c = try_lock(Some(&b), "c", 100, NOW + 101).unwrap();
+        assert_eq!(c.token, 3, "a takeover too");
+        let last = Held {
+            token: u64::MAX,
+            ..free
+        };
+        assert_eq!(
+            try_lock(Some(&last), "d", 100, NOW),
+            None,
+            "a token is never handed out twice"
+        );
+    }
+
+    #[test]
+    fn only_the_live_holder_releases() {
+        let a = held("a", NOW + 100);
+        assert_eq!(release(Some(&a), "b", NOW), None, "another owner");
+        assert_eq!(release(Some(&a), "a", NOW + 100), None, "lapsed");
+        assert_eq!(release(None, "a", NOW), None, "nothing held");
+        assert_eq!(release(Some(&a), "a", NOW + 99).map(|f| f.token), Some(1));
     }
 
     #[test]

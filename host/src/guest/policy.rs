@@ -771,6 +771,20 @@ impl Policy {
         })
     }
 
+    /// The free record to store if `owner` holds the lock at `now_ms`.
+    pub(crate) fn lock_release(
+        &self,
+        current: Option<&Held>,
+        owner: &str,
+        now_ms: u64,
+    ) -> Result<Option<Held>> {
+        self.call(|s| {
+            s.guest
+                .corral_lock_policy()
+                .call_release(&mut s.store, current, owner, now_ms)
+        })
+    }
+
     pub(crate) fn lock_is_expired(&self, current: Option<&Held>, now_ms: u64) -> Result<bool> {
         self.call(|s| {
             s.guest

@@ -34,9 +34,44 @@ struct Inner {
     policy: Policy,
     clock: Arc<dyn Clock>,
     hasher: RandomState,
-    shards: [Mutex<HashMap<String, Held>>; SHARDS],
+    shards: [Mutex<Shard>; SHARDS],
     /// The table's own sweeper: it goes with the table.
     _sweeper: Sweeper,
+}
+
+/// One shard of a table: its records, and the highest fencing token of a record it
+/// forgot (a release, a sweep): a key without a record reads as a free record with
+/// that token, so the key's next token is above any it had.
+#[derive(Default)]
+struct Shard {
+    records: HashMap<String, Held>,
+    floor: u64,
+}
+
+impl Shard {
+    /// The record under `key` as the table answers it: stored, or a free one at the
+    /// floor (none while nothing was forgotten).
+    fn view(&self, key: &str) -> Option<std::borrow::Cow<'_, Held>> {
+        match self.records.get(key) {
+            Some(held) => Some(std::borrow::Cow::Borrowed(held)),
+            None => (self.floor > 0).then(|| {
+                std::borrow::Cow::Owned(Held {
+                    owner: String::new(),
+                    expires_at_ms: 0,
+                    token: self.floor,
+                })
+            }),
+        }
+    }
+
+    /// Forgets `key`'s record, keeping its token under the floor; whether there was one.
+    fn forget(&mut self, key: &str) -> bool {
+        let Some(held) = self.records.remove(key) else {
+            return false;
+        };
+        self.floor = self.floor.max(held.token);
+        true
+    }
 }
 
 /// A table's own sweeper. It holds the table only weakly; dropping it (with the table's
@@ -183,39 +218,31 @@ impl MemoryLocks {
                 policy,
                 clock,
                 hasher: RandomState::new(),
-                shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+                shards: std::array::from_fn(|_| Mutex::new(Shard::default())),
                 _sweeper: every.map_or(Sweeper::None, |every| Sweeper::start(table.clone(), every)),
             }),
         }
     }
 
-    /// The entry held under `key`, as stored (the portable body's `table.get`).
+    /// The record under `key` as the table answers it (the portable body's
+    /// `table.get`): stored, or free at the shard's floor once it forgot one.
     pub(crate) fn held(&self, key: &str) -> Option<Held> {
-        self.shard(key).lock().get(key).cloned()
+        self.shard(key).lock().view(key).map(std::borrow::Cow::into_owned)
     }
 
-    /// Stores `new` under `key` if the table holds exactly `expected` there (`None`:
-    /// nothing); says whether it did (the portable body's `table.compare-and-swap`).
+    /// Stores `new` under `key` if the table answers exactly `expected` there (`None`:
+    /// nothing), token included; says whether it did (the portable body's
+    /// `table.compare-and-swap`).
     pub(crate) fn compare_and_swap(&self, key: &str, expected: Option<&Held>, new: Held) -> bool {
-        let mut map = self.shard(key).lock();
-        if map.get(key) != expected {
+        let mut shard = self.shard(key).lock();
+        if shard.view(key).as_deref() != expected {
             return false;
         }
-        map.insert(key.to_owned(), new);
+        shard.records.insert(key.to_owned(), new);
         true
     }
 
-    /// Removes `key` if the table holds exactly `expected` there; says whether it did.
-    pub(crate) fn compare_and_delete(&self, key: &str, expected: &Held) -> bool {
-        let mut map = self.shard(key).lock();
-        if map.get(key) != Some(expected) {
-            return false;
-        }
-        map.remove(key);
-        true
-    }
-
-    fn shard(&self, key: &str) -> &Mutex<HashMap<String, Held>> {
+    fn shard(&self, key: &str) -> &Mutex<Shard> {
         &self.inner.shards[self.inner.hasher.hash_one(key) as usize % SHARDS]
     }
 
@@ -225,18 +252,30 @@ impl MemoryLocks {
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming `key` or `ttl`.
     pub fn try_lock(&self, key: &str, owner: &str, ttl: Duration) -> Result<bool> {
+        Ok(self.acquire(key, owner, ttl)?.is_some())
+    }
+
+    /// Takes the lock of `key` for `owner` for `ttl` as [`try_lock`](Self::try_lock)
+    /// does, and answers the acquire's fencing token (`None`: not taken). Every acquire
+    /// of `key` in this table gets a higher token than the one before, across
+    /// releases, takeovers and sweeps: pass it to the resource the lock guards, and let
+    /// the resource refuse a token below the last it saw (a holder whose lock lapsed
+    /// while it was paused).
+    ///
+    /// # Errors
+    /// As [`try_lock`](Self::try_lock).
+    pub fn acquire(&self, key: &str, owner: &str, ttl: Duration) -> Result<Option<u64>> {
         let ttl_ms = duration_ms(ttl);
         let policy = &self.inner.policy;
         policy.lock_check_request(key, ttl_ms)?;
         let now = self.inner.clock.now_ms();
-        let mut map = self.shard(key).lock();
-        match policy.lock_try(map.get(key), owner, ttl_ms, now)? {
-            Some(entry) => {
-                map.insert(key.to_owned(), entry);
-                Ok(true)
-            }
-            None => Ok(false),
-        }
+        let mut shard = self.shard(key).lock();
+        let Some(entry) = policy.lock_try(shard.view(key).as_deref(), owner, ttl_ms, now)? else {
+            return Ok(None);
+        };
+        let token = entry.token;
+        shard.records.insert(key.to_owned(), entry);
+        Ok(Some(token))
     }
 
     /// Releases `key` if `owner` holds it; says whether it did.
@@ -245,17 +284,22 @@ impl MemoryLocks {
     /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
     pub fn unlock(&self, key: &str, owner: &str) -> Result<bool> {
         let now = self.inner.clock.now_ms();
-        let mut map = self.shard(key).lock();
-        let owned = self.inner.policy.lock_is_locked_by(map.get(key), owner, now)?;
-        if owned {
-            map.remove(key);
+        let mut shard = self.shard(key).lock();
+        let released = self
+            .inner
+            .policy
+            .lock_release(shard.view(key).as_deref(), owner, now)?
+            .is_some();
+        if released {
+            shard.forget(key);
         }
-        Ok(owned)
+        Ok(released)
     }
 
     /// Releases `key` whoever holds it (for administrators); says whether it was there.
+    /// The next acquire's token is still above its holder's.
     pub fn force_unlock(&self, key: &str) -> bool {
-        self.shard(key).lock().remove(key).is_some()
+        self.shard(key).lock().forget(key)
     }
 
     /// Whether the lock of `key` is expired (or was never taken).
@@ -264,8 +308,8 @@ impl MemoryLocks {
     /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
     pub fn is_lock_expired(&self, key: &str) -> Result<bool> {
         let now = self.inner.clock.now_ms();
-        let map = self.shard(key).lock();
-        self.inner.policy.lock_is_expired(map.get(key), now)
+        let shard = self.shard(key).lock();
+        self.inner.policy.lock_is_expired(shard.view(key).as_deref(), now)
     }
 
     /// Whether `owner` holds the lock of `key` now.
@@ -274,13 +318,15 @@ impl MemoryLocks {
     /// [`ErrorKind::Guest`](crate::ErrorKind::Guest) only.
     pub fn is_locked_by(&self, key: &str, owner: &str) -> Result<bool> {
         let now = self.inner.clock.now_ms();
-        let map = self.shard(key).lock();
-        self.inner.policy.lock_is_locked_by(map.get(key), owner, now)
+        let shard = self.shard(key).lock();
+        self.inner
+            .policy
+            .lock_is_locked_by(shard.view(key).as_deref(), owner, now)
     }
 
     /// Entries in the table, expired ones included until swept.
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|s| s.lock().len()).sum()
+        self.inner.shards.iter().map(|s| s.lock().records.len()).sum()
     }
 
     /// Whether the table is empty.
@@ -303,8 +349,12 @@ impl MemoryLocks {
         let now = self.inner.clock.now_ms();
         let mut candidates = Vec::new();
         for shard in &self.inner.shards {
-            let snapshot: Vec<(String, Held)> =
-                shard.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let snapshot: Vec<(String, Held)> = shard
+                .lock()
+                .records
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
             for (key, entry) in snapshot {
                 if self.inner.policy.lock_sweepable(&entry, now)? {
                     candidates.push((key, entry));
@@ -317,9 +367,9 @@ impl MemoryLocks {
     fn remove_unchanged(&self, candidates: Vec<(String, Held)>) -> usize {
         let mut removed = 0;
         for (key, entry) in candidates {
-            let mut map = self.shard(&key).lock();
-            if map.get(&key) == Some(&entry) {
-                map.remove(&key);
+            let mut shard = self.shard(&key).lock();
+            if shard.records.get(&key) == Some(&entry) {
+                shard.forget(&key);
                 removed += 1;
             }
         }
@@ -388,6 +438,42 @@ mod tests {
             locks.is_locked_by("a", "one").unwrap(),
             "an hour's step forward frees nothing"
         );
+    }
+
+    #[test]
+    fn every_acquire_of_a_key_takes_a_higher_token_across_releases_and_sweeps() {
+        let clock = ManualClock::new(1_000_000);
+        let locks = MemoryLocks::with_clock(clock.clone()).unwrap();
+        let ttl = Duration::from_millis(100);
+        assert_eq!(locks.acquire("a", "one", ttl).unwrap(), Some(1));
+        assert_eq!(locks.acquire("a", "two", ttl).unwrap(), None, "held");
+        assert!(locks.unlock("a", "one").unwrap());
+        assert_eq!(locks.len(), 0, "a release forgets the record");
+        assert_eq!(locks.acquire("a", "two", ttl).unwrap(), Some(2));
+        clock.advance(ttl);
+        assert_eq!(locks.acquire("a", "three", ttl).unwrap(), Some(3), "a takeover");
+        clock.advance(ttl);
+        assert_eq!(locks.sweep().unwrap(), 1);
+        assert_eq!(locks.acquire("a", "four", ttl).unwrap(), Some(4), "after a sweep");
+        assert!(locks.force_unlock("a"));
+        assert_eq!(
+            locks.acquire("a", "five", ttl).unwrap(),
+            Some(5),
+            "after a forced release"
+        );
+        // The portable body's release: a free record swapped in, token kept.
+        let held = locks.held("a").unwrap();
+        let free = Held {
+            owner: String::new(),
+            expires_at_ms: 0,
+            token: held.token,
+        };
+        assert!(locks.compare_and_swap("a", Some(&held), free.clone()));
+        assert!(
+            !locks.compare_and_swap("a", Some(&held), held.clone()),
+            "a stale swap never lands"
+        );
+        assert_eq!(locks.acquire("a", "six", ttl).unwrap(), Some(6));
     }
 
     #[test]

@@ -640,8 +640,4 @@ impl table::Host for &mut PortableState {
     fn compare_and_swap(&mut self, key: String, expected: Option<Held>, new: Held) -> bool {
         self.backend.table.compare_and_swap(&key, expected.as_ref(), new)
     }
-
-    fn compare_and_delete(&mut self, key: String, expected: Held) -> bool {
-        self.backend.table.compare_and_delete(&key, &expected)
-    }
 }

@@ -774,6 +774,22 @@ impl PortableCache {
         .await
     }
 
+    /// Takes `key` for `owner` for `ttl` as [`try_lock`](Self::try_lock) does, and
+    /// answers the acquire's fencing token (`None`: not taken): every acquire of `key`
+    /// gets a higher one than the one before.
+    ///
+    /// # Errors
+    /// As [`try_lock`](Self::try_lock).
+    pub async fn acquire(&self, key: &str, owner: &str, ttl: Duration) -> Result<Option<u64>> {
+        let (key, owner, ttl_ms) = (key.to_owned(), owner.to_owned(), duration_ms(ttl));
+        self.call(move |s| {
+            s.guest
+                .corral_lock_lock()
+                .call_acquire(&mut s.store, &key, &owner, ttl_ms)
+        })
+        .await
+    }
+
     /// Releases `key` if `owner` holds it.
     ///
     /// # Errors

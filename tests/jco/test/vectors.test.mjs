@@ -113,7 +113,7 @@ function newHost(world) {
     const held = world.l2.get(key);
     return expected === undefined || expected === null ? held === undefined : same(held, expected);
   };
-  const heldEq = (a, b) => (a === undefined && b === undefined) || (a !== undefined && b !== undefined && a.owner === b.owner && a.expiresAtMs === b.expiresAtMs);
+  const heldEq = (a, b) => (a === undefined && b === undefined) || (a !== undefined && b !== undefined && a.owner === b.owner && a.expiresAtMs === b.expiresAtMs && a.token === b.token);
 
   function join(caller, key) {
     const flight = flights.get(key);
@@ -303,7 +303,6 @@ function newHost(world) {
         world.table.set(key, next);
         return true;
       },
-      compareAndDelete: (key, expected) => heldEq(world.table.get(key), expected) && world.table.delete(key),
     },
     'wasi:clocks/wall-clock': wallClock(world),
   });
@@ -541,6 +540,7 @@ const ops = {
     return { result: { value: world.locks.delete(names.flightLock) } };
   },
   try_lock: ({ exports }, step) => ({ result: spelled(settle(() => exports[LOCK].tryLock(step.key, step.owner, BigInt(step.ttl_ms)))) }),
+  acquire: ({ exports }, step) => ({ result: spelled(settle(() => exports[LOCK].acquire(step.key, step.owner, BigInt(step.ttl_ms))), Number) }),
   unlock: ({ exports }, step) => ({ result: spelled(settle(() => exports[LOCK].unlock(step.key, step.owner))) }),
   is_locked_by: ({ exports }, step) => ({ result: spelled(settle(() => exports[LOCK].isLockedBy(step.key, step.owner))) }),
   is_lock_expired: ({ exports }, step) => ({ result: spelled(settle(() => exports[LOCK].isLockExpired(step.key))) }),

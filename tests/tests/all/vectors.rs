@@ -408,6 +408,13 @@ async fn run_step(world: &Arc<World>, step: &Value, loads: &Arc<AtomicUsize>) ->
                 Body::Portable(p) => outcome(p.try_lock(key, owner, ttl).await),
             }
         }
+        ("acquire", body) => {
+            let ttl = Duration::from_millis(step["ttl_ms"].as_u64().context("ttl_ms")?);
+            match body {
+                Body::Native { locks, .. } => outcome(locks.acquire(key, owner, ttl)),
+                Body::Portable(p) => outcome(p.acquire(key, owner, ttl).await),
+            }
+        }
         ("unlock", Body::Native { locks, .. }) => outcome(locks.unlock(key, owner)),
         ("unlock", Body::Portable(p)) => outcome(p.unlock(key, owner).await),
         ("is_locked_by", Body::Native { locks, .. }) => outcome(locks.is_locked_by(key, owner)),
