@@ -110,6 +110,10 @@ impl Entries for Tracked {
         self.entries.gathers()
     }
 
+    fn in_parts(&self) -> bool {
+        self.entries.in_parts()
+    }
+
     fn part_of(&self, key: &str) -> Option<std::sync::Arc<str>> {
         self.entries.part_of(key)
     }

@@ -89,8 +89,8 @@ impl Corral {
             // each other part's to one of its followers, so that none waits on another
             // part's reply. The kept keys are named again: a lookup of names just made.
             let entries = &self.inner.stores.entries;
-            let mine = entries.part_of(names.get(0));
-            if mine.is_some() {
+            if entries.in_parts() {
+                let mine = entries.part_of(names.get(0));
                 let parts: Vec<_> = at[1..].iter().map(|&i| entries.part_of(names.get(i))).collect();
                 if parts.iter().any(|part| *part != mine) {
                     followers = keep_part(followers, parts, &mine);

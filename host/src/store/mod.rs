@@ -67,10 +67,17 @@ pub trait Entries: Send + Sync + fmt::Debug + 'static {
         false
     }
 
-    /// The part of the store that serves `key`, which a request that reads several keys
-    /// waits on whole: on a Redis Cluster its master (`host:port`, as far as the store
-    /// knows); `None` (the default) for a store in one part. Reads gathered from several
-    /// parts go each to its own, so that a frozen part delays only its own.
+    /// Whether the store is in parts that fail apart ([`part_of`](Self::part_of)): a
+    /// Redis Cluster's masters. False (the default) for a store in one part.
+    fn in_parts(&self) -> bool {
+        false
+    }
+
+    /// The part of a store [in parts](Self::in_parts) that serves `key`, which a request
+    /// that reads several keys waits on whole: on a Redis Cluster its master
+    /// (`host:port`), `None` while the store does not know it (a part of its own).
+    /// Reads gathered from several parts go each to its own, so that a frozen part
+    /// delays only its own.
     fn part_of(&self, key: &str) -> Option<Arc<str>> {
         let _ = key;
         None

@@ -489,6 +489,10 @@ impl Entries for RedisStore {
         true
     }
 
+    fn in_parts(&self) -> bool {
+        self.is_cluster()
+    }
+
     fn part_of(&self, key: &str) -> Option<Arc<str>> {
         self.healing.node_of(key)
     }

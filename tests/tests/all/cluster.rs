@@ -530,6 +530,8 @@ async fn frozen_master_among_gathered_reads(entries: EntryOptions) -> Result<()>
     let mut options = RedisOptions::cluster(cluster.urls());
     options.prefix = prefix("frozen-gathering");
     options.response_timeout = timeout;
+    // No breaker: the frozen master's reads must reach it in the second round too.
+    options.breaker_threshold = 0;
     let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
     let keys = keys_by_master(&cluster, 4, &|k| cache.entry_name(k))?;
     for key in keys.values().flatten() {
