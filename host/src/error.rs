@@ -149,6 +149,19 @@ impl Error {
         e
     }
 
+    /// The same argument error naming the argument `name` (as the caller spelled what the
+    /// check called otherwise); any other error as it is.
+    pub(crate) fn naming(mut self, name: &str) -> Self {
+        if let Some(old) = self.argument.take() {
+            let spelled = format!("`{old}`");
+            if let Some(reason) = self.message.strip_prefix(&spelled) {
+                self.message = format!("`{name}`{reason}");
+            }
+            self.argument = Some(name.to_owned());
+        }
+        self
+    }
+
     pub(crate) fn unavailable(context: impl fmt::Display, source: impl Into<Source>) -> Self {
         Error::new(ErrorKind::Unavailable, context.to_string()).with_source(source)
     }

@@ -924,3 +924,28 @@ fn a_foreign_value_under_the_locks_name_is_a_data_error_with_a_hint_for_locks() 
     assert!(!stderr.contains("corral remove"), "{stderr}");
     assert!(stderr.contains("another program"), "{stderr}");
 }
+
+#[test]
+fn a_bad_watchdog_ttl_is_a_usage_error_naming_watchdog() {
+    let server = redis_server();
+    for (flag, value) in [("--watchdog", "0s"), ("--watchdog", "2ms"), ("--ttl", "0s")] {
+        let out = run(
+            &[
+                "lock",
+                "--key",
+                "job",
+                "--redis",
+                &server.url(),
+                flag,
+                value,
+                "--",
+                "true",
+            ],
+            None,
+        );
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
+        let named = flag.trim_start_matches('-');
+        assert!(stderr.contains(&format!("`{named}`")), "{flag} {value}: {stderr}");
+    }
+}

@@ -645,6 +645,16 @@ impl RedisLocks {
         crate::owed::closed("the locks", self.inner.owed.settle(within).await, within)
     }
 
+    /// A lease request checked: its Redis TTL in ms, and whether a watchdog renews it.
+    /// A watchdog lease's TTL is named `watchdog`, as [`LockOptions::watchdog`] sets it.
+    fn checked(&self, key: &str, options: &LockOptions) -> Result<(u64, bool)> {
+        let (ttl_ms, watchdog) = options.lease();
+        match self.inner.policy.lock_check_request(key, ttl_ms) {
+            Err(e) if watchdog && e.argument() == Some("ttl") => Err(e.naming("watchdog")),
+            checked => checked.map(|()| (ttl_ms, watchdog)),
+        }
+    }
+
     /// One attempt: the lease, or `Ok(None)` when another owner holds the lock.
     ///
     /// # Errors
@@ -652,8 +662,7 @@ impl RedisLocks {
     /// [`ErrorKind::Unavailable`] when the one server did not answer (the cause is in
     /// the message); [`ErrorKind::Quorum`] when under a majority of several answered.
     pub async fn try_acquire(&self, key: &str, options: LockOptions) -> Result<Option<Lease>> {
-        let (ttl_ms, watchdog) = options.lease();
-        self.inner.policy.lock_check_request(key, ttl_ms)?;
+        let (ttl_ms, watchdog) = self.checked(key, &options)?;
         let queue = options.fair.then_some(Queue::Try);
         self.attempt(key, ttl_ms, watchdog, (queue, false)).await
     }
@@ -667,9 +676,8 @@ impl RedisLocks {
     /// [`ErrorKind::Quorum`] when too few of several did; [`ErrorKind::InvalidArgument`]
     /// for a bad key or a zero TTL.
     pub async fn acquire(&self, key: &str, options: LockOptions) -> Result<Lease> {
-        let (ttl_ms, watchdog) = options.lease();
+        let (ttl_ms, watchdog) = self.checked(key, &options)?;
         let policy = &self.inner.policy;
-        policy.lock_check_request(key, ttl_ms)?;
         let deadline = self
             .mono_ms(Instant::now())
             .saturating_add(duration_ms(options.wait));

@@ -1111,3 +1111,27 @@ async fn locks_from_options_keep_their_timeouts_and_prefix() -> Result<()> {
     }
     Ok(())
 }
+
+/// A bad lease TTL is named as the caller set it: `watchdog` for
+/// [`LockOptions::watchdog`]'s, `ttl` for [`LockOptions::ttl`]'s; nothing is sent.
+#[tokio::test]
+async fn a_bad_lease_ttl_is_named_as_the_caller_set_it() -> Result<()> {
+    let server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    for (options, named) in [
+        (LockOptions::new().watchdog(Duration::ZERO), "watchdog"),
+        (LockOptions::new().watchdog(Duration::from_millis(2)), "watchdog"),
+        (LockOptions::new().ttl(Duration::ZERO), "ttl"),
+    ] {
+        for refused in [
+            locks.try_acquire("job", options).await.err(),
+            locks.acquire("job", options).await.err(),
+        ] {
+            let e = refused.context("refused")?;
+            ensure!(e.kind() == ErrorKind::InvalidArgument, "{e}");
+            ensure!(e.argument() == Some(named), "{e:?}");
+            ensure!(e.to_string().contains(&format!("`{named}`")), "{e}");
+        }
+    }
+    Ok(())
+}
