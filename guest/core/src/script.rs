@@ -200,7 +200,8 @@ end
 /// The Lua that takes a lock, shared by [`LOCK_ACQUIRE`] and [`LOCK_ACQUIRE_FAIR`]:
 /// `take()` takes `KEYS[1]` for the owner `ARGV[1]` for `ARGV[2]` ms if it is free and
 /// returns the new fencing token (a decimal string, from `KEYS[2]`), else 0, or an error
-/// reply (`CORRAL_FENCE_EXHAUSTED`, `CORRAL_FOREIGN`).
+/// reply (`CORRAL_FENCE_EXHAUSTED`, `CORRAL_FOREIGN`: also a busy lock key holding a
+/// string with no TTL, which no Corral lock is).
 macro_rules! lock_take {
     () => {
         r#"
@@ -220,8 +221,13 @@ local function take()
     redis.call('INCR', KEYS[2])
     return redis.call('GET', KEYS[2])
   end
-  local _, busy = holder_of(KEYS[1])
+  local holder, busy = holder_of(KEYS[1])
   if busy then return busy end
+  -- A Corral lock always lapses: a string that never does is not one, and would
+  -- read as held for good.
+  if holder and redis.call('PTTL', KEYS[1]) == -1 then
+    return foreign(KEYS[1], 'a string without a TTL')
+  end
   return 0
 end
 "#

@@ -150,6 +150,51 @@ async fn another_redis_type_under_a_locks_names_is_named_not_called_busy() -> Re
     Ok(())
 }
 
+/// A string that never lapses under a lock's name is no Corral lock (every one has a
+/// TTL): the acquire is refused at once as corrupt data naming it, not called busy for
+/// good; a string with a TTL there is another owner's lock, and busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_string_without_a_ttl_under_a_locks_name_is_named_not_called_busy_for_good() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = RedisServer::start()?;
+    let locks = RedisLocks::connect(&[server.url()])?;
+    let lock = locks.lock_key("job")?;
+    let options = LockOptions::new()
+        .ttl(Duration::from_secs(5))
+        .wait(Duration::from_secs(5));
+    set(&server, &lock, "someone").await?;
+    let started = std::time::Instant::now();
+    let err = locks.acquire("job", options).await.err().context("refused")?;
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(lock.as_str()) && text.contains("without a TTL"),
+        "{text}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "refused at once, not after the wait"
+    );
+    let mut conn = server.connection().await?;
+    let _: () = redis::cmd("PEXPIRE")
+        .arg(&lock)
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await?;
+    let busy = locks.try_acquire("job", options).await?;
+    assert!(busy.is_none(), "with a TTL it is another owner's lock: busy");
+    set(&server, &locks.lock_key("job2")?, "someone").await?;
+    let out = tokio::process::Command::new(corral_bin())
+        .args(["lock", "--key", "job2", "--redis", &server.url()])
+        .args(["--", "true"])
+        .output()
+        .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(65), "EX_DATAERR: {stderr}");
+    assert!(stderr.contains("without a TTL"), "{stderr}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corral_lock_names_a_foreign_value_with_exit_65() -> Result<()> {
     let server = RedisServer::start()?;
@@ -245,10 +290,10 @@ async fn lease_ttls_past_a_century_or_within_the_drift_are_argument_errors_at_on
     let redis = RedisLocks::connect(&[server.url()])?;
     let memory = MemoryLocks::new()?;
     let wait = Duration::from_secs(5);
-    for options in [
-        LockOptions::new().ttl(Duration::MAX),
-        LockOptions::new().watchdog(Duration::MAX),
-        LockOptions::new().ttl(Duration::from_millis(2)),
+    for (options, named) in [
+        (LockOptions::new().ttl(Duration::MAX), "ttl"),
+        (LockOptions::new().watchdog(Duration::MAX), "watchdog"),
+        (LockOptions::new().ttl(Duration::from_millis(2)), "ttl"),
     ] {
         let started = std::time::Instant::now();
         let err = redis
@@ -257,7 +302,7 @@ async fn lease_ttls_past_a_century_or_within_the_drift_are_argument_errors_at_on
             .err()
             .context("refused")?;
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{options:?}: {err}");
-        assert_eq!(err.argument(), Some("ttl"), "{err}");
+        assert_eq!(err.argument(), Some(named), "{err}");
         assert!(started.elapsed() < Duration::from_secs(1), "refused up front");
         let err = redis.try_acquire("k", options).await.err().context("refused")?;
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
