@@ -354,6 +354,16 @@ mod tests {
             plan_now(opts(None, None, Some(u64::MAX))).unwrap_err().arg,
             Arg::Sliding
         );
+        let saturated = plan_now(opts(None, Some(u64::MAX), None)).unwrap_err();
+        assert!(
+            saturated
+                .reason
+                .ends_with(&format!("not {} ms or more", u64::MAX)),
+            "a count a host saturated is no exact figure: {}",
+            saturated.reason
+        );
+        let over = plan_now(opts(None, Some(crate::LONGEST_DURATION_MS + 1), None)).unwrap_err();
+        assert!(over.reason.ends_with(" ms"), "{}", over.reason);
     }
 
     #[test]

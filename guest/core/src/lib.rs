@@ -55,9 +55,11 @@ pub fn check_duration(arg: Arg, ms: u64, zero_ok: bool) -> Result<(), ArgError> 
         return Err(ArgError::new(arg, "must be a positive duration"));
     }
     if ms > LONGEST_DURATION_MS {
+        // A host counts a longer duration than a u64 of ms holds as the largest one.
+        let or_more = if ms == u64::MAX { " or more" } else { "" };
         return Err(ArgError::new(
             arg,
-            format!("must be at most 100 years ({LONGEST_DURATION_MS} ms), not {ms} ms"),
+            format!("must be at most 100 years ({LONGEST_DURATION_MS} ms), not {ms} ms{or_more}"),
         ));
     }
     Ok(())
