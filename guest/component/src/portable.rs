@@ -792,17 +792,26 @@ fn held_out(h: lock::Held) -> table::Held {
     }
 }
 
-/// Takes `key` for `owner` if it is free: the acquire's fencing token, or none.
+/// Takes `key` for `owner` if it is free: the acquire's fencing token, or none. A swap
+/// that finds the record changed since its read lost to a change that may have taken
+/// nothing (another key's record forgotten, which raises a table's floor; a release):
+/// the lock is read again, up to the settings' `cas_tries` times, and answered busy
+/// only when a read finds it held.
 fn acquire(key: &str, owner: &str, ttl_ms: u64) -> Result<Option<u64>, types::Error> {
     lock::check_request(key, ttl_ms, &settings().limits).map_err(arg_error)?;
-    let current = table::get(key);
-    let Some(new) = lock::try_lock(current.clone().map(held_in).as_ref(), owner, ttl_ms, now_ms()) else {
-        return Ok(None);
-    };
-    let token = new.token;
-    // Atomic: of racing callers, only the one whose swap finds the record unchanged
-    // (its token included) wins.
-    Ok(table::compare_and_swap(key, current.as_ref(), &held_out(new)).then_some(token))
+    for _ in 0..settings().cas_tries {
+        let current = table::get(key);
+        let Some(new) = lock::try_lock(current.clone().map(held_in).as_ref(), owner, ttl_ms, now_ms()) else {
+            return Ok(None);
+        };
+        let token = new.token;
+        // Atomic: of racing callers, only the one whose swap finds the record unchanged
+        // (its token included) wins.
+        if table::compare_and_swap(key, current.as_ref(), &held_out(new)) {
+            return Ok(Some(token));
+        }
+    }
+    Ok(None)
 }
 
 impl wlock::Guest for Component {
@@ -815,11 +824,17 @@ impl wlock::Guest for Component {
     }
 
     fn unlock(key: String, owner: String) -> Result<bool, types::Error> {
-        let current = table::get(&key);
-        let Some(free) = lock::release(current.clone().map(held_in).as_ref(), &owner, now_ms()) else {
-            return Ok(false);
-        };
-        Ok(table::compare_and_swap(&key, current.as_ref(), &held_out(free)))
+        // As `acquire`: a swap that lost to a change is judged again on a new read.
+        for _ in 0..settings().cas_tries {
+            let current = table::get(&key);
+            let Some(free) = lock::release(current.clone().map(held_in).as_ref(), &owner, now_ms()) else {
+                return Ok(false);
+            };
+            if table::compare_and_swap(&key, current.as_ref(), &held_out(free)) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     fn is_locked_by(key: String, owner: String) -> Result<bool, types::Error> {

@@ -760,6 +760,12 @@ impl PortableCache {
         self.inner.backend.table.len()
     }
 
+    /// The `lock` export's table, to sweep it at will. For tests.
+    #[cfg(feature = "test-util")]
+    pub fn lock_table(&self) -> &crate::locks::MemoryLocks {
+        &self.inner.backend.table
+    }
+
     /// The in-memory lock provider, in the component: takes `key` for `owner`.
     ///
     /// # Errors

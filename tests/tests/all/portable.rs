@@ -1047,3 +1047,43 @@ async fn a_portable_get_or_set_takes_the_native_options_and_refuses_what_it_cann
     assert_eq!(portable.get("k").await?.as_deref(), Some(&b"new"[..]));
     Ok(())
 }
+
+/// A free lock is taken however the table changes around it: a sweep that forgets
+/// another key's released record between the `lock` export's read and its swap raises
+/// the table's floor (the swap's expected record is then stale), and the export reads
+/// again rather than answer "not taken". Every acquire here is of a key nobody holds,
+/// while another thread sweeps the table without pause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_portable_lock_is_taken_while_the_table_forgets_other_keys() -> Result<()> {
+    let cache = PortableCache::builder().build()?;
+    let table = cache.lock_table().clone();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sweeper = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let _ = table.sweep();
+            }
+        })
+    };
+    let mut refused = Vec::new();
+    let mut last = std::collections::HashMap::new();
+    for i in 0..3_000 {
+        // A few keys, each released at once: their free records are what the sweeper
+        // forgets, raising the floor of their shards.
+        let key = format!("k{}", i % 48);
+        match cache.acquire(&key, "me", Duration::from_secs(60)).await? {
+            Some(token) => {
+                if let Some(before) = last.insert(key.clone(), token) {
+                    anyhow::ensure!(token > before, "{key}: token {token} after {before}");
+                }
+                anyhow::ensure!(cache.unlock(&key, "me").await?, "{key} released");
+            }
+            None => refused.push(key),
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    sweeper.join().expect("the sweeper ends");
+    anyhow::ensure!(refused.is_empty(), "free locks refused: {refused:?}");
+    Ok(())
+}
