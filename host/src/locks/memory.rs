@@ -64,13 +64,11 @@ impl Shard {
         }
     }
 
-    /// Forgets `key`'s record, keeping its token under the floor; whether there was one.
-    fn forget(&mut self, key: &str) -> bool {
-        let Some(held) = self.records.remove(key) else {
-            return false;
-        };
+    /// Forgets `key`'s record, keeping its token under the floor: the record, if any.
+    fn forget(&mut self, key: &str) -> Option<Held> {
+        let held = self.records.remove(key)?;
         self.floor = self.floor.max(held.token);
-        true
+        Some(held)
     }
 }
 
@@ -296,10 +294,14 @@ impl MemoryLocks {
         Ok(released)
     }
 
-    /// Releases `key` whoever holds it (for administrators); says whether it was there.
-    /// The next acquire's token is still above its holder's.
+    /// Releases `key` whoever holds it (for administrators); says whether a lock was
+    /// there (held or lapsed; a released one, the portable export's free record, is
+    /// none). The next acquire's token is still above its holder's.
     pub fn force_unlock(&self, key: &str) -> bool {
-        self.shard(key).lock().forget(key)
+        self.shard(key)
+            .lock()
+            .forget(key)
+            .is_some_and(|held| !(held.owner.is_empty() && held.expires_at_ms == 0))
     }
 
     /// Whether the lock of `key` is expired (or was never taken).
@@ -473,6 +475,7 @@ mod tests {
             !locks.compare_and_swap("a", Some(&held), held.clone()),
             "a stale swap never lands"
         );
+        assert!(!locks.force_unlock("a"), "a released lock is no lock to force");
         assert_eq!(locks.acquire("a", "six", ttl).unwrap(), Some(6));
     }
 
