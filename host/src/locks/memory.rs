@@ -39,6 +39,16 @@ struct Inner {
     _sweeper: Sweeper,
 }
 
+/// A released lock's record, as the guest's `lock::release` makes it: no owner, expired
+/// at every moment, keeping its token.
+fn free(token: u64) -> Held {
+    Held {
+        owner: String::new(),
+        expires_at_ms: 0,
+        token,
+    }
+}
+
 /// One shard of a table: its records, and the highest fencing token of a record it
 /// forgot (a release, a sweep): a key without a record reads as a free record with
 /// that token, so the key's next token is above any it had.
@@ -54,13 +64,7 @@ impl Shard {
     fn view(&self, key: &str) -> Option<std::borrow::Cow<'_, Held>> {
         match self.records.get(key) {
             Some(held) => Some(std::borrow::Cow::Borrowed(held)),
-            None => (self.floor > 0).then(|| {
-                std::borrow::Cow::Owned(Held {
-                    owner: String::new(),
-                    expires_at_ms: 0,
-                    token: self.floor,
-                })
-            }),
+            None => (self.floor > 0).then(|| std::borrow::Cow::Owned(free(self.floor))),
         }
     }
 
@@ -301,7 +305,7 @@ impl MemoryLocks {
         self.shard(key)
             .lock()
             .forget(key)
-            .is_some_and(|held| !(held.owner.is_empty() && held.expires_at_ms == 0))
+            .is_some_and(|held| held != free(held.token))
     }
 
     /// Whether the lock of `key` is expired (or was never taken).
@@ -465,12 +469,7 @@ mod tests {
         );
         // The portable body's release: a free record swapped in, token kept.
         let held = locks.held("a").unwrap();
-        let free = Held {
-            owner: String::new(),
-            expires_at_ms: 0,
-            token: held.token,
-        };
-        assert!(locks.compare_and_swap("a", Some(&held), free.clone()));
+        assert!(locks.compare_and_swap("a", Some(&held), free(held.token)));
         assert!(
             !locks.compare_and_swap("a", Some(&held), held.clone()),
             "a stale swap never lands"

@@ -3,7 +3,7 @@
 //! with every acquire; the lock protocol judges expiry, and reads and compare-and-swap
 //! judge the same view, token included.
 
-use corral_core::kv;
+use corral_core::{kv, lock};
 
 use crate::Adapter;
 use crate::bindings::exports::corral::lock::table;
@@ -16,32 +16,24 @@ fn name(key: &str) -> String {
     format!("corral-lock:{key}")
 }
 
-fn held_of(live: Option<&[u8]>) -> Option<Held> {
-    let held = kv::held_in(live?)?;
-    Some(Held {
+/// The record `live` holds, as the lock protocol reads it.
+fn held_of(live: Option<&[u8]>) -> Option<lock::Held> {
+    kv::held_in(live?)
+}
+
+/// The lock protocol's record of the table's `held`.
+fn from_table(held: Held) -> lock::Held {
+    lock::Held {
         owner: held.owner,
         expires_at_ms: held.expires_at_ms,
         token: held.token,
-    })
-}
-
-fn same(a: Option<&Held>, b: Option<&Held>) -> bool {
-    match (a, b) {
-        (None, None) => true,
-        (Some(a), Some(b)) => a.owner == b.owner && a.expires_at_ms == b.expires_at_ms && a.token == b.token,
-        _ => false,
     }
 }
 
 /// The record of `held`: never gone from the store, so that its token outlives the
 /// lock (the lock protocol judges its expiry).
-fn record(held: &Held) -> Vec<u8> {
-    let entry = corral_core::lock::Held {
-        owner: held.owner.clone(),
-        expires_at_ms: held.expires_at_ms,
-        token: held.token,
-    };
-    kv::record(kv::NEVER, &kv::held(&entry))
+fn record(held: &lock::Held) -> Vec<u8> {
+    kv::record(kv::NEVER, &kv::held(held))
 }
 
 /// A store that fails answers as an empty or unchanged table: the lock export then
@@ -51,12 +43,19 @@ fn record(held: &Held) -> Vec<u8> {
 impl table::Guest for Adapter {
     fn get(key: String) -> Option<Held> {
         let stored = with_bucket(|bucket| Ok(bucket.get(&name(&key)).ok().flatten())).ok()??;
-        held_of(kv::live(&stored, now_ms()))
+        let held = held_of(kv::live(&stored, now_ms()))?;
+        Some(Held {
+            owner: held.owner,
+            expires_at_ms: held.expires_at_ms,
+            token: held.token,
+        })
     }
 
     fn compare_and_swap(key: String, expected: Option<Held>, new: Held) -> bool {
+        let (expected, new) = (expected.map(from_table), from_table(new));
         change(&name(&key), |live| {
-            let equal = same(held_of(live).as_ref(), expected.as_ref());
+            // Every field, the token included.
+            let equal = held_of(live) == expected;
             (equal.then(|| record(&new)), equal)
         })
         .unwrap_or(false)
