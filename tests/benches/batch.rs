@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use corral::{Corral, EntryOptions, LoadOptions};
 use corral_tests::RedisServer;
+use corral_tests::usage::{client_cpu, context_switches};
 use redis::aio::ConnectionManager;
 
 const KEYS: usize = 100;
@@ -198,14 +199,16 @@ async fn main() -> Result<()> {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
     {
-        let started = Instant::now();
+        let (started, cpu, switches) = (Instant::now(), client_cpu(), context_switches());
         for _ in 0..10_000 {
             read_all(contenders[n].1, &cache, &keys, &names, &raw).await;
         }
         println!(
-            "{}: {:.0} µs per 100 keys",
+            "{}: {:.0} µs per 100 keys, client CPU {:.0} µs and {:.2} context switches per 100 keys",
             contenders[n].0,
-            started.elapsed().as_secs_f64() * 1e6 / 10_000.0
+            started.elapsed().as_secs_f64() * 1e6 / 10_000.0,
+            (client_cpu() - cpu) * 1e6 / 10_000.0,
+            (context_switches() - switches) as f64 / 10_000.0,
         );
         return Ok(());
     }

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use corral::{Corral, EntryOptions};
 use corral_tests::RedisCluster;
+use corral_tests::usage::{client_cpu, context_switches};
 use redis::cluster_async::ClusterConnection;
 
 const CALLERS: usize = 64;
@@ -86,33 +87,6 @@ async fn measure(reader: Reader, callers: usize, ops: usize, cache: &Corral, raw
         t.await.unwrap();
     }
     (callers * ops) as f64 / started.elapsed().as_secs_f64()
-}
-
-/// This process's CPU seconds so far (user + sys, in the kernel's ticks of 10 ms).
-fn client_cpu() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // The fields after the command's name, which is in parentheses.
-    let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, f)| f).split_whitespace().collect();
-    let tick = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
-    (tick(11) + tick(12)) / 100.0
-}
-
-/// Context switches of this process's threads so far, voluntary or not.
-fn context_switches() -> u64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
-    };
-    tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
-        .flat_map(|status| {
-            status
-                .lines()
-                .filter(|l| l.contains("ctxt_switches"))
-                .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
-                .collect::<Vec<_>>()
-        })
-        .sum()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

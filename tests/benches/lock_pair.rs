@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use corral::locks::{LockOptions, RedisLocks};
 use corral_tests::RedisServer;
+use corral_tests::usage::client_cpu;
 use redis::aio::ConnectionManager;
 
 const PAIRS: usize = 2_000;
@@ -128,20 +129,6 @@ impl Bench {
     }
 }
 
-/// This process's CPU seconds so far (user + sys, in the kernel's ticks of 10 ms).
-fn client_cpu() -> Result<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // The fields after the command's name, which is in parentheses.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .context("stat")?
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
-    Ok(ticks / 100.0)
-}
-
 /// `n` pairs of `pair` in a task of the runtime, as a service's handlers run them (not
 /// on the thread `main` blocks): µs per pair.
 async fn timed(bench: &std::sync::Arc<Bench>, pair: Pair, n: usize) -> f64 {
@@ -214,11 +201,11 @@ async fn main() -> Result<()> {
     {
         let (name, pair) = pairs[only];
         let n = PAIRS * 10;
-        let (server_before, client_before) = (bench.server_cpu().await?, client_cpu()?);
+        let (server_before, client_before) = (bench.server_cpu().await?, client_cpu());
         let wall = timed(&bench, pair, n).await;
         let per = |s: f64| s * 1e6 / n as f64;
         let server = per(bench.server_cpu().await? - server_before);
-        let client = per(client_cpu()? - client_before);
+        let client = per(client_cpu() - client_before);
         println!(
             "{name}: {wall:.1} µs per pair; CPU per pair: servers {server:.1} µs, client {client:.1} µs"
         );

@@ -15,6 +15,7 @@ use corral::{Corral, ManualClock};
 
 pub mod cluster;
 pub mod proxy;
+pub mod usage;
 
 pub use cluster::RedisCluster;
 pub use proxy::{ConnInfo, FaultProxy};
