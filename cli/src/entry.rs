@@ -8,11 +8,25 @@ use corral::{Corral, EntryOptions};
 
 use crate::Command;
 use crate::failure::{Failure, code};
-use crate::output::out;
+use crate::output::{out, say};
 use crate::redact::RedisUrl;
 
+/// How a command's result is printed: alone (`corral get`: a value's bytes exactly, a
+/// miss said on stderr), or as one line among a script's (a value and a newline, a miss
+/// as `(no entry)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Printed {
+    Alone,
+    Line,
+}
+
 /// Runs one entry command on `cache`, which is on `redis` (`None`: the embedded store).
-pub async fn run(cache: &Corral, command: &Command, redis: Option<&RedisUrl>) -> Result<(), Failure> {
+pub async fn run(
+    cache: &Corral,
+    command: &Command,
+    redis: Option<&RedisUrl>,
+    printed: Printed,
+) -> Result<(), Failure> {
     let failed = |e: corral::Error| Failure::from_error(&e, redis);
     match command {
         Command::Set {
@@ -29,9 +43,14 @@ pub async fn run(cache: &Corral, command: &Command, redis: Option<&RedisUrl>) ->
                 .map_err(failed)?;
             out!("stored {key}")
         }
-        Command::Get { key } => match cache.get(key).await.map_err(failed)? {
-            Some(v) => out!("{}", String::from_utf8_lossy(&v)),
-            None => out!("(no entry)"),
+        Command::Get { key } => match (cache.get(key).await.map_err(failed)?, printed) {
+            (Some(v), Printed::Alone) => crate::output::value(&v),
+            (Some(v), Printed::Line) => crate::output::value_line(&v),
+            (None, Printed::Alone) => {
+                say!("(no entry)");
+                Ok(())
+            }
+            (None, Printed::Line) => out!("(no entry)"),
         },
         Command::Refresh { key } => {
             let found = cache.refresh(key).await.map_err(failed)?;

@@ -12,8 +12,8 @@ use crate::redact::RedisUrl;
 
 /// The exit statuses of `corral`, besides 0 and a locked command's own status.
 pub mod code {
-    /// A bad argument (clap's own status for usage errors).
-    pub const USAGE: u8 = 2;
+    /// EX_USAGE: a bad argument.
+    pub const USAGE: u8 = 64;
     /// Something failed that has no better status (e.g. a loader's error).
     pub const GENERIC: u8 = 1;
     /// EX_DATAERR: the bytes under a key are not a Corral entry.
@@ -210,6 +210,8 @@ pub enum Cause {
     TimedOut,
     Authentication,
     Permission,
+    Database,
+    OutOfMemory,
     Unknown,
 }
 
@@ -232,8 +234,12 @@ impl Cause {
             "invalid password",
         ]) {
             Cause::Authentication
-        } else if has(&["noperm", "permission"]) {
+        } else if has(&["noperm", "permission", "can't run this command"]) {
             Cause::Permission
+        } else if has(&["switch database", "db index"]) {
+            Cause::Database
+        } else if has(&["oom command not allowed", "maxmemory"]) {
+            Cause::OutOfMemory
         } else if has(&["refused"]) {
             Cause::Refused
         } else if has(&[
@@ -258,6 +264,8 @@ impl Cause {
             Cause::TimedOut => "no answer in time",
             Cause::Authentication => "authentication failed",
             Cause::Permission => "permission denied (ACL)",
+            Cause::Database => "the database number was refused",
+            Cause::OutOfMemory => "the server is out of memory (maxmemory)",
             Cause::Unknown => "the server failed",
         }
     }
@@ -281,6 +289,14 @@ impl Cause {
             Cause::Permission => format!(
                 "the ACL user of {url} may not run a command Corral needs: grant it \
                  `+@read +@write +@scripting +@pubsub` on Corral's key prefix"
+            ),
+            Cause::Database => format!(
+                "the database number at the end of {url} is past the server's `databases` \
+                 setting (16 by default: 0 to 15)"
+            ),
+            Cause::OutOfMemory => format!(
+                "{url} refuses writes at its maxmemory: raise maxmemory, or let it evict \
+                 (`maxmemory-policy allkeys-lru` for a cache, never for locks)"
             ),
             Cause::Unknown => {
                 format!("is redis-server running at {url}? Run with CORRAL_LOG=debug to see its replies")

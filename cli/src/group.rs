@@ -180,11 +180,14 @@ impl Group {
         Ok(status)
     }
 
-    /// Stops the command: `first` to every process, SIGKILL after `grace` to what is
-    /// left (again at every look, so that forks cannot outrun it), and waits (boundedly)
+    /// Stops the command: `first` to every process (and SIGCONT, for a stopped one),
+    /// SIGKILL after `grace` to what is left (again at every look, so that forks cannot outrun it), and waits (boundedly)
     /// until none is left. Signals `corral` receives meanwhile are passed on too.
     pub async fn stop(&mut self, first: Signal, grace: Duration, signals: &mut Signals) {
         self.signal(first);
+        // A stopped process (SIGSTOP, a job control stop) hears `first` only once it
+        // runs again: continue it, as init systems do.
+        self.send(Signal::SIGCONT, false);
         // A grace past what a clock can count (`--grace` refuses one) waits without end.
         let deadline = Instant::now().checked_add(grace);
         let kill_at = async {

@@ -111,11 +111,11 @@ pub enum Command {
     ///
     /// Run several at once against one Redis to try a multi-process stampede.
     Stampede {
-        /// Concurrent callers.
-        #[arg(long, default_value_t = 1000)]
-        callers: usize,
-        /// How long the loader takes, in ms.
-        #[arg(long, default_value_t = 500)]
+        /// Concurrent callers (1 to 100,000).
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        callers: u32,
+        /// How long the loader takes, in ms (at most an hour).
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
         loader_ms: u64,
         /// The key (default: a fresh one per run).
         #[arg(long)]
@@ -130,13 +130,13 @@ pub enum Command {
         /// How long to wait for another process's load before loading uncached.
         #[arg(long, value_parser = humantime::parse_duration, default_value = "5s")]
         lock_wait: Duration,
-        /// Bulk calls over this many keys (KEY:0 .. KEY:<N-1>): each caller asks for a
-        /// random --batch of them through one get_or_set_many.
-        #[arg(long, requires = "batch")]
-        keys: Option<usize>,
-        /// How many of the --keys each caller asks for.
-        #[arg(long, requires = "keys")]
-        batch: Option<usize>,
+        /// Bulk calls over this many keys (KEY:0 .. KEY:<N-1>, 1 to 1,000,000): each
+        /// caller asks for a random --batch of them through one get_or_set_many.
+        #[arg(long, requires = "batch", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+        keys: Option<u32>,
+        /// How many of the --keys each caller asks for (1 to 10,000).
+        #[arg(long, requires = "keys", value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        batch: Option<u32>,
     },
     /// Run COMMAND only while holding the lock KEY: a distributed flock(1) for cron jobs.
     ///
@@ -144,7 +144,8 @@ pub enum Command {
     /// CORRAL_FENCING_TOKEN. It is done, and the lock released, when none of its
     /// processes is left: on Linux that includes those it moved out of its group (setsid,
     /// double forks), not work it had started outside its process tree (systemd-run, at,
-    /// a daemon, ssh). SIGINT, SIGTERM and SIGHUP are passed on to all its processes; if
+    /// a daemon, ssh). SIGINT, SIGTERM and SIGHUP are passed on to all its processes (with
+    /// SIGCONT, for a stopped one); if
     /// the lock is lost they get SIGTERM; either way SIGKILL follows after --grace.
     /// The lock is released before `corral` exits. Exits with COMMAND's status, or 128 +
     /// the signal received, 75 when another owner held the lock past --wait, 76 when it
@@ -191,16 +192,18 @@ async fn main() -> ExitCode {
     }
 }
 
-/// Clap's report on the command line (help, version, or what is wrong with it), redacted.
+/// Clap's report on the command line (help, version, or what is wrong with it), redacted:
+/// what is wrong exits with EX_USAGE (clap's own status is 2).
 fn usage(e: &clap::Error) -> ExitCode {
     let text = e.render().to_string();
     if e.use_stderr() {
         say!("{}", text.trim_end());
+        ExitCode::from(code::USAGE)
     } else {
         // Help and version: on stdout, like clap would; a closed stdout is no matter.
         let _ = output::line(format_args!("{}", redact::redact(text.trim_end())));
+        ExitCode::SUCCESS
     }
-    ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(code::USAGE))
 }
 
 async fn run(cli: Cli) -> Result<ExitCode, Failure> {
@@ -302,13 +305,14 @@ async fn run_on(cache: &Corral, cli: &Cli, redis: Option<&RedisUrl>) -> Result<(
             keys,
             batch,
         } => {
+            let count = |n: u32| usize::try_from(n).unwrap_or(usize::MAX);
             let bulk = match (keys, batch) {
-                (Some(keys), Some(batch)) => Some(stampede::Bulk::new(*keys, *batch)?),
+                (Some(keys), Some(batch)) => Some(stampede::Bulk::new(count(*keys), count(*batch))?),
                 _ => None,
             };
             let request = stampede::Request {
                 bulk,
-                callers: *callers,
+                callers: count(*callers),
                 loader: Duration::from_millis(*loader_ms),
                 key: key.clone(),
                 json: *json,
@@ -316,6 +320,6 @@ async fn run_on(cache: &Corral, cli: &Cli, redis: Option<&RedisUrl>) -> Result<(
             };
             stampede::command(cache, request).await
         }
-        command => entry::run(cache, command, redis).await,
+        command => entry::run(cache, command, redis, entry::Printed::Alone).await,
     }
 }

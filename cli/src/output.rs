@@ -32,6 +32,29 @@ pub fn line(args: fmt::Arguments<'_>) -> Result<(), Failure> {
         .map_err(Failure::from_stdout)
 }
 
+/// Writes a value's bytes on stdout exactly as stored (a value is a byte string), and a
+/// newline after them only for a terminal, whose prompt would otherwise follow them.
+pub fn value(bytes: &[u8]) -> Result<(), Failure> {
+    let mut stdout = io::stdout().lock();
+    let newline: &[u8] = if stdout.is_terminal() { b"\n" } else { b"" };
+    stdout
+        .write_all(bytes)
+        .and_then(|()| stdout.write_all(newline))
+        .and_then(|()| stdout.flush())
+        .map_err(Failure::from_stdout)
+}
+
+/// Writes a value's bytes on stdout exactly, then a newline: one line of a script's
+/// output.
+pub fn value_line(bytes: &[u8]) -> Result<(), Failure> {
+    let mut stdout = io::stdout().lock();
+    stdout
+        .write_all(bytes)
+        .and_then(|()| stdout.write_all(b"\n"))
+        .and_then(|()| stdout.flush())
+        .map_err(Failure::from_stdout)
+}
+
 /// Writes one redacted line on stderr, ignoring errors.
 pub fn say_line(args: fmt::Arguments<'_>) {
     let text = args.to_string();

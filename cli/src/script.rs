@@ -50,7 +50,12 @@ fn is_blank(line: &str) -> bool {
 }
 
 async fn run_line(cache: &Corral, line: &str, redis: Option<&RedisUrl>) -> Result<(), Failure> {
-    let words = std::iter::once("corral").chain(line.split_whitespace());
+    // Words as a POSIX shell splits them: quotes keep white space in a key or value.
+    let words = shlex::split(line).ok_or_else(|| {
+        Failure::new(code::USAGE, "the line has a quote that is not closed")
+            .hint("quote a key or value with white space in it as a shell would: set 'a key' \"a value\"")
+    })?;
+    let words = std::iter::once("corral".to_owned()).chain(words);
     let matches = Cli::command()
         .try_get_matches_from(words)
         .map_err(|e| Failure::new(code::USAGE, first_line(&e.render().to_string())))?;
@@ -68,7 +73,7 @@ async fn run_line(cache: &Corral, line: &str, redis: Option<&RedisUrl>) -> Resul
     }
     let cli =
         Cli::from_arg_matches(&matches).map_err(|e| Failure::new(code::USAGE, first_line(&e.to_string())))?;
-    entry::run(cache, &cli.command, redis).await
+    entry::run(cache, &cli.command, redis, entry::Printed::Line).await
 }
 
 /// The first line of clap's report, without its own "error: ".

@@ -73,9 +73,15 @@ pub async fn command(cache: &Corral, request: Request) -> Result<(), Failure> {
     )
     .await;
     if request.json {
-        out!("{}", report.json())
+        out!("{}", report.json())?;
     } else {
-        out!("{}", report.table())
+        out!("{}", report.table())?;
+    }
+    // A run whose callers failed says why, with the status of the first failure (a bad
+    // key is a usage error, an unreachable Redis 69).
+    match report.first_error {
+        Some(e) => Err(Failure::from(e)),
+        None => Ok(()),
     }
 }
 
@@ -88,6 +94,8 @@ pub struct Report {
     keys_loaded: usize,
     key_loads: usize,
     errors: usize,
+    /// The first error a caller got, if any.
+    first_error: Option<corral::Error>,
     latencies: Vec<Duration>,
     wall: Duration,
     redis_commands: Option<u64>,
@@ -121,7 +129,8 @@ pub async fn run(
         );
         tasks.spawn(async move {
             let start = Instant::now();
-            let ok = match bulk {
+            // Whether every answer came, and the first error, if one was the cause.
+            let (ok, error): (bool, Option<corral::Error>) = match bulk {
                 None => {
                     let key_for_loader = key.clone();
                     cache
@@ -135,7 +144,7 @@ pub async fn run(
                             Ok::<_, std::io::Error>(format!("report #{n}"))
                         })
                         .await
-                        .is_ok()
+                        .map_or_else(|e| (false, Some(e)), |_| (true, None))
                 }
                 Some(bulk) => {
                     let keys = draw(seed.wrapping_add(caller as u64), bulk)
@@ -154,11 +163,18 @@ pub async fn run(
                             }
                         })
                         .await;
-                    answers.is_ok_and(|answers| answers.iter().all(|a| matches!(a, Ok(Some(_)))))
+                    match answers {
+                        Err(e) => (false, Some(e)),
+                        Ok(answers) => {
+                            let error = answers.iter().find_map(|a| a.as_ref().err().cloned());
+                            let ok = answers.iter().all(|a| matches!(a, Ok(Some(_))));
+                            (ok, error)
+                        }
+                    }
                 }
             };
             done.fetch_add(1, Ordering::Relaxed);
-            (start.elapsed(), ok)
+            (start.elapsed(), ok, error)
         });
     }
     // Long runs show progress on stderr (stdout stays for the result).
@@ -177,12 +193,13 @@ pub async fn run(
         })
     });
     let mut latencies = Vec::with_capacity(callers);
-    let mut errors = 0;
+    let (mut errors, mut first_error) = (0, None);
     while let Some(joined) = tasks.join_next().await {
         match joined {
-            Ok((took, ok)) => {
+            Ok((took, ok, error)) => {
                 latencies.push(took);
                 errors += usize::from(!ok);
+                first_error = first_error.or(error);
             }
             Err(_) => errors += 1,
         }
@@ -198,6 +215,7 @@ pub async fn run(
         keys_loaded: loaded.distinct.len(),
         key_loads: loaded.all,
         errors,
+        first_error,
         latencies,
         wall: began.elapsed(),
         redis_commands: commands_before.and_then(|b| cache.redis_commands_sent().map(|now| now - b)),
@@ -231,13 +249,18 @@ fn draw(seed: u64, bulk: Bulk) -> Vec<usize> {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     };
-    let mut all: Vec<usize> = (0..bulk.keys).collect();
-    for i in 0..bulk.batch {
-        let j = i + (next() % (bulk.keys - i) as u64) as usize;
-        all.swap(i, j);
-    }
-    all.truncate(bulk.batch);
-    all
+    // The shuffle's swaps, kept only where they happened: a batch of 10 of a million
+    // keys costs 10 entries, not a million.
+    let mut swapped: HashMap<usize, usize> = HashMap::with_capacity(bulk.batch * 2);
+    (0..bulk.batch)
+        .map(|i| {
+            let j = i + (next() % (bulk.keys - i) as u64) as usize;
+            let at_j = swapped.get(&j).copied().unwrap_or(j);
+            let at_i = swapped.get(&i).copied().unwrap_or(i);
+            swapped.insert(j, at_i);
+            at_j
+        })
+        .collect()
 }
 
 impl Report {

@@ -34,9 +34,9 @@ fn script_runs_commands_on_one_embedded_cache() {
 }
 
 #[test]
-fn a_bad_key_names_the_argument_and_exits_2() {
+fn a_bad_key_names_the_argument_and_exits_64() {
     let out = run(&["get", "  "], None);
-    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(out.status.code(), Some(64));
     let stderr = text(&out.stderr);
     assert!(
         stderr.contains("invalid argument: `key` must not be only white space"),
@@ -74,11 +74,84 @@ fn a_removal_redis_did_not_answer_is_retried_before_corral_exits() {
     let out = removing.finish();
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
     let read = run(&["--redis", &server.url(), "get", "k"], None);
-    assert_eq!(
-        text(&read.stdout).trim(),
-        "(no entry)",
-        "the old value outlived corral"
+    assert_eq!(text(&read.stdout), "", "the old value outlived corral");
+    assert!(text(&read.stderr).contains("(no entry)"), "{}", text(&read.stderr));
+}
+
+/// `get` writes a value's bytes exactly as stored (a value is a byte string: no
+/// replacement characters, no newline added for a pipe), and says a miss on stderr, so
+/// a stored `(no entry)` and a miss differ.
+#[test]
+fn get_writes_the_values_bytes_exactly_and_a_miss_on_stderr() {
+    let server = redis_server();
+    let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+    runtime.block_on(async {
+        let cache = corral::Corral::builder()
+            .redis(server.url())
+            .build()
+            .expect("a cache");
+        for (key, value) in [("binary", &b"\xff\x00\xfe"[..]), ("line", b"a\n"), ("words", b"(no entry)")] {
+            cache
+                .set(key, value.to_vec(), corral::EntryOptions::new())
+                .await
+                .expect("stored");
+        }
+    });
+    for (key, value) in [("binary", &b"\xff\x00\xfe"[..]), ("line", b"a\n"), ("words", b"(no entry)")] {
+        let out = run(&["--redis", &server.url(), "get", key], None);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(out.stdout, value, "{key}");
+    }
+    let out = run(&["--redis", &server.url(), "get", "missing"], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(out.stdout.is_empty(), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("(no entry)"), "{}", text(&out.stderr));
+}
+
+/// A script's line is split into words as a shell splits them: a key or value with
+/// white space in it is quoted, and an unclosed quote is the line's usage error.
+#[test]
+fn a_script_line_takes_quoted_keys_and_values() {
+    let out = run(
+        &["script"],
+        Some("set 'a key' \"two words\"\nget 'a key'\nget a\nget \"open\n"),
     );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert_eq!(stdout, "stored a key\ntwo words\n(no entry)\n", "{stderr}");
+    assert!(stderr.contains("line 4: error: the line has a quote that is not closed"), "{stderr}");
+}
+
+/// `stampede`'s counts are bounded up front (a huge one is a usage error, not an
+/// allocation that aborts), and a run whose callers failed exits with the status of
+/// the first failure, naming its cause.
+#[test]
+fn stampede_bounds_its_counts_and_a_failed_run_says_why() {
+    for args in [
+        &["--keys", "18446744073709551615", "--batch", "2"][..],
+        &["--keys", "4294967296", "--batch", "2"],
+        &["--keys", "10", "--batch", "11"],
+        &["--callers", "0"],
+        &["--callers", "18446744073709551615"],
+        &["--loader-ms", "18446744073709551615"],
+    ] {
+        let out = run(&[&["stampede", "--loader-ms", "1"][..], args].concat(), None);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+    let out = run(&["stampede", "--callers", "3", "--loader-ms", "1", "--key", ""], None);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("`key` must not be empty"), "{stderr}");
+    let out = run(
+        &["stampede", "--callers", "5", "--loader-ms", "1", "--keys", "1000000", "--batch", "10", "--json"],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(report["errors"], 0, "{report}");
+    assert_eq!(report["key_loads"], 50, "{report}");
 }
 
 /// `set k far` over a link adding `each_way` of latency: refused (69, Redis named as
@@ -131,7 +204,7 @@ fn a_timeout_of_zero_or_past_ten_minutes_is_refused_naming_the_flag() {
     ] {
         let out = run(&[flag, value, "get", "k"], None);
         let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert_eq!(out.status.code(), Some(64), "{flag} {value}: {stderr}");
         assert!(
             stderr.contains(flag) && stderr.contains(why),
             "{flag} {value}: {stderr}"
@@ -146,7 +219,7 @@ fn script_goes_on_after_a_failed_line_and_exits_with_the_worst_status() {
         Some("set k v\nfrobnicate k\nget k\nget k --absent-flag\n"),
     );
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert_eq!(out.status.code(), Some(64), "{stdout}\n{stderr}");
     assert_eq!(stdout, "stored k\nv\n");
     assert!(
         stderr.contains("line 2: error: unrecognized subcommand 'frobnicate'"),
@@ -174,7 +247,7 @@ fn script_refuses_redis_and_prefix_on_a_line_instead_of_ignoring_them() {
     let input = "set k v\nget k --redis redis://127.0.0.1:1\nget k --prefix other:\nget k\n";
     let out = run(&["script"], Some(input));
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert_eq!(out.status.code(), Some(64), "{stdout}\n{stderr}");
     assert_eq!(stdout, "stored k\nv\n", "the refused lines printed nothing");
     assert!(
         stderr.contains("line 2: error: --redis cannot be given on a script line"),
@@ -194,7 +267,7 @@ fn script_refuses_redis_and_prefix_on_a_line_instead_of_ignoring_them() {
 fn script_refuses_commands_that_do_not_work_on_a_line() {
     let out = run(&["script"], Some("demo\nlock --key k -- true\n"));
     let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(
         stderr.contains("line 1: error: only set, get, refresh, remove and inspect"),
         "{stderr}"

@@ -93,6 +93,41 @@ fn sighup_is_passed_on_to_the_command_group_and_exits_129() {
     assert_signal_passed_on(Signal::SIGHUP, 129);
 }
 
+/// A stopped command (SIGSTOP, a job control stop) gets SIGCONT with the signal passed
+/// on, so that it can act on it (here, its trap) rather than be SIGKILLed stopped
+/// after the grace period.
+#[test]
+fn a_stopped_command_is_continued_to_hear_the_signal_passed_on() {
+    let server = redis_server();
+    let dir = TempDir::new();
+    let marker = dir.path("pid");
+    let heard = dir.path("heard");
+    let script = format!(
+        r#"trap 'echo TERM > "{}"; exit 0' TERM; echo $$ > "$1"; kill -STOP $$; sleep 1000"#,
+        heard.display()
+    );
+    let corral = lock_in_background(&server.url(), "job", &["--grace", "30s"], &script, &marker);
+    let leader = pid_in(&marker);
+    eventually("the command stops itself", || {
+        let status = std::fs::read_to_string(format!("/proc/{leader}/stat")).ok()?;
+        let state = status.rsplit_once(')')?.1.split_whitespace().next()?.to_owned();
+        (state == "T").then_some(())
+    });
+
+    corral.signal(Signal::SIGTERM);
+    let out = corral.finish();
+
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{stderr}");
+    assert!(!stderr.contains("sending SIGKILL"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(&heard).unwrap_or_default().trim(),
+        "TERM",
+        "the stopped command's trap never ran"
+    );
+    assert_lock_free(&server.url(), "job");
+}
+
 #[test]
 fn a_group_that_ignores_the_signal_is_killed_after_the_grace_period() {
     let server = redis_server();
@@ -413,7 +448,7 @@ fn an_acquire_whose_reply_was_lost_leaves_no_lock_behind_when_corral_exits() {
     let (out, _) = with_the_acquire_reply_lost(&server, &proxy, "lost", &[]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(69), "{stderr}");
-    assert!(stderr.contains("did not answer the lock acquire"), "{stderr}");
+    assert!(stderr.contains("failed the lock acquire"), "{stderr}");
     let left: u64 = redis_cmd(&server.url(), &["EXISTS", &name_of("lost", 'k')]);
     assert_eq!(left, 0, "a lock no one holds was left behind: {stderr}");
     assert_lock_free(&server.url(), "lost");
@@ -830,12 +865,28 @@ fn a_refused_login_or_command_exits_69_naming_the_cause() {
     let () = redis_cmd(&admin, &["CONFIG", "SET", "requirepass", "sesame"]);
     let port = server.port();
 
-    let wrong = format!("redis://127.0.0.1:{port}");
-    let out = run(&["lock", "--key", "job", "--redis", &wrong, "--", "true"], None);
+    // A try refused at login or at the database switch never ran: it owes no release
+    // (before, `corral` retried one for 3 s and warned that it could not).
+    for wrong in [
+        format!("redis://127.0.0.1:{port}"),
+        format!("redis://:wrong@127.0.0.1:{port}"),
+    ] {
+        let out = run(&["lock", "--key", "job", "--redis", &wrong, "--", "true"], None);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(69), "{stderr}");
+        assert!(stderr.contains("authentication failed"), "{stderr}");
+        assert!(stderr.contains("requirepass or ACL users"), "{stderr}");
+        assert!(!stderr.contains("did not finish"), "{stderr}");
+    }
+    let past_databases = format!("redis://:sesame@127.0.0.1:{port}/16");
+    let out = run(
+        &["lock", "--key", "job", "--redis", &past_databases, "--", "true"],
+        None,
+    );
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(69), "{stderr}");
-    assert!(stderr.contains("authentication failed"), "{stderr}");
-    assert!(stderr.contains("requirepass or ACL users"), "{stderr}");
+    assert!(stderr.contains("the database number was refused"), "{stderr}");
+    assert!(!stderr.contains("did not finish"), "{stderr}");
 
     let forbidden = format!("redis://noscript:pw@127.0.0.1:{port}");
     let out = run(
@@ -846,13 +897,30 @@ fn a_refused_login_or_command_exits_69_naming_the_cause() {
     assert_eq!(out.status.code(), Some(69), "{stderr}");
     assert!(stderr.contains("permission denied (ACL)"), "{stderr}");
     assert!(stderr.contains("+@scripting"), "{stderr}");
+    assert!(!stderr.contains("did not finish"), "{stderr}");
+}
+
+/// One server named twice (in any spelling) would be two votes of a Redlock's majority,
+/// and its own lock would read as another owner's: a usage error naming the server.
+#[test]
+fn a_server_named_twice_is_a_usage_error() {
+    let server = redis_server();
+    let url = server.url();
+    let again = format!("{url}/0");
+    let out = run(
+        &["lock", "--key", "job", "--redis", &url, "--redis", &again, "--", "true"],
+        None,
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("twice"), "{stderr}");
 }
 
 #[test]
 fn lock_without_redis_is_a_usage_error() {
     let out = run(&["lock", "--key", "job", "--", "true"], None);
     let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(stderr.contains("`lock` needs --redis URL"), "{stderr}");
 }
 
@@ -878,7 +946,7 @@ fn a_grace_past_a_day_is_a_usage_error_naming_it() {
             None,
         );
         let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "--grace {grace}: {stderr}");
+        assert_eq!(out.status.code(), Some(64), "--grace {grace}: {stderr}");
         assert!(
             stderr.contains("--grace") && !stderr.contains("panicked"),
             "--grace {grace}: {stderr}"
@@ -944,7 +1012,7 @@ fn a_bad_watchdog_ttl_is_a_usage_error_naming_watchdog() {
             None,
         );
         let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert_eq!(out.status.code(), Some(64), "{flag} {value}: {stderr}");
         let named = flag.trim_start_matches('-');
         assert!(stderr.contains(&format!("`{named}`")), "{flag} {value}: {stderr}");
     }

@@ -71,7 +71,7 @@ fn a_password_in_a_usage_error_is_never_printed() {
         vec!["lock", "--key", "k", "--redis", &url, "--ttl", &url, "--", "true"],
     ] {
         let (out, stderr) = assert_never_printed(&args, &[]);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
     }
 }
 

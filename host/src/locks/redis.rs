@@ -210,11 +210,33 @@ impl Reply {
             }
             _ => Reply::Down {
                 cause: e.to_string(),
-                maybe_ran: !e.is_connection_refusal(),
+                maybe_ran: !never_sent(e),
                 node,
             },
         }
     }
+}
+
+/// Whether `e` says the command never ran: the connection was refused, or could not be
+/// set up (login or database switch refused, a client setting the server does not
+/// take), or the server refused the command before running it (`NOAUTH`: a login
+/// first; `NOPERM`: the ACL user may not send it; a command a script calls without
+/// the right fails the script with another error). A command that may have run (a
+/// lost reply, a timeout, an error a script raised after it changed something) owes a
+/// release; one of these owes nothing.
+fn never_sent(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            ErrorKind::AuthenticationFailed
+                | ErrorKind::InvalidClientConfig
+                | ErrorKind::RESP3NotSupported
+                | ErrorKind::Server(ServerErrorKind::NoPerm)
+        )
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
+        || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+            && e.to_string().contains("refused to switch database"))
 }
 
 /// The error of a lock `what` that a server refused (see [`Reply::Refused`]), if any:
@@ -312,7 +334,7 @@ impl RedisLocks {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`] for no server, a bad URL, a cluster among several
-    /// servers, or prefixes that differ.
+    /// servers, one server named twice, or prefixes that differ.
     pub fn from_options(servers: &[RedisOptions]) -> Result<Self> {
         let [first, rest @ ..] = servers else {
             return Err(Error::invalid_argument(
@@ -336,6 +358,18 @@ impl RedisLocks {
                 "redis options cluster_nodes",
                 "a Redlock runs on independent servers, not on a cluster",
             ));
+        }
+        // One server named twice would hold two votes of the majority (and a lock it
+        // holds would read as held by another owner at its second vote).
+        let mut seen = std::collections::HashSet::new();
+        for server in servers {
+            let at = crate::store::link::destination(&server.url)?;
+            if !seen.insert(at.clone()) {
+                return Err(Error::invalid_argument(
+                    "redis url",
+                    format!("names the server {at} twice: a Redlock needs independent servers"),
+                ));
+            }
         }
         let servers = servers.iter().map(Server::open).collect::<Result<Vec<_>>>()?;
         Ok(Self::from_parts(policy, Arc::new(SystemClock), servers, prefix))
@@ -566,7 +600,7 @@ impl RedisLocks {
         if servers.len() == 1 {
             return Error::new(
                 ErrorKind::Unavailable,
-                format!("Redis did not answer the lock {what} ({})", down.join("; ")),
+                format!("Redis failed the lock {what} ({})", down.join("; ")),
             );
         }
         let answered = replies.iter().filter(|r| r.value().is_some()).count();
@@ -841,6 +875,15 @@ impl RedisLocks {
             .filter_map(|r| r.value().filter(|v| *v > 0))
             .collect();
         let n = inner.servers.len() as u32;
+        // A server that refused (a counter that can rise no further, another type under
+        // the lock's names) refuses the whole acquire, majority or not: under Redlock
+        // the others' counters may lag behind the largest token it gave out, and a lock
+        // taken without it would hand out a smaller one.
+        if let Some(e) = refused(key, "acquired", &replies) {
+            self.undo(&replies, &keys, &token, sent, ttl_ms).await;
+            unsettled.settle();
+            return Err(e);
+        }
         if let Some(validity) = inner
             .policy
             .lock_decide(counters.len() as u32, n, ttl_ms, elapsed)?
@@ -871,9 +914,6 @@ impl RedisLocks {
         }
         self.undo(&replies, &keys, &token, sent, ttl_ms).await;
         unsettled.settle();
-        if let Some(e) = refused(key, "acquired", &replies) {
-            return Err(e);
-        }
         let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
         if !inner.policy.lock_has_quorum(answered, n)? {
             return Err(self.unanswered("acquire", &replies));

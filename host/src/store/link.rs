@@ -139,6 +139,16 @@ fn info(url: &str) -> Result<ConnectionInfo> {
         .set_tcp_settings(TcpSettings::default().set_nodelay(true)))
 }
 
+/// Where `url` leads, as `host:port/db` (a Unix socket by its path): two URLs that
+/// differ only in spelling (a password, a trailing slash) lead to the same place.
+///
+/// # Errors
+/// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad URL.
+pub(crate) fn destination(url: &str) -> Result<String> {
+    let info = info(url)?;
+    Ok(format!("{}/{}", info.addr(), info.redis_settings().db()))
+}
+
 fn failed(what: &'static str) -> impl Fn(redis::RedisError) -> Error {
     move |e| Error::unavailable(format!("redis {what} failed"), e)
 }

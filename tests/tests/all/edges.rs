@@ -119,6 +119,36 @@ async fn a_fencing_counter_at_its_largest_refuses_before_taking_the_lock() -> Re
     Ok(())
 }
 
+/// Under Redlock, one server whose counter can rise no further refuses the whole acquire,
+/// as one server alone does: the others' counters lag behind the largest token that
+/// server gave out (its holder may have died before its release raised them), so a
+/// majority without it would hand out a smaller token than an earlier holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redlock_server_whose_counter_is_at_its_largest_refuses_the_acquire() -> Result<()> {
+    let _real_time = real_time().await;
+    let servers = (0..3).map(|_| RedisServer::start()).collect::<Result<Vec<_>>>()?;
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let locks = RedisLocks::connect(&urls)?;
+    let counter = counter_key(&servers[0], &locks, "full").await?;
+    set(&servers[0], &counter, i64::MAX).await?;
+    let err = locks
+        .try_acquire("full", LockOptions::new().ttl(Duration::from_secs(5)))
+        .await
+        .err()
+        .context("a majority without the full server must not issue a smaller token")?;
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert!(err.to_string().contains("largest token"), "{err}");
+    for server in &servers {
+        let mut conn = server.connection().await?;
+        let held: Option<String> = redis::cmd("GET")
+            .arg(locks.lock_key("full")?)
+            .query_async(&mut conn)
+            .await?;
+        assert_eq!(held, None, "the lock is left nowhere");
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_redis_type_under_a_locks_names_is_named_not_called_busy() -> Result<()> {
     let _real_time = real_time().await;
