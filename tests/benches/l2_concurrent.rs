@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use corral::{Corral, EntryOptions};
 use corral_tests::RedisServer;
+use corral_tests::usage::{client_cpu, context_switches};
 use redis::aio::ConnectionManager;
 
 const CALLERS: usize = 64;
@@ -213,22 +214,20 @@ async fn main() -> Result<()> {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
     {
+        // One caller with CORRAL_BENCH_SOLO=1.
+        let solo = std::env::var_os("CORRAL_BENCH_SOLO").is_some();
+        let (callers, ops) = if solo { (1, SOLO_OPS * 10) } else { (CALLERS, OPS_PER_CALLER * 4) };
         let sent = cache.redis_commands_sent().unwrap_or(0);
-        let (tput, cpu) = measure(
-            contenders[n].1,
-            CALLERS,
-            OPS_PER_CALLER * 4,
-            &cache,
-            &raw,
-            &mut probe,
-        )
-        .await?;
+        let (client, switches) = (client_cpu(), context_switches());
+        let (tput, cpu) = measure(contenders[n].1, callers, ops, &cache, &raw, &mut probe).await?;
         let sent = cache.redis_commands_sent().unwrap_or(0) - sent;
-        let reads = (CALLERS * OPS_PER_CALLER * 4) as f64;
+        let reads = (callers * ops) as f64;
         println!(
-            "{}: {tput:.0} reads/s, {cpu:.2} µs Redis CPU per read, {:.3} Corral commands per read",
+            "{}, {callers} caller(s): {tput:.0} reads/s, {cpu:.2} µs Redis CPU per read, {:.3} Corral commands per read, client CPU {:.1} µs and {:.2} context switches per read",
             contenders[n].0,
-            sent as f64 / reads
+            sent as f64 / reads,
+            (client_cpu() - client) * 1e6 / reads,
+            (context_switches() - switches) as f64 / reads,
         );
         return Ok(());
     }
