@@ -181,6 +181,9 @@ pub enum Command {
 #[tokio::main]
 async fn main() -> ExitCode {
     output::init_logging();
+    if let Some(failure) = not_utf8() {
+        return failure.report();
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return usage(&e),
@@ -190,6 +193,22 @@ async fn main() -> ExitCode {
         Ok(code) => code,
         Err(failure) => failure.report(),
     }
+}
+
+/// The first argument that is not UTF-8, named by its place (keys, values and URLs are
+/// text): clap would only say that one of them is not.
+fn not_utf8() -> Option<Failure> {
+    // Named by its place only: the bytes may be a URL's password.
+    let place = std::env::args_os()
+        .skip(1)
+        .position(|arg| arg.to_str().is_none())?;
+    Some(Failure::new(
+        code::USAGE,
+        format!(
+            "argument {} is not UTF-8: keys, values and URLs are text",
+            place + 1
+        ),
+    ))
 }
 
 /// Clap's report on the command line (help, version, or what is wrong with it), redacted:

@@ -108,6 +108,19 @@ fn get_writes_the_values_bytes_exactly_and_a_miss_on_stderr() {
     assert!(text(&out.stderr).contains("(no entry)"), "{}", text(&out.stderr));
 }
 
+/// An argument that is not UTF-8 is a usage error naming its place (never its bytes,
+/// which may be a URL's password).
+#[test]
+fn an_argument_that_is_not_utf8_is_named_by_its_place() {
+    use std::os::unix::ffi::OsStrExt;
+    let mut command = corral(&["get"]);
+    command.arg(std::ffi::OsStr::from_bytes(b"k\xff"));
+    let out = run_command(command, None);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("argument 2 is not UTF-8"), "{stderr}");
+}
+
 /// A script's line is split into words as a shell splits them: a key or value with
 /// white space in it is quoted, and an unclosed quote is the line's usage error.
 #[test]
