@@ -288,7 +288,8 @@ impl Cause {
             ),
             Cause::Permission => format!(
                 "the ACL user of {url} may not run a command Corral needs: grant it \
-                 `+@read +@write +@scripting +@pubsub` on Corral's key prefix"
+                 `+@read +@write +@scripting +@pubsub +time` on Corral's keys and channels \
+                 (`~{{* &{{*`; for the prefix `corral:` alone, `~{{7:corral:* &{{7:corral:*`)"
             ),
             Cause::Database => format!(
                 "the database number at the end of {url} is past the server's `databases` \

@@ -97,7 +97,11 @@ pub enum Command {
         #[arg(long, value_parser = humantime::parse_duration)]
         sliding: Option<Duration>,
     },
-    /// Print the value under KEY.
+    /// Write the value under KEY on stdout, its bytes exactly as stored.
+    ///
+    /// A terminal gets a newline after it, and control characters or bytes that are not
+    /// UTF-8 escaped (`\u{1b}`, `\xff`); a pipe or a file gets the bytes alone. A miss writes
+    /// nothing on stdout, says "(no entry)" on stderr and exits 0.
     Get { key: String },
     /// Refresh KEY as a read would (moves a sliding expiry).
     Refresh { key: String },
@@ -106,6 +110,11 @@ pub enum Command {
     /// Decode the entry under KEY and show its metadata.
     Inspect { key: String },
     /// Run one command per line of standard input (e.g. `set k v --sliding 5m`) on one cache.
+    ///
+    /// A line is split into words as a POSIX shell splits them: quote a key or value that
+    /// holds white space, quotes, a backslash or a leading `#` (`set k '{"a": 1}'`); a
+    /// line or word starting with `#` is a comment. A value read by `get` is written with
+    /// a newline after it; a miss as "(no entry)".
     Script,
     /// Fire N concurrent get-or-set calls at one cold key; report loads, latency, commands.
     ///
@@ -149,7 +158,8 @@ pub enum Command {
     /// the lock is lost they get SIGTERM; either way SIGKILL follows after --grace.
     /// The lock is released before `corral` exits. Exits with COMMAND's status, or 128 +
     /// the signal received, 75 when another owner held the lock past --wait, 76 when it
-    /// was lost, 69 when Redis could not be used, 126/127 when COMMAND could not be
+    /// was lost, 69 when Redis could not be used, 65 when the lock's names hold what is
+    /// not a Corral lock, 64 for a bad argument, 126/127 when COMMAND could not be
     /// started. Several --redis URLs mean Redlock.
     Lock {
         /// The lock's key.
@@ -326,7 +336,7 @@ async fn run_on(cache: &Corral, cli: &Cli, redis: Option<&RedisUrl>) -> Result<(
         } => {
             let count = |n: u32| usize::try_from(n).unwrap_or(usize::MAX);
             let bulk = match (keys, batch) {
-                (Some(keys), Some(batch)) => Some(stampede::Bulk::new(count(*keys), count(*batch))?),
+                (Some(keys), Some(batch)) => Some(stampede::Bulk::new(count(*keys), count(*batch), count(*callers))?),
                 _ => None,
             };
             let request = stampede::Request {
@@ -337,7 +347,7 @@ async fn run_on(cache: &Corral, cli: &Cli, redis: Option<&RedisUrl>) -> Result<(
                 json: *json,
                 wait_for_go: *wait_for_go,
             };
-            stampede::command(cache, request).await
+            stampede::command(cache, request, redis).await
         }
         command => entry::run(cache, command, redis, entry::Printed::Alone).await,
     }

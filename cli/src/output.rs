@@ -32,16 +32,38 @@ pub fn line(args: fmt::Arguments<'_>) -> Result<(), Failure> {
         .map_err(Failure::from_stdout)
 }
 
-/// Writes a value's bytes on stdout exactly as stored (a value is a byte string), and a
-/// newline after them only for a terminal, whose prompt would otherwise follow them.
+/// Writes a value's bytes on stdout exactly as stored (a value is a byte string). A
+/// terminal gets them readable instead ([`for_terminal`]) and a newline after them,
+/// which its prompt would otherwise follow.
 pub fn value(bytes: &[u8]) -> Result<(), Failure> {
     let mut stdout = io::stdout().lock();
-    let newline: &[u8] = if stdout.is_terminal() { b"\n" } else { b"" };
-    stdout
-        .write_all(bytes)
-        .and_then(|()| stdout.write_all(newline))
-        .and_then(|()| stdout.flush())
-        .map_err(Failure::from_stdout)
+    let written = if stdout.is_terminal() {
+        stdout.write_all(for_terminal(bytes).as_bytes()).and_then(|()| stdout.write_all(b"\n"))
+    } else {
+        stdout.write_all(bytes)
+    };
+    written.and_then(|()| stdout.flush()).map_err(Failure::from_stdout)
+}
+
+/// `bytes` as a terminal may show them: UTF-8 text as it is, but control characters
+/// (other than newline and tab) and bytes that are not UTF-8 escaped (`\u{1b}`, `\xff`), so that
+/// a value from a shared cache cannot move the cursor, retitle the window or write the
+/// clipboard.
+fn for_terminal(bytes: &[u8]) -> String {
+    let mut shown = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            if c.is_control() && c != '\n' && c != '\t' {
+                shown.extend(c.escape_default());
+            } else {
+                shown.push(c);
+            }
+        }
+        for b in chunk.invalid() {
+            shown.push_str(&format!("\\x{b:02x}"));
+        }
+    }
+    shown
 }
 
 /// Writes a value's bytes on stdout exactly, then a newline: one line of a script's
@@ -90,5 +112,17 @@ impl Write for RedactedStderr {
 
     fn flush(&mut self) -> io::Result<()> {
         io::stderr().flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::for_terminal;
+
+    #[test]
+    fn a_terminal_sees_control_characters_and_bytes_that_are_not_utf8_escaped() {
+        assert_eq!(for_terminal("été\tok\n".as_bytes()), "été\tok\n");
+        assert_eq!(for_terminal(b"\x1b]52;c;aGk=\x07"), "\\u{1b}]52;c;aGk=\\u{7}");
+        assert_eq!(for_terminal(b"\xff\x00\xfe"), "\\xff\\u{0}\\xfe");
     }
 }

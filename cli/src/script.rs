@@ -76,8 +76,14 @@ async fn run_line(cache: &Corral, line: &str, redis: Option<&RedisUrl>) -> Resul
     entry::run(cache, &cli.command, redis, entry::Printed::Line).await
 }
 
-/// The first line of clap's report, without its own "error: ".
+/// Clap's report up to its usage line, on one line, without its own "error: " (a
+/// missing argument is named on the line after the first).
 fn first_line(text: &str) -> String {
-    let line = text.lines().next().unwrap_or_default();
-    line.strip_prefix("error: ").unwrap_or(line).to_owned()
+    let said: Vec<&str> = text
+        .lines()
+        .take_while(|line| !line.is_empty() && !line.starts_with("Usage:"))
+        .map(str::trim)
+        .collect();
+    let said = said.join(" ");
+    said.strip_prefix("error: ").unwrap_or(&said).to_owned()
 }

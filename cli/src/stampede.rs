@@ -12,6 +12,7 @@ use corral::{Clock, Corral, EntryOptions};
 
 use crate::failure::{Failure, code};
 use crate::output::{out, say};
+use crate::redact::RedisUrl;
 
 /// What `corral stampede` was asked to do.
 #[derive(Debug)]
@@ -28,6 +29,10 @@ pub struct Request {
     pub bulk: Option<Bulk>,
 }
 
+/// The most keys a bulk stampede's callers may ask for in all: each is a string held
+/// until its caller is answered.
+pub const MOST_KEYS_ASKED: usize = 10_000_000;
+
 /// A bulk stampede: each caller asks for `batch` distinct keys drawn at random from
 /// `keys` keys (`KEY:0` .. `KEY:<keys - 1>`) through one `get_or_set_many`.
 #[derive(Clone, Copy, Debug)]
@@ -37,20 +42,30 @@ pub struct Bulk {
 }
 
 impl Bulk {
-    /// Checks the shape: at least one key, and a batch of 1 to `keys` keys.
-    pub fn new(keys: usize, batch: usize) -> Result<Self, Failure> {
+    /// Checks the shape for `callers` callers: at least one key, a batch of 1 to `keys`
+    /// keys, and at most [`MOST_KEYS_ASKED`] keys asked for in all.
+    pub fn new(keys: usize, batch: usize, callers: usize) -> Result<Self, Failure> {
         if keys == 0 || batch == 0 || batch > keys {
             return Err(Failure::new(
                 code::USAGE,
                 format!("--batch must be between 1 and --keys ({keys}), not {batch}"),
             ));
         }
+        if callers.saturating_mul(batch) > MOST_KEYS_ASKED {
+            return Err(Failure::new(
+                code::USAGE,
+                format!(
+                    "--callers x --batch must be at most {MOST_KEYS_ASKED} keys asked for in all, not {callers} x {batch}"
+                ),
+            ));
+        }
         Ok(Bulk { keys, batch })
     }
 }
 
-/// Runs `corral stampede` on `cache` and prints the report.
-pub async fn command(cache: &Corral, request: Request) -> Result<(), Failure> {
+/// Runs `corral stampede` on `cache` (on `redis`; `None`: the embedded store) and prints
+/// the report.
+pub async fn command(cache: &Corral, request: Request, redis: Option<&RedisUrl>) -> Result<(), Failure> {
     let key = request
         .key
         .unwrap_or_else(|| format!("stampede:{}", corral::SystemClock.now_ms()));
@@ -78,10 +93,15 @@ pub async fn command(cache: &Corral, request: Request) -> Result<(), Failure> {
         out!("{}", report.table())?;
     }
     // A run whose callers failed says why, with the status of the first failure (a bad
-    // key is a usage error, an unreachable Redis 69).
-    match report.first_error {
-        Some(e) => Err(Failure::from(e)),
-        None => Ok(()),
+    // key is a usage error; a Redis that fails only degrades a get-or-set, which loads
+    // uncached and answers).
+    match (&report.first_error, report.errors) {
+        (Some(e), _) => Err(Failure::from_error(e, redis)),
+        (None, 0) => Ok(()),
+        (None, n) => Err(Failure::new(
+            code::SOFTWARE,
+            format!("{n} of {} callers got no answer (a caller's task failed)", report.callers),
+        )),
     }
 }
 

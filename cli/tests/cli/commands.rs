@@ -127,12 +127,13 @@ fn an_argument_that_is_not_utf8_is_named_by_its_place() {
 fn a_script_line_takes_quoted_keys_and_values() {
     let out = run(
         &["script"],
-        Some("set 'a key' \"two words\"\nget 'a key'\nget a\nget \"open\n"),
+        Some("set 'a key' \"two words\"\nget 'a key'\nget a\nget \"open\nset k\n"),
     );
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert_eq!(stdout, "stored a key\ntwo words\n(no entry)\n", "{stderr}");
     assert!(stderr.contains("line 4: error: the line has a quote that is not closed"), "{stderr}");
+    assert!(stderr.contains("were not provided: <VALUE>"), "the missing argument is named: {stderr}");
 }
 
 /// `stampede`'s counts are bounded up front (a huge one is a usage error, not an
@@ -147,6 +148,7 @@ fn stampede_bounds_its_counts_and_a_failed_run_says_why() {
         &["--callers", "0"],
         &["--callers", "18446744073709551615"],
         &["--loader-ms", "18446744073709551615"],
+        &["--callers", "100000", "--keys", "1000000", "--batch", "10000"],
     ] {
         let out = run(&[&["stampede", "--loader-ms", "1"][..], args].concat(), None);
         let stderr = text(&out.stderr);

@@ -60,7 +60,7 @@ pub fn check_duration(arg: Arg, ms: u64, zero_ok: bool) -> Result<(), ArgError> 
         return Err(ArgError::new(
             arg,
             format!(
-                "must be at most 100 years of 365 days ({LONGEST_DURATION_MS} ms, `36500d`), not {ms} ms{or_more}"
+                "must be at most 100 years of 365 days ({LONGEST_DURATION_MS} ms), not {ms} ms{or_more}"
             ),
         ));
     }

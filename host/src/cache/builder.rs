@@ -104,7 +104,7 @@ impl Overrides {
             return Err(crate::Error::invalid_argument(
                 "response_timeout",
                 format!(
-                    "must be between 1 ms and 100 years, not {} ms",
+                    "must be between 1 ms and 100 years of 365 days, not {} ms",
                     s.store_timeout_ms
                 ),
             ));

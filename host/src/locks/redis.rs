@@ -190,14 +190,18 @@ enum Reply {
     /// The script refused before changing anything (`CORRAL_FOREIGN`: another Redis type
     /// or a foreign value under the lock's names; `CORRAL_FENCE_EXHAUSTED`: a fencing
     /// counter that can rise no further): what it said.
-    Refused(String),
+    Refused {
+        said: String,
+        /// Whether it was the fencing counter that can rise no further.
+        exhausted: bool,
+    },
 }
 
 impl Reply {
     fn value(&self) -> Option<u64> {
         match self {
             Reply::Value(v) => Some(*v),
-            Reply::Down { .. } | Reply::Refused(_) => None,
+            Reply::Down { .. } | Reply::Refused { .. } => None,
         }
     }
 
@@ -206,7 +210,10 @@ impl Reply {
     fn failed(e: &redis::RedisError, node: Option<Arc<str>>) -> Reply {
         match e.code() {
             Some(code @ ("CORRAL_FOREIGN" | "CORRAL_FENCE_EXHAUSTED")) => {
-                Reply::Refused(e.detail().map_or_else(|| code.to_owned(), str::to_owned))
+                Reply::Refused {
+                    said: e.detail().map_or_else(|| code.to_owned(), str::to_owned),
+                    exhausted: code == "CORRAL_FENCE_EXHAUSTED",
+                }
             }
             _ => Reply::Down {
                 cause: e.to_string(),
@@ -229,21 +236,21 @@ fn never_sent(e: &redis::RedisError) -> bool {
     e.is_connection_refusal()
         || matches!(
             e.kind(),
-            ErrorKind::AuthenticationFailed
-                | ErrorKind::InvalidClientConfig
-                | ErrorKind::RESP3NotSupported
-                | ErrorKind::Server(ServerErrorKind::NoPerm)
+            ErrorKind::AuthenticationFailed | ErrorKind::InvalidClientConfig | ErrorKind::RESP3NotSupported
         )
+        // A refusal of the command itself; one raised inside a script would name it.
+        || (e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) && !e.to_string().contains("script"))
         || matches!(e.code(), Some("NOAUTH" | "WRONGPASS"))
         || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
             && e.to_string().contains("refused to switch database"))
 }
 
-/// The error of a lock `what` that a server refused (see [`Reply::Refused`]), if any:
+/// The error of a lock `what` that a server refused (see [`Reply::Refused`]), if any
+/// (only a refusal for an exhausted fencing counter when `exhausted`):
 /// [`ErrorKind::Corrupt`], since what is stored under the lock's names cannot serve it.
-fn refused(key: &str, what: &str, replies: &[Reply]) -> Option<Error> {
+fn refused(key: &str, what: &str, replies: &[Reply], exhausted: bool) -> Option<Error> {
     replies.iter().find_map(|r| match r {
-        Reply::Refused(said) => Some(Error::new(
+        Reply::Refused { said, exhausted: full } if *full || !exhausted => Some(Error::new(
             ErrorKind::Corrupt,
             format!("lock {key:?} cannot be {what}: {said}"),
         )),
@@ -593,7 +600,7 @@ impl RedisLocks {
                     Some(node) => format!("redis://{node}: {cause}"),
                     None => format!("{}: {cause}", server.url),
                 }),
-                Reply::Refused(said) => Some(format!("{}: {said}", server.url)),
+                Reply::Refused { said, .. } => Some(format!("{}: {said}", server.url)),
                 Reply::Value(_) => None,
             })
             .collect();
@@ -875,11 +882,11 @@ impl RedisLocks {
             .filter_map(|r| r.value().filter(|v| *v > 0))
             .collect();
         let n = inner.servers.len() as u32;
-        // A server that refused (a counter that can rise no further, another type under
-        // the lock's names) refuses the whole acquire, majority or not: under Redlock
-        // the others' counters may lag behind the largest token it gave out, and a lock
-        // taken without it would hand out a smaller one.
-        if let Some(e) = refused(key, "acquired", &replies) {
+        // A counter that can rise no further refuses the whole acquire, majority or not:
+        // under Redlock the others' counters may lag behind the largest token it gave
+        // out, and a lock taken without it would hand out a smaller one. (Another type
+        // under a minority's names is that server's failure: the majority decides.)
+        if let Some(e) = refused(key, "acquired", &replies, true) {
             self.undo(&replies, &keys, &token, sent, ttl_ms).await;
             unsettled.settle();
             return Err(e);
@@ -914,6 +921,9 @@ impl RedisLocks {
         }
         self.undo(&replies, &keys, &token, sent, ttl_ms).await;
         unsettled.settle();
+        if let Some(e) = refused(key, "acquired", &replies, false) {
+            return Err(e);
+        }
         let answered = replies.iter().filter(|r| r.value().is_some()).count() as u32;
         if !inner.policy.lock_has_quorum(answered, n)? {
             return Err(self.unanswered("acquire", &replies));
@@ -1308,7 +1318,7 @@ async fn release(shared: &LeaseShared) -> Result<()> {
         }
         return Ok(());
     }
-    if let Some(e) = refused(&shared.key, "released", &replies) {
+    if let Some(e) = refused(&shared.key, "released", &replies, false) {
         return Err(e);
     }
     if !policy.lock_has_quorum(answered, n)? {
@@ -1350,7 +1360,7 @@ async fn extend(shared: &LeaseShared, ttl_ms: u64) -> Result<()> {
                 .count() as u32;
             if locks.inner.policy.lock_has_quorum(answered, n)? {
                 shared.lost.send_replace(true);
-                let found = refused(&shared.key, "extended", &replies)
+                let found = refused(&shared.key, "extended", &replies, false)
                     .map_or_else(String::new, |e| format!(" ({e})"));
                 return Err(Error::new(
                     ErrorKind::LockLost,

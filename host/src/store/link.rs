@@ -139,14 +139,14 @@ fn info(url: &str) -> Result<ConnectionInfo> {
         .set_tcp_settings(TcpSettings::default().set_nodelay(true)))
 }
 
-/// Where `url` leads, as `host:port/db` (a Unix socket by its path): two URLs that
-/// differ only in spelling (a password, a trailing slash) lead to the same place.
+/// The server `url` leads to, as `host:port` (a Unix socket by its path), whatever its
+/// database, user or password: one server process, whichever of its databases a URL
+/// names. Names are compared as written (`localhost` and `127.0.0.1` differ).
 ///
 /// # Errors
 /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad URL.
 pub(crate) fn destination(url: &str) -> Result<String> {
-    let info = info(url)?;
-    Ok(format!("{}/{}", info.addr(), info.redis_settings().db()))
+    Ok(info(url)?.addr().to_string())
 }
 
 fn failed(what: &'static str) -> impl Fn(redis::RedisError) -> Error {

@@ -149,6 +149,34 @@ async fn a_redlock_server_whose_counter_is_at_its_largest_refuses_the_acquire() 
     Ok(())
 }
 
+/// Another type under a minority's names is that server's failure, not the lock's: the
+/// majority takes it (a Redlock survives the loss of a minority), and only when no
+/// majority did is the refusal named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_value_on_a_minority_of_redlock_servers_leaves_the_majority_to_decide() -> Result<()> {
+    let _real_time = real_time().await;
+    let servers = (0..3).map(|_| RedisServer::start()).collect::<Result<Vec<_>>>()?;
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let locks = RedisLocks::connect(&urls)?;
+    let lock = locks.lock_key("job")?;
+    let options = LockOptions::new().ttl(Duration::from_secs(5));
+    hset(&servers[0], &lock).await?;
+    let lease = locks
+        .try_acquire("job", options)
+        .await?
+        .context("two of three servers took it")?;
+    lease.release().await?;
+    hset(&servers[1], &lock).await?;
+    let err = locks
+        .try_acquire("job", options)
+        .await
+        .err()
+        .context("one of three cannot hold it")?;
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    assert!(err.to_string().contains("a hash"), "{err}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_redis_type_under_a_locks_names_is_named_not_called_busy() -> Result<()> {
     let _real_time = real_time().await;
