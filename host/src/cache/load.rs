@@ -31,7 +31,7 @@ pub struct LoadOptions {
     should_cache: Option<Predicate>,
     pub(crate) bypass: bool,
     /// How long a typed `None` is cached; `None`: not at all.
-    none_ttl: Option<std::time::Duration>,
+    pub(crate) none_ttl: Option<std::time::Duration>,
     /// Set by the typed API: a loaded JSON `null` is a `None`.
     pub(crate) typed: bool,
     /// The hard loader timeout, if this call names one (else the cache's default).

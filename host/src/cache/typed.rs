@@ -67,6 +67,27 @@ fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
     })
 }
 
+/// What a typed `loader` loads, as JSON, its verdict (`should_cache`) noted in
+/// `verdict`. A get-or-set calls its loader at most once: `None` (called again) is an
+/// error, never a panic.
+async fn typed_value<T, P, F, Fut, E>(
+    loader: Option<F>,
+    verdict: &AtomicBool,
+    should_cache: &P,
+) -> std::result::Result<Vec<u8>, Box<dyn std::error::Error + Send + Sync>>
+where
+    T: Serialize,
+    P: Fn(&T) -> bool,
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = std::result::Result<T, E>>,
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+{
+    let loader = loader.ok_or("the loader was called twice")?;
+    let value = loader().await.map_err(Into::into)?;
+    verdict.store(should_cache(&value), Ordering::Release);
+    Ok(serde_json::to_vec(&value)?)
+}
+
 fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T> {
     serde_json::from_slice(bytes).map_err(|e| {
         Error::new(
@@ -98,7 +119,9 @@ impl Corral {
     ///
     /// A loaded `None` (anything that is JSON `null`) is returned but not cached, unless
     /// the options ask for negative caching ([`LoadOptions::cache_none_for`]), which
-    /// caches it for its own, usually short, TTL.
+    /// caches it for its own, usually short, TTL. A cached `null` that `T` cannot hold
+    /// (a batch's negative caching, [`get_or_set_many_json`](Corral::get_or_set_many_json))
+    /// is not an error: `loader` answers instead, past the cache.
     ///
     /// ```no_run
     /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
@@ -170,21 +193,36 @@ impl Corral {
             let verdict = verdict.clone();
             options.and_should_cache(move |_| verdict.load(Ordering::Acquire))
         };
+        let mut unused = Some(loader);
         let bytes = self
-            .get_or_set(key, options, || async move {
-                let value = loader().await.map_err(Into::into)?;
-                verdict.store(should_cache(&value), Ordering::Release);
-                serde_json::to_vec(&value)
-                    .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+            .get_or_set(key, options.clone(), || {
+                let loader = unused.take();
+                typed_value(loader, &verdict, &should_cache)
             })
             .await?;
-        decode(key, &bytes)
+        match decode(key, &bytes) {
+            // A `None` the key holds for other readers (a batch's negative caching, or a
+            // batch's key it led and found absent) that `T` cannot hold: this caller's own
+            // loader answers, past the cache, and what it finds is cached as any value.
+            Err(_) if &bytes[..] == b"null" && unused.is_some() => {
+                let loader = unused.take();
+                let bytes = self
+                    .get_or_set(key, options.bypass(true), || typed_value(loader, &verdict, &should_cache))
+                    .await?;
+                decode(key, &bytes)
+            }
+            decoded => decoded,
+        }
     }
 
     /// [`get_or_set_many`](Corral::get_or_set_many) with a typed loader; values travel
-    /// as JSON. A key the loader leaves out is a `None`, as a loaded `None` is for
-    /// [`get_or_set_json`](Corral::get_or_set_json): not cached, unless the options ask
-    /// for negative caching ([`LoadOptions::cache_none_for`]).
+    /// as JSON. A key the loader leaves out is a `None`: absent, as for
+    /// [`get_or_set_many`](Corral::get_or_set_many) (nothing cached, and a single-key
+    /// follower loads it itself), unless the options ask for negative caching
+    /// ([`LoadOptions::cache_none_for`]): then JSON `null` is cached for its TTL, as a
+    /// loaded `None` is by [`get_or_set_json`](Corral::get_or_set_json). A typed
+    /// single-key get-or-set whose type cannot hold `null` that finds one calls its own
+    /// loader, past the cache.
     ///
     /// ```no_run
     /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
@@ -221,6 +259,7 @@ impl Corral {
         let keys: Vec<String> = keys.into_iter().map(|k| k.as_ref().to_owned()).collect();
         let mut options = options.into();
         options.typed = true;
+        let negative = options.none_ttl.is_some();
         let loader = &loader;
         let answers = self
             .get_or_set_many(&keys, options, |asked: Vec<String>| async move {
@@ -228,12 +267,14 @@ impl Corral {
                 for (key, value) in loader(asked.clone()).await.map_err(Into::into)? {
                     values.insert(key, serde_json::to_vec(&value)?);
                 }
-                // A key left out is a `None`: JSON null, which the typed verdict judges.
+                // A key left out is absent (its followers elsewhere load it themselves),
+                // unless negative caching is asked for: then it is JSON null, which the
+                // typed verdict caches for its own TTL.
                 let all: Vec<(String, Vec<u8>)> = asked
                     .into_iter()
-                    .map(|key| {
-                        let value = values.remove(&key).unwrap_or_else(|| b"null".to_vec());
-                        (key, value)
+                    .filter_map(|key| match values.remove(&key) {
+                        Some(value) => Some((key, value)),
+                        None => negative.then(|| (key, b"null".to_vec())),
                     })
                     .collect();
                 Ok::<_, Box<dyn std::error::Error + Send + Sync>>(all)

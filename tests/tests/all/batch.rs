@@ -482,6 +482,123 @@ async fn the_typed_twin_caches_absence_when_asked() -> Result<()> {
     Ok(())
 }
 
+/// A loader whose answer panics as it is read (a lazy iterator) fails its call's keys
+/// with its own panic, every one of them (before, all but one got the futures crate's
+/// "inner future panicked during poll"), and leaves no flight behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_answer_that_panics_as_it_is_read_is_each_keys_panic() -> Result<()> {
+    let f = Fixture::new(Backend::Memory)?;
+    let keys: Vec<String> = (0..3).map(|i| format!("z{i}")).collect();
+    let answers = f
+        .cache
+        .get_or_set_many(&keys, relative(), |asked: Vec<String>| async move {
+            Ok::<_, std::io::Error>(asked.into_iter().map(|k| {
+                assert_ne!(k, "z1", "lazy");
+                (k.clone(), k)
+            }))
+        })
+        .await?;
+    for answer in &answers {
+        let err = answer.as_ref().err().context("every key fails")?;
+        assert!(err.to_string().contains("lazy"), "{err}");
+    }
+    assert_eq!(f.cache.flights_in_progress(), 0);
+    Ok(())
+}
+
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Item {
+    name: String,
+}
+
+#[derive(Debug)]
+struct NotFound;
+
+impl std::fmt::Display for NotFound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("no such row")
+    }
+}
+
+impl std::error::Error for NotFound {}
+
+/// A typed batch's negative caching (a JSON `null` for a key it left out) does not break
+/// the typed single-key get-or-set of the same key, whose type cannot hold `null` (the
+/// list and item endpoints of examples/axum-service): its own loader answers, past the
+/// cache, its error is its own (a 404, not `Corrupt`), and a value it finds is cached.
+/// Before, it failed with `Corrupt` for as long as the `null` was kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_typed_batchs_cached_none_is_not_corrupt_for_a_single_key_of_a_type_without_none() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    let options = || relative().cache_none_for(Duration::from_secs(30));
+    let answers = f
+        .cache
+        .get_or_set_many_json::<Item, _, _, _, _, _>(["user:999"], options(), |_| async {
+            Ok::<_, std::io::Error>(Vec::new())
+        })
+        .await?;
+    assert!(matches!(answers[..], [Ok(None)]), "{answers:?}");
+    let err = f
+        .cache
+        .get_or_set_json::<Item, _, _, _>("user:999", relative(), || async { Err::<Item, _>(NotFound) })
+        .await
+        .err()
+        .context("its own loader's error")?;
+    assert_eq!(err.kind(), ErrorKind::Loader, "{err}");
+    assert!(err.loader_error::<NotFound>().is_some(), "{err}");
+    let found = f
+        .cache
+        .get_or_set_json::<Item, _, _, _>("user:999", relative(), || async {
+            Ok::<_, NotFound>(Item { name: "new".into() })
+        })
+        .await?;
+    assert_eq!(found, Item { name: "new".into() });
+    let kept = f.cache.get_json::<Item>("user:999").await?;
+    assert_eq!(kept, Some(Item { name: "new".into() }), "what it found is cached");
+    Ok(())
+}
+
+/// A key a typed batch leaves out, without negative caching, is absent for the single-key
+/// follower that waited on it: the follower loads it with its own loader (before, it got
+/// the bytes `null` as the key's value).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_a_typed_batch_leaves_out_is_loaded_by_its_single_key_follower() -> Result<()> {
+    let f = Fixture::new(Backend::Redis)?;
+    let (loading, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let batch = {
+        let (cache, loading, release) = (f.cache.clone(), loading.clone(), release.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many_json::<Item, _, _, _, _, _>(["gone"], relative(), |_| {
+                    let (loading, release) = (loading.clone(), release.clone());
+                    async move {
+                        loading.notify_one();
+                        release.notified().await;
+                        Ok::<_, std::io::Error>(Vec::new())
+                    }
+                })
+                .await
+        })
+    };
+    loading.notified().await;
+    let follower = {
+        let cache = f.cache.clone();
+        tokio::spawn(async move {
+            cache
+                .get_or_set("gone", relative(), || async { Ok::<_, std::io::Error>("own") })
+                .await
+        })
+    };
+    while f.cache.followers_of("gone") == 0 {
+        tokio::task::yield_now().await;
+    }
+    release.notify_one();
+    let answers = batch.await??;
+    assert!(matches!(answers[..], [Ok(None)]), "{answers:?}");
+    assert_eq!(follower.await??, Bytes::from_static(b"own"));
+    Ok(())
+}
+
 /// Four `corral stampede --keys 100 --batch 10` processes of 250 callers each, started
 /// at once over the Redis that `redis_args` name: every key is loaded exactly once in
 /// all. Returns the keys each process loaded.

@@ -79,7 +79,17 @@ where
     E: Into<BoxError>,
 {
     match loaded {
-        Ok(Ok(values)) => Chunk::Loaded(Arc::new(values.into_iter().map(|(k, v)| (k, v.into())).collect())),
+        // The answer is read inside the catch too: a lazy iterator, or a value's
+        // conversion, may panic as it is taken, and that panic is the loader's.
+        Ok(Ok(values)) => {
+            let taken = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                values.into_iter().map(|(k, v)| (k, v.into())).collect()
+            }));
+            match taken {
+                Ok(values) => Chunk::Loaded(Arc::new(values)),
+                Err(panic) => Chunk::Panicked(panic_text(&*panic).into()),
+            }
+        }
         Ok(Err(e)) => Chunk::Failed(Arc::new(e.into())),
         Err(panic) => Chunk::Panicked(panic_text(&*panic).into()),
     }
@@ -345,7 +355,8 @@ impl Corral {
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for a bad key
-    /// (it names the key) or bad options, before anything runs. Per key:
+    /// (it names the key, and its position among the batch's distinct keys in the order
+    /// they first appear) or bad options, before anything runs. Per key:
     /// [`ErrorKind::Loader`](crate::ErrorKind::Loader) with the loader's error as the
     /// source ([`Error::loader_error`] downcasts it), a timeout, as for one key.
     pub async fn get_or_set_many<K, L, Fut, I, V, E>(
@@ -374,7 +385,8 @@ impl Corral {
             return Ok(Vec::new());
         };
         // Checked before anything runs, in the portable body's order (contract §5.16):
-        // the first key, the options, every key, the tags. A bad key is named by the
+        // what a batch cannot take and `max_batch` (above), the first key, the options,
+        // every key, the tags. A bad key is named by the
         // naming below, with its position, whether these options were seen before or
         // not; a bad tag only once every key passed.
         let deferred = match self.judge(first, &options) {
