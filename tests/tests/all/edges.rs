@@ -100,22 +100,32 @@ async fn redlock_tokens_rise_strictly_past_two_to_the_53() -> Result<()> {
 async fn a_fencing_counter_at_its_largest_refuses_before_taking_the_lock() -> Result<()> {
     let _real_time = real_time().await;
     let server = RedisServer::start()?;
-    let locks = RedisLocks::connect(&[server.url()])?;
-    let counter = counter_key(&server, &locks, "full").await?;
-    set(&server, &counter, i64::MAX).await?;
+    refused_with_a_full_counter_on_the_first_of(&[server]).await
+}
+
+/// Fills the fencing counter of the lock `full` on the first of `servers`, and asserts
+/// that an acquire on them all is refused (`Corrupt`, naming the largest token) and
+/// leaves the lock taken nowhere.
+async fn refused_with_a_full_counter_on_the_first_of(servers: &[RedisServer]) -> Result<()> {
+    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
+    let locks = RedisLocks::connect(&urls)?;
+    let counter = counter_key(&servers[0], &locks, "full").await?;
+    set(&servers[0], &counter, i64::MAX).await?;
     let err = locks
         .try_acquire("full", LockOptions::new().ttl(Duration::from_secs(5)))
         .await
         .err()
-        .context("no token above i64::MAX can be issued")?;
+        .context("no token above i64::MAX can be issued, nor a smaller one than it gave")?;
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
     assert!(err.to_string().contains("largest token"), "{err}");
-    let mut conn = server.connection().await?;
-    let held: Option<String> = redis::cmd("GET")
-        .arg(locks.lock_key("full")?)
-        .query_async(&mut conn)
-        .await?;
-    assert_eq!(held, None, "the lock was not taken");
+    for server in servers {
+        let mut conn = server.connection().await?;
+        let held: Option<String> = redis::cmd("GET")
+            .arg(locks.lock_key("full")?)
+            .query_async(&mut conn)
+            .await?;
+        assert_eq!(held, None, "the lock is taken nowhere");
+    }
     Ok(())
 }
 
@@ -127,26 +137,7 @@ async fn a_fencing_counter_at_its_largest_refuses_before_taking_the_lock() -> Re
 async fn a_redlock_server_whose_counter_is_at_its_largest_refuses_the_acquire() -> Result<()> {
     let _real_time = real_time().await;
     let servers = (0..3).map(|_| RedisServer::start()).collect::<Result<Vec<_>>>()?;
-    let urls: Vec<String> = servers.iter().map(RedisServer::url).collect();
-    let locks = RedisLocks::connect(&urls)?;
-    let counter = counter_key(&servers[0], &locks, "full").await?;
-    set(&servers[0], &counter, i64::MAX).await?;
-    let err = locks
-        .try_acquire("full", LockOptions::new().ttl(Duration::from_secs(5)))
-        .await
-        .err()
-        .context("a majority without the full server must not issue a smaller token")?;
-    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
-    assert!(err.to_string().contains("largest token"), "{err}");
-    for server in &servers {
-        let mut conn = server.connection().await?;
-        let held: Option<String> = redis::cmd("GET")
-            .arg(locks.lock_key("full")?)
-            .query_async(&mut conn)
-            .await?;
-        assert_eq!(held, None, "the lock is left nowhere");
-    }
-    Ok(())
+    refused_with_a_full_counter_on_the_first_of(&servers).await
 }
 
 /// Another type under a minority's names is that server's failure, not the lock's: the
