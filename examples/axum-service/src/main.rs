@@ -122,13 +122,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 /// `GET /users/{id}`: from the cache, or from the database once for every caller that
-/// misses at the same time, in this process and in every other one.
+/// misses at the same time, in this process and in every other one. A user the database
+/// lacks is a `None`, remembered for 30 s as the list remembers it (both read the key as
+/// an `Option<User>`: the remembered absence is JSON `null`), and a 404.
 async fn get_user(State(app): State<App>, Path(id): Path<u64>) -> Result<Json<User>, ApiError> {
-    let user = app
+    let options = LoadOptions::relative(USER_TTL).cache_none_for(UNKNOWN_TTL);
+    let user: Option<User> = app
         .cache
-        .get_or_set_json(&user_key(id), LoadOptions::relative(USER_TTL), || app.db.user(id))
+        .get_or_set_json(&user_key(id), options, || async {
+            match app.db.user(id).await {
+                Err(e) if e.is::<NotFound>() => Ok(None),
+                found => found.map(Some),
+            }
+        })
         .await?;
-    Ok(Json(user))
+    user.map(Json).ok_or_else(|| ApiError(StatusCode::NOT_FOUND, NotFound(id).to_string()))
 }
 
 /// `GET /users?ids=1,2,3`: the users in order, `null` for an unknown id. The ids no

@@ -300,14 +300,14 @@ async fn a_missing_user_is_a_404_for_the_leader_and_every_coalesced_caller() -> 
     let replies = stampede(&pair, "/users/404404", 40).await?;
     for (status, body) in &replies {
         assert_eq!(*status, 404, "{body}");
-        assert_eq!(body, "loader failed: no user 404404");
+        assert_eq!(body, "no user 404404");
     }
     let (db_reads, coalesced) = (pair.db_reads().await?, pair.cache_counter("coalesced").await?);
     println!(
         "40 concurrent GETs of a missing user: 40 x 404, {db_reads} database call(s), {coalesced} coalesced caller(s)"
     );
-    // A loader's error is not cached: each instance asks once (the other's waiters wake
-    // on the failed flight's release and load for themselves).
+    // The absence is remembered (30 s): one instance asks, or each once should they
+    // miss at the same moment.
     assert!(db_reads <= 2, "{db_reads} database calls");
     assert!(
         coalesced > 0,
@@ -405,6 +405,13 @@ async fn overlapping_lists_read_each_user_once() -> Result<()> {
     // Seven ids (six users and the unknown one), each read once across both
     // instances: at most seven queries, fewer as ids that miss together share one.
     ensure!(db_reads <= 7, "each id once, in batches: {db_reads} queries");
+    // The list remembered 99 as unknown (a JSON null for 30 s): its own endpoint reads
+    // that as a 404, on both instances, without a query (before, a 500: `Corrupt`).
+    for instance in [&pair.a, &pair.b] {
+        let (status, body) = instance.get("/users/99").await?;
+        ensure!(status == 404, "an unknown user after a list: {status} {body}");
+    }
+    ensure!(pair.db_reads().await? == db_reads, "the remembered absence was read");
     let (status, body) = pair.a.get("/users?ids=1,x").await?;
     ensure!(status == 400, "a bad id is a bad request: {status} {body}");
     Ok(())

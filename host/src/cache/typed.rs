@@ -68,10 +68,9 @@ fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
 }
 
 /// What a typed `loader` loads, as JSON, its verdict (`should_cache`) noted in
-/// `verdict`. A get-or-set calls its loader at most once: `None` (called again) is an
-/// error, never a panic.
+/// `verdict`.
 async fn typed_value<T, P, F, Fut, E>(
-    loader: Option<F>,
+    loader: F,
     verdict: &AtomicBool,
     should_cache: &P,
 ) -> std::result::Result<Vec<u8>, Box<dyn std::error::Error + Send + Sync>>
@@ -82,7 +81,6 @@ where
     Fut: Future<Output = std::result::Result<T, E>>,
     E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
 {
-    let loader = loader.ok_or("the loader was called twice")?;
     let value = loader().await.map_err(Into::into)?;
     verdict.store(should_cache(&value), Ordering::Release);
     Ok(serde_json::to_vec(&value)?)
@@ -119,9 +117,10 @@ impl Corral {
     ///
     /// A loaded `None` (anything that is JSON `null`) is returned but not cached, unless
     /// the options ask for negative caching ([`LoadOptions::cache_none_for`]), which
-    /// caches it for its own, usually short, TTL. A cached `null` that `T` cannot hold
-    /// (a batch's negative caching, [`get_or_set_many_json`](Corral::get_or_set_many_json))
-    /// is not an error: `loader` answers instead, past the cache.
+    /// caches it for its own, usually short, TTL. A key that may hold such a `null` (from
+    /// here, or from [`get_or_set_many_json`](Corral::get_or_set_many_json)'s negative
+    /// caching) is read as an `Option`: a `T` that cannot hold `null` reads it as
+    /// [`ErrorKind::Corrupt`].
     ///
     /// ```no_run
     /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
@@ -193,26 +192,10 @@ impl Corral {
             let verdict = verdict.clone();
             options.and_should_cache(move |_| verdict.load(Ordering::Acquire))
         };
-        let mut unused = Some(loader);
         let bytes = self
-            .get_or_set(key, options.clone(), || {
-                let loader = unused.take();
-                typed_value(loader, &verdict, &should_cache)
-            })
+            .get_or_set(key, options, || typed_value(loader, &verdict, &should_cache))
             .await?;
-        match decode(key, &bytes) {
-            // A `None` the key holds for other readers (a batch's negative caching, or a
-            // batch's key it led and found absent) that `T` cannot hold: this caller's own
-            // loader answers, past the cache, and what it finds is cached as any value.
-            Err(_) if &bytes[..] == b"null" && unused.is_some() => {
-                let loader = unused.take();
-                let bytes = self
-                    .get_or_set(key, options.bypass(true), || typed_value(loader, &verdict, &should_cache))
-                    .await?;
-                decode(key, &bytes)
-            }
-            decoded => decoded,
-        }
+        decode(key, &bytes)
     }
 
     /// [`get_or_set_many`](Corral::get_or_set_many) with a typed loader; values travel
@@ -220,9 +203,10 @@ impl Corral {
     /// [`get_or_set_many`](Corral::get_or_set_many) (nothing cached, and a single-key
     /// follower loads it itself), unless the options ask for negative caching
     /// ([`LoadOptions::cache_none_for`]): then JSON `null` is cached for its TTL, as a
-    /// loaded `None` is by [`get_or_set_json`](Corral::get_or_set_json). A typed
-    /// single-key get-or-set whose type cannot hold `null` that finds one calls its own
-    /// loader, past the cache.
+    /// loaded `None` is by [`get_or_set_json`](Corral::get_or_set_json), and the key is
+    /// read as an `Option` everywhere (`get_or_set_json::<Option<T>>`). As for the
+    /// untyped call, a left-out key is a failed load for fail-safe: a stale copy, if one
+    /// is kept, is served.
     ///
     /// ```no_run
     /// # async fn demo(cache: corral::Corral) -> corral::Result<()> {
