@@ -119,9 +119,11 @@ async fn hold(
             Err(failure) => return (Err(failure), None),
         },
         signal = signals.next() => {
+            // The acquire ends here. An attempt in flight, whose reply may yet take the
+            // lock, is released owner-checked in the background (the locks owe it), which
+            // `corral` waits for before it exits; one between attempts owes nothing.
             tracing::info!(%signal, "signal received while taking the lock; the command is not started");
-            let lease = settle(acquiring, request.link.response_timeout).await;
-            return (Ok(ExitCode::from(signals::exit_code(signal))), lease);
+            return (Ok(ExitCode::from(signals::exit_code(signal))), None);
         }
     };
     tracing::info!(
@@ -148,17 +150,6 @@ async fn pay_what_is_owed(locks: &RedisLocks, (until, within): (Instant, Duratio
         signal = signals.next() => {
             tracing::info!(%signal, "signal received: exiting without waiting for the releases owed to Redis");
         }
-    }
-}
-
-/// Lets an acquire interrupted by a signal finish its attempt in flight, for at most
-/// `within` (a reply's time; if it is waiting between attempts it is simply dropped at
-/// the bound): the lease it took, to be released, since a signal must not leave a lock
-/// behind that lives until its TTL.
-async fn settle(acquiring: impl Future<Output = Result<Lease, Failure>>, within: Duration) -> Option<Lease> {
-    match tokio::time::timeout(within, acquiring).await {
-        Ok(Ok(lease)) => Some(lease),
-        _ => None,
     }
 }
 
