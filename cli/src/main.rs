@@ -336,7 +336,9 @@ async fn run_on(cache: &Corral, cli: &Cli, redis: Option<&RedisUrl>) -> Result<(
         } => {
             let count = |n: u32| usize::try_from(n).unwrap_or(usize::MAX);
             let bulk = match (keys, batch) {
-                (Some(keys), Some(batch)) => Some(stampede::Bulk::new(count(*keys), count(*batch), count(*callers))?),
+                (Some(keys), Some(batch)) => {
+                    Some(stampede::Bulk::new(count(*keys), count(*batch), count(*callers))?)
+                }
                 _ => None,
             };
             let request = stampede::Request {

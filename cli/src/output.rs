@@ -38,11 +38,15 @@ pub fn line(args: fmt::Arguments<'_>) -> Result<(), Failure> {
 pub fn value(bytes: &[u8]) -> Result<(), Failure> {
     let mut stdout = io::stdout().lock();
     let written = if stdout.is_terminal() {
-        stdout.write_all(for_terminal(bytes).as_bytes()).and_then(|()| stdout.write_all(b"\n"))
+        stdout
+            .write_all(for_terminal(bytes).as_bytes())
+            .and_then(|()| stdout.write_all(b"\n"))
     } else {
         stdout.write_all(bytes)
     };
-    written.and_then(|()| stdout.flush()).map_err(Failure::from_stdout)
+    written
+        .and_then(|()| stdout.flush())
+        .map_err(Failure::from_stdout)
 }
 
 /// `bytes` as a terminal may show them: UTF-8 text as it is, but control characters

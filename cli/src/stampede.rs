@@ -100,7 +100,10 @@ pub async fn command(cache: &Corral, request: Request, redis: Option<&RedisUrl>)
         (None, 0) => Ok(()),
         (None, n) => Err(Failure::new(
             code::SOFTWARE,
-            format!("{n} of {} callers got no answer (a caller's task failed)", report.callers),
+            format!(
+                "{n} of {} callers got no answer (a caller's task failed)",
+                report.callers
+            ),
         )),
     }
 }

@@ -50,7 +50,11 @@ async fn read(reader: Reader, cache: &Corral, raw: &Raws) {
     match reader {
         Reader::Raw => {
             let mut conn = raw.default.clone();
-            let v: Vec<u8> = redis::cmd("GET").arg(&*raw.keys[0]).query_async(&mut conn).await.unwrap();
+            let v: Vec<u8> = redis::cmd("GET")
+                .arg(&*raw.keys[0])
+                .query_async(&mut conn)
+                .await
+                .unwrap();
             assert_eq!(v.len(), 96);
         }
         Reader::RawAsCorral(sliding) => {
@@ -141,10 +145,26 @@ async fn main() -> Result<()> {
     // Each contender, and the index of the contender that is its floor.
     let contenders = [
         ("raw redis-rs cluster `GET`", Reader::Raw, 0),
-        ("raw cluster `GET`, Corral's connection settings", Reader::RawAsCorral(false), 1),
-        ("raw cluster `GETEX PX`, Corral's connection settings", Reader::RawAsCorral(true), 2),
-        ("Corral `get`, relative entry (`GET`)", Reader::Corral("relative"), 1),
-        ("Corral `get`, sliding entry (`GETEX`)", Reader::Corral("sliding"), 2),
+        (
+            "raw cluster `GET`, Corral's connection settings",
+            Reader::RawAsCorral(false),
+            1,
+        ),
+        (
+            "raw cluster `GETEX PX`, Corral's connection settings",
+            Reader::RawAsCorral(true),
+            2,
+        ),
+        (
+            "Corral `get`, relative entry (`GET`)",
+            Reader::Corral("relative"),
+            1,
+        ),
+        (
+            "Corral `get`, sliding entry (`GETEX`)",
+            Reader::Corral("sliding"),
+            2,
+        ),
     ];
     for (_, r, _) in contenders {
         measure(r, 8, 200, &cache, &raw).await;
@@ -156,7 +176,11 @@ async fn main() -> Result<()> {
         .and_then(|v| v.parse::<usize>().ok())
     {
         let solo = std::env::var_os("CORRAL_BENCH_SOLO").is_some();
-        let (callers, ops) = if solo { (1, SOLO_OPS * 20) } else { (CALLERS, OPS_PER_CALLER * 4) };
+        let (callers, ops) = if solo {
+            (1, SOLO_OPS * 20)
+        } else {
+            (CALLERS, OPS_PER_CALLER * 4)
+        };
         let sent = cache.redis_store().map_or(0, |s| s.commands_sent());
         let (cpu, switches) = (client_cpu(), context_switches());
         let tput = measure(contenders[n].1, callers, ops, &cache, &raw).await;
@@ -185,7 +209,9 @@ async fn main() -> Result<()> {
             let (cpu, switches) = (client_cpu(), context_switches());
             solo[i].push(measure(*r, 1, SOLO_OPS, &cache, &raw).await);
             costs[i].0.push((client_cpu() - cpu) * 1e6 / SOLO_OPS as f64);
-            costs[i].1.push((context_switches() - switches) as f64 / SOLO_OPS as f64);
+            costs[i]
+                .1
+                .push((context_switches() - switches) as f64 / SOLO_OPS as f64);
         }
         for (i, &(_, _, floor)) in contenders.iter().enumerate() {
             ratio[i][0].push(tput[i][round] / tput[0][round]);

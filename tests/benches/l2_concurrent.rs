@@ -216,7 +216,11 @@ async fn main() -> Result<()> {
     {
         // One caller with CORRAL_BENCH_SOLO=1.
         let solo = std::env::var_os("CORRAL_BENCH_SOLO").is_some();
-        let (callers, ops) = if solo { (1, SOLO_OPS * 10) } else { (CALLERS, OPS_PER_CALLER * 4) };
+        let (callers, ops) = if solo {
+            (1, SOLO_OPS * 10)
+        } else {
+            (CALLERS, OPS_PER_CALLER * 4)
+        };
         let sent = cache.redis_commands_sent().unwrap_or(0);
         let (client, switches) = (client_cpu(), context_switches());
         let (tput, cpu) = measure(contenders[n].1, callers, ops, &cache, &raw, &mut probe).await?;

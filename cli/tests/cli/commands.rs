@@ -75,7 +75,11 @@ fn a_removal_redis_did_not_answer_is_retried_before_corral_exits() {
     assert_eq!(out.status.code(), Some(69), "{}", text(&out.stderr));
     let read = run(&["--redis", &server.url(), "get", "k"], None);
     assert_eq!(text(&read.stdout), "", "the old value outlived corral");
-    assert!(text(&read.stderr).contains("(no entry)"), "{}", text(&read.stderr));
+    assert!(
+        text(&read.stderr).contains("(no entry)"),
+        "{}",
+        text(&read.stderr)
+    );
 }
 
 /// `get` writes a value's bytes exactly as stored (a value is a byte string: no
@@ -90,14 +94,22 @@ fn get_writes_the_values_bytes_exactly_and_a_miss_on_stderr() {
             .redis(server.url())
             .build()
             .expect("a cache");
-        for (key, value) in [("binary", &b"\xff\x00\xfe"[..]), ("line", b"a\n"), ("words", b"(no entry)")] {
+        for (key, value) in [
+            ("binary", &b"\xff\x00\xfe"[..]),
+            ("line", b"a\n"),
+            ("words", b"(no entry)"),
+        ] {
             cache
                 .set(key, value.to_vec(), corral::EntryOptions::new())
                 .await
                 .expect("stored");
         }
     });
-    for (key, value) in [("binary", &b"\xff\x00\xfe"[..]), ("line", b"a\n"), ("words", b"(no entry)")] {
+    for (key, value) in [
+        ("binary", &b"\xff\x00\xfe"[..]),
+        ("line", b"a\n"),
+        ("words", b"(no entry)"),
+    ] {
         let out = run(&["--redis", &server.url(), "get", key], None);
         assert!(out.status.success(), "{}", text(&out.stderr));
         assert_eq!(out.stdout, value, "{key}");
@@ -132,8 +144,14 @@ fn a_script_line_takes_quoted_keys_and_values() {
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert_eq!(stdout, "stored a key\ntwo words\n(no entry)\n", "{stderr}");
-    assert!(stderr.contains("line 4: error: the line has a quote that is not closed"), "{stderr}");
-    assert!(stderr.contains("were not provided: <VALUE>"), "the missing argument is named: {stderr}");
+    assert!(
+        stderr.contains("line 4: error: the line has a quote that is not closed"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("were not provided: <VALUE>"),
+        "the missing argument is named: {stderr}"
+    );
 }
 
 /// `stampede`'s counts are bounded up front (a huge one is a usage error, not an
@@ -155,12 +173,26 @@ fn stampede_bounds_its_counts_and_a_failed_run_says_why() {
         assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
-    let out = run(&["stampede", "--callers", "3", "--loader-ms", "1", "--key", ""], None);
+    let out = run(
+        &["stampede", "--callers", "3", "--loader-ms", "1", "--key", ""],
+        None,
+    );
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(stderr.contains("`key` must not be empty"), "{stderr}");
     let out = run(
-        &["stampede", "--callers", "5", "--loader-ms", "1", "--keys", "1000000", "--batch", "10", "--json"],
+        &[
+            "stampede",
+            "--callers",
+            "5",
+            "--loader-ms",
+            "1",
+            "--keys",
+            "1000000",
+            "--batch",
+            "10",
+            "--json",
+        ],
         None,
     );
     assert!(out.status.success(), "{}", text(&out.stderr));

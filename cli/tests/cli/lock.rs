@@ -909,7 +909,9 @@ fn a_server_named_twice_is_a_usage_error() {
     // Another database of the same server is the same server.
     let again = format!("{url}/1");
     let out = run(
-        &["lock", "--key", "job", "--redis", &url, "--redis", &again, "--", "true"],
+        &[
+            "lock", "--key", "job", "--redis", &url, "--redis", &again, "--", "true",
+        ],
         None,
     );
     let stderr = text(&out.stderr);

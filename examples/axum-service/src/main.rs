@@ -136,7 +136,8 @@ async fn get_user(State(app): State<App>, Path(id): Path<u64>) -> Result<Json<Us
             }
         })
         .await?;
-    user.map(Json).ok_or_else(|| ApiError(StatusCode::NOT_FOUND, NotFound(id).to_string()))
+    user.map(Json)
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, NotFound(id).to_string()))
 }
 
 /// `GET /users?ids=1,2,3`: the users in order, `null` for an unknown id. The ids no

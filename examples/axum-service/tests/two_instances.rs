@@ -411,7 +411,10 @@ async fn overlapping_lists_read_each_user_once() -> Result<()> {
         let (status, body) = instance.get("/users/99").await?;
         ensure!(status == 404, "an unknown user after a list: {status} {body}");
     }
-    ensure!(pair.db_reads().await? == db_reads, "the remembered absence was read");
+    ensure!(
+        pair.db_reads().await? == db_reads,
+        "the remembered absence was read"
+    );
     let (status, body) = pair.a.get("/users?ids=1,x").await?;
     ensure!(status == 400, "a bad id is a bad request: {status} {body}");
     Ok(())

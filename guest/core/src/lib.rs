@@ -59,9 +59,7 @@ pub fn check_duration(arg: Arg, ms: u64, zero_ok: bool) -> Result<(), ArgError> 
         let or_more = if ms == u64::MAX { " or more" } else { "" };
         return Err(ArgError::new(
             arg,
-            format!(
-                "must be at most 100 years of 365 days ({LONGEST_DURATION_MS} ms), not {ms} ms{or_more}"
-            ),
+            format!("must be at most 100 years of 365 days ({LONGEST_DURATION_MS} ms), not {ms} ms{or_more}"),
         ));
     }
     Ok(())

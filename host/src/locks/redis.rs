@@ -209,12 +209,10 @@ impl Reply {
     /// are told from outages.
     fn failed(e: &redis::RedisError, node: Option<Arc<str>>) -> Reply {
         match e.code() {
-            Some(code @ ("CORRAL_FOREIGN" | "CORRAL_FENCE_EXHAUSTED")) => {
-                Reply::Refused {
-                    said: e.detail().map_or_else(|| code.to_owned(), str::to_owned),
-                    exhausted: code == "CORRAL_FENCE_EXHAUSTED",
-                }
-            }
+            Some(code @ ("CORRAL_FOREIGN" | "CORRAL_FENCE_EXHAUSTED")) => Reply::Refused {
+                said: e.detail().map_or_else(|| code.to_owned(), str::to_owned),
+                exhausted: code == "CORRAL_FENCE_EXHAUSTED",
+            },
             _ => Reply::Down {
                 cause: e.to_string(),
                 maybe_ran: !never_sent(e),
@@ -250,7 +248,10 @@ fn never_sent(e: &redis::RedisError) -> bool {
 /// [`ErrorKind::Corrupt`], since what is stored under the lock's names cannot serve it.
 fn refused(key: &str, what: &str, replies: &[Reply], exhausted: bool) -> Option<Error> {
     replies.iter().find_map(|r| match r {
-        Reply::Refused { said, exhausted: full } if *full || !exhausted => Some(Error::new(
+        Reply::Refused {
+            said,
+            exhausted: full,
+        } if *full || !exhausted => Some(Error::new(
             ErrorKind::Corrupt,
             format!("lock {key:?} cannot be {what}: {said}"),
         )),
