@@ -181,8 +181,8 @@ impl Group {
     }
 
     /// Stops the command: `first` to every process (and SIGCONT, for a stopped one),
-    /// SIGKILL after `grace` to what is left (again at every look, so that forks cannot outrun it), and waits (boundedly)
-    /// until none is left. Signals `corral` receives meanwhile are passed on too.
+    /// SIGKILL after `grace` to what is left (again at every look, so that forks cannot
+    /// outrun it), and waits (boundedly) until none is left. Signals `corral` receives meanwhile are passed on too.
     pub async fn stop(&mut self, first: Signal, grace: Duration, signals: &mut Signals) {
         self.signal(first);
         // A stopped process (SIGSTOP, a job control stop) hears `first` only once it

@@ -154,8 +154,8 @@ pub enum Command {
     /// processes is left: on Linux that includes those it moved out of its group (setsid,
     /// double forks), not work it had started outside its process tree (systemd-run, at,
     /// a daemon, ssh). SIGINT, SIGTERM and SIGHUP are passed on to all its processes (with
-    /// SIGCONT, for a stopped one); if
-    /// the lock is lost they get SIGTERM; either way SIGKILL follows after --grace.
+    /// SIGCONT, for a stopped one); if the lock is lost they get SIGTERM; either way
+    /// SIGKILL follows after --grace.
     /// The lock is released before `corral` exits. Exits with COMMAND's status, or 128 +
     /// the signal received, 75 when another owner held the lock past --wait, 76 when it
     /// was lost, 69 when Redis could not be used, 65 when the lock's names hold what is

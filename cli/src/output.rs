@@ -36,24 +36,35 @@ pub fn line(args: fmt::Arguments<'_>) -> Result<(), Failure> {
 /// terminal gets them readable instead ([`for_terminal`]) and a newline after them,
 /// which its prompt would otherwise follow.
 pub fn value(bytes: &[u8]) -> Result<(), Failure> {
-    let mut stdout = io::stdout().lock();
-    let written = if stdout.is_terminal() {
-        stdout
-            .write_all(for_terminal(bytes).as_bytes())
-            .and_then(|()| stdout.write_all(b"\n"))
+    if io::stdout().is_terminal() {
+        write_out(&[for_terminal(bytes).as_bytes(), b"\n"])
     } else {
-        stdout.write_all(bytes)
-    };
-    written
+        write_out(&[bytes])
+    }
+}
+
+/// Writes a value's bytes on stdout exactly, then a newline: one line of a script's
+/// output.
+pub fn value_line(bytes: &[u8]) -> Result<(), Failure> {
+    write_out(&[bytes, b"\n"])
+}
+
+/// Writes `parts` on stdout, in order, and flushes it.
+fn write_out(parts: &[&[u8]]) -> Result<(), Failure> {
+    let mut stdout = io::stdout().lock();
+    parts
+        .iter()
+        .try_for_each(|part| stdout.write_all(part))
         .and_then(|()| stdout.flush())
         .map_err(Failure::from_stdout)
 }
 
 /// `bytes` as a terminal may show them: UTF-8 text as it is, but control characters
-/// (other than newline and tab) and bytes that are not UTF-8 escaped (`\u{1b}`, `\xff`), so that
-/// a value from a shared cache cannot move the cursor, retitle the window or write the
-/// clipboard.
+/// (other than newline and tab) and bytes that are not UTF-8 escaped (`\u{1b}`,
+/// `\xff`), so that a value from a shared cache cannot move the cursor, retitle the
+/// window or write the clipboard.
 fn for_terminal(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
     let mut shown = String::with_capacity(bytes.len());
     for chunk in bytes.utf8_chunks() {
         for c in chunk.valid().chars() {
@@ -64,21 +75,11 @@ fn for_terminal(bytes: &[u8]) -> String {
             }
         }
         for b in chunk.invalid() {
-            shown.push_str(&format!("\\x{b:02x}"));
+            // Writing to a String cannot fail.
+            let _ = write!(shown, "\\x{b:02x}");
         }
     }
     shown
-}
-
-/// Writes a value's bytes on stdout exactly, then a newline: one line of a script's
-/// output.
-pub fn value_line(bytes: &[u8]) -> Result<(), Failure> {
-    let mut stdout = io::stdout().lock();
-    stdout
-        .write_all(bytes)
-        .and_then(|()| stdout.write_all(b"\n"))
-        .and_then(|()| stdout.flush())
-        .map_err(Failure::from_stdout)
 }
 
 /// Writes one redacted line on stderr, ignoring errors.

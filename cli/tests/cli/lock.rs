@@ -37,6 +37,14 @@ fn lock_in_background(
     Running::spawn(&args)
 }
 
+/// `corral lock --key job --redis URL [extra...] -- true`, run to its end.
+fn lock_job(url: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["lock", "--key", "job", "--redis", url];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--", "true"]);
+    run(&args, None)
+}
+
 /// Asserts that a second `corral lock` on `key` gets the lock at its first try.
 fn assert_lock_free(url: &str, key: &str) {
     let out = run(
@@ -215,10 +223,7 @@ fn the_lock_is_held_until_the_last_process_of_the_group_ends() {
         corral.is_running(),
         "corral left while a process of the command ran"
     );
-    let out = run(
-        &["lock", "--key", "job", "--redis", &server.url(), "--", "true"],
-        None,
-    );
+    let out = lock_job(&server.url(), &[]);
     assert_eq!(out.status.code(), Some(75), "{}", text(&out.stderr));
 
     kill(sleeper, Signal::SIGTERM).unwrap();
@@ -275,10 +280,7 @@ fn the_lock_is_held_until_an_escaped_descendant_ends() {
         corral.is_running(),
         "corral left while a descendant of the command ran"
     );
-    let out = run(
-        &["lock", "--key", "job", "--redis", &server.url(), "--", "true"],
-        None,
-    );
+    let out = lock_job(&server.url(), &[]);
     assert_eq!(
         out.status.code(),
         Some(75),
@@ -529,10 +531,7 @@ fn a_lock_held_by_another_owner_exits_75() {
     let dir = TempDir::new();
     let holder = holding_job(&server.url(), &dir);
 
-    let out = run(
-        &["lock", "--key", "job", "--redis", &server.url(), "--", "true"],
-        None,
-    );
+    let out = lock_job(&server.url(), &[]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(75), "{stderr}");
     assert!(
@@ -541,20 +540,7 @@ fn a_lock_held_by_another_owner_exits_75() {
     );
     assert!(stderr.contains("--wait"), "{stderr}");
 
-    let out = run(
-        &[
-            "lock",
-            "--key",
-            "job",
-            "--wait",
-            "200ms",
-            "--redis",
-            &server.url(),
-            "--",
-            "true",
-        ],
-        None,
-    );
+    let out = lock_job(&server.url(), &["--wait", "200ms"]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(75), "{stderr}");
     assert!(
@@ -773,7 +759,7 @@ fn the_command_gets_the_token_and_its_status_is_corrals() {
 #[test]
 fn an_unreachable_redis_exits_69_naming_the_cause() {
     let url = format!("redis://127.0.0.1:{}", closed_port());
-    let out = run(&["lock", "--key", "job", "--redis", &url, "--", "true"], None);
+    let out = lock_job(&url, &[]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(69), "{stderr}");
     assert!(
@@ -791,10 +777,7 @@ fn redlock_without_a_majority_exits_69() {
         format!("redis://127.0.0.1:{}", closed_port()),
     );
     let url = server.url();
-    let args = [
-        "lock", "--key", "job", "--redis", &url, "--redis", &a, "--redis", &b, "--", "true",
-    ];
-    let out = run(&args, None);
+    let out = lock_job(&url, &["--redis", &a, "--redis", &b]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(69), "{stderr}");
     assert!(
@@ -871,7 +854,7 @@ fn a_refused_login_or_command_exits_69_naming_the_cause() {
         format!("redis://127.0.0.1:{port}"),
         format!("redis://:wrong@127.0.0.1:{port}"),
     ] {
-        let out = run(&["lock", "--key", "job", "--redis", &wrong, "--", "true"], None);
+        let out = lock_job(&wrong, &[]);
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(69), "{stderr}");
         assert!(stderr.contains("authentication failed"), "{stderr}");
@@ -879,20 +862,14 @@ fn a_refused_login_or_command_exits_69_naming_the_cause() {
         assert!(!stderr.contains("did not finish"), "{stderr}");
     }
     let past_databases = format!("redis://:sesame@127.0.0.1:{port}/16");
-    let out = run(
-        &["lock", "--key", "job", "--redis", &past_databases, "--", "true"],
-        None,
-    );
+    let out = lock_job(&past_databases, &[]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(69), "{stderr}");
     assert!(stderr.contains("the database number was refused"), "{stderr}");
     assert!(!stderr.contains("did not finish"), "{stderr}");
 
     let forbidden = format!("redis://noscript:pw@127.0.0.1:{port}");
-    let out = run(
-        &["lock", "--key", "job", "--redis", &forbidden, "--", "true"],
-        None,
-    );
+    let out = lock_job(&forbidden, &[]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(69), "{stderr}");
     assert!(stderr.contains("permission denied (ACL)"), "{stderr}");
@@ -908,12 +885,7 @@ fn a_server_named_twice_is_a_usage_error() {
     let url = server.url();
     // Another database of the same server is the same server.
     let again = format!("{url}/1");
-    let out = run(
-        &[
-            "lock", "--key", "job", "--redis", &url, "--redis", &again, "--", "true",
-        ],
-        None,
-    );
+    let out = lock_job(&url, &["--redis", &again]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(stderr.contains("twice"), "{stderr}");
@@ -934,20 +906,7 @@ fn lock_without_redis_is_a_usage_error() {
 fn a_grace_past_a_day_is_a_usage_error_naming_it() {
     let server = redis_server();
     for grace in ["300000000000y", "18446744073709551615s", "25h"] {
-        let out = run(
-            &[
-                "lock",
-                "--key",
-                "job",
-                "--redis",
-                &server.url(),
-                "--grace",
-                grace,
-                "--",
-                "true",
-            ],
-            None,
-        );
+        let out = lock_job(&server.url(), &["--grace", grace]);
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(64), "--grace {grace}: {stderr}");
         assert!(
@@ -985,10 +944,7 @@ fn the_longest_grace_still_ends_with_the_command() {
 fn a_foreign_value_under_the_locks_name_is_a_data_error_with_a_hint_for_locks() {
     let server = redis_server();
     let () = redis_cmd(&server.url(), &["LPUSH", "{7:corral:job}:k", "x"]);
-    let out = run(
-        &["lock", "--key", "job", "--redis", &server.url(), "--", "true"],
-        None,
-    );
+    let out = lock_job(&server.url(), &[]);
     let stderr = text(&out.stderr);
     assert_eq!(out.status.code(), Some(65), "{stderr}");
     assert!(stderr.contains("not a Corral lock"), "{stderr}");
@@ -1000,20 +956,7 @@ fn a_foreign_value_under_the_locks_name_is_a_data_error_with_a_hint_for_locks() 
 fn a_bad_watchdog_ttl_is_a_usage_error_naming_watchdog() {
     let server = redis_server();
     for (flag, value) in [("--watchdog", "0s"), ("--watchdog", "2ms"), ("--ttl", "0s")] {
-        let out = run(
-            &[
-                "lock",
-                "--key",
-                "job",
-                "--redis",
-                &server.url(),
-                flag,
-                value,
-                "--",
-                "true",
-            ],
-            None,
-        );
+        let out = lock_job(&server.url(), &[flag, value]);
         let stderr = text(&out.stderr);
         assert_eq!(out.status.code(), Some(64), "{flag} {value}: {stderr}");
         let named = flag.trim_start_matches('-');

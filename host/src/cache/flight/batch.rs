@@ -386,9 +386,9 @@ impl Corral {
         };
         // Checked before anything runs, in the portable body's order (contract §5.16):
         // what a batch cannot take and `max_batch` (above), the first key, the options,
-        // every key, the tags. A bad key is named by the
-        // naming below, with its position, whether these options were seen before or
-        // not; a bad tag only once every key passed.
+        // every key, the tags. A bad key is named by the naming below, with its
+        // position, whether these options were seen before or not; a bad tag only once
+        // every key passed.
         let deferred = match self.judge(first, &options) {
             Err(e) if matches!(e.argument(), Some("key" | "tags")) => Some(e),
             judged => judged.map(|()| None)?,
