@@ -147,12 +147,16 @@ fn hit_out(hit: policy::Hit) -> wit::Hit {
             policy::Touch::Expire => wit::Touch::Expire,
         }),
         store_ttl_ms: hit.store_ttl_ms,
-        next_read: match hit.next_read {
-            policy::NextRead::Get => wit::NextRead::Get,
-            policy::NextRead::Script => wit::NextRead::Script,
-            policy::NextRead::Expiring(ms) => wit::NextRead::Expiring(ms),
-        },
+        next_read: next_read_out(hit.next_read),
         tagged: hit.tagged.map(tagged_out),
+    }
+}
+
+fn next_read_out(next: policy::NextRead) -> wit::NextRead {
+    match next {
+        policy::NextRead::Get => wit::NextRead::Get,
+        policy::NextRead::Script => wit::NextRead::Script,
+        policy::NextRead::Expiring(ms) => wit::NextRead::Expiring(ms),
     }
 }
 
@@ -394,33 +398,51 @@ impl wit::Guest for Component {
 
     fn read_many(
         heads: Vec<u8>,
-        reads: Vec<wit::FirstRead>,
+        head_ends: Vec<u32>,
+        lens: Vec<u64>,
         now_ms: u64,
         l: types::Limits,
         l1_ttl_ms: u64,
-    ) -> Vec<wit::Judged> {
+    ) -> wit::JudgedMany {
         let mut start = 0;
-        let reads: Vec<corral_core::batch::FirstRead<'_>> = reads
+        let reads: Vec<corral_core::batch::FirstRead<'_>> = head_ends
             .iter()
-            .map(|r| {
-                // A head that does not fit is no envelope: judged corrupt.
-                let end = usize::try_from(r.head_end).unwrap_or(usize::MAX);
+            .enumerate()
+            .map(|(i, &end)| {
+                // A head that does not fit, or a read with no length, is no envelope:
+                // judged corrupt.
+                let end = usize::try_from(end).unwrap_or(usize::MAX);
                 let head = heads.get(start..end).unwrap_or_default();
                 start = end.max(start);
                 corral_core::batch::FirstRead {
                     head,
-                    total_len: r.total_len,
-                    slid_ms: r.slid_ms,
+                    total_len: lens.get(i).copied().unwrap_or(0),
+                    slid_ms: None,
                 }
             })
             .collect();
-        corral_core::batch::read_many(&reads, now_ms, &limits(l), l1_ttl_ms)
-            .into_iter()
-            .map(|j| wit::Judged {
-                outcome: read_outcome(j.outcome),
-                l1_until_ms: j.l1_until_ms,
-            })
-            .collect()
+        let judged = corral_core::batch::read_many(&reads, now_ms, &limits(l), l1_ttl_ms);
+        let mut many = wit::JudgedMany {
+            each: Vec::with_capacity(judged.len()),
+            flying: Vec::new(),
+        };
+        for judged in judged {
+            many.each.push(match judged {
+                corral_core::batch::Judged::Served(s) => wit::Judged::Served(wit::Served {
+                    value_offset: s.value_offset as u32,
+                    next_read: next_read_out(s.next_read),
+                    l1_until_ms: s.l1_until_ms,
+                }),
+                corral_core::batch::Judged::Flies { outcome, l1_until_ms } => {
+                    many.flying.push(wit::JudgedRead {
+                        outcome: read_outcome(outcome),
+                        l1_until_ms,
+                    });
+                    wit::Judged::Flies
+                }
+            });
+        }
+        many
     }
 
     fn check_max_batch(max_batch: u64) -> Result<(), types::Error> {

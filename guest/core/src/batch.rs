@@ -7,14 +7,15 @@
 //!   ([`names::entries_in`]): a bad key fails the call, naming its position, whatever is
 //!   cached;
 //! - the keys' first reads, made together, are judged together ([`read_many`]): a
-//!   fresh hit is answered from that read alone (L1 serves it until its
+//!   fresh hit with nothing left to do (no touch to write back, no tags to judge) is
+//!   answered from that read alone (L1 serves it until its
 //!   [`l1_deadline`](crate::flight::l1_deadline)); every other key goes on to its flight;
 //! - the loader is called with the keys that reach their loads together, at most
 //!   `max_batch` per call ([`calls`]).
 
 #[cfg(doc)]
 use crate::names;
-use crate::policy::{self, ReadOutcome};
+use crate::policy::{self, NextRead, ReadOutcome};
 use crate::{Arg, ArgError, Limits, flight};
 
 /// What a first read found for one key of a batch: the stored bytes' head, their whole
@@ -29,13 +30,30 @@ pub struct FirstRead<'a> {
     pub slid_ms: Option<u64>,
 }
 
-/// One first read, judged: the outcome [`policy::read`] gives, and for a fresh entry
-/// the moment until which L1 may serve it.
+/// One first read, judged.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Judged {
-    /// The judgement of the bytes.
-    pub outcome: ReadOutcome,
-    /// For a fresh entry, how long L1 may serve it; 0 otherwise.
+pub enum Judged {
+    /// A fresh entry that leaves nothing to do (no touch to write back, no tags to
+    /// judge): its value is served from this read alone.
+    Served(Served),
+    /// Anything else, as [`policy::read`] judges it: the key goes on to its flight with
+    /// it (a fresh entry, to its touch or its tags' judgement).
+    Flies {
+        /// The judgement of the bytes.
+        outcome: ReadOutcome,
+        /// For a fresh entry, the moment until which L1 may serve it; 0 otherwise.
+        l1_until_ms: u64,
+    },
+}
+
+/// A first read served from itself alone: what a body needs to answer it, and no more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Served {
+    /// Where the value starts in the stored bytes.
+    pub value_offset: usize,
+    /// How the next read of this key should read it.
+    pub next_read: NextRead,
+    /// The moment until which L1 may serve it.
     pub l1_until_ms: u64,
 }
 
@@ -43,14 +61,25 @@ pub struct Judged {
 pub fn read_many(reads: &[FirstRead<'_>], now_ms: u64, limits: &Limits, l1_ttl_ms: u64) -> Vec<Judged> {
     reads
         .iter()
-        .map(|read| {
-            let outcome = policy::read(read.head, read.total_len, now_ms, limits, read.slid_ms);
-            let l1_until_ms = match &outcome {
-                ReadOutcome::Fresh(hit) => flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
-                _ => 0,
-            };
-            Judged { outcome, l1_until_ms }
-        })
+        .map(
+            |read| match policy::read(read.head, read.total_len, now_ms, limits, read.slid_ms) {
+                ReadOutcome::Fresh(hit) if hit.touch.is_none() && hit.tagged.is_none() => {
+                    Judged::Served(Served {
+                        value_offset: hit.value_offset,
+                        next_read: hit.next_read,
+                        l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
+                    })
+                }
+                ReadOutcome::Fresh(hit) => Judged::Flies {
+                    l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
+                    outcome: ReadOutcome::Fresh(hit),
+                },
+                outcome => Judged::Flies {
+                    outcome,
+                    l1_until_ms: 0,
+                },
+            },
+        )
         .collect()
 }
 
@@ -166,9 +195,18 @@ mod tests {
             },
         ];
         let judged = read_many(&reads, now + 10, &limits, 5_000);
-        assert!(matches!(judged[0].outcome, ReadOutcome::Fresh(_)));
-        assert_eq!(judged[0].l1_until_ms, now + 10 + 5_000);
-        assert!(matches!(judged[1].outcome, ReadOutcome::Corrupt(_)));
-        assert_eq!(judged[1].l1_until_ms, 0);
+        let Judged::Served(served) = judged[0] else {
+            panic!("a plain fresh entry is served from its read: {:?}", judged[0]);
+        };
+        assert_eq!(served.value_offset, plan.header.len());
+        assert_eq!(served.next_read, NextRead::Get);
+        assert_eq!(served.l1_until_ms, now + 10 + 5_000);
+        assert!(matches!(
+            judged[1],
+            Judged::Flies {
+                outcome: ReadOutcome::Corrupt(_),
+                l1_until_ms: 0
+            }
+        ));
     }
 }

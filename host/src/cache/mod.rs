@@ -28,6 +28,7 @@ use crate::store::Stores;
 use crate::store::l1::{L1, RemovalWatch, Ticket};
 use crate::{Error, Result};
 use load::Served;
+use read::Looked;
 
 mod builder;
 mod flight;
@@ -200,7 +201,12 @@ impl Corral {
         let ticket = self.inner.l1.ticket(key);
         let m = &self.inner.metrics;
         match self.look_gathered(key, now).await? {
-            (read::L2Read::Hit(value, meta, _, stamp), l1_until) => {
+            Looked::Served(value, until) => {
+                Metrics::bump(&m.l2_hits);
+                self.fill_l1_until(key, &value, until, L1Fill::Read(ticket), None);
+                Ok(Some(value))
+            }
+            Looked::Read(read::L2Read::Hit(value, meta, _, stamp), l1_until) => {
                 Metrics::bump(&m.l2_hits);
                 match l1_until {
                     Some(until) => self.fill_l1_until(key, &value, until, L1Fill::Read(ticket), stamp),
@@ -211,7 +217,7 @@ impl Corral {
                 }
                 Ok(Some(value))
             }
-            (read::L2Read::Miss { .. } | read::L2Read::Stale { .. }, _) => {
+            Looked::Read(read::L2Read::Miss { .. } | read::L2Read::Stale { .. }, _) => {
                 Metrics::bump(&m.misses);
                 Ok(None)
             }

@@ -15,11 +15,13 @@ use std::fmt;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 
 use super::Corral;
 use super::metrics::Metrics;
-use crate::guest::policy::{Judged, NextRead, ReadOutcome, TagVerdict, Touch, WitMeta};
+use crate::guest::policy::{
+    Judged, JudgedRead, NextRead, ReadOutcome, Served as ServedRead, TagVerdict, Touch, WitMeta,
+};
 use crate::{ErrorKind, Result};
 
 /// How each key was last found to need reading: a lossy, lock-free table of guesses.
@@ -119,25 +121,55 @@ impl ReadHints {
 /// failed, every read fails with it.
 struct SharedReads {
     found: std::vec::IntoIter<Result<Option<Bytes>>>,
-    judged: Result<std::vec::IntoIter<Judged>>,
+    judged: Result<(std::vec::IntoIter<Judged>, std::vec::IntoIter<JudgedRead>)>,
+}
+
+/// One shared read's judgement: served from the read alone, or on to its flight.
+enum Verdict {
+    Served(ServedRead),
+    Flies(JudgedRead),
 }
 
 impl Iterator for SharedReads {
-    type Item = Result<Option<(Bytes, Judged)>>;
+    type Item = Result<Option<(Bytes, Verdict)>>;
 
     fn next(&mut self) -> Option<Self::Item> {
         let read = self.found.next()?;
-        let judged = match &mut self.judged {
+        let (each, flying) = match &mut self.judged {
             Ok(judged) => judged,
             Err(e) => return Some(Err(e.clone())),
         };
-        Some(read.map(|bytes| bytes.and_then(|b| judged.next().map(|j| (b, j)))))
+        let bytes = match read {
+            Ok(Some(bytes)) => bytes,
+            nothing_or_failed => return Some(nothing_or_failed.map(|_| None)),
+        };
+        let verdict = match each.next() {
+            Some(Judged::Served(served)) => Verdict::Served(served),
+            Some(Judged::Flies) => match flying.next() {
+                Some(judged) => Verdict::Flies(judged),
+                None => return Some(Err(unjudged())),
+            },
+            None => return Some(Err(unjudged())),
+        };
+        Some(Ok(Some((bytes, verdict))))
     }
 }
 
-/// What one read of a batch found, and for a fresh entry judged with the others, how
-/// long L1 may serve it.
-pub(crate) type Looked = (L2Read, Option<u64>);
+/// A shared read the guest's judgement left out.
+fn unjudged() -> crate::Error {
+    crate::Error::guest("a batch's read went unjudged", "broken contract")
+}
+
+/// What one read of a batch found.
+#[derive(Clone, Debug)]
+pub(crate) enum Looked {
+    /// A fresh entry judged with the others that leaves nothing to do: its value, and
+    /// the moment until which L1 may serve it.
+    Served(Bytes, u64),
+    /// Anything else, as [`Corral::l2_look`] finds it; for a fresh entry judged with
+    /// the others, the moment until which L1 may serve it.
+    Read(L2Read, Option<u64>),
+}
 
 /// What one L2 read found.
 #[derive(Clone, Debug)]
@@ -208,7 +240,8 @@ impl Corral {
     /// keys a plain `GET` reads share one `MGET` per node, judged by the guest in one
     /// call; the others (a sliding entry's `GETEX` or read-and-touch) are read each with
     /// its own command, all at once. A fresh entry judged with the others comes with the
-    /// moment until which L1 may serve it (contract §5.16).
+    /// moment until which L1 may serve it; one with nothing left to do is served from
+    /// its read alone (contract §5.16).
     pub(crate) async fn l2_look_many(&self, names: &[&str], now: u64) -> Vec<Result<Looked>> {
         let inner = &*self.inner;
         let hints: Vec<Option<NextRead>> = names.iter().map(|n| inner.read_hints.get(n)).collect();
@@ -230,29 +263,24 @@ impl Corral {
                 None | Some(NextRead::Get) => shared.next(),
                 Some(_) => None,
             };
-            match fetched {
-                // A fresh entry with no touch to write back and no tags to judge: its
-                // judgement leaves nothing to do.
-                Some(Ok(Some((
-                    stored,
-                    Judged {
-                        outcome: ReadOutcome::Fresh(hit),
-                        l1_until_ms,
-                    },
-                )))) if hit.touch.is_none() && hit.tagged.is_none() => {
-                    inner.read_hints.note(name, hint, hit.next_read);
-                    let value = stored.slice(hit.value_offset as usize..);
-                    found.push(Ok((
-                        L2Read::Hit(value, hit.meta, stored, None),
-                        Some(l1_until_ms),
-                    )));
+            let fetched = match fetched {
+                Some(Ok(Some((stored, Verdict::Served(served))))) => {
+                    inner.read_hints.note(name, hint, served.next_read);
+                    // The value is the rest of the bytes read: moved past the header in
+                    // place (a slice would share, and allocate, what nothing else holds).
+                    let mut value = stored;
+                    value.advance(served.value_offset as usize);
+                    found.push(Ok(Looked::Served(value, served.l1_until_ms)));
+                    continue;
                 }
-                fetched => {
-                    // In its place until its look answers, below.
-                    found.push(Ok((L2Read::Miss { holds: None }, None)));
-                    looks.push((i, self.l2_look_fetched(name, hint, fetched, now)));
-                }
-            }
+                Some(Ok(Some((stored, Verdict::Flies(judged))))) => Some(Ok(Some((stored, judged)))),
+                Some(Ok(None)) => Some(Ok(None)),
+                Some(Err(e)) => Some(Err(e)),
+                None => None,
+            };
+            // In its place until its look answers, below.
+            found.push(Ok(Looked::Read(L2Read::Miss { holds: None }, None)));
+            looks.push((i, self.l2_look_fetched(name, hint, fetched, now)));
         }
         let (at, looks): (Vec<usize>, Vec<_>) = looks.into_iter().unzip();
         // `join_all` answers every look, in order.
@@ -269,7 +297,7 @@ impl Corral {
         if names.is_empty() {
             return SharedReads {
                 found: Vec::new().into_iter(),
-                judged: Ok(Vec::new().into_iter()),
+                judged: Ok((Vec::new().into_iter(), Vec::new().into_iter())),
             };
         }
         let found: Vec<Result<Option<Bytes>>> = inner
@@ -280,17 +308,17 @@ impl Corral {
             .into_iter()
             .map(|read| read.map_err(|e| self.l2_failed(e)))
             .collect();
-        let mut reads: Vec<(&[u8], Option<u64>)> = Vec::with_capacity(found.len());
+        let mut reads: Vec<&[u8]> = Vec::with_capacity(found.len());
         reads.extend(
             found
                 .iter()
                 .filter_map(|read| read.as_ref().ok().and_then(Option::as_ref))
-                .map(|b| (&b[..], None)),
+                .map(|b| &b[..]),
         );
         let judged = inner
             .policy
             .read_many(&reads, now, inner.l1_ttl_ms)
-            .map(Vec::into_iter);
+            .map(|many| (many.each.into_iter(), many.flying.into_iter()));
         SharedReads {
             found: found.into_iter(),
             judged,
@@ -303,7 +331,7 @@ impl Corral {
         &self,
         name: &str,
         hint: Option<NextRead>,
-        fetched: Option<Result<Option<(Bytes, Judged)>>>,
+        fetched: Option<Result<Option<(Bytes, JudgedRead)>>>,
         now: u64,
     ) -> Result<Looked> {
         match fetched {
@@ -312,11 +340,11 @@ impl Corral {
                     let l1_until =
                         matches!(judged.outcome, ReadOutcome::Fresh(_)).then_some(judged.l1_until_ms);
                     let read = self.l2_judged(name, hint, stored, judged.outcome, now).await?;
-                    Ok((read, l1_until))
+                    Ok(Looked::Read(read, l1_until))
                 }
-                None => Ok((L2Read::Miss { holds: None }, None)),
+                None => Ok(Looked::Read(L2Read::Miss { holds: None }, None)),
             },
-            None => Ok((self.l2_look(name, now).await?, None)),
+            None => Ok(Looked::Read(self.l2_look(name, now).await?, None)),
         }
     }
 

@@ -242,6 +242,32 @@ impl<T: Clone> LeaderGuard<T> {
     }
 }
 
+impl<T: Clone> Registry<T> {
+    /// Finishes the flights `finished` leads (this registry's), each with its outcome,
+    /// as [`LeaderGuard::finish`] would one by one, with the map locked once.
+    pub(crate) fn finish_all<'a>(&self, finished: impl IntoIterator<Item = (LeaderGuard<T>, &'a T)>)
+    where
+        T: 'a,
+    {
+        let mut answered = Vec::new();
+        {
+            let mut flights = self.shared.flights.lock();
+            for (mut guard, outcome) in finished {
+                debug_assert!(Arc::ptr_eq(&guard.registry.shared, &self.shared));
+                let followers = guard.close_in(&mut flights);
+                if !followers.is_empty() {
+                    answered.push((followers, outcome));
+                }
+            }
+        }
+        for (followers, outcome) in answered {
+            for tx in followers {
+                let _ = tx.send(Shared::Done(outcome.clone()));
+            }
+        }
+    }
+}
+
 impl<T> LeaderGuard<T> {
     /// Takes the flight out of the map (once, and only if it is this leader's own);
     /// its followers, in join order.
@@ -250,18 +276,31 @@ impl<T> LeaderGuard<T> {
             return Vec::new();
         }
         self.done = true;
-        let mut flights = self.registry.shared.flights.lock();
-        match flights.by_key.get(&*self.key) {
-            Some(f) if f.id == self.id => flights
-                .by_key
-                .remove(&*self.key)
-                .map_or_else(Vec::new, |f| f.followers),
-            _ => flights
-                .sealed
-                .remove(&self.id)
-                .map_or_else(Vec::new, |f| f.followers),
-        }
+        take_flight(&mut self.registry.shared.flights.lock(), &self.key, self.id)
     }
+
+    /// [`close`](Self::close) with the map (`flights`) locked already.
+    fn close_in(&mut self, flights: &mut Flights<T>) -> Vec<oneshot::Sender<Shared<T>>> {
+        if self.done {
+            return Vec::new();
+        }
+        self.done = true;
+        take_flight(flights, &self.key, self.id)
+    }
+}
+
+/// Takes the flight `id` of `key` out of the map, live or sealed: its followers, in
+/// join order.
+fn take_flight<T>(flights: &mut Flights<T>, key: &str, id: u64) -> Vec<oneshot::Sender<Shared<T>>> {
+    // One lookup for a live flight, the usual case: a newer flight of the key (this
+    // one sealed) goes back.
+    if let Some((key, flight)) = flights.by_key.remove_entry(key) {
+        if flight.id == id {
+            return flight.followers;
+        }
+        flights.by_key.insert(key, flight);
+    }
+    flights.sealed.remove(&id).map_or_else(Vec::new, |f| f.followers)
 }
 
 impl<T> Drop for LeaderGuard<T> {
@@ -305,6 +344,31 @@ mod tests {
         new.finish("new");
         assert!(matches!(follow(early).await, Shared::Done("old")));
         assert!(matches!(follow(late).await, Shared::Done("new")));
+        assert_eq!(registry.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn flights_finished_together_answer_each_its_own_followers() {
+        let registry = Registry::<&str>::default();
+        let Join::Leader(a) = registry.join("a", T0) else {
+            panic!("first is leader")
+        };
+        let Join::Leader(b) = registry.join("b", T0) else {
+            panic!("first is leader")
+        };
+        let Join::Follower(on_a) = registry.join("a", T0) else {
+            panic!("second follows")
+        };
+        // A sealed flight (its key changed since it began) ends with the others.
+        let Join::Leader(new_a) = registry.join("a", Ticket::from_parts([0, 0, 1])) else {
+            panic!("a caller after a change leads a new flight")
+        };
+        let Join::Follower(on_b) = registry.join("b", T0) else {
+            panic!("second follows")
+        };
+        registry.finish_all([(a, &"A"), (b, &"B"), (new_a, &"new A")]);
+        assert!(matches!(follow(on_a).await, Shared::Done("A")));
+        assert!(matches!(follow(on_b).await, Shared::Done("B")));
         assert_eq!(registry.len(), 0);
     }
 

@@ -95,9 +95,9 @@ pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
 pub(crate) use types::Tagged;
 pub(crate) use wit::{
-    ExpirePlan, FirstRead, GenerationFound, GenerationHeeded, GenerationNews, Heard, Judged, KeptTag,
-    KnownGeneration, NextRead, Plan, ReadOutcome, StoreNames, TagHeeded, TagMessage, TagMoments, TagNews,
-    TagRead, TagVerdict, Touch,
+    ExpirePlan, GenerationFound, GenerationHeeded, GenerationNews, Heard, Judged, JudgedMany, JudgedRead,
+    KeptTag, KnownGeneration, NextRead, Plan, ReadOutcome, Served, StoreNames, TagHeeded, TagMessage,
+    TagMoments, TagNews, TagRead, TagVerdict, Touch,
 };
 
 impl Policy {
@@ -330,35 +330,28 @@ impl Policy {
             .ok_or_else(|| crate::Error::guest("a batch's names did not split", "broken contract"))
     }
 
-    /// Judges a batch's first reads (the bytes each found, and the TTL each read set if
-    /// it set one) at `now_ms`, in one call (contract §5.16): each read's outcome, and
-    /// for a fresh entry how long L1 may serve it.
-    pub(crate) fn read_many(
-        &self,
-        reads: &[(&[u8], Option<u64>)],
-        now_ms: u64,
-        l1_ttl_ms: u64,
-    ) -> Result<Vec<Judged>> {
+    /// Judges a batch's plain first reads (the bytes each `GET` found) at `now_ms`, in
+    /// one call (contract §5.16): each served from its read alone, or flying on with its
+    /// outcome (and for a fresh entry, how long L1 may serve it).
+    pub(crate) fn read_many(&self, reads: &[&[u8]], now_ms: u64, l1_ttl_ms: u64) -> Result<JudgedMany> {
         let limits = self.inner.limits;
         let header_len = self.inner.header_len;
-        // The heads joined in one buffer: one copy across the boundary, not one per read.
+        // The heads joined in one buffer, their ends and lengths in lists of their own:
+        // one copy each across the boundary, not one per read.
         let mut heads = Vec::with_capacity(reads.len() * header_len);
-        let reads: Vec<FirstRead> = reads
-            .iter()
-            .map(|(stored, slid_ms)| {
-                heads.extend_from_slice(&stored[..stored.len().min(header_len)]);
-                FirstRead {
-                    head_end: u32::try_from(heads.len()).unwrap_or(u32::MAX),
-                    total_len: stored.len() as u64,
-                    slid_ms: *slid_ms,
-                }
-            })
-            .collect();
+        let mut head_ends = Vec::with_capacity(reads.len());
+        let mut lens = Vec::with_capacity(reads.len());
+        for stored in reads {
+            heads.extend_from_slice(&stored[..stored.len().min(header_len)]);
+            head_ends.push(u32::try_from(heads.len()).unwrap_or(u32::MAX));
+            lens.push(stored.len() as u64);
+        }
         self.call(|s| {
             s.guest.corral_cache_policy().call_read_many(
                 &mut s.store,
                 &heads,
-                &reads,
+                &head_ends,
+                &lens,
                 now_ms,
                 limits,
                 l1_ttl_ms,

@@ -32,7 +32,7 @@ use crate::cache::Corral;
 use crate::cache::L1Fill;
 use crate::cache::load::LoadOptions;
 use crate::cache::metrics::Metrics;
-use crate::cache::read::L2Read;
+use crate::cache::read::{L2Read, Looked};
 use crate::cache::registry::{self, Join, LeaderGuard, Outcome};
 use crate::cache::tags::TagStamp;
 use crate::error::{Absent, BatchLoaderError, panic_text};
@@ -40,6 +40,29 @@ use crate::guest::convert::Parts;
 use crate::guest::policy::WitMeta;
 use crate::store::l1::Ticket;
 use crate::{Error, Result};
+
+/// A batch key's first read: a fresh hit, answered from it alone, or what the key's
+/// flight begins with.
+enum First {
+    Hit(BatchHit),
+    Flight(FirstRead),
+}
+
+/// A fresh hit a batch's first read found: its value, until when L1 may serve it, what
+/// L1 keeps of its tags, and the L1 ticket taken before the read.
+struct BatchHit {
+    value: Bytes,
+    l1_until: L1Until,
+    stamp: Option<TagStamp>,
+    l1_ticket: Ticket,
+}
+
+/// Until when L1 may serve a batch's hit: judged with the batch's reads, or to be asked
+/// of the guest by the entry's metadata.
+enum L1Until {
+    Judged(u64),
+    Ask(WitMeta),
+}
 
 /// A batch's keys each once, in the order first asked for, and for each key asked the
 /// position of its distinct key: a key asked twice is loaded once, answered twice
@@ -59,6 +82,25 @@ pub(crate) fn distinct_keys<K: AsRef<str>>(keys: &[K]) -> (Vec<&str>, Vec<usize>
         })
         .collect();
     (distinct, asked)
+}
+
+/// The answers of a batch's distinct keys (`answers`), in the order asked (`asked`: the
+/// position of each key asked among the distinct ones): a key's last asking takes its
+/// answer, any earlier one a copy.
+fn hand_out<'a, T: Clone + 'a>(answers: Vec<T>, asked: &'a [usize]) -> impl Iterator<Item = T> + 'a {
+    let mut left = vec![0u32; answers.len()];
+    for &i in asked {
+        left[i] += 1;
+    }
+    let mut answers: Vec<Option<T>> = answers.into_iter().map(Some).collect();
+    asked.iter().filter_map(move |&i| {
+        left[i] -= 1;
+        if left[i] == 0 {
+            answers[i].take()
+        } else {
+            answers[i].clone()
+        }
+    })
 }
 
 /// What the loader returned for one call of a batch: every key of the call shares it.
@@ -402,12 +444,11 @@ impl Corral {
         let answers = self
             .many(&distinct, (&entries, readable), &named, &options, &loader)
             .await;
-        Ok(asked
-            .into_iter()
-            .map(|i| match &answers[i] {
-                Ok(served) => Ok(Some(served.value.clone())),
+        Ok(hand_out(answers, &asked)
+            .map(|answer| match answer {
+                Ok(served) => Ok(Some(served.value)),
                 Err(e) if e.is_absent() => Ok(None),
-                Err(e) => Err(e.clone()),
+                Err(e) => Err(e),
             })
             .collect())
     }
@@ -542,32 +583,41 @@ impl Corral {
         let to_read: Vec<usize> = led.iter().map(|(i, _)| *i).collect();
         let reads = self.first_reads(keys, entries, named, &to_read).await;
         let mut parts = Vec::new();
-        for ((i, guard), (_, first, l1_until)) in led.into_iter().zip(reads) {
-            match first.read {
-                Ok(L2Read::Hit(value, meta, _, stamp)) => {
+        let (mut finished, mut hits) = (Vec::new(), Vec::new());
+        for ((i, guard), (_, first)) in led.into_iter().zip(reads) {
+            match first {
+                First::Hit(hit) => {
                     Metrics::bump(&inner.metrics.l2_hits);
-                    // Its followers first, as a flight's finish answers them.
-                    let served = Served { value, stale: false };
-                    share(guard, &Ok(served.clone()));
-                    let ticket = first.l1_ticket;
-                    self.fill_hit(keys[i], &served.value, meta, l1_until, ticket, stamp, now);
-                    answers[i] = Some(Ok(served));
+                    self.fill_hit(keys[i], &hit.value, hit.l1_until, hit.l1_ticket, hit.stamp, now);
+                    finished.push(guard);
+                    hits.push((
+                        i,
+                        Ok(Served {
+                            value: hit.value,
+                            stale: false,
+                        }),
+                    ));
                 }
-                _ => parts.push((i, Part::Lead(Some(guard)), Some(first))),
+                First::Flight(first) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
             }
+        }
+        // Their followers first, as a flight's finish answers them: the flights of the
+        // hits end together.
+        inner
+            .registry
+            .finish_all(finished.into_iter().zip(hits.iter().map(|(_, outcome)| outcome)));
+        for (i, outcome) in hits {
+            answers[i] = Some(outcome.map_err(|e| (*e).clone()));
         }
         parts
     }
 
-    /// Fills L1 with a hit a batch's first read found, until `l1_until` (the guest's,
-    /// when the read was judged with the others; else asked now).
-    #[allow(clippy::too_many_arguments)]
+    /// Fills L1 with a hit a batch's first read found, until `l1_until`.
     fn fill_hit(
         &self,
         key: &str,
         value: &Bytes,
-        meta: WitMeta,
-        l1_until: Option<u64>,
+        l1_until: L1Until,
         ticket: Ticket,
         stamp: Option<TagStamp>,
         now: u64,
@@ -576,9 +626,12 @@ impl Corral {
         if !inner.l1.is_on() {
             return;
         }
-        let until = match l1_until.map_or_else(|| inner.policy.l1_deadline(meta, now, inner.l1_ttl_ms), Ok) {
-            Ok(until) => until,
-            Err(e) => return tracing::debug!(key, error = %e, "L1 not filled"),
+        let until = match l1_until {
+            L1Until::Judged(until) => until,
+            L1Until::Ask(meta) => match inner.policy.l1_deadline(meta, now, inner.l1_ttl_ms) {
+                Ok(until) => until,
+                Err(e) => return tracing::debug!(key, error = %e, "L1 not filled"),
+            },
         };
         self.fill_l1_until(key, value, until, L1Fill::Read(ticket), stamp);
     }
@@ -592,16 +645,16 @@ impl Corral {
         }
     }
 
-    /// The first L2 reads of the keys `to_read` (indices into `keys`), made together,
-    /// each with the tickets taken before it, the deadline it began, and for a fresh
-    /// entry judged with the others, how long L1 may serve it.
+    /// The first L2 reads of the keys `to_read` (indices into `keys`), made together:
+    /// each a fresh hit, or what its flight begins with (the read, the tickets taken
+    /// before it, the deadline it began).
     async fn first_reads<'a>(
         &self,
         keys: &[&str],
         (entries, readable): (&Parts, bool),
         named: &'a [Ticket],
         to_read: &'a [usize],
-    ) -> impl Iterator<Item = (usize, FirstRead, Option<u64>)> + 'a {
+    ) -> impl Iterator<Item = (usize, First)> + 'a {
         let inner = &*self.inner;
         let deadline = in_ms(inner.flight.store_budget.before_load_ms);
         let tag_epoch = inner.l1.tag_epoch();
@@ -624,9 +677,22 @@ impl Corral {
             .zip(tickets)
             .zip(reads)
             .map(move |((&i, l1_ticket), read)| {
-                let (read, l1_until) = match read {
-                    Ok((read, l1_until)) => (Ok(read), l1_until),
-                    Err(e) => (Err(e), None),
+                let hit = |value, l1_until, stamp| {
+                    First::Hit(BatchHit {
+                        value,
+                        l1_until,
+                        stamp,
+                        l1_ticket,
+                    })
+                };
+                let read = match read {
+                    Ok(Looked::Served(value, until)) => return (i, hit(value, L1Until::Judged(until), None)),
+                    Ok(Looked::Read(L2Read::Hit(value, meta, _, stamp), until)) => {
+                        let until = until.map_or(L1Until::Ask(meta), L1Until::Judged);
+                        return (i, hit(value, until, stamp));
+                    }
+                    Ok(Looked::Read(read, _)) => Ok(read),
+                    Err(e) => Err(e),
                 };
                 let first = FirstRead {
                     named: named[i],
@@ -636,7 +702,7 @@ impl Corral {
                     deadline,
                     unnamed: !readable,
                 };
-                (i, first, l1_until)
+                (i, First::Flight(first))
             })
     }
 
@@ -711,5 +777,19 @@ mod send_check {
         let loads = Loads::new(keys, |_| async { Chunk::Panicked("".into()) }, |n| Ok(vec![n]));
         send(loads.load(0));
         send(c.one_of_many(0, "k", o, &loads, Part::Lead(None), None, None));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_asked_twice_are_answered_twice_in_the_order_asked() {
+        let (distinct, asked) = distinct_keys(&["b", "a", "b", "c", "a"]);
+        assert_eq!(distinct, ["b", "a", "c"]);
+        let answers: Vec<String> = distinct.iter().map(|k| k.to_uppercase()).collect();
+        let handed: Vec<String> = hand_out(answers, &asked).collect();
+        assert_eq!(handed, ["B", "A", "B", "C", "A"]);
     }
 }
