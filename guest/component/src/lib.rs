@@ -828,6 +828,7 @@ mod flight {
             wit::Event::Renewed => Event::Renewed,
             wit::Event::RenewRefused => Event::RenewRefused,
             wit::Event::RenewFailed => Event::RenewFailed,
+            wit::Event::LoadBegan => Event::LoadBegan,
         }
     }
 

@@ -242,6 +242,11 @@ pub enum Event {
     /// The renewal could not be tried (store unavailable): the lock holds until it
     /// lapses, and is tried again before then if there is time.
     RenewFailed,
+    /// The loader call began, later than the load was asked for (a batch's key waits
+    /// for its batch to be quiet, contract §5.16): the load's timeouts count from now.
+    /// The machine answers [`Action::Load`] with its moments re-armed; the body keeps
+    /// the loader it has (it does not call it again) and waits by the new moments.
+    LoadBegan,
 }
 
 /// How a flight ended, for the caller and the metrics.
@@ -589,6 +594,7 @@ impl Flight {
             (P::Loading, E::RenewDue | E::Renewed | E::RenewRefused | E::RenewFailed) => {
                 self.renewal(event, now_ms)
             }
+            (P::Loading, E::LoadBegan) => self.timeouts_from(now_ms),
             // The hard timeout, with background completion: the callers get what a hard
             // timeout gives them, and the load goes on.
             (P::Loading, E::LoadOverdue) if !self.answered => {
@@ -834,6 +840,12 @@ impl Flight {
                 until - ttl_ms.min(until) + crate::lock::renew_after_ms(ttl_ms)
             })
             .filter(|at| *at < hold_until);
+        self.timeouts_from(now_ms)
+    }
+
+    /// The load's moments, its timeouts counted from `now_ms` (the lock's renewal as
+    /// it stands); a timeout that answered the callers already is not armed again.
+    fn timeouts_from(&mut self, now_ms: u64) -> Action {
         let hard_ms = self
             .config
             .hard_timeout_ms
@@ -854,6 +866,13 @@ impl Flight {
             .filter(|_| self.stale.is_some() && !self.config.refresh)
             .map(|t| now_ms.saturating_add(t.max(1)))
             .filter(|soft| hard_ms.is_none_or(|hard| *soft < hard));
+        // Once answered (the stale copy, or a timeout with background completion), no
+        // early answer is due again.
+        let (soft_until_ms, overdue_ms) = if self.answered {
+            (None, None)
+        } else {
+            (soft_until_ms, overdue_ms)
+        };
         Action::Load {
             until_ms,
             soft_until_ms,
@@ -1292,6 +1311,73 @@ mod tests {
             ],
         );
         assert_eq!(finish(&actions[4]).0, Outcome::Stale(StaleCause::LoadTimedOut));
+    }
+
+    #[test]
+    fn a_load_whose_call_began_late_counts_its_timeouts_from_the_call() {
+        let config = FlightConfig {
+            soft_timeout_ms: Some(100),
+            hard_timeout_ms: Some(1_000),
+            ..FlightConfig::default()
+        };
+        let loaded = Event::Loaded {
+            len: 1,
+            cacheable: true,
+            expiry: None,
+        };
+        let stale = stale_meta(NOW);
+        let began_late = |last: (u64, Event)| {
+            run(
+                config,
+                &[
+                    (0, Event::L2Stale(stale)),
+                    (0, Event::LockAcquired),
+                    (0, Event::L2Stale(stale)),
+                    (800, Event::LoadBegan),
+                    last,
+                ],
+            )
+            .1
+        };
+        let actions = began_late((1_500, loaded));
+        assert_eq!(
+            actions[4],
+            Action::Load {
+                until_ms: Some(NOW + 1_800),
+                soft_until_ms: Some(NOW + 900),
+                overdue_ms: None,
+                renew_at_ms: Some(NOW + 10_000)
+            },
+            "re-armed from the call, the lock's renewal as it was"
+        );
+        assert!(
+            matches!(actions[5], Action::WriteL2 { .. }),
+            "past the first hard timeout, within the re-armed one: {:?}",
+            actions[5]
+        );
+        // Past the re-armed hard timeout: a timeout (here, the stale copy).
+        let actions = began_late((1_800, loaded));
+        assert_eq!(finish(&actions[5]).0, Outcome::Stale(StaleCause::LoadTimedOut));
+        // A soft timeout that answered already is not armed again.
+        let (_, actions) = run(
+            config,
+            &[
+                (0, Event::L2Stale(stale)),
+                (0, Event::LockAcquired),
+                (0, Event::L2Stale(stale)),
+                (100, Event::LoadSlow),
+                (800, Event::LoadBegan),
+            ],
+        );
+        assert!(matches!(actions[4], Action::AnswerStale { .. }));
+        assert!(matches!(
+            actions[5],
+            Action::Load {
+                until_ms: Some(until),
+                soft_until_ms: None,
+                ..
+            } if until == NOW + 1_800
+        ));
     }
 
     #[test]

@@ -754,3 +754,30 @@ async fn a_bad_key_is_named_alike_warm_or_cold_and_before_a_bad_tag() -> Result<
     );
     Ok(())
 }
+
+/// A batch's loader call still running at the hard timeout is stopped: every key it
+/// loads gets `Timeout`, nothing is cached, and the call ends (the timeout counts from
+/// the call, contract §5.16, §7.2; `cluster::a_batch_keys_hard_timeout_counts_from_its_loader_call`
+/// holds the call back behind another key's store step).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_loader_past_the_hard_timeout_is_stopped() -> Result<()> {
+    let _real_time = real_time().await;
+    let f = Fixture::new(Backend::Memory)?;
+    let calls = Calls::default();
+    let options = relative().hard_timeout(Duration::from_millis(100));
+    let answers = f
+        .cache
+        .get_or_set_many(["a", "b"], options, |keys: Vec<String>| {
+            calls.note(&keys);
+            std::future::pending::<Loaded<std::io::Error>>()
+        })
+        .await?;
+    assert_eq!(calls.all(), [["a", "b"]], "one call for both keys");
+    for answer in answers {
+        let e = answer.expect_err("stopped at the hard timeout");
+        assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    }
+    assert_eq!(f.cache.get("a").await?, None, "nothing cached");
+    assert_eq!(f.cache.flights_in_progress(), 0);
+    Ok(())
+}

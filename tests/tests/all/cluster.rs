@@ -584,3 +584,68 @@ async fn frozen_master_among_gathered_reads(entries: EntryOptions) -> Result<()>
     );
     Ok(())
 }
+
+/// A batch key's hard timeout counts from its loader call, not from when its flight
+/// reached its load (contract §5.16, §7.2). The batch's loader is called once the batch
+/// is quiet. Here one key's master holds its writes (`CLIENT PAUSE WRITE`): the key's
+/// first read goes through, its lock step waits out the store timeout, and the batch
+/// is not quiet meanwhile. A key on a live master has been ready since its own lock
+/// step. Its loader then runs for a fifth of the hard timeout: it is served. Before,
+/// its timeout ran from when it was ready, and it failed with `Timeout` after its
+/// loader had run for less than the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_keys_hard_timeout_counts_from_its_loader_call() -> Result<()> {
+    let _real_time = real_time().await;
+    let mut cluster = RedisCluster::start(3, 0, Duration::from_secs(60))?;
+    let store_timeout = Duration::from_millis(800);
+    let hard_timeout = Duration::from_millis(500);
+    let mut options = RedisOptions::cluster(cluster.urls());
+    options.prefix = prefix("batch-hard-timeout");
+    options.response_timeout = store_timeout;
+    options.breaker_threshold = 0;
+    let cache = Corral::builder().redis_options(options).l1_capacity(0).build()?;
+    let keys = keys_by_master(&cluster, 1, &|k| cache.entry_name(k))?;
+    let mut masters = keys.iter();
+    let (held, held_key) = masters.next().context("a master")?;
+    let (_, live_key) = masters.next().context("another master")?;
+    let (held_key, live_key) = (held_key[0].clone(), live_key[0].clone());
+    // Reads are served; writes and scripts wait for the pause to end.
+    let mut held_master = redis::Client::open(cluster.node(*held).url())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let pause_ms = 3 * store_timeout.as_millis() as u64;
+    redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(pause_ms)
+        .arg("WRITE")
+        .query_async::<()>(&mut held_master)
+        .await?;
+    let started = Instant::now();
+    let found = cache
+        .get_or_set_many(
+            [&live_key, &held_key],
+            corral::LoadOptions::relative(Duration::from_secs(60)).hard_timeout(hard_timeout),
+            |keys: Vec<String>| async move {
+                tokio::time::sleep(hard_timeout / 5).await;
+                Ok::<_, std::io::Error>(keys.into_iter().map(|k| (k.clone(), k.into_bytes())))
+            },
+        )
+        .await;
+    let took = started.elapsed();
+    redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query_async::<()>(&mut held_master)
+        .await?;
+    let found = found?;
+    anyhow::ensure!(
+        took >= hard_timeout + hard_timeout / 5,
+        "the batch was not held up past the hard timeout ({took:?}): the test proves nothing"
+    );
+    anyhow::ensure!(
+        matches!(&found[0], Ok(Some(v)) if v[..] == *live_key.as_bytes()),
+        "the live master's key, its loader run for {:?} of a {hard_timeout:?} hard timeout, got {:?} after {took:?}",
+        hard_timeout / 5,
+        found[0]
+    );
+    Ok(())
+}

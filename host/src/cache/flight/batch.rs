@@ -264,8 +264,9 @@ where
     }
 
     /// The load of key `index`, as its flight's loader: waits until the batch is quiet,
-    /// then shares one loader call with the keys that are ready with it.
-    async fn load(&self, index: usize) -> std::result::Result<Bytes, BoxError> {
+    /// then shares one loader call with the keys that are ready with it, saying when
+    /// that call began (`began`: the flight's timeouts count from then).
+    async fn load(&self, index: usize, began: oneshot::Sender<()>) -> std::result::Result<Bytes, BoxError> {
         let ready = self.quiet.ready(index);
         let call = loop {
             let woken = self.quiet.wake.notified();
@@ -280,6 +281,7 @@ where
             }
             woken.await;
         };
+        let _ = began.send(());
         let chunk = call.await;
         drop(ready);
         match chunk {
@@ -741,7 +743,8 @@ impl Corral {
                 Part::Lead(guard) => {
                     let _seat = seat.take().unwrap_or_else(|| loads.quiet.seat());
                     let mut followers = guard;
-                    let mut loader = Some(move || loads.load(index));
+                    let (began, call_began) = oneshot::channel();
+                    let mut loader = Some(move || loads.load(index, began));
                     let (mut answer, mut refresh) = (None, None);
                     let callers = Callers {
                         loader: &mut loader,
@@ -749,6 +752,7 @@ impl Corral {
                         answer: &mut answer,
                         refresh: &mut refresh,
                         batch: Some(&loads.quiet),
+                        began: Some(call_began),
                     };
                     let result = self
                         .fly(key, options, callers, first)
@@ -775,7 +779,7 @@ mod send_check {
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
         send(c.many(keys, (&Parts::default(), true), &[], o, &loader));
         let loads = Loads::new(keys, |_| async { Chunk::Panicked("".into()) }, |n| Ok(vec![n]));
-        send(loads.load(0));
+        send(loads.load(0, oneshot::channel().0));
         send(c.one_of_many(0, "k", o, &loads, Part::Lead(None), None, None));
     }
 }

@@ -42,6 +42,9 @@ pub(super) struct Callers<'a, F> {
     /// The batch this flight is one key of ([`Corral::get_or_set_many`]): told when the
     /// flight waits for another process, so the batch's loads need not wait for it.
     pub(super) batch: Option<&'a Quiet>,
+    /// A batch key's loader call, begun: its load waits for the batch to be quiet
+    /// first, and its timeouts count from the call (contract §5.16).
+    pub(super) began: Option<oneshot::Receiver<()>>,
 }
 
 /// A flight's first L2 read, made before it began, together with the reads of the
@@ -367,28 +370,44 @@ where
     }
 
     /// Waits for the loader's answer (`None`: stopped at the hard timeout), doing at each
-    /// moment the guest set what it is due for: an early answer, the lock's renewal.
+    /// moment the guest set what it is due for: an early answer, the lock's renewal. A
+    /// batch key's load counts its timeouts from its loader call: until the call begins,
+    /// only the lock's renewal is due; then the guest re-arms the rest (`load-began`).
     async fn await_loader<L: Future + Unpin>(
         &mut self,
         running: &mut L,
         request: &LoadRequest,
     ) -> Result<Option<L::Output>> {
         let clock = &self.cache.inner.clock;
+        let mut began = self.callers.began.take();
         let mut marks = Marks {
             stop: request.until_ms,
             slow: request.soft_until_ms,
             overdue: request.overdue_ms,
             renew: request.renew_at_ms,
         };
+        if began.is_some() {
+            marks = Marks {
+                renew: marks.renew,
+                ..Marks::default()
+            };
+        }
         loop {
             // Once answered, no early answer is due.
-            let Some((at, mark)) = marks.next(self.callers.answer.is_some()) else {
-                return Ok(Some(running.await));
+            let next = marks.next(self.callers.answer.is_some());
+            let left = next.map(|(at, _)| Duration::from_millis(at.saturating_sub(clock.now_ms())));
+            let mark = match first_of(running, &mut began, left).await {
+                Woke::Loaded(loaded) => return Ok(Some(loaded)),
+                Woke::Began => {
+                    began = None;
+                    marks = self.load_began()?;
+                    continue;
+                }
+                Woke::At => match next {
+                    Some((_, mark)) => mark,
+                    None => continue,
+                },
             };
-            let left = Duration::from_millis(at.saturating_sub(clock.now_ms()));
-            if let Ok(loaded) = tokio::time::timeout(left, &mut *running).await {
-                return Ok(Some(loaded));
-            }
             match mark {
                 Mark::Stop => return Ok(None),
                 Mark::Slow => {
@@ -407,6 +426,22 @@ where
                     }
                 }
             }
+        }
+    }
+
+    /// A batch key's loader call began: the guest re-arms the load's moments from now
+    /// (the lock's renewal as it stands).
+    fn load_began(&mut self) -> Result<Marks> {
+        let next = self.step(Event::LoadBegan)?;
+        trace_action(&next);
+        match next {
+            Action::Load(request) => Ok(Marks {
+                stop: request.until_ms,
+                slow: request.soft_until_ms,
+                overdue: request.overdue_ms,
+                renew: request.renew_at_ms,
+            }),
+            _ => Err(out_of_turn("the loader call's start")),
         }
     }
 
@@ -808,6 +843,7 @@ where
 
 /// The moments a running load is due for something, as the guest set them (the
 /// cache's clock, Unix ms): stopped, answered early, its lock renewed.
+#[derive(Default)]
 struct Marks {
     stop: Option<u64>,
     slow: Option<u64>,
@@ -837,6 +873,41 @@ impl Marks {
         .into_iter()
         .filter_map(|(at, mark)| Some((at?, mark)))
         .min_by_key(|(at, _)| *at)
+    }
+}
+
+/// What a load's wait ended with (see [`first_of`]).
+enum Woke<T> {
+    Loaded(T),
+    Began,
+    At,
+}
+
+/// Waits for the first of: the loader's answer, its call's start (`began`, while it
+/// has not; a start that can no longer come counts as one), and the moment `left` from
+/// now (none: never).
+async fn first_of<L: Future + Unpin>(
+    running: &mut L,
+    began: &mut Option<oneshot::Receiver<()>>,
+    left: Option<Duration>,
+) -> Woke<L::Output> {
+    let call = async {
+        match began {
+            Some(rx) => drop(rx.await),
+            None => std::future::pending().await,
+        }
+    };
+    let moment = async {
+        match left {
+            Some(left) => tokio::time::sleep(left).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        loaded = running => Woke::Loaded(loaded),
+        () = call => Woke::Began,
+        () = moment => Woke::At,
     }
 }
 

@@ -354,6 +354,7 @@ impl Corral {
             answer,
             refresh: &mut refresh,
             batch: None,
+            began: None,
         };
         let result = self.fly(key, options, callers, None).await;
         Led {
