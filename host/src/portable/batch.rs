@@ -208,6 +208,16 @@ impl BatchOrigin {
         loads: Vec<Held>,
     ) -> wasmtime::Result<Vec<(usize, Answer)>> {
         let asked: Vec<String> = loads.iter().map(|(at, ..)| keys[*at].clone()).collect();
+        // The call's keys count their timeouts from now, not from the batch's start.
+        let load = s.guest.corral_cache_cache().load();
+        for (_, held, _) in &loads {
+            if let Err(e) = load.call_begin(&mut s.store, *held) {
+                for (_, held, _) in loads {
+                    let _ = held.resource_drop(&mut s.store);
+                }
+                return Err(e);
+            }
+        }
         let out = match run_origin(s, || (self.loader)(&asked)) {
             Ok(out) => out,
             Err(e) => {

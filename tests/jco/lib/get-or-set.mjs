@@ -124,6 +124,8 @@ function loadAll(cache, keys, loads, origin, answers) {
   if (loads.length === 0) return;
   let loaded;
   try {
+    // The loads' timeouts count from the origin call.
+    loads.forEach(([, load]) => load.begin());
     loaded = origin.loadMany(loads.map(([i]) => keys[i]));
   } catch (e) {
     loads.forEach(([, load]) => drop(load));

@@ -905,6 +905,49 @@ fn recording(calls: &Calls) -> impl FnMut(&[String]) -> Found + Send + 'static {
     }
 }
 
+/// A portable batch's key counts its hard timeout from its own loader call (contract
+/// §5.16, §7.2): with `max_batch` 1 each call takes three fifths of the hard timeout
+/// by the cache's clock, and the second call's key is served. Before, its timeout ran
+/// from the batch's start, and it timed out on the first call's time. A call that runs
+/// past the timeout itself still times out.
+#[tokio::test]
+async fn a_portable_batch_keys_hard_timeout_counts_from_its_own_call() -> Result<()> {
+    let clock = corral::ManualClock::starting_now();
+    let memory = MemoryStore::new(Arc::new(clock.clone()), 30_000);
+    let hard = Duration::from_millis(1_000);
+    let portable = PortableCache::builder()
+        .clock(clock.clone())
+        .memory(memory)
+        .hard_timeout(hard)
+        .build()?;
+    let relative = || corral::LoadOptions::relative(Duration::from_secs(60));
+    let taking = |took: Duration| {
+        let clock = clock.clone();
+        move |keys: &[String]| -> Found {
+            clock.advance(took);
+            Ok(keys.iter().map(|k| (k.clone(), k.clone().into_bytes())).collect())
+        }
+    };
+    let got = portable
+        .get_or_set_many(&["a", "b"], relative().max_batch(1), taking(hard * 3 / 5))
+        .await?;
+    for (key, value) in ["a", "b"].iter().zip(got) {
+        assert_eq!(
+            value?,
+            Some(Bytes::from(*key)),
+            "{key}, its call within the timeout"
+        );
+    }
+    let got = portable.get_or_set_many(&["c"], relative(), taking(hard)).await?;
+    let e = got
+        .into_iter()
+        .next()
+        .expect("one answer")
+        .expect_err("past the timeout");
+    assert_eq!(e.kind(), corral::ErrorKind::Timeout, "{e}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn a_portable_batch_takes_the_native_batchs_options() -> Result<()> {
     let portable = portable_over_memory()?;

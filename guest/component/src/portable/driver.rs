@@ -195,6 +195,15 @@ impl Driver {
         })
     }
 
+    /// The caller's origin call for the load begins now, later than the load was
+    /// handed out: the machine re-arms the load's timeouts from now (`load-began`),
+    /// and the load goes on.
+    pub(super) fn began(&mut self) {
+        // The machine answers with the load again, its moments re-armed (a flight out
+        // of order would end as its next event finds it: loaded uncached).
+        let _load = self.resume(Event::LoadBegan);
+    }
+
     /// The caller's load failed with `reason`: the flight goes on to its end.
     pub(super) fn failed(&mut self, reason: String) -> Step {
         self.loader_error = reason;

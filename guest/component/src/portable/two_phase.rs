@@ -229,6 +229,12 @@ impl wcache::GuestLoad for Loading {
             .map_or_else(String::new, |d| d.key().to_owned())
     }
 
+    fn begin(&self) {
+        if let Some(driver) = self.shared.driver.borrow_mut().as_mut() {
+            driver.began();
+        }
+    }
+
     fn complete(this: wcache::Load, value: Vec<u8>, cacheable: bool) -> Result<Vec<u8>, types::Error> {
         Loading::end(this, |driver| driver.loaded(value, cacheable))
     }
