@@ -139,16 +139,23 @@ impl Body {
         &self,
         keys: &[String],
         entry: EntryOptions,
+        asks: crate::run::BatchAsks,
         load: BatchLoad,
     ) -> corral::Result<Vec<corral::Result<Option<Bytes>>>> {
+        let mut options = LoadOptions::new().entry(entry);
+        if let Some(max) = asks.max_batch {
+            options = options.max_batch(max);
+        }
         match self {
             Body::Native(c) => {
+                if let Some(ms) = asks.hard_ms {
+                    options = options.hard_timeout(std::time::Duration::from_millis(ms));
+                }
                 let loader = |asked: Vec<String>| {
                     let running = load(asked);
                     async move { running.await.map_err(std::io::Error::other) }
                 };
-                c.get_or_set_many(keys, LoadOptions::new().entry(entry), loader)
-                    .await
+                c.get_or_set_many(keys, options, loader).await
             }
             Body::Portable(c) => {
                 let loader = move |asked: &[String]| -> Result<Vec<(String, Vec<u8>)>, String> {
@@ -160,10 +167,14 @@ impl Body {
                         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
                     Ok(found.into_iter().map(|(k, v)| (k, v.to_vec())).collect())
                 };
-                c.get_or_set_many(keys, LoadOptions::new().entry(entry), loader)
-                    .await
+                c.get_or_set_many(keys, options, loader).await
             }
         }
+    }
+
+    /// Whether this is the native body.
+    pub(crate) fn is_native(&self) -> bool {
+        matches!(self, Body::Native(_))
     }
 
     /// A get-or-set with timeouts or eager refresh: the native body's `fetch` (its

@@ -139,7 +139,15 @@ enum Op {
     GetOrSetFor(String, Expiry, LoaderPlan, Detach),
     /// A get-or-set of several distinct keys at once; the loader leaves out the key at
     /// this position, if any.
-    GetOrSetMany(Vec<String>, LoaderPlan, Option<usize>),
+    GetOrSetMany(Vec<String>, LoaderPlan, Option<usize>, BatchAsks),
+}
+
+/// What a batch asks beyond its keys: a hard timeout (the native body's; the portable
+/// body's timeouts are its builder's) and at most this many keys per loader call.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct BatchAsks {
+    pub(crate) hard_ms: Option<u64>,
+    pub(crate) max_batch: Option<usize>,
 }
 
 /// How a freshness key's entry expires: a short relative expiry, sliding within it, or
@@ -452,7 +460,11 @@ fn batcher(s: &Scenario, seed: u64, proc: usize) -> Vec<(u64, Op)> {
                         }
                     }
                     let left_out = r.chance(250).then(|| r.range(0, size as u64 - 1) as usize);
-                    Op::GetOrSetMany(keys, loader_plan(&mut r, s), left_out)
+                    let asks = BatchAsks {
+                        hard_ms: r.chance(300).then(|| r.range(100, 2_000)),
+                        max_batch: r.chance(300).then(|| r.range(1, 2) as usize),
+                    };
+                    Op::GetOrSetMany(keys, loader_plan(&mut r, s), left_out, asks)
                 }
             };
             (think, op)
@@ -861,6 +873,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     }
 
     check_history(&ctx, &scenario, &plan);
+    check_coalesced_timeouts(&ctx);
     check_expiry(&ctx);
     check_invalidations(&ctx, &scenario, &plan);
     crate::locks::check_orphans(&world);
@@ -913,8 +926,8 @@ fn show(v: &Option<Bytes>) -> Option<String> {
 /// One call of the workload, bounded, in a task of its own (a panic that escapes the
 /// library is caught at the join and is a violation).
 async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
-    if let Op::GetOrSetMany(keys, plan, left_out) = op {
-        return call_many(ctx, proc, cache, keys, plan, left_out).await;
+    if let Op::GetOrSetMany(keys, plan, left_out, asks) = op {
+        return call_many(ctx, proc, cache, keys, plan, left_out, asks).await;
     }
     let w = ctx.world.clone();
     let id = ctx.next_id();
@@ -1098,16 +1111,18 @@ async fn call_many(
     keys: Vec<String>,
     plan: LoaderPlan,
     left_out: Option<usize>,
+    asks: BatchAsks,
 ) {
     let w = ctx.world.clone();
     // One id for the batch: its flights' reads run in its task, and count for it.
     let id = ctx.next_id();
     let t_inv = w.now();
     let clock_inv = ctx.clocks[proc].now_ms();
-    w.log(format_args!("p{proc} c{id} get_or_set_many {keys:?}"));
+    w.log(format_args!("p{proc} c{id} get_or_set_many {keys:?} {asks:?}"));
     let loaded: Arc<Mutex<BTreeMap<String, (String, LoaderPlan)>>> = Arc::default();
     let ms = plan.ms();
     let absent = left_out.map(|i| keys[i].clone());
+    let cut_after_ms = asks.hard_ms.filter(|_| cache.is_native());
     let load: crate::body::BatchLoad = {
         let (w, loaded, plan) = (w.clone(), loaded.clone(), plan.clone());
         let wait = Arc::new(wait_for(w.clone(), proc, ms));
@@ -1117,6 +1132,9 @@ async fn call_many(
             for key in asked {
                 let value = format!("load{}", w.next_seq());
                 let index = w.load_started(id, proc, &key, &value, t_inv, false);
+                if let Some(hard_ms) = cut_after_ms {
+                    w.load_may_be_cut(index, hard_ms);
+                }
                 ends.push(EndGuard(w.clone(), index));
                 if absent.as_ref() != Some(&key) {
                     loaded.lock().insert(key.clone(), (value.clone(), plan.clone()));
@@ -1143,7 +1161,7 @@ async fn call_many(
         let (cache, asked) = (cache.clone(), keys.clone());
         let entry = EntryOptions::new().relative(VALUE_TTL);
         tokio::spawn(crate::world::CALL.scope(id, async move {
-            tokio::time::timeout(bound, cache.get_or_set_many(&asked, entry, load)).await
+            tokio::time::timeout(bound, cache.get_or_set_many(&asked, entry, asks, load)).await
         }))
     };
     ctx.tasks[proc].lock().push(task.abort_handle());
@@ -1180,7 +1198,12 @@ async fn call_many(
             loaded: loaded.lock().get(&key).cloned(),
             clocks: (clock_inv, clock_end),
             stale: None,
-            detach: None,
+            // A hard timeout cuts the key's load (the native body's; the portable one
+            // leaves it to its builder, which sets none here).
+            detach: asks.hard_ms.filter(|_| cache.is_native()).map(|hard_ms| Detach {
+                hard_ms: Some(hard_ms),
+                ..Detach::default()
+            }),
         };
         if let (Res::Value(Some(v)), Some((l, _))) = (&res, &rec.loaded)
             && v == l
@@ -1238,6 +1261,9 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
         (Res::Failed(ErrorKind::Loader), "get_or_set") => {}
         // A hard timeout that ran out (its loader started after the call began).
         (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.hard_timeout_ran_out() => {}
+        // Without one of its own: the timeout of the flight it followed, judged once
+        // every call is in (`check_coalesced_timeouts`).
+        (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.detach.is_none() => {}
         // Held past the wait, no answer, or lost before the release.
         (
             Res::Failed(
@@ -1289,6 +1315,33 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
 /// call) is exempt: a caller gets what its flight loaded. The reader's clock at the
 /// moment it judged is at least the lower of its clock at the call's start and at its
 /// end less the call's span (a clock step back inside the call).
+/// A get-or-set that asked no hard timeout fails with `Timeout` only as a follower of
+/// a flight whose leader's hard timeout ran out (a batch's key, led with one): a call of
+/// the same key in the same process that timed out so, begun no later and ended no
+/// earlier (a flight answers its followers as it ends; a batch returns once all its
+/// keys are answered).
+fn check_coalesced_timeouts(ctx: &Ctx) {
+    let w = &ctx.world;
+    let calls = ctx.calls.lock();
+    let timed_out = |c: &&CallRec| c.op == "get_or_set" && matches!(c.res, Res::Failed(ErrorKind::Timeout));
+    for c in calls.iter().filter(timed_out).filter(|c| c.detach.is_none()) {
+        let led = calls.iter().filter(timed_out).any(|l| {
+            l.id != c.id
+                && l.proc == c.proc
+                && l.key == c.key
+                && l.t_inv <= c.t_inv
+                && c.t_end <= l.t_end
+                && l.hard_timeout_ran_out()
+        });
+        if !led {
+            w.violation(format!(
+                "error kind: p{} c{} get_or_set {} failed with Timeout, asking none and following no flight that timed out",
+                c.proc, c.id, c.key
+            ));
+        }
+    }
+}
+
 fn check_expiry(ctx: &Ctx) {
     let w = &ctx.world;
     let calls = ctx.calls.lock();

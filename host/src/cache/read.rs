@@ -266,10 +266,18 @@ impl Corral {
             let fetched = match fetched {
                 Some(Ok(Some((stored, Verdict::Served(served))))) => {
                     inner.read_hints.note(name, hint, served.next_read);
+                    let offset = served.value_offset as usize;
+                    if offset > stored.len() {
+                        found.push(Err(crate::Error::guest(
+                            "a served read's value starts past its bytes",
+                            "broken contract",
+                        )));
+                        continue;
+                    }
                     // The value is the rest of the bytes read: moved past the header in
                     // place (a slice would share, and allocate, what nothing else holds).
                     let mut value = stored;
-                    value.advance(served.value_offset as usize);
+                    value.advance(offset);
                     found.push(Ok(Looked::Served(value, served.l1_until_ms)));
                     continue;
                 }

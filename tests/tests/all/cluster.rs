@@ -595,6 +595,17 @@ async fn frozen_master_among_gathered_reads(entries: EntryOptions) -> Result<()>
 /// loader had run for less than the timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_keys_hard_timeout_counts_from_its_loader_call() -> Result<()> {
+    batch_held_behind_a_paused_master(true).await
+}
+
+/// The same with a loader that answers at once (its call begins and ends in one poll):
+/// its answer is judged by its call's moments too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_keys_instant_loader_is_judged_from_its_call() -> Result<()> {
+    batch_held_behind_a_paused_master(false).await
+}
+
+async fn batch_held_behind_a_paused_master(loader_waits: bool) -> Result<()> {
     let _real_time = real_time().await;
     let mut cluster = RedisCluster::start(3, 0, Duration::from_secs(60))?;
     let store_timeout = Duration::from_millis(800);
@@ -626,7 +637,9 @@ async fn a_batch_keys_hard_timeout_counts_from_its_loader_call() -> Result<()> {
             [&live_key, &held_key],
             corral::LoadOptions::relative(Duration::from_secs(60)).hard_timeout(hard_timeout),
             |keys: Vec<String>| async move {
-                tokio::time::sleep(hard_timeout / 5).await;
+                if loader_waits {
+                    tokio::time::sleep(hard_timeout / 5).await;
+                }
                 Ok::<_, std::io::Error>(keys.into_iter().map(|k| (k.clone(), k.into_bytes())))
             },
         )
@@ -643,8 +656,12 @@ async fn a_batch_keys_hard_timeout_counts_from_its_loader_call() -> Result<()> {
     );
     anyhow::ensure!(
         matches!(&found[0], Ok(Some(v)) if v[..] == *live_key.as_bytes()),
-        "the live master's key, its loader run for {:?} of a {hard_timeout:?} hard timeout, got {:?} after {took:?}",
-        hard_timeout / 5,
+        "the live master's key, its loader {} under a {hard_timeout:?} hard timeout, got {:?} after {took:?}",
+        if loader_waits {
+            "run for a fifth of it"
+        } else {
+            "answering at once"
+        },
         found[0]
     );
     Ok(())

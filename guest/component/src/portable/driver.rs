@@ -199,9 +199,22 @@ impl Driver {
     /// handed out: the machine re-arms the load's timeouts from now (`load-began`),
     /// and the load goes on.
     pub(super) fn began(&mut self) {
-        // The machine answers with the load again, its moments re-armed (a flight out
-        // of order would end as its next event finds it: loaded uncached).
-        let _load = self.resume(Event::LoadBegan);
+        match self.flight.handle(Event::LoadBegan, now_ms(), &self.limits) {
+            // The load again, its timeouts re-armed; its tagged write moment stays when
+            // the load was handed out, as in the native body.
+            Action::Load {
+                until_ms,
+                soft_until_ms,
+                ..
+            } => {
+                self.hard_at = until_ms;
+                self.soft_at = soft_until_ms;
+            }
+            // Never the machine's answer to a load's start.
+            other => {
+                let _step = self.run(other);
+            }
+        }
     }
 
     /// The caller's load failed with `reason`: the flight goes on to its end.

@@ -35,6 +35,7 @@ use crate::cache::metrics::Metrics;
 use crate::cache::read::{L2Read, Looked};
 use crate::cache::registry::{self, Join, LeaderGuard, Outcome};
 use crate::cache::tags::TagStamp;
+use crate::clock::Clock;
 use crate::error::{Absent, BatchLoaderError, panic_text};
 use crate::guest::convert::Parts;
 use crate::guest::policy::WitMeta;
@@ -245,6 +246,8 @@ struct Loads<'a, M, C: Future, S> {
     quiet: Quiet,
     /// Per key, the call that loads it, once made (taken by the key's flight).
     calls: Mutex<Vec<Option<Shared<C>>>>,
+    /// The cache's clock: when a key's call began.
+    clock: &'a dyn Clock,
 }
 
 impl<'a, M, C, S> Loads<'a, M, C, S>
@@ -253,20 +256,21 @@ where
     C: Future<Output = Chunk>,
     S: Fn(u64) -> Result<Vec<u64>>,
 {
-    fn new(keys: &'a [&'a str], call: M, split: S) -> Self {
+    fn new(keys: &'a [&'a str], call: M, split: S, clock: &'a dyn Clock) -> Self {
         Loads {
             keys,
             call,
             split,
             quiet: Quiet::new(),
             calls: Mutex::new(keys.iter().map(|_| None).collect()),
+            clock,
         }
     }
 
     /// The load of key `index`, as its flight's loader: waits until the batch is quiet,
     /// then shares one loader call with the keys that are ready with it, saying when
     /// that call began (`began`: the flight's timeouts count from then).
-    async fn load(&self, index: usize, began: oneshot::Sender<()>) -> std::result::Result<Bytes, BoxError> {
+    async fn load(&self, index: usize, began: oneshot::Sender<u64>) -> std::result::Result<Bytes, BoxError> {
         let ready = self.quiet.ready(index);
         let call = loop {
             let woken = self.quiet.wake.notified();
@@ -281,7 +285,7 @@ where
             }
             woken.await;
         };
-        let _ = began.send(());
+        let _ = began.send(self.clock.now_ms());
         let chunk = call.await;
         drop(ready);
         match chunk {
@@ -485,7 +489,8 @@ impl Corral {
             }
         };
         let max_batch = options.max_batch.map(|n| n as u64);
-        let loads = Loads::new(keys, call, |ready| inner.policy.batch_calls(ready, max_batch));
+        let split = |ready| inner.policy.batch_calls(ready, max_batch);
+        let loads = Loads::new(keys, call, split, &*inner.clock);
         let mut answers: Vec<Option<Result<Served>>> = keys.iter().map(|_| None).collect();
         let (mut parts, led) = self.join_batch(keys, options, &mut answers);
         parts.extend(self.answer_hits(keys, entries, named, led, &mut answers).await);
@@ -603,8 +608,8 @@ impl Corral {
                 First::Flight(first) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
             }
         }
-        // Their followers first, as a flight's finish answers them: the flights of the
-        // hits end together.
+        // The hits' flights end together, L1 filled: their followers are answered
+        // before this caller, as a flight's finish answers them.
         inner
             .registry
             .finish_all(finished.into_iter().zip(hits.iter().map(|(_, outcome)| outcome)));
@@ -778,7 +783,13 @@ mod send_check {
         send(c.first_reads(keys, (&Parts::default(), true), &[], &[]));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
         send(c.many(keys, (&Parts::default(), true), &[], o, &loader));
-        let loads = Loads::new(keys, |_| async { Chunk::Panicked("".into()) }, |n| Ok(vec![n]));
+        let clock = crate::clock::SystemClock;
+        let loads = Loads::new(
+            keys,
+            |_| async { Chunk::Panicked("".into()) },
+            |n| Ok(vec![n]),
+            &clock,
+        );
         send(loads.load(0, oneshot::channel().0));
         send(c.one_of_many(0, "k", o, &loads, Part::Lead(None), None, None));
     }

@@ -42,9 +42,10 @@ pub(super) struct Callers<'a, F> {
     /// The batch this flight is one key of ([`Corral::get_or_set_many`]): told when the
     /// flight waits for another process, so the batch's loads need not wait for it.
     pub(super) batch: Option<&'a Quiet>,
-    /// A batch key's loader call, begun: its load waits for the batch to be quiet
-    /// first, and its timeouts count from the call (contract §5.16).
-    pub(super) began: Option<oneshot::Receiver<()>>,
+    /// A batch key's loader call, begun at this moment (the cache's clock): its load
+    /// waits for the batch to be quiet first, and its timeouts count from the call
+    /// (contract §5.16).
+    pub(super) began: Option<oneshot::Receiver<u64>>,
 }
 
 /// A flight's first L2 read, made before it began, together with the reads of the
@@ -193,7 +194,12 @@ where
 
     /// Feeds `event` to the guest at the cache's clock; the next action.
     fn step(&mut self, event: Event) -> Result<Action> {
-        self.now = self.cache.inner.clock.now_ms();
+        self.step_at(event, self.cache.inner.clock.now_ms())
+    }
+
+    /// [`step`](Self::step) with what happened at the moment `now` (the cache's clock).
+    fn step_at(&mut self, event: Event, now: u64) -> Result<Action> {
+        self.now = now;
         let (state, next) = self
             .cache
             .inner
@@ -396,11 +402,19 @@ where
             // Once answered, no early answer is due.
             let next = marks.next(self.callers.answer.is_some());
             let left = next.map(|(at, _)| Duration::from_millis(at.saturating_sub(clock.now_ms())));
-            let mark = match first_of(running, &mut began, left).await {
-                Woke::Loaded(loaded) => return Ok(Some(loaded)),
-                Woke::Began => {
+            let mark = match first_of(running, &mut began, left, || clock.now_ms()).await {
+                // A call that began and answered in one poll: its answer is judged by
+                // the moments of its call too.
+                Woke::Loaded(loaded) => {
+                    if let Some(mut call) = began.take() {
+                        let at = call.try_recv().unwrap_or_else(|_| clock.now_ms());
+                        self.load_began(at)?;
+                    }
+                    return Ok(Some(loaded));
+                }
+                Woke::Began(at) => {
                     began = None;
-                    marks = self.load_began()?;
+                    marks = self.load_began(at)?;
                     continue;
                 }
                 Woke::At => match next {
@@ -422,6 +436,10 @@ where
                     marks.renew = None;
                     let by_mark = marks.next(self.callers.answer.is_some()).map(|(at, _)| at);
                     if let Some(loaded) = self.renew_lock(running, &mut marks.renew, by_mark).await? {
+                        if let Some(mut call) = began.take() {
+                            let at = call.try_recv().unwrap_or_else(|_| clock.now_ms());
+                            self.load_began(at)?;
+                        }
                         return Ok(Some(loaded));
                     }
                 }
@@ -429,10 +447,11 @@ where
         }
     }
 
-    /// A batch key's loader call began: the guest re-arms the load's moments from now
-    /// (the lock's renewal as it stands).
-    fn load_began(&mut self) -> Result<Marks> {
-        let next = self.step(Event::LoadBegan)?;
+    /// A batch key's loader call began at `at` (the cache's clock; heard after a
+    /// renewal, it may be before the last step): the guest re-arms the load's timeouts
+    /// from then, the lock's renewal as it stands.
+    fn load_began(&mut self, at: u64) -> Result<Marks> {
+        let next = self.step_at(Event::LoadBegan, at)?;
         trace_action(&next);
         match next {
             Action::Load(request) => Ok(Marks {
@@ -879,7 +898,8 @@ impl Marks {
 /// What a load's wait ended with (see [`first_of`]).
 enum Woke<T> {
     Loaded(T),
-    Began,
+    /// The call began at this moment (the cache's clock).
+    Began(u64),
     At,
 }
 
@@ -888,12 +908,13 @@ enum Woke<T> {
 /// now (none: never).
 async fn first_of<L: Future + Unpin>(
     running: &mut L,
-    began: &mut Option<oneshot::Receiver<()>>,
+    began: &mut Option<oneshot::Receiver<u64>>,
     left: Option<Duration>,
+    now: impl Fn() -> u64,
 ) -> Woke<L::Output> {
     let call = async {
         match began {
-            Some(rx) => drop(rx.await),
+            Some(rx) => rx.await.unwrap_or_else(|_| now()),
             None => std::future::pending().await,
         }
     };
@@ -906,7 +927,7 @@ async fn first_of<L: Future + Unpin>(
     tokio::select! {
         biased;
         loaded = running => Woke::Loaded(loaded),
-        () = call => Woke::Began,
+        at = call => Woke::Began(at),
         () = moment => Woke::At,
     }
 }
