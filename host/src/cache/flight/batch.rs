@@ -406,7 +406,10 @@ impl Corral {
     /// (it names the key, and its position among the batch's distinct keys in the order
     /// they first appear) or bad options, before anything runs. Per key:
     /// [`ErrorKind::Loader`](crate::ErrorKind::Loader) with the loader's error as the
-    /// source ([`Error::loader_error`] downcasts it), a timeout, as for one key.
+    /// source ([`Error::loader_error`] downcasts it), a timeout, as for one key. A key's
+    /// [`hard_timeout`](LoadOptions::hard_timeout) counts from the loader call it is in,
+    /// not from the batch's start: a key ready early waits for the others' store steps
+    /// without its timeout running.
     pub async fn get_or_set_many<K, L, Fut, I, V, E>(
         &self,
         keys: impl IntoIterator<Item = K>,
