@@ -58,6 +58,9 @@ struct Flights<T> {
     /// until their leaders finish.
     sealed: HashMap<u64, Flight<T>>,
     next_id: u64,
+    /// Counted in the cache's owed work while any flight leads: one count for them all
+    /// (see [`Corral::close`](crate::Corral::close)), not one per key of a batch.
+    leading: Option<Pending>,
 }
 
 /// The flights of one cache, by key. Cheap to clone; clones share the map.
@@ -68,7 +71,7 @@ pub(crate) struct Registry<T> {
 /// What a registry's clones share.
 struct Table<T> {
     flights: Mutex<Flights<T>>,
-    /// Counts each flight while it leads (see [`Corral::close`](crate::Corral::close)).
+    /// Counts the flights while any leads (see [`Flights::leading`]).
     owed: Owed,
 }
 
@@ -95,6 +98,7 @@ impl<T> Registry<T> {
                     by_key: HashMap::default(),
                     sealed: HashMap::new(),
                     next_id: 0,
+                    leading: None,
                 }),
                 owed: owed.clone(),
             }),
@@ -152,6 +156,9 @@ impl<T: Clone> Registry<T> {
         }
         flights.next_id += 1;
         let id = flights.next_id;
+        if flights.leading.is_none() {
+            flights.leading = Some(self.shared.owed.hold());
+        }
         let key: Arc<str> = Arc::from(key);
         flights.by_key.insert(
             key.clone(),
@@ -166,7 +173,6 @@ impl<T: Clone> Registry<T> {
             key,
             id,
             done: false,
-            _leading: self.shared.owed.hold(),
         })
     }
 
@@ -219,7 +225,6 @@ pub(crate) struct LeaderGuard<T> {
     /// its id matches).
     id: u64,
     done: bool,
-    _leading: Pending,
 }
 
 impl<T> fmt::Debug for LeaderGuard<T> {
@@ -294,13 +299,18 @@ impl<T> LeaderGuard<T> {
 fn take_flight<T>(flights: &mut Flights<T>, key: &str, id: u64) -> Vec<oneshot::Sender<Shared<T>>> {
     // One lookup for a live flight, the usual case: a newer flight of the key (this
     // one sealed) goes back.
-    if let Some((key, flight)) = flights.by_key.remove_entry(key) {
-        if flight.id == id {
-            return flight.followers;
+    let taken = match flights.by_key.remove_entry(key) {
+        Some((_, flight)) if flight.id == id => Some(flight),
+        Some((key, newer)) => {
+            flights.by_key.insert(key, newer);
+            flights.sealed.remove(&id)
         }
-        flights.by_key.insert(key, flight);
+        None => flights.sealed.remove(&id),
+    };
+    if flights.by_key.is_empty() && flights.sealed.is_empty() {
+        flights.leading = None;
     }
-    flights.sealed.remove(&id).map_or_else(Vec::new, |f| f.followers)
+    taken.map_or_else(Vec::new, |f| f.followers)
 }
 
 impl<T> Drop for LeaderGuard<T> {
@@ -370,6 +380,29 @@ mod tests {
         assert!(matches!(follow(on_a).await, Shared::Done("A")));
         assert!(matches!(follow(on_b).await, Shared::Done("B")));
         assert_eq!(registry.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_flights_count_as_owed_work_while_any_leads() {
+        let owed = Owed::default();
+        let registry = Registry::<&str>::counted(&owed);
+        let Join::Leader(a) = registry.join("a", T0) else {
+            panic!("first is leader")
+        };
+        let Join::Leader(b) = registry.join("b", T0) else {
+            panic!("first is leader")
+        };
+        assert_eq!(owed.pending(), 1, "one count for the flights under way");
+        a.finish("A");
+        assert_eq!(owed.pending(), 1, "b still leads");
+        drop(b);
+        assert_eq!(owed.pending(), 0, "none leads");
+        let Join::Leader(c) = registry.join("c", T0) else {
+            panic!("first is leader")
+        };
+        assert_eq!(owed.pending(), 1);
+        registry.finish_all([(c, &"C")]);
+        assert_eq!(owed.pending(), 0);
     }
 
     #[tokio::test]
