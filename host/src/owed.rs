@@ -110,7 +110,7 @@ pub(crate) fn closed(what: &str, left: usize, within: Duration) -> Result<()> {
     Err(Error::new(
         ErrorKind::Timeout,
         format!(
-            "closing {what}: {left} piece(s) of work (flights, retries, releases) still under way after {within:?} \
+            "closing {what}: {left} piece(s) of work (the flights under way count as one; retries, releases) still under way after {within:?} \
              (they go on while the runtime runs; what they owe the store ends with its TTL otherwise)"
         ),
     ))

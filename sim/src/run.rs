@@ -291,6 +291,9 @@ pub(crate) struct CallRec {
     pub(crate) stale: Option<bool>,
     /// What a freshness get-or-set asked beyond its entry (timeouts, eager refresh).
     pub(crate) detach: Option<Detach>,
+    /// A batch key's hard timeout, and when its loader call began (the simulated time
+    /// and its process's clock), if this call loaded it: the timeout counts from then.
+    pub(crate) batch_hard: Option<(u64, Option<(u64, u64)>)>,
 }
 
 impl CallRec {
@@ -305,6 +308,13 @@ impl CallRec {
     /// the cache's clock, so a clock stepped forward during a load times it out).
     fn hard_timeout_ran_out(&self) -> bool {
         let (clock_inv, clock_end) = self.clocks;
+        // A batch key's runs from its loader call; one it did not load (it followed a
+        // flight) timed out only as that flight did (`check_coalesced_timeouts`).
+        if let Some((h, began)) = self.batch_hard {
+            return began.is_some_and(|(t_began, clock_began)| {
+                self.t_end - t_began >= h || clock_end.saturating_sub(clock_began) >= h
+            });
+        }
         self.detach
             .and_then(|d| d.hard_ms)
             .is_some_and(|h| self.t_end - self.t_inv >= h || clock_end.saturating_sub(clock_inv) >= h)
@@ -1058,6 +1068,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         clocks: (clock_inv, clock_end),
         stale: *stale.lock(),
         detach: op_detach,
+        batch_hard: None,
     };
     // A write the caller saw succeed: its place in the store's order.
     let order = match (name, &res, &written) {
@@ -1122,9 +1133,11 @@ async fn call_many(
     let loaded: Arc<Mutex<BTreeMap<String, (String, LoaderPlan)>>> = Arc::default();
     let ms = plan.ms();
     let absent = left_out.map(|i| keys[i].clone());
-    let cut_after_ms = asks.hard_ms.filter(|_| cache.is_native());
+    // When each key's loader call began (the simulated time, the process's clock).
+    let began: Arc<Mutex<BTreeMap<String, (u64, u64)>>> = Arc::default();
     let load: crate::body::BatchLoad = {
-        let (w, loaded, plan) = (w.clone(), loaded.clone(), plan.clone());
+        let (w, loaded, plan, began) = (w.clone(), loaded.clone(), plan.clone(), began.clone());
+        let clock = ctx.clocks[proc].clone();
         let wait = Arc::new(wait_for(w.clone(), proc, ms));
         Arc::new(move |asked: Vec<String>| {
             let mut ends = Vec::with_capacity(asked.len());
@@ -1132,9 +1145,7 @@ async fn call_many(
             for key in asked {
                 let value = format!("load{}", w.next_seq());
                 let index = w.load_started(id, proc, &key, &value, t_inv, false);
-                if let Some(hard_ms) = cut_after_ms {
-                    w.load_may_be_cut(index, hard_ms);
-                }
+                began.lock().insert(key.clone(), (w.now(), clock.now_ms()));
                 ends.push(EndGuard(w.clone(), index));
                 if absent.as_ref() != Some(&key) {
                     loaded.lock().insert(key.clone(), (value.clone(), plan.clone()));
@@ -1198,12 +1209,14 @@ async fn call_many(
             loaded: loaded.lock().get(&key).cloned(),
             clocks: (clock_inv, clock_end),
             stale: None,
-            // A hard timeout cuts the key's load (the native body's; the portable one
-            // leaves it to its builder, which sets none here).
-            detach: asks.hard_ms.filter(|_| cache.is_native()).map(|hard_ms| Detach {
-                hard_ms: Some(hard_ms),
-                ..Detach::default()
-            }),
+            detach: None,
+            // A hard timeout cuts the key's load, counted from its loader call (the
+            // native body's; the portable one leaves it to its builder, which sets none
+            // here).
+            batch_hard: asks
+                .hard_ms
+                .filter(|_| cache.is_native())
+                .map(|h| (h, began.lock().get(&key).copied())),
         };
         if let (Res::Value(Some(v)), Some((l, _))) = (&res, &rec.loaded)
             && v == l
@@ -1261,8 +1274,8 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
         (Res::Failed(ErrorKind::Loader), "get_or_set") => {}
         // A hard timeout that ran out (its loader started after the call began).
         (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.hard_timeout_ran_out() => {}
-        // Without one of its own: the timeout of the flight it followed, judged once
-        // every call is in (`check_coalesced_timeouts`).
+        // Not its own: the timeout of the flight it followed, judged once every call is
+        // in (`check_coalesced_timeouts`).
         (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.detach.is_none() => {}
         // Held past the wait, no answer, or lost before the release.
         (
@@ -1315,8 +1328,9 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
 /// call) is exempt: a caller gets what its flight loaded. The reader's clock at the
 /// moment it judged is at least the lower of its clock at the call's start and at its
 /// end less the call's span (a clock step back inside the call).
-/// A get-or-set that asked no hard timeout fails with `Timeout` only as a follower of
-/// a flight whose leader's hard timeout ran out (a batch's key, led with one): a call of
+/// A get-or-set whose own hard timeout (if any) did not run out fails with `Timeout`
+/// only as a follower of a flight whose leader's did (a batch's key, led with one,
+/// counted from its loader call): a call of
 /// the same key in the same process that timed out so, begun no later and ended no
 /// earlier (a flight answers its followers as it ends; a batch returns once all its
 /// keys are answered).
@@ -1324,7 +1338,11 @@ fn check_coalesced_timeouts(ctx: &Ctx) {
     let w = &ctx.world;
     let calls = ctx.calls.lock();
     let timed_out = |c: &&CallRec| c.op == "get_or_set" && matches!(c.res, Res::Failed(ErrorKind::Timeout));
-    for c in calls.iter().filter(timed_out).filter(|c| c.detach.is_none()) {
+    for c in calls
+        .iter()
+        .filter(timed_out)
+        .filter(|c| c.detach.is_none() && !c.hard_timeout_ran_out())
+    {
         let led = calls.iter().filter(timed_out).any(|l| {
             l.id != c.id
                 && l.proc == c.proc
@@ -1335,7 +1353,7 @@ fn check_coalesced_timeouts(ctx: &Ctx) {
         });
         if !led {
             w.violation(format!(
-                "error kind: p{} c{} get_or_set {} failed with Timeout, asking none and following no flight that timed out",
+                "error kind: p{} c{} get_or_set {} failed with Timeout, its own hard timeout (if any) not run out and following no flight that timed out",
                 c.proc, c.id, c.key
             ));
         }

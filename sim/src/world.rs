@@ -164,10 +164,6 @@ pub struct LoadRec {
     /// A renewal of that lock was refused (the key was written or removed during the
     /// load): the lock lapses under the load by design.
     pub renewal_refused: bool,
-    /// A batch's loader call under a hard timeout of this many ms: the key's flight
-    /// ends at the timeout (its lock released, its answer not cached) while the call
-    /// runs on for the call's other keys.
-    pub cut_after_ms: Option<u64>,
 }
 
 /// A lost or undeliverable notification: `key` (or every key: `None`) for `proc` at `t`.
@@ -562,18 +558,12 @@ impl World {
                             .lock_losses
                             .get(key)
                             .is_some_and(|ts| ts.iter().any(|&t| t >= other.start));
-                    // Its flight ended at its hard timeout; its batch's call runs on.
-                    let cut = other
-                        .cut_after_ms
-                        .is_some_and(|h| now >= other.start.saturating_add(h));
                     let what = format!(
                         "p{proc} loads {key} while p{} still loads it (call {}, since {})",
                         other.proc, other.call, other.start
                     );
                     if lost {
                         excuses.push(("double-load-lock-lost", what))
-                    } else if cut {
-                        excuses.push(("double-load-batch-call-ran-on", what))
                     } else {
                         problems.push(what)
                     }
@@ -625,7 +615,6 @@ impl World {
                 lock_until,
                 lock_name: lock_name.clone().unwrap_or_default(),
                 renewal_refused: false,
-                cut_after_ms: None,
             });
             index = st.loads.len() - 1;
             let _ = writeln!(
@@ -641,12 +630,6 @@ impl World {
             self.excuse(k, e);
         }
         index
-    }
-
-    /// The load at `index` is one key of a batch's loader call under a hard timeout of
-    /// `hard_ms` (see [`LoadRec::cut_after_ms`]).
-    pub(crate) fn load_may_be_cut(&self, index: usize, hard_ms: u64) {
-        self.st.lock().loads[index].cut_after_ms = Some(hard_ms);
     }
 
     pub(crate) fn load_ended(&self, index: usize) {
