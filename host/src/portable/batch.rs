@@ -212,9 +212,7 @@ impl BatchOrigin {
         let load = s.guest.corral_cache_cache().load();
         for (_, held, _) in &loads {
             if let Err(e) = load.call_begin(&mut s.store, *held) {
-                for (_, held, _) in loads {
-                    let _ = held.resource_drop(&mut s.store);
-                }
+                drop_all(s, loads.into_iter().map(|(at, held, _)| (at, held)));
                 return Err(e);
             }
         }
@@ -281,10 +279,11 @@ impl BatchOrigin {
     }
 }
 
-/// Drops the followers left (their resources go with the instance if a drop fails).
-fn drop_all(s: &mut Slot<PortableState>, waits: impl Iterator<Item = (usize, ResourceAny)>) {
-    for (_, follower) in waits {
-        let _ = follower.resource_drop(&mut s.store);
+/// Drops the followers or loads left (their resources go with the instance if a drop
+/// fails).
+fn drop_all(s: &mut Slot<PortableState>, left: impl Iterator<Item = (usize, ResourceAny)>) {
+    for (_, resource) in left {
+        let _ = resource.resource_drop(&mut s.store);
     }
 }
 

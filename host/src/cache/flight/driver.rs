@@ -386,12 +386,7 @@ where
     ) -> Result<Option<L::Output>> {
         let clock = &self.cache.inner.clock;
         let mut began = self.callers.began.take();
-        let mut marks = Marks {
-            stop: request.until_ms,
-            slow: request.soft_until_ms,
-            overdue: request.overdue_ms,
-            renew: request.renew_at_ms,
-        };
+        let mut marks = Marks::of(request);
         if began.is_some() {
             marks = Marks {
                 renew: marks.renew,
@@ -406,10 +401,7 @@ where
                 // A call that began and answered in one poll: its answer is judged by
                 // the moments of its call too.
                 Woke::Loaded(loaded) => {
-                    if let Some(mut call) = began.take() {
-                        let at = call.try_recv().unwrap_or_else(|_| clock.now_ms());
-                        self.load_began(at)?;
-                    }
+                    self.began_unheard(began.take())?;
                     return Ok(Some(loaded));
                 }
                 Woke::Began(at) => {
@@ -436,10 +428,7 @@ where
                     marks.renew = None;
                     let by_mark = marks.next(self.callers.answer.is_some()).map(|(at, _)| at);
                     if let Some(loaded) = self.renew_lock(running, &mut marks.renew, by_mark).await? {
-                        if let Some(mut call) = began.take() {
-                            let at = call.try_recv().unwrap_or_else(|_| clock.now_ms());
-                            self.load_began(at)?;
-                        }
+                        self.began_unheard(began.take())?;
                         return Ok(Some(loaded));
                     }
                 }
@@ -454,14 +443,23 @@ where
         let next = self.step_at(Event::LoadBegan, at)?;
         trace_action(&next);
         match next {
-            Action::Load(request) => Ok(Marks {
-                stop: request.until_ms,
-                slow: request.soft_until_ms,
-                overdue: request.overdue_ms,
-                renew: request.renew_at_ms,
-            }),
+            Action::Load(request) => Ok(Marks::of(&request)),
             _ => Err(out_of_turn("the loader call's start")),
         }
+    }
+
+    /// The loader answered before its call's start (`began`, if the flight waits for
+    /// one) was heard: in the poll the call began, or during a renewal. The start is
+    /// stepped first, so that the answer is judged by the call's moments.
+    fn began_unheard(&mut self, began: Option<oneshot::Receiver<u64>>) -> Result<()> {
+        if let Some(mut call) = began {
+            // The sender went with the answered call: sent, or never to be.
+            let at = call
+                .try_recv()
+                .unwrap_or_else(|_| self.cache.inner.clock.now_ms());
+            self.load_began(at)?;
+        }
+        Ok(())
     }
 
     /// The load still runs at its lock's renewal moment: renews the lock as the guest
@@ -879,6 +877,16 @@ enum Mark {
 }
 
 impl Marks {
+    /// The moments a load action set.
+    fn of(request: &LoadRequest) -> Self {
+        Marks {
+            stop: request.until_ms,
+            slow: request.soft_until_ms,
+            overdue: request.overdue_ms,
+            renew: request.renew_at_ms,
+        }
+    }
+
     /// The first moment still due, and what for: the early answers only while the
     /// caller can be `answered` early; at one moment, in the order above.
     fn next(&self, answerable: bool) -> Option<(u64, Mark)> {
