@@ -30,9 +30,11 @@ impl Counter {
         }
     }
 
-    fn bump(&self) {
-        self.value.fetch_add(1, Ordering::Relaxed);
-        self.exported.increment(1);
+    fn add(&self, n: u64) {
+        if n > 0 {
+            self.value.fetch_add(n, Ordering::Relaxed);
+            self.exported.increment(n);
+        }
     }
 
     fn get(&self) -> u64 {
@@ -272,7 +274,12 @@ fn describe() {
 impl Metrics {
     /// Counts one more: in the cache's own counter and in the exported one.
     pub(crate) fn bump(counter: &Counter) {
-        counter.bump();
+        counter.add(1);
+    }
+
+    /// Counts `n` more at once (none: nothing recorded).
+    pub(crate) fn add(counter: &Counter, n: u64) {
+        counter.add(n);
     }
 }
 

@@ -247,32 +247,6 @@ impl<T: Clone> LeaderGuard<T> {
     }
 }
 
-impl<T: Clone> Registry<T> {
-    /// Finishes the flights `finished` leads (this registry's), each with its outcome,
-    /// as [`LeaderGuard::finish`] would one by one, with the map locked once.
-    pub(crate) fn finish_all<'a>(&self, finished: impl IntoIterator<Item = (LeaderGuard<T>, &'a T)>)
-    where
-        T: 'a,
-    {
-        let mut answered = Vec::new();
-        {
-            let mut flights = self.shared.flights.lock();
-            for (mut guard, outcome) in finished {
-                debug_assert!(Arc::ptr_eq(&guard.registry.shared, &self.shared));
-                let followers = guard.close_in(&mut flights);
-                if !followers.is_empty() {
-                    answered.push((followers, outcome));
-                }
-            }
-        }
-        for (followers, outcome) in answered {
-            for tx in followers {
-                let _ = tx.send(Shared::Done(outcome.clone()));
-            }
-        }
-    }
-}
-
 impl<T> LeaderGuard<T> {
     /// Takes the flight out of the map (once, and only if it is this leader's own);
     /// its followers, in join order.
@@ -282,15 +256,6 @@ impl<T> LeaderGuard<T> {
         }
         self.done = true;
         take_flight(&mut self.registry.shared.flights.lock(), &self.key, self.id)
-    }
-
-    /// [`close`](Self::close) with the map (`flights`) locked already.
-    fn close_in(&mut self, flights: &mut Flights<T>) -> Vec<oneshot::Sender<Shared<T>>> {
-        if self.done {
-            return Vec::new();
-        }
-        self.done = true;
-        take_flight(flights, &self.key, self.id)
     }
 }
 
@@ -358,31 +323,6 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn flights_finished_together_answer_each_its_own_followers() {
-        let registry = Registry::<&str>::default();
-        let Join::Leader(a) = registry.join("a", T0) else {
-            panic!("first is leader")
-        };
-        let Join::Leader(b) = registry.join("b", T0) else {
-            panic!("first is leader")
-        };
-        let Join::Follower(on_a) = registry.join("a", T0) else {
-            panic!("second follows")
-        };
-        // A sealed flight (its key changed since it began) ends with the others.
-        let Join::Leader(new_a) = registry.join("a", Ticket::from_parts([0, 0, 1])) else {
-            panic!("a caller after a change leads a new flight")
-        };
-        let Join::Follower(on_b) = registry.join("b", T0) else {
-            panic!("second follows")
-        };
-        registry.finish_all([(a, &"A"), (b, &"B"), (new_a, &"new A")]);
-        assert!(matches!(follow(on_a).await, Shared::Done("A")));
-        assert!(matches!(follow(on_b).await, Shared::Done("B")));
-        assert_eq!(registry.len(), 0);
-    }
-
-    #[tokio::test]
     async fn the_flights_count_as_owed_work_while_any_leads() {
         let owed = Owed::default();
         let registry = Registry::<&str>::counted(&owed);
@@ -401,7 +341,7 @@ mod tests {
             panic!("first is leader")
         };
         assert_eq!(owed.pending(), 1);
-        registry.finish_all([(c, &"C")]);
+        c.finish("C");
         assert_eq!(owed.pending(), 0);
     }
 

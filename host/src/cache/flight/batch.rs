@@ -4,10 +4,11 @@
 //! through the same driver as a single get-or-set, so each key keeps every promise of
 //! one (fenced fills, `should_cache`, tags, fail-safe, timeouts, metrics). What a batch
 //! changes is how its flights meet the store and the loader:
-//! - L1 hits are served at once. Every other key joins this process's flight registry:
-//!   a key another caller leads is awaited, the rest are led here.
-//! - The led keys' first L2 reads go out together ([`Corral::l2_look_many`]: one `MGET`
-//!   per node for the keys a plain read serves).
+//! - L1 hits are served at once. The other keys' first L2 reads go out together
+//!   ([`Corral::l2_look_many`]: one `MGET` per node for the keys a plain read serves),
+//!   and a fresh hit is served from its read: it needs no flight.
+//! - Every other key joins this process's flight registry: a key another caller leads
+//!   is awaited, the rest are led here, each from its read.
 //! - The loader is called once with every led key whose flight reached its load, as soon
 //!   as the batch is quiet: none of its flights is between two store steps (a flight
 //!   waiting for another process's landing is not). So the keys whose misses were found
@@ -88,20 +89,27 @@ pub(crate) fn distinct_keys<K: AsRef<str>>(keys: &[K]) -> (Vec<&str>, Vec<usize>
 /// The answers of a batch's distinct keys (`answers`), in the order asked (`asked`: the
 /// position of each key asked among the distinct ones): a key's last asking takes its
 /// answer, any earlier one a copy.
-fn hand_out<'a, T: Clone + 'a>(answers: Vec<T>, asked: &'a [usize]) -> impl Iterator<Item = T> + 'a {
+fn hand_out<T: Clone>(answers: Vec<T>, asked: &[usize]) -> Vec<T> {
+    // As many asked as distinct: each key was asked once, in the order of `answers`.
+    if answers.len() == asked.len() {
+        return answers;
+    }
     let mut left = vec![0u32; answers.len()];
     for &i in asked {
         left[i] += 1;
     }
     let mut answers: Vec<Option<T>> = answers.into_iter().map(Some).collect();
-    asked.iter().filter_map(move |&i| {
-        left[i] -= 1;
-        if left[i] == 0 {
-            answers[i].take()
-        } else {
-            answers[i].clone()
-        }
-    })
+    asked
+        .iter()
+        .filter_map(|&i| {
+            left[i] -= 1;
+            if left[i] == 0 {
+                answers[i].take()
+            } else {
+                answers[i].clone()
+            }
+        })
+        .collect()
 }
 
 /// What the loader returned for one call of a batch: every key of the call shares it.
@@ -362,8 +370,9 @@ impl Corral {
     ///
     /// - L1 hits are returned at once; the other keys are read from L2 in one round
     ///   trip (one `MGET` per node).
-    /// - A key another caller in this process is loading is awaited; a key another
-    ///   process is loading is awaited through its landing, as for one key.
+    /// - A fresh L2 hit is served from its read. A miss another caller in this process
+    ///   is loading is awaited; a key another process is loading is awaited through its
+    ///   landing, as for one key.
     /// - The misses this caller leads are locked each with its own lock, then loaded
     ///   together: one `loader` call with every one of them
     ///   ([`LoadOptions::max_batch`] splits it).
@@ -454,6 +463,7 @@ impl Corral {
             .many(&distinct, (&entries, readable), &named, &options, &loader)
             .await;
         Ok(hand_out(answers, &asked)
+            .into_iter()
             .map(|answer| match answer {
                 Ok(served) => Ok(Some(served.value)),
                 Err(e) if e.is_absent() => Ok(None),
@@ -495,8 +505,15 @@ impl Corral {
         let split = |ready| inner.policy.batch_calls(ready, max_batch);
         let loads = Loads::new(keys, call, split, &*inner.clock);
         let mut answers: Vec<Option<Result<Served>>> = keys.iter().map(|_| None).collect();
-        let (mut parts, led) = self.join_batch(keys, options, &mut answers);
-        parts.extend(self.answer_hits(keys, entries, named, led, &mut answers).await);
+        let parts = if options.bypass {
+            (0..keys.len()).map(|i| (i, Part::Lead(None), None)).collect()
+        } else {
+            let missed = self.answer_l1_hits(keys, &mut answers);
+            let flying = self
+                .answer_l2_hits(keys, entries, named, &missed, &mut answers)
+                .await;
+            self.join_batch(keys, flying)
+        };
         // The led keys hold their seats from now: no load is made before every one of
         // them has reached its load or a wait.
         let mut seats: Vec<Option<Seat<'_>>> = keys.iter().map(|_| None).collect();
@@ -530,26 +547,9 @@ impl Corral {
             .collect()
     }
 
-    /// Answers a batch's L1 hits (in `answers`), and joins this process's flights of the
-    /// other keys: those it follows, and bypassed ones, to fly; those it leads, with
-    /// their registry leads, to read first.
-    #[allow(clippy::type_complexity)]
-    fn join_batch(
-        &self,
-        keys: &[&str],
-        options: &LoadOptions,
-        answers: &mut [Option<Result<Served>>],
-    ) -> (
-        Vec<(usize, Part, Option<FirstRead>)>,
-        Vec<(usize, LeaderGuard<Outcome>)>,
-    ) {
+    /// Answers a batch's L1 hits (in `answers`); the indices of the other keys.
+    fn answer_l1_hits(&self, keys: &[&str], answers: &mut [Option<Result<Served>>]) -> Vec<usize> {
         let inner = &*self.inner;
-        if options.bypass {
-            return (
-                (0..keys.len()).map(|i| (i, Part::Lead(None), None)).collect(),
-                Vec::new(),
-            );
-        }
         let now = inner.clock.now_ms();
         let mut missed = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
@@ -564,62 +564,61 @@ impl Corral {
                 None => missed.push(i),
             }
         }
-        let joins = inner
-            .registry
-            .join_many(missed.iter().map(|&i| (keys[i], inner.l1.ticket(keys[i]))));
-        let (mut parts, mut led) = (Vec::new(), Vec::with_capacity(missed.len()));
-        for (i, join) in missed.into_iter().zip(joins) {
-            match join {
-                Join::Leader(guard) => led.push((i, guard)),
-                Join::Follower(rx) => parts.push((i, Part::Follow(rx), None)),
-            }
-        }
-        (parts, led)
+        missed
     }
 
-    /// The `led` keys' first reads, together. A fresh hit is answered from its read
-    /// alone (in `answers`, and its followers); the other keys come back to lead their
-    /// flights with that read.
-    async fn answer_hits(
+    /// The first reads of the keys at `missed`, together. A fresh hit is answered from
+    /// its read alone (in `answers`, L1 filled): it needs no flight. The other keys
+    /// come back with the read their flights begin with.
+    async fn answer_l2_hits(
         &self,
         keys: &[&str],
         entries: (&Parts, bool),
         named: &[Ticket],
-        led: Vec<(usize, LeaderGuard<Outcome>)>,
+        missed: &[usize],
         answers: &mut [Option<Result<Served>>],
-    ) -> Vec<(usize, Part, Option<FirstRead>)> {
+    ) -> Vec<(usize, FirstRead)> {
         let inner = &*self.inner;
         let now = inner.clock.now_ms();
-        let to_read: Vec<usize> = led.iter().map(|(i, _)| *i).collect();
-        let reads = self.first_reads(keys, entries, named, &to_read).await;
-        let mut parts = Vec::new();
-        let (mut finished, mut hits) = (Vec::new(), Vec::new());
-        for ((i, guard), (_, first)) in led.into_iter().zip(reads) {
+        let mut flying = Vec::new();
+        let mut l2_hits = 0;
+        for (i, first) in self.first_reads(keys, entries, named, missed).await {
             match first {
                 First::Hit(hit) => {
-                    Metrics::bump(&inner.metrics.l2_hits);
+                    l2_hits += 1;
                     self.fill_hit(keys[i], &hit.value, hit.l1_until, hit.l1_ticket, hit.stamp, now);
-                    finished.push(guard);
-                    hits.push((
-                        i,
-                        Ok(Served {
-                            value: hit.value,
-                            stale: false,
-                        }),
-                    ));
+                    answers[i] = Some(Ok(Served {
+                        value: hit.value,
+                        stale: false,
+                    }));
                 }
-                First::Flight(first) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
+                First::Flight(first) => flying.push((i, first)),
             }
         }
-        // The hits' flights end together, L1 filled: their followers are answered
-        // before this caller, as a flight's finish answers them.
-        inner
+        Metrics::add(&inner.metrics.l2_hits, l2_hits);
+        flying
+    }
+
+    /// Joins this process's flights of the `flying` keys, with the L1 tickets taken
+    /// before their reads (a write of a key since seals the flight it would join): a
+    /// key another caller leads is followed, the others are led from their reads.
+    fn join_batch(
+        &self,
+        keys: &[&str],
+        flying: Vec<(usize, FirstRead)>,
+    ) -> Vec<(usize, Part, Option<FirstRead>)> {
+        let joins = self
+            .inner
             .registry
-            .finish_all(finished.into_iter().zip(hits.iter().map(|(_, outcome)| outcome)));
-        for (i, outcome) in hits {
-            answers[i] = Some(outcome.map_err(|e| (*e).clone()));
-        }
-        parts
+            .join_many(flying.iter().map(|(i, first)| (keys[*i], first.l1_ticket)));
+        flying
+            .into_iter()
+            .zip(joins)
+            .map(|((i, first), join)| match join {
+                Join::Leader(guard) => (i, Part::Lead(Some(guard)), Some(first)),
+                Join::Follower(rx) => (i, Part::Follow(rx), None),
+            })
+            .collect()
     }
 
     /// Fills L1 with a hit a batch's first read found, until `l1_until`.
@@ -807,7 +806,9 @@ mod tests {
         let (distinct, asked) = distinct_keys(&["b", "a", "b", "c", "a"]);
         assert_eq!(distinct, ["b", "a", "c"]);
         let answers: Vec<String> = distinct.iter().map(|k| k.to_uppercase()).collect();
-        let handed: Vec<String> = hand_out(answers, &asked).collect();
+        let handed = hand_out(answers, &asked);
         assert_eq!(handed, ["B", "A", "B", "C", "A"]);
+        let (distinct, asked) = distinct_keys(&["b", "a"]);
+        assert_eq!(hand_out(distinct.clone(), &asked), distinct, "each asked once");
     }
 }
