@@ -404,43 +404,39 @@ impl wit::Guest for Component {
         l: types::Limits,
         l1_ttl_ms: u64,
     ) -> wit::JudgedMany {
-        let mut start = 0;
-        let reads: Vec<corral_core::batch::FirstRead<'_>> = head_ends
-            .iter()
-            .enumerate()
-            .map(|(i, &end)| {
-                // A head that does not fit, or a read with no length, is no envelope:
-                // judged corrupt.
-                let end = usize::try_from(end).unwrap_or(usize::MAX);
-                let head = heads.get(start..end).unwrap_or_default();
-                start = end.max(start);
-                corral_core::batch::FirstRead {
-                    head,
-                    total_len: lens.get(i).copied().unwrap_or(0),
-                    slid_ms: None,
-                }
-            })
-            .collect();
-        let judged = corral_core::batch::read_many(&reads, now_ms, &limits(l), l1_ttl_ms);
+        let limits = limits(l);
         let mut many = wit::JudgedMany {
-            each: Vec::with_capacity(judged.len()),
+            each: Vec::with_capacity(head_ends.len()),
             flying: Vec::new(),
         };
-        for judged in judged {
-            many.each.push(match judged {
-                corral_core::batch::Judged::Served(s) => wit::Judged::Served(wit::Served {
-                    value_offset: s.value_offset as u32,
-                    next_read: next_read_out(s.next_read),
-                    l1_until_ms: s.l1_until_ms,
-                }),
-                corral_core::batch::Judged::Flies { outcome, l1_until_ms } => {
-                    many.flying.push(wit::JudgedRead {
-                        outcome: read_outcome(outcome),
-                        l1_until_ms,
-                    });
-                    wit::Judged::Flies
-                }
-            });
+        // Each read judged and answered as it is taken: no list of judgements between.
+        let mut start = 0;
+        for (i, &end) in head_ends.iter().enumerate() {
+            // A head that does not fit, or a read with no length, is no envelope:
+            // judged corrupt.
+            let end = usize::try_from(end).unwrap_or(usize::MAX);
+            let read = corral_core::batch::FirstRead {
+                head: heads.get(start..end).unwrap_or_default(),
+                total_len: lens.get(i).copied().unwrap_or(0),
+                slid_ms: None,
+            };
+            start = end.max(start);
+            many.each.push(
+                match corral_core::batch::judge(&read, now_ms, &limits, l1_ttl_ms) {
+                    corral_core::batch::Judged::Served(s) => wit::Judged::Served(wit::Served {
+                        value_offset: s.value_offset as u32,
+                        next_read: next_read_out(s.next_read),
+                        l1_until_ms: s.l1_until_ms,
+                    }),
+                    corral_core::batch::Judged::Flies { outcome, l1_until_ms } => {
+                        many.flying.push(wit::JudgedRead {
+                            outcome: read_outcome(outcome),
+                            l1_until_ms,
+                        });
+                        wit::Judged::Flies
+                    }
+                },
+            );
         }
         many
     }

@@ -61,26 +61,27 @@ pub struct Served {
 pub fn read_many(reads: &[FirstRead<'_>], now_ms: u64, limits: &Limits, l1_ttl_ms: u64) -> Vec<Judged> {
     reads
         .iter()
-        .map(
-            |read| match policy::read(read.head, read.total_len, now_ms, limits, read.slid_ms) {
-                ReadOutcome::Fresh(hit) if hit.touch.is_none() && hit.tagged.is_none() => {
-                    Judged::Served(Served {
-                        value_offset: hit.value_offset,
-                        next_read: hit.next_read,
-                        l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
-                    })
-                }
-                ReadOutcome::Fresh(hit) => Judged::Flies {
-                    l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
-                    outcome: ReadOutcome::Fresh(hit),
-                },
-                outcome => Judged::Flies {
-                    outcome,
-                    l1_until_ms: 0,
-                },
-            },
-        )
+        .map(|read| judge(read, now_ms, limits, l1_ttl_ms))
         .collect()
+}
+
+/// Judges one first read of a batch at `now_ms` (see [`read_many`]).
+pub fn judge(read: &FirstRead<'_>, now_ms: u64, limits: &Limits, l1_ttl_ms: u64) -> Judged {
+    match policy::read(read.head, read.total_len, now_ms, limits, read.slid_ms) {
+        ReadOutcome::Fresh(hit) if hit.touch.is_none() && hit.tagged.is_none() => Judged::Served(Served {
+            value_offset: hit.value_offset,
+            next_read: hit.next_read,
+            l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
+        }),
+        ReadOutcome::Fresh(hit) => Judged::Flies {
+            l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
+            outcome: ReadOutcome::Fresh(hit),
+        },
+        outcome => Judged::Flies {
+            outcome,
+            l1_until_ms: 0,
+        },
+    }
 }
 
 /// `e`, about the key at position `at` of a batch, saying so.

@@ -82,6 +82,26 @@ impl<T> Seen for redis::RedisResult<T> {
     }
 }
 
+/// What an `MGET` answered: each key's bytes, or nothing (as the store's answer per
+/// key). Bulk strings are taken as they came (no copy); any other shape is converted as
+/// redis-rs would.
+fn mget_values(answer: redis::Value) -> redis::RedisResult<Vec<Result<Option<Bytes>>>> {
+    let redis::Value::Array(items) = answer else {
+        let values: Vec<Option<Vec<u8>>> = redis::from_redis_value(answer)?;
+        return Ok(values.into_iter().map(|v| Ok(v.map(Bytes::from))).collect());
+    };
+    items
+        .into_iter()
+        .map(|item| match item {
+            redis::Value::BulkString(bytes) => Ok(Ok(Some(Bytes::from(bytes)))),
+            redis::Value::Nil => Ok(Ok(None)),
+            other => Ok(Ok(
+                redis::from_redis_value::<Option<Vec<u8>>>(other)?.map(Bytes::from)
+            )),
+        })
+        .collect()
+}
+
 /// A read's failure: a value of another Redis type is corrupt data, not an outage.
 fn read_failed<'a>(what: &'static str, at: &'a Breaker) -> impl Fn(redis::RedisError) -> Error + 'a {
     move |e| {
@@ -518,9 +538,10 @@ impl Entries for RedisStore {
                 for &i in members {
                     mget.arg(keys[i]);
                 }
-                let found: Vec<Option<Vec<u8>>> = mget
-                    .query_async(&mut conn)
+                let found = mget
+                    .query_async::<redis::Value>(&mut conn)
                     .await
+                    .and_then(mget_values)
                     .seen(self, &at)
                     .map_err(read_failed("MGET", &at))?;
                 if found.len() != members.len() {
@@ -531,13 +552,18 @@ impl Entries for RedisStore {
                 }
                 Ok::<_, Error>(found)
             });
-            let answers = futures::future::join_all(reads).await;
+            let answers = match <[_; 1]>::try_from(futures::future::join_all(reads).await) {
+                // One node (one server, or keys of one node): its answer is each key's, in order.
+                Ok([Ok(values)]) => return values,
+                Ok([Err(e)]) => return keys.iter().map(|_| Err(e.clone())).collect(),
+                Err(answers) => answers,
+            };
             let mut found: Vec<Result<Option<Bytes>>> = keys.iter().map(|_| Ok(None)).collect();
             for ((_, members), answer) in groups.iter().zip(answers) {
                 match answer {
                     Ok(values) => {
                         for (&i, bytes) in members.iter().zip(values) {
-                            found[i] = Ok(bytes.map(Bytes::from));
+                            found[i] = bytes;
                         }
                     }
                     Err(e) => {

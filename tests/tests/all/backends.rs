@@ -20,10 +20,11 @@ fn the_guest_is_a_small_component() {
         "of the component layer, not a core module"
     );
     // 164 KB before tags and clear (contract §7.5), 211 KB with them, 276 KB with the
-    // portable body's batch (§5.16).
+    // portable body's batch (§5.16), 297 KB built for size; 353 KB built for speed
+    // (`[profile.guest]`, opt-level 3: a batch's reads judged in two thirds the time).
     assert!(
-        wasm.len() < 320 * 1024,
-        "a few tens of KB, not {} bytes",
+        wasm.len() < 400 * 1024,
+        "a few hundred KB, not {} bytes",
         wasm.len()
     );
 }

@@ -43,22 +43,6 @@ use crate::guest::policy::WitMeta;
 use crate::store::l1::Ticket;
 use crate::{Error, Result};
 
-/// A batch key's first read: a fresh hit, answered from it alone, or what the key's
-/// flight begins with.
-enum First {
-    Hit(BatchHit),
-    Flight(FirstRead),
-}
-
-/// A fresh hit a batch's first read found: its value, until when L1 may serve it, what
-/// L1 keeps of its tags, and the L1 ticket taken before the read.
-struct BatchHit {
-    value: Bytes,
-    l1_until: L1Until,
-    stamp: Option<TagStamp>,
-    l1_ticket: Ticket,
-}
-
 /// Until when L1 may serve a batch's hit: judged with the batch's reads, or to be asked
 /// of the guest by the entry's metadata.
 enum L1Until {
@@ -567,33 +551,63 @@ impl Corral {
         missed
     }
 
-    /// The first reads of the keys at `missed`, together. A fresh hit is answered from
-    /// its read alone (in `answers`, L1 filled): it needs no flight. The other keys
-    /// come back with the read their flights begin with.
+    /// The first reads of the keys at `missed` (their entries named `entries`, their
+    /// L1 tickets taken before the names: `named`), together. A fresh hit is answered
+    /// from its read alone (in `answers`, L1 filled): it needs no flight. The other keys
+    /// come back with what their flights begin with (the read, the tickets taken before
+    /// it, the deadline it began).
     async fn answer_l2_hits(
         &self,
         keys: &[&str],
-        entries: (&Parts, bool),
+        (entries, readable): (&Parts, bool),
         named: &[Ticket],
         missed: &[usize],
         answers: &mut [Option<Result<Served>>],
     ) -> Vec<(usize, FirstRead)> {
         let inner = &*self.inner;
+        let deadline = in_ms(inner.flight.store_budget.before_load_ms);
+        let tag_epoch = inner.l1.tag_epoch();
         let now = inner.clock.now_ms();
+        let reads = if !readable {
+            missed.iter().map(|_| Err(super::generation_unread())).collect()
+        } else {
+            let names: Vec<&str> = missed.iter().map(|&i| entries.get(i)).collect();
+            match tokio::time::timeout_at(deadline, self.l2_look_many(&names, now)).await {
+                Ok(reads) => reads,
+                Err(_) => names.iter().map(|_| Err(past_deadline())).collect(),
+            }
+        };
         let mut flying = Vec::new();
         let mut l2_hits = 0;
-        for (i, first) in self.first_reads(keys, entries, named, missed).await {
-            match first {
-                First::Hit(hit) => {
-                    l2_hits += 1;
-                    self.fill_hit(keys[i], &hit.value, hit.l1_until, hit.l1_ticket, hit.stamp, now);
-                    answers[i] = Some(Ok(Served {
-                        value: hit.value,
-                        stale: false,
-                    }));
+        for (&i, read) in missed.iter().zip(reads) {
+            // The ticket taken before the names, so before the read: a write of the key
+            // since keeps its fill out of L1, and seals the flight it joins.
+            let l1_ticket = named[i];
+            let first = |read| FirstRead {
+                named: l1_ticket,
+                l1_ticket,
+                tag_epoch,
+                read,
+                deadline,
+                unnamed: !readable,
+            };
+            let (value, l1_until, stamp) = match read {
+                Ok(Looked::Served(value, until)) => (value, L1Until::Judged(until), None),
+                Ok(Looked::Read(L2Read::Hit(value, meta, _, stamp), until)) => {
+                    (value, until.map_or(L1Until::Ask(meta), L1Until::Judged), stamp)
                 }
-                First::Flight(first) => flying.push((i, first)),
-            }
+                Ok(Looked::Read(read, _)) => {
+                    flying.push((i, first(Ok(read))));
+                    continue;
+                }
+                Err(e) => {
+                    flying.push((i, first(Err(e))));
+                    continue;
+                }
+            };
+            l2_hits += 1;
+            self.fill_hit(keys[i], &value, l1_until, l1_ticket, stamp, now);
+            answers[i] = Some(Ok(Served { value, stale: false }));
         }
         Metrics::add(&inner.metrics.l2_hits, l2_hits);
         flying
@@ -652,67 +666,6 @@ impl Corral {
             Join::Leader(guard) => Part::Lead(Some(guard)),
             Join::Follower(rx) => Part::Follow(rx),
         }
-    }
-
-    /// The first L2 reads of the keys `to_read` (indices into `keys`), made together:
-    /// each a fresh hit, or what its flight begins with (the read, the tickets taken
-    /// before it, the deadline it began).
-    async fn first_reads<'a>(
-        &self,
-        keys: &[&str],
-        (entries, readable): (&Parts, bool),
-        named: &'a [Ticket],
-        to_read: &'a [usize],
-    ) -> impl Iterator<Item = (usize, First)> + 'a {
-        let inner = &*self.inner;
-        let deadline = in_ms(inner.flight.store_budget.before_load_ms);
-        let tag_epoch = inner.l1.tag_epoch();
-        let tickets: Vec<Ticket> = to_read
-            .iter()
-            .map(|&i| inner.l1.ticket_since(keys[i], named[i]))
-            .collect();
-        let entries: Vec<&str> = to_read.iter().map(|&i| entries.get(i)).collect();
-        let now = inner.clock.now_ms();
-        let reads = if !readable {
-            entries.iter().map(|_| Err(super::generation_unread())).collect()
-        } else {
-            match tokio::time::timeout_at(deadline, self.l2_look_many(&entries, now)).await {
-                Ok(reads) => reads,
-                Err(_) => entries.iter().map(|_| Err(past_deadline())).collect(),
-            }
-        };
-        to_read
-            .iter()
-            .zip(tickets)
-            .zip(reads)
-            .map(move |((&i, l1_ticket), read)| {
-                let hit = |value, l1_until, stamp| {
-                    First::Hit(BatchHit {
-                        value,
-                        l1_until,
-                        stamp,
-                        l1_ticket,
-                    })
-                };
-                let read = match read {
-                    Ok(Looked::Served(value, until)) => return (i, hit(value, L1Until::Judged(until), None)),
-                    Ok(Looked::Read(L2Read::Hit(value, meta, _, stamp), until)) => {
-                        let until = until.map_or(L1Until::Ask(meta), L1Until::Judged);
-                        return (i, hit(value, until, stamp));
-                    }
-                    Ok(Looked::Read(read, _)) => Ok(read),
-                    Err(e) => Err(e),
-                };
-                let first = FirstRead {
-                    named: named[i],
-                    l1_ticket,
-                    tag_epoch,
-                    read,
-                    deadline,
-                    unnamed: !readable,
-                };
-                (i, First::Flight(first))
-            })
     }
 
     /// One key of a batch, answered: followed, or led (then its flight's loader is the
@@ -782,7 +735,6 @@ mod send_check {
     #[allow(dead_code, unused_must_use)]
     fn futures_are_send(c: &Corral, keys: &[&str], o: &LoadOptions) {
         send(c.l2_look_many(&[], 0));
-        send(c.first_reads(keys, (&Parts::default(), true), &[], &[]));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
         send(c.many(keys, (&Parts::default(), true), &[], o, &loader));
         let clock = crate::clock::SystemClock;
