@@ -247,6 +247,30 @@ impl<T: Clone> LeaderGuard<T> {
     }
 }
 
+impl<T> Registry<T> {
+    /// Finishes the flights `finished` leads (this registry's), each with the outcome
+    /// its function makes (called once per follower), as [`LeaderGuard::finish_with`]
+    /// would one by one, with the map locked once.
+    pub(crate) fn finish_all<F: Fn() -> T>(&self, finished: impl IntoIterator<Item = (LeaderGuard<T>, F)>) {
+        let mut answered = Vec::new();
+        {
+            let mut flights = self.shared.flights.lock();
+            for (mut guard, outcome) in finished {
+                debug_assert!(Arc::ptr_eq(&guard.registry.shared, &self.shared));
+                let followers = guard.close_in(&mut flights);
+                if !followers.is_empty() {
+                    answered.push((followers, outcome));
+                }
+            }
+        }
+        for (followers, outcome) in answered {
+            for tx in followers {
+                let _ = tx.send(Shared::Done(outcome()));
+            }
+        }
+    }
+}
+
 impl<T> LeaderGuard<T> {
     /// Takes the flight out of the map (once, and only if it is this leader's own);
     /// its followers, in join order.
@@ -256,6 +280,15 @@ impl<T> LeaderGuard<T> {
         }
         self.done = true;
         take_flight(&mut self.registry.shared.flights.lock(), &self.key, self.id)
+    }
+
+    /// [`close`](Self::close) with the map (`flights`) locked already.
+    fn close_in(&mut self, flights: &mut Flights<T>) -> Vec<oneshot::Sender<Shared<T>>> {
+        if self.done {
+            return Vec::new();
+        }
+        self.done = true;
+        take_flight(flights, &self.key, self.id)
     }
 }
 
@@ -323,6 +356,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn flights_finished_together_answer_each_its_own_followers() {
+        let registry = Registry::<&str>::default();
+        let Join::Leader(a) = registry.join("a", T0) else {
+            panic!("first is leader")
+        };
+        let Join::Leader(b) = registry.join("b", T0) else {
+            panic!("first is leader")
+        };
+        let Join::Follower(on_a) = registry.join("a", T0) else {
+            panic!("second follows")
+        };
+        // A sealed flight (its key changed since it began) ends with the others.
+        let Join::Leader(new_a) = registry.join("a", Ticket::from_parts([0, 0, 1])) else {
+            panic!("a caller after a change leads a new flight")
+        };
+        let Join::Follower(on_b) = registry.join("b", T0) else {
+            panic!("second follows")
+        };
+        let done = |v: &'static str| move || v;
+        registry.finish_all([(a, done("A")), (b, done("B")), (new_a, done("new A"))]);
+        assert!(matches!(follow(on_a).await, Shared::Done("A")));
+        assert!(matches!(follow(on_b).await, Shared::Done("B")));
+        assert_eq!(registry.len(), 0);
+    }
+
+    #[tokio::test]
     async fn the_flights_count_as_owed_work_while_any_leads() {
         let owed = Owed::default();
         let registry = Registry::<&str>::counted(&owed);
@@ -341,7 +400,7 @@ mod tests {
             panic!("first is leader")
         };
         assert_eq!(owed.pending(), 1);
-        c.finish("C");
+        registry.finish_all([(c, || "C")]);
         assert_eq!(owed.pending(), 0);
     }
 

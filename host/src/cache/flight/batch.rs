@@ -4,11 +4,10 @@
 //! through the same driver as a single get-or-set, so each key keeps every promise of
 //! one (fenced fills, `should_cache`, tags, fail-safe, timeouts, metrics). What a batch
 //! changes is how its flights meet the store and the loader:
-//! - L1 hits are served at once. The other keys' first L2 reads go out together
-//!   ([`Corral::l2_look_many`]: one `MGET` per node for the keys a plain read serves),
-//!   and a fresh hit is served from its read: it needs no flight.
-//! - Every other key joins this process's flight registry: a key another caller leads
-//!   is awaited, the rest are led here, each from its read.
+//! - L1 hits are served at once. Every other key joins this process's flight registry:
+//!   a key another caller leads is awaited, the rest are led here.
+//! - The led keys' first L2 reads go out together ([`Corral::l2_look_many`]: one `MGET`
+//!   per node for the keys a plain read serves); a fresh hit is served from its read.
 //! - The loader is called once with every led key whose flight reached its load, as soon
 //!   as the batch is quiet: none of its flights is between two store steps (a flight
 //!   waiting for another process's landing is not). So the keys whose misses were found
@@ -337,6 +336,11 @@ where
     }
 }
 
+/// A key of a batch left without an answer (never: every key gets one).
+fn unanswered() -> Error {
+    Error::guest("a key of the batch went unanswered", "broken contract")
+}
+
 /// How a key of a batch is answered.
 enum Part {
     /// This caller leads its flight (`None`: a bypass, outside the registry).
@@ -354,9 +358,8 @@ impl Corral {
     ///
     /// - L1 hits are returned at once; the other keys are read from L2 in one round
     ///   trip (one `MGET` per node).
-    /// - A fresh L2 hit is served from its read. A miss another caller in this process
-    ///   is loading is awaited; a key another process is loading is awaited through its
-    ///   landing, as for one key.
+    /// - A key another caller in this process is loading is awaited; a key another
+    ///   process is loading is awaited through its landing, as for one key.
     /// - The misses this caller leads are locked each with its own lock, then loaded
     ///   together: one `loader` call with every one of them
     ///   ([`LoadOptions::max_batch`] splits it).
@@ -493,10 +496,9 @@ impl Corral {
             (0..keys.len()).map(|i| (i, Part::Lead(None), None)).collect()
         } else {
             let missed = self.answer_l1_hits(keys, &mut answers);
-            let flying = self
-                .answer_l2_hits(keys, entries, named, &missed, &mut answers)
-                .await;
-            self.join_batch(keys, flying)
+            let (mut parts, led) = self.join_batch(keys, &missed);
+            parts.extend(self.answer_led(keys, entries, named, led, &mut answers).await);
+            parts
         };
         // The led keys hold their seats from now: no load is made before every one of
         // them has reached its load or a wait.
@@ -520,14 +522,7 @@ impl Corral {
         }
         answers
             .into_iter()
-            .map(|a| {
-                a.unwrap_or_else(|| {
-                    Err(Error::guest(
-                        "a key of the batch went unanswered",
-                        "broken contract",
-                    ))
-                })
-            })
+            .map(|a| a.unwrap_or_else(|| Err(unanswered())))
             .collect()
     }
 
@@ -553,9 +548,9 @@ impl Corral {
 
     /// The first reads of the keys at `missed` (their entries named `entries`, their
     /// L1 tickets taken before the names: `named`), together. A fresh hit is answered
-    /// from its read alone (in `answers`, L1 filled): it needs no flight. The other keys
-    /// come back with what their flights begin with (the read, the tickets taken before
-    /// it, the deadline it began).
+    /// from its read alone (in `answers`, L1 filled); the other keys come back with what
+    /// their flights begin with (the read, the tickets taken before it, the deadline it
+    /// began).
     async fn answer_l2_hits(
         &self,
         keys: &[&str],
@@ -613,26 +608,66 @@ impl Corral {
         flying
     }
 
-    /// Joins this process's flights of the `flying` keys, with the L1 tickets taken
-    /// before their reads (a write of a key since seals the flight it would join): a
-    /// key another caller leads is followed, the others are led from their reads.
+    /// Joins this process's flights of the keys at `missed`: those another caller leads
+    /// are followed (returned to fly), the others led (returned with their leads, to
+    /// read first). Joined before they are read: a cold key's callers in this process
+    /// send one read between them.
+    #[allow(clippy::type_complexity)]
     fn join_batch(
         &self,
         keys: &[&str],
-        flying: Vec<(usize, FirstRead)>,
-    ) -> Vec<(usize, Part, Option<FirstRead>)> {
-        let joins = self
-            .inner
+        missed: &[usize],
+    ) -> (
+        Vec<(usize, Part, Option<FirstRead>)>,
+        Vec<(usize, LeaderGuard<Outcome>)>,
+    ) {
+        let inner = &*self.inner;
+        let joins = inner
             .registry
-            .join_many(flying.iter().map(|(i, first)| (keys[*i], first.l1_ticket)));
-        flying
+            .join_many(missed.iter().map(|&i| (keys[i], inner.l1.ticket(keys[i]))));
+        let (mut parts, mut led) = (Vec::new(), Vec::with_capacity(missed.len()));
+        for (&i, join) in missed.iter().zip(joins) {
+            match join {
+                Join::Leader(guard) => led.push((i, guard)),
+                Join::Follower(rx) => parts.push((i, Part::Follow(rx), None)),
+            }
+        }
+        (parts, led)
+    }
+
+    /// The `led` keys' first reads, together. A fresh hit is answered from its read
+    /// alone (in `answers`), and its flight ends with its followers answered, before
+    /// this caller; the other keys come back to lead their flights from their reads.
+    async fn answer_led(
+        &self,
+        keys: &[&str],
+        entries: (&Parts, bool),
+        named: &[Ticket],
+        led: Vec<(usize, LeaderGuard<Outcome>)>,
+        answers: &mut [Option<Result<Served>>],
+    ) -> Vec<(usize, Part, Option<FirstRead>)> {
+        let to_read: Vec<usize> = led.iter().map(|(i, _)| *i).collect();
+        let mut flying = self
+            .answer_l2_hits(keys, entries, named, &to_read, answers)
+            .await
             .into_iter()
-            .zip(joins)
-            .map(|((i, first), join)| match join {
-                Join::Leader(guard) => (i, Part::Lead(Some(guard)), Some(first)),
-                Join::Follower(rx) => (i, Part::Follow(rx), None),
+            .peekable();
+        let (mut parts, mut hits) = (Vec::new(), Vec::new());
+        for (i, guard) in led {
+            match flying.next_if(|(at, _)| *at == i) {
+                Some((_, first)) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
+                None => hits.push((i, guard)),
+            }
+        }
+        let answers = &*answers;
+        // A hit's followers get its value (copied only for them).
+        self.inner.registry.finish_all(hits.into_iter().map(|(i, guard)| {
+            (guard, move || match &answers[i] {
+                Some(Ok(served)) => Ok(served.clone()),
+                _ => Err(Arc::new(unanswered())),
             })
-            .collect()
+        }));
+        parts
     }
 
     /// Fills L1 with a hit a batch's first read found, until `l1_until`.
