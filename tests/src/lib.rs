@@ -16,6 +16,7 @@ use corral::{Corral, ManualClock};
 pub mod cluster;
 pub mod proxy;
 pub mod usage;
+pub mod wire;
 
 pub use cluster::RedisCluster;
 pub use proxy::{ConnInfo, FaultProxy};

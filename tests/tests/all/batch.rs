@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions};
-use corral_tests::{Backend, Fixture, PREFIX, command_calls, real_time, stampedes_at_a_barrier};
+use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions, RedisOptions};
+use corral_tests::wire::RealWire;
+use corral_tests::{Backend, Fixture, PREFIX, RedisServer, command_calls, real_time, stampedes_at_a_barrier};
 use tokio::sync::Notify;
 
 fn relative() -> LoadOptions {
@@ -779,5 +780,67 @@ async fn a_batch_loader_past_the_hard_timeout_is_stopped() -> Result<()> {
     }
     assert_eq!(f.cache.get("a").await?, None, "nothing cached");
     assert_eq!(f.cache.flights_in_progress(), 0);
+    Ok(())
+}
+
+/// A key another caller in this process is loading is followed, however that flight
+/// ends: here its loader fails (nothing reaches L2) while the batch's read of its other
+/// key is held on the wire. The batch gets that caller's error for the key and does not
+/// load it again (contract §5.3, §5.16: a batch joins its flights before it reads).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() -> Result<()> {
+    let server = RedisServer::start()?;
+    let wire = RealWire::connect(&server.url()).await?;
+    let mgets = wire.mgets.clone();
+    let cache = Corral::builder()
+        .redis_options(RedisOptions::new(server.url()))
+        .redis_wire(Arc::new(wire))
+        .build()?;
+    cache.get("warm-up").await?;
+    let (loading, fail) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let single = {
+        let (cache, loading, fail) = (cache.clone(), loading.clone(), fail.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set("k", relative(), move || async move {
+                    loading.notify_one();
+                    fail.notified().await;
+                    Err::<Vec<u8>, _>(std::io::Error::other("the origin is down"))
+                })
+                .await
+        })
+    };
+    loading.notified().await;
+    mgets.close();
+    let calls = Calls::default();
+    let batch = {
+        let (cache, calls) = (cache.clone(), calls.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["k", "x"], relative(), answering(&calls))
+                .await
+        })
+    };
+    // The batch's read is on the wire, held; meanwhile the other flight fails.
+    mgets.arrived().await;
+    fail.notify_one();
+    let single = single.await?;
+    assert!(single.is_err_and(|e| e.kind() == ErrorKind::Loader));
+    mgets.let_one();
+    let answers = batch.await??;
+    assert_eq!(
+        calls.all(),
+        [["x".to_string()]],
+        "k was the other caller's to load"
+    );
+    assert!(
+        answers[0].as_ref().is_err_and(|e| e.kind() == ErrorKind::Loader),
+        "{:?}",
+        answers[0]
+    );
+    assert_eq!(
+        answers[1].as_ref().ok().cloned().flatten(),
+        Some(Bytes::from("value:x"))
+    );
     Ok(())
 }
