@@ -1,7 +1,7 @@
 //! A real `redis-server` reached through a [`Wire`]: commands on one multiplexed
-//! connection, pub/sub on a connection of its own. A test can hold its `MGET`s at a gate
-//! ([`RealWire::mgets`]) and make its subscription's health `PING`s hang
-//! ([`RealWire::hang`]).
+//! connection, pub/sub on a connection of its own. A test can hold the replies of its
+//! `MGET`s at a gate (the server read the keys; the reader has not heard: [`RealWire::mgets`])
+//! and make its subscription's health `PING`s hang ([`RealWire::hang`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -23,11 +23,11 @@ pub struct RealWire {
     pub hang: Arc<AtomicBool>,
     /// How many hung pings wait (counted until each is given up).
     pub pending: Arc<AtomicUsize>,
-    /// Where `MGET`s wait while it is closed.
+    /// Where the replies of `MGET`s wait while it is closed.
     pub mgets: Arc<Gate>,
 }
 
-/// A gate commands wait at while it is closed: each arrival is told
+/// A gate replies wait at while it is closed: each arrival is told
 /// ([`arrived`](Gate::arrived)), and each waits until [`let_one`](Gate::let_one).
 #[derive(Debug, Default)]
 pub struct Gate {
@@ -37,17 +37,17 @@ pub struct Gate {
 }
 
 impl Gate {
-    /// Commands that come from now on wait.
+    /// Replies that come from now on wait.
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
     }
 
-    /// Returns once a command arrived at the closed gate.
+    /// Returns once a reply arrived at the closed gate.
     pub async fn arrived(&self) {
         self.arrivals.notified().await;
     }
 
-    /// Lets one waiting command (or the next to come) through, and opens the gate.
+    /// Lets one waiting reply (or the next to come) through, and opens the gate.
     pub fn let_one(&self) {
         self.closed.store(false, Ordering::SeqCst);
         self.passes.notify_one();
@@ -85,17 +85,19 @@ impl Wire for RealWire {
         let mut conn = self.commands.clone();
         let gate = commands.iter().any(is_mget).then(|| self.mgets.clone());
         async move {
+            let replies = if let [command] = commands.as_slice() {
+                command.query_async(&mut conn).await.map(|reply| vec![reply])
+            } else {
+                let mut pipe = redis::pipe();
+                for command in commands {
+                    pipe.add_command(command);
+                }
+                pipe.query_async(&mut conn).await
+            };
             if let Some(gate) = gate {
                 gate.pass().await;
             }
-            if let [command] = commands.as_slice() {
-                return Ok(vec![command.query_async(&mut conn).await?]);
-            }
-            let mut pipe = redis::pipe();
-            for command in commands {
-                pipe.add_command(command);
-            }
-            pipe.query_async(&mut conn).await
+            replies
         }
         .boxed()
     }

@@ -22,6 +22,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
+use hashbrown::hash_map::EntryRef;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
@@ -53,7 +54,7 @@ struct Flights<T> {
     /// By key: each key's one allocation, shared with its leader's guard. Hashed with
     /// foldhash (randomly seeded, weaker against crafted collisions than SipHash): the
     /// map holds only the keys with a flight under way.
-    by_key: HashMap<Arc<str>, Flight<T>, foldhash::fast::RandomState>,
+    by_key: hashbrown::HashMap<Arc<str>, Flight<T>, foldhash::fast::RandomState>,
     /// Flights no caller may join any more (their key changed since they began), by id,
     /// until their leaders finish.
     sealed: HashMap<u64, Flight<T>>,
@@ -95,7 +96,7 @@ impl<T> Registry<T> {
         Registry {
             shared: Arc::new(Table {
                 flights: Mutex::new(Flights {
-                    by_key: HashMap::default(),
+                    by_key: hashbrown::HashMap::default(),
                     sealed: HashMap::new(),
                     next_id: 0,
                     leading: None,
@@ -142,32 +143,34 @@ impl<T: Clone> Registry<T> {
     }
 
     fn join_in(&self, flights: &mut Flights<T>, key: &str, ticket: Ticket) -> Join<T> {
-        if let Some(flight) = flights.by_key.get_mut(key) {
-            if ticket.key_unchanged_since(flight.ticket) {
-                let (tx, rx) = oneshot::channel();
-                // Followers that gave up leave their sender behind: drop those first.
-                flight.followers.retain(|f| !f.is_closed());
-                flight.followers.push(tx);
-                return Join::Follower(rx);
-            }
-            if let Some(stale) = flights.by_key.remove(key) {
+        let id = flights.next_id + 1;
+        let flight = Flight {
+            id,
+            ticket,
+            followers: Vec::new(),
+        };
+        // One lookup: the key's flight is followed, sealed and replaced, or begun.
+        let key = match flights.by_key.entry_ref(key) {
+            EntryRef::Occupied(mut live) => {
+                if ticket.key_unchanged_since(live.get().ticket) {
+                    let (tx, rx) = oneshot::channel();
+                    let followers = &mut live.get_mut().followers;
+                    // Followers that gave up leave their sender behind: drop those first.
+                    followers.retain(|f| !f.is_closed());
+                    followers.push(tx);
+                    return Join::Follower(rx);
+                }
+                let stale = live.insert(flight);
+                let key = live.key().clone();
                 flights.sealed.insert(stale.id, stale);
+                key
             }
-        }
-        flights.next_id += 1;
-        let id = flights.next_id;
+            EntryRef::Vacant(vacant) => vacant.insert_entry(flight).key().clone(),
+        };
+        flights.next_id = id;
         if flights.leading.is_none() {
             flights.leading = Some(self.shared.owed.hold());
         }
-        let key: Arc<str> = Arc::from(key);
-        flights.by_key.insert(
-            key.clone(),
-            Flight {
-                id,
-                ticket,
-                followers: Vec::new(),
-            },
-        );
         Join::Leader(LeaderGuard {
             registry: self.clone(),
             key,

@@ -784,8 +784,8 @@ async fn a_batch_loader_past_the_hard_timeout_is_stopped() -> Result<()> {
 }
 
 /// A key another caller in this process is loading is followed, however that flight
-/// ends: here its loader fails (nothing reaches L2) while the batch's read of its other
-/// key is held on the wire. The batch gets that caller's error for the key and does not
+/// ends: here its loader fails (nothing reaches L2) while the reply to the batch's read
+/// of its other key is held on the wire. The batch gets that caller's error for the key and does not
 /// load it again (contract §5.3, §5.16: a batch joins its flights before it reads).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() -> Result<()> {
@@ -821,7 +821,7 @@ async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() 
                 .await
         })
     };
-    // The batch's read is on the wire, held; meanwhile the other flight fails.
+    // The batch's read was made, its reply held; meanwhile the other flight fails.
     mgets.arrived().await;
     fail.notify_one();
     let single = single.await?;
@@ -841,6 +841,48 @@ async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() 
     assert_eq!(
         answers[1].as_ref().ok().cloned().flatten(),
         Some(Bytes::from("value:x"))
+    );
+    Ok(())
+}
+
+/// A read that came before a write this process's flight made does not fill L1 over it:
+/// the reply to a batch's read of `k` (the old value) is held while a bypass loads and
+/// writes the new one; the batch answers the old value (its call began before the
+/// write), but a `get` after the write gets the new one, from L1 or L2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_from_before_a_flights_write_does_not_fill_l1_over_it() -> Result<()> {
+    let server = RedisServer::start()?;
+    let wire = RealWire::connect(&server.url()).await?;
+    let mgets = wire.mgets.clone();
+    let cache = Corral::builder()
+        .redis_options(RedisOptions::new(server.url()))
+        .redis_wire(Arc::new(wire))
+        .build()?;
+    let other = Corral::builder().redis(server.url()).build()?;
+    other.set("k", "old", EntryOptions::new()).await?;
+    mgets.close();
+    let batch = {
+        let cache = cache.clone();
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["k"], relative(), |_: Vec<String>| async {
+                    Err::<Vec<(String, String)>, _>(std::io::Error::other("a hit"))
+                })
+                .await
+        })
+    };
+    mgets.arrived().await;
+    let bypass = relative().bypass(true);
+    let written = cache
+        .get_or_set("k", bypass, || async { Ok::<_, std::io::Error>("new") })
+        .await?;
+    assert_eq!(&written[..], b"new");
+    mgets.let_one();
+    assert_eq!(values(batch.await??)?, [Some("old".to_string())]);
+    assert_eq!(
+        cache.get("k").await?.as_deref(),
+        Some(&b"new"[..]),
+        "the batch's older read filled L1 over the bypass's write"
     );
     Ok(())
 }

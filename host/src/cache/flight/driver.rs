@@ -854,7 +854,13 @@ where
             refresh_at_ms: finish.refresh_at_ms,
             tagged,
         };
-        inner.l1.fill_entry(self.key, entry, self.l1_ticket);
+        if finish.outcome == FlightOutcome::Loaded(true) {
+            // This flight wrote the value to L2: a read in this process that came before
+            // the write must not fill over it.
+            inner.l1.fill_written(self.key, entry, self.l1_ticket);
+        } else {
+            inner.l1.fill_entry(self.key, entry, self.l1_ticket);
+        }
     }
 }
 
