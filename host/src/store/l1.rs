@@ -239,27 +239,8 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         )
     }
 
-    /// Fills `key` with a value this process's flight wrote to L2, `ticket` taken before
-    /// the flight read the key: as [`fill_entry`](Self::fill_entry), and then newer than
-    /// any fill in progress (of a read that may have come before the write: they are
-    /// refused, as after a set). Says whether it filled.
-    pub(crate) fn fill_written(&self, key: &str, entry: V, ticket: Ticket) -> bool {
-        let Some(cache) = &self.cache else {
-            return false;
-        };
-        let epochs = &self.epochs;
-        let outcome = cache.entry_by_ref(key).and_compute_with(|_| {
-            let unchanged = epochs.ticket(key) == ticket;
-            epochs.stripe(key).fetch_add(1, Ordering::AcqRel);
-            if unchanged { Op::Put(entry) } else { Op::Nop }
-        });
-        !matches!(
-            outcome,
-            moka::ops::compute::CompResult::StillNone(_) | moka::ops::compute::CompResult::Unchanged(_)
-        )
-    }
-
-    /// Writes `key` after a set in this process wrote L2, `ticket` taken before that
+    /// Writes `key` after a set (or a flight outside this process's registry) in this
+    /// process wrote L2, `ticket` taken before that
     /// write: newer than any fill in progress (they are refused); but if the key was
     /// written again in this process since the ticket (another set, an invalidation from
     /// another process), this value may be older than that one, and the key is dropped

@@ -845,12 +845,12 @@ async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() 
     Ok(())
 }
 
-/// A read that came before a write this process's flight made does not fill L1 over it:
+/// A read that came before a write this process's bypass made does not fill L1 over it:
 /// the reply to a batch's read of `k` (the old value) is held while a bypass loads and
 /// writes the new one; the batch answers the old value (its call began before the
 /// write), but a `get` after the write gets the new one, from L1 or L2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_read_from_before_a_flights_write_does_not_fill_l1_over_it() -> Result<()> {
+async fn a_read_from_before_a_bypass_write_does_not_fill_l1_over_it() -> Result<()> {
     let server = RedisServer::start()?;
     let wire = RealWire::connect(&server.url()).await?;
     let mgets = wire.mgets.clone();

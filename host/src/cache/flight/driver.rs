@@ -854,10 +854,11 @@ where
             refresh_at_ms: finish.refresh_at_ms,
             tagged,
         };
-        if finish.outcome == FlightOutcome::Loaded(true) {
-            // This flight wrote the value to L2: a read in this process that came before
-            // the write must not fill over it.
-            inner.l1.fill_written(self.key, entry, self.l1_ticket);
+        // A refresh or a bypass that wrote its value to L2 ran beside this process's
+        // flights of the key, not in them: a read in this process from before its write
+        // must not fill L1 over it, so it fills as a set does (the ticket is the write's).
+        if finish.outcome == FlightOutcome::Loaded(true) && (self.options.refresh || self.options.bypass) {
+            inner.l1.insert_entry(self.key, entry, self.l1_ticket);
         } else {
             inner.l1.fill_entry(self.key, entry, self.l1_ticket);
         }
