@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use corral::{Clock, Corral, EntryOptions, ErrorKind, LoadOptions, RedisOptions};
-use corral_tests::wire::RealWire;
+use corral_tests::wire::{Gate, RealWire};
 use corral_tests::{Backend, Fixture, PREFIX, RedisServer, command_calls, real_time, stampedes_at_a_barrier};
 use tokio::sync::Notify;
 
@@ -783,12 +783,9 @@ async fn a_batch_loader_past_the_hard_timeout_is_stopped() -> Result<()> {
     Ok(())
 }
 
-/// A key another caller in this process is loading is followed, however that flight
-/// ends: here its loader fails (nothing reaches L2) while the reply to the batch's read
-/// of its other key is held on the wire. The batch gets that caller's error for the key and does not
-/// load it again (contract §5.3, §5.16: a batch joins its flights before it reads).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() -> Result<()> {
+/// A cache on a real redis-server reached through a wire whose `MGET` replies can be
+/// held (`mgets`), with the server (stopped when dropped).
+async fn wired() -> Result<(RedisServer, Corral, Arc<Gate>)> {
     let server = RedisServer::start()?;
     let wire = RealWire::connect(&server.url()).await?;
     let mgets = wire.mgets.clone();
@@ -796,6 +793,16 @@ async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() 
         .redis_options(RedisOptions::new(server.url()))
         .redis_wire(Arc::new(wire))
         .build()?;
+    Ok((server, cache, mgets))
+}
+
+/// A key another caller in this process is loading is followed, however that flight
+/// ends: here its loader fails (nothing reaches L2) while the reply to the batch's read
+/// of its other key is held on the wire. The batch gets that caller's error for the key and does not
+/// load it again (contract §5.3, §5.16: a batch joins its flights before it reads).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() -> Result<()> {
+    let (_server, cache, mgets) = wired().await?;
     cache.get("warm-up").await?;
     let (loading, fail) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let single = {
@@ -851,13 +858,7 @@ async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() 
 /// write), but a `get` after the write gets the new one, from L1 or L2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_from_before_a_bypass_write_does_not_fill_l1_over_it() -> Result<()> {
-    let server = RedisServer::start()?;
-    let wire = RealWire::connect(&server.url()).await?;
-    let mgets = wire.mgets.clone();
-    let cache = Corral::builder()
-        .redis_options(RedisOptions::new(server.url()))
-        .redis_wire(Arc::new(wire))
-        .build()?;
+    let (server, cache, mgets) = wired().await?;
     let other = Corral::builder().redis(server.url()).build()?;
     other.set("k", "old", EntryOptions::new()).await?;
     mgets.close();
