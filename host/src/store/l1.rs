@@ -239,12 +239,11 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         )
     }
 
-    /// Writes `key` after a set (or a flight outside this process's registry) in this
-    /// process wrote L2, `ticket` taken before that
-    /// write: newer than any fill in progress (they are refused); but if the key was
-    /// written again in this process since the ticket (another set, an invalidation from
-    /// another process), this value may be older than that one, and the key is dropped
-    /// instead.
+    /// Writes `key` after a set (or an eager refresh or a bypass) in this process wrote
+    /// L2, `ticket` taken before that write: newer than any fill in progress (they are
+    /// refused); but if the key was written again in this process since the ticket
+    /// (another set, an invalidation from another process), this value may be older
+    /// than that one, and the key is dropped instead.
     pub(crate) fn insert_entry(&self, key: &str, entry: V, ticket: Ticket) {
         let Some(cache) = &self.cache else {
             return;

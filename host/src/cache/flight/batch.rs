@@ -576,7 +576,7 @@ impl Corral {
         let mut l2_hits = 0;
         for (&i, read) in missed.iter().zip(reads) {
             // The ticket taken before the names, so before the read: a write of the key
-            // since keeps its fill out of L1, and seals the flight it joins.
+            // since keeps the read's fill out of L1.
             let l1_ticket = named[i];
             let first = |read| FirstRead {
                 named: l1_ticket,
