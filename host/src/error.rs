@@ -55,8 +55,13 @@ type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// [`source`](std::error::Error::source). A loader's error is the source of the error
 /// every caller of its flight gets, the leader and each coalesced follower alike, so
 /// each can downcast it ([`Error::loader_error`]). A clone shares the source.
-#[derive(Clone, Debug)]
-pub struct Error {
+#[derive(Clone)]
+pub struct Error(Box<Inner>);
+
+/// What an [`Error`] says, boxed: a `Result` of this crate is its value's size and a
+/// pointer, however much an error carries.
+#[derive(Clone)]
+struct Inner {
     kind: ErrorKind,
     message: String,
     argument: Option<String>,
@@ -70,11 +75,32 @@ pub struct Error {
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.kind, self.detail())
+        write!(f, "{}: {}", self.0.kind, self.detail())
     }
 }
 
 /// An error of `kind` whose message is the kind's own description.
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Inner {
+            kind,
+            message,
+            argument,
+            panicked,
+            unsent,
+            source,
+        } = &*self.0;
+        f.debug_struct("Error")
+            .field("kind", kind)
+            .field("message", message)
+            .field("argument", argument)
+            .field("panicked", panicked)
+            .field("unsent", unsent)
+            .field("source", source)
+            .finish()
+    }
+}
+
 impl From<ErrorKind> for Error {
     fn from(kind: ErrorKind) -> Self {
         Error::new(kind, kind.to_string())
@@ -83,7 +109,8 @@ impl From<ErrorKind> for Error {
 
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source
+        self.0
+            .source
             .as_deref()
             .map(|e| e as &(dyn std::error::Error + 'static))
     }
@@ -132,32 +159,32 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error {
+        Error(Box::new(Inner {
             kind,
             message: message.into(),
             argument: None,
             panicked: false,
             unsent: false,
             source: None,
-        }
+        }))
     }
 
     pub(crate) fn invalid_argument(name: impl Into<String>, reason: impl fmt::Display) -> Self {
         let name = name.into();
         let mut e = Error::new(ErrorKind::InvalidArgument, format!("`{name}` {reason}"));
-        e.argument = Some(name);
+        e.0.argument = Some(name);
         e
     }
 
     /// The same argument error naming the argument `name` (as the caller spelled what the
     /// check called otherwise); any other error as it is.
     pub(crate) fn naming(mut self, name: &str) -> Self {
-        if let Some(old) = self.argument.take() {
+        if let Some(old) = self.0.argument.take() {
             let spelled = format!("`{old}`");
-            if let Some(reason) = self.message.strip_prefix(&spelled) {
-                self.message = format!("`{name}`{reason}");
+            if let Some(reason) = self.0.message.strip_prefix(&spelled) {
+                self.0.message = format!("`{name}`{reason}");
             }
-            self.argument = Some(name.to_owned());
+            self.0.argument = Some(name.to_owned());
         }
         self
     }
@@ -171,7 +198,7 @@ impl Error {
     }
 
     pub(crate) fn with_source(mut self, source: impl Into<Source>) -> Self {
-        self.source = Some(Arc::from(source.into()));
+        self.0.source = Some(Arc::from(source.into()));
         self
     }
 
@@ -211,10 +238,10 @@ impl Error {
     /// # }
     /// ```
     pub fn loader_error<E: std::error::Error + 'static>(&self) -> Option<&E> {
-        if self.kind != ErrorKind::Loader {
+        if self.0.kind != ErrorKind::Loader {
             return None;
         }
-        let source = self.source.as_deref()?;
+        let source = self.0.source.as_deref()?;
         source.downcast_ref::<E>().or_else(|| {
             // A batch loader's error, shared by the keys of its call.
             let shared = source.downcast_ref::<BatchLoaderError>()?;
@@ -232,20 +259,20 @@ impl Error {
     pub(crate) fn loader_panicked(payload: &(dyn std::any::Any + Send)) -> Self {
         let what = panic_text(payload);
         let mut e = Error::new(ErrorKind::Loader, format!("the loader panicked: {what}"));
-        e.panicked = true;
+        e.0.panicked = true;
         e
     }
 
     /// This error, for a store call refused before it was sent.
     pub(crate) fn unsent(mut self) -> Self {
-        self.unsent = true;
+        self.0.unsent = true;
         self
     }
 
     /// Whether the store certainly never ran the call: refused before it was sent, or
     /// its connection refused.
     pub(crate) fn never_sent(&self) -> bool {
-        if self.unsent {
+        if self.0.unsent {
             return true;
         }
         let mut cause = std::error::Error::source(self);
@@ -268,7 +295,7 @@ impl Error {
 
     /// Whether this is a loader's panic (its flight goes to a follower).
     pub(crate) fn is_panic(&self) -> bool {
-        self.panicked
+        self.0.panicked
     }
 
     /// A copy for another caller of a flight: the same kind, message, argument and
@@ -281,8 +308,8 @@ impl Error {
     /// message does not already say it (`Display` puts the kind before it).
     pub(crate) fn detail(&self) -> String {
         match self.root_cause().map(|root| root.to_string()) {
-            Some(root) if !self.message.contains(&root) => format!("{}: {root}", self.message),
-            _ => self.message.clone(),
+            Some(root) if !self.0.message.contains(&root) => format!("{}: {root}", self.0.message),
+            _ => self.0.message.clone(),
         }
     }
 
@@ -291,35 +318,35 @@ impl Error {
     /// wrong.
     pub(crate) fn in_call(mut self, call: &str) -> Self {
         if matches!(
-            self.kind,
+            self.0.kind,
             ErrorKind::Unavailable | ErrorKind::Timeout | ErrorKind::Corrupt
         ) {
-            self.message = format!("{call}: {}", self.message);
+            self.0.message = format!("{call}: {}", self.0.message);
         }
         self
     }
 
     /// Replaces the message with `context` (the kind, argument and source stay).
     pub fn with_context(mut self, context: impl Into<String>) -> Self {
-        self.message = context.into();
+        self.0.message = context.into();
         self
     }
 
     /// What kind of failure this is.
     pub fn kind(&self) -> ErrorKind {
-        self.kind
+        self.0.kind
     }
 
     /// For [`ErrorKind::InvalidArgument`], the argument at fault (`key`, `value`,
     /// `absolute`, `relative`, `sliding`, `limits`, ...).
     pub fn argument(&self) -> Option<&str> {
-        self.argument.as_deref()
+        self.0.argument.as_deref()
     }
 
     /// Whether trying again later may succeed (a store outage or a timeout).
     pub fn is_retryable(&self) -> bool {
         matches!(
-            self.kind,
+            self.0.kind,
             ErrorKind::Unavailable | ErrorKind::Timeout | ErrorKind::Quorum
         )
     }

@@ -22,7 +22,10 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use hashbrown::hash_map::EntryRef;
+use std::hash::BuildHasher;
+use std::ops::Range;
+
+use hashbrown::HashTable;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
@@ -51,10 +54,11 @@ struct Flight<T> {
 }
 
 struct Flights<T> {
-    /// By key: each key's one allocation, shared with its leader's guard. Hashed with
-    /// foldhash (randomly seeded, weaker against crafted collisions than SipHash): the
-    /// map holds only the keys with a flight under way.
-    by_key: hashbrown::HashMap<Arc<str>, Flight<T>, foldhash::fast::RandomState>,
+    /// The live flights, by key (each found by its key's hash). Hashed with foldhash
+    /// (randomly seeded, weaker against crafted collisions than SipHash): the table
+    /// holds only the keys with a flight under way.
+    by_key: HashTable<Live<T>>,
+    hasher: foldhash::fast::RandomState,
     /// Flights no caller may join any more (their key changed since they began), by id,
     /// until their leaders finish.
     sealed: HashMap<u64, Flight<T>>,
@@ -62,6 +66,51 @@ struct Flights<T> {
     /// Counted in the cache's owed work while any flight leads: one count for them all
     /// (see [`Corral::close`](crate::Corral::close)), not one per key of a batch.
     leading: Option<Pending>,
+    /// The batch reading keys it has not joined ([`Registry::peek`]), if one does: the
+    /// last flight id when it looked. One at a time: the others join first.
+    peeking: Option<u64>,
+    /// While a batch reads before joining: the flights that began and ended since it
+    /// looked, each key's last, for it to follow after its read.
+    ended: HashTable<Ended<T>>,
+}
+
+/// A flight that ended while a batch read before joining.
+struct Ended<T> {
+    hash: u64,
+    key: FlightKey,
+    id: u64,
+    /// The key's ticket when the flight began.
+    ticket: Ticket,
+    /// What its followers got (`None`: its leader went away without an outcome).
+    outcome: Option<T>,
+}
+
+/// A live flight in the table, with its key and the key's hash.
+struct Live<T> {
+    hash: u64,
+    key: FlightKey,
+    flight: Flight<T>,
+}
+
+/// A flight's key: its own text, or its place in the text of a batch's keys (one
+/// allocation for them all).
+struct FlightKey {
+    text: Arc<str>,
+    at: Range<usize>,
+}
+
+impl FlightKey {
+    fn as_str(&self) -> &str {
+        &self.text[self.at.clone()]
+    }
+}
+
+/// Where a joining key's text lives, should it lead.
+enum KeyText<'a> {
+    /// Its own (allocated if it leads).
+    Own,
+    /// In a batch's keys, at this range.
+    In(&'a Arc<str>, Range<usize>),
 }
 
 /// The flights of one cache, by key. Cheap to clone; clones share the map.
@@ -96,10 +145,13 @@ impl<T> Registry<T> {
         Registry {
             shared: Arc::new(Table {
                 flights: Mutex::new(Flights {
-                    by_key: hashbrown::HashMap::default(),
+                    by_key: HashTable::new(),
+                    hasher: foldhash::fast::RandomState::default(),
                     sealed: HashMap::new(),
                     next_id: 0,
                     leading: None,
+                    peeking: None,
+                    ended: HashTable::new(),
                 }),
                 owed: owed.clone(),
             }),
@@ -121,6 +173,32 @@ pub(crate) enum Join<T> {
     Follower(oneshot::Receiver<Shared<T>>),
 }
 
+/// A batch's look at its keys before reading them ([`Registry::peek`]): over when
+/// [`settled`](Registry::settle) or dropped.
+pub(crate) struct Peek<T> {
+    registry: Registry<T>,
+    /// The last flight id when the batch looked: a flight with a greater one began since.
+    looked: u64,
+    done: bool,
+}
+
+impl<T> Drop for Peek<T> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.registry.shared.flights.lock().unpeek();
+        }
+    }
+}
+
+/// How a key a batch read before joining it was joined ([`Registry::settle`]).
+pub(crate) enum Settled<T> {
+    /// Joined now; `true` when a flight of the key began since the look (a leader reads
+    /// the key again: what the batch read may be older than what that flight did).
+    Joined(Join<T>, bool),
+    /// A flight of the key began and ended since the look: its outcome.
+    Ended(T),
+}
+
 /// The ticket of flights joined whatever changed since they began: background
 /// refreshes, one per key at a time (their fills are fenced on their own reads).
 pub(crate) const UNCHANGED: Ticket = Ticket::from_parts([0, 0, 0]);
@@ -130,19 +208,52 @@ impl<T: Clone> Registry<T> {
     /// (`ticket`, the key's L1 ticket now, says it is unchanged since the flight's);
     /// else leads one.
     pub(crate) fn join(&self, key: &str, ticket: Ticket) -> Join<T> {
-        self.join_in(&mut self.shared.flights.lock(), key, ticket)
+        self.join_in(&mut self.shared.flights.lock(), key, KeyText::Own, ticket)
     }
 
-    /// [`join`](Self::join) for each of `keys` (each with its ticket now), in order,
-    /// with the map locked once.
-    pub(crate) fn join_many<'k>(&self, keys: impl IntoIterator<Item = (&'k str, Ticket)>) -> Vec<Join<T>> {
-        let mut flights = self.shared.flights.lock();
-        keys.into_iter()
-            .map(|(key, ticket)| self.join_in(&mut flights, key, ticket))
-            .collect()
+    /// [`join`](Self::join) for each of `keys` (each with its ticket now, `ticket`), in
+    /// order, with the map locked once. The keys that lead share one allocation of
+    /// their text.
+    pub(crate) fn join_many<'k, K>(&self, keys: K, ticket: impl Fn(&str) -> Ticket) -> Vec<Join<T>>
+    where
+        K: IntoIterator<Item = &'k str>,
+        K::IntoIter: ExactSizeIterator + Clone,
+    {
+        self.join_all_in(&mut self.shared.flights.lock(), keys.into_iter(), ticket)
     }
 
-    fn join_in(&self, flights: &mut Flights<T>, key: &str, ticket: Ticket) -> Join<T> {
+    /// [`join_many`](Self::join_many) with the map (`flights`) locked already.
+    fn join_all_in<'k>(
+        &self,
+        flights: &mut Flights<T>,
+        keys: impl ExactSizeIterator<Item = &'k str> + Clone,
+        ticket: impl Fn(&str) -> Ticket,
+    ) -> Vec<Join<T>> {
+        let text: Arc<str> = keys.clone().collect::<String>().into();
+        let mut joins = Vec::with_capacity(keys.len());
+        let mut at = 0;
+        for key in keys {
+            let range = at..at + key.len();
+            at = range.end;
+            joins.push(self.join_in(flights, key, KeyText::In(&text, range), ticket(key)));
+        }
+        joins
+    }
+
+    fn join_in(&self, flights: &mut Flights<T>, key: &str, text: KeyText<'_>, ticket: Ticket) -> Join<T> {
+        let hash = flights.hasher.hash_one(key);
+        self.join_hashed(flights, hash, key, text, ticket)
+    }
+
+    /// [`join_in`](Self::join_in) of `key`, hashed `hash`.
+    fn join_hashed(
+        &self,
+        flights: &mut Flights<T>,
+        hash: u64,
+        key: &str,
+        text: KeyText<'_>,
+        ticket: Ticket,
+    ) -> Join<T> {
         let id = flights.next_id + 1;
         let flight = Flight {
             id,
@@ -150,33 +261,144 @@ impl<T: Clone> Registry<T> {
             followers: Vec::new(),
         };
         // One lookup: the key's flight is followed, sealed and replaced, or begun.
-        let key = match flights.by_key.entry_ref(key) {
-            EntryRef::Occupied(mut live) => {
-                if ticket.key_unchanged_since(live.get().ticket) {
-                    let (tx, rx) = oneshot::channel();
-                    let followers = &mut live.get_mut().followers;
-                    // Followers that gave up leave their sender behind: drop those first.
-                    followers.retain(|f| !f.is_closed());
-                    followers.push(tx);
-                    return Join::Follower(rx);
-                }
-                let stale = live.insert(flight);
-                let key = live.key().clone();
-                flights.sealed.insert(stale.id, stale);
-                key
+        match flights.by_key.find_mut(hash, |live| live.key.as_str() == key) {
+            Some(live) if ticket.key_unchanged_since(live.flight.ticket) => {
+                let (tx, rx) = oneshot::channel();
+                let followers = &mut live.flight.followers;
+                // Followers that gave up leave their sender behind: drop those first.
+                followers.retain(|f| !f.is_closed());
+                followers.push(tx);
+                return Join::Follower(rx);
             }
-            EntryRef::Vacant(vacant) => vacant.insert_entry(flight).key().clone(),
-        };
+            Some(live) => {
+                let stale = std::mem::replace(&mut live.flight, flight);
+                flights.sealed.insert(stale.id, stale);
+            }
+            None => {
+                let key = match text {
+                    KeyText::Own => FlightKey {
+                        text: key.into(),
+                        at: 0..key.len(),
+                    },
+                    KeyText::In(text, at) => FlightKey {
+                        text: text.clone(),
+                        at,
+                    },
+                };
+                flights
+                    .by_key
+                    .insert_unique(hash, Live { hash, key, flight }, |live| live.hash);
+            }
+        }
         flights.next_id = id;
         if flights.leading.is_none() {
             flights.leading = Some(self.shared.owed.hold());
         }
         Join::Leader(LeaderGuard {
             registry: self.clone(),
-            key,
+            hash,
             id,
             done: false,
         })
+    }
+
+    /// A batch's look at `keys` (each with its ticket now, `ticket`) before it reads
+    /// them, with the map locked once: a key with a flight under way joins it (`Some`,
+    /// as [`join`](Self::join)); the others (`None`) are read before they join, and
+    /// joined by [`settle`](Self::settle) only if their reads did not answer them. A
+    /// flight of such a key that begins and ends in between is kept for it until then:
+    /// the batch gets its outcome as a follower would have. While another batch reads
+    /// so, every key joins now, as [`join_many`](Self::join_many) joins them: batches
+    /// that overlap share their reads, not only their loads.
+    pub(crate) fn peek<'k, K>(
+        &self,
+        keys: K,
+        ticket: impl Fn(&str) -> Ticket,
+    ) -> (Peek<T>, Vec<Option<Join<T>>>)
+    where
+        K: IntoIterator<Item = &'k str>,
+        K::IntoIter: ExactSizeIterator + Clone,
+    {
+        let keys = keys.into_iter();
+        let mut flights = self.shared.flights.lock();
+        let mut peek = Peek {
+            registry: self.clone(),
+            looked: flights.next_id,
+            done: true,
+        };
+        if flights.peeking.is_some() {
+            let joins = self.join_all_in(&mut flights, keys, ticket);
+            return (peek, joins.into_iter().map(Some).collect());
+        }
+        flights.peeking = Some(peek.looked);
+        peek.done = false;
+        let joins = keys
+            .map(|key| {
+                if flights.by_key.is_empty() {
+                    return None;
+                }
+                let hash = flights.hasher.hash_one(key);
+                flights.by_key.find(hash, |live| live.key.as_str() == key)?;
+                Some(self.join_hashed(&mut flights, hash, key, KeyText::Own, ticket(key)))
+            })
+            .collect();
+        (peek, joins)
+    }
+
+    /// Joins the keys of `peek` whose reads did not answer them (`keys`, each with its
+    /// ticket now, `ticket`), in order, with the map locked once; then the look is
+    /// over. The keys that lead share one allocation of their text.
+    pub(crate) fn settle<'k, K>(
+        &self,
+        mut peek: Peek<T>,
+        keys: K,
+        ticket: impl Fn(&str) -> Ticket,
+    ) -> Vec<Settled<T>>
+    where
+        K: IntoIterator<Item = &'k str>,
+        K::IntoIter: ExactSizeIterator + Clone,
+    {
+        let keys = keys.into_iter();
+        let text: Arc<str> = keys.clone().collect::<String>().into();
+        let mut settled = Vec::with_capacity(keys.len());
+        let mut at = 0;
+        let mut flights = self.shared.flights.lock();
+        for key in keys {
+            let range = at..at + key.len();
+            at = range.end;
+            let (hash, now) = (flights.hasher.hash_one(key), ticket(key));
+            let began = flights
+                .by_key
+                .find(hash, |live| live.key.as_str() == key)
+                .is_some();
+            let ended = flights
+                .ended
+                .find(hash, |e| e.key.as_str() == key)
+                .filter(|e| e.id > peek.looked)
+                .map(|e| e.outcome.clone().filter(|_| now.key_unchanged_since(e.ticket)));
+            settled.push(match (began, ended) {
+                // A flight began since the look and runs: followed (or, its key changed
+                // since it began, sealed and led anew).
+                (true, _) => {
+                    Settled::Joined(self.join_hashed(&mut flights, hash, key, KeyText::Own, now), true)
+                }
+                // One began and ended: its outcome, as its followers got it.
+                (false, Some(Some(outcome))) => Settled::Ended(outcome),
+                // One ended without an outcome, or the key changed since it began.
+                (false, Some(None)) => {
+                    Settled::Joined(self.join_hashed(&mut flights, hash, key, KeyText::Own, now), true)
+                }
+                // None began since the look: led from the read.
+                (false, None) => Settled::Joined(
+                    self.join_hashed(&mut flights, hash, key, KeyText::In(&text, range), now),
+                    false,
+                ),
+            });
+        }
+        if !std::mem::replace(&mut peek.done, true) {
+            flights.unpeek();
+        }
+        settled
     }
 
     /// Joins the flight of `key` until this caller leads or gets an outcome: a leader
@@ -209,12 +431,14 @@ impl<T> Registry<T> {
     /// Callers waiting on the flight of `key`.
     #[cfg_attr(not(any(test, feature = "test-util")), allow(dead_code))]
     pub(crate) fn followers(&self, key: &str) -> usize {
-        self.shared
-            .flights
-            .lock()
+        let flights = self.shared.flights.lock();
+        let hash = flights.hasher.hash_one(key);
+        flights
             .by_key
-            .get(key)
-            .map_or(0, |f| f.followers.iter().filter(|tx| !tx.is_closed()).count())
+            .find(hash, |live| live.key.as_str() == key)
+            .map_or(0, |live| {
+                live.flight.followers.iter().filter(|tx| !tx.is_closed()).count()
+            })
     }
 }
 
@@ -223,8 +447,9 @@ impl<T> Registry<T> {
 /// the entry leaves the map, exactly once.
 pub(crate) struct LeaderGuard<T> {
     registry: Registry<T>,
-    key: Arc<str>,
-    /// Which flight of the key this is (the map's entry is this leader's own only if
+    /// The key's hash: where its flight is in the table.
+    hash: u64,
+    /// Which flight of the key this is (the table's entry is this leader's own only if
     /// its id matches).
     id: u64,
     done: bool,
@@ -232,7 +457,7 @@ pub(crate) struct LeaderGuard<T> {
 
 impl<T> fmt::Debug for LeaderGuard<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LeaderGuard").field("key", &self.key).finish()
+        f.debug_struct("LeaderGuard").field("flight", &self.id).finish()
     }
 }
 
@@ -244,7 +469,7 @@ impl<T: Clone> LeaderGuard<T> {
     /// Hands each follower the outcome `outcome` makes (called once per follower: a
     /// flight without followers makes none).
     pub(crate) fn finish_with(mut self, outcome: impl Fn() -> T) {
-        for tx in self.close() {
+        for tx in self.close(Some(&outcome)) {
             let _ = tx.send(Shared::Done(outcome()));
         }
     }
@@ -260,7 +485,7 @@ impl<T> Registry<T> {
             let mut flights = self.shared.flights.lock();
             for (mut guard, outcome) in finished {
                 debug_assert!(Arc::ptr_eq(&guard.registry.shared, &self.shared));
-                let followers = guard.close_in(&mut flights);
+                let followers = guard.close_in(&mut flights, Some(&outcome));
                 if !followers.is_empty() {
                     answered.push((followers, outcome));
                 }
@@ -276,37 +501,56 @@ impl<T> Registry<T> {
 
 impl<T> LeaderGuard<T> {
     /// Takes the flight out of the map (once, and only if it is this leader's own);
-    /// its followers, in join order.
-    fn close(&mut self) -> Vec<oneshot::Sender<Shared<T>>> {
+    /// its followers, in join order. `outcome` makes what they get (`None`: the leader
+    /// went away), for a batch that read the key before joining it.
+    fn close(&mut self, outcome: Option<&dyn Fn() -> T>) -> Vec<oneshot::Sender<Shared<T>>> {
         if self.done {
             return Vec::new();
         }
-        self.done = true;
-        take_flight(&mut self.registry.shared.flights.lock(), &self.key, self.id)
+        let registry = self.registry.clone();
+        self.close_in(&mut registry.shared.flights.lock(), outcome)
     }
 
     /// [`close`](Self::close) with the map (`flights`) locked already.
-    fn close_in(&mut self, flights: &mut Flights<T>) -> Vec<oneshot::Sender<Shared<T>>> {
+    fn close_in(
+        &mut self,
+        flights: &mut Flights<T>,
+        outcome: Option<&dyn Fn() -> T>,
+    ) -> Vec<oneshot::Sender<Shared<T>>> {
         if self.done {
             return Vec::new();
         }
         self.done = true;
-        take_flight(flights, &self.key, self.id)
+        take_flight(flights, self.hash, self.id, outcome)
     }
 }
 
-/// Takes the flight `id` of `key` out of the map, live or sealed: its followers, in
-/// join order.
-fn take_flight<T>(flights: &mut Flights<T>, key: &str, id: u64) -> Vec<oneshot::Sender<Shared<T>>> {
-    // One lookup for a live flight, the usual case: a newer flight of the key (this
-    // one sealed) goes back.
-    let taken = match flights.by_key.remove_entry(key) {
-        Some((_, flight)) if flight.id == id => Some(flight),
-        Some((key, newer)) => {
-            flights.by_key.insert(key, newer);
-            flights.sealed.remove(&id)
+/// Takes the flight `id` (of the key hashed `hash`) out of the map, live or sealed: its
+/// followers, in join order. A live one is kept as ended while a batch that looked
+/// before it began reads ([`Registry::peek`]), with the outcome `outcome` makes.
+fn take_flight<T>(
+    flights: &mut Flights<T>,
+    hash: u64,
+    id: u64,
+    outcome: Option<&dyn Fn() -> T>,
+) -> Vec<oneshot::Sender<Shared<T>>> {
+    // Found by its id among the key's hash: no key to compare, none kept to find it.
+    let taken = match flights.by_key.find_entry(hash, |live| live.flight.id == id) {
+        Ok(live) => {
+            let Live { key, flight, .. } = live.remove().0;
+            if flights.peeking.is_some_and(|looked| id > looked) {
+                flights.keep_ended(Ended {
+                    hash,
+                    key,
+                    id,
+                    ticket: flight.ticket,
+                    outcome: outcome.map(|made| made()),
+                });
+            }
+            Some(flight)
         }
-        None => flights.sealed.remove(&id),
+        // A sealed flight's key has a newer flight, which a batch follows instead.
+        Err(_) => flights.sealed.remove(&id),
     };
     if flights.by_key.is_empty() && flights.sealed.is_empty() {
         flights.leading = None;
@@ -314,9 +558,28 @@ fn take_flight<T>(flights: &mut Flights<T>, key: &str, id: u64) -> Vec<oneshot::
     taken.map_or_else(Vec::new, |f| f.followers)
 }
 
+impl<T> Flights<T> {
+    /// Keeps `ended` as its key's last ended flight.
+    fn keep_ended(&mut self, ended: Ended<T>) {
+        let key = ended.key.as_str();
+        match self.ended.find_mut(ended.hash, |e| e.key.as_str() == key) {
+            Some(last) => *last = ended,
+            None => {
+                self.ended.insert_unique(ended.hash, ended, |e| e.hash);
+            }
+        }
+    }
+
+    /// The end of a batch's look: what ended meanwhile is let go.
+    fn unpeek(&mut self) {
+        self.peeking = None;
+        self.ended.clear();
+    }
+}
+
 impl<T> Drop for LeaderGuard<T> {
     fn drop(&mut self) {
-        for tx in self.close() {
+        for tx in self.close(None) {
             let _ = tx.send(Shared::Gone);
         }
     }
@@ -408,6 +671,95 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_batch_that_reads_before_joining_gets_what_began_meanwhile() {
+        let registry = Registry::<&str>::default();
+        let Join::Leader(under_way) = registry.join("a", T0) else {
+            panic!("first is leader")
+        };
+        let (peek, looked) = registry.peek(["a", "b", "c", "d"], |_| T0);
+        assert!(
+            matches!(looked[0], Some(Join::Follower(_))),
+            "a flight under way is followed"
+        );
+        assert!(
+            looked[1..].iter().all(Option::is_none),
+            "the others are read first"
+        );
+        // While the batch reads: b's flight begins and ends, c's begins and runs, d's
+        // key sees none.
+        let Join::Leader(b) = registry.join("b", T0) else {
+            panic!("no flight of b ran")
+        };
+        b.finish("B");
+        let Join::Leader(c) = registry.join("c", T0) else {
+            panic!("no flight of c ran")
+        };
+        let settled = registry.settle(peek, ["b", "c", "d"], |_| T0);
+        assert!(matches!(settled[0], Settled::Ended("B")));
+        assert!(matches!(&settled[1], Settled::Joined(Join::Follower(_), true)));
+        assert!(matches!(&settled[2], Settled::Joined(Join::Leader(_), false)));
+        assert_eq!(
+            registry.shared.flights.lock().ended.len(),
+            0,
+            "no batch reads: nothing kept"
+        );
+        drop((under_way, c, settled));
+        assert_eq!(registry.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_flight_ended_meanwhile_is_not_followed_across_a_change_or_a_leader_gone() {
+        let registry = Registry::<&str>::default();
+        let (peek, _) = registry.peek(["a", "b"], |_| T0);
+        let Join::Leader(a) = registry.join("a", T0) else {
+            panic!("no flight of a ran")
+        };
+        a.finish("A");
+        let Join::Leader(b) = registry.join("b", T0) else {
+            panic!("no flight of b ran")
+        };
+        drop(b);
+        // a was written since its flight began; b's leader went away: both led, read again.
+        let changed = Ticket::from_parts([0, 0, 1]);
+        let settled = registry.settle(peek, ["a", "b"], |k| if k == "a" { changed } else { T0 });
+        assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), true)));
+        assert!(matches!(&settled[1], Settled::Joined(Join::Leader(_), true)));
+    }
+
+    #[tokio::test]
+    async fn one_batch_reads_before_joining_at_a_time_and_ended_flights_go_with_it() {
+        let registry = Registry::<&str>::default();
+        let ended = |r: &Registry<&str>| r.shared.flights.lock().ended.len();
+        let (first, looked) = registry.peek(["a", "b"], |_| T0);
+        assert!(looked.iter().all(Option::is_none));
+        // A batch while the first reads joins first: it leads its keys, the first
+        // follows it after its read.
+        let (second, joined) = registry.peek(["b", "c"], |_| T0);
+        assert!(matches!(
+            joined[..],
+            [Some(Join::Leader(_)), Some(Join::Leader(_))]
+        ));
+        drop(second);
+        let Join::Leader(a) = registry.join("a", T0) else {
+            panic!("no flight of a ran")
+        };
+        a.finish("A");
+        assert_eq!(ended(&registry), 1);
+        drop(first); // cancelled while it read
+        assert_eq!(ended(&registry), 0, "nothing kept once no batch reads");
+        let Join::Leader(a) = registry.join("a", T0) else {
+            panic!("no flight of a runs")
+        };
+        a.finish("A");
+        assert_eq!(ended(&registry), 0);
+        let (third, looked) = registry.peek(["a"], |_| T0);
+        assert!(looked[0].is_none(), "the next batch reads first again");
+        let settled = registry.settle(third, ["a"], |_| T0);
+        assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
+        assert!(registry.shared.flights.lock().peeking.is_none());
+    }
+
+    #[tokio::test]
     async fn followers_get_the_leaders_outcome_and_the_map_empties() {
         let registry = Registry::<&str>::default();
         let Join::Leader(leader) = registry.join("k", T0) else {
@@ -430,18 +782,13 @@ mod tests {
         };
         let follower = tokio::spawn({
             let registry = registry.clone();
-            async move {
-                registry
-                    .lead_or_follow("k", || T0)
-                    .await
-                    .map(|g| g.key.to_string())
-            }
+            async move { registry.lead_or_follow("k", || T0).await.map(|g| g.id) }
         });
         while registry.followers("k") == 0 {
             tokio::task::yield_now().await;
         }
         drop(leader);
-        assert_eq!(follower.await.unwrap().unwrap(), "k", "the follower leads now");
+        assert!(follower.await.unwrap().is_ok(), "the follower leads now");
         assert_eq!(registry.len(), 0);
     }
 }

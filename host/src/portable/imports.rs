@@ -604,7 +604,7 @@ impl flights::Host for &mut PortableState {
         let b = &self.backend;
         let joins = b
             .registry
-            .join_many(keys.iter().map(|key| (key.as_str(), b.l1.ticket(key))));
+            .join_many(keys.iter().map(String::as_str), |key| b.l1.ticket(key));
         keys.into_iter()
             .zip(joins)
             .map(|(key, join)| match join {

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use redis::aio::ConnectionLike;
 
 use super::Scripts;
 use super::breaker::{Breaker, Breakers, Probed, Prober, is_connection_failure};
@@ -82,24 +83,27 @@ impl<T> Seen for redis::RedisResult<T> {
     }
 }
 
-/// What an `MGET` answered: each key's bytes, or nothing (as the store's answer per
-/// key). Bulk strings are taken as they came (no copy); any other shape is converted as
-/// redis-rs would.
+/// What an `MGET` answered (as the connection gave it, server errors in it
+/// included): each key's bytes, or nothing (as the store's answer per key). Bulk
+/// strings are taken as they came (no copy); any other shape is converted as redis-rs
+/// would; an error anywhere in it is the whole answer's.
 fn mget_values(answer: redis::Value) -> redis::RedisResult<Vec<Result<Option<Bytes>>>> {
-    let redis::Value::Array(items) = answer else {
-        let values: Vec<Option<Vec<u8>>> = redis::from_redis_value(answer)?;
-        return Ok(values.into_iter().map(|v| Ok(v.map(Bytes::from))).collect());
+    let items = match answer {
+        redis::Value::Array(items) => items,
+        other => {
+            let values: Vec<Option<Vec<u8>>> = redis::from_redis_value(other.extract_error()?)?;
+            return Ok(values.into_iter().map(|v| Ok(v.map(Bytes::from))).collect());
+        }
     };
-    items
-        .into_iter()
-        .map(|item| match item {
-            redis::Value::BulkString(bytes) => Ok(Ok(Some(Bytes::from(bytes)))),
-            redis::Value::Nil => Ok(Ok(None)),
-            other => Ok(Ok(
-                redis::from_redis_value::<Option<Vec<u8>>>(other)?.map(Bytes::from)
-            )),
-        })
-        .collect()
+    let mut values = Vec::with_capacity(items.len());
+    for item in items {
+        values.push(Ok(match item {
+            redis::Value::BulkString(bytes) => Some(Bytes::from(bytes)),
+            redis::Value::Nil => None,
+            other => redis::from_redis_value::<Option<Vec<u8>>>(other.extract_error()?)?.map(Bytes::from),
+        }));
+    }
+    Ok(values)
 }
 
 /// A read's failure: a value of another Redis type is corrupt data, not an outage.
@@ -538,8 +542,9 @@ impl Entries for RedisStore {
                 for &i in members {
                     mget.arg(keys[i]);
                 }
-                let found = mget
-                    .query_async::<redis::Value>(&mut conn)
+                // The answer as it came: `mget_values` finds any error in it.
+                let found = conn
+                    .req_packed_command(&mget)
                     .await
                     .and_then(mget_values)
                     .seen(self, &at)

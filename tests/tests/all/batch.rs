@@ -852,6 +852,106 @@ async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() 
     Ok(())
 }
 
+/// How the other caller's flight of `k` goes in [`a_flight_that_begins_while_a_batch_reads`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Begun {
+    /// Its loader fails before the batch's read is answered.
+    Fails,
+    /// Its loader returns a value before the batch's read is answered.
+    Loads,
+    /// Its loader is still running when the batch's read is answered.
+    Runs,
+}
+
+/// A batch that reads keys no flight in this process has under way joins them after
+/// its read; a flight of such a key that another caller began meanwhile is followed, as
+/// if the batch had joined first: `k` is loaded once in the process, and the batch gets
+/// that flight's outcome, however it ends (contract §5.3, §5.16).
+async fn a_flight_that_begins_while_a_batch_reads(begun: Begun) -> Result<()> {
+    let (_server, cache, mgets) = wired().await?;
+    cache.get("warm-up").await?;
+    mgets.close();
+    let calls = Calls::default();
+    let batch = {
+        let (cache, calls) = (cache.clone(), calls.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["k", "x"], relative(), answering(&calls))
+                .await
+        })
+    };
+    // The batch's read was made (k and x both missed), its reply held.
+    mgets.arrived().await;
+    let (loading, end) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let single = {
+        let (cache, loading, end) = (cache.clone(), loading.clone(), end.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_set("k", relative(), move || async move {
+                    loading.notify_one();
+                    end.notified().await;
+                    match begun {
+                        Begun::Fails => Err(std::io::Error::other("the origin is down")),
+                        Begun::Loads | Begun::Runs => Ok("from the single caller"),
+                    }
+                })
+                .await
+        })
+    };
+    loading.notified().await;
+    if begun != Begun::Runs {
+        end.notify_one();
+        let single = single.await?;
+        assert_eq!(single.is_ok(), begun == Begun::Loads, "{single:?}");
+        mgets.let_one();
+    } else {
+        mgets.let_one();
+        // The batch follows the flight now: it ends after the batch joined it.
+        while cache.followers_of("k") == 0 {
+            tokio::task::yield_now().await;
+        }
+        end.notify_one();
+        single.await??;
+    }
+    let answers = batch.await??;
+    assert_eq!(
+        calls.all(),
+        [["x".to_string()]],
+        "k was the other caller's to load"
+    );
+    match begun {
+        Begun::Fails => assert!(
+            answers[0].as_ref().is_err_and(|e| e.kind() == ErrorKind::Loader),
+            "{:?}",
+            answers[0]
+        ),
+        Begun::Loads | Begun::Runs => assert_eq!(
+            answers[0].as_ref().ok().cloned().flatten(),
+            Some(Bytes::from("from the single caller"))
+        ),
+    }
+    assert_eq!(
+        answers[1].as_ref().ok().cloned().flatten(),
+        Some(Bytes::from("value:x"))
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flight_that_begins_and_fails_while_a_batch_reads_is_followed() -> Result<()> {
+    a_flight_that_begins_while_a_batch_reads(Begun::Fails).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flight_that_begins_and_loads_while_a_batch_reads_is_followed() -> Result<()> {
+    a_flight_that_begins_while_a_batch_reads(Begun::Loads).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flight_that_begins_while_a_batch_reads_and_runs_on_is_followed() -> Result<()> {
+    a_flight_that_begins_while_a_batch_reads(Begun::Runs).await
+}
+
 /// A read that came before a write this process's bypass made does not fill L1 over it:
 /// the reply to a batch's read of `k` (the old value) is held while a bypass loads and
 /// writes the new one; the batch answers the old value (its call began before the

@@ -33,7 +33,7 @@ use crate::cache::L1Fill;
 use crate::cache::load::LoadOptions;
 use crate::cache::metrics::Metrics;
 use crate::cache::read::{L2Read, Looked};
-use crate::cache::registry::{self, Join, LeaderGuard, Outcome};
+use crate::cache::registry::{self, Join, LeaderGuard, Outcome, Settled};
 use crate::cache::tags::TagStamp;
 use crate::clock::Clock;
 use crate::error::{Absent, BatchLoaderError, panic_text};
@@ -496,9 +496,8 @@ impl Corral {
             (0..keys.len()).map(|i| (i, Part::Lead(None), None)).collect()
         } else {
             let missed = self.answer_l1_hits(keys, &mut answers);
-            let (mut parts, led) = self.join_batch(keys, &missed);
-            parts.extend(self.answer_led(keys, entries, named, led, &mut answers).await);
-            parts
+            self.answer_missed(keys, entries, named, &missed, &mut answers)
+                .await
         };
         // The led keys hold their seats from now: no load is made before every one of
         // them has reached its load or a wait.
@@ -608,65 +607,78 @@ impl Corral {
         flying
     }
 
-    /// Joins this process's flights of the keys at `missed`: those another caller leads
-    /// are followed (returned to fly), the others led (returned with their leads, to
-    /// read first). Joined before they are read: a cold key's callers in this process
-    /// send one read between them.
-    #[allow(clippy::type_complexity)]
-    fn join_batch(
-        &self,
-        keys: &[&str],
-        missed: &[usize],
-    ) -> (
-        Vec<(usize, Part, Option<FirstRead>)>,
-        Vec<(usize, LeaderGuard<Outcome>)>,
-    ) {
-        let inner = &*self.inner;
-        let joins = inner
-            .registry
-            .join_many(missed.iter().map(|&i| (keys[i], inner.l1.ticket(keys[i]))));
-        let (mut parts, mut led) = (Vec::new(), Vec::with_capacity(missed.len()));
-        for (&i, join) in missed.iter().zip(joins) {
-            match join {
-                Join::Leader(guard) => led.push((i, guard)),
-                Join::Follower(rx) => parts.push((i, Part::Follow(rx), None)),
-            }
-        }
-        (parts, led)
-    }
-
-    /// The `led` keys' first reads, together. A fresh hit is answered from its read
-    /// alone (in `answers`), and its flight ends with its followers answered, before
-    /// this caller; the other keys come back to lead their flights from their reads.
-    async fn answer_led(
+    /// The keys at `missed` (L1 missed them): those another caller in this process is
+    /// loading are followed; the others are read together, their fresh hits answered
+    /// from their reads (in `answers`), and the rest joined after their reads, to lead
+    /// their flights from them ([`Registry::peek`](registry::Registry::peek): a flight
+    /// of such a key that ran meanwhile is followed, as if joined before the read).
+    /// Returns the keys to fly, with what each begins with.
+    async fn answer_missed(
         &self,
         keys: &[&str],
         entries: (&Parts, bool),
         named: &[Ticket],
-        led: Vec<(usize, LeaderGuard<Outcome>)>,
+        missed: &[usize],
         answers: &mut [Option<Result<Served>>],
     ) -> Vec<(usize, Part, Option<FirstRead>)> {
-        let to_read: Vec<usize> = led.iter().map(|(i, _)| *i).collect();
+        let inner = &*self.inner;
+        let ticket = |key: &str| inner.l1.ticket(key);
+        let (peek, looked) = inner.registry.peek(missed.iter().map(|&i| keys[i]), ticket);
+        let mut parts = Vec::new();
+        // Read: the keys no flight has (`None`) and those this caller leads.
+        let (mut to_read, mut leads) = (Vec::with_capacity(missed.len()), Vec::with_capacity(missed.len()));
+        for (&i, join) in missed.iter().zip(looked) {
+            match join {
+                Some(Join::Follower(rx)) => parts.push((i, Part::Follow(rx), None)),
+                Some(Join::Leader(guard)) => {
+                    to_read.push(i);
+                    leads.push(Some(guard));
+                }
+                None => {
+                    to_read.push(i);
+                    leads.push(None);
+                }
+            }
+        }
         let mut flying = self
             .answer_l2_hits(keys, entries, named, &to_read, answers)
             .await
             .into_iter()
             .peekable();
-        let (mut parts, mut hits) = (Vec::new(), Vec::new());
-        for (i, guard) in led {
-            match flying.next_if(|(at, _)| *at == i) {
-                Some((_, first)) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
-                None => hits.push((i, guard)),
+        let (mut hits, mut unjoined) = (Vec::new(), Vec::new());
+        for (&i, lead) in to_read.iter().zip(leads) {
+            let first = flying.next_if(|(at, _)| *at == i).map(|(_, first)| first);
+            match (lead, first) {
+                (Some(guard), Some(first)) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
+                (Some(guard), None) => hits.push((i, guard)),
+                (None, Some(first)) => unjoined.push((i, first)),
+                (None, None) => {}
             }
         }
         let answers = &*answers;
         // A hit's followers get its value (copied only for them).
-        self.inner.registry.finish_all(hits.into_iter().map(|(i, guard)| {
+        inner.registry.finish_all(hits.into_iter().map(|(i, guard)| {
             (guard, move || match &answers[i] {
                 Some(Ok(served)) => Ok(served.clone()),
                 _ => Err(Arc::new(unanswered())),
             })
         }));
+        let settled = inner
+            .registry
+            .settle(peek, unjoined.iter().map(|&(i, _)| keys[i]), ticket);
+        for ((i, first), settled) in unjoined.into_iter().zip(settled) {
+            parts.push(match settled {
+                Settled::Joined(Join::Leader(guard), read_again) => {
+                    (i, Part::Lead(Some(guard)), (!read_again).then_some(first))
+                }
+                Settled::Joined(Join::Follower(rx), _) => (i, Part::Follow(rx), None),
+                Settled::Ended(outcome) => {
+                    let (tx, rx) = oneshot::channel();
+                    let _ = tx.send(registry::Shared::Done(outcome));
+                    (i, Part::Follow(rx), None)
+                }
+            });
+        }
         parts
     }
 
