@@ -240,6 +240,7 @@ pub struct Decoded {
 /// # Errors
 /// A [`Corruption`] when the bytes are not a version-1 envelope, the lengths disagree,
 /// the value is over `limits.max_value_bytes`, or the fields contradict each other.
+#[inline]
 pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Decoded, Corruption> {
     let header_len = HEADER_LEN as u64;
     if head.len() < 4.min(HEADER_LEN) || total_len < 4 {
