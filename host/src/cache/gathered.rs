@@ -58,7 +58,7 @@ impl Corral {
         let entry = self.entry_of(key).await?;
         let looked = self.l2_look(&entry, now).await?;
         self.note_key_hint(key, &entry);
-        Ok(Looked::Read(looked, None))
+        Ok(Looked::Read(Box::new(looked), None))
     }
 
     /// Carries the way `entry` is to be read next over to its key.

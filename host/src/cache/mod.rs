@@ -206,21 +206,23 @@ impl Corral {
                 self.fill_l1_until(key, &value, until, L1Fill::Read(ticket), None);
                 Ok(Some(value))
             }
-            Looked::Read(read::L2Read::Hit(value, meta, _, stamp), l1_until) => {
-                Metrics::bump(&m.l2_hits);
-                match l1_until {
-                    Some(until) => self.fill_l1_until(key, &value, until, L1Fill::Read(ticket), stamp),
-                    None => {
-                        self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket), stamp)
-                            .await?
+            Looked::Read(read, l1_until) => match *read {
+                read::L2Read::Hit(value, meta, _, stamp) => {
+                    Metrics::bump(&m.l2_hits);
+                    match l1_until {
+                        Some(until) => self.fill_l1_until(key, &value, until, L1Fill::Read(ticket), stamp),
+                        None => {
+                            self.fill_l1(key, &value, meta, now, L1Fill::Read(ticket), stamp)
+                                .await?
+                        }
                     }
+                    Ok(Some(value))
                 }
-                Ok(Some(value))
-            }
-            Looked::Read(read::L2Read::Miss { .. } | read::L2Read::Stale { .. }, _) => {
-                Metrics::bump(&m.misses);
-                Ok(None)
-            }
+                read::L2Read::Miss { .. } | read::L2Read::Stale { .. } => {
+                    Metrics::bump(&m.misses);
+                    Ok(None)
+                }
+            },
         }
     }
 

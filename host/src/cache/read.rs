@@ -168,7 +168,7 @@ pub(crate) enum Looked {
     Served(Bytes, u64),
     /// Anything else, as [`Corral::l2_look`] finds it; for a fresh entry judged with
     /// the others, the moment until which L1 may serve it.
-    Read(L2Read, Option<u64>),
+    Read(Box<L2Read>, Option<u64>),
 }
 
 /// What one L2 read found.
@@ -287,7 +287,7 @@ impl Corral {
                 None => None,
             };
             // In its place until its look answers, below.
-            found.push(Ok(Looked::Read(L2Read::Miss { holds: None }, None)));
+            found.push(Ok(Looked::Served(Bytes::new(), 0)));
             looks.push((i, self.l2_look_fetched(name, hint, fetched, now)));
         }
         let (at, looks): (Vec<usize>, Vec<_>) = looks.into_iter().unzip();
@@ -348,11 +348,11 @@ impl Corral {
                     let l1_until =
                         matches!(judged.outcome, ReadOutcome::Fresh(_)).then_some(judged.l1_until_ms);
                     let read = self.l2_judged(name, hint, stored, judged.outcome, now).await?;
-                    Ok(Looked::Read(read, l1_until))
+                    Ok(Looked::Read(Box::new(read), l1_until))
                 }
-                None => Ok(Looked::Read(L2Read::Miss { holds: None }, None)),
+                None => Ok(Looked::Read(Box::new(L2Read::Miss { holds: None }), None)),
             },
-            None => Ok(Looked::Read(self.l2_look(name, now).await?, None)),
+            None => Ok(Looked::Read(Box::new(self.l2_look(name, now).await?), None)),
         }
     }
 

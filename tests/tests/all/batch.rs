@@ -807,9 +807,11 @@ async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() 
     let (loading, fail) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let single = {
         let (cache, loading, fail) = (cache.clone(), loading.clone(), fail.clone());
+        // Its value is not cached: only following the flight gives it to the batch.
+        let uncached = relative().should_cache(|_| false);
         tokio::spawn(async move {
             cache
-                .get_or_set("k", relative(), move || async move {
+                .get_or_set("k", uncached, move || async move {
                     loading.notify_one();
                     fail.notified().await;
                     Err::<Vec<u8>, _>(std::io::Error::other("the origin is down"))
@@ -852,12 +854,13 @@ async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() 
     Ok(())
 }
 
-/// How the other caller's flight of `k` goes in [`a_flight_that_begins_while_a_batch_reads`].
+/// How the other caller's flight of `k` goes in `a_flight_that_begins_while_a_batch_reads`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Begun {
     /// Its loader fails before the batch's read is answered.
     Fails,
-    /// Its loader returns a value before the batch's read is answered.
+    /// Its loader returns a value (not cached: only following the flight gives it to
+    /// the batch) before the batch's read is answered.
     Loads,
     /// Its loader is still running when the batch's read is answered.
     Runs,
@@ -885,9 +888,11 @@ async fn a_flight_that_begins_while_a_batch_reads(begun: Begun) -> Result<()> {
     let (loading, end) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let single = {
         let (cache, loading, end) = (cache.clone(), loading.clone(), end.clone());
+        // Its value is not cached: only following the flight gives it to the batch.
+        let uncached = relative().should_cache(|_| false);
         tokio::spawn(async move {
             cache
-                .get_or_set("k", relative(), move || async move {
+                .get_or_set("k", uncached, move || async move {
                     loading.notify_one();
                     end.notified().await;
                     match begun {
@@ -907,9 +912,13 @@ async fn a_flight_that_begins_while_a_batch_reads(begun: Begun) -> Result<()> {
     } else {
         mgets.let_one();
         // The batch follows the flight now: it ends after the batch joined it.
-        while cache.followers_of("k") == 0 {
-            tokio::task::yield_now().await;
-        }
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while cache.followers_of("k") == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .context("the batch never followed the flight of k")?;
         end.notify_one();
         single.await??;
     }

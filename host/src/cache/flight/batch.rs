@@ -587,13 +587,15 @@ impl Corral {
             };
             let (value, l1_until, stamp) = match read {
                 Ok(Looked::Served(value, until)) => (value, L1Until::Judged(until), None),
-                Ok(Looked::Read(L2Read::Hit(value, meta, _, stamp), until)) => {
-                    (value, until.map_or(L1Until::Ask(meta), L1Until::Judged), stamp)
-                }
-                Ok(Looked::Read(read, _)) => {
-                    flying.push((i, first(Ok(read))));
-                    continue;
-                }
+                Ok(Looked::Read(read, until)) => match *read {
+                    L2Read::Hit(value, meta, _, stamp) => {
+                        (value, until.map_or(L1Until::Ask(meta), L1Until::Judged), stamp)
+                    }
+                    read => {
+                        flying.push((i, first(Ok(read))));
+                        continue;
+                    }
+                },
                 Err(e) => {
                     flying.push((i, first(Err(e))));
                     continue;
@@ -622,6 +624,9 @@ impl Corral {
         answers: &mut [Option<Result<Served>>],
     ) -> Vec<(usize, Part, Option<FirstRead>)> {
         let inner = &*self.inner;
+        if missed.is_empty() {
+            return Vec::new();
+        }
         let ticket = |key: &str| inner.l1.ticket(key);
         let (peek, looked) = inner.registry.peek(missed.iter().map(|&i| keys[i]), ticket);
         let mut parts = Vec::new();
@@ -645,27 +650,26 @@ impl Corral {
             .await
             .into_iter()
             .peekable();
-        let (mut hits, mut unjoined) = (Vec::new(), Vec::new());
+        let (mut hits, mut unjoined, mut unjoined_hits) = (Vec::new(), Vec::new(), Vec::new());
         for (&i, lead) in to_read.iter().zip(leads) {
             let first = flying.next_if(|(at, _)| *at == i).map(|(_, first)| first);
             match (lead, first) {
                 (Some(guard), Some(first)) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
                 (Some(guard), None) => hits.push((i, guard)),
                 (None, Some(first)) => unjoined.push((i, first)),
-                (None, None) => {}
+                (None, None) => unjoined_hits.push(keys[i]),
             }
         }
-        let answers = &*answers;
-        // A hit's followers get its value (copied only for them).
-        inner.registry.finish_all(hits.into_iter().map(|(i, guard)| {
-            (guard, move || match &answers[i] {
-                Some(Ok(served)) => Ok(served.clone()),
-                _ => Err(Arc::new(unanswered())),
-            })
-        }));
-        let settled = inner
-            .registry
-            .settle(peek, unjoined.iter().map(|&(i, _)| keys[i]), ticket);
+        let (settled, overtaken) = inner.registry.settle(
+            peek,
+            unjoined.iter().map(|&(i, _)| (keys[i], named[i])),
+            unjoined_hits.iter().copied(),
+            ticket,
+        );
+        for at in overtaken {
+            // Its fill may have gone over that of a flight begun since the batch read.
+            inner.l1.drop_copy(unjoined_hits[at]);
+        }
         for ((i, first), settled) in unjoined.into_iter().zip(settled) {
             parts.push(match settled {
                 Settled::Joined(Join::Leader(guard), read_again) => {
@@ -679,6 +683,14 @@ impl Corral {
                 }
             });
         }
+        let answers = &*answers;
+        // A hit's followers get its value (copied only for them).
+        inner.registry.finish_all(hits.into_iter().map(|(i, guard)| {
+            (guard, move || match &answers[i] {
+                Some(Ok(served)) => Ok(served.clone()),
+                _ => Err(Arc::new(unanswered())),
+            })
+        }));
         parts
     }
 

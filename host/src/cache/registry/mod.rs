@@ -31,7 +31,11 @@ use tokio::sync::oneshot;
 
 use crate::Error;
 use crate::owed::{Owed, Pending};
+
+mod peek;
 use crate::store::l1::Ticket;
+pub(crate) use peek::Settled;
+use peek::{Ended, Peeking};
 
 /// What the native body's followers get.
 pub(crate) type Outcome = std::result::Result<super::load::Served, Arc<Error>>;
@@ -66,23 +70,12 @@ struct Flights<T> {
     /// Counted in the cache's owed work while any flight leads: one count for them all
     /// (see [`Corral::close`](crate::Corral::close)), not one per key of a batch.
     leading: Option<Pending>,
-    /// The batch reading keys it has not joined ([`Registry::peek`]), if one does: the
-    /// last flight id when it looked. One at a time: the others join first.
-    peeking: Option<u64>,
-    /// While a batch reads before joining: the flights that began and ended since it
-    /// looked, each key's last, for it to follow after its read.
+    /// The batch reading keys it has not joined ([`Registry::peek`]), if one does. One
+    /// at a time: the others join first.
+    peeking: Option<Peeking>,
+    /// While a batch reads before joining: the flights of its keys that began and ended
+    /// since it looked, each key's last, for it to follow after its read.
     ended: HashTable<Ended<T>>,
-}
-
-/// A flight that ended while a batch read before joining.
-struct Ended<T> {
-    hash: u64,
-    key: FlightKey,
-    id: u64,
-    /// The key's ticket when the flight began.
-    ticket: Ticket,
-    /// What its followers got (`None`: its leader went away without an outcome).
-    outcome: Option<T>,
 }
 
 /// A live flight in the table, with its key and the key's hash.
@@ -171,32 +164,6 @@ pub(crate) enum Join<T> {
     Leader(LeaderGuard<T>),
     /// A flight runs: wait for it with [`follow`].
     Follower(oneshot::Receiver<Shared<T>>),
-}
-
-/// A batch's look at its keys before reading them ([`Registry::peek`]): over when
-/// [`settled`](Registry::settle) or dropped.
-pub(crate) struct Peek<T> {
-    registry: Registry<T>,
-    /// The last flight id when the batch looked: a flight with a greater one began since.
-    looked: u64,
-    done: bool,
-}
-
-impl<T> Drop for Peek<T> {
-    fn drop(&mut self) {
-        if !self.done {
-            self.registry.shared.flights.lock().unpeek();
-        }
-    }
-}
-
-/// How a key a batch read before joining it was joined ([`Registry::settle`]).
-pub(crate) enum Settled<T> {
-    /// Joined now; `true` when a flight of the key began since the look (a leader reads
-    /// the key again: what the batch read may be older than what that flight did).
-    Joined(Join<T>, bool),
-    /// A flight of the key began and ended since the look: its outcome.
-    Ended(T),
 }
 
 /// The ticket of flights joined whatever changed since they began: background
@@ -300,105 +267,6 @@ impl<T: Clone> Registry<T> {
             id,
             done: false,
         })
-    }
-
-    /// A batch's look at `keys` (each with its ticket now, `ticket`) before it reads
-    /// them, with the map locked once: a key with a flight under way joins it (`Some`,
-    /// as [`join`](Self::join)); the others (`None`) are read before they join, and
-    /// joined by [`settle`](Self::settle) only if their reads did not answer them. A
-    /// flight of such a key that begins and ends in between is kept for it until then:
-    /// the batch gets its outcome as a follower would have. While another batch reads
-    /// so, every key joins now, as [`join_many`](Self::join_many) joins them: batches
-    /// that overlap share their reads, not only their loads.
-    pub(crate) fn peek<'k, K>(
-        &self,
-        keys: K,
-        ticket: impl Fn(&str) -> Ticket,
-    ) -> (Peek<T>, Vec<Option<Join<T>>>)
-    where
-        K: IntoIterator<Item = &'k str>,
-        K::IntoIter: ExactSizeIterator + Clone,
-    {
-        let keys = keys.into_iter();
-        let mut flights = self.shared.flights.lock();
-        let mut peek = Peek {
-            registry: self.clone(),
-            looked: flights.next_id,
-            done: true,
-        };
-        if flights.peeking.is_some() {
-            let joins = self.join_all_in(&mut flights, keys, ticket);
-            return (peek, joins.into_iter().map(Some).collect());
-        }
-        flights.peeking = Some(peek.looked);
-        peek.done = false;
-        let joins = keys
-            .map(|key| {
-                if flights.by_key.is_empty() {
-                    return None;
-                }
-                let hash = flights.hasher.hash_one(key);
-                flights.by_key.find(hash, |live| live.key.as_str() == key)?;
-                Some(self.join_hashed(&mut flights, hash, key, KeyText::Own, ticket(key)))
-            })
-            .collect();
-        (peek, joins)
-    }
-
-    /// Joins the keys of `peek` whose reads did not answer them (`keys`, each with its
-    /// ticket now, `ticket`), in order, with the map locked once; then the look is
-    /// over. The keys that lead share one allocation of their text.
-    pub(crate) fn settle<'k, K>(
-        &self,
-        mut peek: Peek<T>,
-        keys: K,
-        ticket: impl Fn(&str) -> Ticket,
-    ) -> Vec<Settled<T>>
-    where
-        K: IntoIterator<Item = &'k str>,
-        K::IntoIter: ExactSizeIterator + Clone,
-    {
-        let keys = keys.into_iter();
-        let text: Arc<str> = keys.clone().collect::<String>().into();
-        let mut settled = Vec::with_capacity(keys.len());
-        let mut at = 0;
-        let mut flights = self.shared.flights.lock();
-        for key in keys {
-            let range = at..at + key.len();
-            at = range.end;
-            let (hash, now) = (flights.hasher.hash_one(key), ticket(key));
-            let began = flights
-                .by_key
-                .find(hash, |live| live.key.as_str() == key)
-                .is_some();
-            let ended = flights
-                .ended
-                .find(hash, |e| e.key.as_str() == key)
-                .filter(|e| e.id > peek.looked)
-                .map(|e| e.outcome.clone().filter(|_| now.key_unchanged_since(e.ticket)));
-            settled.push(match (began, ended) {
-                // A flight began since the look and runs: followed (or, its key changed
-                // since it began, sealed and led anew).
-                (true, _) => {
-                    Settled::Joined(self.join_hashed(&mut flights, hash, key, KeyText::Own, now), true)
-                }
-                // One began and ended: its outcome, as its followers got it.
-                (false, Some(Some(outcome))) => Settled::Ended(outcome),
-                // One ended without an outcome, or the key changed since it began.
-                (false, Some(None)) => {
-                    Settled::Joined(self.join_hashed(&mut flights, hash, key, KeyText::Own, now), true)
-                }
-                // None began since the look: led from the read.
-                (false, None) => Settled::Joined(
-                    self.join_hashed(&mut flights, hash, key, KeyText::In(&text, range), now),
-                    false,
-                ),
-            });
-        }
-        if !std::mem::replace(&mut peek.done, true) {
-            flights.unpeek();
-        }
-        settled
     }
 
     /// Joins the flight of `key` until this caller leads or gets an outcome: a leader
@@ -526,8 +394,8 @@ impl<T> LeaderGuard<T> {
 }
 
 /// Takes the flight `id` (of the key hashed `hash`) out of the map, live or sealed: its
-/// followers, in join order. A live one is kept as ended while a batch that looked
-/// before it began reads ([`Registry::peek`]), with the outcome `outcome` makes.
+/// followers, in join order. A live one is kept as ended while a batch that looked at
+/// its key before it began reads ([`Registry::peek`]), with the outcome `outcome` makes.
 fn take_flight<T>(
     flights: &mut Flights<T>,
     hash: u64,
@@ -538,7 +406,7 @@ fn take_flight<T>(
     let taken = match flights.by_key.find_entry(hash, |live| live.flight.id == id) {
         Ok(live) => {
             let Live { key, flight, .. } = live.remove().0;
-            if flights.peeking.is_some_and(|looked| id > looked) {
+            if flights.peeked(hash, id) {
                 flights.keep_ended(Ended {
                     hash,
                     key,
@@ -556,25 +424,6 @@ fn take_flight<T>(
         flights.leading = None;
     }
     taken.map_or_else(Vec::new, |f| f.followers)
-}
-
-impl<T> Flights<T> {
-    /// Keeps `ended` as its key's last ended flight.
-    fn keep_ended(&mut self, ended: Ended<T>) {
-        let key = ended.key.as_str();
-        match self.ended.find_mut(ended.hash, |e| e.key.as_str() == key) {
-            Some(last) => *last = ended,
-            None => {
-                self.ended.insert_unique(ended.hash, ended, |e| e.hash);
-            }
-        }
-    }
-
-    /// The end of a batch's look: what ended meanwhile is let go.
-    fn unpeek(&mut self) {
-        self.peeking = None;
-        self.ended.clear();
-    }
 }
 
 impl<T> Drop for LeaderGuard<T> {
@@ -668,95 +517,6 @@ mod tests {
         assert_eq!(owed.pending(), 1);
         registry.finish_all([(c, || "C")]);
         assert_eq!(owed.pending(), 0);
-    }
-
-    #[tokio::test]
-    async fn a_batch_that_reads_before_joining_gets_what_began_meanwhile() {
-        let registry = Registry::<&str>::default();
-        let Join::Leader(under_way) = registry.join("a", T0) else {
-            panic!("first is leader")
-        };
-        let (peek, looked) = registry.peek(["a", "b", "c", "d"], |_| T0);
-        assert!(
-            matches!(looked[0], Some(Join::Follower(_))),
-            "a flight under way is followed"
-        );
-        assert!(
-            looked[1..].iter().all(Option::is_none),
-            "the others are read first"
-        );
-        // While the batch reads: b's flight begins and ends, c's begins and runs, d's
-        // key sees none.
-        let Join::Leader(b) = registry.join("b", T0) else {
-            panic!("no flight of b ran")
-        };
-        b.finish("B");
-        let Join::Leader(c) = registry.join("c", T0) else {
-            panic!("no flight of c ran")
-        };
-        let settled = registry.settle(peek, ["b", "c", "d"], |_| T0);
-        assert!(matches!(settled[0], Settled::Ended("B")));
-        assert!(matches!(&settled[1], Settled::Joined(Join::Follower(_), true)));
-        assert!(matches!(&settled[2], Settled::Joined(Join::Leader(_), false)));
-        assert_eq!(
-            registry.shared.flights.lock().ended.len(),
-            0,
-            "no batch reads: nothing kept"
-        );
-        drop((under_way, c, settled));
-        assert_eq!(registry.len(), 0);
-    }
-
-    #[tokio::test]
-    async fn a_flight_ended_meanwhile_is_not_followed_across_a_change_or_a_leader_gone() {
-        let registry = Registry::<&str>::default();
-        let (peek, _) = registry.peek(["a", "b"], |_| T0);
-        let Join::Leader(a) = registry.join("a", T0) else {
-            panic!("no flight of a ran")
-        };
-        a.finish("A");
-        let Join::Leader(b) = registry.join("b", T0) else {
-            panic!("no flight of b ran")
-        };
-        drop(b);
-        // a was written since its flight began; b's leader went away: both led, read again.
-        let changed = Ticket::from_parts([0, 0, 1]);
-        let settled = registry.settle(peek, ["a", "b"], |k| if k == "a" { changed } else { T0 });
-        assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), true)));
-        assert!(matches!(&settled[1], Settled::Joined(Join::Leader(_), true)));
-    }
-
-    #[tokio::test]
-    async fn one_batch_reads_before_joining_at_a_time_and_ended_flights_go_with_it() {
-        let registry = Registry::<&str>::default();
-        let ended = |r: &Registry<&str>| r.shared.flights.lock().ended.len();
-        let (first, looked) = registry.peek(["a", "b"], |_| T0);
-        assert!(looked.iter().all(Option::is_none));
-        // A batch while the first reads joins first: it leads its keys, the first
-        // follows it after its read.
-        let (second, joined) = registry.peek(["b", "c"], |_| T0);
-        assert!(matches!(
-            joined[..],
-            [Some(Join::Leader(_)), Some(Join::Leader(_))]
-        ));
-        drop(second);
-        let Join::Leader(a) = registry.join("a", T0) else {
-            panic!("no flight of a ran")
-        };
-        a.finish("A");
-        assert_eq!(ended(&registry), 1);
-        drop(first); // cancelled while it read
-        assert_eq!(ended(&registry), 0, "nothing kept once no batch reads");
-        let Join::Leader(a) = registry.join("a", T0) else {
-            panic!("no flight of a runs")
-        };
-        a.finish("A");
-        assert_eq!(ended(&registry), 0);
-        let (third, looked) = registry.peek(["a"], |_| T0);
-        assert!(looked[0].is_none(), "the next batch reads first again");
-        let settled = registry.settle(third, ["a"], |_| T0);
-        assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
-        assert!(registry.shared.flights.lock().peeking.is_none());
     }
 
     #[tokio::test]

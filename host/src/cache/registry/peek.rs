@@ -1,0 +1,348 @@
+//! A batch that reads before it joins (contract §5.16). Joining a key only to end its
+//! flight at once is most of what a batch of fresh hits would cost the registry, so a
+//! batch looks first ([`Registry::peek`]): a key with a flight under way is joined as
+//! ever; the others are read, and only those their reads did not answer are joined,
+//! after the read ([`Registry::settle`]). Single flight holds as if the batch had joined
+//! first: a flight of such a key that another caller begins while the batch reads is
+//! followed, running or ended (the registry keeps what the flights of the batch's keys
+//! ended with until the batch settles). One batch reads so at a time; a batch that
+//! comes meanwhile joins every key first, so batches that overlap share their reads.
+
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+use hashbrown::HashTable;
+
+use super::{FlightKey, Flights, Join, KeyText, Registry};
+use crate::store::l1::Ticket;
+
+/// The batch reading before it joins.
+pub(super) struct Peeking {
+    /// The last flight id when it looked: a flight with a greater one began since.
+    looked: u64,
+    /// The hashes of the keys it reads before joining, sorted.
+    keys: Vec<u64>,
+}
+
+/// A flight of a key a batch reads before joining that ended while it read.
+pub(super) struct Ended<T> {
+    pub(super) hash: u64,
+    pub(super) key: FlightKey,
+    pub(super) id: u64,
+    /// The key's ticket when the flight began.
+    pub(super) ticket: Ticket,
+    /// What its followers got (`None`: its leader went away without an outcome).
+    pub(super) outcome: Option<T>,
+}
+
+/// A batch's look at its keys before reading them ([`Registry::peek`]): over when
+/// [`settled`](Registry::settle) or dropped.
+pub(crate) struct Peek<T> {
+    registry: Registry<T>,
+    /// The last flight id when the batch looked.
+    looked: u64,
+    /// Nothing (more) to end: the batch read nothing before joining, or it settled.
+    done: bool,
+}
+
+impl<T> Drop for Peek<T> {
+    fn drop(&mut self) {
+        if !self.done {
+            let ended = self.registry.shared.flights.lock().unpeek();
+            drop(ended); // outcomes, dropped outside the lock
+        }
+    }
+}
+
+/// How a key a batch read before joining it was joined ([`Registry::settle`]).
+pub(crate) enum Settled<T> {
+    /// Joined now; `true`: its leader reads the key again (a flight of it began since
+    /// the look, or the key changed since the batch's read: the read may be older than
+    /// what the key holds now).
+    Joined(Join<T>, bool),
+    /// A flight of the key began and ended since the look: its outcome.
+    Ended(T),
+}
+
+impl<T: Clone> Registry<T> {
+    /// A batch's look at `keys` (each with its ticket now, `ticket`) before it reads
+    /// them, with the map locked once: a key with a flight under way joins it (`Some`,
+    /// as [`join`](Self::join)); the others (`None`) are read before they join, and
+    /// joined by [`settle`](Self::settle) only if their reads did not answer them. While
+    /// another batch reads so, every key joins now, as [`join_many`](Self::join_many)
+    /// joins them.
+    pub(crate) fn peek<'k, K>(
+        &self,
+        keys: K,
+        ticket: impl Fn(&str) -> Ticket,
+    ) -> (Peek<T>, Vec<Option<Join<T>>>)
+    where
+        K: IntoIterator<Item = &'k str>,
+        K::IntoIter: ExactSizeIterator + Clone,
+    {
+        let keys = keys.into_iter();
+        let mut flights = self.shared.flights.lock();
+        let looked = flights.next_id;
+        let peek = |done| Peek {
+            registry: self.clone(),
+            looked,
+            done,
+        };
+        if flights.peeking.is_some() {
+            let joins = self.join_all_in(&mut flights, keys, ticket);
+            return (peek(true), joins.into_iter().map(Some).collect());
+        }
+        let mut unjoined = Vec::with_capacity(keys.len());
+        let joins = keys
+            .map(|key| {
+                let hash = flights.hasher.hash_one(key);
+                if !flights.by_key.is_empty()
+                    && flights
+                        .by_key
+                        .find(hash, |live| live.key.as_str() == key)
+                        .is_some()
+                {
+                    return Some(self.join_hashed(&mut flights, hash, key, KeyText::Own, ticket(key)));
+                }
+                unjoined.push(hash);
+                None
+            })
+            .collect();
+        if unjoined.is_empty() {
+            return (peek(true), joins);
+        }
+        unjoined.sort_unstable();
+        flights.peeking = Some(Peeking {
+            looked,
+            keys: unjoined,
+        });
+        (peek(false), joins)
+    }
+
+    /// Ends `peek`, with the map locked once. Joins, in order, the keys it read whose
+    /// reads did not answer them (`misses`, each with the ticket taken before its read;
+    /// `ticket` gives each key's ticket now); the keys that lead share one allocation of
+    /// their text. Returns how each was joined, and the positions among `hits` (the
+    /// keys it answered from their reads) of those a flight of began since the look:
+    /// their L1 fills may have gone over that flight's, and are to be dropped.
+    pub(crate) fn settle<'k, M>(
+        &self,
+        mut peek: Peek<T>,
+        misses: M,
+        hits: impl IntoIterator<Item = &'k str>,
+        ticket: impl Fn(&str) -> Ticket,
+    ) -> (Vec<Settled<T>>, Vec<usize>)
+    where
+        M: IntoIterator<Item = (&'k str, Ticket)>,
+        M::IntoIter: ExactSizeIterator + Clone,
+    {
+        let misses = misses.into_iter();
+        let text: Arc<str> = misses.clone().map(|(key, _)| key).collect::<String>().into();
+        let mut settled = Vec::with_capacity(misses.len());
+        let mut at = 0;
+        let mut flights = self.shared.flights.lock();
+        let looked = peek.looked;
+        let any_began = flights.next_id != looked;
+        for (key, read) in misses {
+            let range = at..at + key.len();
+            at = range.end;
+            let (hash, now) = (flights.hasher.hash_one(key), ticket(key));
+            let began = flights
+                .by_key
+                .find(hash, |live| live.key.as_str() == key)
+                .is_some();
+            let ended = flights
+                .ended
+                .find(hash, |e| e.key.as_str() == key)
+                .filter(|e| e.id > looked)
+                .map(|e| e.outcome.clone().filter(|_| now.key_unchanged_since(e.ticket)));
+            let mut join = |text, ticket| self.join_hashed(&mut flights, hash, key, text, ticket);
+            settled.push(match (began, ended) {
+                // A flight began since the look and runs: followed (or, its key changed
+                // since it began, sealed and led anew).
+                (true, _) => Settled::Joined(join(KeyText::Own, now), true),
+                // One began and ended: its outcome, as its followers got it.
+                (false, Some(Some(outcome))) => Settled::Ended(outcome),
+                // One ended without an outcome, or the key changed since it began.
+                (false, Some(None)) => Settled::Joined(join(KeyText::Own, now), true),
+                // None began since the look: led from the read, as of the read (a
+                // caller after a change since seals it), unless the key changed since.
+                (false, None) if now.key_unchanged_since(read) => {
+                    Settled::Joined(join(KeyText::In(&text, range), read), false)
+                }
+                (false, None) => Settled::Joined(join(KeyText::In(&text, range), now), true),
+            });
+        }
+        let overtaken = if any_began {
+            hits.into_iter()
+                .enumerate()
+                .filter(|(_, key)| flights.began_since(key, looked))
+                .map(|(i, _)| i)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let ended = if std::mem::replace(&mut peek.done, true) {
+            HashTable::new()
+        } else {
+            flights.unpeek()
+        };
+        drop(flights);
+        drop(ended); // outcomes, dropped outside the lock
+        (settled, overtaken)
+    }
+}
+
+impl<T> Flights<T> {
+    /// Whether the flight `id` of the key hashed `hash` is one a batch reading before
+    /// it joins is to hear of: of one of its keys, begun since it looked.
+    pub(super) fn peeked(&self, hash: u64, id: u64) -> bool {
+        self.peeking
+            .as_ref()
+            .is_some_and(|p| id > p.looked && p.keys.binary_search(&hash).is_ok())
+    }
+
+    /// Keeps `ended` as its key's last ended flight.
+    pub(super) fn keep_ended(&mut self, ended: Ended<T>) {
+        let key = ended.key.as_str();
+        match self.ended.find_mut(ended.hash, |e| e.key.as_str() == key) {
+            Some(last) => *last = ended,
+            None => {
+                self.ended.insert_unique(ended.hash, ended, |e| e.hash);
+            }
+        }
+    }
+
+    /// Whether a flight of `key` began since the last flight id was `looked`: it runs,
+    /// or it ended (kept, `key` being a key the reading batch looked at).
+    fn began_since(&self, key: &str, looked: u64) -> bool {
+        let hash = self.hasher.hash_one(key);
+        // A live flight of a key the batch read unjoined began after its look.
+        self.by_key.find(hash, |live| live.key.as_str() == key).is_some()
+            || self
+                .ended
+                .find(hash, |e| e.key.as_str() == key)
+                .is_some_and(|e| e.id > looked)
+    }
+
+    /// The end of a batch's look: what ended meanwhile, to be dropped once the map is
+    /// unlocked.
+    fn unpeek(&mut self) -> HashTable<Ended<T>> {
+        self.peeking = None;
+        std::mem::take(&mut self.ended)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Join, Registry};
+    use super::*;
+
+    const T0: Ticket = Ticket::from_parts([0, 0, 0]);
+    const CHANGED: Ticket = Ticket::from_parts([0, 0, 1]);
+
+    fn kept(r: &Registry<&str>) -> usize {
+        r.shared.flights.lock().ended.len()
+    }
+
+    fn lead(r: &Registry<&'static str>, key: &str) -> super::super::LeaderGuard<&'static str> {
+        let Join::Leader(guard) = r.join(key, T0) else {
+            panic!("no flight of {key} ran")
+        };
+        guard
+    }
+
+    #[tokio::test]
+    async fn a_batch_that_reads_before_joining_gets_what_began_meanwhile() {
+        let registry = Registry::<&str>::default();
+        let under_way = lead(&registry, "a");
+        let (peek, looked) = registry.peek(["a", "b", "c", "d", "e"], |_| T0);
+        assert!(
+            matches!(looked[0], Some(Join::Follower(_))),
+            "a flight under way is followed"
+        );
+        assert!(
+            looked[1..].iter().all(Option::is_none),
+            "the others are read first"
+        );
+        // While the batch reads: b's flight begins and ends, c's begins and runs, e's
+        // begins and ends too (e's read was a hit); d sees none.
+        lead(&registry, "b").finish("B");
+        let c = lead(&registry, "c");
+        lead(&registry, "e").finish("E");
+        let (settled, overtaken) = registry.settle(peek, [("b", T0), ("c", T0), ("d", T0)], ["e"], |_| T0);
+        assert!(matches!(settled[0], Settled::Ended("B")));
+        assert!(matches!(&settled[1], Settled::Joined(Join::Follower(_), true)));
+        assert!(matches!(&settled[2], Settled::Joined(Join::Leader(_), false)));
+        assert_eq!(overtaken, [0], "e's hit may have filled L1 over e's flight");
+        assert_eq!(kept(&registry), 0, "no batch reads: nothing kept");
+        drop((under_way, c, settled));
+        assert_eq!(registry.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_flight_ended_meanwhile_is_not_followed_across_a_change_or_a_leader_gone() {
+        let registry = Registry::<&str>::default();
+        let (peek, _) = registry.peek(["a", "b", "c"], |_| T0);
+        lead(&registry, "a").finish("A");
+        drop(lead(&registry, "b"));
+        // a was written since its flight began, b's leader went away, c was written
+        // since the batch read it: each led, and read again.
+        let now = |k: &str| if k == "b" { T0 } else { CHANGED };
+        let (settled, _) = registry.settle(peek, [("a", T0), ("b", T0), ("c", T0)], [], now);
+        for s in &settled {
+            assert!(matches!(s, Settled::Joined(Join::Leader(_), true)));
+        }
+        // c's flight began as of now: a caller now follows it.
+        assert!(matches!(registry.join("c", CHANGED), Join::Follower(_)));
+    }
+
+    #[tokio::test]
+    async fn a_flight_led_from_a_read_is_sealed_for_a_caller_after_a_change_since_the_read() {
+        let registry = Registry::<&str>::default();
+        let (peek, _) = registry.peek(["k"], |_| T0);
+        // The batch read k as of T0; nothing changed since: led from its read.
+        let (settled, _) = registry.settle(peek, [("k", T0)], [], |_| T0);
+        assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
+        assert!(matches!(registry.join("k", T0), Join::Follower(_)));
+        assert!(matches!(registry.join("k", CHANGED), Join::Leader(_)), "sealed");
+    }
+
+    #[tokio::test]
+    async fn only_the_reading_batchs_keys_are_kept_and_one_batch_reads_at_a_time() {
+        let registry = Registry::<&str>::default();
+        let (first, looked) = registry.peek(["a", "b"], |_| T0);
+        assert!(looked.iter().all(Option::is_none));
+        // A batch while the first reads joins first: it leads its keys, and the first
+        // follows it after its read.
+        let (second, joined) = registry.peek(["b", "c"], |_| T0);
+        assert!(matches!(
+            joined[..],
+            [Some(Join::Leader(_)), Some(Join::Leader(_))]
+        ));
+        drop((second, joined));
+        assert_eq!(kept(&registry), 1, "b, of the first batch, is kept; c is not");
+        lead(&registry, "x").finish("X");
+        assert_eq!(kept(&registry), 1, "nor is a key no batch reads");
+        drop(first); // cancelled while it read
+        assert_eq!(kept(&registry), 0, "nothing kept once no batch reads");
+        lead(&registry, "a").finish("A");
+        assert_eq!(kept(&registry), 0);
+        let (third, looked) = registry.peek(["a"], |_| T0);
+        assert!(looked[0].is_none(), "the next batch reads first again");
+        let (settled, overtaken) = registry.settle(third, [("a", T0)], [], |_| T0);
+        assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
+        assert!(overtaken.is_empty());
+        assert!(registry.shared.flights.lock().peeking.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_batch_whose_keys_all_had_flights_reads_nothing_before_joining() {
+        let registry = Registry::<&str>::default();
+        let _a = lead(&registry, "a");
+        let (peek, looked) = registry.peek(["a"], |_| T0);
+        assert!(matches!(looked[..], [Some(Join::Follower(_))]));
+        assert!(registry.shared.flights.lock().peeking.is_none());
+        drop(peek);
+    }
+}
