@@ -648,11 +648,19 @@ impl Corral {
         let mut flying = self
             .answer_l2_hits(keys, entries, named, &to_read, answers)
             .await
-            .into_iter()
-            .peekable();
-        let (mut hits, mut unjoined, mut unjoined_hits) = (Vec::new(), Vec::new(), Vec::new());
+            .into_iter();
+        // The next key to fly, taken only when its turn comes (a read is large to move).
+        let mut next = flying.next();
+        let (mut hits, mut unjoined) = (Vec::new(), Vec::new());
+        let mut unjoined_hits = Vec::with_capacity(to_read.len());
         for (&i, lead) in to_read.iter().zip(leads) {
-            let first = flying.next_if(|(at, _)| *at == i).map(|(_, first)| first);
+            let first = match next.take_if(|(at, _)| *at == i) {
+                Some((_, first)) => {
+                    next = flying.next();
+                    Some(first)
+                }
+                None => None,
+            };
             match (lead, first) {
                 (Some(guard), Some(first)) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
                 (Some(guard), None) => hits.push((i, guard)),

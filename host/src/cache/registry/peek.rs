@@ -20,8 +20,34 @@ use crate::store::l1::Ticket;
 pub(super) struct Peeking {
     /// The last flight id when it looked: a flight with a greater one began since.
     looked: u64,
-    /// The hashes of the keys it reads before joining, sorted.
+    /// The hashes of the keys it reads before joining.
     keys: Vec<u64>,
+    /// A Bloom filter of `keys` (one bit each, about 16 bits per key): most flights
+    /// that end while the batch reads are of other keys, and need no look at `keys`.
+    bloom: Vec<u64>,
+}
+
+impl Peeking {
+    fn new(looked: u64, keys: Vec<u64>) -> Self {
+        let bits = (keys.len() * 16).next_power_of_two().clamp(64, 1 << 20);
+        let mut bloom = vec![0u64; bits / 64];
+        for &hash in &keys {
+            let bit = Self::bit(hash, bits);
+            bloom[bit / 64] |= 1 << (bit % 64);
+        }
+        Peeking { looked, keys, bloom }
+    }
+
+    /// Where `hash` is in a filter of `bits` bits (the hash's high bits: its low ones
+    /// placed it in the map).
+    fn bit(hash: u64, bits: usize) -> usize {
+        (hash >> 40) as usize & (bits - 1)
+    }
+
+    fn holds(&self, hash: u64) -> bool {
+        let bit = Self::bit(hash, self.bloom.len() * 64);
+        self.bloom[bit / 64] & (1 << (bit % 64)) != 0 && self.keys.contains(&hash)
+    }
 }
 
 /// A flight of a key a batch reads before joining that ended while it read.
@@ -111,11 +137,7 @@ impl<T: Clone> Registry<T> {
         if unjoined.is_empty() {
             return (peek(true), joins);
         }
-        unjoined.sort_unstable();
-        flights.peeking = Some(Peeking {
-            looked,
-            keys: unjoined,
-        });
+        flights.peeking = Some(Peeking::new(looked, unjoined));
         (peek(false), joins)
     }
 
@@ -199,7 +221,7 @@ impl<T> Flights<T> {
     pub(super) fn peeked(&self, hash: u64, id: u64) -> bool {
         self.peeking
             .as_ref()
-            .is_some_and(|p| id > p.looked && p.keys.binary_search(&hash).is_ok())
+            .is_some_and(|p| id > p.looked && p.holds(hash))
     }
 
     /// Keeps `ended` as its key's last ended flight.
@@ -334,6 +356,22 @@ mod tests {
         assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
         assert!(overtaken.is_empty());
         assert!(registry.shared.flights.lock().peeking.is_none());
+    }
+
+    #[test]
+    fn a_reading_batch_holds_each_of_its_keys_and_few_others() {
+        let hasher = foldhash::fast::RandomState::default();
+        for n in [1usize, 100, 10_000] {
+            let hashes: Vec<u64> = (0..n).map(|i| hasher.hash_one(format!("k{i}"))).collect();
+            let peeking = Peeking::new(0, hashes.clone());
+            assert!(hashes.iter().all(|&h| peeking.holds(h)), "{n} keys");
+            let others = (0..1000).filter(|i| peeking.holds(hasher.hash_one(format!("other{i}"))));
+            assert_eq!(
+                others.count(),
+                0,
+                "{n} keys: a hash is held only if it is one of them"
+            );
+        }
     }
 
     #[tokio::test]
