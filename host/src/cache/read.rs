@@ -245,13 +245,20 @@ impl Corral {
     pub(crate) async fn l2_look_many(&self, names: &[&str], now: u64) -> Vec<Result<Looked>> {
         let inner = &*self.inner;
         let hints: Vec<Option<NextRead>> = names.iter().map(|n| inner.read_hints.get(n)).collect();
-        let plain: Vec<&str> = names
-            .iter()
-            .zip(&hints)
-            .filter(|(_, hint)| matches!(hint, None | Some(NextRead::Get)))
-            .map(|(name, _)| *name)
-            .collect();
-        let mut shared = self.shared_reads(&plain, now).await;
+        let is_plain = |hint: &Option<NextRead>| matches!(hint, None | Some(NextRead::Get));
+        let some_plain: Vec<&str>;
+        let plain = if hints.iter().all(is_plain) {
+            names
+        } else {
+            some_plain = names
+                .iter()
+                .zip(&hints)
+                .filter(|(_, hint)| is_plain(hint))
+                .map(|(name, _)| *name)
+                .collect();
+            &some_plain
+        };
+        let mut shared = self.shared_reads(plain, now).await;
         let mut found: Vec<Result<Looked>> = Vec::with_capacity(names.len());
         // The keys that need more than their judgement (a touch, tags, a removal, a read
         // of their own) go on as futures, the rest are settled here.

@@ -633,37 +633,37 @@ impl Corral {
         let ticket = |key: &str| inner.l1.ticket(key);
         let (peek, looked) = inner.registry.peek(missed.iter().map(|&i| keys[i]), ticket);
         let mut parts = Vec::new();
-        // Read: the keys no flight has (`None`) and those this caller leads.
-        let (mut to_read, mut leads) = (Vec::with_capacity(missed.len()), Vec::with_capacity(missed.len()));
+        // Read: the keys no flight has (`None`) and those this caller leads (`leads`).
+        let (mut to_read, mut leads) = (Vec::with_capacity(missed.len()), Vec::new());
         for (&i, join) in missed.iter().zip(looked) {
             match join {
                 Some(Join::Follower(rx)) => parts.push((i, Part::Follow(rx), None)),
                 Some(Join::Leader(guard)) => {
                     to_read.push(i);
-                    leads.push(Some(guard));
+                    leads.push((i, guard));
                 }
-                None => {
-                    to_read.push(i);
-                    leads.push(None);
-                }
+                None => to_read.push(i),
             }
         }
         let mut flying = self
             .answer_l2_hits(keys, entries, named, &to_read, answers)
             .await
             .into_iter();
-        // The next key to fly, taken only when its turn comes (a read is large to move).
-        let mut next = flying.next();
+        // The next key to fly, and the next this caller leads, each taken only when its
+        // turn comes (a read is large to move).
+        let (mut next, mut leads) = (flying.next(), leads.into_iter());
+        let mut next_lead = leads.next();
         let (mut hits, mut unjoined) = (Vec::new(), Vec::new());
         let mut unjoined_hits = Vec::with_capacity(to_read.len());
-        for (&i, lead) in to_read.iter().zip(leads) {
-            let first = match next.take_if(|(at, _)| *at == i) {
-                Some((_, first)) => {
-                    next = flying.next();
-                    Some(first)
-                }
-                None => None,
-            };
+        for &i in &to_read {
+            let first = next.take_if(|(at, _)| *at == i).map(|(_, first)| {
+                next = flying.next();
+                first
+            });
+            let lead = next_lead.take_if(|(at, _)| *at == i).map(|(_, guard)| {
+                next_lead = leads.next();
+                guard
+            });
             match (lead, first) {
                 (Some(guard), Some(first)) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
                 (Some(guard), None) => hits.push((i, guard)),
