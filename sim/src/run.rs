@@ -1528,6 +1528,16 @@ fn check_invalidations(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             .sum();
         plan.skew[p].unsigned_abs() + steps
     };
+    // How far ahead of true time a process's clock was at `t` (negative: behind).
+    let ahead = |p: usize, t: u64| -> i64 {
+        let stepped: i64 = plan
+            .steps
+            .iter()
+            .filter(|&&(q, at, _)| q == p && at <= t)
+            .map(|&(_, _, by)| by)
+            .sum();
+        plan.skew[p] + stepped
+    };
     for c in calls.iter() {
         let (Res::Value(Some(v)), "get" | "get_or_set") = (&c.res, c.op) else {
             continue;
@@ -1557,17 +1567,26 @@ fn check_invalidations(ctx: &Ctx, s: &Scenario, plan: &Plan) {
                 inv.t_inv,
                 inv.t_ack
             );
+            if inv.t_inv - wr.t_done <= drift(wr.proc) + drift(inv.proc) {
+                w.excuse("invalidation-clock-drift", what);
+                continue;
+            }
             // A tagged write is stamped after every moment of its tags its writer knew
-            // of, and each moment is the clock of the process that invalidated: one
-            // whose clock ran ahead carries its lead into the stamps of later writes
-            // (so does a clear, into generations), past an invalidation by a true clock.
-            let carried = invalidated
-                .iter()
-                .filter(|j| j.t_inv < wr.t_done && j.tag == inv.tag)
-                .map(|j| drift(j.proc))
-                .max()
-                .unwrap_or(0);
-            if inv.t_inv - wr.t_done <= drift(wr.proc) + drift(inv.proc) + carried {
+            // of, and each moment is the clock of the process that invalidated: an
+            // earlier invalidation `j` by a clock running ahead carries its lead into the
+            // write's stamp. Should the store lose `j`'s moment (a restart) before `inv`
+            // reads it, `inv`'s moment, by its own clock, can be older than the stamp.
+            let carried = invalidated.iter().any(|j| {
+                j.t_inv < wr.t_done
+                    && j.tag.as_ref().is_none_or(|t| wr.tags.contains(t))
+                    && plan.restart.is_some_and(|r| j.t_inv < r && r < inv.t_ack)
+                    && {
+                        let lead = ahead(j.proc, j.t_ack).max(0).unsigned_abs();
+                        let behind = ahead(inv.proc, inv.t_inv).min(0).unsigned_abs();
+                        inv.t_inv.saturating_sub(j.t_ack) <= lead + behind
+                    }
+            });
+            if carried {
                 w.excuse("invalidation-clock-drift", what);
                 continue;
             }

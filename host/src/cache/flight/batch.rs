@@ -671,6 +671,10 @@ impl Corral {
                 (None, None) => unjoined_hits.push(keys[i]),
             }
         }
+        debug_assert!(
+            next.is_none() && next_lead.is_none(),
+            "a read or a lead matched no key"
+        );
         let (settled, overtaken) = inner.registry.settle(
             peek,
             unjoined.iter().map(|&(i, _)| (keys[i], named[i])),

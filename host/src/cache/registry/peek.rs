@@ -20,8 +20,10 @@ use crate::store::l1::Ticket;
 pub(super) struct Peeking {
     /// The last flight id when it looked: a flight with a greater one began since.
     looked: u64,
-    /// The hashes of the keys it reads before joining.
+    /// The hashes of the keys it reads before joining; sorted once a flight's end
+    /// first asks (most batches end before any does).
     keys: Vec<u64>,
+    sorted: bool,
     /// A Bloom filter of `keys` (one bit each, about 16 bits per key): most flights
     /// that end while the batch reads are of other keys, and need no look at `keys`.
     bloom: Vec<u64>,
@@ -35,7 +37,12 @@ impl Peeking {
             let bit = Self::bit(hash, bits);
             bloom[bit / 64] |= 1 << (bit % 64);
         }
-        Peeking { looked, keys, bloom }
+        Peeking {
+            looked,
+            keys,
+            sorted: false,
+            bloom,
+        }
     }
 
     /// Where `hash` is in a filter of `bits` bits (the hash's high bits: its low ones
@@ -44,9 +51,16 @@ impl Peeking {
         (hash >> 40) as usize & (bits - 1)
     }
 
-    fn holds(&self, hash: u64) -> bool {
+    fn holds(&mut self, hash: u64) -> bool {
         let bit = Self::bit(hash, self.bloom.len() * 64);
-        self.bloom[bit / 64] & (1 << (bit % 64)) != 0 && self.keys.contains(&hash)
+        if self.bloom[bit / 64] & (1 << (bit % 64)) == 0 {
+            return false;
+        }
+        if !self.sorted {
+            self.keys.sort_unstable();
+            self.sorted = true;
+        }
+        self.keys.binary_search(&hash).is_ok()
     }
 }
 
@@ -218,9 +232,9 @@ impl<T: Clone> Registry<T> {
 impl<T> Flights<T> {
     /// Whether the flight `id` of the key hashed `hash` is one a batch reading before
     /// it joins is to hear of: of one of its keys, begun since it looked.
-    pub(super) fn peeked(&self, hash: u64, id: u64) -> bool {
+    pub(super) fn peeked(&mut self, hash: u64, id: u64) -> bool {
         self.peeking
-            .as_ref()
+            .as_mut()
             .is_some_and(|p| id > p.looked && p.holds(hash))
     }
 
@@ -363,7 +377,7 @@ mod tests {
         let hasher = foldhash::fast::RandomState::default();
         for n in [1usize, 100, 10_000] {
             let hashes: Vec<u64> = (0..n).map(|i| hasher.hash_one(format!("k{i}"))).collect();
-            let peeking = Peeking::new(0, hashes.clone());
+            let mut peeking = Peeking::new(0, hashes.clone());
             assert!(hashes.iter().all(|&h| peeking.holds(h)), "{n} keys");
             let others = (0..1000).filter(|i| peeking.holds(hasher.hash_one(format!("other{i}"))));
             assert_eq!(
