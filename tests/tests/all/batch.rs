@@ -796,6 +796,19 @@ async fn wired() -> Result<(RedisServer, Corral, Arc<Gate>)> {
     Ok((server, cache, mgets))
 }
 
+/// A batch of `k` and `x` in a task of its own, loading with `calls` noting its calls.
+fn batch_of_k_and_x(
+    cache: &Corral,
+    calls: &Calls,
+) -> tokio::task::JoinHandle<corral::Result<Vec<corral::Result<Option<Bytes>>>>> {
+    let (cache, calls) = (cache.clone(), calls.clone());
+    tokio::spawn(async move {
+        cache
+            .get_or_set_many(["k", "x"], relative(), answering(&calls))
+            .await
+    })
+}
+
 /// A key another caller in this process is loading is followed, however that flight
 /// ends: here its loader fails (nothing reaches L2) while the reply to the batch's read
 /// of its other key is held on the wire. The batch gets that caller's error for the key and does not
@@ -822,14 +835,7 @@ async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() 
     loading.notified().await;
     mgets.close();
     let calls = Calls::default();
-    let batch = {
-        let (cache, calls) = (cache.clone(), calls.clone());
-        tokio::spawn(async move {
-            cache
-                .get_or_set_many(["k", "x"], relative(), answering(&calls))
-                .await
-        })
-    };
+    let batch = batch_of_k_and_x(&cache, &calls);
     // The batch's read was made, its reply held; meanwhile the other flight fails.
     mgets.arrived().await;
     fail.notify_one();
@@ -875,14 +881,7 @@ async fn a_flight_that_begins_while_a_batch_reads(begun: Begun) -> Result<()> {
     cache.get("warm-up").await?;
     mgets.close();
     let calls = Calls::default();
-    let batch = {
-        let (cache, calls) = (cache.clone(), calls.clone());
-        tokio::spawn(async move {
-            cache
-                .get_or_set_many(["k", "x"], relative(), answering(&calls))
-                .await
-        })
-    };
+    let batch = batch_of_k_and_x(&cache, &calls);
     // The batch's read was made (k and x both missed), its reply held.
     mgets.arrived().await;
     let (loading, end) = (Arc::new(Notify::new()), Arc::new(Notify::new()));

@@ -49,6 +49,58 @@ enum L1Until {
     Ask(WitMeta),
 }
 
+/// What a batch's read left of the keys it read, besides the led keys that fly on.
+struct AfterRead<'k> {
+    /// Led at the look and answered by their reads: their flights end now.
+    hits: Vec<(usize, LeaderGuard<Outcome>)>,
+    /// Not joined, and not answered by their reads: joined now, each with its read.
+    unjoined: Vec<(usize, FirstRead)>,
+    /// Not joined, and answered by their reads.
+    unjoined_hits: Vec<&'k str>,
+}
+
+/// Sorts the keys a batch read (`to_read`, in order) by what their reads left: the
+/// keys to fly (`flying`, in the same order), the keys led at the look (`leads`, in the
+/// same order). A led key that flies goes to `parts`.
+fn after_read<'k>(
+    keys: &[&'k str],
+    to_read: &[usize],
+    flying: Vec<(usize, FirstRead)>,
+    leads: Vec<(usize, LeaderGuard<Outcome>)>,
+    parts: &mut Vec<(usize, Part, Option<FirstRead>)>,
+) -> AfterRead<'k> {
+    // The next key to fly, and the next led, each taken only when its turn comes (a
+    // read is large to move).
+    let (mut flying, mut leads) = (flying.into_iter(), leads.into_iter());
+    let (mut next, mut next_lead) = (flying.next(), leads.next());
+    let mut after = AfterRead {
+        hits: Vec::new(),
+        unjoined: Vec::new(),
+        unjoined_hits: Vec::with_capacity(to_read.len()),
+    };
+    for &i in to_read {
+        let first = next.take_if(|(at, _)| *at == i).map(|(_, first)| {
+            next = flying.next();
+            first
+        });
+        let lead = next_lead.take_if(|(at, _)| *at == i).map(|(_, guard)| {
+            next_lead = leads.next();
+            guard
+        });
+        match (lead, first) {
+            (Some(guard), Some(first)) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
+            (Some(guard), None) => after.hits.push((i, guard)),
+            (None, Some(first)) => after.unjoined.push((i, first)),
+            (None, None) => after.unjoined_hits.push(keys[i]),
+        }
+    }
+    debug_assert!(
+        next.is_none() && next_lead.is_none(),
+        "a read or a lead matched no key"
+    );
+    after
+}
+
 /// A batch's keys each once, in the order first asked for, and for each key asked the
 /// position of its distinct key: a key asked twice is loaded once, answered twice
 /// (both bodies, contract §5.16).
@@ -645,36 +697,12 @@ impl Corral {
                 None => to_read.push(i),
             }
         }
-        let mut flying = self
-            .answer_l2_hits(keys, entries, named, &to_read, answers)
-            .await
-            .into_iter();
-        // The next key to fly, and the next this caller leads, each taken only when its
-        // turn comes (a read is large to move).
-        let (mut next, mut leads) = (flying.next(), leads.into_iter());
-        let mut next_lead = leads.next();
-        let (mut hits, mut unjoined) = (Vec::new(), Vec::new());
-        let mut unjoined_hits = Vec::with_capacity(to_read.len());
-        for &i in &to_read {
-            let first = next.take_if(|(at, _)| *at == i).map(|(_, first)| {
-                next = flying.next();
-                first
-            });
-            let lead = next_lead.take_if(|(at, _)| *at == i).map(|(_, guard)| {
-                next_lead = leads.next();
-                guard
-            });
-            match (lead, first) {
-                (Some(guard), Some(first)) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
-                (Some(guard), None) => hits.push((i, guard)),
-                (None, Some(first)) => unjoined.push((i, first)),
-                (None, None) => unjoined_hits.push(keys[i]),
-            }
-        }
-        debug_assert!(
-            next.is_none() && next_lead.is_none(),
-            "a read or a lead matched no key"
-        );
+        let flying = self.answer_l2_hits(keys, entries, named, &to_read, answers).await;
+        let AfterRead {
+            hits,
+            unjoined,
+            unjoined_hits,
+        } = after_read(keys, &to_read, flying, leads, &mut parts);
         let (settled, overtaken) = inner.registry.settle(
             peek,
             unjoined.iter().map(|&(i, _)| (keys[i], named[i])),
