@@ -4,10 +4,12 @@
 //! through the same driver as a single get-or-set, so each key keeps every promise of
 //! one (fenced fills, `should_cache`, tags, fail-safe, timeouts, metrics). What a batch
 //! changes is how its flights meet the store and the loader:
-//! - L1 hits are served at once. Every other key joins this process's flight registry:
-//!   a key another caller leads is awaited, the rest are led here.
-//! - The led keys' first L2 reads go out together ([`Corral::l2_look_many`]: one `MGET`
-//!   per node for the keys a plain read serves); a fresh hit is served from its read.
+//! - L1 hits are served at once. Of the other keys, one another caller in this process
+//!   leads is awaited; the rest are read together ([`Corral::l2_look_many`]: one `MGET`
+//!   per node for the keys a plain read serves), and a fresh hit is served from its read.
+//! - The keys their reads left unanswered join the registry after the read and are led
+//!   here ([`Registry::peek`](registry::Registry::peek), `settle`): a flight of one that
+//!   another caller began meanwhile is followed, as if the batch had joined first.
 //! - The loader is called once with every led key whose flight reached its load, as soon
 //!   as the batch is quiet: none of its flights is between two store steps (a flight
 //!   waiting for another process's landing is not). So the keys whose misses were found

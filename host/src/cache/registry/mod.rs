@@ -20,10 +20,9 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
-
 use std::hash::BuildHasher;
 use std::ops::Range;
+use std::sync::Arc;
 
 use hashbrown::HashTable;
 use parking_lot::Mutex;
@@ -31,9 +30,9 @@ use tokio::sync::oneshot;
 
 use crate::Error;
 use crate::owed::{Owed, Pending};
+use crate::store::l1::Ticket;
 
 mod peek;
-use crate::store::l1::Ticket;
 pub(crate) use peek::Settled;
 use peek::{Ended, Peeking};
 
@@ -96,6 +95,18 @@ impl FlightKey {
     fn as_str(&self) -> &str {
         &self.text[self.at.clone()]
     }
+}
+
+/// `keys` joined in one allocation, and where each is in it, in order: the text the
+/// flights of a batch's keys share.
+fn joined<'k>(keys: impl Iterator<Item = &'k str> + Clone) -> (Arc<str>, impl Iterator<Item = Range<usize>>) {
+    let text = keys.clone().collect::<String>().into();
+    let ranges = keys.scan(0, |at, key| {
+        let range = *at..*at + key.len();
+        *at = range.end;
+        Some(range)
+    });
+    (text, ranges)
 }
 
 /// Where a joining key's text lives, should it lead.
@@ -196,15 +207,10 @@ impl<T: Clone> Registry<T> {
         keys: impl ExactSizeIterator<Item = &'k str> + Clone,
         ticket: impl Fn(&str) -> Ticket,
     ) -> Vec<Join<T>> {
-        let text: Arc<str> = keys.clone().collect::<String>().into();
-        let mut joins = Vec::with_capacity(keys.len());
-        let mut at = 0;
-        for key in keys {
-            let range = at..at + key.len();
-            at = range.end;
-            joins.push(self.join_in(flights, key, KeyText::In(&text, range), ticket(key)));
-        }
-        joins
+        let (text, ranges) = joined(keys.clone());
+        keys.zip(ranges)
+            .map(|(key, range)| self.join_in(flights, key, KeyText::In(&text, range), ticket(key)))
+            .collect()
     }
 
     fn join_in(&self, flights: &mut Flights<T>, key: &str, text: KeyText<'_>, ticket: Ticket) -> Join<T> {

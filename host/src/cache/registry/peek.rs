@@ -9,11 +9,10 @@
 //! comes meanwhile joins every key first, so batches that overlap share their reads.
 
 use std::hash::BuildHasher;
-use std::sync::Arc;
 
 use hashbrown::HashTable;
 
-use super::{FlightKey, Flights, Join, KeyText, Registry};
+use super::{FlightKey, Flights, Join, KeyText, Registry, joined};
 use crate::store::l1::Ticket;
 
 /// The batch reading before it joins.
@@ -173,15 +172,12 @@ impl<T: Clone> Registry<T> {
         M::IntoIter: ExactSizeIterator + Clone,
     {
         let misses = misses.into_iter();
-        let text: Arc<str> = misses.clone().map(|(key, _)| key).collect::<String>().into();
+        let (text, ranges) = joined(misses.clone().map(|(key, _)| key));
         let mut settled = Vec::with_capacity(misses.len());
-        let mut at = 0;
         let mut flights = self.shared.flights.lock();
         let looked = peek.looked;
         let any_began = flights.next_id != looked;
-        for (key, read) in misses {
-            let range = at..at + key.len();
-            at = range.end;
+        for ((key, read), range) in misses.zip(ranges) {
             let (hash, now) = (flights.hasher.hash_one(key), ticket(key));
             let began = flights
                 .by_key
