@@ -245,6 +245,17 @@ impl Entries for MemoryStore {
         ready(Ok(found)).boxed()
     }
 
+    /// Every key read as [`get`](Self::get) reads it, at one moment.
+    fn get_many<'a>(&'a self, keys: &'a [&'a str]) -> BoxFuture<'a, Vec<Result<Option<Bytes>>>> {
+        self.maybe_invalidate();
+        let now = self.now();
+        let found = keys
+            .iter()
+            .map(|key| Ok(Self::live(&mut self.shard(key).lock(), key, now)))
+            .collect();
+        ready(found).boxed()
+    }
+
     fn get_and_expire<'a>(
         &'a self,
         key: &'a str,
@@ -468,5 +479,23 @@ mod tests {
         clock.set(1_100);
         assert_eq!(store.get("k").await.unwrap(), None, "the TTL passed");
         assert!(store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn many_keys_read_together_read_as_each_alone() {
+        let clock = ManualClock::new(1_000);
+        let store = MemoryStore::new(Arc::new(clock.clone()), 60_000);
+        store.set("short", Bytes::from_static(b"s"), 100).await.unwrap();
+        store.set("long", Bytes::from_static(b"l"), 1_000).await.unwrap();
+        clock.set(1_100);
+        let keys = ["long", "short", "none", "long"];
+        let together: Vec<_> = store.get_many(&keys).await.into_iter().map(Result::unwrap).collect();
+        let mut alone = Vec::new();
+        for key in keys {
+            alone.push(store.get(key).await.unwrap());
+        }
+        assert_eq!(together, alone);
+        assert_eq!(together[0].as_deref(), Some(&b"l"[..]));
+        assert_eq!(together[1], None, "its TTL passed");
     }
 }
