@@ -407,6 +407,8 @@ impl wit::Guest for Component {
         let limits = limits(l);
         let mut many = wit::JudgedMany {
             each: Vec::with_capacity(head_ends.len()),
+            value_offsets: Vec::with_capacity(head_ends.len()),
+            l1_until_ms: Vec::with_capacity(head_ends.len()),
             flying: Vec::new(),
         };
         // Each read judged and answered as it is taken: no list of judgements between.
@@ -421,24 +423,35 @@ impl wit::Guest for Component {
                 slid_ms: None,
             };
             start = end.max(start);
-            many.each.push(
+            let (verdict, value_offset, l1_until_ms) =
                 match corral_core::batch::judge(&read, now_ms, &limits, l1_ttl_ms) {
-                    corral_core::batch::Judged::Served(s) => wit::Judged::Served(wit::Served {
-                        value_offset: s.value_offset as u32,
-                        next_read: next_read_out(s.next_read),
-                        l1_until_ms: s.l1_until_ms,
-                    }),
+                    corral_core::batch::Judged::Served(s) => {
+                        let verdict = match s.next_read {
+                            policy::NextRead::Script => wit::Verdict::ServedSliding,
+                            // Never `Expiring` (`batch::Served`): a plain read is the
+                            // safe guess, put right by the read after it.
+                            _ => wit::Verdict::Served,
+                        };
+                        (verdict, s.value_offset as u32, s.l1_until_ms)
+                    }
                     corral_core::batch::Judged::Flies { outcome, l1_until_ms } => {
                         many.flying.push(wit::JudgedRead {
                             outcome: read_outcome(outcome),
                             l1_until_ms,
                         });
-                        wit::Judged::Flies
+                        (wit::Verdict::Flies, 0, 0)
                     }
-                },
-            );
+                    corral_core::batch::Judged::Alone => (wit::Verdict::Alone, 0, 0),
+                };
+            many.each.push(verdict);
+            many.value_offsets.push(value_offset);
+            many.l1_until_ms.push(l1_until_ms);
         }
         many
+    }
+
+    fn batch_head_len() -> u32 {
+        corral_core::batch::HEAD_LEN as u32
     }
 
     fn check_max_batch(max_batch: u64) -> Result<(), types::Error> {

@@ -13,16 +13,23 @@
 //! - the loader is called with the keys that reach their loads together, at most
 //!   `max_batch` per call ([`calls`]).
 
+use crate::envelope;
 #[cfg(doc)]
 use crate::names;
 use crate::policy::{self, NextRead, ReadOutcome};
 use crate::{Arg, ArgError, Limits, flight};
 
+/// How many leading bytes of each first read a body passes to [`judge`]: every fixed
+/// header, and an entry's tags when they are few and short. A batch of large values
+/// crosses the boundary at this much a read, not at the longest header; a read whose
+/// header goes past it (many or long tags) is judged [`Judged::Alone`].
+pub const HEAD_LEN: usize = 128;
+
 /// What a first read found for one key of a batch: the stored bytes' head, their whole
 /// length, and the TTL the read set if it slid the entry (`GETEX`).
 #[derive(Clone, Copy, Debug)]
 pub struct FirstRead<'a> {
-    /// The stored bytes (their head is enough: see [`policy::read`]).
+    /// The stored bytes' first [`HEAD_LEN`] bytes or more (all of them, if fewer).
     pub head: &'a [u8],
     /// The length of the stored bytes.
     pub total_len: u64,
@@ -44,6 +51,9 @@ pub enum Judged {
         /// For a fresh entry, the moment until which L1 may serve it; 0 otherwise.
         l1_until_ms: u64,
     },
+    /// Its header goes on past the head passed: the body judges it alone, with
+    /// [`policy::read`] and its whole header, and it flies on with that judgement.
+    Alone,
 }
 
 /// A first read served from itself alone: what a body needs to answer it, and no more.
@@ -51,7 +61,8 @@ pub enum Judged {
 pub struct Served {
     /// Where the value starts in the stored bytes.
     pub value_offset: usize,
-    /// How the next read of this key should read it.
+    /// How the next read of this key should read it: never [`NextRead::Expiring`] (a
+    /// read that slides in the store has a TTL to set: it flies).
     pub next_read: NextRead,
     /// The moment until which L1 may serve it.
     pub l1_until_ms: u64,
@@ -68,11 +79,24 @@ pub fn read_many(reads: &[FirstRead<'_>], now_ms: u64, limits: &Limits, l1_ttl_m
 /// Judges one first read of a batch at `now_ms` (see [`read_many`]).
 pub fn judge(read: &FirstRead<'_>, now_ms: u64, limits: &Limits, l1_ttl_ms: u64) -> Judged {
     match policy::read(read.head, read.total_len, now_ms, limits, read.slid_ms) {
-        ReadOutcome::Fresh(hit) if hit.touch.is_none() && hit.tagged.is_none() => Judged::Served(Served {
-            value_offset: hit.value_offset,
-            next_read: hit.next_read,
-            l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
-        }),
+        // Read whole, the header may decode: a head cut short of the longest header
+        // judges only the entries whose header ended within it.
+        ReadOutcome::Corrupt(_)
+            if (read.head.len() as u64) < read.total_len.min(envelope::MAX_HEADER_LEN as u64) =>
+        {
+            Judged::Alone
+        }
+        ReadOutcome::Fresh(hit)
+            if hit.touch.is_none()
+                && hit.tagged.is_none()
+                && !matches!(hit.next_read, NextRead::Expiring(_)) =>
+        {
+            Judged::Served(Served {
+                value_offset: hit.value_offset,
+                next_read: hit.next_read,
+                l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
+            })
+        }
         ReadOutcome::Fresh(hit) => Judged::Flies {
             l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
             outcome: ReadOutcome::Fresh(hit),
@@ -208,6 +232,100 @@ mod tests {
                 outcome: ReadOutcome::Corrupt(_),
                 l1_until_ms: 0
             }
+        ));
+    }
+
+    #[test]
+    fn a_read_that_slides_in_the_store_is_never_served_from_itself() {
+        let limits = Limits {
+            sliding_in_store: true,
+            ..Limits::default()
+        };
+        let now = 1_000_000;
+        let options = EntryOptions {
+            sliding_ms: Some(1_000),
+            ..EntryOptions::default()
+        };
+        let plan = policy::plan_set("k", 1, &options, now, &limits).unwrap();
+        let mut stored = plan.header.to_vec();
+        stored.extend_from_slice(b"x");
+        // Even read with its slide already made (`GETEX PX`, nothing left to do): its
+        // next read sets a TTL, which a batch served from its read would not know.
+        for slid_ms in [None, Some(1_000)] {
+            let read = FirstRead {
+                head: &stored,
+                total_len: stored.len() as u64,
+                slid_ms,
+            };
+            let judged = judge(&read, now + 10, &limits, 5_000);
+            assert!(
+                matches!(
+                    judged,
+                    Judged::Flies {
+                        outcome: ReadOutcome::Fresh(_),
+                        ..
+                    }
+                ),
+                "{judged:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_header_longer_than_the_head_passed_is_judged_alone() {
+        let limits = Limits::default();
+        let now = 1_000_000;
+        let tags: Vec<String> = (0..8).map(|n| format!("a-tag-of-some-length-{n}")).collect();
+        let options = EntryOptions {
+            relative_ms: Some(60_000),
+            ..EntryOptions::default()
+        };
+        let plan = policy::plan_set("k", 1_000, &options, now, &limits).unwrap();
+        let tagged = crate::envelope::Tagged {
+            written_at_ms: now,
+            tags,
+        };
+        let mut stored = envelope::encode_tagged_header(&plan.meta, 1_000, &tagged);
+        assert!(stored.len() > HEAD_LEN);
+        stored.extend_from_slice(&[7; 1_000]);
+        let judge_at = |stored: &[u8], cut: usize| {
+            let read = FirstRead {
+                head: &stored[..cut.min(stored.len())],
+                total_len: stored.len() as u64,
+                slid_ms: None,
+            };
+            judge(&read, now + 10, &limits, 5_000)
+        };
+        assert_eq!(judge_at(&stored, HEAD_LEN), Judged::Alone);
+        // Whole, its header decodes: it flies, to its tags' judgement.
+        assert!(matches!(
+            judge_at(&stored, envelope::MAX_HEADER_LEN),
+            Judged::Flies {
+                outcome: ReadOutcome::Fresh(_),
+                ..
+            }
+        ));
+        // Bytes that are no envelope are corrupt, judged whole.
+        stored[0] = b'x';
+        assert!(matches!(
+            judge_at(&stored, envelope::MAX_HEADER_LEN),
+            Judged::Flies {
+                outcome: ReadOutcome::Corrupt(_),
+                ..
+            }
+        ));
+        // An untagged entry with a large value is judged from its head alone.
+        let plain = policy::plan_set("k", 1_000, &options, now, &limits).unwrap();
+        let mut stored = plain.header.to_vec();
+        stored.extend_from_slice(&[7; 1_000]);
+        let read = FirstRead {
+            head: &stored[..HEAD_LEN],
+            total_len: stored.len() as u64,
+            slid_ms: None,
+        };
+        assert!(matches!(
+            judge(&read, now + 10, &limits, 5_000),
+            Judged::Served(_)
         ));
     }
 }

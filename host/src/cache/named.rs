@@ -197,7 +197,9 @@ mod tests {
                 .nth(skip)
                 .expect("a key in the same slot")
         };
-        let others: Vec<String> = (0..WAYS - 1).map(|skip| sharing_with_first("key", skip)).collect();
+        let others: Vec<String> = (0..WAYS - 1)
+            .map(|skip| sharing_with_first("key", skip))
+            .collect();
         names.keep(&first, 1, "first");
         for (n, key) in others.iter().enumerate() {
             names.keep(key, 1, format!("other {n}").as_str());

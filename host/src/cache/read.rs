@@ -20,7 +20,7 @@ use bytes::{Buf, Bytes};
 use super::Corral;
 use super::metrics::Metrics;
 use crate::guest::policy::{
-    Judged, JudgedRead, NextRead, ReadOutcome, Served as ServedRead, TagVerdict, Touch, WitMeta,
+    JudgedMany, JudgedRead, NextRead, ReadOutcome, TagVerdict, Touch, Verdict as WitVerdict, WitMeta,
 };
 use crate::{ErrorKind, Result};
 
@@ -121,13 +121,47 @@ impl ReadHints {
 /// failed, every read fails with it.
 struct SharedReads {
     found: std::vec::IntoIter<Result<Option<Bytes>>>,
-    judged: Result<(std::vec::IntoIter<Judged>, std::vec::IntoIter<JudgedRead>)>,
+    judged: Result<Judgements>,
 }
 
-/// One shared read's judgement: served from the read alone, or on to its flight.
+/// The guest's judgement of a shared `MGET`'s reads (`judged-many`), column by column,
+/// each taken in order.
+#[derive(Default)]
+struct Judgements {
+    each: std::vec::IntoIter<WitVerdict>,
+    value_offsets: std::vec::IntoIter<u32>,
+    l1_until_ms: std::vec::IntoIter<u64>,
+    flying: std::vec::IntoIter<JudgedRead>,
+}
+
+impl From<JudgedMany> for Judgements {
+    fn from(many: JudgedMany) -> Self {
+        Judgements {
+            each: many.each.into_iter(),
+            value_offsets: many.value_offsets.into_iter(),
+            l1_until_ms: many.l1_until_ms.into_iter(),
+            flying: many.flying.into_iter(),
+        }
+    }
+}
+
+/// A shared read served from itself alone: where its value starts, how the key is read
+/// next, how long L1 may serve it.
+struct ServedRead {
+    value_offset: u32,
+    next_read: NextRead,
+    l1_until_ms: u64,
+}
+
+/// A shared read that goes on to its flight: its bytes, and the guest's judgement of
+/// them (`None`: to be judged alone, with the whole header).
+type Flying = (Bytes, Option<JudgedRead>);
+
+/// One shared read's judgement: served from the read alone, or on to its flight (with
+/// its judgement, or to be judged alone: `None`).
 enum Verdict {
     Served(ServedRead),
-    Flies(JudgedRead),
+    Flies(Option<JudgedRead>),
 }
 
 impl Iterator for SharedReads {
@@ -135,7 +169,7 @@ impl Iterator for SharedReads {
 
     fn next(&mut self) -> Option<Self::Item> {
         let read = self.found.next()?;
-        let (each, flying) = match &mut self.judged {
+        let judged = match &mut self.judged {
             Ok(judged) => judged,
             Err(e) => return Some(Err(e.clone())),
         };
@@ -143,13 +177,22 @@ impl Iterator for SharedReads {
             Ok(Some(bytes)) => bytes,
             nothing_or_failed => return Some(nothing_or_failed.map(|_| None)),
         };
-        let verdict = match each.next() {
-            Some(Judged::Served(served)) => Verdict::Served(served),
-            Some(Judged::Flies) => match flying.next() {
-                Some(judged) => Verdict::Flies(judged),
+        let column = (judged.value_offsets.next(), judged.l1_until_ms.next());
+        let verdict = match (judged.each.next(), column) {
+            (Some(WitVerdict::Flies), _) => match judged.flying.next() {
+                Some(judged) => Verdict::Flies(Some(judged)),
                 None => return Some(Err(unjudged())),
             },
-            None => return Some(Err(unjudged())),
+            (Some(WitVerdict::Alone), _) => Verdict::Flies(None),
+            (Some(served), (Some(value_offset), Some(l1_until_ms))) => Verdict::Served(ServedRead {
+                value_offset,
+                next_read: match served {
+                    WitVerdict::ServedSliding => NextRead::Script,
+                    _ => NextRead::Get,
+                },
+                l1_until_ms,
+            }),
+            _ => return Some(Err(unjudged())),
         };
         Some(Ok(Some((bytes, verdict))))
     }
@@ -312,7 +355,7 @@ impl Corral {
         if names.is_empty() {
             return SharedReads {
                 found: Vec::new().into_iter(),
-                judged: Ok((Vec::new().into_iter(), Vec::new().into_iter())),
+                judged: Ok(Judgements::default()),
             };
         }
         let found: Vec<Result<Option<Bytes>>> = inner
@@ -333,7 +376,7 @@ impl Corral {
         let judged = inner
             .policy
             .read_many(&reads, now, inner.l1_ttl_ms)
-            .map(|many| (many.each.into_iter(), many.flying.into_iter()));
+            .map(Judgements::from);
         SharedReads {
             found: found.into_iter(),
             judged,
@@ -341,21 +384,26 @@ impl Corral {
     }
 
     /// One key of [`l2_look_many`](Self::l2_look_many): judged with the others, when its
-    /// bytes came with theirs, else read on its own.
+    /// bytes came with theirs (or alone, should their judgement have left it: `None`),
+    /// else read on its own.
     async fn l2_look_fetched(
         &self,
         name: &str,
         hint: Option<NextRead>,
-        fetched: Option<Result<Option<(Bytes, JudgedRead)>>>,
+        fetched: Option<Result<Option<Flying>>>,
         now: u64,
     ) -> Result<Looked> {
         match fetched {
             Some(read) => match read? {
-                Some((stored, judged)) => {
+                Some((stored, Some(judged))) => {
                     let l1_until =
                         matches!(judged.outcome, ReadOutcome::Fresh(_)).then_some(judged.l1_until_ms);
                     let read = self.l2_judged(name, hint, stored, judged.outcome, now).await?;
                     Ok(Looked::Read(Box::new(read), l1_until))
+                }
+                Some((stored, None)) => {
+                    let read = self.l2_judge(name, hint, Some((stored, None)), now).await?;
+                    Ok(Looked::Read(Box::new(read), None))
                 }
                 None => Ok(Looked::Read(Box::new(L2Read::Miss { holds: None }), None)),
             },

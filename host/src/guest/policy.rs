@@ -74,6 +74,8 @@ struct Inner {
     created: std::sync::atomic::AtomicU64,
     limits: types::Limits,
     header_len: usize,
+    /// How many leading bytes of each read `read-many` needs (`batch-head-len`).
+    batch_head_len: usize,
     scripts: crate::store::Scripts,
     lock_scripts: wlock::LockScripts,
 }
@@ -95,9 +97,9 @@ pub(crate) use super::bindings::exports::corral::lock::policy as wlock;
 pub(crate) use types::EntryMeta as WitMeta;
 pub(crate) use types::Tagged;
 pub(crate) use wit::{
-    ExpirePlan, GenerationFound, GenerationHeeded, GenerationNews, Heard, Judged, JudgedMany, JudgedRead,
-    KeptTag, KnownGeneration, NextRead, Plan, ReadOutcome, Served, StoreNames, TagHeeded, TagMessage,
-    TagMoments, TagNews, TagRead, TagVerdict, Touch,
+    ExpirePlan, GenerationFound, GenerationHeeded, GenerationNews, Heard, JudgedMany, JudgedRead, KeptTag,
+    KnownGeneration, NextRead, Plan, ReadOutcome, StoreNames, TagHeeded, TagMessage, TagMoments, TagNews,
+    TagRead, TagVerdict, Touch, Verdict,
 };
 
 impl Policy {
@@ -109,6 +111,7 @@ impl Policy {
         let checked = p.call_check_limits(&mut slot.store, limits).map_err(trap)?;
         checked.map_err(from_wit)?;
         let header_len = p.call_header_len(&mut slot.store).map_err(trap)? as usize;
+        let batch_head_len = p.call_batch_head_len(&mut slot.store).map_err(trap)? as usize;
         let read_script = p.call_redis_read_script(&mut slot.store).map_err(trap)?;
         let delete_if_equal_script = p
             .call_redis_delete_if_equal_script(&mut slot.store)
@@ -134,6 +137,7 @@ impl Policy {
                 created: std::sync::atomic::AtomicU64::new(1),
                 limits,
                 header_len,
+                batch_head_len,
                 scripts: crate::store::Scripts {
                     read_and_touch: read_script,
                     delete_if_equal: delete_if_equal_script,
@@ -335,14 +339,15 @@ impl Policy {
     /// outcome (and for a fresh entry, how long L1 may serve it).
     pub(crate) fn read_many(&self, reads: &[&[u8]], now_ms: u64, l1_ttl_ms: u64) -> Result<JudgedMany> {
         let limits = self.inner.limits;
-        let header_len = self.inner.header_len;
+        let head_len = self.inner.batch_head_len;
+        let head = |stored: &[u8]| stored.len().min(head_len);
         // The heads joined in one buffer, their ends and lengths in lists of their own:
         // one copy each across the boundary, not one per read.
-        let mut heads = Vec::with_capacity(reads.len() * header_len);
+        let mut heads = Vec::with_capacity(reads.iter().map(|r| head(r)).sum());
         let mut head_ends = Vec::with_capacity(reads.len());
         let mut lens = Vec::with_capacity(reads.len());
         for stored in reads {
-            heads.extend_from_slice(&stored[..stored.len().min(header_len)]);
+            heads.extend_from_slice(&stored[..head(stored)]);
             head_ends.push(u32::try_from(heads.len()).unwrap_or(u32::MAX));
             lens.push(stored.len() as u64);
         }

@@ -489,7 +489,12 @@ mod tests {
         store.set("long", Bytes::from_static(b"l"), 1_000).await.unwrap();
         clock.set(1_100);
         let keys = ["long", "short", "none", "long"];
-        let together: Vec<_> = store.get_many(&keys).await.into_iter().map(Result::unwrap).collect();
+        let together: Vec<_> = store
+            .get_many(&keys)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
         let mut alone = Vec::new();
         for key in keys {
             alone.push(store.get(key).await.unwrap());

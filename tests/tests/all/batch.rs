@@ -450,6 +450,49 @@ async fn a_hundred_l2_hits_cost_one_mget() -> Result<()> {
     Ok(())
 }
 
+/// Entries whose headers are longer than what a batch judges together (many long tags)
+/// and whose values are large: each is judged alone, served as written, and still
+/// judged by its tags.
+async fn long_headers_are_judged_alone_and_by_their_tags(backend: Backend) -> Result<()> {
+    let f = Fixture::with(backend, |b| b.l1_capacity(0))?;
+    let tags: Vec<String> = (0..8).map(|n| format!("a-tag-of-some-length-{n}")).collect();
+    let options = relative().tags(tags.clone());
+    let keys = named(0..10);
+    let big = |key: &str| format!("{key}:{}", "v".repeat(4_000));
+    let calls = Calls::default();
+    let loader = |keys: Vec<String>| {
+        calls.note(&keys);
+        std::future::ready(Ok::<_, std::io::Error>(
+            keys.into_iter().map(|k| (k.clone(), big(&k))).collect::<Vec<_>>(),
+        ))
+    };
+    f.cache.get_or_set_many(&keys, options.clone(), loader).await?;
+    let read = values(f.cache.get_or_set_many(&keys, options.clone(), loader).await?)?;
+    let expected: Vec<Option<String>> = keys.iter().map(|k| Some(big(k))).collect();
+    assert_eq!(read, expected);
+    assert_eq!(calls.all().len(), 1, "the second batch read every key from L2");
+    assert_eq!(f.cache.metrics().l2_hits, 10);
+    f.cache.remove_by_tag(&tags[7]).await?;
+    let read = values(f.cache.get_or_set_many(&keys, options, loader).await?)?;
+    assert_eq!(read, expected);
+    assert_eq!(
+        calls.per_key().values().copied().collect::<Vec<_>>(),
+        vec![2; 10],
+        "loaded again after the tag's removal"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_headers_are_judged_alone_and_by_their_tags_memory() -> Result<()> {
+    long_headers_are_judged_alone_and_by_their_tags(Backend::Memory).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_headers_are_judged_alone_and_by_their_tags_redis() -> Result<()> {
+    long_headers_are_judged_alone_and_by_their_tags(Backend::Redis).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_typed_twin_caches_absence_when_asked() -> Result<()> {
     #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
