@@ -1,6 +1,7 @@
 //! Many keys at once, side by side in one run, on one real redis-server:
 //! - 100 keys that are L2 hits (L1 off): one `get_or_set_many`, 100 concurrent
-//!   `get_or_set` calls, and a raw redis-rs `MGET` of the same 100 entries;
+//!   `get_or_set` calls, and a raw redis-rs `MGET` of the same 100 entries, with 64-byte
+//!   values; the bulk call and the raw `MGET` again with 1 KiB values;
 //! - a cold stampede of 4 caches (4 registries and L1s, as 4 processes would have) x 250
 //!   callers, each asking for 10 random keys of 100: through the bulk call, and through
 //!   10 concurrent single-key calls per caller. Commands sent, loader calls, p99.
@@ -70,6 +71,28 @@ async fn read_all(
             assert!(found.iter().all(Result::is_ok));
         }
     }
+}
+
+/// 100 keys written through Corral with `value_bytes`-byte values, and their entries'
+/// names (for the raw `MGET`).
+async fn written(server: &RedisServer, value_bytes: usize) -> Result<(Vec<String>, Vec<String>)> {
+    let writer = Corral::builder().redis(server.url()).build()?;
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("hit{value_bytes}-{i}")).collect();
+    writer
+        .get_or_set_many(&keys, options(), |asked: Vec<String>| async move {
+            Ok::<_, std::io::Error>(
+                asked
+                    .into_iter()
+                    .map(|k| (k, vec![7u8; value_bytes]))
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .await?;
+    let names = keys
+        .iter()
+        .map(|k| writer.entry_name(k))
+        .collect::<corral::Result<_>>()?;
+    Ok((keys, names))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -172,23 +195,11 @@ async fn main() -> Result<()> {
         return Ok(()); // `cargo test --benches` lists benches; nothing to list here.
     }
     let server = RedisServer::start()?;
-    let writer = Corral::builder().redis(server.url()).build()?;
-    let keys: Vec<String> = (0..KEYS).map(|i| format!("hit{i}")).collect();
-    writer
-        .get_or_set_many(&keys, options(), |asked: Vec<String>| async move {
-            Ok::<_, std::io::Error>(asked.into_iter().map(|k| (k, vec![7u8; 64])).collect::<Vec<_>>())
-        })
-        .await?;
-    let names: Vec<String> = keys
-        .iter()
-        .map(|k| writer.entry_name(k))
-        .collect::<corral::Result<_>>()?;
     // L1 off: every call reads L2.
     let cache = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
     let raw = redis::Client::open(server.url())?
         .get_connection_manager()
         .await?;
-
     let contenders = [
         ("raw redis-rs `MGET` of the 100 entries", Reader::RawMget),
         ("Corral `get_or_set_many` of 100 keys", Reader::Bulk),
@@ -199,6 +210,7 @@ async fn main() -> Result<()> {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
     {
+        let (keys, names) = written(&server, 64).await?;
         let (started, cpu, switches) = (Instant::now(), client_cpu(), context_switches());
         for _ in 0..10_000 {
             read_all(contenders[n].1, &cache, &keys, &names, &raw).await;
@@ -212,33 +224,37 @@ async fn main() -> Result<()> {
         );
         return Ok(());
     }
-    for (_, reader) in contenders {
-        for _ in 0..20 {
-            read_all(reader, &cache, &keys, &names, &raw).await;
-        }
-    }
-    let mut per_batch: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
-    for round in 0..ROUNDS {
-        for (i, (_, reader)) in contenders.iter().enumerate() {
-            let started = Instant::now();
-            for _ in 0..BATCHES_PER_ROUND {
+    // 64-byte values, every contender; 1 KiB values, the bulk call against the raw one.
+    for (value_bytes, contenders) in [(64, &contenders[..]), (1024, &contenders[..2])] {
+        let (keys, names) = written(&server, value_bytes).await?;
+        for (_, reader) in contenders {
+            for _ in 0..20 {
                 read_all(*reader, &cache, &keys, &names, &raw).await;
             }
-            per_batch[i].push(started.elapsed().as_secs_f64() * 1e6 / BATCHES_PER_ROUND as f64);
         }
-        eprintln!("round {}/{ROUNDS} done", round + 1);
-    }
-    let raw_us = median(per_batch[0].clone());
-    println!(
-        "| 100 L2 hits ({BATCHES_PER_ROUND} batches x {ROUNDS} rounds, median) | µs per 100 keys | vs raw `MGET` |"
-    );
-    println!("| --- | ---: | ---: |");
-    for (i, (name, _)) in contenders.iter().enumerate() {
-        let us = median(per_batch[i].clone());
-        println!("| {name} | {us:.0} | {:.2}x |", us / raw_us);
+        let mut per_batch: Vec<Vec<f64>> = vec![Vec::new(); contenders.len()];
+        for round in 0..ROUNDS {
+            for (i, (_, reader)) in contenders.iter().enumerate() {
+                let started = Instant::now();
+                for _ in 0..BATCHES_PER_ROUND {
+                    read_all(*reader, &cache, &keys, &names, &raw).await;
+                }
+                per_batch[i].push(started.elapsed().as_secs_f64() * 1e6 / BATCHES_PER_ROUND as f64);
+            }
+            eprintln!("{value_bytes}-byte values: round {}/{ROUNDS} done", round + 1);
+        }
+        let raw_us = median(per_batch[0].clone());
+        println!(
+            "| 100 L2 hits of {value_bytes}-byte values ({BATCHES_PER_ROUND} batches x {ROUNDS} rounds, median) | µs per 100 keys | vs raw `MGET` |"
+        );
+        println!("| --- | ---: | ---: |");
+        for (i, (name, _)) in contenders.iter().enumerate() {
+            let us = median(per_batch[i].clone());
+            println!("| {name} | {us:.0} | {:.2}x |", us / raw_us);
+        }
+        println!();
     }
 
-    println!();
     println!(
         "| cold stampede: 4 caches x 250 callers x 10 of 100 keys, loader 50 ms | loader calls | keys loaded | Redis commands | p99 | wall |"
     );

@@ -107,17 +107,29 @@ fn after_read<'k>(
 /// position of its distinct key: a key asked twice is loaded once, answered twice
 /// (both bodies, contract §5.16).
 pub(crate) fn distinct_keys<K: AsRef<str>>(keys: &[K]) -> (Vec<&str>, Vec<usize>) {
+    use std::hash::BuildHasher;
     let mut distinct: Vec<&str> = Vec::with_capacity(keys.len());
-    let mut index_of: HashMap<&str, usize, foldhash::fast::RandomState> =
-        HashMap::with_capacity_and_hasher(keys.len(), Default::default());
+    // Each distinct key's position, found by its hash: four bytes a key.
+    let hasher = foldhash::fast::RandomState::default();
+    let mut index_of: hashbrown::HashTable<u32> = hashbrown::HashTable::with_capacity(keys.len());
     let asked = keys
         .iter()
         .map(|key| {
             let key = key.as_ref();
-            *index_of.entry(key).or_insert_with(|| {
-                distinct.push(key);
-                distinct.len() - 1
-            })
+            let hash = hasher.hash_one(key);
+            let entry = index_of.entry(
+                hash,
+                |&at| distinct[at as usize] == key,
+                |&at| hasher.hash_one(distinct[at as usize]),
+            );
+            match entry {
+                hashbrown::hash_table::Entry::Occupied(at) => *at.get() as usize,
+                hashbrown::hash_table::Entry::Vacant(vacant) => {
+                    vacant.insert(distinct.len() as u32);
+                    distinct.push(key);
+                    distinct.len() - 1
+                }
+            }
         })
         .collect();
     (distinct, asked)
@@ -553,6 +565,16 @@ impl Corral {
             self.answer_missed(keys, entries, named, &missed, &mut answers)
                 .await
         };
+        let answered = |answers: Vec<Option<Result<Served>>>| {
+            answers
+                .into_iter()
+                .map(|a| a.unwrap_or_else(|| Err(unanswered())))
+                .collect()
+        };
+        if parts.is_empty() {
+            // Every key answered by L1 or its read: no flight to run.
+            return answered(answers);
+        }
         // The led keys hold their seats from now: no load is made before every one of
         // them has reached its load or a wait.
         let mut seats: Vec<Option<Seat<'_>>> = keys.iter().map(|_| None).collect();
@@ -569,14 +591,11 @@ impl Corral {
             indices.push(i);
             flights.push(self.one_of_many(i, keys[i], options, &loads, part, seats[i].take(), first));
         }
-        let answered = futures::future::join_all(flights).await;
-        for (i, answer) in indices.into_iter().zip(answered) {
+        let flown = futures::future::join_all(flights).await;
+        for (i, answer) in indices.into_iter().zip(flown) {
             answers[i] = Some(answer);
         }
-        answers
-            .into_iter()
-            .map(|a| a.unwrap_or_else(|| Err(unanswered())))
-            .collect()
+        answered(answers)
     }
 
     /// Answers a batch's L1 hits (in `answers`); the indices of the other keys.
@@ -866,5 +885,17 @@ mod tests {
         assert_eq!(handed, ["B", "A", "B", "C", "A"]);
         let (distinct, asked) = distinct_keys(&["b", "a"]);
         assert_eq!(hand_out(distinct.clone(), &asked), distinct, "each asked once");
+        // Many keys, each asked up to three times, against the first position of each.
+        let keys: Vec<String> = (0..3_000).map(|n| format!("k{}", (n * 7) % 1_000)).collect();
+        let (distinct, asked) = distinct_keys(&keys);
+        assert_eq!(distinct.len(), 1_000);
+        let mut first_seen: Vec<&str> = Vec::new();
+        for key in &keys {
+            if !first_seen.contains(&key.as_str()) {
+                first_seen.push(key);
+            }
+        }
+        assert_eq!(distinct, first_seen, "in the order first asked");
+        assert!(keys.iter().zip(&asked).all(|(key, &at)| distinct[at] == key));
     }
 }
