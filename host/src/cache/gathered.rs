@@ -102,7 +102,7 @@ impl Corral {
         // Judged no earlier than now: a follower may have called after the leader.
         let now = now.max(self.inner.clock.now_ms());
         let reading: Vec<&str> = names.iter().collect();
-        let looks = self.l2_look_many(&reading, now).await;
+        let looks = self.l2_look_each(&reading, now).await;
         for (key, entry) in keys.iter().zip(names.iter()) {
             self.note_key_hint(key, entry);
         }

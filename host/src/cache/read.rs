@@ -285,7 +285,30 @@ impl Corral {
     /// its own command, all at once. A fresh entry judged with the others comes with the
     /// moment until which L1 may serve it; one with nothing left to do is served from
     /// its read alone (contract §5.16).
-    pub(crate) async fn l2_look_many(&self, names: &[&str], now: u64) -> Vec<Result<Looked>> {
+    pub(crate) async fn l2_look_each(&self, names: &[&str], now: u64) -> Vec<Result<Looked>> {
+        let mut found: Vec<Option<Result<Looked>>> = names.iter().map(|_| None).collect();
+        let served = |at: usize, value, until| found[at] = Some(Ok(Looked::Served(value, until)));
+        let rest = self.l2_look_many(names, now, served).await;
+        for (at, look) in rest {
+            found[at] = Some(look);
+        }
+        found
+            .into_iter()
+            .map(|look| {
+                look.unwrap_or_else(|| Err(crate::Error::guest("a read went unanswered", "broken contract")))
+            })
+            .collect()
+    }
+
+    /// [`l2_look_each`](Self::l2_look_each), a read served from itself alone handed to
+    /// `served` (its position in `names`, its value, until when L1 may serve it) as it is
+    /// judged: the others come back, each with its position, in order.
+    pub(crate) async fn l2_look_many(
+        &self,
+        names: &[&str],
+        now: u64,
+        mut served: impl FnMut(usize, Bytes, u64),
+    ) -> Vec<(usize, Result<Looked>)> {
         let inner = &*self.inner;
         let hints: Vec<Option<NextRead>> = names.iter().map(|n| inner.read_hints.get(n)).collect();
         let is_plain = |hint: &Option<NextRead>| matches!(hint, None | Some(NextRead::Get));
@@ -302,7 +325,6 @@ impl Corral {
             &some_plain
         };
         let mut shared = self.shared_reads(plain, now).await;
-        let mut found: Vec<Result<Looked>> = Vec::with_capacity(names.len());
         // The keys that need more than their judgement (a touch, tags, a removal, a read
         // of their own) go on as futures, the rest are settled here.
         // A loop, not a closure: the futures' borrows stay of one lifetime (a closure's
@@ -314,21 +336,22 @@ impl Corral {
                 Some(_) => None,
             };
             let fetched = match fetched {
-                Some(Ok(Some((stored, Verdict::Served(served))))) => {
-                    inner.read_hints.note(name, hint, served.next_read);
-                    let offset = served.value_offset as usize;
+                Some(Ok(Some((stored, Verdict::Served(judged))))) => {
+                    inner.read_hints.note(name, hint, judged.next_read);
+                    let offset = judged.value_offset as usize;
                     if offset > stored.len() {
-                        found.push(Err(crate::Error::guest(
+                        let broken = crate::Error::guest(
                             "a served read's value starts past its bytes",
                             "broken contract",
-                        )));
+                        );
+                        looks.push((i, self.l2_look_fetched(name, hint, Some(Err(broken)), now)));
                         continue;
                     }
                     // The value is the rest of the bytes read: moved past the header in
                     // place (a slice would share, and allocate, what nothing else holds).
                     let mut value = stored;
                     value.advance(offset);
-                    found.push(Ok(Looked::Served(value, served.l1_until_ms)));
+                    served(i, value, judged.l1_until_ms);
                     continue;
                 }
                 Some(Ok(Some((stored, Verdict::Flies(judged))))) => Some(Ok(Some((stored, judged)))),
@@ -336,16 +359,13 @@ impl Corral {
                 Some(Err(e)) => Some(Err(e)),
                 None => None,
             };
-            // In its place until its look answers, below.
-            found.push(Ok(Looked::Served(Bytes::new(), 0)));
             looks.push((i, self.l2_look_fetched(name, hint, fetched, now)));
         }
         let (at, looks): (Vec<usize>, Vec<_>) = looks.into_iter().unzip();
         // `join_all` answers every look, in order.
-        for (i, look) in at.into_iter().zip(futures::future::join_all(looks).await) {
-            found[i] = look;
-        }
-        found
+        at.into_iter()
+            .zip(futures::future::join_all(looks).await)
+            .collect()
     }
 
     /// The bytes under `names`, in one `MGET` per node, to be judged (all in one call)

@@ -487,7 +487,8 @@ pub(crate) struct Stores {
 }
 
 impl Stores {
-    /// Whether the stores [`open`](Self::open) gives keep a sliding entry's expiry moment
+    /// Whether the stores a cache opens ([`memory`](Self::memory), or
+    /// [`redis`](Self::redis) when `redis`) keep a sliding entry's expiry moment
     /// in their TTLs (contract §3.1): the memory store's TTLs run on the cache's own
     /// clock, whatever it is; Redis's run in real time, so only with a clock that does.
     pub(crate) fn keep_sliding(redis: bool, clock: &dyn crate::Clock) -> bool {

@@ -638,18 +638,32 @@ impl Corral {
         let deadline = in_ms(inner.flight.store_budget.before_load_ms);
         let tag_epoch = inner.l1.tag_epoch();
         let now = inner.clock.now_ms();
-        let reads = if !readable {
-            missed.iter().map(|_| Err(super::generation_unread())).collect()
+        let mut l2_hits = 0;
+        // A hit served from its read alone is answered as its judgement comes.
+        let hit = |at: usize, value: Bytes, until: u64| {
+            let i = missed[at];
+            l2_hits += 1;
+            self.fill_hit(keys[i], &value, L1Until::Judged(until), named[i], None, now);
+            answers[i] = Some(Ok(Served { value, stale: false }));
+        };
+        let reads: Vec<(usize, Result<Looked>)> = if !readable {
+            (0..missed.len())
+                .map(|at| (at, Err(super::generation_unread())))
+                .collect()
         } else {
             let names: Vec<&str> = missed.iter().map(|&i| entries.get(i)).collect();
-            match tokio::time::timeout_at(deadline, self.l2_look_many(&names, now)).await {
+            match tokio::time::timeout_at(deadline, self.l2_look_many(&names, now, hit)).await {
                 Ok(reads) => reads,
-                Err(_) => names.iter().map(|_| Err(past_deadline())).collect(),
+                // Past the deadline, the keys not answered yet.
+                Err(_) => (0..missed.len())
+                    .filter(|&at| answers[missed[at]].is_none())
+                    .map(|at| (at, Err(past_deadline())))
+                    .collect(),
             }
         };
         let mut flying = Vec::new();
-        let mut l2_hits = 0;
-        for (&i, read) in missed.iter().zip(reads) {
+        for (at, read) in reads {
+            let i = missed[at];
             // The ticket taken before the names, so before the read: a write of the key
             // since keeps the read's fill out of L1.
             let l1_ticket = named[i];
@@ -857,7 +871,7 @@ mod send_check {
     fn send<T: Send>(_: T) {}
     #[allow(dead_code, unused_must_use)]
     fn futures_are_send(c: &Corral, keys: &[&str], o: &LoadOptions) {
-        send(c.l2_look_many(&[], 0));
+        send(c.l2_look_many(&[], 0, |_, _, _| ()));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
         send(c.many(keys, (&Parts::default(), true), &[], o, &loader));
         let clock = crate::clock::SystemClock;
