@@ -414,8 +414,8 @@ impl wit::Guest for Component {
         // Each read judged and answered as it is taken: no list of judgements between.
         let mut start = 0;
         for (i, &end) in head_ends.iter().enumerate() {
-            // A head that does not fit, or a read with no length, is no envelope:
-            // judged corrupt.
+            // A head that does not fit is judged as no head (`alone`, should the read's
+            // length say it has bytes), a read with no length as no bytes (corrupt).
             let end = usize::try_from(end).unwrap_or(usize::MAX);
             let read = corral_core::batch::FirstRead {
                 head: heads.get(start..end).unwrap_or_default(),
@@ -427,10 +427,14 @@ impl wit::Guest for Component {
                 match corral_core::batch::judge(&read, now_ms, &limits, l1_ttl_ms) {
                     corral_core::batch::Judged::Served(s) => {
                         let verdict = match s.next_read {
+                            policy::NextRead::Get => wit::Verdict::Served,
                             policy::NextRead::Script => wit::Verdict::ServedSliding,
-                            // Never `Expiring` (`batch::Served`): a plain read is the
-                            // safe guess, put right by the read after it.
-                            _ => wit::Verdict::Served,
+                            // Never (`batch::Served`); should it come, a plain read is
+                            // a guess the read after it puts right.
+                            policy::NextRead::Expiring(_) => {
+                                debug_assert!(false, "a served read never sets a TTL");
+                                wit::Verdict::Served
+                            }
                         };
                         (verdict, s.value_offset as u32, s.l1_until_ms)
                     }

@@ -17,13 +17,14 @@ use crate::envelope;
 #[cfg(doc)]
 use crate::names;
 use crate::policy::{self, NextRead, ReadOutcome};
-use crate::{Arg, ArgError, Limits, flight};
+use crate::{Arg, ArgError, Corruption, Limits, flight};
 
 /// How many leading bytes of each first read a body passes to [`judge`]: every fixed
-/// header, and an entry's tags when they are few and short. A batch of large values
-/// crosses the boundary at this much a read, not at the longest header; a read whose
-/// header goes past it (many or long tags) is judged [`Judged::Alone`].
-pub const HEAD_LEN: usize = 128;
+/// header, and an entry's tags up to 207 bytes in all (five of 40, say). A batch of large
+/// values crosses the boundary at this much a read, not at the longest header
+/// ([`envelope::MAX_HEADER_LEN`]); a read whose header goes past it (many or long tags)
+/// is judged [`Judged::Alone`].
+pub const HEAD_LEN: usize = 256;
 
 /// What a first read found for one key of a batch: the stored bytes' head, their whole
 /// length, and the TTL the read set if it slid the entry (`GETEX`).
@@ -80,8 +81,9 @@ pub fn read_many(reads: &[FirstRead<'_>], now_ms: u64, limits: &Limits, l1_ttl_m
 pub fn judge(read: &FirstRead<'_>, now_ms: u64, limits: &Limits, l1_ttl_ms: u64) -> Judged {
     match policy::read(read.head, read.total_len, now_ms, limits, read.slid_ms) {
         // Read whole, the header may decode: a head cut short of the longest header
-        // judges only the entries whose header ended within it.
-        ReadOutcome::Corrupt(_)
+        // that ran out before the header ended says nothing of the entry. (Every other
+        // corruption is in the bytes the head holds, or in the lengths: judged as read.)
+        ReadOutcome::Corrupt(Corruption::Truncated { .. })
             if (read.head.len() as u64) < read.total_len.min(envelope::MAX_HEADER_LEN as u64) =>
         {
             Judged::Alone
@@ -275,7 +277,7 @@ mod tests {
     fn a_header_longer_than_the_head_passed_is_judged_alone() {
         let limits = Limits::default();
         let now = 1_000_000;
-        let tags: Vec<String> = (0..8).map(|n| format!("a-tag-of-some-length-{n}")).collect();
+        let tags: Vec<String> = (0..8).map(|n| format!("a-tag-of-some-length-{n:>20}")).collect();
         let options = EntryOptions {
             relative_ms: Some(60_000),
             ..EntryOptions::default()
@@ -305,8 +307,15 @@ mod tests {
                 ..
             }
         ));
-        // Bytes that are no envelope are corrupt, judged whole.
+        // Bytes that are no envelope are corrupt, from their head as whole.
         stored[0] = b'x';
+        assert!(matches!(
+            judge_at(&stored, HEAD_LEN),
+            Judged::Flies {
+                outcome: ReadOutcome::Corrupt(_),
+                ..
+            }
+        ));
         assert!(matches!(
             judge_at(&stored, envelope::MAX_HEADER_LEN),
             Judged::Flies {
