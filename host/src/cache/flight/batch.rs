@@ -518,15 +518,16 @@ impl Corral {
         Ok(hand_out(answers, &asked)
             .into_iter()
             .map(|answer| match answer {
-                Ok(served) => Ok(Some(served.value)),
-                Err(e) if e.is_absent() => Ok(None),
-                Err(e) => Err(e),
+                Some(Ok(served)) => Ok(Some(served.value)),
+                Some(Err(e)) if e.is_absent() => Ok(None),
+                Some(Err(e)) => Err(e),
+                None => Err(unanswered()),
             })
             .collect())
     }
 
     /// Every key of `keys` (distinct, their entries named `entries`, their L1 tickets
-    /// as of the names `named`), answered.
+    /// as of the names `named`), answered (`None`: a key nothing answered, a broken contract).
     async fn many<L, Fut, I, V, E>(
         &self,
         keys: &[&str],
@@ -534,7 +535,7 @@ impl Corral {
         named: &[Ticket],
         options: &LoadOptions,
         loader: &L,
-    ) -> Vec<Result<Served>>
+    ) -> Vec<Option<Result<Served>>>
     where
         L: Fn(Vec<String>) -> Fut,
         Fut: Future<Output = std::result::Result<I, E>>,
@@ -565,15 +566,9 @@ impl Corral {
             self.answer_missed(keys, entries, named, &missed, &mut answers)
                 .await
         };
-        let answered = |answers: Vec<Option<Result<Served>>>| {
-            answers
-                .into_iter()
-                .map(|a| a.unwrap_or_else(|| Err(unanswered())))
-                .collect()
-        };
         if parts.is_empty() {
             // Every key answered by L1 or its read: no flight to run.
-            return answered(answers);
+            return answers;
         }
         // The led keys hold their seats from now: no load is made before every one of
         // them has reached its load or a wait.
@@ -595,7 +590,7 @@ impl Corral {
         for (i, answer) in indices.into_iter().zip(flown) {
             answers[i] = Some(answer);
         }
-        answered(answers)
+        answers
     }
 
     /// Answers a batch's L1 hits (in `answers`); the indices of the other keys.
