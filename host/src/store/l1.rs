@@ -149,9 +149,11 @@ struct Epochs {
     tags: AtomicU64,
     /// Bumped by every write of a key hashing here.
     stripes: Box<[AtomicU64]>,
-    /// Held by every change of a key hashing here, around its check of the stripe and
-    /// its step in moka: a fill that found its ticket current lands before any write
-    /// after it, and a write after a fill lands over it.
+    /// Held by every change of a key hashing here (a fill, a write, a drop, a refresh
+    /// disarmed) around its check of the epochs and its step in moka, and all of them by
+    /// a flush: a fill that found its ticket current lands before any write or flush
+    /// after it, and one that did not lands nothing. (Moka's own evictions take none:
+    /// they only drop.)
     locks: Box<[parking_lot::Mutex<()>]>,
     /// Keys whose removal is retried in the background, each with its watch's number
     /// ([`RemovalWatch`]).
@@ -354,8 +356,11 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         self.clear();
     }
 
-    /// Drops every entry; fills in progress are refused.
+    /// Drops every entry; fills in progress are refused. Every stripe's lock is held
+    /// (in order) meanwhile: a fill that checked its ticket before the flush landed
+    /// before it, and is dropped with the rest.
     pub(crate) fn clear(&self) {
+        let _held: Vec<_> = self.epochs.locks.iter().map(|lock| lock.lock()).collect();
         self.epochs.all.fetch_add(1, Ordering::AcqRel);
         if let Some(cache) = &self.cache {
             cache.invalidate_all();
@@ -498,49 +503,84 @@ mod tests {
         assert_eq!(l1.get("k", 0).as_deref(), Some(&b"fresh"[..]));
     }
 
-    #[test]
-    fn racing_fills_never_put_back_a_value_older_than_a_finished_write() {
-        // A writer sets ever newer versions as a `set` does (a ticket, the L2 write, the
-        // L1 insert); fillers take a ticket, read L2 and fill what they read. Once a
-        // version's set returned, L1 holds it, a newer one, or nothing.
+    fn version(n: u64) -> Bytes {
+        Bytes::copy_from_slice(&n.to_be_bytes())
+    }
+
+    /// Two fillers (a ticket, a read of "L2", a fill of what they read) race `write`,
+    /// which makes version `n` of a key, for n = 1 to `writes`, in "L2" and then in or
+    /// out of L1 as a cache would. Once `write(n)` returned, L1 holds `n`, a newer
+    /// version, or nothing.
+    fn race_fills_against(writes: u64, write: impl Fn(&L1, &AtomicU64, u64) + Sync) {
         let l1 = L1::<L1Entry>::new(100, Duration::from_secs(60));
         let l2 = AtomicU64::new(0);
-        let version = |l1: &L1| {
-            l1.get("k", 0)
-                .map(|b| u64::from_be_bytes(b[..].try_into().unwrap()))
-        };
         std::thread::scope(|s| {
             for _ in 0..2 {
                 s.spawn(|| {
-                    for _ in 0..20_000 {
+                    let mut filled = 0;
+                    for _ in 0..5_000 {
                         let ticket = l1.ticket("k");
                         let read = l2.load(Ordering::SeqCst);
-                        l1.fill(
-                            "k",
-                            Bytes::copy_from_slice(&read.to_be_bytes()),
-                            u64::MAX,
-                            ticket,
-                            None,
-                        );
+                        std::thread::yield_now();
+                        filled += usize::from(l1.fill("k", version(read), u64::MAX, ticket, None));
                     }
+                    assert!(filled > 0, "no fill ever landed");
                 });
             }
             s.spawn(|| {
-                for n in 1..=20_000u64 {
-                    let ticket = l1.ticket("k");
-                    l2.store(n, Ordering::SeqCst);
-                    l1.insert(
-                        "k",
-                        Bytes::copy_from_slice(&n.to_be_bytes()),
-                        u64::MAX,
-                        ticket,
-                        None,
+                for n in 1..=writes {
+                    write(&l1, &l2, n);
+                    let seen = l1
+                        .get("k", 0)
+                        .map(|b| u64::from_be_bytes(b[..].try_into().unwrap()));
+                    assert!(
+                        seen.is_none_or(|v| v >= n),
+                        "version {n} made, then L1 held {seen:?}"
                     );
-                    let seen = version(&l1);
-                    assert!(seen.is_none_or(|v| v >= n), "set {n}, then L1 held {seen:?}");
                 }
             });
         });
+    }
+
+    #[test]
+    fn racing_fills_never_put_back_a_value_older_than_a_finished_set() {
+        // As a `set` does: a ticket, the L2 write, the L1 insert.
+        race_fills_against(5_000, |l1, l2, n| {
+            let ticket = l1.ticket("k");
+            l2.store(n, Ordering::SeqCst);
+            l1.insert("k", version(n), u64::MAX, ticket, None);
+        });
+    }
+
+    #[test]
+    fn no_fill_read_before_a_flush_outlives_it() {
+        // Another process's write, its announcement lost: this one flushes L1 (as after
+        // a gap in its subscription).
+        race_fills_against(1_000, |l1, l2, n| {
+            l2.store(n, Ordering::SeqCst);
+            l1.clear();
+        });
+    }
+
+    #[test]
+    fn a_flush_waits_for_a_fill_between_its_check_and_its_insert() {
+        // A fill holds its stripe's lock from its check of the epochs to its insert: a
+        // flush meanwhile lands after the insert and drops it (moka's `invalidate_all`
+        // keeps what is inserted after it). That a flush does not run meanwhile can only
+        // be seen as nothing happening: 100 ms of it.
+        let l1 = L1::<L1Entry>::new(100, Duration::from_secs(60));
+        let fill = l1.epochs.locks[l1.epochs.stripe_of("k")].lock();
+        let flushed = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                l1.clear();
+                flushed.store(true, Ordering::SeqCst);
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(!flushed.load(Ordering::SeqCst), "the flush ran during the fill");
+            drop(fill);
+        });
+        assert!(flushed.load(Ordering::SeqCst));
     }
 
     #[test]
