@@ -111,11 +111,20 @@ impl Drop for RemovalWatch {
     }
 }
 
+/// An entry as moka keeps it: with the flush it was put in after (the count of
+/// [`Epochs::all`] then). A flush drops every entry at once, whatever moka's clock says:
+/// moka's `invalidate_all` keeps an entry timestamped in its own tick.
+#[derive(Clone)]
+struct Kept<V> {
+    flushes: u64,
+    value: V,
+}
+
 /// The tier: moka's cache of `V` (the native body's [`L1Entry`], or the portable body's
 /// own record) and the epochs that fence its fills. Every fencing rule is written here,
 /// once, for both bodies; only the native body's reads know its entry's fields.
 pub(crate) struct L1<V = L1Entry> {
-    cache: Option<Cache<String, V>>,
+    cache: Option<Cache<String, Kept<V>>>,
     epochs: Arc<Epochs>,
 }
 
@@ -196,6 +205,15 @@ impl Epochs {
         }
     }
 
+    /// `value` as kept from now: put in after the flushes so far (a change holds its
+    /// stripe's lock, which a flush waits for).
+    fn kept<V>(&self, value: V) -> Kept<V> {
+        Kept {
+            flushes: self.all.load(Ordering::Acquire),
+            value,
+        }
+    }
+
     /// `change` of `key`, given its stripe, with the stripe's lock held: no other change
     /// of a key of this stripe runs meanwhile.
     fn changing<R>(&self, key: &str, change: impl FnOnce(&AtomicU64) -> R) -> R {
@@ -253,7 +271,7 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         epochs.changing(key, |stripe| {
             let current = epochs.ticket_at(stripe) == ticket;
             if current {
-                cache.insert(key.to_owned(), entry);
+                cache.insert(key.to_owned(), epochs.kept(entry));
             }
             current
         })
@@ -277,7 +295,7 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
             let unchanged = epochs.ticket_at(stripe) == ticket;
             stripe.fetch_add(1, Ordering::AcqRel);
             if unchanged {
-                cache.insert(key.to_owned(), entry);
+                cache.insert(key.to_owned(), epochs.kept(entry));
             } else {
                 cache.invalidate(key);
             }
@@ -286,7 +304,8 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
 
     /// The entry under `key`, as stored (no judgement of its deadline).
     pub(crate) fn peek(&self, key: &str) -> Option<V> {
-        self.cache.as_ref()?.get(key)
+        let kept = self.cache.as_ref()?.get(key)?;
+        (kept.flushes == self.epochs.all.load(Ordering::Acquire)).then_some(kept.value)
     }
 
     /// Another process's announcement, as a cache hears it: the key it names changed
@@ -373,7 +392,7 @@ impl L1<L1Entry> {
     /// A stale copy fail-safe re-armed is not returned: only a get-or-set serves one
     /// ([`get_served`](Self::get_served)).
     pub(crate) fn get(&self, key: &str, now_ms: u64) -> Option<Bytes> {
-        let entry = self.cache.as_ref()?.get(key)?;
+        let entry = self.peek(key)?;
         (now_ms < entry.until_ms && !entry.stale && self.judged_now(&entry)).then_some(entry.value)
     }
 
@@ -384,7 +403,7 @@ impl L1<L1Entry> {
 
     /// The whole entry of `key`, if still servable at `now_ms`.
     pub(crate) fn get_entry(&self, key: &str, now_ms: u64) -> Option<L1Entry> {
-        let entry = self.cache.as_ref()?.get(key)?;
+        let entry = self.peek(key)?;
         (now_ms < entry.until_ms && self.judged_now(&entry)).then_some(entry)
     }
 
@@ -411,11 +430,11 @@ impl L1<L1Entry> {
     pub(crate) fn disarm_refresh(&self, key: &str) {
         if let Some(cache) = &self.cache {
             self.epochs.changing(key, |_| {
-                if let Some(mut entry) = cache.get(key)
-                    && entry.refresh_at_ms.is_some()
+                if let Some(mut kept) = cache.get(key)
+                    && kept.value.refresh_at_ms.is_some()
                 {
-                    entry.refresh_at_ms = None;
-                    cache.insert(key.to_owned(), entry);
+                    kept.value.refresh_at_ms = None;
+                    cache.insert(key.to_owned(), kept);
                 }
             });
         }
@@ -514,20 +533,32 @@ mod tests {
     fn race_fills_against(writes: u64, write: impl Fn(&L1, &AtomicU64, u64) + Sync) {
         let l1 = L1::<L1Entry>::new(100, Duration::from_secs(60));
         let l2 = AtomicU64::new(0);
+        let written = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| {
             for _ in 0..2 {
                 s.spawn(|| {
-                    let mut filled = 0;
-                    for _ in 0..5_000 {
+                    let fill = || {
                         let ticket = l1.ticket("k");
                         let read = l2.load(Ordering::SeqCst);
                         std::thread::yield_now();
-                        filled += usize::from(l1.fill("k", version(read), u64::MAX, ticket, None));
+                        l1.fill("k", version(read), u64::MAX, ticket, None)
+                    };
+                    while !written.load(Ordering::SeqCst) {
+                        fill();
                     }
-                    assert!(filled > 0, "no fill ever landed");
+                    // No write since its ticket: a fill lands (none was refused for nothing).
+                    assert!(fill(), "a fill with a current ticket was refused");
                 });
             }
             s.spawn(|| {
+                // Stops the fillers however this ends.
+                struct Done<'a>(&'a std::sync::atomic::AtomicBool);
+                impl Drop for Done<'_> {
+                    fn drop(&mut self) {
+                        self.0.store(true, Ordering::SeqCst);
+                    }
+                }
+                let _done = Done(&written);
                 for n in 1..=writes {
                     write(&l1, &l2, n);
                     let seen = l1
@@ -556,7 +587,7 @@ mod tests {
     fn no_fill_read_before_a_flush_outlives_it() {
         // Another process's write, its announcement lost: this one flushes L1 (as after
         // a gap in its subscription).
-        race_fills_against(1_000, |l1, l2, n| {
+        race_fills_against(5_000, |l1, l2, n| {
             l2.store(n, Ordering::SeqCst);
             l1.clear();
         });
