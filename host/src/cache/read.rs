@@ -214,6 +214,10 @@ pub(crate) enum Looked {
     Read(Box<L2Read>, Option<u64>),
 }
 
+/// A read not served from itself alone: what it found, and for a fresh entry judged
+/// with others, the moment until which L1 may serve it (what [`Looked::Read`] holds).
+pub(crate) type ReadFound = (Box<L2Read>, Option<u64>);
+
 /// What one L2 read found.
 #[derive(Clone, Debug)]
 pub(crate) enum L2Read {
@@ -290,7 +294,7 @@ impl Corral {
         let served = |at: usize, value, until| found[at] = Some(Ok(Looked::Served(value, until)));
         let rest = self.l2_look_many(names, now, served).await;
         for (at, look) in rest {
-            found[at] = Some(look);
+            found[at] = Some(look.map(|(read, l1_until)| Looked::Read(read, l1_until)));
         }
         found
             .into_iter()
@@ -308,7 +312,7 @@ impl Corral {
         names: &[&str],
         now: u64,
         mut served: impl FnMut(usize, Bytes, u64),
-    ) -> Vec<(usize, Result<Looked>)> {
+    ) -> Vec<(usize, Result<ReadFound>)> {
         let inner = &*self.inner;
         let hints: Vec<Option<NextRead>> = names.iter().map(|n| inner.read_hints.get(n)).collect();
         let is_plain = |hint: &Option<NextRead>| matches!(hint, None | Some(NextRead::Get));
@@ -412,22 +416,22 @@ impl Corral {
         hint: Option<NextRead>,
         fetched: Option<Result<Option<Flying>>>,
         now: u64,
-    ) -> Result<Looked> {
+    ) -> Result<ReadFound> {
         match fetched {
             Some(read) => match read? {
                 Some((stored, Some(judged))) => {
                     let l1_until =
                         matches!(judged.outcome, ReadOutcome::Fresh(_)).then_some(judged.l1_until_ms);
                     let read = self.l2_judged(name, hint, stored, judged.outcome, now).await?;
-                    Ok(Looked::Read(Box::new(read), l1_until))
+                    Ok((Box::new(read), l1_until))
                 }
                 Some((stored, None)) => {
                     let read = self.l2_judge(name, hint, Some((stored, None)), now).await?;
-                    Ok(Looked::Read(Box::new(read), None))
+                    Ok((Box::new(read), None))
                 }
-                None => Ok(Looked::Read(Box::new(L2Read::Miss { holds: None }), None)),
+                None => Ok((Box::new(L2Read::Miss { holds: None }), None)),
             },
-            None => Ok(Looked::Read(Box::new(self.l2_look(name, now).await?), None)),
+            None => Ok((Box::new(self.l2_look(name, now).await?), None)),
         }
     }
 

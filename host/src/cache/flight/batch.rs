@@ -34,7 +34,7 @@ use crate::cache::Corral;
 use crate::cache::L1Fill;
 use crate::cache::load::LoadOptions;
 use crate::cache::metrics::Metrics;
-use crate::cache::read::{L2Read, Looked};
+use crate::cache::read::L2Read;
 use crate::cache::registry::{self, Join, LeaderGuard, Outcome, Settled};
 use crate::cache::tags::TagStamp;
 use crate::clock::Clock;
@@ -641,7 +641,7 @@ impl Corral {
             self.fill_hit(keys[i], &value, L1Until::Judged(until), named[i], None, now);
             answers[i] = Some(Ok(Served { value, stale: false }));
         };
-        let reads: Vec<(usize, Result<Looked>)> = if !readable {
+        let reads = if !readable {
             (0..missed.len())
                 .map(|at| (at, Err(super::generation_unread())))
                 .collect()
@@ -671,8 +671,7 @@ impl Corral {
                 unnamed: !readable,
             };
             let (value, l1_until, stamp) = match read {
-                Ok(Looked::Served(value, until)) => (value, L1Until::Judged(until), None),
-                Ok(Looked::Read(read, until)) => match *read {
+                Ok((read, until)) => match *read {
                     L2Read::Hit(value, meta, _, stamp) => {
                         (value, until.map_or(L1Until::Ask(meta), L1Until::Judged), stamp)
                     }
