@@ -8,8 +8,8 @@
 //! process since. Writes bump a per-key epoch (striped: a collision only skips a fill,
 //! or seals a flight of the other key, which the next caller then leads anew) under
 //! the stripe's lock, which a fill holds too around its check and its insert, so a
-//! fill and a write of one key never interleave (moka's per-key compute did the same
-//! at about 3 µs a fill: a waiter allocated and hashed into a map of its own). The
+//! fill and a write of one key never interleave. An entry carries the count of flushes
+//! its ticket saw, and is served only while no flush came since. The
 //! stripes are picked by a fixed-key hasher: which keys share one is the same in every
 //! process and every run (a simulation replays byte for byte); a shared stripe costs a
 //! skipped fill or an extra flight, never a wrong value.
@@ -111,8 +111,8 @@ impl Drop for RemovalWatch {
     }
 }
 
-/// An entry as moka keeps it: with the flush it was put in after (the count of
-/// [`Epochs::all`] then). A flush drops every entry at once, whatever moka's clock says:
+/// An entry as moka keeps it: with the count of flushes ([`Epochs::all`]) its ticket
+/// saw. A flush hides every entry put before it at once, whatever moka's clock says:
 /// moka's `invalidate_all` keeps an entry timestamped in its own tick.
 #[derive(Clone)]
 struct Kept<V> {
@@ -205,15 +205,6 @@ impl Epochs {
         }
     }
 
-    /// `value` as kept from now: put in after the flushes so far (a change holds its
-    /// stripe's lock, which a flush waits for).
-    fn kept<V>(&self, value: V) -> Kept<V> {
-        Kept {
-            flushes: self.all.load(Ordering::Acquire),
-            value,
-        }
-    }
-
     /// `change` of `key`, given its stripe, with the stripe's lock held: no other change
     /// of a key of this stripe runs meanwhile.
     fn changing<R>(&self, key: &str, change: impl FnOnce(&AtomicU64) -> R) -> R {
@@ -271,7 +262,13 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         epochs.changing(key, |stripe| {
             let current = epochs.ticket_at(stripe) == ticket;
             if current {
-                cache.insert(key.to_owned(), epochs.kept(entry));
+                cache.insert(
+                    key.to_owned(),
+                    Kept {
+                        flushes: ticket.all,
+                        value: entry,
+                    },
+                );
             }
             current
         })
@@ -295,7 +292,13 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
             let unchanged = epochs.ticket_at(stripe) == ticket;
             stripe.fetch_add(1, Ordering::AcqRel);
             if unchanged {
-                cache.insert(key.to_owned(), epochs.kept(entry));
+                cache.insert(
+                    key.to_owned(),
+                    Kept {
+                        flushes: ticket.all,
+                        value: entry,
+                    },
+                );
             } else {
                 cache.invalidate(key);
             }
