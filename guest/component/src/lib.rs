@@ -398,7 +398,6 @@ impl wit::Guest for Component {
 
     fn read_many(
         heads: Vec<u8>,
-        head_ends: Vec<u32>,
         lens: Vec<u64>,
         now_ms: u64,
         l: types::Limits,
@@ -406,23 +405,25 @@ impl wit::Guest for Component {
     ) -> wit::JudgedMany {
         let limits = limits(l);
         let mut many = wit::JudgedMany {
-            each: Vec::with_capacity(head_ends.len()),
-            value_offsets: Vec::with_capacity(head_ends.len()),
-            l1_until_ms: Vec::with_capacity(head_ends.len()),
+            each: Vec::with_capacity(lens.len()),
+            value_offsets: Vec::with_capacity(lens.len()),
+            l1_until_ms: Vec::with_capacity(lens.len()),
             flying: Vec::new(),
         };
         // Each read judged and answered as it is taken: no list of judgements between.
-        let mut start = 0;
-        for (i, &end) in head_ends.iter().enumerate() {
-            // A head that does not fit is judged as no head (`alone`, should the read's
-            // length say it has bytes), a read with no length as no bytes (corrupt).
-            let end = usize::try_from(end).unwrap_or(usize::MAX);
+        let mut start = 0usize;
+        for &total_len in &lens {
+            // Each head is its read's first `HEAD_LEN` bytes (all of them, if fewer). A
+            // head that does not fit in `heads` is judged as no head (`alone`, should
+            // the read's length say it has bytes).
+            let head_len = total_len.min(corral_core::batch::HEAD_LEN as u64) as usize;
+            let end = start.saturating_add(head_len);
             let read = corral_core::batch::FirstRead {
                 head: heads.get(start..end).unwrap_or_default(),
-                total_len: lens.get(i).copied().unwrap_or(0),
+                total_len,
                 slid_ms: None,
             };
-            start = end.max(start);
+            start = end;
             let (verdict, value_offset, l1_until_ms) =
                 match corral_core::batch::judge(&read, now_ms, &limits, l1_ttl_ms) {
                     corral_core::batch::Judged::Served(s) => {

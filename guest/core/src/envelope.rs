@@ -121,6 +121,7 @@ pub const TOMBSTONE: [u8; 4] = [b'C', b'R', b'L', 0];
 pub const TOMBSTONE_NONCE_MAX: usize = 32;
 
 /// Whether stored bytes (`head` of `total_len`) are a removal's tombstone.
+#[inline]
 pub fn is_tombstone(head: &[u8], total_len: u64) -> bool {
     head.starts_with(&TOMBSTONE) && total_len <= (TOMBSTONE.len() + TOMBSTONE_NONCE_MAX) as u64
 }
@@ -240,7 +241,9 @@ pub struct Decoded {
 /// # Errors
 /// A [`Corruption`] when the bytes are not a version-1 envelope, the lengths disagree,
 /// the value is over `limits.max_value_bytes`, or the fields contradict each other.
-#[inline]
+// Inlined into each reader: a batch judges a hundred headers in one guest call, and a
+// call per header cost more than its decoding there.
+#[inline(always)]
 pub fn decode_header(head: &[u8], total_len: u64, limits: &Limits) -> Result<Decoded, Corruption> {
     let header_len = HEADER_LEN as u64;
     if head.len() < 4.min(HEADER_LEN) || total_len < 4 {

@@ -163,6 +163,7 @@ fn within_reach(at: u64, arg: Arg) -> Result<u64, ArgError> {
 }
 
 /// Checks `meta` at `now_ms`, applying the sliding touch of a read or refresh.
+#[inline]
 pub fn check(meta: &EntryMeta, now_ms: u64) -> Freshness {
     if now_ms >= meta.gone_at_ms() {
         return Freshness::Expired;
@@ -199,6 +200,7 @@ pub const STORE_TTL_GRACE_MS: u64 = 1_000;
 
 /// The upper bound for a store's own TTL for an entry with `meta` at `now_ms`: until it
 /// is gone (past its stale window, if it has one), plus the grace.
+#[inline]
 pub fn store_ttl_ms(meta: &EntryMeta, now_ms: u64) -> u64 {
     meta.gone_at_ms()
         .saturating_sub(now_ms)

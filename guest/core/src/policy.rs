@@ -272,7 +272,7 @@ pub fn removal(lock_ttl_ms: u64, nonce: &[u8]) -> (Vec<u8>, u64) {
 /// Reads stored bytes (`head` being at least their first [`HEADER_LEN`](crate::envelope::HEADER_LEN) bytes, or all of
 /// them) at `now_ms`, applying the sliding touch of a read. `slid_ms` is the TTL the
 /// read itself set, when it was a [`NextRead::Expiring`] read.
-#[inline]
+#[inline(always)]
 pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: Option<u64>) -> ReadOutcome {
     if envelope::is_tombstone(head, total_len) {
         return ReadOutcome::Removed {

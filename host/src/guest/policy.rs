@@ -341,21 +341,18 @@ impl Policy {
         let limits = self.inner.limits;
         let head_len = self.inner.batch_head_len;
         let head = |stored: &[u8]| stored.len().min(head_len);
-        // The heads joined in one buffer, their ends and lengths in lists of their own:
-        // one copy each across the boundary, not one per read.
+        // The heads joined in one buffer, the lengths in a list of their own: one copy
+        // each across the boundary, not one per read.
         let mut heads = Vec::with_capacity(reads.iter().map(|r| head(r)).sum());
-        let mut head_ends = Vec::with_capacity(reads.len());
         let mut lens = Vec::with_capacity(reads.len());
         for stored in reads {
             heads.extend_from_slice(&stored[..head(stored)]);
-            head_ends.push(u32::try_from(heads.len()).unwrap_or(u32::MAX));
             lens.push(stored.len() as u64);
         }
         self.call(|s| {
             s.guest.corral_cache_policy().call_read_many(
                 &mut s.store,
                 &heads,
-                &head_ends,
                 &lens,
                 now_ms,
                 limits,
