@@ -263,6 +263,9 @@ struct Invalidated {
     proc: usize,
     t_inv: u64,
     t_ack: u64,
+    /// The call failed (a `clear` whose reply was lost may still have moved the
+    /// generation, unannounced): no process was told.
+    failed: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -1100,12 +1103,13 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
             },
         );
     }
-    if let (Res::Done(_), "remove_by_tag" | "clear") = (&res, name) {
+    if let (Res::Done(_), "remove_by_tag" | "clear") | (Res::Failed(_), "clear") = (&res, name) {
         ctx.invalidated.lock().push(Invalidated {
             tag: (name == "remove_by_tag").then(|| key.clone()),
             proc,
             t_inv,
             t_ack: t_end,
+            failed: matches!(res, Res::Failed(_)),
         });
     }
     check_call(&w, &rec);
@@ -1412,6 +1416,7 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
     let w = &ctx.world;
     let calls = ctx.calls.lock();
     let acked = ctx.acked.lock();
+    let invalidated = ctx.invalidated.lock();
     let (value_order, gaps, pauses) = {
         let st = w.st.lock();
         (st.value_order.clone(), st.gaps.clone(), st.paused.clone())
@@ -1481,17 +1486,60 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
                     && y + 2 * SLOW_NET_MS >= a.t_ack
                     && c.t_inv <= y + NOTIFY_WINDOW_MS
             });
-            // Written in another generation of the prefix than what was served: a
+            // Written in a generation of the prefix older than what was served: a
             // `clear` lies between them, and a write a process made in the generation it
             // still knew is never read in the next one (contract §7.5).
-            let across_clear = {
+            let (served_in, written_in) = {
                 let st = w.st.lock();
-                st.generation_at(served) != st.generation_at(a.order)
+                (st.generation_at(served), st.generation_at(a.order))
+            };
+            let across_clear = match (served_in, written_in) {
+                (Some(served_in), Some(written_in)) => written_in < served_in,
+                (served_in, written_in) => served_in != written_in,
+            };
+            // Served from a generation a clear had left, over a write after the clear: as
+            // stale as any copy, unless the reader missed a clear's announcement (its
+            // generation is then trusted until the L1 TTL from its last read of the
+            // counter, §7.5), a clear failed (one whose reply was lost may have moved the
+            // generation unannounced), the reader was paused across a clear, or read
+            // while no clear had yet returned, or the store restarted empty (a lower
+            // generation is believed).
+            let behind_a_clear = matches!((served_in, written_in), (Some(s), Some(w)) if s < w) && {
+                let cleared: Vec<&Invalidated> = invalidated
+                    .iter()
+                    .filter(|i| i.tag.is_none() && i.t_inv <= c.t_inv)
+                    .collect();
+                let missed = |i: &Invalidated| {
+                    let lag = c.t_inv.saturating_sub(i.t_ack);
+                    (i.failed && lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back)
+                        || gaps.iter().any(|g| {
+                            g.proc == c.proc
+                                && g.key.as_ref().is_none_or(|k| k == crate::world::INVALIDATIONS)
+                                && g.t + 2 * SLOW_NET_MS >= i.t_inv
+                                && g.t <= c.t_inv
+                                && match g.healed {
+                                    None => lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back,
+                                    Some(h) => c.t_inv <= resumed(h) + NOTIFY_WINDOW_MS,
+                                }
+                        })
+                        || pauses[c.proc].iter().any(|&(x, y)| {
+                            x <= i.t_ack + NOTIFY_WINDOW_MS
+                                && y + 2 * SLOW_NET_MS >= i.t_inv
+                                && c.t_inv <= y + NOTIFY_WINDOW_MS
+                        })
+                };
+                !cleared
+                    .iter()
+                    .any(|i| !i.failed && i.t_ack + NOTIFY_WINDOW_MS < c.t_inv)
+                    || cleared.iter().any(|i| missed(i))
+                    || plan.restart.is_some_and(|r| r <= c.t_inv)
             };
             if paused {
                 w.excuse("stale-after-pause", what);
             } else if across_clear {
                 w.excuse("stale-across-clear", what);
+            } else if behind_a_clear {
+                w.excuse("stale-behind-a-lost-clear", what);
             } else if gap {
                 w.excuse("stale-after-lost-notification", what);
             } else {
@@ -1547,7 +1595,8 @@ fn check_invalidations(ctx: &Ctx, s: &Scenario, plan: &Plan) {
         };
         // The first invalidation it should have yielded to is enough.
         if let Some(inv) = invalidated.iter().find(|i| {
-            i.t_ack + NOTIFY_WINDOW_MS < c.t_inv
+            !i.failed
+                && i.t_ack + NOTIFY_WINDOW_MS < c.t_inv
                 && wr.t_done < i.t_inv
                 && i.tag.as_ref().is_none_or(|t| wr.tags.contains(t))
         }) {
@@ -1577,7 +1626,8 @@ fn check_invalidations(ctx: &Ctx, s: &Scenario, plan: &Plan) {
             // write's stamp. Should the store lose `j`'s moment (a restart) before `inv`
             // reads it, `inv`'s moment, by its own clock, can be older than the stamp.
             let carried = invalidated.iter().any(|j| {
-                j.t_inv < wr.t_done
+                !j.failed
+                    && j.t_inv < wr.t_done
                     && j.tag.as_ref().is_none_or(|t| wr.tags.contains(t))
                     && plan.restart.is_some_and(|r| j.t_inv < r && r < inv.t_ack)
                     && {
