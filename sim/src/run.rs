@@ -1416,6 +1416,7 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
     let w = &ctx.world;
     let calls = ctx.calls.lock();
     let acked = ctx.acked.lock();
+    let written = ctx.written.lock();
     let invalidated = ctx.invalidated.lock();
     let (value_order, gaps, pauses) = {
         let st = w.st.lock();
@@ -1498,41 +1499,48 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
                 (served_in, written_in) => served_in != written_in,
             };
             // Served from a generation a clear had left, over a write after the clear: as
-            // stale as any copy, unless the reader missed a clear's announcement (its
-            // generation is then trusted until the L1 TTL from its last read of the
-            // counter, §7.5), a clear failed (one whose reply was lost may have moved the
-            // generation unannounced), the reader was paused across a clear, or read
-            // while no clear had yet returned, or the store restarted empty (a lower
-            // generation is believed).
-            let behind_a_clear = matches!((served_in, written_in), (Some(s), Some(w)) if s < w) && {
-                let cleared: Vec<&Invalidated> = invalidated
-                    .iter()
-                    .filter(|i| i.tag.is_none() && i.t_inv <= c.t_inv)
-                    .collect();
+            // stale as any copy. A clear begun after the served value was written moved
+            // the generation past it, and a reader that heard one (its announcement goes
+            // out before the clear returns) uses a later generation from then on (§7.5).
+            // Excused: the reader missed every such clear that returned (its announcement
+            // lost, until the L1 TTL, or unheard, until it resubscribed; a pause across
+            // it), or the store restarted between the two writes (a lower generation is
+            // believed). A clear that failed announced nothing: the generation it may have
+            // moved is learnt from the counter, read again within the L1 TTL. One that
+            // never returned (its process crashed) is not counted.
+            let behind_a_clear = matches!((served_in, written_in), (Some(old), Some(new)) if old < new) && {
+                let served_written = written.get(v).map(|wr| wr.t_done);
+                let bound = s.l1_ttl_ms + NOTIFY_WINDOW_MS + back;
                 let missed = |i: &Invalidated| {
                     let lag = c.t_inv.saturating_sub(i.t_ack);
-                    (i.failed && lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back)
-                        || gaps.iter().any(|g| {
-                            g.proc == c.proc
-                                && g.key.as_ref().is_none_or(|k| k == crate::world::INVALIDATIONS)
-                                && g.t + 2 * SLOW_NET_MS >= i.t_inv
-                                && g.t <= c.t_inv
-                                && match g.healed {
-                                    None => lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS + back,
-                                    Some(h) => c.t_inv <= resumed(h) + NOTIFY_WINDOW_MS,
-                                }
-                        })
-                        || pauses[c.proc].iter().any(|&(x, y)| {
-                            x <= i.t_ack + NOTIFY_WINDOW_MS
-                                && y + 2 * SLOW_NET_MS >= i.t_inv
-                                && c.t_inv <= y + NOTIFY_WINDOW_MS
-                        })
+                    gaps.iter().any(|g| {
+                        g.proc == c.proc
+                            && g.key.as_ref().is_none_or(|k| k == crate::world::INVALIDATIONS)
+                            && g.t + 2 * SLOW_NET_MS >= i.t_inv
+                            && g.t <= i.t_ack + NOTIFY_WINDOW_MS + 2 * SLOW_NET_MS
+                            && match g.healed {
+                                None => lag <= bound,
+                                Some(h) => c.t_inv <= resumed(h) + NOTIFY_WINDOW_MS,
+                            }
+                    }) || pauses[c.proc].iter().any(|&(x, y)| {
+                        x <= i.t_ack + NOTIFY_WINDOW_MS
+                            && y + 2 * SLOW_NET_MS >= i.t_inv
+                            && c.t_inv <= y + NOTIFY_WINDOW_MS
+                    })
                 };
-                !cleared
-                    .iter()
-                    .any(|i| !i.failed && i.t_ack + NOTIFY_WINDOW_MS < c.t_inv)
-                    || cleared.iter().any(|i| missed(i))
-                    || plan.restart.is_some_and(|r| r <= c.t_inv)
+                let learnt = invalidated.iter().any(|i| {
+                    i.tag.is_none()
+                        && served_written.is_some_and(|t| i.t_inv > t)
+                        && if i.failed {
+                            i.t_ack + bound < c.t_inv
+                        } else {
+                            i.t_ack + NOTIFY_WINDOW_MS < c.t_inv && !missed(i)
+                        }
+                });
+                let restarted = plan.restart.is_some_and(|r| {
+                    r <= c.t_inv && (served_written.is_some_and(|t| t >= r) || a.t_ack <= r)
+                });
+                !learnt || restarted
             };
             if paused {
                 w.excuse("stale-after-pause", what);
