@@ -1512,21 +1512,9 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
                 let served_written = written.get(v).map(|wr| wr.t_done);
                 let bound = s.l1_ttl_ms + NOTIFY_WINDOW_MS + back;
                 let missed = |i: &Invalidated| {
-                    let lag = c.t_inv.saturating_sub(i.t_ack);
-                    gaps.iter().any(|g| {
-                        g.proc == c.proc
-                            && g.key.as_ref().is_none_or(|k| k == crate::world::INVALIDATIONS)
-                            && g.t + 2 * SLOW_NET_MS >= i.t_inv
-                            && g.t <= i.t_ack + NOTIFY_WINDOW_MS + 2 * SLOW_NET_MS
-                            && match g.healed {
-                                None => lag <= bound,
-                                Some(h) => c.t_inv <= resumed(h) + NOTIFY_WINDOW_MS,
-                            }
-                    }) || pauses[c.proc].iter().any(|&(x, y)| {
-                        x <= i.t_ack + NOTIFY_WINDOW_MS
-                            && y + 2 * SLOW_NET_MS >= i.t_inv
-                            && c.t_inv <= y + NOTIFY_WINDOW_MS
-                    })
+                    let heard_by = i.t_ack + NOTIFY_WINDOW_MS + 2 * SLOW_NET_MS;
+                    missed_announcement(&gaps, &pauses[c.proc], (c.proc, c.t_inv), i, heard_by, bound)
+                        .is_some()
                 };
                 let learnt = invalidated.iter().any(|i| {
                     i.tag.is_none()
@@ -1648,37 +1636,70 @@ fn check_invalidations(ctx: &Ctx, s: &Scenario, plan: &Plan) {
                 w.excuse("invalidation-clock-drift", what);
                 continue;
             }
-            let lag = c.t_inv - inv.t_ack;
-            let resumed = |t: u64| {
-                pauses[c.proc]
-                    .iter()
-                    .find(|&&(x, y)| x <= t && t < y)
-                    .map_or(t, |&(_, y)| y)
-            };
-            let missed = gaps.iter().any(|g| {
-                g.proc == c.proc
-                    && g.key.as_ref().is_none_or(|k| k == crate::world::INVALIDATIONS)
-                    && g.t + 2 * SLOW_NET_MS >= inv.t_inv
-                    && g.t <= c.t_inv
-                    && match g.healed {
-                        None => lag <= s.l1_ttl_ms + NOTIFY_WINDOW_MS,
-                        Some(h) => c.t_inv <= resumed(h) + NOTIFY_WINDOW_MS,
-                    }
-            });
-            let paused = pauses[c.proc].iter().any(|&(x, y)| {
-                x <= inv.t_ack + NOTIFY_WINDOW_MS
-                    && y + 2 * SLOW_NET_MS >= inv.t_ack
-                    && c.t_inv <= y + NOTIFY_WINDOW_MS
-            });
-            if paused {
-                w.excuse("invalidated-after-pause", what);
-            } else if missed {
-                w.excuse("invalidated-after-lost-announcement", what);
-            } else {
-                w.violation(format!("served after invalidation: {what}"));
+            let missed = missed_announcement(
+                &gaps,
+                &pauses[c.proc],
+                (c.proc, c.t_inv),
+                inv,
+                c.t_inv,
+                s.l1_ttl_ms + NOTIFY_WINDOW_MS,
+            );
+            match missed {
+                Some(Missed::Paused) => w.excuse("invalidated-after-pause", what),
+                Some(Missed::Lost) => w.excuse("invalidated-after-lost-announcement", what),
+                None => w.violation(format!("served after invalidation: {what}")),
             }
         }
     }
+}
+
+/// How a reader can have missed an invalidation's announcement.
+enum Missed {
+    /// It was paused across the announcement: it hears it when it resumes.
+    Paused,
+    /// The announcement was lost on its way (until the L1 TTL), or the reader could not
+    /// hear it (until it resubscribed and dropped its L1).
+    Lost,
+}
+
+/// Whether process `proc`, reading at `t_read`, can have missed `inv`'s announcement
+/// (with the `gaps` and `pauses` of the run): a gap counts from just before `inv` began
+/// until `heard_by`, and a lost announcement excuses a read up to `lost_for` after `inv`
+/// returned.
+fn missed_announcement(
+    gaps: &[crate::world::Gap],
+    pauses: &[(u64, u64)],
+    (proc, t_read): (usize, u64),
+    inv: &Invalidated,
+    heard_by: u64,
+    lost_for: u64,
+) -> Option<Missed> {
+    let paused = pauses.iter().any(|&(x, y)| {
+        x <= inv.t_ack + NOTIFY_WINDOW_MS
+            && y + 2 * SLOW_NET_MS >= inv.t_ack
+            && t_read <= y + NOTIFY_WINDOW_MS
+    });
+    if paused {
+        return Some(Missed::Paused);
+    }
+    let resumed = |t: u64| {
+        pauses
+            .iter()
+            .find(|&&(x, y)| x <= t && t < y)
+            .map_or(t, |&(_, y)| y)
+    };
+    let lag = t_read.saturating_sub(inv.t_ack);
+    let lost = gaps.iter().any(|g| {
+        g.proc == proc
+            && g.key.as_ref().is_none_or(|k| k == crate::world::INVALIDATIONS)
+            && g.t + 2 * SLOW_NET_MS >= inv.t_inv
+            && g.t <= heard_by
+            && match g.healed {
+                None => lag <= lost_for,
+                Some(h) => t_read <= resumed(h) + NOTIFY_WINDOW_MS,
+            }
+    });
+    lost.then_some(Missed::Lost)
 }
 
 /// Whether stored entry bytes carry a tag whose stored moments remove them: the store
