@@ -74,10 +74,9 @@ async fn read_all(
     }
 }
 
-/// 100 keys written through Corral with `value_bytes`-byte values, and their entries'
+/// 100 keys written through `writer` with `value_bytes`-byte values, and their entries'
 /// names (for the raw `MGET`).
-async fn written(server: &RedisServer, value_bytes: usize) -> Result<(Vec<String>, Vec<String>)> {
-    let writer = Corral::builder().redis(server.url()).build()?;
+async fn written(writer: &Corral, value_bytes: usize) -> Result<(Vec<String>, Vec<String>)> {
     let keys: Vec<String> = (0..KEYS).map(|i| format!("hit{value_bytes}-{i}")).collect();
     writer
         .get_or_set_many(&keys, options(), |asked: Vec<String>| async move {
@@ -198,6 +197,8 @@ async fn main() -> Result<()> {
     let server = RedisServer::start()?;
     // L1 off: every call reads L2.
     let cache = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
+    // Writes the entries the contenders read.
+    let writer = Corral::builder().redis(server.url()).build()?;
     let raw = redis::Client::open(server.url())?
         .get_connection_manager()
         .await?;
@@ -211,7 +212,7 @@ async fn main() -> Result<()> {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
     {
-        let (keys, names) = written(&server, 64).await?;
+        let (keys, names) = written(&writer, 64).await?;
         let (started, cpu, switches) = (Instant::now(), client_cpu(), context_switches());
         for _ in 0..10_000 {
             read_all(contenders[n].1, &cache, &keys, &names, &raw).await;
@@ -227,7 +228,7 @@ async fn main() -> Result<()> {
     }
     // 64-byte values, every contender; 1 KiB values, the bulk call against the raw one.
     for (value_bytes, contenders) in [(64, &contenders[..]), (1024, &contenders[..2])] {
-        let (keys, names) = written(&server, value_bytes).await?;
+        let (keys, names) = written(&writer, value_bytes).await?;
         for (_, reader) in contenders {
             for _ in 0..20 {
                 read_all(*reader, &cache, &keys, &names, &raw).await;
@@ -259,12 +260,7 @@ async fn main() -> Result<()> {
     // The bulk call's own work, with no network to hide it: the same 100 hits in the
     // in-memory L2 (the embedded default), L1 off.
     let memory = Corral::builder().l1_capacity(0).build()?;
-    let keys: Vec<String> = (0..KEYS).map(|i| format!("hit-{i}")).collect();
-    memory
-        .get_or_set_many(&keys, options(), |asked: Vec<String>| async move {
-            Ok::<_, std::io::Error>(asked.into_iter().map(|k| (k, vec![7u8; 64])).collect::<Vec<_>>())
-        })
-        .await?;
+    let (keys, _) = written(&memory, 64).await?;
     let mut per_batch = Vec::new();
     for _ in 0..ROUNDS {
         let started = Instant::now();

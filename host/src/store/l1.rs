@@ -120,6 +120,18 @@ struct Kept<V> {
     value: V,
 }
 
+/// Puts `value` under `key` as of `ticket`: it is served until the next flush after the
+/// ticket's.
+fn put<V: Clone + Send + Sync + 'static>(
+    cache: &Cache<String, Kept<V>>,
+    key: &str,
+    ticket: Ticket,
+    value: V,
+) {
+    let flushes = ticket.all;
+    cache.insert(key.to_owned(), Kept { flushes, value });
+}
+
 /// The tier: moka's cache of `V` (the native body's [`L1Entry`], or the portable body's
 /// own record) and the epochs that fence its fills. Every fencing rule is written here,
 /// once, for both bodies; only the native body's reads know its entry's fields.
@@ -262,13 +274,7 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
         epochs.changing(key, |stripe| {
             let current = epochs.ticket_at(stripe) == ticket;
             if current {
-                cache.insert(
-                    key.to_owned(),
-                    Kept {
-                        flushes: ticket.all,
-                        value: entry,
-                    },
-                );
+                put(cache, key, ticket, entry);
             }
             current
         })
@@ -292,13 +298,7 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
             let unchanged = epochs.ticket_at(stripe) == ticket;
             stripe.fetch_add(1, Ordering::AcqRel);
             if unchanged {
-                cache.insert(
-                    key.to_owned(),
-                    Kept {
-                        flushes: ticket.all,
-                        value: entry,
-                    },
-                );
+                put(cache, key, ticket, entry);
             } else {
                 cache.invalidate(key);
             }
