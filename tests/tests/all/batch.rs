@@ -1039,3 +1039,45 @@ async fn a_read_from_before_a_bypass_write_does_not_fill_l1_over_it() -> Result<
     );
     Ok(())
 }
+
+/// A hit a batch read before another caller's flight of the key began does not stay in
+/// L1 over that flight's fill: the reply to a batch's read of `k` (the old value) is
+/// held while the entry goes from L2 without a word to this process (a `DEL` by hand)
+/// and a `get_or_set` here loads and fills the new one. The batch answers the old value
+/// (its read came first), but a `get` after the flight gets the new one (contract §5.16).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hit_a_flight_overtook_while_a_batch_read_leaves_l1_to_the_flight() -> Result<()> {
+    let (server, cache, mgets) = wired().await?;
+    let other = Corral::builder().redis(server.url()).build()?;
+    other.set("k", "old", EntryOptions::new()).await?;
+    let name = other.entry_name("k")?;
+    mgets.close();
+    let batch = {
+        let cache = cache.clone();
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["k"], relative(), |_: Vec<String>| async {
+                    Err::<Vec<(String, String)>, _>(std::io::Error::other("a hit"))
+                })
+                .await
+        })
+    };
+    mgets.arrived().await;
+    let mut raw = redis::Client::open(server.url())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let removed: u64 = redis::cmd("DEL").arg(&name).query_async(&mut raw).await?;
+    assert_eq!(removed, 1);
+    let loaded = cache
+        .get_or_set("k", relative(), || async { Ok::<_, std::io::Error>("new") })
+        .await?;
+    assert_eq!(&loaded[..], b"new");
+    mgets.let_one();
+    assert_eq!(values(batch.await??)?, [Some("old".to_string())]);
+    assert_eq!(
+        cache.get("k").await?.as_deref(),
+        Some(&b"new"[..]),
+        "the batch's older read stayed in L1 over the flight's fill"
+    );
+    Ok(())
+}
