@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -45,7 +45,12 @@ impl Stored {
     }
 }
 
-type Shard = Mutex<HashMap<String, Stored>>;
+/// A shard's map. Its keys are the cache's names, hashed with a seed of this process's
+/// (`foldhash`, as the rest of the crate): a hash a key needs on every call costs a few
+/// instructions, not SipHash's hundreds.
+type Map<V> = HashMap<String, V, foldhash::fast::RandomState>;
+
+type Shard = Mutex<Map<Stored>>;
 
 /// The in-memory store. Cheap to clone; clones share the entries.
 #[derive(Clone)]
@@ -54,10 +59,11 @@ pub struct MemoryStore {
 }
 
 struct Inner {
-    hasher: RandomState,
+    /// Picks a key's shard.
+    hasher: foldhash::fast::RandomState,
     entries: [Shard; SHARDS],
     /// The get-or-set locks: owner and the moment the lock lapses.
-    locks: [Mutex<HashMap<String, (String, u64)>>; SHARDS],
+    locks: [Mutex<Map<(String, u64)>>; SHARDS],
     clock: Arc<dyn Clock>,
     landings: Landings,
     interval_ms: u64,
@@ -99,9 +105,9 @@ impl MemoryStore {
         let now = clock.now_ms();
         MemoryStore {
             inner: Arc::new(Inner {
-                hasher: RandomState::new(),
-                entries: std::array::from_fn(|_| Mutex::new(HashMap::new())),
-                locks: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+                hasher: foldhash::fast::RandomState::default(),
+                entries: std::array::from_fn(|_| Mutex::default()),
+                locks: std::array::from_fn(|_| Mutex::default()),
                 clock,
                 landings: Landings::default(),
                 interval_ms,
@@ -161,7 +167,7 @@ impl MemoryStore {
     }
 
     /// The live bytes under `key` in a locked shard; a lapsed entry is removed.
-    fn live(map: &mut HashMap<String, Stored>, key: &str, now: u64) -> Option<Bytes> {
+    fn live(map: &mut Map<Stored>, key: &str, now: u64) -> Option<Bytes> {
         match map.get(key) {
             Some(s) if now < s.until_ms => Some(s.bytes.clone()),
             Some(_) => {
@@ -175,7 +181,7 @@ impl MemoryStore {
     /// Writes `stored` under `name` in a locked shard if it still holds `expected` (live
     /// bytes, or nothing); says whether it did.
     fn put_if(
-        map: &mut HashMap<String, Stored>,
+        map: &mut Map<Stored>,
         name: &str,
         expected: Option<Bytes>,
         stored: Stored,
