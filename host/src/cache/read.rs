@@ -154,14 +154,15 @@ struct ServedRead {
 }
 
 /// A shared read that goes on to its flight: its bytes, and the guest's judgement of
-/// them (`None`: to be judged alone, with the whole header).
-type Flying = (Bytes, Option<JudgedRead>);
+/// them (`None`: to be judged alone, with the whole header). Boxed: most reads are
+/// served, and each moves through the loop that takes them.
+type Flying = (Bytes, Option<Box<JudgedRead>>);
 
 /// One shared read's judgement: served from the read alone, or on to its flight (with
 /// its judgement, or to be judged alone: `None`).
 enum Verdict {
     Served(ServedRead),
-    Flies(Option<JudgedRead>),
+    Flies(Option<Box<JudgedRead>>),
 }
 
 impl Iterator for SharedReads {
@@ -180,7 +181,7 @@ impl Iterator for SharedReads {
         let column = (judged.value_offsets.next(), judged.l1_until_ms.next());
         let verdict = match (judged.each.next(), column) {
             (Some(WitVerdict::Flies), _) => match judged.flying.next() {
-                Some(judged) => Verdict::Flies(Some(judged)),
+                Some(judged) => Verdict::Flies(Some(Box::new(judged))),
                 None => return Some(Err(unjudged())),
             },
             (Some(WitVerdict::Alone), _) => Verdict::Flies(None),
