@@ -1499,17 +1499,23 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
                 (served_in, written_in) => served_in != written_in,
             };
             // Served from a generation a clear had left, over a write after the clear: as
-            // stale as any copy. A clear begun after the served value was written moved
-            // the generation past it, and a reader that heard one (its announcement goes
-            // out before the clear returns) uses a later generation from then on (§7.5).
+            // stale as any copy. A clear that moved the generation past the served
+            // value's, heard by the reader (its announcement goes out before the clear
+            // returns), has it use that generation or a later one from then on (§7.5).
             // Excused: the reader missed every such clear that returned (its announcement
             // lost, until the L1 TTL, or unheard, until it resubscribed; a pause across
             // it), or the store restarted between the two writes (a lower generation is
-            // believed). A clear that failed announced nothing: the generation it may have
-            // moved is learnt from the counter, read again within the L1 TTL. One that
-            // never returned (its process crashed) is not counted.
+            // believed). A clear that failed announced nothing: the generation it moved,
+            // if it did, is learnt from the counter, read again within the L1 TTL. One
+            // that never returned (its process crashed) is not counted.
             let behind_a_clear = matches!((served_in, written_in), (Some(old), Some(new)) if old < new) && {
                 let served_written = written.get(v).map(|wr| wr.t_done);
+                let served_in = served_in.unwrap_or_default();
+                let moved_past = |i: &Invalidated| {
+                    w.st.lock()
+                        .generation_written(i.proc, i.t_inv, i.t_ack)
+                        .is_some_and(|g| g > served_in)
+                };
                 let bound = s.l1_ttl_ms + NOTIFY_WINDOW_MS + back;
                 let missed = |i: &Invalidated| {
                     let heard_by = i.t_ack + NOTIFY_WINDOW_MS + 2 * SLOW_NET_MS;
@@ -1518,15 +1524,18 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
                 };
                 let learnt = invalidated.iter().any(|i| {
                     i.tag.is_none()
-                        && served_written.is_some_and(|t| i.t_inv > t)
+                        && moved_past(i)
                         && if i.failed {
                             i.t_ack + bound < c.t_inv
                         } else {
                             i.t_ack + NOTIFY_WINDOW_MS < c.t_inv && !missed(i)
                         }
                 });
+                // When the served value reached the store: its writer's call may never
+                // have returned.
+                let served_applied = w.st.lock().applied_at(served).or(served_written);
                 let restarted = plan.restart.is_some_and(|r| {
-                    r <= c.t_inv && (served_written.is_some_and(|t| t >= r) || a.t_ack <= r)
+                    r <= c.t_inv && (served_applied.is_some_and(|t| t >= r) || a.t_ack <= r)
                 });
                 !learnt || restarted
             };

@@ -196,6 +196,9 @@ pub struct State {
     pub versions: BTreeMap<String, Vec<Version>>,
     /// Per value, its first version's order.
     pub value_order: BTreeMap<String, u64>,
+    /// Each write of the prefix's generation counter (a `clear`'s step): by which
+    /// process, when, and the generation it wrote.
+    pub generations: Vec<(usize, u64, u64)>,
     /// Tombstones applied per (process, key), not yet claimed by a returning remove.
     pending_swaps: BTreeMap<(usize, String), Vec<u64>>,
     /// Per key, times a held flight lock was lost (lapsed and taken over, or wiped).
@@ -310,6 +313,7 @@ impl World {
                 seq: 0,
                 versions: BTreeMap::new(),
                 value_order: BTreeMap::new(),
+                generations: Vec::new(),
                 pending_swaps: BTreeMap::new(),
                 lock_losses: BTreeMap::new(),
                 reads: BTreeMap::new(),
@@ -736,6 +740,16 @@ impl State {
             .map(|v| v.t)
     }
 
+    /// The lowest generation process `proc` wrote the prefix's counter with between
+    /// `from` and `to` (a `clear`'s own step, the one its announcement tells of).
+    pub(crate) fn generation_written(&self, proc: usize, from: u64, to: u64) -> Option<u64> {
+        self.generations
+            .iter()
+            .filter(|&&(p, t, _)| p == proc && from <= t && t <= to)
+            .map(|&(_, _, g)| g)
+            .min()
+    }
+
     /// The generation the version of order `order` was written in, if known.
     pub(crate) fn generation_at(&self, order: u64) -> Option<u64> {
         self.versions
@@ -790,6 +804,10 @@ impl State {
 
     /// Writes `bytes` under `name`, recording the version; `fenced` for a `set_if`.
     pub(crate) fn write(&mut self, proc: usize, name: &str, bytes: Bytes, ttl: u64, now: u64, fenced: bool) {
+        if name == corral_core::names::generation(SIM_PREFIX) {
+            let generation = corral_core::tags::generation(Some(&bytes[..]));
+            self.generations.push((proc, now, generation));
+        }
         let key = self.key_of(name);
         let kind = match tag_of(&bytes) {
             Tag::Value(v) if v.starts_with("load") => VersionKind::Load { value: v, fenced },
