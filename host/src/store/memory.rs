@@ -180,13 +180,7 @@ impl MemoryStore {
 
     /// Writes `stored` under `name` in a locked shard if it still holds `expected` (live
     /// bytes, or nothing); says whether it did.
-    fn put_if(
-        map: &mut Map<Stored>,
-        name: &str,
-        expected: Option<Bytes>,
-        stored: Stored,
-        now: u64,
-    ) -> bool {
+    fn put_if(map: &mut Map<Stored>, name: &str, expected: Option<Bytes>, stored: Stored, now: u64) -> bool {
         let unchanged = Self::live(map, name, now) == expected;
         if unchanged {
             map.insert(name.to_owned(), stored);
