@@ -153,6 +153,7 @@ impl<'a> Step<'a> {
                     Write::Plain => check_fill_over(self.st, &name, &bytes, now, true),
                     Write::Touch => {}
                 }
+                self.st.note_generation(self.call, &name, &bytes);
                 self.st
                     .write(self.proc, &name, bytes, ttl, now, self.write == Write::Fenced);
                 self.judge_envelope(&name);

@@ -260,6 +260,8 @@ struct Written {
 #[derive(Clone, Debug)]
 struct Invalidated {
     tag: Option<String>,
+    /// The workload call that made it.
+    call: u64,
     proc: usize,
     t_inv: u64,
     t_ack: u64,
@@ -1106,6 +1108,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     if let (Res::Done(_), "remove_by_tag" | "clear") | (Res::Failed(_), "clear") = (&res, name) {
         ctx.invalidated.lock().push(Invalidated {
             tag: (name == "remove_by_tag").then(|| key.clone()),
+            call: rec.id,
             proc,
             t_inv,
             t_ack: t_end,
@@ -1513,7 +1516,7 @@ fn check_history(ctx: &Ctx, s: &Scenario, plan: &Plan) {
                 let served_in = served_in.unwrap_or_default();
                 let moved_past = |i: &Invalidated| {
                     w.st.lock()
-                        .generation_written(i.proc, i.t_inv, i.t_ack)
+                        .generation_written(i.call)
                         .is_some_and(|g| g > served_in)
                 };
                 let bound = s.l1_ttl_ms + NOTIFY_WINDOW_MS + back;

@@ -197,8 +197,8 @@ pub struct State {
     /// Per value, its first version's order.
     pub value_order: BTreeMap<String, u64>,
     /// Each write of the prefix's generation counter (a `clear`'s step): by which
-    /// process, when, and the generation it wrote.
-    pub generations: Vec<(usize, u64, u64)>,
+    /// workload call (none: outside any), and the generation it wrote.
+    pub generations: Vec<(Option<u64>, u64)>,
     /// Tombstones applied per (process, key), not yet claimed by a returning remove.
     pending_swaps: BTreeMap<(usize, String), Vec<u64>>,
     /// Per key, times a held flight lock was lost (lapsed and taken over, or wiped).
@@ -740,14 +740,24 @@ impl State {
             .map(|v| v.t)
     }
 
-    /// The lowest generation process `proc` wrote the prefix's counter with between
-    /// `from` and `to` (a `clear`'s own step, the one its announcement tells of).
-    pub(crate) fn generation_written(&self, proc: usize, from: u64, to: u64) -> Option<u64> {
+    /// Notes a write of `bytes` under `name` by the workload call `call`: the
+    /// generation, if `name` is the prefix's counter.
+    pub(crate) fn note_generation(&mut self, call: Option<u64>, name: &str, bytes: &[u8]) {
+        if name == corral_core::names::generation(SIM_PREFIX) {
+            let generation = corral_core::tags::generation(Some(bytes));
+            self.generations.push((call, generation));
+        }
+    }
+
+    /// The generation the workload call `call` (a `clear`) wrote the prefix's counter
+    /// with, if it did: the one its announcement tells of. (A command a stalled server
+    /// applies late is still its caller's.)
+    pub(crate) fn generation_written(&self, call: u64) -> Option<u64> {
         self.generations
             .iter()
-            .filter(|&&(p, t, _)| p == proc && from <= t && t <= to)
-            .map(|&(_, _, g)| g)
-            .min()
+            .filter(|&&(c, _)| c == Some(call))
+            .map(|&(_, g)| g)
+            .next_back()
     }
 
     /// The generation the version of order `order` was written in, if known.
@@ -804,10 +814,6 @@ impl State {
 
     /// Writes `bytes` under `name`, recording the version; `fenced` for a `set_if`.
     pub(crate) fn write(&mut self, proc: usize, name: &str, bytes: Bytes, ttl: u64, now: u64, fenced: bool) {
-        if name == corral_core::names::generation(SIM_PREFIX) {
-            let generation = corral_core::tags::generation(Some(&bytes[..]));
-            self.generations.push((proc, now, generation));
-        }
         let key = self.key_of(name);
         let kind = match tag_of(&bytes) {
             Tag::Value(v) if v.starts_with("load") => VersionKind::Load { value: v, fenced },
