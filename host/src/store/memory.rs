@@ -9,6 +9,11 @@
 //! Expired entries are removed by a background invalidation (contract §3): it may
 //! start on any call, runs at most once per interval, never two at once, and off the
 //! calling task.
+//!
+//! Names are hashed with `foldhash`, seeded at random per store, as the in-process
+//! flight registry hashes keys: fast, but not a keyed hash built to resist callers who
+//! study the process to choose colliding keys (SipHash is). Where keys come straight
+//! from untrusted clients, bound their number or derive them (a keyed digest of the id).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -45,9 +50,9 @@ impl Stored {
     }
 }
 
-/// A shard's map. Its keys are the cache's names, hashed with a seed of this process's
-/// (`foldhash`, as the rest of the crate): a hash a key needs on every call costs a few
-/// instructions, not SipHash's hundreds.
+/// A shard's map. Its keys are the cache's names, hashed with a seed of this store's
+/// (`foldhash`, as the registry hashes keys): a hash a key needs on every call costs a
+/// few instructions, not SipHash's hundreds.
 type Map<V> = HashMap<String, V, foldhash::fast::RandomState>;
 
 type Shard = Mutex<Map<Stored>>;
