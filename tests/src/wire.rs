@@ -1,7 +1,8 @@
 //! A real `redis-server` reached through a [`Wire`]: commands on one multiplexed
 //! connection, pub/sub on a connection of its own. A test can hold the replies of its
-//! `MGET`s at a gate (the server read the keys; the reader has not heard: [`RealWire::mgets`])
-//! and make its subscription's health `PING`s hang ([`RealWire::hang`]).
+//! `MGET`s at a gate (the server read the keys; the reader has not heard: [`RealWire::mgets`]),
+//! or those of the commands naming a given name ([`RealWire::named`]), and make its
+//! subscription's health `PING`s hang ([`RealWire::hang`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -25,6 +26,11 @@ pub struct RealWire {
     pub pending: Arc<AtomicUsize>,
     /// Where the replies of `MGET`s wait while it is closed.
     pub mgets: Arc<Gate>,
+    /// Where the replies of other commands naming anything that contains `naming` wait
+    /// while it is closed.
+    pub named: Arc<Gate>,
+    /// What `named` holds the replies of commands naming (none: nothing).
+    pub naming: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 /// A gate replies wait at while it is closed: each arrival is told
@@ -72,6 +78,8 @@ impl RealWire {
             hang: Arc::default(),
             pending: Arc::default(),
             mgets: Arc::default(),
+            named: Arc::default(),
+            naming: Arc::default(),
         })
     }
 }
@@ -83,7 +91,21 @@ fn is_mget(command: &Cmd) -> bool {
 impl Wire for RealWire {
     fn send(&self, commands: Vec<Cmd>) -> BoxFuture<'static, RedisResult<Vec<Value>>> {
         let mut conn = self.commands.clone();
-        let gate = commands.iter().any(is_mget).then(|| self.mgets.clone());
+        let naming = self.naming.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let names = |command: &Cmd| {
+            naming.as_ref().is_some_and(|part| {
+                command.args_iter().skip(1).any(|arg| {
+                    matches!(arg, redis::Arg::Simple(a) if a.windows(part.len()).any(|w| w == part.as_bytes()))
+                })
+            })
+        };
+        let gate = if commands.iter().any(is_mget) {
+            Some(self.mgets.clone())
+        } else if commands.iter().any(names) {
+            Some(self.named.clone())
+        } else {
+            None
+        };
         async move {
             let replies = if let [command] = commands.as_slice() {
                 command.query_async(&mut conn).await.map(|reply| vec![reply])

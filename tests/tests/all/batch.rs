@@ -1044,10 +1044,13 @@ async fn a_read_from_before_a_bypass_write_does_not_fill_l1_over_it() -> Result<
 /// L1 over that flight's fill: the reply to a batch's read of `k` (the old value) is
 /// held while the entry goes from L2 without a word to this process (a `DEL` by hand)
 /// and a `get_or_set` here loads and fills the new one. The batch answers the old value
-/// (its read came first), but a `get` after the flight gets the new one (contract §5.16).
+/// (its read came first), but a `get` after the batch gets the new one, from L1 or L2
+/// (contract §5.16).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hit_a_flight_overtook_while_a_batch_read_leaves_l1_to_the_flight() -> Result<()> {
+async fn a_hit_a_flight_overtook_while_a_batch_read_keeps_no_older_copy_in_l1() -> Result<()> {
     let (server, cache, mgets) = wired().await?;
+    // Subscribed before the race: a late subscription's flush of L1 would hide it.
+    cache.get("warm-up").await?;
     let other = Corral::builder().redis(server.url()).build()?;
     other.set("k", "old", EntryOptions::new()).await?;
     let name = other.entry_name("k")?;
@@ -1079,5 +1082,70 @@ async fn a_hit_a_flight_overtook_while_a_batch_read_leaves_l1_to_the_flight() ->
         Some(&b"new"[..]),
         "the batch's older read stayed in L1 over the flight's fill"
     );
+    Ok(())
+}
+
+/// A batch fills L1 with a hit only once it knows no flight of the key overtook its
+/// read: the reply to a batch's read of `k` (the old value) and of `t` (tagged) is held
+/// while `k` goes from L2 by hand and a `get_or_set` here loads the new value; then, while
+/// the batch waits for `t`'s tag moments (held on the wire), a `get` of `k` is not
+/// served the batch's older read (the flight that returned the new value came first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_fills_l1_with_a_hit_only_once_no_flight_of_its_key_overtook_the_read() -> Result<()> {
+    let server = RedisServer::start()?;
+    let wire = RealWire::connect(&server.url()).await?;
+    let (mgets, named, naming) = (wire.mgets.clone(), wire.named.clone(), wire.naming.clone());
+    let cache = Corral::builder()
+        .redis_options(RedisOptions::new(server.url()))
+        .redis_wire(Arc::new(wire))
+        .build()?;
+    cache.get("warm-up").await?;
+    let other = Corral::builder().redis(server.url()).build()?;
+    other
+        .set("k", "old", EntryOptions::new().relative(Duration::from_secs(60)))
+        .await?;
+    other
+        .get_or_set("t", relative().tags(["held-tag"]), || async {
+            Ok::<_, std::io::Error>("tagged")
+        })
+        .await?;
+    let name = other.entry_name("k")?;
+    mgets.close();
+    let batch = {
+        let cache = cache.clone();
+        tokio::spawn(async move {
+            cache
+                .get_or_set_many(["k", "t"], relative(), |_: Vec<String>| async {
+                    Err::<Vec<(String, String)>, _>(std::io::Error::other("both are hits"))
+                })
+                .await
+        })
+    };
+    mgets.arrived().await;
+    let mut raw = redis::Client::open(server.url())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let removed: u64 = redis::cmd("DEL").arg(&name).query_async(&mut raw).await?;
+    assert_eq!(removed, 1);
+    let loaded = cache
+        .get_or_set("k", relative(), || async { Ok::<_, std::io::Error>("new") })
+        .await?;
+    assert_eq!(&loaded[..], b"new");
+    *naming.lock().unwrap() = Some("held-tag".to_string());
+    named.close();
+    mgets.let_one();
+    // The batch judged both reads: `k` is answered, `t` waits for its tag's moments.
+    named.arrived().await;
+    assert_eq!(
+        cache.get("k").await?.as_deref(),
+        Some(&b"new"[..]),
+        "L1 served the batch's older read of k after the flight that loaded the new value returned"
+    );
+    named.let_one();
+    assert_eq!(
+        values(batch.await??)?,
+        [Some("old".to_string()), Some("tagged".to_string())]
+    );
+    assert_eq!(cache.get("k").await?.as_deref(), Some(&b"new"[..]));
     Ok(())
 }

@@ -51,26 +51,32 @@ enum L1Until {
     Ask(WitMeta),
 }
 
+/// A batch's hit to fill L1 with, once the batch settled (the key at `at`).
+struct HitFill {
+    at: usize,
+    until: L1Until,
+    stamp: Option<TagStamp>,
+}
+
 /// What a batch's read left of the keys it read, besides the led keys that fly on.
-struct AfterRead<'k> {
+struct AfterRead {
     /// Led at the look and answered by their reads: their flights end now.
     hits: Vec<(usize, LeaderGuard<Outcome>)>,
     /// Not joined, and not answered by their reads: joined now, each with its read.
     unjoined: Vec<(usize, FirstRead)>,
-    /// Not joined, and answered by their reads.
-    unjoined_hits: Vec<&'k str>,
+    /// Not joined, and answered by their reads (their positions in the batch).
+    unjoined_hits: Vec<usize>,
 }
 
 /// Sorts the keys a batch read (`to_read`, in order) by what their reads left: the
 /// keys to fly (`flying`, in the same order), the keys led at the look (`leads`, in the
 /// same order). A led key that flies goes to `parts`.
-fn after_read<'k>(
-    keys: &[&'k str],
+fn after_read(
     to_read: &[usize],
     flying: Vec<(usize, FirstRead)>,
     leads: Vec<(usize, LeaderGuard<Outcome>)>,
     parts: &mut Vec<(usize, Part, Option<FirstRead>)>,
-) -> AfterRead<'k> {
+) -> AfterRead {
     // The next key to fly, and the next led, each taken only when its turn comes (a
     // read is large to move).
     let (mut flying, mut leads) = (flying.into_iter(), leads.into_iter());
@@ -93,7 +99,7 @@ fn after_read<'k>(
             (Some(guard), Some(first)) => parts.push((i, Part::Lead(Some(guard)), Some(first))),
             (Some(guard), None) => after.hits.push((i, guard)),
             (None, Some(first)) => after.unjoined.push((i, first)),
-            (None, None) => after.unjoined_hits.push(keys[i]),
+            (None, None) => after.unjoined_hits.push(i),
         }
     }
     debug_assert!(
@@ -618,16 +624,17 @@ impl Corral {
 
     /// The first reads of the keys at `missed` (their entries named `entries`, their
     /// L1 tickets taken before the names: `named`), together. A fresh hit is answered
-    /// from its read alone (in `answers`, L1 filled); the other keys come back with what
-    /// their flights begin with (the read, the tickets taken before it, the deadline it
-    /// began).
+    /// from its read alone (in `answers`; its L1 fill comes back in `fills`, to be made
+    /// once the batch knows no flight of the key overtook its read); the other keys come
+    /// back with what their flights begin with (the read, the tickets taken before it,
+    /// the deadline it began).
     async fn answer_l2_hits(
         &self,
-        keys: &[&str],
-        (entries, readable): (&Parts, bool),
-        named: &[Ticket],
         missed: &[usize],
+        (entries, readable): (&Parts, bool),
         answers: &mut [Option<Result<Served>>],
+        fills: &mut Vec<HitFill>,
+        named: &[Ticket],
     ) -> Vec<(usize, FirstRead)> {
         let inner = &*self.inner;
         let deadline = in_ms(inner.flight.store_budget.before_load_ms);
@@ -635,10 +642,17 @@ impl Corral {
         let now = inner.clock.now_ms();
         let mut l2_hits = 0;
         // A hit served from its read alone is answered as its judgement comes.
+        let fills_on = inner.l1.is_on();
         let hit = |at: usize, value: Bytes, until: u64| {
             let i = missed[at];
             l2_hits += 1;
-            self.fill_hit(keys[i], &value, L1Until::Judged(until), named[i], None, now);
+            if fills_on {
+                fills.push(HitFill {
+                    at: i,
+                    until: L1Until::Judged(until),
+                    stamp: None,
+                });
+            }
             answers[i] = Some(Ok(Served { value, stale: false }));
         };
         let reads = if !readable {
@@ -686,7 +700,13 @@ impl Corral {
                 }
             };
             l2_hits += 1;
-            self.fill_hit(keys[i], &value, l1_until, l1_ticket, stamp, now);
+            if fills_on {
+                fills.push(HitFill {
+                    at: i,
+                    until: l1_until,
+                    stamp,
+                });
+            }
             answers[i] = Some(Ok(Served { value, stale: false }));
         }
         Metrics::add(&inner.metrics.l2_hits, l2_hits);
@@ -726,21 +746,35 @@ impl Corral {
                 None => to_read.push(i),
             }
         }
-        let flying = self.answer_l2_hits(keys, entries, named, &to_read, answers).await;
+        let mut fills = Vec::new();
+        let flying = self
+            .answer_l2_hits(&to_read, entries, answers, &mut fills, named)
+            .await;
         let AfterRead {
             hits,
             unjoined,
             unjoined_hits,
-        } = after_read(keys, &to_read, flying, leads, &mut parts);
+        } = after_read(&to_read, flying, leads, &mut parts);
         let (settled, overtaken) = inner.registry.settle(
             peek,
             unjoined.iter().map(|&(i, _)| (keys[i], named[i])),
-            unjoined_hits.iter().copied(),
+            unjoined_hits.iter().map(|&i| keys[i]),
             ticket,
         );
+        // A hit fills L1 only now: one whose key a flight began since the batch looked
+        // (and may have filled, with what it found after the batch's read) does not,
+        // nor does any before the batch knows (a reader meanwhile would be served the
+        // older value after that flight returned).
+        let mut overtook = vec![false; keys.len()];
         for at in overtaken {
-            // Its fill may have gone over that of a flight begun since the batch read.
-            inner.l1.drop_copy(unjoined_hits[at]);
+            overtook[unjoined_hits[at]] = true;
+        }
+        let now = inner.clock.now_ms();
+        for fill in fills {
+            let i = fill.at;
+            if let (false, Some(Ok(served))) = (overtook[i], &answers[i]) {
+                self.fill_hit(keys[i], &served.value, fill.until, named[i], fill.stamp, now);
+            }
         }
         for ((i, first), settled) in unjoined.into_iter().zip(settled) {
             parts.push(match settled {

@@ -159,7 +159,8 @@ impl<T: Clone> Registry<T> {
     /// `ticket` gives each key's ticket now); the keys that lead share one allocation of
     /// their text. Returns how each was joined, and the positions among `hits` (the
     /// keys it answered from their reads) of those a flight of began since the look:
-    /// their L1 fills may have gone over that flight's, and are to be dropped.
+    /// they do not fill L1 (that flight may have filled it with what it found after the
+    /// batch's read).
     pub(crate) fn settle<'k, M>(
         &self,
         mut peek: Peek<T>,
