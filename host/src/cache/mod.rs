@@ -981,6 +981,10 @@ impl Corral {
             until = until.min(s.until_ms);
             s.tagged
         });
+        // No longer than the generation the entry was named in is known: a `clear` whose
+        // announcement this process missed is learnt when that knowledge lapses, and a
+        // copy that outlived it would serve what the clear removed past the L1 TTL.
+        until = until.min(self.inner.tags.generation_known_until());
         let l1 = &self.inner.l1;
         match how {
             L1Fill::Read(ticket) => {

@@ -189,6 +189,11 @@ impl TagState {
         }
     }
 
+    /// Until when the generation kept may name entries without a read of the store.
+    pub(crate) fn generation_known_until(&self) -> u64 {
+        self.generation_until.load(Ordering::Acquire)
+    }
+
     /// The generation as last known (no I/O).
     pub(crate) fn generation_now(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
