@@ -324,7 +324,7 @@ impl Corral {
     /// The generation, if it is known now (no I/O).
     pub(crate) fn known_generation(&self) -> Option<u64> {
         let state = &self.inner.tags;
-        (self.inner.clock.now_ms() < state.generation_until.load(Ordering::Acquire))
+        (self.inner.clock.now_ms() < state.generation_known_until())
             .then(|| state.generation.load(Ordering::Acquire))
     }
 
@@ -333,7 +333,7 @@ impl Corral {
     pub(crate) async fn generation(&self) -> Result<u64> {
         let state = &self.inner.tags;
         let now = self.inner.clock.now_ms();
-        if now < state.generation_until.load(Ordering::Acquire) {
+        if now < state.generation_known_until() {
             return Ok(state.generation.load(Ordering::Acquire));
         }
         let policy = &self.inner.policy;
@@ -650,7 +650,7 @@ mod tests {
     }
 
     fn until(state: &TagState) -> u64 {
-        state.generation_until.load(Ordering::Acquire)
+        state.generation_known_until()
     }
 
     #[test]

@@ -827,17 +827,51 @@ async fn a_batch_loader_past_the_hard_timeout_is_stopped() -> Result<()> {
     Ok(())
 }
 
-/// A cache on a real redis-server reached through a wire whose `MGET` replies can be
-/// held (`mgets`), with the server (stopped when dropped).
-async fn wired() -> Result<(RedisServer, Corral, Arc<Gate>)> {
+/// Where a [`wired`] cache's replies can be held: those of its `MGET`s, and those of
+/// the commands naming what `naming` holds (`named`).
+struct Gates {
+    mgets: Arc<Gate>,
+    named: Arc<Gate>,
+    naming: Arc<Mutex<Option<String>>>,
+}
+
+/// A cache on a real redis-server reached through a wire whose replies can be held
+/// ([`Gates`]), with the server (stopped when dropped).
+async fn wired() -> Result<(RedisServer, Corral, Gates)> {
     let server = RedisServer::start()?;
     let wire = RealWire::connect(&server.url()).await?;
-    let mgets = wire.mgets.clone();
+    let gates = Gates {
+        mgets: wire.mgets.clone(),
+        named: wire.named.clone(),
+        naming: wire.naming.clone(),
+    };
     let cache = Corral::builder()
         .redis_options(RedisOptions::new(server.url()))
         .redis_wire(Arc::new(wire))
         .build()?;
-    Ok((server, cache, mgets))
+    Ok((server, cache, gates))
+}
+
+/// A batch of `keys` in a task of its own, every one of them a hit (its loader fails).
+fn batch_of_hits(cache: &Corral, keys: &'static [&'static str]) -> tokio::task::JoinHandle<Answers> {
+    let cache = cache.clone();
+    tokio::spawn(async move {
+        cache
+            .get_or_set_many(keys, relative(), |_: Vec<String>| async {
+                Err::<Vec<(String, String)>, _>(std::io::Error::other("all are hits"))
+            })
+            .await
+    })
+}
+
+/// Removes the entry `name` from the server at `url` by hand: no process hears of it.
+async fn delete_by_hand(url: &str, name: &str) -> Result<()> {
+    let mut raw = redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await?;
+    let removed: u64 = redis::cmd("DEL").arg(name).query_async(&mut raw).await?;
+    anyhow::ensure!(removed == 1, "{name} was not there to remove");
+    Ok(())
 }
 
 /// A batch of `k` and `x` in a task of its own, loading with `calls` noting its calls.
@@ -859,7 +893,7 @@ fn batch_of_k_and_x(
 /// load it again (contract §5.3, §5.16: a batch joins its flights before it reads).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flight_that_fails_while_a_batch_reads_is_followed_not_loaded_again() -> Result<()> {
-    let (_server, cache, mgets) = wired().await?;
+    let (_server, cache, Gates { mgets, .. }) = wired().await?;
     cache.get("warm-up").await?;
     let (loading, fail) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let single = {
@@ -921,7 +955,7 @@ enum Begun {
 /// if the batch had joined first: `k` is loaded once in the process, and the batch gets
 /// that flight's outcome, however it ends (contract §5.3, §5.16).
 async fn a_flight_that_begins_while_a_batch_reads(begun: Begun) -> Result<()> {
-    let (_server, cache, mgets) = wired().await?;
+    let (_server, cache, Gates { mgets, .. }) = wired().await?;
     cache.get("warm-up").await?;
     mgets.close();
     let calls = Calls::default();
@@ -1010,20 +1044,11 @@ async fn a_flight_that_begins_while_a_batch_reads_and_runs_on_is_followed() -> R
 /// write), but a `get` after the write gets the new one, from L1 or L2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_from_before_a_bypass_write_does_not_fill_l1_over_it() -> Result<()> {
-    let (server, cache, mgets) = wired().await?;
+    let (server, cache, Gates { mgets, .. }) = wired().await?;
     let other = Corral::builder().redis(server.url()).build()?;
     other.set("k", "old", EntryOptions::new()).await?;
     mgets.close();
-    let batch = {
-        let cache = cache.clone();
-        tokio::spawn(async move {
-            cache
-                .get_or_set_many(["k"], relative(), |_: Vec<String>| async {
-                    Err::<Vec<(String, String)>, _>(std::io::Error::other("a hit"))
-                })
-                .await
-        })
-    };
+    let batch = batch_of_hits(&cache, &["k"]);
     mgets.arrived().await;
     let bypass = relative().bypass(true);
     let written = cache
@@ -1048,29 +1073,16 @@ async fn a_read_from_before_a_bypass_write_does_not_fill_l1_over_it() -> Result<
 /// (contract §5.16).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hit_a_flight_overtook_while_a_batch_read_keeps_no_older_copy_in_l1() -> Result<()> {
-    let (server, cache, mgets) = wired().await?;
+    let (server, cache, Gates { mgets, .. }) = wired().await?;
     // Subscribed before the race: a late subscription's flush of L1 would hide it.
     cache.get("warm-up").await?;
     let other = Corral::builder().redis(server.url()).build()?;
     other.set("k", "old", EntryOptions::new()).await?;
     let name = other.entry_name("k")?;
     mgets.close();
-    let batch = {
-        let cache = cache.clone();
-        tokio::spawn(async move {
-            cache
-                .get_or_set_many(["k"], relative(), |_: Vec<String>| async {
-                    Err::<Vec<(String, String)>, _>(std::io::Error::other("a hit"))
-                })
-                .await
-        })
-    };
+    let batch = batch_of_hits(&cache, &["k"]);
     mgets.arrived().await;
-    let mut raw = redis::Client::open(server.url())?
-        .get_multiplexed_async_connection()
-        .await?;
-    let removed: u64 = redis::cmd("DEL").arg(&name).query_async(&mut raw).await?;
-    assert_eq!(removed, 1);
+    delete_by_hand(&server.url(), &name).await?;
     let loaded = cache
         .get_or_set("k", relative(), || async { Ok::<_, std::io::Error>("new") })
         .await?;
@@ -1092,13 +1104,7 @@ async fn a_hit_a_flight_overtook_while_a_batch_read_keeps_no_older_copy_in_l1() 
 /// served the batch's older read (the flight that returned the new value came first).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_fills_l1_with_a_hit_only_once_no_flight_of_its_key_overtook_the_read() -> Result<()> {
-    let server = RedisServer::start()?;
-    let wire = RealWire::connect(&server.url()).await?;
-    let (mgets, named, naming) = (wire.mgets.clone(), wire.named.clone(), wire.naming.clone());
-    let cache = Corral::builder()
-        .redis_options(RedisOptions::new(server.url()))
-        .redis_wire(Arc::new(wire))
-        .build()?;
+    let (server, cache, Gates { mgets, named, naming }) = wired().await?;
     cache.get("warm-up").await?;
     let other = Corral::builder().redis(server.url()).build()?;
     other
@@ -1111,22 +1117,9 @@ async fn a_batch_fills_l1_with_a_hit_only_once_no_flight_of_its_key_overtook_the
         .await?;
     let name = other.entry_name("k")?;
     mgets.close();
-    let batch = {
-        let cache = cache.clone();
-        tokio::spawn(async move {
-            cache
-                .get_or_set_many(["k", "t"], relative(), |_: Vec<String>| async {
-                    Err::<Vec<(String, String)>, _>(std::io::Error::other("both are hits"))
-                })
-                .await
-        })
-    };
+    let batch = batch_of_hits(&cache, &["k", "t"]);
     mgets.arrived().await;
-    let mut raw = redis::Client::open(server.url())?
-        .get_multiplexed_async_connection()
-        .await?;
-    let removed: u64 = redis::cmd("DEL").arg(&name).query_async(&mut raw).await?;
-    assert_eq!(removed, 1);
+    delete_by_hand(&server.url(), &name).await?;
     let loaded = cache
         .get_or_set("k", relative(), || async { Ok::<_, std::io::Error>("new") })
         .await?;

@@ -634,12 +634,11 @@ impl Corral {
         (entries, readable): (&Parts, bool),
         answers: &mut [Option<Result<Served>>],
         fills: &mut Vec<HitFill>,
-        named: &[Ticket],
+        (named, now): (&[Ticket], u64),
     ) -> Vec<(usize, FirstRead)> {
         let inner = &*self.inner;
         let deadline = in_ms(inner.flight.store_budget.before_load_ms);
         let tag_epoch = inner.l1.tag_epoch();
-        let now = inner.clock.now_ms();
         let mut l2_hits = 0;
         // A hit served from its read alone is answered as its judgement comes.
         let fills_on = inner.l1.is_on();
@@ -746,9 +745,11 @@ impl Corral {
                 None => to_read.push(i),
             }
         }
+        // The reads' moment: their hits' L1 deadlines count from it.
+        let now = inner.clock.now_ms();
         let mut fills = Vec::new();
         let flying = self
-            .answer_l2_hits(&to_read, entries, answers, &mut fills, named)
+            .answer_l2_hits(&to_read, entries, answers, &mut fills, (named, now))
             .await;
         let AfterRead {
             hits,
@@ -761,21 +762,8 @@ impl Corral {
             unjoined_hits.iter().map(|&i| keys[i]),
             ticket,
         );
-        // A hit fills L1 only now: one whose key a flight began since the batch looked
-        // (and may have filled, with what it found after the batch's read) does not,
-        // nor does any before the batch knows (a reader meanwhile would be served the
-        // older value after that flight returned).
-        let mut overtook = vec![false; keys.len()];
-        for at in overtaken {
-            overtook[unjoined_hits[at]] = true;
-        }
-        let now = inner.clock.now_ms();
-        for fill in fills {
-            let i = fill.at;
-            if let (false, Some(Ok(served))) = (overtook[i], &answers[i]) {
-                self.fill_hit(keys[i], &served.value, fill.until, named[i], fill.stamp, now);
-            }
-        }
+        let overtaken = overtaken.into_iter().map(|at| unjoined_hits[at]);
+        self.fill_hits(keys, (named, now), fills, overtaken, answers);
         for ((i, first), settled) in unjoined.into_iter().zip(settled) {
             parts.push(match settled {
                 Settled::Joined(Join::Leader(guard), read_again) => {
@@ -800,28 +788,42 @@ impl Corral {
         parts
     }
 
-    /// Fills L1 with a hit a batch's first read found, until `l1_until`.
-    fn fill_hit(
+    /// Fills L1 with the hits a batch's first reads found (`fills`, each with the ticket
+    /// taken before its name, `named`, and until when L1 may serve it, counted from the
+    /// reads' moment `now`), once the batch settled: a hit fills only now, and one whose
+    /// key a flight began since the batch looked (`overtaken`) does not, since that
+    /// flight may have filled L1 with what it found after the batch's read. A reader
+    /// meanwhile is never served the older value after that flight returned.
+    fn fill_hits(
         &self,
-        key: &str,
-        value: &Bytes,
-        l1_until: L1Until,
-        ticket: Ticket,
-        stamp: Option<TagStamp>,
-        now: u64,
+        keys: &[&str],
+        (named, now): (&[Ticket], u64),
+        fills: Vec<HitFill>,
+        overtaken: impl Iterator<Item = usize>,
+        answers: &[Option<Result<Served>>],
     ) {
         let inner = &*self.inner;
-        if !inner.l1.is_on() {
-            return;
+        let mut overtook = vec![false; keys.len()];
+        for i in overtaken {
+            overtook[i] = true;
         }
-        let until = match l1_until {
-            L1Until::Judged(until) => until,
-            L1Until::Ask(meta) => match inner.policy.l1_deadline(meta, now, inner.l1_ttl_ms) {
-                Ok(until) => until,
-                Err(e) => return tracing::debug!(key, error = %e, "L1 not filled"),
-            },
-        };
-        self.fill_l1_until(key, value, until, L1Fill::Read(ticket), stamp);
+        for HitFill { at: i, until, stamp } in fills {
+            let (false, Some(Ok(served))) = (overtook[i], &answers[i]) else {
+                continue;
+            };
+            let key = keys[i];
+            let until = match until {
+                L1Until::Judged(until) => until,
+                L1Until::Ask(meta) => match inner.policy.l1_deadline(meta, now, inner.l1_ttl_ms) {
+                    Ok(until) => until,
+                    Err(e) => {
+                        tracing::debug!(key, error = %e, "L1 not filled");
+                        continue;
+                    }
+                },
+            };
+            self.fill_l1_until(key, &served.value, until, L1Fill::Read(named[i]), stamp);
+        }
     }
 
     /// Joins the flight of `key` in this process, or leads it.
