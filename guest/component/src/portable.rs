@@ -130,6 +130,12 @@ fn known_generation() -> std::sync::MutexGuard<'static, Generation> {
     state
 }
 
+/// Until when the generation this instance names entries in is known without a read
+/// (an L1 copy it makes lives no longer: `flight::l1_copy_until`).
+fn generation_known_until() -> u64 {
+    known_generation().known.until_ms
+}
+
 /// Takes in `news` and flushes L1 if the brain says so (that flush is this instance's
 /// own: taken in, not a gap). Returns the generation the caller uses.
 fn hear_generation(news: News) -> u64 {
@@ -506,9 +512,10 @@ fn ticket_since(key: &str, named: l1::L1Ticket) -> l1::L1Ticket {
 }
 
 fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, tagged: Option<&Tagged>, tags_until: u64, how: L1Fill) {
-    let until_ms = tags::l1_until(
+    let until_ms = flight::l1_copy_until(
         flight::l1_deadline(meta, now_ms(), settings().l1_ttl_ms),
-        &[tags_until],
+        generation_known_until(),
+        tags_until,
     );
     let entry = l1::L1Entry {
         value: value.to_vec(),

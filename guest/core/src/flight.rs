@@ -126,6 +126,17 @@ pub fn l1_deadline(meta: &EntryMeta, now_ms: u64, l1_ttl_ms: u64) -> u64 {
     until
 }
 
+/// The latest moment L1 may serve a copy whose own deadline is `deadline_ms` (its
+/// [`l1_deadline`], or a flight's): no later than what judged it stops being known, the
+/// generation it was named in (`generation_until_ms`, for every entry) and, for a
+/// tagged entry, the first of its tags' moments to lapse (`tags_until_ms`; `u64::MAX`
+/// for an untagged one). A clear or tag invalidation whose announcement a process
+/// missed is learnt once that knowledge lapses, and a copy made late in its window
+/// would otherwise serve what the invalidation removed for up to another L1 TTL.
+pub fn l1_copy_until(deadline_ms: u64, generation_until_ms: u64, tags_until_ms: u64) -> u64 {
+    deadline_ms.min(generation_until_ms).min(tags_until_ms)
+}
+
 /// When an eager refresh of an entry with `meta` falls due (contract §7.3): after
 /// `permille` thousandths of its freshness, counted as the caller's `relative` duration
 /// ending at the entry's absolute point. `None` (never) without eager refresh, for
@@ -1751,6 +1762,17 @@ mod tests {
             NOW + 30_000,
             "half the sliding interval"
         );
+    }
+
+    #[test]
+    fn an_l1_copy_lives_no_longer_than_what_judged_it_is_known() {
+        // Its own deadline, when the generation and its tags are known longer.
+        assert_eq!(l1_copy_until(NOW + 100, NOW + 200, u64::MAX), NOW + 100);
+        // Named late in the generation's window: no longer than that window.
+        assert_eq!(l1_copy_until(NOW + 100, NOW + 30, u64::MAX), NOW + 30);
+        // Tagged: no longer than the first of its tags' moments to lapse.
+        assert_eq!(l1_copy_until(NOW + 100, NOW + 200, NOW + 50), NOW + 50);
+        assert_eq!(l1_copy_until(u64::MAX, u64::MAX, u64::MAX), u64::MAX);
     }
 
     #[test]

@@ -514,13 +514,6 @@ pub fn judge(
     Verdict::Stale(stale)
 }
 
-/// The latest moment L1 may serve a tagged entry judged on moments a process keeps
-/// until `known_until` (each tag's): no later than the entry's own deadline, nor than
-/// the first of those moments lapses.
-pub fn l1_until(l1_until_ms: u64, known_until: &[u64]) -> u64 {
-    known_until.iter().copied().fold(l1_until_ms, u64::min)
-}
-
 /// An invalidation another process hears of.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
@@ -843,10 +836,9 @@ mod tests {
     }
 
     #[test]
-    fn l1_keeps_a_tagged_entry_no_longer_than_its_moments_are_known() {
-        assert_eq!(l1_until(NOW + 100, &[NOW + 50, NOW + 70]), NOW + 50);
-        assert_eq!(l1_until(NOW + 100, &[]), NOW + 100);
+    fn moments_are_known_for_the_l1_ttl_from_their_read() {
         assert_eq!(known_until(NOW, 300_000), NOW + 300_000);
+        assert_eq!(known_until(u64::MAX - 1, 300_000), u64::MAX);
     }
 
     fn moments(removed_ms: u64, expired_ms: u64) -> TagMoments {

@@ -1130,3 +1130,54 @@ async fn a_free_portable_lock_is_taken_while_the_table_forgets_other_keys() -> R
     anyhow::ensure!(refused.is_empty(), "free locks refused: {refused:?}");
     Ok(())
 }
+
+/// A portable process's L1 copy lives no longer than the generation it was named in is
+/// known, as the native one's (`tags::a_copy_filled_late_in_the_generations_window_does_not_outlive_it`):
+/// a read late in that window, after a clear whose announcement never came, is served,
+/// but its copy is not served past the L1 TTL of the last read of the generation before
+/// the clear. Before, the portable body capped the copy by its tags' moments only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> Result<()> {
+    use corral::Clock as _;
+    let server = RedisServer::start()?;
+    let l1_ttl = 30 * SEC;
+    let clock = corral::ManualClock::starting_now();
+    let portable = PortableCache::builder()
+        .redis_options(corral::RedisOptions::new(server.url()))
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?;
+    let native = Corral::builder().redis(server.url()).build()?;
+    until_each_hears_the_other(&portable, &native).await?;
+    // Written by another process, so not in the portable L1; a probe written after it
+    // is heard, so its announcement was too.
+    native
+        .set("k", "v", EntryOptions::new().relative(600 * SEC))
+        .await?;
+    until_each_hears_the_other(&portable, &native).await?;
+
+    // Another process's clear, written but never announced: the generation moves on.
+    let mut conn = server.connection().await?;
+    let known: Option<u64> = redis::cmd("GET")
+        .arg("{7:corral:}:g")
+        .query_async(&mut conn)
+        .await?;
+    let _: () = redis::cmd("SET")
+        .arg("{7:corral:}:g")
+        .arg(known.unwrap_or(0).max(clock.now_ms()) + 1)
+        .query_async(&mut conn)
+        .await?;
+    clock.advance(l1_ttl - SEC);
+    assert_eq!(
+        portable.get("k").await?.as_deref(),
+        Some(&b"v"[..]),
+        "within the L1 TTL, unheard: still served (the documented bound)"
+    );
+    clock.advance(2 * SEC);
+    assert_eq!(
+        portable.get("k").await?,
+        None,
+        "the copy filled late in the generation's window outlived it"
+    );
+    Ok(())
+}

@@ -515,3 +515,63 @@ async fn a_clock_stepped_back_does_not_extend_what_a_process_trusts() -> Result<
     );
     Ok(())
 }
+
+/// Until `b`'s writes are heard by `a`: a changed value `b` wrote is read by `a` after
+/// the old one was in its L1 (announcements come in order: whatever `b` wrote before is
+/// heard by then too).
+async fn until_a_hears_b(a: &Corral, b: &Corral, round: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        b.set("probe", format!("{round}-p"), EntryOptions::new()).await?;
+        a.get("probe").await?;
+        b.set("probe", format!("{round}-q"), EntryOptions::new()).await?;
+        if a.get("probe").await?.as_deref() == Some(format!("{round}-q").as_bytes()) {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "a never heard b");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// An L1 copy lives no longer than the generation it was named in is known: a read late
+/// in that window, after a clear whose announcement never came, is served (the
+/// documented bound), but its copy is not served past the L1 TTL of the last read of the
+/// generation before the clear. Before, the copy lived a whole L1 TTL from the late
+/// read, and the clear's removed value was served up to twice the L1 TTL after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> Result<()> {
+    use corral::Clock as _;
+    let server = RedisServer::start()?;
+    let l1_ttl = Duration::from_secs(30);
+    let prefix = "late-fill:";
+    let (a, clock) = on_a_manual_clock(&server, prefix, l1_ttl)?;
+    let b = cache(&server.url(), prefix)?;
+    until_a_hears_b(&a, &b, "subscribed").await?;
+    // Written by another process, so not in `a`'s L1 (and its announcement heard).
+    b.set("k", b"v".to_vec(), EntryOptions::new().relative(LONG))
+        .await?;
+    until_a_hears_b(&a, &b, "written").await?;
+
+    // Another process's clear, written but never announced: the generation moves on.
+    let generation = format!("{{{}:{prefix}}}:g", prefix.len());
+    let mut conn = server.connection().await?;
+    let known: Option<u64> = redis::cmd("GET").arg(&generation).query_async(&mut conn).await?;
+    let _: () = redis::cmd("SET")
+        .arg(&generation)
+        .arg(known.unwrap_or(0).max(clock.now_ms()) + 1)
+        .query_async(&mut conn)
+        .await?;
+    clock.advance(l1_ttl - Duration::from_secs(1));
+    assert_eq!(
+        a.get("k").await?.as_deref(),
+        Some(&b"v"[..]),
+        "within the L1 TTL, unheard: still served (the documented bound)"
+    );
+    clock.advance(Duration::from_secs(2));
+    assert_eq!(
+        a.get("k").await?,
+        None,
+        "the copy filled late in the generation's window outlived it"
+    );
+    Ok(())
+}

@@ -10,13 +10,13 @@
 //! [`Driver::failed`]), in a later call of the instance (`cache.begin`, then the end of
 //! its `load` resource).
 
-use corral_core::flight::{Action, Event, Flight, Outcome};
-use corral_core::tags::{self, Tagged, Verdict};
+use corral_core::flight::{self, Action, Event, Flight, Outcome};
+use corral_core::tags::{Tagged, Verdict};
 use corral_core::{Limits, envelope, names, policy};
 
 use super::{
-    Found, StoredRead, UNBOUNDED, judge, judge_read, l2_read_holding, now_ms, settings, tagged_out,
-    ticket_since, written_at,
+    Found, StoredRead, UNBOUNDED, generation_known_until, judge, judge_read, l2_read_holding, now_ms,
+    settings, tagged_out, ticket_since, written_at,
 };
 use crate::bindings::corral::cache::{flights, l1, l2, types};
 
@@ -493,13 +493,14 @@ impl Driver {
     /// Fills L1 until the machine's deadline. A tagged value is judged first: its tags
     /// may have been invalidated since its load began.
     fn fill_l1(&self, value: &[u8], until_ms: u64, refresh_at_ms: Option<u64>, stale_served: bool) {
-        let until_ms = match (&self.tagged, stale_served) {
+        let tags_until = match (&self.tagged, stale_served) {
             (Some(t), false) => match judge(Some(t), &UNBOUNDED, now_ms()) {
-                Ok((Verdict::Untouched, until)) => tags::l1_until(until_ms, &[until, self.tags_until]),
+                Ok((Verdict::Untouched, until)) => until.min(self.tags_until),
                 _ => return,
             },
-            _ => until_ms,
+            _ => u64::MAX,
         };
+        let until_ms = flight::l1_copy_until(until_ms, generation_known_until(), tags_until);
         let tagged = if stale_served {
             None
         } else {
