@@ -514,6 +514,7 @@ fn ticket_since(key: &str, named: l1::L1Ticket) -> l1::L1Ticket {
 fn fill_l1(key: &str, value: &[u8], meta: &EntryMeta, tagged: Option<&Tagged>, tags_until: u64, how: L1Fill) {
     let until_ms = flight::l1_copy_until(
         flight::l1_deadline(meta, now_ms(), settings().l1_ttl_ms),
+        matches!(how, L1Fill::Read(_)),
         generation_known_until(),
         tags_until,
     );

@@ -127,14 +127,18 @@ pub fn l1_deadline(meta: &EntryMeta, now_ms: u64, l1_ttl_ms: u64) -> u64 {
 }
 
 /// The latest moment L1 may serve a copy whose own deadline is `deadline_ms` (its
-/// [`l1_deadline`], or a flight's): no later than what judged it stops being known, the
-/// generation it was named in (`generation_until_ms`, for every entry) and, for a
-/// tagged entry, the first of its tags' moments to lapse (`tags_until_ms`; `u64::MAX`
-/// for an untagged one). A clear or tag invalidation whose announcement a process
-/// missed is learnt once that knowledge lapses, and a copy made late in its window
-/// would otherwise serve what the invalidation removed for up to another L1 TTL.
-pub fn l1_copy_until(deadline_ms: u64, generation_until_ms: u64, tags_until_ms: u64) -> u64 {
-    deadline_ms.min(generation_until_ms).min(tags_until_ms)
+/// [`l1_deadline`], or a flight's): no later than what judged it stops being known. For
+/// a copy of what the store held (`read`: a hit, a stale copy), that is the generation
+/// it was named in (`generation_until_ms`): a clear whose announcement a process missed
+/// is learnt once that knowledge lapses, and a copy read late in its window would
+/// otherwise serve what the clear removed for up to another L1 TTL. A value this
+/// process loaded or wrote is newer than any clear it could have missed, and is not
+/// bound by it (so an outage, which lets the generation lapse, still keeps a degraded
+/// copy). For a tagged entry, the first of its tags' moments to lapse (`tags_until_ms`;
+/// `u64::MAX` for an untagged one).
+pub fn l1_copy_until(deadline_ms: u64, read: bool, generation_until_ms: u64, tags_until_ms: u64) -> u64 {
+    let generation = if read { generation_until_ms } else { u64::MAX };
+    deadline_ms.min(generation).min(tags_until_ms)
 }
 
 /// When an eager refresh of an entry with `meta` falls due (contract §7.3): after
@@ -296,6 +300,15 @@ pub enum Outcome {
     /// A background refresh found the lock held (another process refreshes) or the
     /// store failing: it did nothing.
     Skipped,
+}
+
+impl Outcome {
+    /// Whether the value the flight answered with is a copy of what the store held (a
+    /// hit, a stale copy), not one it loaded: such a copy is bound by the generation it
+    /// was named in ([`l1_copy_until`]).
+    pub fn read_from_store(&self) -> bool {
+        matches!(self, Outcome::L2Hit { .. } | Outcome::Stale(_))
+    }
 }
 
 /// Why a flight served a stale copy (contract §7.1).
@@ -1767,12 +1780,21 @@ mod tests {
     #[test]
     fn an_l1_copy_lives_no_longer_than_what_judged_it_is_known() {
         // Its own deadline, when the generation and its tags are known longer.
-        assert_eq!(l1_copy_until(NOW + 100, NOW + 200, u64::MAX), NOW + 100);
-        // Named late in the generation's window: no longer than that window.
-        assert_eq!(l1_copy_until(NOW + 100, NOW + 30, u64::MAX), NOW + 30);
-        // Tagged: no longer than the first of its tags' moments to lapse.
-        assert_eq!(l1_copy_until(NOW + 100, NOW + 200, NOW + 50), NOW + 50);
-        assert_eq!(l1_copy_until(u64::MAX, u64::MAX, u64::MAX), u64::MAX);
+        assert_eq!(l1_copy_until(NOW + 100, true, NOW + 200, u64::MAX), NOW + 100);
+        // Read late in the generation's window: no longer than that window.
+        assert_eq!(l1_copy_until(NOW + 100, true, NOW + 30, u64::MAX), NOW + 30);
+        // Loaded or written here: newer than any clear missed; its deadline stands.
+        assert_eq!(l1_copy_until(NOW + 100, false, NOW + 30, u64::MAX), NOW + 100);
+        assert_eq!(l1_copy_until(NOW + 100, false, 0, u64::MAX), NOW + 100);
+        // Tagged: no longer than the first of its tags' moments to lapse, either way.
+        assert_eq!(l1_copy_until(NOW + 100, true, NOW + 200, NOW + 50), NOW + 50);
+        assert_eq!(l1_copy_until(NOW + 100, false, NOW + 200, NOW + 50), NOW + 50);
+        assert_eq!(l1_copy_until(u64::MAX, true, u64::MAX, u64::MAX), u64::MAX);
+        // What each outcome's copy is.
+        assert!(Outcome::L2Hit { after_wait: true }.read_from_store());
+        assert!(Outcome::Stale(StaleCause::StoreFailed).read_from_store());
+        assert!(!Outcome::Loaded { cached: true }.read_from_store());
+        assert!(!Outcome::Degraded { timed_out: false }.read_from_store());
     }
 
     #[test]

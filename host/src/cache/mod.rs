@@ -977,16 +977,19 @@ impl Corral {
         stamp: Option<tags::TagStamp>,
     ) {
         // `corral-core`'s `flight::l1_copy_until`, which the portable body calls: no
-        // longer than the tags' moments are known (the guest's `tag-known-until`), nor
-        // than the generation the entry was named in is known (a `clear` whose
-        // announcement this process missed is learnt when that knowledge lapses, and a
-        // copy that outlived it would serve what the clear removed past the L1 TTL).
-        // Three numbers' minimum, made here rather than across the boundary per fill.
+        // longer than the tags' moments are known (the guest's `tag-known-until`), and a
+        // copy of what the store held no longer than the generation it was named in is
+        // known (a `clear` whose announcement this process missed is learnt when that
+        // knowledge lapses; a copy that outlived it would serve what the clear removed
+        // past the L1 TTL). A value this process wrote is newer than any clear it missed.
+        // A few numbers' minimum, made here rather than across the boundary per fill.
         let tagged = stamp.and_then(|s| {
             until = until.min(s.until_ms);
             s.tagged
         });
-        until = until.min(self.inner.tags.generation_known_until());
+        if matches!(how, L1Fill::Read(_)) {
+            until = until.min(self.inner.tags.generation_known_until());
+        }
         let l1 = &self.inner.l1;
         match how {
             L1Fill::Read(ticket) => {

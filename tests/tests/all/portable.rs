@@ -1151,10 +1151,15 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
     until_each_hears_the_other(&portable, &native).await?;
     // Written by another process, so not in the portable L1; a probe written after it
     // is heard, so its announcement was too.
-    native
-        .set("k", "v", EntryOptions::new().relative(600 * SEC))
-        .await?;
+    // One read by `get`, one by a get-or-set's flight.
+    for key in ["k", "k2"] {
+        native
+            .set(key, "v", EntryOptions::new().relative(600 * SEC))
+            .await?;
+    }
     until_each_hears_the_other(&portable, &native).await?;
+    let options = EntryOptions::new().relative(600 * SEC);
+    let load = |_: &str| Ok(b"loaded".to_vec());
 
     // Another process's clear, written but never announced: the generation moves on.
     let mut conn = server.connection().await?;
@@ -1173,11 +1178,72 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
         Some(&b"v"[..]),
         "within the L1 TTL, unheard: still served (the documented bound)"
     );
+    assert_eq!(portable.get_or_set("k2", options.clone(), load).await?, "v");
     clock.advance(2 * SEC);
     assert_eq!(
         portable.get("k").await?,
         None,
         "the copy filled late in the generation's window outlived it"
+    );
+    assert_eq!(
+        portable.get_or_set("k2", options, load).await?,
+        "loaded",
+        "the flight's copy filled late in the generation's window outlived it"
+    );
+    Ok(())
+}
+
+/// A value a flight loaded is newer than any clear its process missed: its L1 copy is
+/// not bound by the generation (`flight::l1_copy_until`), so in an outage that let the
+/// generation lapse, the degraded copy (a second in L1) still spares the next caller
+/// the loader, in both bodies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_degraded_copy_outlives_an_outage_that_let_the_generation_lapse_in_both_bodies() -> Result<()> {
+    use corral::Clock as _;
+    let server = RedisServer::start()?;
+    let l1_ttl = 30 * SEC;
+    let clock = corral::ManualClock::starting_now();
+    let mut options = corral::RedisOptions::new(server.url());
+    options.response_timeout = Duration::from_millis(200);
+    let portable = PortableCache::builder()
+        .redis_options(options.clone())
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?;
+    let native = Corral::builder()
+        .redis_options(options)
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?;
+    // Each learns the generation now.
+    portable.get("warm").await?;
+    native.get("warm").await?;
+    server.pause()?;
+    clock.advance(l1_ttl + SEC);
+    let loads = Arc::new(AtomicUsize::new(0));
+    for round in 0..2 {
+        let counted = loads.clone();
+        let v = portable
+            .get_or_set("d", EntryOptions::new(), move |_: &str| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok(b"loaded".to_vec())
+            })
+            .await?;
+        assert_eq!(v, "loaded", "portable, call {round}");
+        let counted = loads.clone();
+        let v = native
+            .get_or_set("d", EntryOptions::new(), || async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>("loaded")
+            })
+            .await?;
+        assert_eq!(v, "loaded", "native, call {round}");
+    }
+    server.resume()?;
+    assert_eq!(
+        loads.load(Ordering::SeqCst),
+        2,
+        "one load a body: the second call of each was served its degraded copy"
     );
     Ok(())
 }

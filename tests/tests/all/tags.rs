@@ -547,10 +547,14 @@ async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> R
     let (a, clock) = on_a_manual_clock(&server, prefix, l1_ttl)?;
     let b = cache(&server.url(), prefix)?;
     until_a_hears_b(&a, &b, "subscribed").await?;
-    // Written by another process, so not in `a`'s L1 (and its announcement heard).
-    b.set("k", b"v".to_vec(), EntryOptions::new().relative(LONG))
-        .await?;
+    // Written by another process, so not in `a`'s L1 (and its announcement heard): one
+    // read by `get`, one by a get-or-set's flight.
+    for key in ["k", "k2"] {
+        b.set(key, b"v".to_vec(), EntryOptions::new().relative(LONG))
+            .await?;
+    }
     until_a_hears_b(&a, &b, "written").await?;
+    let load = || async { Ok::<_, std::io::Error>("loaded") };
 
     // Another process's clear, written but never announced: the generation moves on.
     let generation = format!("{{{}:{prefix}}}:g", prefix.len());
@@ -567,11 +571,18 @@ async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> R
         Some(&b"v"[..]),
         "within the L1 TTL, unheard: still served (the documented bound)"
     );
+    let options = EntryOptions::new().relative(LONG);
+    assert_eq!(a.get_or_set("k2", options.clone(), load).await?, "v");
     clock.advance(Duration::from_secs(2));
     assert_eq!(
         a.get("k").await?,
         None,
         "the copy filled late in the generation's window outlived it"
+    );
+    assert_eq!(
+        a.get_or_set("k2", options, load).await?,
+        "loaded",
+        "the flight's copy filled late in the generation's window outlived it"
     );
     Ok(())
 }

@@ -283,7 +283,7 @@ impl Driver {
                 Action::AnswerStale { l1_until_ms } => {
                     self.answered = true;
                     if let Some(until_ms) = l1_until_ms {
-                        self.fill_l1(&self.stale, until_ms, None, true);
+                        self.fill_l1(&self.stale, until_ms, None, true, true);
                     }
                     return Step::Load;
                 }
@@ -328,6 +328,7 @@ impl Driver {
                 } => {
                     self.refresh_due = refresh_now;
                     let stale_served = matches!(outcome, Outcome::Stale(_));
+                    let read = outcome.read_from_store();
                     let result = self.result_of(outcome).map(|()| std::mem::take(&mut self.value));
                     // The followers first: the release and the announcement are two store
                     // round trips, during which a caller joining this flight would get a
@@ -339,7 +340,7 @@ impl Driver {
                     let owed = std::mem::take(&mut self.release_owed);
                     self.release_and_announce(release || owed, notify || owed);
                     if let (Ok(value), Some(until_ms)) = (&result, l1_until_ms) {
-                        self.fill_l1(value, until_ms, refresh_at_ms, stale_served);
+                        self.fill_l1(value, until_ms, refresh_at_ms, stale_served, read);
                     }
                     return Step::Done(result);
                 }
@@ -490,9 +491,18 @@ impl Driver {
         }
     }
 
-    /// Fills L1 until the machine's deadline. A tagged value is judged first: its tags
-    /// may have been invalidated since its load began.
-    fn fill_l1(&self, value: &[u8], until_ms: u64, refresh_at_ms: Option<u64>, stale_served: bool) {
+    /// Fills L1 until the machine's deadline, no longer than what judged the value is
+    /// known (`read`: a copy of what the store held, bound by the generation it was
+    /// named in). A tagged value is judged first: its tags may have been invalidated
+    /// since its load began.
+    fn fill_l1(
+        &self,
+        value: &[u8],
+        until_ms: u64,
+        refresh_at_ms: Option<u64>,
+        stale_served: bool,
+        read: bool,
+    ) {
         let tags_until = match (&self.tagged, stale_served) {
             (Some(t), false) => match judge(Some(t), &UNBOUNDED, now_ms()) {
                 Ok((Verdict::Untouched, until)) => until.min(self.tags_until),
@@ -500,7 +510,7 @@ impl Driver {
             },
             _ => u64::MAX,
         };
-        let until_ms = flight::l1_copy_until(until_ms, generation_known_until(), tags_until);
+        let until_ms = flight::l1_copy_until(until_ms, read, generation_known_until(), tags_until);
         let tagged = if stale_served {
             None
         } else {

@@ -559,9 +559,11 @@ where
                 let copy = self.stale.clone().unwrap_or_default();
                 // Callers that come while the load runs get it from L1.
                 if let Some(until_ms) = l1_until_ms {
+                    // A copy of what the store held: no longer than the generation it was
+                    // named in is known (`flight::l1_copy_until`, as in `Corral::fill_l1_until`).
                     let entry = L1Entry {
                         value: copy.clone(),
-                        until_ms,
+                        until_ms: until_ms.min(inner.tags.generation_known_until()),
                         stale: true,
                         refresh_at_ms: None,
                         tagged: Some(self.read_tag_epoch),
@@ -847,6 +849,11 @@ where
             None if served.stale => Some(self.read_tag_epoch),
             None => None,
         };
+        // A copy of what the store held (a hit, a stale copy), not a value loaded here: no
+        // longer than the generation it was named in is known (`flight::l1_copy_until`).
+        if matches!(finish.outcome, FlightOutcome::L2Hit(_) | FlightOutcome::Stale(_)) {
+            until_ms = until_ms.min(inner.tags.generation_known_until());
+        }
         let entry = L1Entry {
             value: served.value.clone(),
             until_ms,
