@@ -195,6 +195,21 @@ impl RedisServer {
         self.signal("-CONT")
     }
 
+    /// Another process's `clear` of `prefix`, written but never announced (its process
+    /// died between the write and the publish): the prefix's generation counter moves
+    /// past both what it held and `at_least` (a clock's now, in Unix ms).
+    pub async fn clear_unannounced(&self, prefix: &str, at_least: u64) -> Result<()> {
+        let generation = format!("{{{}:{prefix}}}:g", prefix.len());
+        let mut conn = self.connection().await?;
+        let known: Option<u64> = redis::cmd("GET").arg(&generation).query_async(&mut conn).await?;
+        let () = redis::cmd("SET")
+            .arg(&generation)
+            .arg(known.unwrap_or(0).max(at_least) + 1)
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+
     /// A plain async connection, for planting and checking raw data.
     pub async fn connection(&self) -> Result<redis::aio::MultiplexedConnection> {
         let client = redis::Client::open(self.url())?;

@@ -685,17 +685,7 @@ async fn a_portable_clock_stepped_back_does_not_extend_what_it_trusts() -> Resul
         .await?;
     assert_eq!(portable.get("k").await?.as_deref(), Some(&b"v"[..]));
 
-    // Another process's clear, written but never announced: the generation moves on.
-    let mut conn = server.connection().await?;
-    let known: Option<u64> = redis::cmd("GET")
-        .arg("{7:corral:}:g")
-        .query_async(&mut conn)
-        .await?;
-    let _: () = redis::cmd("SET")
-        .arg("{7:corral:}:g")
-        .arg(known.unwrap_or(0).max(start) + 1)
-        .query_async(&mut conn)
-        .await?;
+    server.clear_unannounced("corral:", start).await?;
     clock.advance(10 * SEC);
     assert_eq!(
         portable.get("k").await?.as_deref(),
@@ -1161,17 +1151,7 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
     let options = EntryOptions::new().relative(600 * SEC);
     let load = |_: &str| Ok(b"loaded".to_vec());
 
-    // Another process's clear, written but never announced: the generation moves on.
-    let mut conn = server.connection().await?;
-    let known: Option<u64> = redis::cmd("GET")
-        .arg("{7:corral:}:g")
-        .query_async(&mut conn)
-        .await?;
-    let _: () = redis::cmd("SET")
-        .arg("{7:corral:}:g")
-        .arg(known.unwrap_or(0).max(clock.now_ms()) + 1)
-        .query_async(&mut conn)
-        .await?;
+    server.clear_unannounced("corral:", clock.now_ms()).await?;
     clock.advance(l1_ttl - SEC);
     assert_eq!(
         portable.get("k").await?.as_deref(),
@@ -1199,7 +1179,6 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
 /// the loader, in both bodies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_degraded_copy_outlives_an_outage_that_let_the_generation_lapse_in_both_bodies() -> Result<()> {
-    use corral::Clock as _;
     let server = RedisServer::start()?;
     let l1_ttl = 30 * SEC;
     let clock = corral::ManualClock::starting_now();

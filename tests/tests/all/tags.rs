@@ -480,16 +480,7 @@ async fn a_clock_stepped_back_does_not_extend_what_a_process_trusts() -> Result<
         .await?;
     assert_eq!(a.get("k").await?.as_deref(), Some(&b"v"[..]));
 
-    // Another process's clear, written but never announced: the generation moves on.
-    let generation = format!("{{{}:{prefix}}}:g", prefix.len());
-    let mut conn = server.connection().await?;
-    let known: Option<u64> = redis::cmd("GET").arg(&generation).query_async(&mut conn).await?;
-    let cleared = known.unwrap_or(0).max(start) + 1;
-    let _: () = redis::cmd("SET")
-        .arg(&generation)
-        .arg(cleared)
-        .query_async(&mut conn)
-        .await?;
+    server.clear_unannounced(prefix, start).await?;
     clock.advance(Duration::from_secs(10));
     assert_eq!(
         a.get("k").await?.as_deref(),
@@ -556,15 +547,7 @@ async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> R
     until_a_hears_b(&a, &b, "written").await?;
     let load = || async { Ok::<_, std::io::Error>("loaded") };
 
-    // Another process's clear, written but never announced: the generation moves on.
-    let generation = format!("{{{}:{prefix}}}:g", prefix.len());
-    let mut conn = server.connection().await?;
-    let known: Option<u64> = redis::cmd("GET").arg(&generation).query_async(&mut conn).await?;
-    let _: () = redis::cmd("SET")
-        .arg(&generation)
-        .arg(known.unwrap_or(0).max(clock.now_ms()) + 1)
-        .query_async(&mut conn)
-        .await?;
+    server.clear_unannounced(prefix, clock.now_ms()).await?;
     clock.advance(l1_ttl - Duration::from_secs(1));
     assert_eq!(
         a.get("k").await?.as_deref(),
