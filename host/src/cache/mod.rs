@@ -966,30 +966,35 @@ impl Corral {
         Ok(())
     }
 
+    /// `corral-core`'s `flight::l1_copy_until`, which the portable body calls, in this
+    /// body (a few numbers' minimum, made here rather than across the boundary per
+    /// fill): a copy lives no longer than the first of its tags' moments to lapse
+    /// (`tags_until_ms`, the guest's `tag-known-until`), and a copy of what the store
+    /// held (`read`) no longer than the generation it was named in is known: a `clear`
+    /// whose announcement this process missed is learnt when that knowledge lapses. A
+    /// value this process loaded or wrote is newer than any clear it missed.
+    pub(crate) fn l1_copy_until(&self, deadline_ms: u64, read: bool, tags_until_ms: u64) -> u64 {
+        let generation = if read {
+            self.inner.tags.generation_known_until()
+        } else {
+            u64::MAX
+        };
+        deadline_ms.min(generation).min(tags_until_ms)
+    }
+
     /// Puts `value` in L1 until `until` (the guest's deadline), fenced as
     /// [`fill_l1`](Self::fill_l1) fences it.
     pub(crate) fn fill_l1_until(
         &self,
         key: &str,
         value: &Bytes,
-        mut until: u64,
+        until: u64,
         how: L1Fill,
         stamp: Option<tags::TagStamp>,
     ) {
-        // `corral-core`'s `flight::l1_copy_until`, which the portable body calls: no
-        // longer than the tags' moments are known (the guest's `tag-known-until`), and a
-        // copy of what the store held no longer than the generation it was named in is
-        // known (a `clear` whose announcement this process missed is learnt when that
-        // knowledge lapses; a copy that outlived it would serve what the clear removed
-        // past the L1 TTL). A value this process wrote is newer than any clear it missed.
-        // A few numbers' minimum, made here rather than across the boundary per fill.
-        let tagged = stamp.and_then(|s| {
-            until = until.min(s.until_ms);
-            s.tagged
-        });
-        if matches!(how, L1Fill::Read(_)) {
-            until = until.min(self.inner.tags.generation_known_until());
-        }
+        let tags_until = stamp.map_or(u64::MAX, |s| s.until_ms);
+        let until = self.l1_copy_until(until, matches!(how, L1Fill::Read(_)), tags_until);
+        let tagged = stamp.and_then(|s| s.tagged);
         let l1 = &self.inner.l1;
         match how {
             L1Fill::Read(ticket) => {

@@ -1139,9 +1139,8 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
         .build()?;
     let native = Corral::builder().redis(server.url()).build()?;
     until_each_hears_the_other(&portable, &native).await?;
-    // Written by another process, so not in the portable L1; a probe written after it
-    // is heard, so its announcement was too.
-    // One read by `get`, one by a get-or-set's flight.
+    // Written by another process, so not in the portable L1 (a probe written after them
+    // is heard, so their announcements were too): one read by `get`, one by a get-or-set.
     for key in ["k", "k2"] {
         native
             .set(key, "v", EntryOptions::new().relative(600 * SEC))
@@ -1168,7 +1167,7 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
     assert_eq!(
         portable.get_or_set("k2", options, load).await?,
         "loaded",
-        "the flight's copy filled late in the generation's window outlived it"
+        "the get-or-set's copy filled late in the generation's window outlived it"
     );
     Ok(())
 }

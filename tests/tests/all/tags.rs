@@ -538,8 +538,8 @@ async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> R
     let (a, clock) = on_a_manual_clock(&server, prefix, l1_ttl)?;
     let b = cache(&server.url(), prefix)?;
     until_a_hears_b(&a, &b, "subscribed").await?;
-    // Written by another process, so not in `a`'s L1 (and its announcement heard): one
-    // read by `get`, one by a get-or-set's flight.
+    // Written by another process, so not in `a`'s L1 (and their announcements heard):
+    // one read by `get`, one by a get-or-set.
     for key in ["k", "k2"] {
         b.set(key, b"v".to_vec(), EntryOptions::new().relative(LONG))
             .await?;
@@ -565,7 +565,7 @@ async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> R
     assert_eq!(
         a.get_or_set("k2", options, load).await?,
         "loaded",
-        "the flight's copy filled late in the generation's window outlived it"
+        "the get-or-set's copy filled late in the generation's window outlived it"
     );
     Ok(())
 }

@@ -559,11 +559,10 @@ where
                 let copy = self.stale.clone().unwrap_or_default();
                 // Callers that come while the load runs get it from L1.
                 if let Some(until_ms) = l1_until_ms {
-                    // A copy of what the store held: no longer than the generation it was
-                    // named in is known (`flight::l1_copy_until`, as in `Corral::fill_l1_until`).
+                    // A copy of what the store held.
                     let entry = L1Entry {
                         value: copy.clone(),
-                        until_ms: until_ms.min(inner.tags.generation_known_until()),
+                        until_ms: self.cache.l1_copy_until(until_ms, true, u64::MAX),
                         stale: true,
                         refresh_at_ms: None,
                         tagged: Some(self.read_tag_epoch),
@@ -829,7 +828,7 @@ where
     /// step. A tagged value: what the read judged, or the load's own tags judged now (an
     /// invalidation may have come since its load began).
     async fn fill_l1(&mut self, served: &Served, finish: &Finish) {
-        let Some(mut until_ms) = finish.l1_until_ms else {
+        let Some(until_ms) = finish.l1_until_ms else {
             return;
         };
         let inner = &*self.cache.inner;
@@ -841,19 +840,14 @@ where
             },
             _ => self.stamp.take(),
         };
-        let tagged: L1Tagged = match stamp {
-            Some(s) => {
-                until_ms = until_ms.min(s.until_ms);
-                s.tagged
-            }
-            None if served.stale => Some(self.read_tag_epoch),
-            None => None,
+        let (tags_until, tagged): (u64, L1Tagged) = match stamp {
+            Some(s) => (s.until_ms, s.tagged),
+            None if served.stale => (u64::MAX, Some(self.read_tag_epoch)),
+            None => (u64::MAX, None),
         };
-        // A copy of what the store held (a hit, a stale copy), not a value loaded here: no
-        // longer than the generation it was named in is known (`flight::l1_copy_until`).
-        if matches!(finish.outcome, FlightOutcome::L2Hit(_) | FlightOutcome::Stale(_)) {
-            until_ms = until_ms.min(inner.tags.generation_known_until());
-        }
+        // A copy of what the store held (a hit, a stale copy), not a value loaded here.
+        let read = matches!(finish.outcome, FlightOutcome::L2Hit(_) | FlightOutcome::Stale(_));
+        let until_ms = self.cache.l1_copy_until(until_ms, read, tags_until);
         let entry = L1Entry {
             value: served.value.clone(),
             until_ms,
