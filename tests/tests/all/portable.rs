@@ -1225,3 +1225,111 @@ async fn a_degraded_copy_outlives_an_outage_that_let_the_generation_lapse_in_bot
     );
     Ok(())
 }
+
+/// A hit a get-or-set's flight finds (its first read missed, so its copy is filled as
+/// the flight ends, not by that read) is bound by the generation as a read's is
+/// (`flight::l1_copy_until`), in both bodies: late in the window a process trusts its
+/// generation, after a clear whose announcement never came, each body waits for
+/// another process's load of the key and is served what that load wrote, but its copy
+/// is not served once the generation lapsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hit_found_in_a_flight_late_in_the_generations_window_does_not_outlive_it() -> Result<()> {
+    use corral::Clock as _;
+    let server = RedisServer::start()?;
+    let l1_ttl = 30 * SEC;
+    let clock = corral::ManualClock::starting_now();
+    let portable = PortableCache::builder()
+        .redis_options(corral::RedisOptions::new(server.url()))
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?;
+    let native = Corral::builder()
+        .redis(server.url())
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?;
+    // The other process, on the same clock (its lock's moments are read by the bodies):
+    // it too trusts the generation it learns now, so its load lands where they look.
+    let other = Corral::builder()
+        .redis(server.url())
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?;
+    until_each_hears_the_other(&portable, &other).await?;
+    native.get("warm").await?;
+    let options = EntryOptions::new().relative(600 * SEC);
+
+    server.clear_unannounced("corral:", clock.now_ms()).await?;
+    clock.advance(l1_ttl - SEC);
+    for body in ["portable", "native"] {
+        let key = format!("found-by-{body}");
+        // The other process leads the key's flight; its load waits for the word.
+        let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        let leading = {
+            let (other, key, options) = (other.clone(), key.clone(), options.clone());
+            let (started, release) = (started.clone(), release.clone());
+            tokio::spawn(async move {
+                other
+                    .get_or_set(&key, options, || async {
+                        started.notify_one();
+                        release.notified().await;
+                        Ok::<_, std::io::Error>("theirs")
+                    })
+                    .await
+            })
+        };
+        started.notified().await;
+        // The body's read misses and its lock attempt (the native body's script, the
+        // portable body's `SET NX`) is refused: it waits for the other's landing, and
+        // finds the hit in its flight.
+        let lock_attempts = async || -> Result<u64> {
+            let mut sent = 0;
+            for command in ["evalsha", "eval", "set"] {
+                sent += corral_tests::command_calls(&server, command).await?;
+            }
+            Ok(sent)
+        };
+        let before = lock_attempts().await?;
+        let following = {
+            let (portable, native, key, options) =
+                (portable.clone(), native.clone(), key.clone(), options.clone());
+            tokio::spawn(async move {
+                let ours = |_: &str| Ok(b"ours".to_vec());
+                Ok::<Bytes, anyhow::Error>(match body {
+                    "portable" => portable.get_or_set(&key, options, ours).await?,
+                    _ => {
+                        native
+                            .get_or_set(&key, options, || async { Ok::<_, std::io::Error>("ours") })
+                            .await?
+                    }
+                })
+            })
+        };
+        until(10 * SEC, "the body never tried the flight lock", async || {
+            Ok(lock_attempts().await? > before)
+        })
+        .await?;
+        release.notify_one();
+        assert_eq!(following.await??, "theirs", "{body}: served the other's load");
+        assert_eq!(leading.await??, "theirs");
+    }
+    clock.advance(2 * SEC);
+    let load = |_: &str| Ok(b"loaded".to_vec());
+    assert_eq!(
+        portable
+            .get_or_set("found-by-portable", options.clone(), load)
+            .await?,
+        "loaded",
+        "portable: the hit its flight found late in the generation's window outlived it"
+    );
+    assert_eq!(
+        native
+            .get_or_set("found-by-native", options, || async {
+                Ok::<_, std::io::Error>("loaded")
+            })
+            .await?,
+        "loaded",
+        "native: the hit its flight found late in the generation's window outlived it"
+    );
+    Ok(())
+}
