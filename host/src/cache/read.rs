@@ -13,7 +13,7 @@
 
 use std::fmt;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bytes::{Buf, Bytes};
 
@@ -34,6 +34,11 @@ use crate::{ErrorKind, Result};
 pub(crate) struct ReadHints {
     /// Per slot: the key's hash (0: empty) and the guess, packed by [`pack`].
     slots: Box<[(AtomicU64, AtomicU64)]>,
+    /// Whether any slot was ever written: until one is, every key is read plainly and a
+    /// lookup is one load (a cache whose entries never slide never writes one). A
+    /// reader that misses a guess written meanwhile takes the plain read, as one
+    /// between a slot's two stores may.
+    written: AtomicBool,
     /// A fixed seed: which keys share a slot is the same in every run (a simulated run
     /// replays its commands byte for byte); a collision costs a command, never a value.
     hasher: foldhash::fast::FixedState,
@@ -79,6 +84,7 @@ impl ReadHints {
             slots: (0..slots)
                 .map(|_| (AtomicU64::new(0), AtomicU64::new(0)))
                 .collect(),
+            written: AtomicBool::new(false),
             hasher: foldhash::fast::FixedState::with_seed(0),
             floor_ms,
         }
@@ -95,6 +101,9 @@ impl ReadHints {
     }
 
     pub(crate) fn get(&self, key: &str) -> Option<NextRead> {
+        if !self.written.load(Ordering::Relaxed) {
+            return None;
+        }
         let (hash, (tag, guess)) = self.slot(key);
         (tag.load(Ordering::Relaxed) == hash).then(|| unpack(guess.load(Ordering::Relaxed)))
     }
@@ -107,6 +116,9 @@ impl ReadHints {
         };
         if used == Some(next) || (used.is_none() && next == NextRead::Get) {
             return;
+        }
+        if !self.written.load(Ordering::Relaxed) {
+            self.written.store(true, Ordering::Relaxed);
         }
         let (hash, (tag, guess)) = self.slot(key);
         // Two stores, not one step: a reader between them takes a wrong guess, which
