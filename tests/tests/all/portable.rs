@@ -70,6 +70,24 @@ async fn until_each_hears_the_other(portable: &PortableCache, native: &Corral) -
     .await
 }
 
+/// A portable process on `server`, on `clock`, its L1 serving for `l1_ttl`.
+fn portable_on(server: &RedisServer, clock: &corral::ManualClock, l1_ttl: Duration) -> Result<PortableCache> {
+    Ok(PortableCache::builder()
+        .redis_options(corral::RedisOptions::new(server.url()))
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?)
+}
+
+/// A native process on `server`, on `clock`, its L1 serving for `l1_ttl`.
+fn native_on(server: &RedisServer, clock: &corral::ManualClock, l1_ttl: Duration) -> Result<Corral> {
+    Ok(Corral::builder()
+        .redis(server.url())
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?)
+}
+
 /// A native process's `set` reaches a portable process's L1, and the other way round:
 /// each drops its copy when it hears of the other's write, well before its L1 TTL (an
 /// hour here). Before, the portable body's L1 heard nothing and its writes announced
@@ -671,11 +689,7 @@ async fn a_portable_clock_stepped_back_does_not_extend_what_it_trusts() -> Resul
     let server = RedisServer::start()?;
     let l1_ttl = 30 * SEC;
     let clock = corral::ManualClock::starting_now();
-    let portable = PortableCache::builder()
-        .redis_options(corral::RedisOptions::new(server.url()))
-        .l1_ttl(l1_ttl)
-        .clock(clock.clone())
-        .build()?;
+    let portable = portable_on(&server, &clock, l1_ttl)?;
     // Subscribed first: a (re)subscription empties L1 too.
     let native = Corral::builder().redis(server.url()).build()?;
     until_each_hears_the_other(&portable, &native).await?;
@@ -1132,11 +1146,7 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
     let server = RedisServer::start()?;
     let l1_ttl = 30 * SEC;
     let clock = corral::ManualClock::starting_now();
-    let portable = PortableCache::builder()
-        .redis_options(corral::RedisOptions::new(server.url()))
-        .l1_ttl(l1_ttl)
-        .clock(clock.clone())
-        .build()?;
+    let portable = portable_on(&server, &clock, l1_ttl)?;
     let native = Corral::builder().redis(server.url()).build()?;
     until_each_hears_the_other(&portable, &native).await?;
     // Written by another process, so not in the portable L1 (a probe written after them
@@ -1238,23 +1248,11 @@ async fn a_hit_found_in_a_flight_late_in_the_generations_window_does_not_outlive
     let server = RedisServer::start()?;
     let l1_ttl = 30 * SEC;
     let clock = corral::ManualClock::starting_now();
-    let portable = PortableCache::builder()
-        .redis_options(corral::RedisOptions::new(server.url()))
-        .l1_ttl(l1_ttl)
-        .clock(clock.clone())
-        .build()?;
-    let native = Corral::builder()
-        .redis(server.url())
-        .l1_ttl(l1_ttl)
-        .clock(clock.clone())
-        .build()?;
+    let portable = portable_on(&server, &clock, l1_ttl)?;
+    let native = native_on(&server, &clock, l1_ttl)?;
     // The other process, on the same clock (its lock's moments are read by the bodies):
     // it too trusts the generation it learns now, so its load lands where they look.
-    let other = Corral::builder()
-        .redis(server.url())
-        .l1_ttl(l1_ttl)
-        .clock(clock.clone())
-        .build()?;
+    let other = native_on(&server, &clock, l1_ttl)?;
     until_each_hears_the_other(&portable, &other).await?;
     native.get("warm").await?;
     let options = EntryOptions::new().relative(600 * SEC);
