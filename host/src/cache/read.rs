@@ -29,8 +29,8 @@ use crate::{ErrorKind, Result};
 /// A guess only picks the command; the guest judges what the command returned and asks
 /// to put right whatever a wrong guess did (§3.5). So the table may forget and may
 /// confuse two keys whose hashes share a slot: either costs one more command, never a
-/// wrong answer. In return a lookup is a hash and two atomic loads, with no lock and no
-/// allocation, on every L2 read.
+/// wrong answer. In return a lookup is a hash and a few atomic loads (one, until a guess
+/// is first written), with no lock and no allocation, on every L2 read.
 pub(crate) struct ReadHints {
     /// Per slot: the key's hash (0: empty) and the guess, packed by [`pack`].
     slots: Box<[(AtomicU64, AtomicU64)]>,

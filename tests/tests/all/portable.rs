@@ -1253,8 +1253,10 @@ async fn a_hit_found_in_a_flight_late_in_the_generations_window_does_not_outlive
     // The other process, on the same clock (its lock's moments are read by the bodies):
     // it too trusts the generation it learns now, so its load lands where they look.
     let other = native_on(&server, &clock, l1_ttl)?;
+    // Each subscribed and then read the generation (a subscription that goes live
+    // after a read forgets what that read learnt).
     until_each_hears_the_other(&portable, &other).await?;
-    native.get("warm").await?;
+    until_each_hears_the_other(&portable, &native).await?;
     let options = EntryOptions::new().relative(600 * SEC);
 
     server.clear_unannounced("corral:", clock.now_ms()).await?;
@@ -1311,6 +1313,28 @@ async fn a_hit_found_in_a_flight_late_in_the_generations_window_does_not_outlive
         assert_eq!(following.await??, "theirs", "{body}: served the other's load");
         assert_eq!(leading.await??, "theirs");
     }
+    // The copies are in L1 (no read reaches Redis), so what follows tests their bound.
+    let reads = async || -> Result<u64> {
+        let mut sent = 0;
+        for command in ["get", "mget", "getex", "evalsha", "eval"] {
+            sent += corral_tests::command_calls(&server, command).await?;
+        }
+        Ok(sent)
+    };
+    let before = reads().await?;
+    assert_eq!(
+        portable.get("found-by-portable").await?.as_deref(),
+        Some(&b"theirs"[..])
+    );
+    assert_eq!(
+        native.get("found-by-native").await?.as_deref(),
+        Some(&b"theirs"[..])
+    );
+    assert_eq!(
+        reads().await?,
+        before,
+        "a copy the flights found was not kept in L1"
+    );
     clock.advance(2 * SEC);
     let load = |_: &str| Ok(b"loaded".to_vec());
     assert_eq!(
