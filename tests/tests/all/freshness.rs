@@ -715,3 +715,80 @@ async fn a_bad_eager_refresh_is_refused_when_the_cache_is_built() -> Result<()> 
     }
     Ok(())
 }
+
+/// The stale copy a flight answers with at its soft timeout is re-armed in L1 for the
+/// fail-safe throttle, but as a copy of what the store held no longer than the
+/// generation it was named in is known (`flight::l1_copy_until`): late in that window,
+/// after a clear whose announcement never came, the copy is not served from L1 once the
+/// generation lapsed, though the throttle would have kept it for seconds more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_copy_answered_late_in_the_generations_window_does_not_outlive_it() -> Result<()> {
+    let server = RedisServer::start()?;
+    let clock = ManualClock::starting_now();
+    let l1_ttl = 30 * SEC;
+    let a = Corral::builder()
+        .redis(server.url())
+        .l1_ttl(l1_ttl)
+        .clock(clock.clone())
+        .build()?;
+    let b = Corral::builder().redis(server.url()).build()?;
+    // `a` subscribed, then learnt the generation; the entry is another process's, so not
+    // in `a`'s L1. It is past its expiry from the start of the window on (`a`'s clock
+    // moves only when told), and kept for fail-safe.
+    let mut round = 0;
+    eventually(10 * SEC, async || {
+        round += 1;
+        b.set("probe", format!("{round}"), EntryOptions::new()).await?;
+        a.get("probe").await?;
+        b.set("probe", format!("{round}-q"), EntryOptions::new()).await?;
+        Ok(a.get("probe").await?.as_deref() == Some(format!("{round}-q").as_bytes()))
+    })
+    .await?;
+    let kept = EntryOptions::new()
+        .relative(SEC)
+        .fail_safe(Duration::from_secs(600));
+    b.set("k", "v1", kept).await?;
+    let options = LoadOptions::relative(SEC)
+        .fail_safe(Duration::from_secs(600))
+        .soft_timeout(Duration::from_millis(50));
+
+    server.clear_unannounced("corral:", clock.now_ms()).await?;
+    clock.advance(l1_ttl - SEC);
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let first = a
+        .fetch_served("k", options.clone(), || async move {
+            let _ = go_rx.await;
+            Ok::<_, std::io::Error>("v2")
+        })
+        .await?;
+    assert_eq!((&first.value[..], first.stale), (&b"v1"[..], true));
+    let before = a.metrics();
+    let second = a
+        .fetch_served("k", options.clone(), || async { Ok::<_, std::io::Error>("v3") })
+        .await?;
+    assert_eq!((&second.value[..], second.stale), (&b"v1"[..], true));
+    assert_eq!(a.metrics().l1_hits - before.l1_hits, 1, "re-armed in L1");
+
+    // Past the generation's window, within the throttle: the load still runs.
+    clock.advance(2 * SEC);
+    let before = a.metrics();
+    let third = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            a.fetch_served("k", options, || async { Ok::<_, std::io::Error>("v4") })
+                .await
+        })
+    };
+    eventually(10 * SEC, async || {
+        Ok(third.is_finished() || a.metrics().coalesced > before.coalesced)
+    })
+    .await?;
+    assert_eq!(
+        a.metrics().l1_hits,
+        before.l1_hits,
+        "the stale copy answered late in the generation's window outlived it"
+    );
+    go_tx.send(()).ok();
+    third.await??;
+    Ok(())
+}
