@@ -1147,16 +1147,22 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
     let l1_ttl = 30 * SEC;
     let clock = corral::ManualClock::starting_now();
     let portable = portable_on(&server, &clock, l1_ttl)?;
+    // The get-or-set's process: once the generation lapsed, a process's first read
+    // learns the new one and empties its L1, so each check must be its process's first.
+    let portable2 = portable_on(&server, &clock, l1_ttl)?;
     let native = Corral::builder().redis(server.url()).build()?;
     until_each_hears_the_other(&portable, &native).await?;
-    // Written by another process, so not in the portable L1 (a probe written after them
-    // is heard, so their announcements were too): one read by `get`, one by a get-or-set.
+    until_each_hears_the_other(&portable2, &native).await?;
+    // Written by another process, so not in the portable L1s (a probe written after
+    // them is heard, so their announcements were too): one read by `get`, one by a
+    // get-or-set.
     for key in ["k", "k2"] {
         native
             .set(key, "v", EntryOptions::new().relative(600 * SEC))
             .await?;
     }
     until_each_hears_the_other(&portable, &native).await?;
+    until_each_hears_the_other(&portable2, &native).await?;
     let options = EntryOptions::new().relative(600 * SEC);
     let load = |_: &str| Ok(b"loaded".to_vec());
 
@@ -1167,7 +1173,7 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
         Some(&b"v"[..]),
         "within the L1 TTL, unheard: still served (the documented bound)"
     );
-    assert_eq!(portable.get_or_set("k2", options.clone(), load).await?, "v");
+    assert_eq!(portable2.get_or_set("k2", options.clone(), load).await?, "v");
     clock.advance(2 * SEC);
     assert_eq!(
         portable.get("k").await?,
@@ -1175,7 +1181,7 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
         "the copy filled late in the generation's window outlived it"
     );
     assert_eq!(
-        portable.get_or_set("k2", options, load).await?,
+        portable2.get_or_set("k2", options, load).await?,
         "loaded",
         "the get-or-set's copy filled late in the generation's window outlived it"
     );

@@ -33,14 +33,23 @@ fn on_a_manual_clock(
     l1_ttl: Duration,
 ) -> Result<(Corral, corral::ManualClock)> {
     let clock = corral::ManualClock::starting_now();
+    Ok((on_the_clock(server, prefix, l1_ttl, &clock)?, clock))
+}
+
+/// A cache on `server` under `prefix` on `clock`, with an L1 TTL of `l1_ttl`.
+fn on_the_clock(
+    server: &RedisServer,
+    prefix: &str,
+    l1_ttl: Duration,
+    clock: &corral::ManualClock,
+) -> Result<Corral> {
     let mut o = RedisOptions::new(server.url());
     o.prefix = prefix.to_owned();
-    let cache = Corral::builder()
+    Ok(Corral::builder()
         .clock(clock.clone())
         .l1_ttl(l1_ttl)
         .redis_options(o)
-        .build()?;
-    Ok((cache, clock))
+        .build()?)
 }
 
 /// The child's side: serve `get` lines until stdin closes.
@@ -536,15 +545,20 @@ async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> R
     let l1_ttl = Duration::from_secs(30);
     let prefix = "late-fill:";
     let (a, clock) = on_a_manual_clock(&server, prefix, l1_ttl)?;
+    // The get-or-set's process: once the generation lapsed, a process's first read
+    // learns the new one and empties its L1, so each check must be its process's first.
+    let a2 = on_the_clock(&server, prefix, l1_ttl, &clock)?;
     let b = cache(&server.url(), prefix)?;
     until_a_hears_b(&a, &b, "subscribed").await?;
-    // Written by another process, so not in `a`'s L1 (and their announcements heard):
+    until_a_hears_b(&a2, &b, "subscribed, 2").await?;
+    // Written by another process, so not in the L1s (and their announcements heard):
     // one read by `get`, one by a get-or-set.
     for key in ["k", "k2"] {
         b.set(key, b"v".to_vec(), EntryOptions::new().relative(LONG))
             .await?;
     }
     until_a_hears_b(&a, &b, "written").await?;
+    until_a_hears_b(&a2, &b, "written, 2").await?;
     let load = || async { Ok::<_, std::io::Error>("loaded") };
 
     server.clear_unannounced(prefix, clock.now_ms()).await?;
@@ -555,7 +569,7 @@ async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> R
         "within the L1 TTL, unheard: still served (the documented bound)"
     );
     let options = EntryOptions::new().relative(LONG);
-    assert_eq!(a.get_or_set("k2", options.clone(), load).await?, "v");
+    assert_eq!(a2.get_or_set("k2", options.clone(), load).await?, "v");
     clock.advance(Duration::from_secs(2));
     assert_eq!(
         a.get("k").await?,
@@ -563,7 +577,7 @@ async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> R
         "the copy filled late in the generation's window outlived it"
     );
     assert_eq!(
-        a.get_or_set("k2", options, load).await?,
+        a2.get_or_set("k2", options, load).await?,
         "loaded",
         "the get-or-set's copy filled late in the generation's window outlived it"
     );
