@@ -223,6 +223,25 @@ impl Drop for RedisServer {
     }
 }
 
+/// Until `b`'s writes are heard by `a`: a changed value `b` wrote is read by `a` after
+/// the old one was in its L1 (announcements come in order: whatever `b` wrote before is
+/// heard by then too). `round` tells one wait's values from another's.
+pub async fn until_a_hears_b(a: &Corral, b: &Corral, round: &str) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        b.set("probe", format!("{round}-p"), corral::EntryOptions::new())
+            .await?;
+        a.get("probe").await?;
+        b.set("probe", format!("{round}-q"), corral::EntryOptions::new())
+            .await?;
+        if a.get("probe").await?.as_deref() == Some(format!("{round}-q").as_bytes()) {
+            return Ok(());
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "a never heard b");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Tests whose assertions involve real time (a 300 ms lease renewed every 100 ms, a
 /// wake-up before a 1 s safety timer, four processes racing) take this first, so that
 /// they never starve each other of the machine's two cores. Hold it for the whole test.

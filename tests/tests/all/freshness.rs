@@ -735,15 +735,7 @@ async fn a_stale_copy_answered_late_in_the_generations_window_does_not_outlive_i
     // `a` subscribed, then learnt the generation; the entry is another process's, so not
     // in `a`'s L1. It is past its expiry from the start of the window on (`a`'s clock
     // moves only when told), and kept for fail-safe.
-    let mut round = 0;
-    eventually(10 * SEC, async || {
-        round += 1;
-        b.set("probe", format!("{round}"), EntryOptions::new()).await?;
-        a.get("probe").await?;
-        b.set("probe", format!("{round}-q"), EntryOptions::new()).await?;
-        Ok(a.get("probe").await?.as_deref() == Some(format!("{round}-q").as_bytes()))
-    })
-    .await?;
+    corral_tests::until_a_hears_b(&a, &b, "subscribed").await?;
     let kept = EntryOptions::new()
         .relative(SEC)
         .fail_safe(Duration::from_secs(600));

@@ -1173,7 +1173,7 @@ async fn a_portable_copy_filled_late_in_the_generations_window_does_not_outlive_
         Some(&b"v"[..]),
         "within the L1 TTL, unheard: still served (the documented bound)"
     );
-    assert_eq!(portable2.get_or_set("k2", options.clone(), load).await?, "v");
+    assert_eq!(portable2.get_or_set("k2", options, load).await?, "v");
     clock.advance(2 * SEC);
     assert_eq!(
         portable.get("k").await?,
@@ -1272,7 +1272,7 @@ async fn a_hit_found_in_a_flight_late_in_the_generations_window_does_not_outlive
         // The other process leads the key's flight; its load waits for the word.
         let (started, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
         let leading = {
-            let (other, key, options) = (other.clone(), key.clone(), options.clone());
+            let (other, key, options) = (other.clone(), key.clone(), options);
             let (started, release) = (started.clone(), release.clone());
             tokio::spawn(async move {
                 other
@@ -1297,8 +1297,7 @@ async fn a_hit_found_in_a_flight_late_in_the_generations_window_does_not_outlive
         };
         let before = lock_attempts().await?;
         let following = {
-            let (portable, native, key, options) =
-                (portable.clone(), native.clone(), key.clone(), options.clone());
+            let (portable, native, key, options) = (portable.clone(), native.clone(), key.clone(), options);
             tokio::spawn(async move {
                 let ours = |_: &str| Ok(b"ours".to_vec());
                 Ok::<Bytes, anyhow::Error>(match body {
@@ -1344,9 +1343,7 @@ async fn a_hit_found_in_a_flight_late_in_the_generations_window_does_not_outlive
     clock.advance(2 * SEC);
     let load = |_: &str| Ok(b"loaded".to_vec());
     assert_eq!(
-        portable
-            .get_or_set("found-by-portable", options.clone(), load)
-            .await?,
+        portable.get_or_set("found-by-portable", options, load).await?,
         "loaded",
         "portable: the hit its flight found late in the generation's window outlived it"
     );

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use corral::{Corral, EntryOptions, RedisOptions};
-use corral_tests::RedisServer;
+use corral_tests::{RedisServer, until_a_hears_b};
 
 const PREFIX: &str = "tags-mp:";
 const LONG: Duration = Duration::from_secs(600);
@@ -516,23 +516,6 @@ async fn a_clock_stepped_back_does_not_extend_what_a_process_trusts() -> Result<
     Ok(())
 }
 
-/// Until `b`'s writes are heard by `a`: a changed value `b` wrote is read by `a` after
-/// the old one was in its L1 (announcements come in order: whatever `b` wrote before is
-/// heard by then too).
-async fn until_a_hears_b(a: &Corral, b: &Corral, round: &str) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        b.set("probe", format!("{round}-p"), EntryOptions::new()).await?;
-        a.get("probe").await?;
-        b.set("probe", format!("{round}-q"), EntryOptions::new()).await?;
-        if a.get("probe").await?.as_deref() == Some(format!("{round}-q").as_bytes()) {
-            return Ok(());
-        }
-        anyhow::ensure!(Instant::now() < deadline, "a never heard b");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// An L1 copy lives no longer than the generation it was named in is known: a read late
 /// in that window, after a clear whose announcement never came, is served (the
 /// documented bound), but its copy is not served past the L1 TTL of the last read of the
@@ -569,7 +552,7 @@ async fn a_copy_filled_late_in_the_generations_window_does_not_outlive_it() -> R
         "within the L1 TTL, unheard: still served (the documented bound)"
     );
     let options = EntryOptions::new().relative(LONG);
-    assert_eq!(a2.get_or_set("k2", options.clone(), load).await?, "v");
+    assert_eq!(a2.get_or_set("k2", options, load).await?, "v");
     clock.advance(Duration::from_secs(2));
     assert_eq!(
         a.get("k").await?,
