@@ -992,13 +992,28 @@ impl Corral {
         how: L1Fill,
         stamp: Option<tags::TagStamp>,
     ) {
+        self.fill_l1_until_unless(key, value, until, how, stamp, || false);
+    }
+
+    /// As [`fill_l1_until`](Self::fill_l1_until); a fill of a read is also refused if
+    /// `overtaken`, asked as it fills ([`L1::fill_entry_unless`]), says a newer copy may
+    /// be in L1 since the read.
+    pub(crate) fn fill_l1_until_unless(
+        &self,
+        key: &str,
+        value: &Bytes,
+        until: u64,
+        how: L1Fill,
+        stamp: Option<tags::TagStamp>,
+        overtaken: impl FnOnce() -> bool,
+    ) {
         let tags_until = stamp.map_or(u64::MAX, |s| s.until_ms);
         let until = self.l1_copy_until(until, matches!(how, L1Fill::Read(_)), tags_until);
         let tagged = stamp.and_then(|s| s.tagged);
         let l1 = &self.inner.l1;
         match how {
             L1Fill::Read(ticket) => {
-                l1.fill(key, value.clone(), until, ticket, tagged);
+                l1.fill_unless(key, value.clone(), until, ticket, tagged, overtaken);
             }
             L1Fill::Write(ticket) => l1.insert(key, value.clone(), until, ticket, tagged),
         }

@@ -267,12 +267,25 @@ impl<V: Clone + Send + Sync + 'static> L1<V> {
 
     /// As [`fill`](Self::fill), with the whole entry (a stale copy, a refresh moment).
     pub(crate) fn fill_entry(&self, key: &str, entry: V, ticket: Ticket) -> bool {
+        self.fill_entry_unless(key, entry, ticket, || false)
+    }
+
+    /// As [`fill_entry`](Self::fill_entry), unless `overtaken`, asked with the key's
+    /// stripe held (no other fill of the key runs meanwhile), says that a newer copy may
+    /// have been put since the read.
+    pub(crate) fn fill_entry_unless(
+        &self,
+        key: &str,
+        entry: V,
+        ticket: Ticket,
+        overtaken: impl FnOnce() -> bool,
+    ) -> bool {
         let Some(cache) = &self.cache else {
             return false;
         };
         let epochs = &self.epochs;
         epochs.changing(key, |stripe| {
-            let current = epochs.ticket_at(stripe) == ticket;
+            let current = epochs.ticket_at(stripe) == ticket && !overtaken();
             if current {
                 put(cache, key, ticket, entry);
             }
@@ -445,6 +458,7 @@ impl L1<L1Entry> {
 
     /// Fills `key` with what was read after `ticket`, unless the key was written in
     /// this process since; says whether it filled.
+    #[cfg(test)]
     pub(crate) fn fill(
         &self,
         key: &str,
@@ -453,17 +467,27 @@ impl L1<L1Entry> {
         ticket: Ticket,
         tagged: L1Tagged,
     ) -> bool {
-        self.fill_entry(
-            key,
-            L1Entry {
-                value,
-                until_ms,
-                stale: false,
-                refresh_at_ms: None,
-                tagged,
-            },
-            ticket,
-        )
+        self.fill_unless(key, value, until_ms, ticket, tagged, || false)
+    }
+
+    /// As [`fill`](Self::fill), unless `overtaken` says so ([`fill_entry_unless`](Self::fill_entry_unless)).
+    pub(crate) fn fill_unless(
+        &self,
+        key: &str,
+        value: Bytes,
+        until_ms: u64,
+        ticket: Ticket,
+        tagged: L1Tagged,
+        overtaken: impl FnOnce() -> bool,
+    ) -> bool {
+        let entry = L1Entry {
+            value,
+            until_ms,
+            stale: false,
+            refresh_at_ms: None,
+            tagged,
+        };
+        self.fill_entry_unless(key, entry, ticket, overtaken)
     }
 
     /// As [`insert_entry`](Self::insert_entry), for a fresh value.

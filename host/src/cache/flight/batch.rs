@@ -731,7 +731,7 @@ impl Corral {
             return Vec::new();
         }
         let ticket = |key: &str| inner.l1.ticket(key);
-        let (peek, looked) = inner.registry.peek(missed.iter().map(|&i| keys[i]), ticket);
+        let (mut peek, looked) = inner.registry.peek(missed.iter().map(|&i| keys[i]), ticket);
         let mut parts = Vec::new();
         // Read: the keys no flight has (`None`) and those this caller leads (`leads`).
         let (mut to_read, mut leads) = (Vec::with_capacity(missed.len()), Vec::new());
@@ -757,13 +757,16 @@ impl Corral {
             unjoined_hits,
         } = after_read(&to_read, flying, leads, &mut parts);
         let (settled, overtaken) = inner.registry.settle(
-            peek,
+            &mut peek,
             unjoined.iter().map(|&(i, _)| (keys[i], named[i])),
             unjoined_hits.iter().map(|&i| keys[i]),
             ticket,
         );
         let overtaken = overtaken.into_iter().map(|at| unjoined_hits[at]);
-        self.fill_hits(keys, (named, now), fills, overtaken, answers);
+        #[cfg(test)]
+        tests::between_settle_and_fills();
+        self.fill_hits(keys, (named, now), fills, (overtaken, &peek), answers);
+        drop(peek);
         for ((i, first), settled) in unjoined.into_iter().zip(settled) {
             parts.push(match settled {
                 Settled::Joined(Join::Leader(guard), read_again) => {
@@ -791,15 +794,16 @@ impl Corral {
     /// Fills L1 with the hits a batch's first reads found (`fills`, each with the ticket
     /// taken before its name, `named`, and until when L1 may serve it, counted from the
     /// reads' moment `now`), once the batch settled: a hit fills only now, and one whose
-    /// key a flight began since the batch looked (`overtaken`) does not, since that
-    /// flight may have filled L1 with what it found after the batch's read. A reader
-    /// meanwhile is never served the older value after that flight returned.
+    /// key a flight began since the batch looked does not (before the settle:
+    /// `overtaken`; since: `peek`, asked as each fills), since that flight may have
+    /// filled L1 with what it found after the batch's read. A reader meanwhile is never
+    /// served the older value after that flight returned.
     fn fill_hits(
         &self,
         keys: &[&str],
         (named, now): (&[Ticket], u64),
         fills: Vec<HitFill>,
-        overtaken: impl Iterator<Item = usize>,
+        (overtaken, peek): (impl Iterator<Item = usize>, &registry::Peek<Outcome>),
         answers: &[Option<Result<Served>>],
     ) {
         let inner = &*self.inner;
@@ -822,7 +826,10 @@ impl Corral {
                     }
                 },
             };
-            self.fill_l1_until(key, &served.value, until, L1Fill::Read(named[i]), stamp);
+            // A flight of the key that begins after the settle, and fills L1 before this
+            // fill, found what the key held after this read: it is not overwritten.
+            let overtook = || peek.overtook(key);
+            self.fill_l1_until_unless(key, &served.value, until, L1Fill::Read(named[i]), stamp, overtook);
         }
     }
 
@@ -918,7 +925,95 @@ mod send_check {
 
 #[cfg(test)]
 mod tests {
+    use std::cell::RefCell;
+    use std::time::Duration;
+
     use super::*;
+    use crate::options::EntryOptions;
+
+    thread_local! {
+        /// What runs, once, on this thread between a batch's settle and its L1 fills.
+        static BETWEEN: RefCell<Option<Box<dyn FnOnce()>>> = const { RefCell::new(None) };
+    }
+
+    /// The seam [`Corral::answer_missed`] calls between the settle and the fills.
+    pub(super) fn between_settle_and_fills() {
+        if let Some(then) = BETWEEN.with(|b| b.borrow_mut().take()) {
+            then();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_flight_that_fills_l1_after_the_batch_settled_keeps_its_newer_copy() {
+        let cache = Corral::builder().build().expect("a memory cache");
+        let options = || LoadOptions::from(EntryOptions::new().relative(Duration::from_secs(3600)));
+        cache
+            .set(
+                "k",
+                "older",
+                EntryOptions::new().relative(Duration::from_secs(3600)),
+            )
+            .await
+            .expect("set");
+        cache.inner.l1.remove("k"); // as if L1 had let its copy go: the batch reads L2
+        let name = cache.entry_of("k").await.expect("named");
+        let older = cache
+            .inner
+            .stores
+            .entries
+            .get(&name)
+            .await
+            .expect("read")
+            .expect("written");
+        let newer = Bytes::from([&older[..older.len() - 5], b"newer"].concat());
+        let other = cache.clone();
+        BETWEEN.with(|b| {
+            *b.borrow_mut() = Some(Box::new(move || {
+                // On another thread, while the batch is between its settle and its
+                // fills: another process writes the key (unheard here yet), and a
+                // caller here reads it through a flight that begins after the settle,
+                // and fills L1 with it.
+                let (cache, name) = (other, name);
+                std::thread::spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime");
+                    runtime.block_on(async {
+                        cache
+                            .inner
+                            .stores
+                            .entries
+                            .set(&name, newer, 3_600_000)
+                            .await
+                            .expect("written");
+                        let loader = || async { Err::<Bytes, _>(std::io::Error::other("a hit")) };
+                        let got = cache.get_or_set("k", options(), loader).await.expect("a hit");
+                        assert_eq!(&got[..], b"newer");
+                    });
+                })
+                .join()
+                .expect("the other caller");
+            }));
+        });
+        let loader =
+            |_: Vec<String>| async { Err::<Vec<(String, Bytes)>, _>(std::io::Error::other("a hit")) };
+        let got = cache
+            .get_or_set_many(["k"], options(), loader)
+            .await
+            .expect("a batch");
+        assert!(BETWEEN.with(|b| b.borrow().is_none()), "the seam ran");
+        assert!(
+            matches!(&got[..], [Ok(Some(v))] if &v[..] == b"older"),
+            "read before the write"
+        );
+        let kept = cache.inner.l1.peek("k").expect("a copy in L1");
+        assert_eq!(
+            &kept.value[..],
+            b"newer",
+            "the batch's older read did not replace what a caller after it was served"
+        );
+    }
 
     #[test]
     fn keys_asked_twice_are_answered_twice_in_the_order_asked() {

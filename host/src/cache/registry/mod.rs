@@ -23,6 +23,7 @@ use std::fmt;
 use std::hash::BuildHasher;
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use hashbrown::HashTable;
 use parking_lot::Mutex;
@@ -33,8 +34,8 @@ use crate::owed::{Owed, Pending};
 use crate::store::l1::Ticket;
 
 mod peek;
-pub(crate) use peek::Settled;
 use peek::{Ended, Peeking};
+pub(crate) use peek::{Peek, Settled};
 
 /// What the native body's followers get.
 pub(crate) type Outcome = std::result::Result<super::load::Served, Arc<Error>>;
@@ -125,6 +126,9 @@ pub(crate) struct Registry<T> {
 /// What a registry's clones share.
 struct Table<T> {
     flights: Mutex<Flights<T>>,
+    /// The last flight id (`Flights::next_id`), readable without the lock: a batch about
+    /// to fill L1 with its reads sees at once whether any flight began since it settled.
+    begun: AtomicU64,
     /// Counts the flights while any leads (see [`Flights::leading`]).
     owed: Owed,
 }
@@ -157,6 +161,7 @@ impl<T> Registry<T> {
                     peeking: None,
                     ended: HashTable::new(),
                 }),
+                begun: AtomicU64::new(0),
                 owed: owed.clone(),
             }),
         }
@@ -264,6 +269,7 @@ impl<T: Clone> Registry<T> {
             }
         }
         flights.next_id = id;
+        self.shared.begun.store(id, Ordering::Release);
         if flights.leading.is_none() {
             flights.leading = Some(self.shared.owed.hold());
         }

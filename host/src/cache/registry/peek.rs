@@ -9,6 +9,7 @@
 //! comes meanwhile joins every key first, so batches that overlap share their reads.
 
 use std::hash::BuildHasher;
+use std::sync::atomic::Ordering;
 
 use hashbrown::HashTable;
 
@@ -75,13 +76,32 @@ pub(super) struct Ended<T> {
 }
 
 /// A batch's look at its keys before reading them ([`Registry::peek`]): over when
-/// [`settled`](Registry::settle) or dropped.
+/// dropped, once the batch [`settled`](Registry::settle) and filled L1 with its hits.
 pub(crate) struct Peek<T> {
     registry: Registry<T>,
     /// The last flight id when the batch looked.
     looked: u64,
-    /// Nothing (more) to end: the batch read nothing before joining, or it settled.
+    /// The last flight id when the batch settled (its own joins among them).
+    settled: u64,
+    /// Nothing to end: the batch read nothing before joining.
     done: bool,
+}
+
+impl<T> Peek<T> {
+    /// Whether a flight of `key`, a key the batch answered from its read, began since
+    /// the batch settled: it runs, or it ran while the batch filled L1. Asked as the
+    /// batch fills L1 with the key's read (its stripe held: no fill of the key runs
+    /// meanwhile), so a flight that filled L1 with what it found after the batch's
+    /// read is never overwritten by that read; one that begins later fills after it.
+    /// (One that began before the settle is among [`settle`](Registry::settle)'s
+    /// overtaken keys.)
+    pub(crate) fn overtook(&self, key: &str) -> bool {
+        let shared = &self.registry.shared;
+        if self.done || shared.begun.load(Ordering::Acquire) == self.settled {
+            return false;
+        }
+        shared.flights.lock().began_since(key, self.looked)
+    }
 }
 
 impl<T> Drop for Peek<T> {
@@ -125,6 +145,7 @@ impl<T: Clone> Registry<T> {
         let peek = |done| Peek {
             registry: self.clone(),
             looked,
+            settled: looked,
             done,
         };
         if flights.peeking.is_some() {
@@ -154,16 +175,17 @@ impl<T: Clone> Registry<T> {
         (peek(false), joins)
     }
 
-    /// Ends `peek`, with the map locked once. Joins, in order, the keys it read whose
+    /// Settles `peek`, with the map locked once. Joins, in order, the keys it read whose
     /// reads did not answer them (`misses`, each with the ticket taken before its read;
     /// `ticket` gives each key's ticket now); the keys that lead share one allocation of
     /// their text. Returns how each was joined, and the positions among `hits` (the
     /// keys it answered from their reads) of those a flight of began since the look:
     /// they do not fill L1 (that flight may have filled it with what it found after the
-    /// batch's read).
+    /// batch's read). A flight that begins later is caught as the batch fills
+    /// ([`Peek::overtook`]): the look goes on until `peek` is dropped.
     pub(crate) fn settle<'k, M>(
         &self,
-        mut peek: Peek<T>,
+        peek: &mut Peek<T>,
         misses: M,
         hits: impl IntoIterator<Item = &'k str>,
         ticket: impl Fn(&str) -> Ticket,
@@ -215,13 +237,8 @@ impl<T: Clone> Registry<T> {
         } else {
             Vec::new()
         };
-        let ended = if std::mem::replace(&mut peek.done, true) {
-            HashTable::new()
-        } else {
-            flights.unpeek()
-        };
-        drop(flights);
-        drop(ended); // outcomes, dropped outside the lock
+        // The look goes on until the batch has filled L1 with its hits (`Peek::overtook`).
+        peek.settled = flights.next_id;
         (settled, overtaken)
     }
 }
@@ -289,7 +306,7 @@ mod tests {
     async fn a_batch_that_reads_before_joining_gets_what_began_meanwhile() {
         let registry = Registry::<&str>::default();
         let under_way = lead(&registry, "a");
-        let (peek, looked) = registry.peek(["a", "b", "c", "d", "e"], |_| T0);
+        let (mut peek, looked) = registry.peek(["a", "b", "c", "d", "e"], |_| T0);
         assert!(
             matches!(looked[0], Some(Join::Follower(_))),
             "a flight under way is followed"
@@ -303,11 +320,13 @@ mod tests {
         lead(&registry, "b").finish("B");
         let c = lead(&registry, "c");
         lead(&registry, "e").finish("E");
-        let (settled, overtaken) = registry.settle(peek, [("b", T0), ("c", T0), ("d", T0)], ["e"], |_| T0);
+        let (settled, overtaken) =
+            registry.settle(&mut peek, [("b", T0), ("c", T0), ("d", T0)], ["e"], |_| T0);
         assert!(matches!(settled[0], Settled::Ended("B")));
         assert!(matches!(&settled[1], Settled::Joined(Join::Follower(_), true)));
         assert!(matches!(&settled[2], Settled::Joined(Join::Leader(_), false)));
         assert_eq!(overtaken, [0], "e's hit may have filled L1 over e's flight");
+        drop(peek);
         assert_eq!(kept(&registry), 0, "no batch reads: nothing kept");
         drop((under_way, c, settled));
         assert_eq!(registry.len(), 0);
@@ -316,13 +335,14 @@ mod tests {
     #[tokio::test]
     async fn a_flight_ended_meanwhile_is_not_followed_across_a_change_or_a_leader_gone() {
         let registry = Registry::<&str>::default();
-        let (peek, _) = registry.peek(["a", "b", "c"], |_| T0);
+        let (mut peek, _) = registry.peek(["a", "b", "c"], |_| T0);
         lead(&registry, "a").finish("A");
         drop(lead(&registry, "b"));
         // a was written since its flight began, b's leader went away, c was written
         // since the batch read it: each led, and read again.
         let now = |k: &str| if k == "b" { T0 } else { CHANGED };
-        let (settled, _) = registry.settle(peek, [("a", T0), ("b", T0), ("c", T0)], [], now);
+        let (settled, _) = registry.settle(&mut peek, [("a", T0), ("b", T0), ("c", T0)], [], now);
+        drop(peek);
         for s in &settled {
             assert!(matches!(s, Settled::Joined(Join::Leader(_), true)));
         }
@@ -333,9 +353,10 @@ mod tests {
     #[tokio::test]
     async fn a_flight_led_from_a_read_is_sealed_for_a_caller_after_a_change_since_the_read() {
         let registry = Registry::<&str>::default();
-        let (peek, _) = registry.peek(["k"], |_| T0);
+        let (mut peek, _) = registry.peek(["k"], |_| T0);
         // The batch read k as of T0; nothing changed since: led from its read.
-        let (settled, _) = registry.settle(peek, [("k", T0)], [], |_| T0);
+        let (settled, _) = registry.settle(&mut peek, [("k", T0)], [], |_| T0);
+        drop(peek);
         assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
         assert!(matches!(registry.join("k", T0), Join::Follower(_)));
         assert!(matches!(registry.join("k", CHANGED), Join::Leader(_)), "sealed");
@@ -361,12 +382,40 @@ mod tests {
         assert_eq!(kept(&registry), 0, "nothing kept once no batch reads");
         lead(&registry, "a").finish("A");
         assert_eq!(kept(&registry), 0);
-        let (third, looked) = registry.peek(["a"], |_| T0);
+        let (mut third, looked) = registry.peek(["a"], |_| T0);
         assert!(looked[0].is_none(), "the next batch reads first again");
-        let (settled, overtaken) = registry.settle(third, [("a", T0)], [], |_| T0);
+        let (settled, overtaken) = registry.settle(&mut third, [("a", T0)], [], |_| T0);
         assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
         assert!(overtaken.is_empty());
+        assert!(
+            registry.shared.flights.lock().peeking.is_some(),
+            "until it filled L1"
+        );
+        drop(third);
         assert!(registry.shared.flights.lock().peeking.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_flight_that_begins_after_the_settle_overtakes_the_batchs_hits_until_it_filled() {
+        let registry = Registry::<&str>::default();
+        let (mut peek, _) = registry.peek(["hit", "miss", "other"], |_| T0);
+        let (settled, overtaken) = registry.settle(&mut peek, [("miss", T0)], ["hit", "other"], |_| T0);
+        assert!(overtaken.is_empty());
+        assert!(
+            !peek.overtook("hit") && !peek.overtook("other"),
+            "its own join of a miss overtakes none of its hits"
+        );
+        // After the settle, before the batch fills L1: a flight of `hit` begins and
+        // ends (it may have filled L1 with what it read after the batch); another of a
+        // key the batch did not read runs.
+        lead(&registry, "hit").finish("newer");
+        let _elsewhere = lead(&registry, "elsewhere");
+        assert!(peek.overtook("hit"), "an ended flight of the key");
+        assert!(!peek.overtook("other"), "a flight of another key");
+        let running = lead(&registry, "other");
+        assert!(peek.overtook("other"), "a running flight of the key");
+        drop((peek, settled, running));
+        assert_eq!(kept(&registry), 0, "nothing kept once the batch filled");
     }
 
     #[test]
