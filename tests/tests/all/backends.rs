@@ -452,14 +452,7 @@ async fn a_dropped_landing_channel_is_replaced_and_l1_is_flushed() -> Result<()>
     // b listens once it hears a's announcements. (Its first subscription's flush is
     // counted only if the channel came up after the cache registered its hook, which a
     // loaded machine may reorder: it is not the signal.)
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while b.metrics().l1_invalidations == 0 {
-        anyhow::ensure!(Instant::now() < deadline, "b never heard a's announcements");
-        a.set("probe", "x", EntryOptions::new()).await?;
-        b.get("probe").await?;
-        a.set("probe", "x", EntryOptions::new()).await?;
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    corral_tests::until_a_hears_b(&b, &a, "listening").await?;
     let flushes = b.metrics().l1_flushes;
     let subscribed = |n: u64| {
         let b = b.clone();
@@ -923,12 +916,7 @@ async fn a_retried_remove_never_lands_over_a_later_set() -> Result<()> {
     let proxy = corral_tests::FaultProxy::start(server.addr())?;
     let a = Corral::builder().redis_options(through(&proxy)).build()?;
     let b = Corral::builder().redis(server.url()).l1_capacity(0).build()?;
-    until(10 * SEC, "a never heard b's announcements", async || {
-        b.set("probe", "x", EntryOptions::new()).await?;
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        Ok(a.metrics().l1_invalidations > 0)
-    })
-    .await?;
+    corral_tests::until_a_hears_b(&a, &b, "subscribed").await?;
     a.set("k", "old", EntryOptions::new()).await?;
     // a's commands fail from now on (its command connection reset, new ones refused);
     // its subscription is left alone.

@@ -1000,15 +1000,7 @@ async fn a_caller_after_a_heard_change_does_not_join_an_older_flight() -> Result
     let a = Corral::builder().redis(server.url()).build()?;
     let b = Corral::builder().redis(server.url()).build()?;
     // Both subscribed: a hears b.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let heard = a.metrics().l1_invalidations;
-        b.set("probe", "p", EntryOptions::new()).await?;
-        if hears_after(&a, heard, Duration::from_secs(1)).await {
-            break;
-        }
-        anyhow::ensure!(Instant::now() < deadline, "a never heard b");
-    }
+    corral_tests::until_a_hears_b(&a, &b, "subscribed").await?;
 
     let (gate, entered) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let first = tokio::spawn({

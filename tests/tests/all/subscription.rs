@@ -37,14 +37,7 @@ async fn a_message_is_heard_while_a_health_ping_waits() -> Result<()> {
         .build()?;
     let a = Corral::builder().redis(server.url()).build()?;
     // b listens once it hears a's announcements.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while b.metrics().l1_invalidations == 0 {
-        ensure!(Instant::now() < deadline, "b never heard a's announcements");
-        a.set("probe", "x", EntryOptions::new()).await?;
-        b.get("probe").await?;
-        a.set("probe", "x", EntryOptions::new()).await?;
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    corral_tests::until_a_hears_b(&b, &a, "listening").await?;
     a.set("k", "old", EntryOptions::new()).await?;
     assert_eq!(b.get("k").await?.as_deref(), Some(&b"old"[..]));
     hang.store(true, Ordering::SeqCst);
