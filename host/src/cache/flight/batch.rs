@@ -1015,6 +1015,45 @@ mod tests {
         );
     }
 
+    /// The control of the test above: a flight of another key between the settle and
+    /// the fills takes nothing from the batch's fills.
+    #[tokio::test]
+    async fn a_flight_of_another_key_after_the_batch_settled_leaves_its_fills_alone() {
+        let cache = Corral::builder().build().expect("a memory cache");
+        let options = || LoadOptions::from(EntryOptions::new().relative(Duration::from_secs(3600)));
+        for key in ["k", "other"] {
+            let entry = EntryOptions::new().relative(Duration::from_secs(3600));
+            cache.set(key, "older", entry).await.expect("set");
+            cache.inner.l1.remove(key);
+        }
+        let other = cache.clone();
+        BETWEEN.with(|b| {
+            *b.borrow_mut() = Some(Box::new(move || {
+                std::thread::spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime");
+                    runtime.block_on(async {
+                        let loader = || async { Err::<Bytes, _>(std::io::Error::other("a hit")) };
+                        other.get_or_set("other", options(), loader).await.expect("a hit");
+                    });
+                })
+                .join()
+                .expect("the other caller");
+            }));
+        });
+        let loader =
+            |_: Vec<String>| async { Err::<Vec<(String, Bytes)>, _>(std::io::Error::other("a hit")) };
+        cache
+            .get_or_set_many(["k"], options(), loader)
+            .await
+            .expect("a batch");
+        assert!(BETWEEN.with(|b| b.borrow().is_none()), "the seam ran");
+        let kept = cache.inner.l1.peek("k").expect("the batch filled L1");
+        assert_eq!(&kept.value[..], b"older");
+    }
+
     #[test]
     fn keys_asked_twice_are_answered_twice_in_the_order_asked() {
         let (distinct, asked) = distinct_keys(&["b", "a", "b", "c", "a"]);

@@ -126,9 +126,10 @@ pub(crate) struct Registry<T> {
 /// What a registry's clones share.
 struct Table<T> {
     flights: Mutex<Flights<T>>,
-    /// The last flight id (`Flights::next_id`), readable without the lock: a batch about
-    /// to fill L1 with its reads sees at once whether any flight began since it settled.
-    begun: AtomicU64,
+    /// How many flights began of keys the reading batch holds ([`Registry::peek`]),
+    /// readable without the lock: a batch about to fill L1 with its reads sees at once
+    /// whether any flight of its keys began since it settled ([`Peek::overtook`]).
+    peeked_begun: AtomicU64,
     /// Counts the flights while any leads (see [`Flights::leading`]).
     owed: Owed,
 }
@@ -161,7 +162,7 @@ impl<T> Registry<T> {
                     peeking: None,
                     ended: HashTable::new(),
                 }),
-                begun: AtomicU64::new(0),
+                peeked_begun: AtomicU64::new(0),
                 owed: owed.clone(),
             }),
         }
@@ -269,7 +270,9 @@ impl<T: Clone> Registry<T> {
             }
         }
         flights.next_id = id;
-        self.shared.begun.store(id, Ordering::Release);
+        if flights.peeking.as_mut().is_some_and(|p| p.holds(hash)) {
+            self.shared.peeked_begun.fetch_add(1, Ordering::Release);
+        }
         if flights.leading.is_none() {
             flights.leading = Some(self.shared.owed.hold());
         }

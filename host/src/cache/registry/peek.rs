@@ -51,7 +51,7 @@ impl Peeking {
         (hash >> 40) as usize & (bits - 1)
     }
 
-    fn holds(&mut self, hash: u64) -> bool {
+    pub(super) fn holds(&mut self, hash: u64) -> bool {
         let bit = Self::bit(hash, self.bloom.len() * 64);
         if self.bloom[bit / 64] & (1 << (bit % 64)) == 0 {
             return false;
@@ -81,8 +81,9 @@ pub(crate) struct Peek<T> {
     registry: Registry<T>,
     /// The last flight id when the batch looked.
     looked: u64,
-    /// The last flight id when the batch settled (its own joins among them).
-    settled: u64,
+    /// When the batch settled (its own joins among them): the last flight id, and how
+    /// many flights of the keys it holds had begun.
+    settled: (u64, u64),
     /// Nothing to end: the batch read nothing before joining.
     done: bool,
 }
@@ -97,10 +98,13 @@ impl<T> Peek<T> {
     /// overtaken keys.)
     pub(crate) fn overtook(&self, key: &str) -> bool {
         let shared = &self.registry.shared;
-        if self.done || shared.begun.load(Ordering::Acquire) == self.settled {
+        let (last_id, begun) = self.settled;
+        if self.done || shared.peeked_begun.load(Ordering::Acquire) == begun {
             return false;
         }
-        shared.flights.lock().began_since(key, self.looked)
+        // A flight of this batch's own (one it led from the look, or joined settling)
+        // began before the settle: not one that overtook it.
+        shared.flights.lock().began_since(key, last_id)
     }
 }
 
@@ -145,7 +149,7 @@ impl<T: Clone> Registry<T> {
         let peek = |done| Peek {
             registry: self.clone(),
             looked,
-            settled: looked,
+            settled: (looked, 0),
             done,
         };
         if flights.peeking.is_some() {
@@ -238,7 +242,7 @@ impl<T: Clone> Registry<T> {
             Vec::new()
         };
         // The look goes on until the batch has filled L1 with its hits (`Peek::overtook`).
-        peek.settled = flights.next_id;
+        peek.settled = (flights.next_id, self.shared.peeked_begun.load(Ordering::Acquire));
         (settled, overtaken)
     }
 }
@@ -263,16 +267,17 @@ impl<T> Flights<T> {
         }
     }
 
-    /// Whether a flight of `key` began since the last flight id was `looked`: it runs,
+    /// Whether a flight of `key` began since the last flight id was `since`: it runs,
     /// or it ended (kept, `key` being a key the reading batch looked at).
-    fn began_since(&self, key: &str, looked: u64) -> bool {
+    fn began_since(&self, key: &str, since: u64) -> bool {
         let hash = self.hasher.hash_one(key);
-        // A live flight of a key the batch read unjoined began after its look.
-        self.by_key.find(hash, |live| live.key.as_str() == key).is_some()
+        self.by_key
+            .find(hash, |live| live.key.as_str() == key)
+            .is_some_and(|live| live.flight.id > since)
             || self
                 .ended
                 .find(hash, |e| e.key.as_str() == key)
-                .is_some_and(|e| e.id > looked)
+                .is_some_and(|e| e.id > since)
     }
 
     /// The end of a batch's look: what ended meanwhile, to be dropped once the map is
@@ -414,8 +419,29 @@ mod tests {
         assert!(!peek.overtook("other"), "a flight of another key");
         let running = lead(&registry, "other");
         assert!(peek.overtook("other"), "a running flight of the key");
+        assert!(
+            !peek.overtook("miss"),
+            "the batch's own flight, joined as it settled"
+        );
         drop((peek, settled, running));
         assert_eq!(kept(&registry), 0, "nothing kept once the batch filled");
+    }
+
+    #[tokio::test]
+    async fn a_hit_the_batch_leads_from_its_look_is_not_overtaken_by_its_own_flight() {
+        let registry = Registry::<&str>::default();
+        // A flight of `led` runs as of a ticket its key has since left: the batch seals
+        // it and leads its own from the look; `read` has none.
+        let old = lead(&registry, "led");
+        let (mut peek, looked) = registry.peek(["led", "read"], |_| CHANGED);
+        assert!(matches!(looked[0], Some(Join::Leader(_))), "sealed and led anew");
+        let (settled, _) = registry.settle(&mut peek, [], ["read"], |_| CHANGED);
+        // Another caller's flight of a key of the batch begins after the settle: the
+        // check is made, and the batch's own flight of `led` is not counted.
+        let _other = lead(&registry, "read");
+        assert!(peek.overtook("read"));
+        assert!(!peek.overtook("led"), "its own flight, led since the look");
+        drop((peek, looked, settled, old));
     }
 
     #[test]
