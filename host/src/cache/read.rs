@@ -100,8 +100,14 @@ impl ReadHints {
         (hash, &self.slots[(hash as usize) & (self.slots.len() - 1)])
     }
 
+    /// Whether any guess was ever written: until one is, [`get`](Self::get) answers
+    /// `None` for every key.
+    pub(crate) fn any(&self) -> bool {
+        self.written.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn get(&self, key: &str) -> Option<NextRead> {
-        if !self.written.load(Ordering::Relaxed) {
+        if !self.any() {
             return None;
         }
         let (hash, (tag, guess)) = self.slot(key);
@@ -327,7 +333,13 @@ impl Corral {
         mut served: impl FnMut(usize, Bytes, u64),
     ) -> Vec<(usize, Result<ReadFound>)> {
         let inner = &*self.inner;
-        let hints: Vec<Option<NextRead>> = names.iter().map(|n| inner.read_hints.get(n)).collect();
+        // No guess written yet: every key is read plainly (no list of `None`s).
+        let hints: Vec<Option<NextRead>> = if inner.read_hints.any() {
+            names.iter().map(|n| inner.read_hints.get(n)).collect()
+        } else {
+            Vec::new()
+        };
+        let hint_of = |i: usize| hints.get(i).copied().flatten();
         let is_plain = |hint: &Option<NextRead>| matches!(hint, None | Some(NextRead::Get));
         let some_plain: Vec<&str>;
         let plain = if hints.iter().all(is_plain) {
@@ -347,7 +359,8 @@ impl Corral {
         // A loop, not a closure: the futures' borrows stay of one lifetime (a closure's
         // would be higher-ranked, and the future not provably `Send`).
         let mut looks = Vec::new();
-        for (i, (&name, &hint)) in names.iter().zip(&hints).enumerate() {
+        for (i, &name) in names.iter().enumerate() {
+            let hint = hint_of(i);
             let fetched = match hint {
                 None | Some(NextRead::Get) => shared.next(),
                 Some(_) => None,
@@ -403,16 +416,13 @@ impl Corral {
             .into_iter()
             .map(|read| read.map_err(|e| self.l2_failed(e)))
             .collect();
-        let mut reads: Vec<&[u8]> = Vec::with_capacity(found.len());
-        reads.extend(
-            found
-                .iter()
-                .filter_map(|read| read.as_ref().ok().and_then(Option::as_ref))
-                .map(|b| &b[..]),
-        );
+        let reads = found
+            .iter()
+            .filter_map(|read| read.as_ref().ok().and_then(Option::as_ref))
+            .map(|b| &b[..]);
         let judged = inner
             .policy
-            .read_many(&reads, now, inner.l1_ttl_ms)
+            .read_many(reads, now, inner.l1_ttl_ms)
             .map(Judgements::from);
         SharedReads {
             found: found.into_iter(),

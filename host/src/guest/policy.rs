@@ -337,14 +337,20 @@ impl Policy {
     /// Judges a batch's plain first reads (the bytes each `GET` found) at `now_ms`, in
     /// one call (contract §5.16): each served from its read alone, or flying on with its
     /// outcome (and for a fresh entry, how long L1 may serve it).
-    pub(crate) fn read_many(&self, reads: &[&[u8]], now_ms: u64, l1_ttl_ms: u64) -> Result<JudgedMany> {
+    pub(crate) fn read_many<'r>(
+        &self,
+        reads: impl Iterator<Item = &'r [u8]> + Clone,
+        now_ms: u64,
+        l1_ttl_ms: u64,
+    ) -> Result<JudgedMany> {
         let limits = self.inner.limits;
         let head_len = self.inner.batch_head_len;
         let head = |stored: &[u8]| stored.len().min(head_len);
         // The heads joined in one buffer, the lengths in a list of their own: one copy
         // each across the boundary, not one per read.
-        let mut heads = Vec::with_capacity(reads.iter().map(|r| head(r)).sum());
-        let mut lens = Vec::with_capacity(reads.len());
+        let (count, sum) = reads.clone().fold((0, 0), |(n, sum), r| (n + 1, sum + head(r)));
+        let mut heads = Vec::with_capacity(sum);
+        let mut lens = Vec::with_capacity(count);
         for stored in reads {
             heads.extend_from_slice(&stored[..head(stored)]);
             lens.push(stored.len() as u64);

@@ -806,6 +806,9 @@ impl Corral {
         (overtaken, peek): (impl Iterator<Item = usize>, &registry::Peek<Outcome>),
         answers: &[Option<Result<Served>>],
     ) {
+        if fills.is_empty() {
+            return;
+        }
         let inner = &*self.inner;
         let mut overtook = vec![false; keys.len()];
         for i in overtaken {
