@@ -735,8 +735,10 @@ impl Corral {
         let mut parts = Vec::new();
         // Read: the keys no flight has (`None`) and those this caller leads (`leads`).
         let (mut to_read, mut leads) = (Vec::with_capacity(missed.len()), Vec::new());
-        for (&i, join) in missed.iter().zip(looked) {
-            match join {
+        // `looked` is empty when no key joined.
+        let mut looked = looked.into_iter();
+        for &i in missed {
+            match looked.next().flatten() {
                 Some(Join::Follower(rx)) => parts.push((i, Part::Follow(rx), None)),
                 Some(Join::Leader(guard)) => {
                     to_read.push(i);

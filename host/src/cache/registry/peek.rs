@@ -131,9 +131,10 @@ impl<T: Clone> Registry<T> {
     /// A batch's look at `keys` (each with its ticket now, `ticket`) before it reads
     /// them, with the map locked once: a key with a flight under way joins it (`Some`,
     /// as [`join`](Self::join)); the others (`None`) are read before they join, and
-    /// joined by [`settle`](Self::settle) only if their reads did not answer them. While
-    /// another batch reads so, every key joins now, as [`join_many`](Self::join_many)
-    /// joins them.
+    /// joined by [`settle`](Self::settle) only if their reads did not answer them; the
+    /// list is empty when no key joined (no flight was under way: every key is read
+    /// first). While another batch reads so, every key joins now, as
+    /// [`join_many`](Self::join_many) joins them.
     pub(crate) fn peek<'k, K>(
         &self,
         keys: K,
@@ -157,21 +158,25 @@ impl<T: Clone> Registry<T> {
             return (peek(true), joins.into_iter().map(Some).collect());
         }
         let mut unjoined = Vec::with_capacity(keys.len());
-        let joins = keys
-            .map(|key| {
+        let joins = if flights.by_key.is_empty() {
+            // No flight under way: nothing to join, no list of `None`s.
+            unjoined.extend(keys.map(|key| flights.hasher.hash_one(key)));
+            Vec::new()
+        } else {
+            keys.map(|key| {
                 let hash = flights.hasher.hash_one(key);
-                if !flights.by_key.is_empty()
-                    && flights
-                        .by_key
-                        .find(hash, |live| live.key.as_str() == key)
-                        .is_some()
+                if flights
+                    .by_key
+                    .find(hash, |live| live.key.as_str() == key)
+                    .is_some()
                 {
                     return Some(self.join_hashed(&mut flights, hash, key, KeyText::Own, ticket(key)));
                 }
                 unjoined.push(hash);
                 None
             })
-            .collect();
+            .collect()
+        };
         if unjoined.is_empty() {
             return (peek(true), joins);
         }
@@ -388,7 +393,7 @@ mod tests {
         lead(&registry, "a").finish("A");
         assert_eq!(kept(&registry), 0);
         let (mut third, looked) = registry.peek(["a"], |_| T0);
-        assert!(looked[0].is_none(), "the next batch reads first again");
+        assert!(looked.is_empty(), "the next batch reads first again");
         let (settled, overtaken) = registry.settle(&mut third, [("a", T0)], [], |_| T0);
         assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
         assert!(overtaken.is_empty());
