@@ -38,6 +38,19 @@ pub(crate) struct L1Entry {
     pub(crate) tagged: L1Tagged,
 }
 
+impl L1Entry {
+    /// A fresh copy of `value`, served until `until_ms`, with no refresh due.
+    fn fresh(value: Bytes, until_ms: u64, tagged: L1Tagged) -> Self {
+        L1Entry {
+            value,
+            until_ms,
+            stale: false,
+            refresh_at_ms: None,
+            tagged,
+        }
+    }
+}
+
 /// What L1 keeps of a tagged entry (contract §7.5): the tag epoch in which the guest
 /// judged its tags (`None`: untagged). Any invalidation this process hears of moves the
 /// epoch on, and a hit of an entry judged in an older epoch is a miss: the read goes to
@@ -480,25 +493,13 @@ impl L1<L1Entry> {
         tagged: L1Tagged,
         overtaken: impl FnOnce() -> bool,
     ) -> bool {
-        let entry = L1Entry {
-            value,
-            until_ms,
-            stale: false,
-            refresh_at_ms: None,
-            tagged,
-        };
+        let entry = L1Entry::fresh(value, until_ms, tagged);
         self.fill_entry_unless(key, entry, ticket, overtaken)
     }
 
     /// As [`insert_entry`](Self::insert_entry), for a fresh value.
     pub(crate) fn insert(&self, key: &str, value: Bytes, until_ms: u64, ticket: Ticket, tagged: L1Tagged) {
-        let entry = L1Entry {
-            value,
-            until_ms,
-            stale: false,
-            refresh_at_ms: None,
-            tagged,
-        };
+        let entry = L1Entry::fresh(value, until_ms, tagged);
         self.insert_entry(key, entry, ticket);
     }
 }

@@ -948,6 +948,26 @@ mod tests {
         }
     }
 
+    /// Sets the seam to run what `then` makes, once, on another thread with a runtime
+    /// of its own (the batch holds this thread meanwhile), and to wait for it.
+    fn between_on_another_thread<F>(then: impl FnOnce() -> F + Send + 'static)
+    where
+        F: Future<Output = ()>,
+    {
+        let run = move || {
+            std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a runtime");
+                runtime.block_on(then());
+            })
+            .join()
+            .expect("the other caller");
+        };
+        BETWEEN.with(|b| *b.borrow_mut() = Some(Box::new(run)));
+    }
+
     #[tokio::test]
     async fn a_flight_that_fills_l1_after_the_batch_settled_keeps_its_newer_copy() {
         let cache = Corral::builder().build().expect("a memory cache");
@@ -971,35 +991,16 @@ mod tests {
             .expect("read")
             .expect("written");
         let newer = Bytes::from([&older[..older.len() - 5], b"newer"].concat());
+        // While the batch is between its settle and its fills: another process writes
+        // the key (unheard here yet), and a caller here reads it through a flight that
+        // begins after the settle, and fills L1 with it.
         let other = cache.clone();
-        BETWEEN.with(|b| {
-            *b.borrow_mut() = Some(Box::new(move || {
-                // On another thread, while the batch is between its settle and its
-                // fills: another process writes the key (unheard here yet), and a
-                // caller here reads it through a flight that begins after the settle,
-                // and fills L1 with it.
-                let (cache, name) = (other, name);
-                std::thread::spawn(move || {
-                    let runtime = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .expect("a runtime");
-                    runtime.block_on(async {
-                        cache
-                            .inner
-                            .stores
-                            .entries
-                            .set(&name, newer, 3_600_000)
-                            .await
-                            .expect("written");
-                        let loader = || async { Err::<Bytes, _>(std::io::Error::other("a hit")) };
-                        let got = cache.get_or_set("k", options(), loader).await.expect("a hit");
-                        assert_eq!(&got[..], b"newer");
-                    });
-                })
-                .join()
-                .expect("the other caller");
-            }));
+        between_on_another_thread(move || async move {
+            let entries = &other.inner.stores.entries;
+            entries.set(&name, newer, 3_600_000).await.expect("written");
+            let loader = || async { Err::<Bytes, _>(std::io::Error::other("a hit")) };
+            let got = other.get_or_set("k", options(), loader).await.expect("a hit");
+            assert_eq!(&got[..], b"newer");
         });
         let loader =
             |_: Vec<String>| async { Err::<Vec<(String, Bytes)>, _>(std::io::Error::other("a hit")) };
@@ -1032,21 +1033,9 @@ mod tests {
             cache.inner.l1.remove(key);
         }
         let other = cache.clone();
-        BETWEEN.with(|b| {
-            *b.borrow_mut() = Some(Box::new(move || {
-                std::thread::spawn(move || {
-                    let runtime = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .expect("a runtime");
-                    runtime.block_on(async {
-                        let loader = || async { Err::<Bytes, _>(std::io::Error::other("a hit")) };
-                        other.get_or_set("other", options(), loader).await.expect("a hit");
-                    });
-                })
-                .join()
-                .expect("the other caller");
-            }));
+        between_on_another_thread(move || async move {
+            let loader = || async { Err::<Bytes, _>(std::io::Error::other("a hit")) };
+            other.get_or_set("other", options(), loader).await.expect("a hit");
         });
         let loader =
             |_: Vec<String>| async { Err::<Vec<(String, Bytes)>, _>(std::io::Error::other("a hit")) };
