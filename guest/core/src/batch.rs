@@ -14,6 +14,7 @@
 //!   `max_batch` per call ([`calls`]).
 
 use crate::envelope;
+use crate::expiry::{self, Freshness};
 #[cfg(doc)]
 use crate::names;
 use crate::policy::{self, NextRead, ReadOutcome};
@@ -79,6 +80,15 @@ pub fn read_many(reads: &[FirstRead<'_>], now_ms: u64, limits: &Limits, l1_ttl_m
 
 /// Judges one first read of a batch at `now_ms` (see [`read_many`]).
 pub fn judge(read: &FirstRead<'_>, now_ms: u64, limits: &Limits, l1_ttl_ms: u64) -> Judged {
+    match served_plainly(read, now_ms, limits, l1_ttl_ms) {
+        Some(served) => Judged::Served(served),
+        None => judged_in_full(read, now_ms, limits, l1_ttl_ms),
+    }
+}
+
+/// Judges a first read from [`policy::read`]'s whole judgement (see [`read_many`]).
+#[inline(never)]
+fn judged_in_full(read: &FirstRead<'_>, now_ms: u64, limits: &Limits, l1_ttl_ms: u64) -> Judged {
     match policy::read(read.head, read.total_len, now_ms, limits, read.slid_ms) {
         // Read whole, the header may decode: a head cut short of the longest header
         // that ran out before the header ended says nothing of the entry. (Every other
@@ -107,6 +117,28 @@ pub fn judge(read: &FirstRead<'_>, now_ms: u64, limits: &Limits, l1_ttl_ms: u64)
             outcome,
             l1_until_ms: 0,
         },
+    }
+}
+
+/// The common read of a batch, judged the short way: an untagged entry whose envelope
+/// keeps its expiry (version 1, or 3 with a stale window), fresh and not moved by its
+/// read, read with no TTL set. Such a read is served just as [`policy::read`] would judge
+/// it (its decoding, expiry and next read are the same functions), without building the
+/// [`ReadOutcome`] a flight needs; `None` for any other read, judged in full.
+#[inline]
+fn served_plainly(read: &FirstRead<'_>, now_ms: u64, limits: &Limits, l1_ttl_ms: u64) -> Option<Served> {
+    let version = *read.head.get(3)?;
+    if read.slid_ms.is_some() || !(version == envelope::VERSION || version == envelope::STALE_VERSION) {
+        return None;
+    }
+    let decoded = envelope::decode_header(read.head, read.total_len, limits).ok()?;
+    match expiry::check(&decoded.meta, now_ms) {
+        Freshness::Fresh { meta, moved: false } => Some(Served {
+            value_offset: decoded.value_offset,
+            next_read: NextRead::of_envelope(&meta, false),
+            l1_until_ms: flight::l1_deadline(&meta, now_ms, l1_ttl_ms),
+        }),
+        _ => None,
     }
 }
 
@@ -164,8 +196,87 @@ pub fn calls(ready: u64, max_batch: Option<u64>) -> Vec<u64> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
-    use crate::expiry::EntryOptions;
+    use crate::envelope::Keeper;
+    use crate::expiry::{EntryMeta, EntryOptions};
+
+    /// Stored bytes of every shape a read can find: an envelope of any version (a stale
+    /// window, tags, kept by the store, sliding or not), a tombstone, or bytes cut short,
+    /// mangled or foreign.
+    fn any_stored() -> impl Strategy<Value = Vec<u8>> {
+        let meta = (
+            proptest::option::of(1u64..4_000),
+            proptest::option::of(1u64..4_000),
+            1u64..4_000,
+            proptest::option::of(1u64..4_000),
+        )
+            .prop_filter("some expiration", |(a, s, _, _)| a.is_some() || s.is_some())
+            .prop_map(|(absolute_ms, sliding_ms, e, stale_ms)| EntryMeta {
+                absolute_ms,
+                sliding_ms,
+                expires_at_ms: absolute_ms.map_or(e, |a| a.min(e)),
+                stale_ms,
+            });
+        let keeper = prop_oneof![Just(Keeper::Envelope), Just(Keeper::Store)];
+        let envelope = (
+            meta,
+            keeper,
+            any::<bool>(),
+            proptest::collection::vec(any::<u8>(), 0..8),
+        )
+            .prop_map(|(meta, keeper, tagged, value)| {
+                if tagged {
+                    let tagged = envelope::Tagged {
+                        written_at_ms: 5,
+                        tags: vec!["t".into()],
+                    };
+                    [
+                        envelope::encode_tagged_header(&meta, value.len() as u64, &tagged),
+                        value,
+                    ]
+                    .concat()
+                } else {
+                    envelope::encode(&meta, &value, keeper)
+                }
+            });
+        // What a body may find instead: the envelope cut, a byte changed, or a tombstone.
+        (envelope, 0usize..4, any::<usize>(), any::<u8>()).prop_map(|(mut bytes, how, at, byte)| {
+            match how {
+                0 => {}
+                1 => bytes.truncate(at % (bytes.len() + 1)),
+                2 => {
+                    let at = at % bytes.len();
+                    bytes[at] = byte;
+                }
+                _ => bytes = [&envelope::TOMBSTONE[..], &[byte]].concat(),
+            }
+            bytes
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2_000))]
+        /// The short way serves a read only as the whole judgement would.
+        #[test]
+        fn a_read_served_the_short_way_is_judged_as_in_full(
+            stored in any_stored(),
+            now_ms in 0u64..5_000,
+            slid in proptest::option::weighted(0.2, 1u64..4_000),
+            head_cut in prop_oneof![Just(usize::MAX), 0usize..80],
+        ) {
+            let limits = Limits::default();
+            let read = FirstRead {
+                head: &stored[..head_cut.min(stored.len())],
+                total_len: stored.len() as u64,
+                slid_ms: slid,
+            };
+            if let Some(served) = served_plainly(&read, now_ms, &limits, 1_000) {
+                prop_assert_eq!(Judged::Served(served), judged_in_full(&read, now_ms, &limits, 1_000));
+            }
+        }
+    }
 
     #[test]
     fn calls_split_by_max_batch() {

@@ -157,6 +157,20 @@ pub enum NextRead {
     Expiring(u64),
 }
 
+impl NextRead {
+    /// How to read next an entry whose envelope keeps its expiry (with `meta`, tagged or
+    /// not): the script slides version-1 envelopes in place; an entry with a stale window
+    /// or tags is read plainly and its touch written back.
+    #[inline]
+    pub fn of_envelope(meta: &EntryMeta, tagged: bool) -> Self {
+        if meta.sliding_ms.is_some() && meta.stale_ms.is_none() && !tagged {
+            NextRead::Script
+        } else {
+            NextRead::Get
+        }
+    }
+}
+
 /// What a read of stored bytes found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ReadOutcome {
@@ -308,16 +322,7 @@ pub fn read(head: &[u8], total_len: u64, now_ms: u64, limits: &Limits, slid_ms: 
                     value_offset,
                     touch,
                     store_ttl_ms: expiry::store_ttl_ms(&meta, now_ms),
-                    // The script slides version-1 envelopes in place; an entry with a
-                    // stale window or tags is read plainly and its touch written back.
-                    next_read: if meta.sliding_ms.is_some()
-                        && meta.stale_ms.is_none()
-                        && decoded.tagged.is_none()
-                    {
-                        NextRead::Script
-                    } else {
-                        NextRead::Get
-                    },
+                    next_read: NextRead::of_envelope(&meta, decoded.tagged.is_some()),
                     tagged: decoded.tagged,
                 })
             }
