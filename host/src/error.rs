@@ -257,8 +257,14 @@ impl Error {
 
     /// The loader panicked; `payload` is what it panicked with.
     pub(crate) fn loader_panicked(payload: &(dyn std::any::Any + Send)) -> Self {
-        let what = panic_text(payload);
-        let mut e = Error::new(ErrorKind::Loader, format!("the loader panicked: {what}"));
+        Self::panicked_in("the loader", payload)
+    }
+
+    /// A load that failed because `what` (the loader, or a predicate it runs: its
+    /// `should_cache`) panicked with `payload`: a `Loader` error, its flight handed on.
+    pub(crate) fn panicked_in(what: &str, payload: &(dyn std::any::Any + Send)) -> Self {
+        let text = panic_text(payload);
+        let mut e = Error::new(ErrorKind::Loader, format!("{what} panicked: {text}"));
         e.0.panicked = true;
         e
     }

@@ -72,7 +72,7 @@ const DESCRIPTIONS: &[(&str, Unit, &str)] = &[
     (
         "corral_cache_loads_total",
         Unit::Count,
-        "Loader calls made by get-or-set.",
+        "Keys a get-or-set loader was called for (a bulk call's loader call counts each of its keys).",
     ),
     (
         "corral_cache_coalesced_total",
@@ -148,7 +148,9 @@ macro_rules! counters {
         #[derive(Debug)]
         pub(crate) struct Metrics {
             $(pub(crate) $field: Counter,)*
-            /// The loader's duration in seconds ([`LOAD_DURATION`]).
+            /// How long each load waited for its value from the loader, in seconds
+            /// ([`LOAD_DURATION`]); a bulk call's key counts from when it was ready to
+            /// load, its wait for the batch's other keys included.
             pub(crate) load_duration: metrics::Histogram,
         }
 
@@ -216,7 +218,8 @@ counters! {
     /// Corrupt or foreign entries found, removed and treated as misses
     /// (`corral_cache_corrupt_entries_total`).
     corrupt => "corral_cache_corrupt_entries_total";
-    /// Loader calls made by get-or-set (`corral_cache_loads_total`).
+    /// Keys a get-or-set loader was called for: one per single-key load, and each key of
+    /// a bulk call's loader call (`corral_cache_loads_total`).
     loads => "corral_cache_loads_total";
     /// Get-or-set callers served by another caller's load in this process
     /// (`corral_cache_coalesced_total`).
@@ -267,7 +270,7 @@ fn describe() {
     metrics::describe_histogram!(
         LOAD_DURATION,
         Unit::Seconds,
-        "How long the loader of a get-or-set took, per load."
+        "How long each load waited for its value from the loader; a bulk call's key counts from when it was ready to load, its wait for the batch's other keys included."
     );
 }
 

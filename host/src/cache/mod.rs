@@ -853,13 +853,27 @@ impl Corral {
         })
     }
 
-    /// The entry names of a batch's keys, all checked and named (by memory or in one
-    /// guest call), in the generation [`locate`](Self::locate) would use, and whether
-    /// they may be read.
+    /// A batch's keys, all checked (contract §5.16), and named (by memory or in one guest
+    /// call) when the prefix's generation is known: their names in it. `None` when it is
+    /// not: the keys are checked by the guest alone, and named by
+    /// [`locate_entries`](Self::locate_entries) once L1 answered what it holds, so that a
+    /// batch of L1 hits waits on no store, as one get-or-set's L1 hit does not.
+    pub(crate) fn entries_if_known(&self, keys: &[&str]) -> Result<Option<Parts>> {
+        match self.known_generation() {
+            Some(generation) => self.entries_in(keys, generation).map(Some),
+            None => {
+                let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
+                policy.locate_entries(prefix, keys, 0).map(|_| None)
+            }
+        }
+    }
+
+    /// The entry names of a batch's keys, checked already
+    /// ([`entries_if_known`](Self::entries_if_known)), in the generation
+    /// [`locate`](Self::locate) would use (read now if it is not known), and whether they
+    /// may be read.
     pub(crate) async fn locate_entries(&self, keys: &[&str]) -> Result<(Parts, bool)> {
-        let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
-        let check = || policy.locate_entries(prefix, keys, 0).map(drop);
-        let (generation, readable) = self.flight_generation(check).await?;
+        let (generation, readable) = self.flight_generation(|| Ok(())).await?;
         Ok((self.entries_in(keys, generation)?, readable))
     }
 

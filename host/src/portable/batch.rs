@@ -216,7 +216,21 @@ impl BatchOrigin {
                 return Err(e);
             }
         }
-        let out = match run_origin(s, || (self.loader)(&asked)) {
+        // `should_cache` runs with the loader: its panic is the call's, as the loader's is.
+        let (loader, should_cache) = (&mut self.loader, &self.should_cache);
+        let judged = || {
+            (loader)(&asked).map(|values| {
+                let judged: Vec<(String, (Vec<u8>, bool))> = values
+                    .into_iter()
+                    .map(|(key, value)| {
+                        let cacheable = should_cache(&value);
+                        (key, (value, cacheable))
+                    })
+                    .collect();
+                judged
+            })
+        };
+        let out = match run_origin(s, judged) {
             Ok(out) => out,
             Err(e) => {
                 for (_, load, _) in loads {
@@ -225,7 +239,7 @@ impl BatchOrigin {
                 return Err(e);
             }
         };
-        let (mut values, failure): (HashMap<String, Vec<u8>>, _) = match out {
+        let (mut values, failure): (HashMap<String, (Vec<u8>, bool)>, _) = match out {
             Ok(values) => (values.into_iter().collect(), None),
             Err(reason) => (HashMap::new(), Some(reason)),
         };
@@ -235,8 +249,7 @@ impl BatchOrigin {
         for (at, load, answers_key) in loads {
             let answer = match (&failure, values.remove(&keys[at])) {
                 (Some(reason), _) => cache.call_fail(&mut s.store, load, reason)?,
-                (None, Some(value)) => {
-                    let cacheable = (self.should_cache)(&value);
+                (None, Some((value, cacheable))) => {
                     cache.call_complete(&mut s.store, load, &value, cacheable)?
                 }
                 // Absent: a loader failure to the flight (fail-safe may serve a stale

@@ -429,7 +429,10 @@ impl Origin {
         load: wasmtime::component::ResourceAny,
         key: &str,
     ) -> wasmtime::Result<std::result::Result<Vec<u8>, types::Error>> {
-        let out = match run_origin(s, || (self.loader)(key)) {
+        // `should_cache` runs with the loader: its panic is the load's, as the loader's is.
+        let (loader, should_cache) = (&mut self.loader, &self.should_cache);
+        let judged = || (loader)(key).map(|value| (should_cache(&value), value));
+        let out = match run_origin(s, judged) {
             Ok(out) => out,
             Err(e) => {
                 load.resource_drop(&mut s.store)?;
@@ -438,10 +441,7 @@ impl Origin {
         };
         let cache = s.guest.corral_cache_cache().load();
         match out {
-            Ok(value) => {
-                let cacheable = (self.should_cache)(&value);
-                cache.call_complete(&mut s.store, load, &value, cacheable)
-            }
+            Ok((cacheable, value)) => cache.call_complete(&mut s.store, load, &value, cacheable),
             Err(reason) => cache.call_fail(&mut s.store, load, &reason),
         }
     }

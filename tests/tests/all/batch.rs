@@ -343,6 +343,8 @@ async fn max_batch_splits_the_loader_calls() -> Result<()> {
     sizes.sort_unstable();
     assert_eq!(sizes, [5, 10, 10]);
     assert_eq!(calls.per_key().len(), 25);
+    // `loads` counts keys loaded, as 25 single-key loads would: not the 3 calls.
+    assert_eq!(f.cache.metrics().loads, 25);
     Ok(())
 }
 
@@ -447,6 +449,155 @@ async fn a_hundred_l2_hits_cost_one_mget() -> Result<()> {
         "one command in all"
     );
     assert_eq!(reader.metrics().l2_hits, 100);
+    Ok(())
+}
+
+/// A `should_cache` that panics fails its key as the key's loader panicking would (a
+/// `Loader` error naming the panic), in a batch and for one key: the call returns, and
+/// the batch's other keys are served and cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_should_cache_that_panics_fails_its_key_alone() -> Result<()> {
+    use futures::FutureExt;
+    use std::panic::AssertUnwindSafe;
+    let f = Fixture::new(Backend::Memory)?;
+    let calls = Calls::default();
+    let picky = || {
+        relative().should_cache(|v| {
+            assert!(v != b"value:b", "a predicate that cannot take b");
+            true
+        })
+    };
+    let answers = AssertUnwindSafe(f.cache.get_or_set_many(["a", "b"], picky(), answering(&calls)))
+        .catch_unwind()
+        .await
+        .map_err(|_| anyhow::anyhow!("the predicate's panic escaped the batch"))??;
+    assert_eq!(answers[0].as_ref().ok(), Some(&Some(Bytes::from("value:a"))));
+    let e = answers[1].as_ref().expect_err("b's predicate panicked");
+    assert_eq!(e.kind(), ErrorKind::Loader);
+    assert!(
+        e.to_string()
+            .contains("should_cache panicked: a predicate that cannot take b"),
+        "{e}"
+    );
+    // a was cached: asked again, it is not loaded again.
+    f.cache.get_or_set_many(["a"], picky(), answering(&calls)).await?;
+    assert_eq!(calls.all(), [vec!["a".to_string(), "b".to_string()]]);
+    let one = AssertUnwindSafe(
+        f.cache
+            .get_or_set("b", picky(), || async { Ok::<_, std::io::Error>("value:b") }),
+    )
+    .catch_unwind()
+    .await
+    .map_err(|_| anyhow::anyhow!("the predicate's panic escaped the call"))?;
+    assert_eq!(one.expect_err("b's predicate panicked").kind(), ErrorKind::Loader);
+    Ok(())
+}
+
+/// A batch dropped while its loader runs (its caller cancelled): an in-process follower
+/// of one of its keys leads in its place at once, the locks of its keys are released
+/// (not left to their 30 s TTL), and nothing of it stays in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_batch_hands_its_keys_on_at_once() -> Result<()> {
+    let _real_time = real_time().await;
+    let f = Fixture::new(Backend::Redis)?;
+    let (batch, _release) = held_batch(&f.cache, &["a", "b"], |keys| {
+        Ok::<_, std::io::Error>(keys.into_iter().map(|k| (k, "from the batch".into())).collect())
+    })
+    .await;
+    let follower = {
+        let cache = f.cache.clone();
+        tokio::spawn(async move {
+            cache
+                .get_or_set("a", relative(), || async {
+                    Ok::<_, std::io::Error>("from the follower")
+                })
+                .await
+        })
+    };
+    while f.cache.followers_of("a") < 1 {
+        tokio::task::yield_now().await;
+    }
+    batch.abort();
+    assert!(batch.await.unwrap_err().is_cancelled());
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let led = tokio::time::timeout_at(deadline.into(), follower)
+        .await
+        .context("the follower still waits on the dropped batch")???;
+    assert_eq!(led, Bytes::from("from the follower"));
+    let server = f.redis.as_ref().context("a redis fixture")?;
+    let mut conn = server.connection().await?;
+    let lock = corral_core::names::name(f.cache.prefix(), "b", corral_core::names::Kind::FlightLock);
+    // Released in the background, as the batch's flights were dropped.
+    loop {
+        let pttl: i64 = redis::cmd("PTTL").arg(&lock).query_async(&mut conn).await?;
+        if pttl == -2 && f.cache.flights_in_progress() == 0 {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "b's lock still held ({pttl} ms left) or a flight still running"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let m = f.cache.metrics();
+    assert_eq!((m.degraded, m.lock_timeouts), (0, 0));
+    Ok(())
+}
+
+/// A batch of L1 hits waits on no store, as one get-or-set's L1 hit does not: once the
+/// prefix's generation is no longer known (an L1 TTL after it was read), the batch reads
+/// it again only for a key L1 does not hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_l1_hits_sends_nothing_once_the_generation_lapsed() -> Result<()> {
+    let f = Fixture::with(Backend::Redis, |b| b.l1_ttl(Duration::from_secs(60)))?;
+    // Its first subscription flushes L1 and forgets the generation: settled first.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while f.cache.metrics().l1_flushes < 1 {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "never subscribed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    f.cache.get("warm-up").await?;
+    // Loaded 30 s after the generation was read: L1 may serve them until they expire
+    // (a value this process loaded is not bound by the generation it knew).
+    f.clock.advance(Duration::from_secs(30));
+    let calls = Calls::default();
+    let keys = named(0..3);
+    f.cache
+        .get_or_set_many(&keys, relative(), answering(&calls))
+        .await?;
+    f.clock.advance(Duration::from_secs(35));
+    let sent = || f.cache.redis_commands_sent().context("a redis cache");
+    let (before, l1_hits) = (sent()?, f.cache.metrics().l1_hits);
+    let one = f
+        .cache
+        .get_or_set(&keys[0], relative(), || async {
+            Err::<Vec<u8>, _>(std::io::Error::other("an L1 hit"))
+        })
+        .await?;
+    assert_eq!(one, Bytes::from("value:k0"));
+    assert_eq!(sent()? - before, 0, "one key's L1 hit sends nothing");
+    let answers = values(
+        f.cache
+            .get_or_set_many(&keys, relative(), answering(&calls))
+            .await?,
+    )?;
+    assert_eq!(
+        answers,
+        ["value:k0", "value:k1", "value:k2"].map(|v| Some(v.to_string()))
+    );
+    assert_eq!(sent()? - before, 0, "a batch of L1 hits sends nothing either");
+    assert_eq!(f.cache.metrics().l1_hits - l1_hits, 4);
+    // A key L1 does not hold: the generation is read, then the key, and it is loaded.
+    let answers = values(
+        f.cache
+            .get_or_set_many(["k0", "k9"], relative(), answering(&calls))
+            .await?,
+    )?;
+    assert_eq!(
+        answers,
+        [Some("value:k0".to_string()), Some("value:k9".to_string())]
+    );
+    assert_eq!(calls.all(), [named(0..3), vec!["k9".to_string()]]);
     Ok(())
 }
 

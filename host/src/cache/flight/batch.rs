@@ -514,13 +514,11 @@ impl Corral {
         };
         // Taken before the names: L1 is never filled across a clear after them.
         let named: Vec<Ticket> = distinct.iter().map(|k| inner.l1.ticket(k)).collect();
-        let (entries, readable) = self.locate_entries(&distinct).await?;
+        let entries = self.entries_if_known(&distinct)?;
         if let Some(e) = deferred {
             return Err(e);
         }
-        let answers = self
-            .many(&distinct, (&entries, readable), &named, &options, &loader)
-            .await;
+        let answers = self.many(&distinct, entries, &named, &options, &loader).await;
         Ok(hand_out(answers, &asked)
             .into_iter()
             .map(|answer| match answer {
@@ -532,12 +530,13 @@ impl Corral {
             .collect())
     }
 
-    /// Every key of `keys` (distinct, their entries named `entries`, their L1 tickets
-    /// as of the names `named`), answered (`None`: a key nothing answered, a broken contract).
+    /// Every key of `keys` (distinct and checked, their entries named `entries` if the
+    /// generation was known, else named once L1 answered; their L1 tickets as of the
+    /// names `named`), answered (`None`: a key nothing answered, a broken contract).
     async fn many<L, Fut, I, V, E>(
         &self,
         keys: &[&str],
-        entries: (&Parts, bool),
+        entries: Option<Parts>,
         named: &[Ticket],
         options: &LoadOptions,
         loader: &L,
@@ -569,7 +568,23 @@ impl Corral {
             (0..keys.len()).map(|i| (i, Part::Lead(None), None)).collect()
         } else {
             let missed = self.answer_l1_hits(keys, &mut answers);
-            self.answer_missed(keys, entries, named, &missed, &mut answers)
+            if missed.is_empty() {
+                return answers;
+            }
+            let (entries, readable) = match entries {
+                Some(entries) => (entries, true),
+                None => match self.locate_entries(keys).await {
+                    Ok(located) => located,
+                    // Checked already: only a broken guest fails here, each key's failure.
+                    Err(e) => {
+                        for &i in &missed {
+                            answers[i] = Some(Err(e.clone()));
+                        }
+                        return answers;
+                    }
+                },
+            };
+            self.answer_missed(keys, (&entries, readable), named, &missed, &mut answers)
                 .await
         };
         if parts.is_empty() {
@@ -915,7 +930,7 @@ mod send_check {
     fn futures_are_send(c: &Corral, keys: &[&str], o: &LoadOptions) {
         send(c.l2_look_many(&[], 0, |_, _, _| ()));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
-        send(c.many(keys, (&Parts::default(), true), &[], o, &loader));
+        send(c.many(keys, Some(Parts::default()), &[], o, &loader));
         let clock = crate::clock::SystemClock;
         let loads = Loads::new(
             keys,

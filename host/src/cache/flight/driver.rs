@@ -359,7 +359,10 @@ where
             Some(Err(panic)) => return Err(Error::loader_panicked(&*panic)),
             Some(Ok(Ok(v))) => {
                 let v: Bytes = v.into();
-                let (cacheable, expiry) = self.options.verdict(&v);
+                // A `should_cache` that panics fails the load as a loader's panic does.
+                let verdict = std::panic::catch_unwind(AssertUnwindSafe(|| self.options.verdict(&v)));
+                let (cacheable, expiry) =
+                    verdict.map_err(|panic| Error::panicked_in("should_cache", &*panic))?;
                 let loaded = crate::guest::policy::wflight::Loaded {
                     len: v.len() as u64,
                     cacheable,
