@@ -225,7 +225,10 @@ impl Corral {
     ///
     /// # Errors
     /// As [`get_or_set_many`](Corral::get_or_set_many); per key,
-    /// [`ErrorKind::Corrupt`] when a cached value is not `T`'s JSON.
+    /// [`ErrorKind::Corrupt`] when a cached value is not `T`'s JSON, and
+    /// [`ErrorKind::Loader`] when the value the loader gave it cannot be encoded as JSON
+    /// (that key alone, as [`get_or_set_json`](Corral::get_or_set_json) fails: nothing
+    /// is cached for it).
     pub async fn get_or_set_many_json<T, K, L, Fut, I, E>(
         &self,
         keys: impl IntoIterator<Item = K>,
@@ -245,31 +248,49 @@ impl Corral {
         options.typed = true;
         let negative = options.none_ttl.is_some();
         let loader = &loader;
+        // A value that cannot be encoded fails its own key, as one key's typed load does,
+        // not the call's: it is left out (nothing cached, not even null: a failed load,
+        // for fail-safe too) and answered with its error.
+        let unencodable: parking_lot::Mutex<HashMap<String, Error>> = Default::default();
+        let unencodable = &unencodable;
         let answers = self
             .get_or_set_many(&keys, options, |asked: Vec<String>| async move {
                 let mut values: HashMap<String, Vec<u8>> = HashMap::new();
                 for (key, value) in loader(asked.clone()).await.map_err(Into::into)? {
-                    values.insert(key, serde_json::to_vec(&value)?);
+                    match serde_json::to_vec(&value) {
+                        Ok(json) => {
+                            values.insert(key, json);
+                        }
+                        Err(e) => {
+                            values.remove(&key);
+                            unencodable.lock().insert(key, Error::loader(Box::new(e)));
+                        }
+                    }
                 }
                 // A key left out is absent (its followers elsewhere load it themselves),
                 // unless negative caching is asked for: then it is JSON null, which the
                 // typed verdict caches for its own TTL.
+                let unencodable = unencodable.lock();
                 let all: Vec<(String, Vec<u8>)> = asked
                     .into_iter()
                     .filter_map(|key| match values.remove(&key) {
                         Some(value) => Some((key, value)),
+                        None if unencodable.contains_key(&key) => None,
                         None => negative.then(|| (key, b"null".to_vec())),
                     })
                     .collect();
                 Ok::<_, Box<dyn std::error::Error + Send + Sync>>(all)
             })
             .await?;
+        let unencodable = unencodable.lock();
         Ok(keys
             .iter()
             .zip(answers)
-            .map(|(key, answer)| match answer? {
-                Some(bytes) => decode::<Option<T>>(key, &bytes),
-                None => Ok(None),
+            .map(|(key, answer)| match (answer?, unencodable.get(key)) {
+                // A stale copy fail-safe served in place of the failed load.
+                (Some(bytes), _) => decode::<Option<T>>(key, &bytes),
+                (None, Some(e)) => Err(e.clone()),
+                (None, None) => Ok(None),
             })
             .collect())
     }

@@ -678,6 +678,65 @@ async fn the_typed_twin_caches_absence_when_asked() -> Result<()> {
     Ok(())
 }
 
+/// A typed value that cannot be encoded as JSON (a map with non-string keys) fails its
+/// own key with a `Loader` error, as one key's typed load does: the batch's other keys
+/// are served and cached, and the failed key caches nothing, not even the null that
+/// negative caching would write for a key left out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_typed_value_that_cannot_be_encoded_fails_its_key_alone() -> Result<()> {
+    type Scores = BTreeMap<Vec<u8>, u8>;
+    let f = Fixture::new(Backend::Memory)?;
+    let calls = Calls::default();
+    let load = |calls: &Calls| {
+        let calls = calls.clone();
+        move |asked: Vec<String>| {
+            calls.note(&asked);
+            let found: Vec<(String, Scores)> = asked
+                .into_iter()
+                .map(|k| {
+                    let scores = if k == "bad" {
+                        [(vec![1], 1)].into()
+                    } else {
+                        Scores::new()
+                    };
+                    (k, scores)
+                })
+                .collect();
+            std::future::ready(Ok::<_, std::io::Error>(found))
+        }
+    };
+    let options = || relative().cache_none_for(Duration::from_secs(5));
+    let answers = f
+        .cache
+        .get_or_set_many_json::<Scores, _, _, _, _, _>(["good", "bad"], options(), load(&calls))
+        .await?;
+    assert_eq!(answers[0].as_ref().ok(), Some(&Some(Scores::new())));
+    let e = answers[1].as_ref().expect_err("its value has no JSON");
+    assert_eq!(e.kind(), ErrorKind::Loader);
+    let one = f
+        .cache
+        .get_or_set_json::<Scores, _, _, _>("bad", relative(), || async {
+            Ok::<_, std::io::Error>([(vec![1], 1)].into())
+        })
+        .await
+        .expect_err("its value has no JSON");
+    assert_eq!(one.kind(), e.kind());
+    // Asked again: the good key is served from the cache, the bad one loaded again.
+    let again = f
+        .cache
+        .get_or_set_many_json::<Scores, _, _, _, _, _>(["good", "bad"], options(), load(&calls))
+        .await?;
+    assert!(again[1].is_err());
+    assert_eq!(
+        calls.all(),
+        [
+            vec!["good".to_string(), "bad".to_string()],
+            vec!["bad".to_string()]
+        ]
+    );
+    Ok(())
+}
+
 /// A loader whose answer panics as it is read (a lazy iterator) fails its call's keys
 /// with its own panic, every one of them (before, all but one got the futures crate's
 /// "inner future panicked during poll"), and leaves no flight behind.
