@@ -126,7 +126,8 @@ pub enum Command {
         /// How long the loader takes, in ms (at most an hour).
         #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
         loader_ms: u64,
-        /// The key (default: a fresh one per run).
+        /// The key (default: a fresh one, shared by the runs against the same store that
+        /// start while this one runs: start several at once for a multi-process stampede).
         #[arg(long)]
         key: Option<String>,
         /// Print exactly one JSON object on stdout instead of tables.

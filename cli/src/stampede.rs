@@ -19,7 +19,8 @@ use crate::redact::RedisUrl;
 pub struct Request {
     pub callers: usize,
     pub loader: Duration,
-    /// The key (default: a fresh one per run).
+    /// The key (default: a fresh one, shared by the runs against the same store that
+    /// start while this one runs).
     pub key: Option<String>,
     /// One JSON object on stdout instead of tables.
     pub json: bool,
@@ -66,18 +67,19 @@ impl Bulk {
 /// Runs `corral stampede` on `cache` (on `redis`; `None`: the embedded store) and prints
 /// the report.
 pub async fn command(cache: &Corral, request: Request, redis: Option<&RedisUrl>) -> Result<(), Failure> {
-    let key = request
-        .key
-        .unwrap_or_else(|| format!("stampede:{}", corral::SystemClock.now_ms()));
     if request.wait_for_go {
         // Connect (and subscribe) before the barrier, so the start is even.
-        cache.get(&format!("{key}:warmup")).await?;
+        cache.get(WARM_UP).await?;
         say!("ready");
         let mut line = String::new();
         std::io::stdin()
             .read_line(&mut line)
             .map_err(|e| Failure::new(code::USAGE, format!("waiting for go on stdin: {e}")))?;
     }
+    let (key, shared) = match request.key {
+        Some(key) => (key, false),
+        None => (fresh_key(cache).await?, true),
+    };
     let report = run(
         cache,
         &key,
@@ -87,6 +89,11 @@ pub async fn command(cache: &Corral, request: Request, redis: Option<&RedisUrl>)
         !request.json,
     )
     .await;
+    if shared {
+        // The next run starts cold: this run's key is no longer handed out. (Those that
+        // started with this one have theirs already.)
+        let _ = cache.remove(FRESH_KEY).await;
+    }
     if request.json {
         out!("{}", report.json())?;
     } else {
@@ -108,6 +115,31 @@ pub async fn command(cache: &Corral, request: Request, redis: Option<&RedisUrl>)
     }
 }
 
+/// Read to connect (and subscribe) before a barrier: a key no run uses.
+const WARM_UP: &str = "stampede:warm-up";
+
+/// Where the runs that start together find their fresh key.
+const FRESH_KEY: &str = "stampede:fresh-key";
+
+/// A fresh key for this run, shared by the runs against the same store that start while
+/// it has not finished (the default `--key`): the first to ask names it (`stampede:` and
+/// the moment it asked), the others get that name through the cache's own get-or-set (one
+/// load across processes), and each run stops handing it out as it finishes, so several
+/// runs started at once stampede together and the next run starts cold. Handed out for
+/// a minute at most, should a run end without saying so.
+async fn fresh_key(cache: &Corral) -> Result<String, Failure> {
+    let named = cache
+        .get_or_set(
+            FRESH_KEY,
+            EntryOptions::new().relative(Duration::from_secs(60)),
+            || async {
+                Ok::<_, std::convert::Infallible>(format!("stampede:{}", corral::SystemClock.now_ms()))
+            },
+        )
+        .await?;
+    Ok(String::from_utf8_lossy(&named).into_owned())
+}
+
 /// What one stampede did in this process.
 pub struct Report {
     callers: usize,
@@ -123,6 +155,7 @@ pub struct Report {
     wall: Duration,
     redis_commands: Option<u64>,
     flights_left: usize,
+    /// What the cache counted during the run (not before it: its warm-up, its key).
     metrics: corral::MetricsSnapshot,
 }
 
@@ -137,7 +170,7 @@ pub async fn run(
     let loads = Arc::new(AtomicUsize::new(0));
     let loaded = Arc::new(Mutex::new(Loaded::default()));
     let done = Arc::new(AtomicUsize::new(0));
-    let commands_before = cache.redis_commands_sent();
+    let (commands_before, metrics_before) = (cache.redis_commands_sent(), cache.metrics());
     let began = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     let options = || EntryOptions::new().relative(Duration::from_secs(600));
@@ -243,7 +276,7 @@ pub async fn run(
         wall: began.elapsed(),
         redis_commands: commands_before.and_then(|b| cache.redis_commands_sent().map(|now| now - b)),
         flights_left: cache.flights_in_progress(),
-        metrics: cache.metrics(),
+        metrics: cache.metrics().since(&metrics_before),
     }
 }
 

@@ -196,6 +196,14 @@ macro_rules! counters {
         }
 
         impl MetricsSnapshot {
+            /// What was counted since `earlier` (a snapshot of the same cache taken
+            /// before this one), counter by counter.
+            pub fn since(&self, earlier: &MetricsSnapshot) -> MetricsSnapshot {
+                MetricsSnapshot {
+                    $($field: self.$field.saturating_sub(earlier.$field),)*
+                }
+            }
+
             /// Name and value of every counter, in a stable order (for tables and JSON).
             pub fn fields(&self) -> [(&'static str, u64); COUNTERS] {
                 [$((stringify!($field), self.$field),)*]

@@ -874,6 +874,38 @@ async fn four_bulk_processes(redis_args: &[&str]) -> Result<Vec<u64>> {
     Ok(loaded)
 }
 
+/// The command as a newcomer types it: four `corral stampede --keys 100 --batch
+/// 10 --callers 250` started at once (no barrier, no `--key`) share one fresh key, so
+/// the keys they load add up to 100; four more started after them run cold again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_processes_started_at_once_share_their_fresh_keys() -> Result<()> {
+    let _real_time = real_time().await;
+    let server = corral_tests::RedisServer::start()?;
+    let url = server.url();
+    for group in 0..2 {
+        let children = (0..4)
+            .map(|_| {
+                std::process::Command::new(corral_tests::corral_bin())
+                    .args(["stampede", "--keys", "100", "--batch", "10", "--callers", "250"])
+                    .args(["--json", "--redis", &url])
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .context("spawning corral stampede")
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut loaded = Vec::new();
+        for child in children {
+            let out = child.wait_with_output()?;
+            anyhow::ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+            loaded.push(report["keys_loaded"].as_u64().context("keys_loaded")?);
+        }
+        assert_eq!(loaded.iter().sum::<u64>(), 100, "group {group}: {loaded:?}");
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_processes_load_each_of_a_hundred_keys_once() -> Result<()> {
     let _real_time = real_time().await;
