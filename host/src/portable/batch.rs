@@ -220,14 +220,11 @@ impl BatchOrigin {
         let (loader, should_cache) = (&mut self.loader, &self.should_cache);
         let judged = || {
             (loader)(&asked).map(|values| {
-                let judged: Vec<(String, (Vec<u8>, bool))> = values
-                    .into_iter()
-                    .map(|(key, value)| {
-                        let cacheable = should_cache(&value);
-                        (key, (value, cacheable))
-                    })
-                    .collect();
-                judged
+                let judge = |(key, value): (String, Vec<u8>)| {
+                    let cacheable = should_cache(&value);
+                    (key, (value, cacheable))
+                };
+                values.into_iter().map(judge).collect::<Vec<_>>()
             })
         };
         let out = match run_origin(s, judged) {

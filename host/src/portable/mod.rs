@@ -431,7 +431,12 @@ impl Origin {
     ) -> wasmtime::Result<std::result::Result<Vec<u8>, types::Error>> {
         // `should_cache` runs with the loader: its panic is the load's, as the loader's is.
         let (loader, should_cache) = (&mut self.loader, &self.should_cache);
-        let judged = || (loader)(key).map(|value| (should_cache(&value), value));
+        let judged = || {
+            (loader)(key).map(|value| {
+                let cacheable = should_cache(&value);
+                (value, cacheable)
+            })
+        };
         let out = match run_origin(s, judged) {
             Ok(out) => out,
             Err(e) => {
@@ -441,7 +446,7 @@ impl Origin {
         };
         let cache = s.guest.corral_cache_cache().load();
         match out {
-            Ok((cacheable, value)) => cache.call_complete(&mut s.store, load, &value, cacheable),
+            Ok((value, cacheable)) => cache.call_complete(&mut s.store, load, &value, cacheable),
             Err(reason) => cache.call_fail(&mut s.store, load, &reason),
         }
     }

@@ -1358,3 +1358,24 @@ async fn a_hit_found_in_a_flight_late_in_the_generations_window_does_not_outlive
     );
     Ok(())
 }
+
+/// A portable get-or-set whose `should_cache` panics fails as its loader's panic would
+/// (a `Loader` error, nothing escapes the call), and the cache serves the next call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_should_cache_that_panics_fails_the_call_not_the_caller() -> Result<()> {
+    let cache = PortableCache::builder().build()?;
+    let picky = corral::LoadOptions::new().should_cache(|_| panic!("a predicate that cannot judge"));
+    let got = std::panic::AssertUnwindSafe(cache.get_or_set("k", picky, |_| Ok(b"v".to_vec())))
+        .catch_unwind()
+        .await
+        .map_err(|_| anyhow::anyhow!("the predicate's panic escaped the call"))?;
+    assert_eq!(
+        got.expect_err("its predicate panicked").kind(),
+        corral::ErrorKind::Loader
+    );
+    let again = cache
+        .get_or_set("k", EntryOptions::new(), |_| Ok(b"w".to_vec()))
+        .await?;
+    assert_eq!(again, Bytes::from("w"));
+    Ok(())
+}
