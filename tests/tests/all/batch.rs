@@ -44,16 +44,25 @@ impl Calls {
 }
 
 /// What a test's batch loader answers: a value per key it found.
-type Loaded<E> = Result<Vec<(String, String)>, E>;
+type Loaded<E, T = String> = Result<Vec<(String, T)>, E>;
 
 /// A loader that answers `value:<key>` for every key, noting its calls.
 fn answering(calls: &Calls) -> impl Fn(Vec<String>) -> std::future::Ready<Loaded<std::io::Error>> {
+    answering_by(calls, |k| Some(format!("value:{k}")))
+}
+
+/// A loader that answers `value(key)` for every key it finds a value for (`None`: left
+/// out), noting its calls.
+fn answering_by<T>(
+    calls: &Calls,
+    value: fn(&str) -> Option<T>,
+) -> impl Fn(Vec<String>) -> std::future::Ready<Loaded<std::io::Error, T>> + use<T> {
     let calls = calls.clone();
     move |keys| {
         calls.note(&keys);
         std::future::ready(Ok(keys
             .into_iter()
-            .map(|k| (k.clone(), format!("value:{k}")))
+            .filter_map(|k| value(&k).map(|v| (k, v)))
             .collect()))
     }
 }
@@ -653,18 +662,7 @@ async fn the_typed_twin_caches_absence_when_asked() -> Result<()> {
     }
     let f = Fixture::new(Backend::Redis)?;
     let calls = Calls::default();
-    let load = |calls: &Calls| {
-        let calls = calls.clone();
-        move |asked: Vec<String>| {
-            calls.note(&asked);
-            let found: Vec<(String, Product)> = asked
-                .into_iter()
-                .filter(|k| k != "gone")
-                .map(|k| (k.clone(), Product { name: k }))
-                .collect();
-            std::future::ready(Ok::<_, std::io::Error>(found))
-        }
-    };
+    let load = |calls: &Calls| answering_by(calls, |k| (k != "gone").then(|| Product { name: k.into() }));
     let options = || relative().cache_none_for(Duration::from_secs(5));
     for _ in 0..2 {
         let answers = f
@@ -688,22 +686,13 @@ async fn a_typed_value_that_cannot_be_encoded_fails_its_key_alone() -> Result<()
     let f = Fixture::new(Backend::Memory)?;
     let calls = Calls::default();
     let load = |calls: &Calls| {
-        let calls = calls.clone();
-        move |asked: Vec<String>| {
-            calls.note(&asked);
-            let found: Vec<(String, Scores)> = asked
-                .into_iter()
-                .map(|k| {
-                    let scores = if k == "bad" {
-                        [(vec![1], 1)].into()
-                    } else {
-                        Scores::new()
-                    };
-                    (k, scores)
-                })
-                .collect();
-            std::future::ready(Ok::<_, std::io::Error>(found))
-        }
+        answering_by(calls, |k| {
+            Some(if k == "bad" {
+                [(vec![1], 1)].into()
+            } else {
+                Scores::new()
+            })
+        })
     };
     let options = || relative().cache_none_for(Duration::from_secs(5));
     let answers = f
