@@ -80,6 +80,7 @@ mod compose;
 mod error;
 mod gather;
 pub mod guest;
+mod hint;
 pub mod locks;
 mod options;
 mod owed;

@@ -905,18 +905,12 @@ impl Corral {
         let per_name = self.inner.prefix.len() + 16;
         let bytes = keys.iter().map(|k| k.as_ref().len() + per_name).sum();
         let mut parts = Parts::with_capacity(keys.len(), bytes);
-        // The keys not remembered, and where each stands in `keys`.
-        let (mut asked, mut at): (Vec<&str>, Vec<usize>) = (Vec::new(), Vec::new());
-        for (i, key) in keys.iter().enumerate() {
-            if !remembered.write_to(key.as_ref(), generation, parts.text_mut()) {
-                asked.push(key.as_ref());
-                at.push(i);
-            }
-            parts.close_part();
-        }
-        if asked.is_empty() {
+        // Where the keys not remembered stand in `keys`.
+        let at = remembered.write_all_to(keys, generation, &mut parts);
+        if at.is_empty() {
             return Ok(parts);
         }
+        let asked: Vec<&str> = at.iter().map(|&i| keys[i].as_ref()).collect();
         let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
         let named = match policy.locate_entries(prefix, &asked, generation) {
             Ok(named) => named,

@@ -14,6 +14,9 @@ use std::hash::BuildHasher;
 use foldhash::fast::SeedableRandomState;
 use parking_lot::Mutex;
 
+use crate::guest::convert::Parts;
+use crate::hint::prefetch;
+
 /// Keys longer than this are always named by the guest (bounds what the table holds).
 const LONGEST_KEY: usize = 256;
 
@@ -68,12 +71,28 @@ impl<N: Clone> Names<N> {
     /// The slot of `key`, and its hash.
     fn slot(&self, key: &str) -> (&Mutex<Slot<N>>, u64) {
         let hash = self.hasher.hash_one(key);
-        (&self.slots[hash as usize & (self.slots.len() - 1)], hash)
+        (self.slot_of(hash), hash)
+    }
+
+    /// The slot of a key hashed `hash`.
+    fn slot_of(&self, hash: u64) -> &Mutex<Slot<N>> {
+        &self.slots[hash as usize & (self.slots.len() - 1)]
     }
 
     /// What `f` makes of the name the guest gave `key` in `generation`, if remembered.
     fn with<R>(&self, key: &str, generation: u64, f: impl FnOnce(&N) -> R) -> Option<R> {
         let (slot, hash) = self.slot(key);
+        Self::with_in(slot, hash, key, generation, f)
+    }
+
+    /// [`with`](Self::with), the key's slot and hash found already.
+    fn with_in<R>(
+        slot: &Mutex<Slot<N>>,
+        hash: u64,
+        key: &str,
+        generation: u64,
+        f: impl FnOnce(&N) -> R,
+    ) -> Option<R> {
         let slot = slot.lock();
         slot.iter()
             .flatten()
@@ -138,10 +157,34 @@ impl<N: Clone> Names<N> {
 }
 
 impl Names<String> {
-    /// Writes the name the guest gave `key` in `generation` at the end of `out`, if
-    /// remembered; says whether it was.
-    pub(crate) fn write_to(&self, key: &str, generation: u64, out: &mut String) -> bool {
-        self.with(key, generation, |name| out.push_str(name)).is_some()
+    /// The names the guest gave `keys` in `generation`, each written as a part of
+    /// `parts` in order (an empty part for a key not remembered); the positions of the
+    /// keys not remembered. The keys' slots are all asked of the CPU's cache before the
+    /// first is looked in ([`prefetch`]): a batch waits on their misses together.
+    pub(crate) fn write_all_to<K: AsRef<str>>(
+        &self,
+        keys: &[K],
+        generation: u64,
+        parts: &mut Parts,
+    ) -> Vec<usize> {
+        let hashes: Vec<u64> = keys
+            .iter()
+            .map(|key| {
+                let hash = self.hasher.hash_one(key.as_ref());
+                prefetch(self.slot_of(hash), usize::MAX);
+                hash
+            })
+            .collect();
+        let mut missing = Vec::new();
+        for (i, (key, hash)) in keys.iter().zip(hashes).enumerate() {
+            let out = parts.text_mut();
+            let slot = self.slot_of(hash);
+            if Self::with_in(slot, hash, key.as_ref(), generation, |name| out.push_str(name)).is_none() {
+                missing.push(i);
+            }
+            parts.close_part();
+        }
+        missing
     }
 }
 
@@ -245,9 +288,20 @@ mod tests {
         assert_eq!(names.get("k", 3).as_deref(), Some("{c:k}:e:3"));
         assert_eq!(names.get("k", 4), None, "another generation");
         assert_eq!(names.get("k2", 3), None, "another key");
-        let mut out = String::from("a");
-        assert!(names.write_to("k", 3, &mut out) && !names.write_to("k", 2, &mut out));
-        assert_eq!(out, "a{c:k}:e:3");
+        // Written in parts: the remembered names, an empty part for each key not.
+        let mut parts = Parts::with_capacity(4, 16);
+        let missing = names.write_all_to(&["k2", "k", "k", "x"], 3, &mut parts);
+        assert_eq!(missing, [0, 3]);
+        assert_eq!(
+            parts.iter().collect::<Vec<_>>(),
+            ["", "{c:k}:e:3", "{c:k}:e:3", ""]
+        );
+        let mut parts = Parts::with_capacity(1, 0);
+        assert_eq!(
+            names.write_all_to(&["k"], 2, &mut parts),
+            [0],
+            "another generation"
+        );
         // Keys sharing a slot: the later four hold it, the earlier are named again.
         let crowd: Vec<String> = (0..5_000).map(|n| format!("key:{n}")).collect();
         for key in &crowd {
@@ -258,6 +312,15 @@ mod tests {
                 assert_eq!(name, format!("name of {key}"));
             }
         }
+        // Many at once, as one at a time.
+        let mut parts = Parts::with_capacity(crowd.len(), 0);
+        let missing = names.write_all_to(&crowd, 1, &mut parts);
+        for (i, key) in crowd.iter().enumerate() {
+            let one = names.get(key, 1);
+            assert_eq!(missing.contains(&i), one.is_none(), "{key}");
+            assert_eq!(parts.get(i), one.as_deref().unwrap_or(""), "{key}");
+        }
+        assert!(missing.len() < crowd.len() && !missing.is_empty());
         let long = "x".repeat(LONGEST_KEY + 1);
         names.keep(&long, 1, "n");
         assert_eq!(names.get(&long, 1), None, "too long to keep");

@@ -18,6 +18,7 @@ use super::bindings::exports::corral::cache::policy as wit;
 use super::convert::{Parts, from_wit, joined, meta_out, options_in, split};
 use super::engine::{CALL_BUDGET_TICKS, Loaded, PolicyState, Slot, instantiate, loaded, trap};
 use crate::Result;
+use crate::hint::prefetch;
 use crate::options::{EntryMeta, EntryOptions};
 
 /// How many idle instances the pool keeps; more are created under load and dropped after.
@@ -348,7 +349,13 @@ impl Policy {
         let head = |stored: &[u8]| stored.len().min(head_len);
         // The heads joined in one buffer, the lengths in a list of their own: one copy
         // each across the boundary, not one per read.
-        let (count, sum) = reads.clone().fold((0, 0), |(n, sum), r| (n + 1, sum + head(r)));
+        // Counted as each head is asked of the CPU's cache: written on another core
+        // (the connection's), the reads' bytes are copied below with their misses met
+        // together.
+        let (count, sum) = reads.clone().fold((0, 0), |(n, sum), r| {
+            prefetch(r, head(r));
+            (n + 1, sum + head(r))
+        });
         let mut heads = Vec::with_capacity(sum);
         let mut lens = Vec::with_capacity(count);
         for stored in reads {

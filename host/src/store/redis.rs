@@ -526,12 +526,17 @@ impl Entries for RedisStore {
             // One MGET per node, all at once (a cluster's client splits each per slot);
             // a node that fails fails its own keys only.
             let mut groups: Vec<(Option<Arc<str>>, Vec<usize>)> = Vec::new();
-            for (i, key) in keys.iter().enumerate() {
-                let node = self.healing.node_of(key);
-                match groups.iter_mut().find(|(n, _)| *n == node) {
-                    Some((_, members)) => members.push(i),
-                    None => groups.push((node, vec![i])),
+            if self.is_cluster() {
+                for (i, key) in keys.iter().enumerate() {
+                    let node = self.healing.node_of(key);
+                    match groups.iter_mut().find(|(n, _)| *n == node) {
+                        Some((_, members)) => members.push(i),
+                        None => groups.push((node, vec![i])),
+                    }
                 }
+            } else if !keys.is_empty() {
+                // One server: one group.
+                groups.push((None, (0..keys.len()).collect()));
             }
             let reads = groups.iter().map(|(_, members)| async move {
                 let (mut conn, at) = self.conn(keys[members[0]])?;
