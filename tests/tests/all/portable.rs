@@ -1379,3 +1379,56 @@ async fn a_portable_should_cache_that_panics_fails_the_call_not_the_caller() -> 
     assert_eq!(again, Bytes::from("w"));
     Ok(())
 }
+
+/// How many data commands (reads, writes, scripts) `server` ran so far: what a cache's
+/// call sends, without the connections' own (`INFO`, `PING`, subscriptions).
+async fn data_commands(server: &RedisServer) -> Result<u64> {
+    let mut total = 0;
+    for command in ["get", "mget", "set", "eval", "evalsha", "del", "pexpire"] {
+        total += corral_tests::command_calls(server, command).await?;
+    }
+    Ok(total)
+}
+
+/// A portable batch of L1 hits sends nothing once the prefix's generation lapsed (one
+/// L1 TTL after it was read), as one portable get-or-set's L1 hit sends nothing: the
+/// copies its own loads filled are not bound by that generation, and L1 answers before
+/// the generation is asked for. A key L1 does not hold reads the generation again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_batch_of_l1_hits_sends_nothing_once_the_generation_lapsed() -> Result<()> {
+    let server = RedisServer::start()?;
+    let clock = corral::ManualClock::starting_now();
+    let portable = portable_on(&server, &clock, 60 * SEC)?;
+    portable.get("warm-up").await?;
+    // Loaded 30 s after the generation was read; asked again 35 s later, past its lapse.
+    clock.advance(30 * SEC);
+    let keys = ["k0", "k1", "k2"];
+    let options = EntryOptions::new().relative(3_600 * SEC);
+    let calls = Calls::default();
+    portable.get_or_set_many(&keys, options, recording(&calls)).await?;
+    clock.advance(35 * SEC);
+    let before = data_commands(&server).await?;
+    let one = portable
+        .get_or_set("k0", options, |_| Err("an L1 hit".to_string()))
+        .await?;
+    assert_eq!(one, Bytes::from("v:k0"));
+    assert_eq!(data_commands(&server).await? - before, 0, "one key's L1 hit sends nothing");
+    let answers = portable
+        .get_or_set_many(&keys, options, recording(&calls))
+        .await?;
+    let values: Vec<Option<Bytes>> = answers.into_iter().collect::<corral::Result<_>>()?;
+    assert_eq!(values, keys.map(|k| Some(Bytes::from(format!("v:{k}")))));
+    assert_eq!(
+        data_commands(&server).await? - before,
+        0,
+        "a batch of L1 hits sends nothing either"
+    );
+    assert_eq!(calls.lock().len(), 1, "loaded once");
+    // The control: a key L1 does not hold is read, and loaded.
+    portable
+        .get_or_set_many(&["k0", "k9"], options, recording(&calls))
+        .await?;
+    assert!(data_commands(&server).await? > before, "k9 was read");
+    assert_eq!(calls.lock().last().map(Vec::as_slice), Some(&["k9".to_string()][..]));
+    Ok(())
+}
