@@ -858,9 +858,9 @@ impl Corral {
     /// not: the keys are checked by the guest alone, and named by
     /// [`locate_entries`](Self::locate_entries) once L1 answered what it holds, so that a
     /// batch of L1 hits waits on no store, as one get-or-set's L1 hit does not.
-    pub(crate) fn entries_if_known(&self, keys: &[&str]) -> Result<Option<Parts>> {
+    pub(crate) fn entries_if_known(&self, keys: &[&str]) -> Result<Option<(Parts, u64)>> {
         match self.known_generation() {
-            Some(generation) => self.entries_in(keys, generation).map(Some),
+            Some(generation) => Ok(Some((self.entries_in(keys, generation)?, generation))),
             None => {
                 let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
                 policy.locate_entries(prefix, keys, 0).map(|_| None)
@@ -870,11 +870,11 @@ impl Corral {
 
     /// The entry names of a batch's keys, checked already
     /// ([`entries_if_known`](Self::entries_if_known)), in the generation
-    /// [`locate`](Self::locate) would use (read now if it is not known), and whether they
-    /// may be read.
-    pub(crate) async fn locate_entries(&self, keys: &[&str]) -> Result<(Parts, bool)> {
+    /// [`locate`](Self::locate) would use (read now if it is not known): the names, that
+    /// generation, and whether they may be read.
+    pub(crate) async fn locate_entries(&self, keys: &[&str]) -> Result<(Parts, u64, bool)> {
         let (generation, readable) = self.flight_generation(|| Ok(())).await?;
-        Ok((self.entries_in(keys, generation)?, readable))
+        Ok((self.entries_in(keys, generation)?, generation, readable))
     }
 
     /// Checks `key` and names its entry in the store, in the current generation.

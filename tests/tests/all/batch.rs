@@ -1373,3 +1373,41 @@ async fn a_batch_fills_l1_with_a_hit_only_once_no_flight_of_its_key_overtook_the
     assert_eq!(cache.get("k").await?.as_deref(), Some(&b"new"[..]));
     Ok(())
 }
+
+/// A batch whose read of the prefix's generation timed out (its reply held on the wire,
+/// no generation known to stand in) reads it once: the keys that fly on are named in
+/// the generation the batch stood in with, and degrade from there (contract §5.8), as
+/// one key's flight does after its one read. Before, each flying key read the
+/// generation again, one more store timeout before its lock steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_generation_read_timed_out_reads_it_once() -> Result<()> {
+    let server = RedisServer::start()?;
+    let wire = RealWire::connect(&server.url()).await?;
+    *wire.naming.lock().unwrap() = Some("}:g".to_string());
+    wire.named.close();
+    let mut options = RedisOptions::new(server.url());
+    options.response_timeout = Duration::from_millis(200);
+    let cache = Corral::builder()
+        .redis_options(options)
+        .redis_wire(Arc::new(wire))
+        .build()?;
+    let reads_before = command_calls(&server, "get").await?;
+    let calls = Calls::default();
+    let keys = named(0..5);
+    let answers = values(
+        cache
+            .get_or_set_many(&keys, relative(), answering(&calls))
+            .await?,
+    )?;
+    let generation_reads = command_calls(&server, "get").await? - reads_before;
+    assert_eq!(
+        answers,
+        keys.iter()
+            .map(|k| Some(format!("value:{k}")))
+            .collect::<Vec<_>>(),
+        "degraded: loaded, served"
+    );
+    assert_eq!(calls.all().len(), 1, "one loader call");
+    assert_eq!(generation_reads, 1, "the generation read again per flying key");
+    Ok(())
+}

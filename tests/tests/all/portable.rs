@@ -1405,14 +1405,20 @@ async fn a_portable_batch_of_l1_hits_sends_nothing_once_the_generation_lapsed() 
     let keys = ["k0", "k1", "k2"];
     let options = EntryOptions::new().relative(3_600 * SEC);
     let calls = Calls::default();
-    portable.get_or_set_many(&keys, options, recording(&calls)).await?;
+    portable
+        .get_or_set_many(&keys, options, recording(&calls))
+        .await?;
     clock.advance(35 * SEC);
     let before = data_commands(&server).await?;
     let one = portable
         .get_or_set("k0", options, |_| Err("an L1 hit".to_string()))
         .await?;
     assert_eq!(one, Bytes::from("v:k0"));
-    assert_eq!(data_commands(&server).await? - before, 0, "one key's L1 hit sends nothing");
+    assert_eq!(
+        data_commands(&server).await? - before,
+        0,
+        "one key's L1 hit sends nothing"
+    );
     let answers = portable
         .get_or_set_many(&keys, options, recording(&calls))
         .await?;
@@ -1429,6 +1435,9 @@ async fn a_portable_batch_of_l1_hits_sends_nothing_once_the_generation_lapsed() 
         .get_or_set_many(&["k0", "k9"], options, recording(&calls))
         .await?;
     assert!(data_commands(&server).await? > before, "k9 was read");
-    assert_eq!(calls.lock().last().map(Vec::as_slice), Some(&["k9".to_string()][..]));
+    assert_eq!(
+        calls.lock().last().map(Vec::as_slice),
+        Some(&["k9".to_string()][..])
+    );
     Ok(())
 }

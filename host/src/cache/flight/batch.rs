@@ -58,6 +58,14 @@ struct HitFill {
     stamp: Option<TagStamp>,
 }
 
+/// A batch's entry names: the generation they are in (known, read, or standing in for
+/// one that could not be read), and whether the entries may be read in it.
+pub(super) struct Located {
+    entries: Parts,
+    generation: u64,
+    readable: bool,
+}
+
 /// What a batch's read left of the keys it read, besides the led keys that fly on.
 struct AfterRead {
     /// Led at the look and answered by their reads: their flights end now.
@@ -518,7 +526,12 @@ impl Corral {
         if let Some(e) = deferred {
             return Err(e);
         }
-        let answers = self.many(&distinct, entries, &named, &options, &loader).await;
+        let located = entries.map(|(entries, generation)| Located {
+            entries,
+            generation,
+            readable: true,
+        });
+        let answers = self.many(&distinct, located, &named, &options, &loader).await;
         Ok(hand_out(answers, &asked)
             .into_iter()
             .map(|answer| match answer {
@@ -530,13 +543,13 @@ impl Corral {
             .collect())
     }
 
-    /// Every key of `keys` (distinct and checked, their entries named `entries` if the
+    /// Every key of `keys` (distinct and checked, their entries named (`located`) if the
     /// generation was known, else named once L1 answered; their L1 tickets as of the
     /// names `named`), answered (`None`: a key nothing answered, a broken contract).
     async fn many<L, Fut, I, V, E>(
         &self,
         keys: &[&str],
-        entries: Option<Parts>,
+        located: Option<Located>,
         named: &[Ticket],
         options: &LoadOptions,
         loader: &L,
@@ -571,10 +584,14 @@ impl Corral {
             if missed.is_empty() {
                 return answers;
             }
-            let (entries, readable) = match entries {
-                Some(entries) => (entries, true),
+            let located = match located {
+                Some(located) => located,
                 None => match self.locate_entries(keys).await {
-                    Ok(located) => located,
+                    Ok((entries, generation, readable)) => Located {
+                        entries,
+                        generation,
+                        readable,
+                    },
                     // Checked already: only a broken guest fails here, each key's failure.
                     Err(e) => {
                         for &i in &missed {
@@ -584,7 +601,7 @@ impl Corral {
                     }
                 },
             };
-            self.answer_missed(keys, (&entries, readable), named, &missed, &mut answers)
+            self.answer_missed(keys, &located, named, &missed, &mut answers)
                 .await
         };
         if parts.is_empty() {
@@ -637,7 +654,7 @@ impl Corral {
         missed
     }
 
-    /// The first reads of the keys at `missed` (their entries named `entries`, their
+    /// The first reads of the keys at `missed` (their entries named as `located` says, their
     /// L1 tickets taken before the names: `named`), together. A fresh hit is answered
     /// from its read alone (in `answers`; its L1 fill comes back in `fills`, to be made
     /// once the batch knows no flight of the key overtook its read); the other keys come
@@ -646,7 +663,7 @@ impl Corral {
     async fn answer_l2_hits(
         &self,
         missed: &[usize],
-        (entries, readable): (&Parts, bool),
+        located: &Located,
         answers: &mut [Option<Result<Served>>],
         fills: &mut Vec<HitFill>,
         (named, now): (&[Ticket], u64),
@@ -669,12 +686,13 @@ impl Corral {
             }
             answers[i] = Some(Ok(Served { value, stale: false }));
         };
+        let readable = located.readable;
         let reads = if !readable {
             (0..missed.len())
                 .map(|at| (at, Err(super::generation_unread())))
                 .collect()
         } else {
-            let names: Vec<&str> = missed.iter().map(|&i| entries.get(i)).collect();
+            let names: Vec<&str> = missed.iter().map(|&i| located.entries.get(i)).collect();
             match tokio::time::timeout_at(deadline, self.l2_look_many(&names, now, hit)).await {
                 Ok(reads) => reads,
                 // Past the deadline, the keys not answered yet.
@@ -697,6 +715,7 @@ impl Corral {
                 read,
                 deadline,
                 unnamed: !readable,
+                batch_generation: Some(located.generation),
             };
             let (value, l1_until, stamp) = match read {
                 Ok((read, until)) => match *read {
@@ -736,7 +755,7 @@ impl Corral {
     async fn answer_missed(
         &self,
         keys: &[&str],
-        entries: (&Parts, bool),
+        located: &Located,
         named: &[Ticket],
         missed: &[usize],
         answers: &mut [Option<Result<Served>>],
@@ -766,7 +785,7 @@ impl Corral {
         let now = inner.clock.now_ms();
         let mut fills = Vec::new();
         let flying = self
-            .answer_l2_hits(&to_read, entries, answers, &mut fills, (named, now))
+            .answer_l2_hits(&to_read, located, answers, &mut fills, (named, now))
             .await;
         let AfterRead {
             hits,
@@ -930,7 +949,12 @@ mod send_check {
     fn futures_are_send(c: &Corral, keys: &[&str], o: &LoadOptions) {
         send(c.l2_look_many(&[], 0, |_, _, _| ()));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
-        send(c.many(keys, Some(Parts::default()), &[], o, &loader));
+        let located = Located {
+            entries: Parts::default(),
+            generation: 0,
+            readable: true,
+        };
+        send(c.many(keys, Some(located), &[], o, &loader));
         let clock = crate::clock::SystemClock;
         let loads = Loads::new(
             keys,

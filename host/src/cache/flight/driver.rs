@@ -60,6 +60,9 @@ pub(super) struct FirstRead {
     /// The key's data could not be named (the prefix's generation unread, and none may
     /// stand in): the read failed, and so does every later store step of the flight.
     pub(super) unnamed: bool,
+    /// The generation a batch named the key's data in for this read (read, known, or
+    /// standing in for one that could not be read); `None`: a flight's own read.
+    pub(super) batch_generation: Option<u64>,
 }
 
 /// One flight in progress: the performer of its actions and its registers.
@@ -287,6 +290,7 @@ where
                         read: Ok(L2Read::Miss { holds: None }),
                         deadline: self.deadline,
                         unnamed: false,
+                        batch_generation: None,
                     });
                 }
                 Event::LockAcquired

@@ -392,9 +392,16 @@ impl Corral {
             .map_or_else(|| inner.l1.ticket(key), |read| read.named);
         let (names, first) = match first {
             Some(mut read) => {
-                // Named again (the batch's generation may have lapsed meanwhile): what
-                // cannot be named now is not written nor locked either.
-                let (names, readable) = self.locate(key).await?;
+                // Named again in the generation known now (the batch's may have changed
+                // since), else in the one its batch named it in moments ago: a batch
+                // whose generation could not be read does not read it again for each
+                // key that flies (contract §5.16). What cannot be named now is not
+                // written nor locked either.
+                let (names, readable) = match (self.known_generation(), read.batch_generation) {
+                    (Some(generation), _) => (self.names_in(key, generation)?, true),
+                    (None, Some(generation)) => (self.names_in(key, generation)?, !read.unnamed),
+                    (None, None) => self.locate(key).await?,
+                };
                 read.unnamed |= !readable;
                 (names, Some(read))
             }
@@ -460,6 +467,7 @@ impl Corral {
                     .await,
                 deadline,
                 unnamed: false,
+                batch_generation: None,
             }),
             _ => None,
         };
@@ -477,6 +485,7 @@ impl Corral {
             read: Err(generation_unread()),
             deadline: in_ms(inner.flight.store_budget.before_load_ms),
             unnamed: true,
+            batch_generation: None,
         }
     }
 
