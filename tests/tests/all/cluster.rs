@@ -666,3 +666,51 @@ async fn batch_held_behind_a_paused_master(loader_waits: bool) -> Result<()> {
     );
     Ok(())
 }
+
+/// A batch made before the cache has learned which master serves which slot reads every
+/// key in one `MGET` that the cluster client splits by slot: keys of every master are
+/// served from their own master, none is refused or loaded (a cache learns the slots in
+/// the background when first asked). And so is a batch after a first read, the slots
+/// learnt or being learnt (then one `MGET` per master).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_before_the_slots_are_known_reads_every_masters_keys() -> Result<()> {
+    let cluster = RedisCluster::start(3, 0, Duration::from_secs(60))?;
+    let options = || {
+        let mut options = RedisOptions::cluster(cluster.urls());
+        options.prefix = prefix("batch-unknown-slots");
+        options
+    };
+    let writer = Corral::builder().redis_options(options()).build()?;
+    let by_master = keys_by_master(&cluster, 5, &|k| writer.entry_name(k))?;
+    let keys: Vec<String> = by_master.values().flatten().cloned().collect();
+    let entry = || corral::LoadOptions::relative(Duration::from_secs(600));
+    writer
+        .get_or_set_many(&keys, entry(), |asked: Vec<String>| async move {
+            Ok::<_, std::io::Error>(asked.into_iter().map(|k| (k.clone(), format!("v:{k}"))))
+        })
+        .await?;
+    for round in ["before the slots are known", "after a first read"] {
+        // A reader of its own, L1 off: each round reads L2.
+        let reader = Corral::builder()
+            .redis_options(options())
+            .l1_capacity(0)
+            .build()?;
+        if round == "after a first read" {
+            reader.get("warm-up").await?;
+        }
+        let found = reader
+            .get_or_set_many(&keys, entry(), |_: Vec<String>| async {
+                Err::<Vec<(String, String)>, _>(std::io::Error::other("every key is a hit"))
+            })
+            .await?;
+        for (key, value) in keys.iter().zip(found) {
+            let value = value.with_context(|| format!("{key}, {round}"))?;
+            anyhow::ensure!(
+                value.as_deref() == Some(format!("v:{key}").as_bytes()),
+                "{key}, {round}: {value:?}"
+            );
+        }
+        anyhow::ensure!(reader.metrics().l2_hits == keys.len() as u64, "{round}");
+    }
+    Ok(())
+}
