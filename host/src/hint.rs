@@ -25,9 +25,9 @@ pub(crate) fn prefetch<T: ?Sized>(place: &T, up_to: usize) {
 fn prefetch_line(at: *const u8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch reads nothing the program sees and cannot fault, whatever the
-    // address (these are a live reference's lines besides). It is `unsafe` only as a
-    // `#[target_feature(enable = "sse")]` function, and SSE is in every x86_64 CPU (the
-    // target's baseline).
+    // address (these are a live reference's lines besides): the raw pointer it takes is
+    // never dereferenced. It is a `#[target_feature(enable = "sse")]` function besides,
+    // and SSE is in every x86_64 CPU (the target's baseline).
     #[allow(unsafe_code)]
     unsafe {
         std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(at.cast());

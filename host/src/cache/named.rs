@@ -324,5 +324,9 @@ mod tests {
         let long = "x".repeat(LONGEST_KEY + 1);
         names.keep(&long, 1, "n");
         assert_eq!(names.get(&long, 1), None, "too long to keep");
+        names.keep("k", 3, "{c:k}:e:3"); // the crowd may have pushed it out
+        let mut parts = Parts::with_capacity(2, 0);
+        assert_eq!(names.write_all_to(&[long.as_str(), "k"], 3, &mut parts), [0]);
+        assert_eq!(parts.iter().collect::<Vec<_>>(), ["", "{c:k}:e:3"]);
     }
 }

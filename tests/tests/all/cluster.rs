@@ -667,13 +667,14 @@ async fn batch_held_behind_a_paused_master(loader_waits: bool) -> Result<()> {
     Ok(())
 }
 
-/// A batch made before the cache has learned which master serves which slot reads every
-/// key in one `MGET` that the cluster client splits by slot: keys of every master are
-/// served from their own master, none is refused or loaded (a cache learns the slots in
-/// the background when first asked). And so is a batch after a first read, the slots
-/// learnt or being learnt (then one `MGET` per master).
+/// A cluster cache's first batch reads every master's keys, whether or not it has learnt
+/// which master serves which slot by then (it learns them in the background when first
+/// asked): keys whose master it does not know share one `MGET`, which the cluster client
+/// splits by slot, so every key is served from its own master, none refused or loaded.
+/// And so is a batch after a first read (the slots learnt or being learnt: one `MGET`
+/// per master once they are).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_before_the_slots_are_known_reads_every_masters_keys() -> Result<()> {
+async fn a_first_batch_on_a_cluster_reads_every_masters_keys() -> Result<()> {
     let cluster = RedisCluster::start(3, 0, Duration::from_secs(60))?;
     let options = || {
         let mut options = RedisOptions::cluster(cluster.urls());
@@ -689,7 +690,7 @@ async fn a_batch_before_the_slots_are_known_reads_every_masters_keys() -> Result
             Ok::<_, std::io::Error>(asked.into_iter().map(|k| (k.clone(), format!("v:{k}"))))
         })
         .await?;
-    for round in ["before the slots are known", "after a first read"] {
+    for round in ["a first batch", "after a first read"] {
         // A reader of its own, L1 off: each round reads L2.
         let reader = Corral::builder()
             .redis_options(options())

@@ -1384,7 +1384,7 @@ async fn a_portable_should_cache_that_panics_fails_the_call_not_the_caller() -> 
 /// call sends, without the connections' own (`INFO`, `PING`, subscriptions).
 async fn data_commands(server: &RedisServer) -> Result<u64> {
     let mut total = 0;
-    for command in ["get", "mget", "set", "eval", "evalsha", "del", "pexpire"] {
+    for command in ["get", "mget", "set", "eval", "evalsha", "del", "pexpire", "pttl"] {
         total += corral_tests::command_calls(server, command).await?;
     }
     Ok(total)

@@ -391,25 +391,48 @@ impl Corral {
             .as_ref()
             .map_or_else(|| inner.l1.ticket(key), |read| read.named);
         let (names, first) = match first {
-            Some(mut read) => {
-                // Named again in the generation known now (the batch's may have changed
-                // since), else in the one its batch named it in moments ago: a batch
-                // whose generation could not be read does not read it again for each
-                // key that flies (contract §5.16). What cannot be named now is not
-                // written nor locked either.
-                let (names, readable) = match (self.known_generation(), read.batch_generation) {
-                    (Some(generation), _) => (self.names_in(key, generation)?, true),
-                    (None, Some(generation)) => (self.names_in(key, generation)?, !read.unnamed),
-                    (None, None) => self.locate(key).await?,
-                };
-                read.unnamed |= !readable;
-                (names, Some(read))
-            }
+            Some(read) => self.batch_key_names(key, read).await?,
             None => self.locate_reading(key, named).await?,
         };
         let held = HeldFlight::new(self, key, &names.flight_lock, state);
         let driver = Driver::new(self, key, options, &names.entry, held, callers, named, now, first);
         driver.run(action).await
+    }
+
+    /// The names of a flight that begins with its batch's read of the key (`read`), and
+    /// what it begins with. Named in the generation known now, else in the one the batch
+    /// named the key in moments ago (read, or standing in for one that could not be
+    /// read), unless a newer one was heard since: a batch whose generation could not be
+    /// read does not read it again for each key that flies (contract §5.16). Else, as
+    /// one key's flight is named ([`Corral::locate`]). The batch's read is the flight's
+    /// first only if it read the entry so named: in another generation, the flight reads
+    /// the key again. What cannot be named now is not read, written nor locked.
+    async fn batch_key_names(
+        &self,
+        key: &str,
+        mut read: FirstRead,
+    ) -> Result<(StoreNames, Option<FirstRead>)> {
+        let batch = read.batch_generation;
+        let (generation, readable) = match (self.known_generation(), batch) {
+            (Some(generation), _) => (generation, true),
+            (None, Some(generation)) if self.inner.tags.generation_now() == generation => {
+                (generation, !read.unnamed)
+            }
+            _ => self.flight_generation(|| Ok(())).await?,
+        };
+        let names = self.names_in(key, generation)?;
+        // The batch's read, if it read the entry named now (not one it could not name).
+        let same = batch == Some(generation);
+        let first = match (readable, same) {
+            (true, true) if !read.unnamed => Some(read),
+            (true, _) => None,
+            (false, true) => {
+                read.unnamed = true;
+                Some(read)
+            }
+            (false, false) => Some(self.unreadable(key, read.named)),
+        };
+        Ok((names, first))
     }
 
     /// A flight's names ([`Corral::locate`]). When the prefix's generation must be read
