@@ -200,14 +200,29 @@ fn locate(key: &str, limits: &Limits) -> Result<names::Names, types::Error> {
 /// treats every store step as failed.
 fn locate_for_flight(key: &str, limits: &Limits) -> Result<(names::Names, bool), types::Error> {
     corral_core::key::validate(key, limits).map_err(arg_error)?;
-    let (g, known) = match generation(now_ms()) {
+    locate_in_flight_generation(key, flight_generation(), limits)
+}
+
+/// The generation a get-or-set names its key's data in ([`locate_for_flight`]), and
+/// whether the key's data can be named in it at all.
+fn flight_generation() -> (u64, bool) {
+    match generation(now_ms()) {
         Ok(g) => (g, true),
         Err(_) => match known_generation().known.fallback() {
             Some(g) => (g, true),
             None => (0, false),
         },
-    };
-    let names = names::locate_in(&prefix(), key, g, limits).map_err(arg_error)?;
+    }
+}
+
+/// The names of `key` (checked already) in `generation`, as [`flight_generation`] gave
+/// it, and whether they are known.
+fn locate_in_flight_generation(
+    key: &str,
+    (generation, known): (u64, bool),
+    limits: &Limits,
+) -> Result<(names::Names, bool), types::Error> {
+    let names = names::locate_in(&prefix(), key, generation, limits).map_err(arg_error)?;
     Ok((names, known))
 }
 

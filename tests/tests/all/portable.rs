@@ -1441,3 +1441,33 @@ async fn a_portable_batch_of_l1_hits_sends_nothing_once_the_generation_lapsed() 
     );
     Ok(())
 }
+
+/// A portable batch whose read of the prefix's generation timed out (its reply held on
+/// the wire, no generation known to stand in) reads it once, as the native batch does:
+/// its led keys degrade (loaded, served, nothing cached) without each reading the
+/// generation again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_batch_whose_generation_read_timed_out_reads_it_once() -> Result<()> {
+    let server = RedisServer::start()?;
+    let wire = corral_tests::wire::RealWire::connect(&server.url()).await?;
+    *wire.naming.lock().unwrap() = Some("}:g".to_string());
+    wire.named.close();
+    let mut options = corral::RedisOptions::new(server.url());
+    options.response_timeout = Duration::from_millis(200);
+    let portable = PortableCache::builder()
+        .redis_options(options)
+        .redis_wire(Arc::new(wire))
+        .build()?;
+    let reads_before = corral_tests::command_calls(&server, "get").await?;
+    let calls = Calls::default();
+    let keys = ["k0", "k1", "k2", "k3", "k4"];
+    let answers = portable
+        .get_or_set_many(&keys, EntryOptions::new(), recording(&calls))
+        .await?;
+    let generation_reads = corral_tests::command_calls(&server, "get").await? - reads_before;
+    let values: Vec<Option<Bytes>> = answers.into_iter().collect::<corral::Result<_>>()?;
+    assert_eq!(values, keys.map(|k| Some(Bytes::from(format!("v:{k}")))));
+    assert_eq!(calls.lock().len(), 1, "one loader call");
+    assert_eq!(generation_reads, 1, "the generation read again per led key");
+    Ok(())
+}

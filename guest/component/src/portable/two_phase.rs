@@ -28,7 +28,10 @@ use corral_core::Settings;
 use corral_core::flight::{Action, Flight, FlightConfig};
 
 use super::driver::{Driver, Step};
-use super::{check_tags, l1_entry, locate, locate_for_flight, now_ms, same_copy, settings};
+use super::{
+    check_tags, flight_generation, l1_entry, locate, locate_for_flight, locate_in_flight_generation, now_ms,
+    same_copy, settings,
+};
 use crate::bindings::corral::cache::flights::{self, Joined};
 use crate::bindings::corral::cache::{l1, l2, types};
 use crate::bindings::exports::corral::cache::cache::{self as wcache, Begun, Followed};
@@ -499,10 +502,13 @@ fn lost() -> types::Error {
 /// to its load, its end, or a wait for another process's landing: that key follows the
 /// process's flight of it once the batch's loads ended ([`Step::Parked`]).
 fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
+    // Named in one generation, read (or found unreadable) once for them all: a batch
+    // whose read of it fails does not read it again for each key (contract §5.16).
+    let generation = (!led.is_empty()).then(flight_generation);
     let mut started: Vec<_> = led
         .into_iter()
         .map(|request| {
-            let (driver, action, ticket) = begin_flight(&request, settings, Role::Leader)?;
+            let (driver, action, ticket) = begin_flight(&request, settings, Role::Leader, generation)?;
             Ok((request, ticket, driver, action))
         })
         .collect();
@@ -561,24 +567,26 @@ enum Role {
 
 /// Runs a flight of the request to its load or its end.
 fn fly(request: Request, settings: &Settings, role: Role) -> Result<Begun, types::Error> {
-    let (driver, action, ticket) = begin_flight(&request, settings, role)?;
+    let (driver, action, ticket) = begin_flight(&request, settings, role, None)?;
     drive(driver, action, request, ticket, settings, role)
 }
 
 /// A new flight of the request in its role: its driver, its first action, and the key's
 /// ticket when it began. A leader's flight that could not start hands its error on to
-/// the process's followers of the key.
+/// the process's followers of the key. `generation`: a batch's key, named in the
+/// generation its batch found (`flight_generation`); else the flight finds its own.
 fn begin_flight(
     request: &Request,
     settings: &Settings,
     role: Role,
+    generation: Option<(u64, bool)>,
 ) -> Result<(Driver, Action, l1::L1Ticket), types::Error> {
     let config = FlightConfig {
         refresh: role == Role::Refresh,
         ..settings.flight(request.bypass)
     };
     let ticket = l1::ticket(&request.key);
-    let (mut driver, action) = start(request, settings, config).inspect_err(|e| {
+    let (mut driver, action) = start(request, settings, config, generation).inspect_err(|e| {
         if role == Role::Leader {
             flights::finish(&request.key, Err(e));
         }
@@ -647,6 +655,7 @@ fn start(
     request: &Request,
     settings: &Settings,
     config: FlightConfig,
+    generation: Option<(u64, bool)>,
 ) -> Result<(Driver, Action), types::Error> {
     let (flight, action) = Flight::start(
         &request.key,
@@ -658,10 +667,11 @@ fn start(
     .map_err(arg_error)?;
     check_tags(&request.tags)?;
     let named = l1::ticket(&request.key);
-    let (names, named_known) = if config.refresh {
-        (locate(&request.key, &settings.limits)?, true)
-    } else {
-        locate_for_flight(&request.key, &settings.limits)?
+    let (names, named_known) = match generation {
+        _ if config.refresh => (locate(&request.key, &settings.limits)?, true),
+        // A batch's key (checked with its batch), in its batch's generation.
+        Some(generation) => locate_in_flight_generation(&request.key, generation, &settings.limits)?,
+        None => locate_for_flight(&request.key, &settings.limits)?,
     };
     let mut driver = Driver::new(
         flight,
