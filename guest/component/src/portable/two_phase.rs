@@ -502,13 +502,18 @@ fn lost() -> types::Error {
 /// to its load, its end, or a wait for another process's landing: that key follows the
 /// process's flight of it once the batch's loads ended ([`Step::Parked`]).
 fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
-    // Named in one generation, read (or found unreadable) once for them all: a batch
-    // whose read of it fails does not read it again for each key (contract §5.16).
+    // Each key's ticket taken before its names (L1 is never filled across a clear after
+    // them), then the names in one generation, read (or found unreadable) once for them
+    // all: a batch whose read of it fails does not read it again for each key (contract
+    // §5.16).
+    let named: Vec<l1::L1Ticket> = led.iter().map(|request| l1::ticket(&request.key)).collect();
     let generation = (!led.is_empty()).then(flight_generation);
     let mut started: Vec<_> = led
         .into_iter()
-        .map(|request| {
-            let (driver, action, ticket) = begin_flight(&request, settings, Role::Leader, generation)?;
+        .zip(named)
+        .map(|(request, named)| {
+            let batch = generation.map(|generation| BatchNaming { generation, named });
+            let (driver, action, ticket) = begin_flight(&request, settings, Role::Leader, batch)?;
             Ok((request, ticket, driver, action))
         })
         .collect();
@@ -573,20 +578,20 @@ fn fly(request: Request, settings: &Settings, role: Role) -> Result<Begun, types
 
 /// A new flight of the request in its role: its driver, its first action, and the key's
 /// ticket when it began. A leader's flight that could not start hands its error on to
-/// the process's followers of the key. `generation`: a batch's key, named in the
-/// generation its batch found (`flight_generation`); else the flight finds its own.
+/// the process's followers of the key. `batch`: a batch's key, named as its batch found;
+/// else the flight names its key itself.
 fn begin_flight(
     request: &Request,
     settings: &Settings,
     role: Role,
-    generation: Option<(u64, bool)>,
+    batch: Option<BatchNaming>,
 ) -> Result<(Driver, Action, l1::L1Ticket), types::Error> {
     let config = FlightConfig {
         refresh: role == Role::Refresh,
         ..settings.flight(request.bypass)
     };
     let ticket = l1::ticket(&request.key);
-    let (mut driver, action) = start(request, settings, config, generation).inspect_err(|e| {
+    let (mut driver, action) = start(request, settings, config, batch).inspect_err(|e| {
         if role == Role::Leader {
             flights::finish(&request.key, Err(e));
         }
@@ -650,12 +655,20 @@ fn drive(
     }
 }
 
+/// How a batch named a key it leads: the generation it found for its keys
+/// (`flight_generation`), and the key's ticket, taken before that.
+#[derive(Clone, Copy)]
+struct BatchNaming {
+    generation: (u64, bool),
+    named: l1::L1Ticket,
+}
+
 /// The driver of a new flight of the request, and its first action.
 fn start(
     request: &Request,
     settings: &Settings,
     config: FlightConfig,
-    generation: Option<(u64, bool)>,
+    batch: Option<BatchNaming>,
 ) -> Result<(Driver, Action), types::Error> {
     let (flight, action) = Flight::start(
         &request.key,
@@ -666,11 +679,12 @@ fn start(
     )
     .map_err(arg_error)?;
     check_tags(&request.tags)?;
-    let named = l1::ticket(&request.key);
-    let (names, named_known) = match generation {
+    // Taken before the names: L1 is never filled across a clear after them.
+    let named = batch.map_or_else(|| l1::ticket(&request.key), |b| b.named);
+    let (names, named_known) = match batch {
         _ if config.refresh => (locate(&request.key, &settings.limits)?, true),
         // A batch's key (checked with its batch), in its batch's generation.
-        Some(generation) => locate_in_flight_generation(&request.key, generation, &settings.limits)?,
+        Some(b) => locate_in_flight_generation(&request.key, b.generation, &settings.limits)?,
         None => locate_for_flight(&request.key, &settings.limits)?,
     };
     let mut driver = Driver::new(
