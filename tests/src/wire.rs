@@ -82,6 +82,16 @@ impl RealWire {
             naming: Arc::default(),
         })
     }
+
+    /// A wire to the server at `url` that holds, for good, the replies to every command
+    /// naming a prefix's generation counter (`{…}:g`, contract §2.4): the server reads
+    /// it, the reader never hears, and a cache's generation read times out.
+    pub async fn holding_the_generation(url: &str) -> anyhow::Result<RealWire> {
+        let wire = RealWire::connect(url).await?;
+        *wire.naming.lock().unwrap_or_else(|e| e.into_inner()) = Some("}:g".to_string());
+        wire.named.close();
+        Ok(wire)
+    }
 }
 
 fn is_mget(command: &Cmd) -> bool {

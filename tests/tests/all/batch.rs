@@ -1382,9 +1382,7 @@ async fn a_batch_fills_l1_with_a_hit_only_once_no_flight_of_its_key_overtook_the
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_whose_generation_read_timed_out_reads_it_once() -> Result<()> {
     let server = RedisServer::start()?;
-    let wire = RealWire::connect(&server.url()).await?;
-    *wire.naming.lock().unwrap() = Some("}:g".to_string());
-    wire.named.close();
+    let wire = RealWire::holding_the_generation(&server.url()).await?;
     let mut options = RedisOptions::new(server.url());
     options.response_timeout = Duration::from_millis(200);
     let cache = Corral::builder()

@@ -1449,9 +1449,7 @@ async fn a_portable_batch_of_l1_hits_sends_nothing_once_the_generation_lapsed() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_portable_batch_whose_generation_read_timed_out_reads_it_once() -> Result<()> {
     let server = RedisServer::start()?;
-    let wire = corral_tests::wire::RealWire::connect(&server.url()).await?;
-    *wire.naming.lock().unwrap() = Some("}:g".to_string());
-    wire.named.close();
+    let wire = corral_tests::wire::RealWire::holding_the_generation(&server.url()).await?;
     let mut options = corral::RedisOptions::new(server.url());
     options.response_timeout = Duration::from_millis(200);
     let portable = PortableCache::builder()

@@ -590,7 +590,8 @@ fn begin_flight(
         refresh: role == Role::Refresh,
         ..settings.flight(request.bypass)
     };
-    let ticket = l1::ticket(&request.key);
+    // A batch's key began when its batch took its ticket, before finding its names.
+    let ticket = batch.map_or_else(|| l1::ticket(&request.key), |b| b.named);
     let (mut driver, action) = start(request, settings, config, batch).inspect_err(|e| {
         if role == Role::Leader {
             flights::finish(&request.key, Err(e));
