@@ -914,12 +914,19 @@ mod flight {
             key: String,
             options: types::EntryOptions,
             config: wit::FlightConfig,
+            judged_ms: u64,
             now_ms: u64,
             l: types::Limits,
         ) -> Result<(wit::FlightState, wit::Action), types::Error> {
-            let (flight, action) =
-                Flight::start(&key, options_in(options), config_in(config), now_ms, &limits(l))
-                    .map_err(arg_error)?;
+            let (flight, action) = Flight::start_judged(
+                &key,
+                options_in(options),
+                config_in(config),
+                judged_ms,
+                now_ms,
+                &limits(l),
+            )
+            .map_err(arg_error)?;
             Ok((state_out(flight), action_out(action)))
         }
 

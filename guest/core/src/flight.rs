@@ -514,8 +514,27 @@ impl Flight {
         now_ms: u64,
         limits: &Limits,
     ) -> Result<(Flight, Action), ArgError> {
+        Flight::start_judged(key, options, config, now_ms, now_ms, limits)
+    }
+
+    /// Starts a flight for `key` at `now_ms` for a call that judged its options at
+    /// `judged_ms` ([`check`](Self::check)): a batch's key, which flies on after its
+    /// batch's reads. The options are judged as the call found them: an absolute point
+    /// that passed since fails nothing (the value loaded is not cached, as when it
+    /// passes while the loader runs). The flight's own deadlines count from `now_ms`.
+    ///
+    /// # Errors
+    /// An [`ArgError`] for a bad key or bad entry options.
+    pub fn start_judged(
+        key: &str,
+        options: EntryOptions,
+        config: FlightConfig,
+        judged_ms: u64,
+        now_ms: u64,
+        limits: &Limits,
+    ) -> Result<(Flight, Action), ArgError> {
         key::validate(key, limits)?;
-        Flight::check(&options, &config, now_ms, limits)?;
+        Flight::check(&options, &config, judged_ms, limits)?;
         let mut flight = Flight {
             phase: Phase::Reading,
             options,

@@ -64,22 +64,20 @@ thread_local! {
 }
 
 impl Corral {
-    /// Judges `options` for a get-or-set of `key` as a cold call would, before any tier
-    /// is asked: the same answer whether the key is in L1 or not.
+    /// Judges `options` for a get-or-set of `key` at `now` as a cold call would, before
+    /// any tier is asked: the same answer whether the key is in L1 or not.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
     /// option at fault.
-    pub(super) fn judge(&self, key: &str, options: &LoadOptions) -> Result<()> {
+    pub(super) fn judge(&self, key: &str, options: &LoadOptions, now: u64) -> Result<()> {
         let remember = rememberable(options);
         if remember && ACCEPTED.with(|a| a.borrow().1.iter().flatten().any(|j| j.is(options))) {
             return Ok(());
         }
         let inner = &*self.inner;
         let config = self.flight_config(options, true);
-        inner
-            .policy
-            .flight_start(key, &options.entry, config, inner.clock.now_ms())?;
+        inner.policy.flight_start(key, &options.entry, config, now, now)?;
         if !options.tags.is_empty() {
             inner.policy.check_tags(&options.tags)?;
         }

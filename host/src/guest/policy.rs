@@ -706,20 +706,28 @@ impl Policy {
         })
     }
 
-    /// Starts a get-or-set flight: judges key and options, returns the first action.
+    /// Starts a get-or-set flight at `now_ms`: judges key and options as at `judged_ms`
+    /// (when its call judged them), returns the first action.
     pub(crate) fn flight_start(
         &self,
         key: &str,
         options: &EntryOptions,
         config: wflight::FlightConfig,
+        judged_ms: u64,
         now_ms: u64,
     ) -> Result<(wflight::FlightState, wflight::Action)> {
         let limits = self.inner.limits;
         let options = options_in(options);
         self.call(|s| {
-            s.guest
-                .corral_cache_flight()
-                .call_start(&mut s.store, key, options, config, now_ms, limits)
+            s.guest.corral_cache_flight().call_start(
+                &mut s.store,
+                key,
+                options,
+                config,
+                judged_ms,
+                now_ms,
+                limits,
+            )
         })?
         .map_err(from_wit)
     }

@@ -1382,13 +1382,7 @@ async fn a_batch_fills_l1_with_a_hit_only_once_no_flight_of_its_key_overtook_the
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_whose_generation_read_timed_out_reads_it_once() -> Result<()> {
     let server = RedisServer::start()?;
-    let wire = RealWire::holding_the_generation(&server.url()).await?;
-    let mut options = RedisOptions::new(server.url());
-    options.response_timeout = Duration::from_millis(200);
-    let cache = Corral::builder()
-        .redis_options(options)
-        .redis_wire(Arc::new(wire))
-        .build()?;
+    let cache = generation_held(&server, Duration::from_millis(200)).await?;
     let reads_before = command_calls(&server, "get").await?;
     let calls = Calls::default();
     let keys = named(0..5);
@@ -1408,4 +1402,45 @@ async fn a_batch_whose_generation_read_timed_out_reads_it_once() -> Result<()> {
     assert_eq!(calls.all().len(), 1, "one loader call");
     assert_eq!(generation_reads, 1, "the generation read again per flying key");
     Ok(())
+}
+
+/// A batch's options are judged once, when it is called: an absolute expiry that was
+/// ahead then and passes while the batch reads (here, its generation read held on the
+/// wire until the response timeout) fails no key. Each key is loaded and served, as one
+/// key's get-or-set is whose absolute point passes while it runs: not cached, since the
+/// point passed (contract §5.16). Before, each key that flew on judged the options
+/// again at its flight's start and failed with an invalid argument.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_absolute_expiry_passes_while_it_reads_fails_no_key() -> Result<()> {
+    let server = RedisServer::start()?;
+    let cache = generation_held(&server, Duration::from_millis(800)).await?;
+    let calls = Calls::default();
+    let keys = named(0..3);
+    let soon = std::time::SystemTime::now() + Duration::from_millis(250);
+    let answers = values(
+        cache
+            .get_or_set_many(&keys, EntryOptions::new().absolute(soon), answering(&calls))
+            .await?,
+    )?;
+    assert_eq!(
+        answers,
+        keys.iter()
+            .map(|k| Some(format!("value:{k}")))
+            .collect::<Vec<_>>(),
+        "each key loaded and served, none judged again"
+    );
+    assert_eq!(calls.all().len(), 1, "one loader call");
+    Ok(())
+}
+
+/// A cache on `server` whose reads of the prefix's generation get no reply (held on the
+/// wire) until its response timeout, `timeout`.
+async fn generation_held(server: &RedisServer, timeout: Duration) -> Result<Corral> {
+    let wire = RealWire::holding_the_generation(&server.url()).await?;
+    let mut options = RedisOptions::new(server.url());
+    options.response_timeout = timeout;
+    Ok(Corral::builder()
+        .redis_options(options)
+        .redis_wire(Arc::new(wire))
+        .build()?)
 }

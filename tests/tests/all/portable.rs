@@ -1449,13 +1449,7 @@ async fn a_portable_batch_of_l1_hits_sends_nothing_once_the_generation_lapsed() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_portable_batch_whose_generation_read_timed_out_reads_it_once() -> Result<()> {
     let server = RedisServer::start()?;
-    let wire = corral_tests::wire::RealWire::holding_the_generation(&server.url()).await?;
-    let mut options = corral::RedisOptions::new(server.url());
-    options.response_timeout = Duration::from_millis(200);
-    let portable = PortableCache::builder()
-        .redis_options(options)
-        .redis_wire(Arc::new(wire))
-        .build()?;
+    let portable = generation_held(&server, Duration::from_millis(200)).await?;
     let reads_before = corral_tests::command_calls(&server, "get").await?;
     let calls = Calls::default();
     let keys = ["k0", "k1", "k2", "k3", "k4"];
@@ -1468,4 +1462,36 @@ async fn a_portable_batch_whose_generation_read_timed_out_reads_it_once() -> Res
     assert_eq!(calls.lock().len(), 1, "one loader call");
     assert_eq!(generation_reads, 1, "the generation read again per led key");
     Ok(())
+}
+
+/// A portable batch's options are judged once, when it is called: an absolute expiry
+/// ahead then that passes while the batch reads its generation (held on the wire until
+/// the response timeout) fails no key; each is loaded and served, not cached (contract
+/// §5.16). Before, each led key judged the options again as its flight started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_batch_whose_absolute_expiry_passes_while_it_reads_fails_no_key() -> Result<()> {
+    let server = RedisServer::start()?;
+    let portable = generation_held(&server, Duration::from_millis(800)).await?;
+    let calls = Calls::default();
+    let keys = ["k0", "k1", "k2"];
+    let soon = std::time::SystemTime::now() + Duration::from_millis(250);
+    let answers = portable
+        .get_or_set_many(&keys, EntryOptions::new().absolute(soon), recording(&calls))
+        .await?;
+    let values: Vec<Option<Bytes>> = answers.into_iter().collect::<corral::Result<_>>()?;
+    assert_eq!(values, keys.map(|k| Some(Bytes::from(format!("v:{k}")))));
+    assert_eq!(calls.lock().len(), 1, "one loader call");
+    Ok(())
+}
+
+/// A portable cache on `server` whose reads of the prefix's generation get no reply (held
+/// on the wire) until its response timeout, `timeout`.
+async fn generation_held(server: &RedisServer, timeout: Duration) -> Result<PortableCache> {
+    let wire = corral_tests::wire::RealWire::holding_the_generation(&server.url()).await?;
+    let mut options = corral::RedisOptions::new(server.url());
+    options.response_timeout = timeout;
+    Ok(PortableCache::builder()
+        .redis_options(options)
+        .redis_wire(Arc::new(wire))
+        .build()?)
 }

@@ -485,7 +485,7 @@ pub(crate) fn begin_many(
             begun[at] = Some(Ok(follow(None, request(&keys[at]))));
         }
     }
-    let mut flown = lead_many(led, &settings).into_iter();
+    let mut flown = lead_many(led, now, &settings).into_iter();
     Ok(begun
         .into_iter()
         .map(|b| b.unwrap_or_else(|| flown.next().unwrap_or_else(|| Err(lost()))))
@@ -497,11 +497,12 @@ fn lost() -> types::Error {
     types::Error::Other("the batch lost a key's flight".to_string())
 }
 
-/// The flights of `led` (keys this caller leads in the process), in order: their
-/// first reads made together (one store timeout), then each run, under its own deadline,
-/// to its load, its end, or a wait for another process's landing: that key follows the
-/// process's flight of it once the batch's loads ended ([`Step::Parked`]).
-fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
+/// The flights of `led` (keys this caller leads in the process, their options judged
+/// at `judged_ms`), in order: their first reads made together (one store timeout), then
+/// each run, under its own deadline, to its load, its end, or a wait for another
+/// process's landing: that key follows the process's flight of it once the batch's loads
+/// ended ([`Step::Parked`]).
+fn lead_many(led: Vec<Request>, judged_ms: u64, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
     // Each key's ticket taken before its names (L1 is never filled across a clear after
     // them), then the names in one generation, read (or found unreadable) once for them
     // all: a batch whose read of it fails does not read it again for each key (contract
@@ -512,7 +513,11 @@ fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types:
         .into_iter()
         .zip(named)
         .map(|(request, named)| {
-            let batch = generation.map(|generation| BatchNaming { generation, named });
+            let batch = generation.map(|generation| BatchNaming {
+                generation,
+                named,
+                judged_ms,
+            });
             let (driver, action, ticket) = begin_flight(&request, settings, Role::Leader, batch)?;
             Ok((request, ticket, driver, action))
         })
@@ -657,11 +662,13 @@ fn drive(
 }
 
 /// How a batch named a key it leads: the generation it found for its keys
-/// (`flight_generation`), and the key's ticket, taken before that.
+/// (`flight_generation`), the key's ticket, taken before that, and when the batch judged
+/// its options (its keys' flights start from that verdict).
 #[derive(Clone, Copy)]
 struct BatchNaming {
     generation: (u64, bool),
     named: l1::L1Ticket,
+    judged_ms: u64,
 }
 
 /// The driver of a new flight of the request, and its first action.
@@ -671,11 +678,13 @@ fn start(
     config: FlightConfig,
     batch: Option<BatchNaming>,
 ) -> Result<(Driver, Action), types::Error> {
-    let (flight, action) = Flight::start(
+    let now = now_ms();
+    let (flight, action) = Flight::start_judged(
         &request.key,
         options_in(request.options),
         config,
-        now_ms(),
+        batch.map_or(now, |b| b.judged_ms),
+        now,
         &settings.limits,
     )
     .map_err(arg_error)?;

@@ -516,7 +516,8 @@ impl Corral {
         // every key, the tags. A bad key is named by the naming below, with its
         // position, whether these options were seen before or not; a bad tag only once
         // every key passed.
-        let deferred = match self.judge(first, &options) {
+        let judged = inner.clock.now_ms();
+        let deferred = match self.judge(first, &options, judged) {
             Err(e) if matches!(e.argument(), Some("key" | "tags")) => Some(e),
             judged => judged.map(|()| None)?,
         };
@@ -531,7 +532,9 @@ impl Corral {
             generation,
             readable: true,
         });
-        let answers = self.many(&distinct, located, &named, &options, &loader).await;
+        let answers = self
+            .many(&distinct, located, &named, (&options, judged), &loader)
+            .await;
         Ok(hand_out(answers, &asked)
             .into_iter()
             .map(|answer| match answer {
@@ -545,13 +548,14 @@ impl Corral {
 
     /// Every key of `keys` (distinct and checked, their entries named (`located`) if the
     /// generation was known, else named once L1 answered; their L1 tickets as of the
-    /// names `named`), answered (`None`: a key nothing answered, a broken contract).
+    /// names `named`; the options judged at `judged`), answered (`None`: a key nothing
+    /// answered, a broken contract).
     async fn many<L, Fut, I, V, E>(
         &self,
         keys: &[&str],
         located: Option<Located>,
         named: &[Ticket],
-        options: &LoadOptions,
+        (options, judged): (&LoadOptions, u64),
         loader: &L,
     ) -> Vec<Option<Result<Served>>>
     where
@@ -622,7 +626,15 @@ impl Corral {
         let mut flights = Vec::with_capacity(parts.len());
         for (i, part, first) in parts {
             indices.push(i);
-            flights.push(self.one_of_many(i, keys[i], options, &loads, part, seats[i].take(), first));
+            flights.push(self.one_of_many(
+                i,
+                keys[i],
+                (options, judged),
+                &loads,
+                part,
+                seats[i].take(),
+                first,
+            ));
         }
         let flown = futures::future::join_all(flights).await;
         for (i, answer) in indices.into_iter().zip(flown) {
@@ -882,13 +894,13 @@ impl Corral {
     }
 
     /// One key of a batch, answered: followed, or led (then its flight's loader is the
-    /// batch's).
+    /// batch's, and it starts from the verdict its batch's options got at `judged`).
     #[allow(clippy::too_many_arguments)]
     async fn one_of_many<M, C, S>(
         &self,
         index: usize,
         key: &str,
-        options: &LoadOptions,
+        (options, judged): (&LoadOptions, u64),
         loads: &Loads<'_, M, C, S>,
         mut part: Part,
         mut seat: Option<Seat<'_>>,
@@ -928,7 +940,7 @@ impl Corral {
                         began: Some(call_began),
                     };
                     let result = self
-                        .fly(key, options, callers, first)
+                        .fly(key, options, callers, first, Some(judged))
                         .instrument(self.flight_span(key))
                         .await;
                     if let Some(guard) = followers {
@@ -954,7 +966,7 @@ mod send_check {
             generation: 0,
             readable: true,
         };
-        send(c.many(keys, Some(located), &[], o, &loader));
+        send(c.many(keys, Some(located), &[], (o, 0), &loader));
         let clock = crate::clock::SystemClock;
         let loads = Loads::new(
             keys,
@@ -963,7 +975,7 @@ mod send_check {
             &clock,
         );
         send(loads.load(0, oneshot::channel().0));
-        send(c.one_of_many(0, "k", o, &loads, Part::Lead(None), None, None));
+        send(c.one_of_many(0, "k", (o, 0), &loads, Part::Lead(None), None, None));
     }
 }
 

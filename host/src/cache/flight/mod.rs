@@ -101,7 +101,7 @@ impl Corral {
     {
         let options = options.into();
         Self::in_caller_only(&options)?;
-        self.judge(key, &options)?;
+        self.judge(key, &options, self.inner.clock.now_ms())?;
         if options.bypass {
             return self
                 .lead(key, &options, loader, &mut None, &mut None)
@@ -197,7 +197,7 @@ impl Corral {
         E: Into<BoxError> + Send + 'static,
     {
         let options = options.into();
-        self.judge(key, &options)?;
+        self.judge(key, &options, self.inner.clock.now_ms())?;
         if options.bypass {
             let mut in_caller = options;
             in_caller.soft_timeout_ms = None;
@@ -356,7 +356,7 @@ impl Corral {
             batch: None,
             began: None,
         };
-        let result = self.fly(key, options, callers, None).await;
+        let result = self.fly(key, options, callers, None, None).await;
         Led {
             result,
             loader,
@@ -365,12 +365,15 @@ impl Corral {
     }
 
     /// Runs one flight to its end: the guest's machine decides, the driver performs.
+    /// `judged`: when its call judged the options, if not as the flight starts (a
+    /// batch's key): the flight starts from that verdict.
     async fn fly<F, Fut, V, E>(
         &self,
         key: &str,
         options: &LoadOptions,
         callers: Callers<'_, F>,
         first: Option<FirstRead>,
+        judged: Option<u64>,
     ) -> Result<Served>
     where
         F: FnOnce() -> Fut,
@@ -381,7 +384,10 @@ impl Corral {
         let inner = &*self.inner;
         let config = self.flight_config(options, callers.answer.is_some());
         let now = inner.clock.now_ms();
-        let (state, action) = inner.policy.flight_start(key, &options.entry, config, now)?;
+        let judged = judged.unwrap_or(now);
+        let (state, action) = inner
+            .policy
+            .flight_start(key, &options.entry, config, judged, now)?;
         if !options.tags.is_empty() {
             inner.policy.check_tags(&options.tags)?;
         }
