@@ -1433,6 +1433,39 @@ async fn a_batch_whose_absolute_expiry_passes_while_it_reads_fails_no_key() -> R
     Ok(())
 }
 
+/// A bypass batch whose read of the prefix's generation timed out reads it once: a bypass
+/// reads no key first, but its keys are named as a batch's are, in one generation found
+/// once for them all (contract §5.16); each key is loaded and served, not written (its
+/// name could not be read), as one key's bypass is. Before, each key read the
+/// generation on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bypass_batch_whose_generation_read_timed_out_reads_it_once() -> Result<()> {
+    let server = RedisServer::start()?;
+    let cache = generation_held(&server, Duration::from_millis(200)).await?;
+    let reads = async || -> Result<u64> {
+        Ok(command_calls(&server, "get").await? + command_calls(&server, "mget").await?)
+    };
+    let reads_before = reads().await?;
+    let calls = Calls::default();
+    let keys = named(0..5);
+    let answers = values(
+        cache
+            .get_or_set_many(&keys, relative().bypass(true), answering(&calls))
+            .await?,
+    )?;
+    let generation_reads = reads().await? - reads_before;
+    assert_eq!(
+        answers,
+        keys.iter()
+            .map(|k| Some(format!("value:{k}")))
+            .collect::<Vec<_>>(),
+        "loaded, served"
+    );
+    assert_eq!(calls.all().len(), 1, "one loader call");
+    assert_eq!(generation_reads, 1, "the generation read again per bypassing key");
+    Ok(())
+}
+
 /// A cache on `server` whose reads of the prefix's generation get no reply (held on the
 /// wire) until its response timeout, `timeout`.
 async fn generation_held(server: &RedisServer, timeout: Duration) -> Result<Corral> {

@@ -1484,6 +1484,35 @@ async fn a_portable_batch_whose_absolute_expiry_passes_while_it_reads_fails_no_k
     Ok(())
 }
 
+/// A portable bypass batch whose read of the prefix's generation timed out reads it once:
+/// its keys are named in one generation found once for them all (contract §5.16), and
+/// each is loaded and served, as one key's bypass is. Before, each key read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_bypass_batch_whose_generation_read_timed_out_reads_it_once() -> Result<()> {
+    let server = RedisServer::start()?;
+    let portable = generation_held(&server, Duration::from_millis(200)).await?;
+    let reads = async || -> Result<u64> {
+        Ok(corral_tests::command_calls(&server, "get").await?
+            + corral_tests::command_calls(&server, "mget").await?)
+    };
+    let reads_before = reads().await?;
+    let calls = Calls::default();
+    let keys = ["k0", "k1", "k2", "k3", "k4"];
+    let answers = portable
+        .get_or_set_many(
+            &keys,
+            corral::LoadOptions::relative(Duration::from_secs(60)).bypass(true),
+            recording(&calls),
+        )
+        .await?;
+    let generation_reads = reads().await? - reads_before;
+    let values: Vec<Option<Bytes>> = answers.into_iter().collect::<corral::Result<_>>()?;
+    assert_eq!(values, keys.map(|k| Some(Bytes::from(format!("v:{k}")))));
+    assert_eq!(calls.lock().len(), 1, "one loader call");
+    assert_eq!(generation_reads, 1, "the generation read again per bypassing key");
+    Ok(())
+}
+
 /// A portable cache on `server` whose reads of the prefix's generation get no reply (held
 /// on the wire) until its response timeout, `timeout`.
 async fn generation_held(server: &RedisServer, timeout: Duration) -> Result<PortableCache> {

@@ -461,13 +461,23 @@ pub(crate) fn begin_many(
         bypass,
         tags: tags.clone(),
     };
+    if bypass {
+        // No read first, but the keys are named as a batch's are: in one generation,
+        // found once for them all.
+        let requests = keys.iter().map(|key| request(key)).collect();
+        return Ok(begin_flights(requests, now, &settings, Role::Bypass)
+            .into_iter()
+            .map(|begun| {
+                let (request, ticket, driver, action) = begun?;
+                drive(driver, action, request, ticket, &settings, Role::Bypass)
+            })
+            .collect());
+    }
     let mut begun: Vec<Option<Result<Begun, types::Error>>> = keys.iter().map(|_| None).collect();
     let mut cold = Vec::new();
     for (at, key) in keys.iter().enumerate() {
         let request = request(key);
-        begun[at] = if bypass {
-            Some(fly(request, &settings, Role::Bypass))
-        } else if let Some(hit) = from_l1(&request, now, &settings) {
+        begun[at] = if let Some(hit) = from_l1(&request, now, &settings) {
             Some(Ok(hit))
         } else if let Some(shared) = open(key) {
             Some(Ok(follow(Some(shared), request)))
@@ -503,25 +513,7 @@ fn lost() -> types::Error {
 /// process's landing: that key follows the process's flight of it once the batch's loads
 /// ended ([`Step::Parked`]).
 fn lead_many(led: Vec<Request>, judged_ms: u64, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
-    // Each key's ticket taken before its names (L1 is never filled across a clear after
-    // them), then the names in one generation, read (or found unreadable) once for them
-    // all: a batch whose read of it fails does not read it again for each key (contract
-    // §5.16).
-    let named: Vec<l1::L1Ticket> = led.iter().map(|request| l1::ticket(&request.key)).collect();
-    let generation = (!led.is_empty()).then(flight_generation);
-    let mut started: Vec<_> = led
-        .into_iter()
-        .zip(named)
-        .map(|(request, named)| {
-            let batch = generation.map(|generation| BatchNaming {
-                generation,
-                named,
-                judged_ms,
-            });
-            let (driver, action, ticket) = begin_flight(&request, settings, Role::Leader, batch)?;
-            Ok((request, ticket, driver, action))
-        })
-        .collect();
+    let mut started = begin_flights(led, judged_ms, settings, Role::Leader);
     let reading: Vec<_> = started
         .iter_mut()
         .filter_map(|s| s.as_mut().ok())
@@ -551,6 +543,38 @@ fn lead_many(led: Vec<Request>, judged_ms: u64, settings: &Settings) -> Vec<Resu
             let (request, ticket, mut driver, action) = s?;
             driver.park_at_wait();
             drive(driver, action, request, ticket, settings, Role::Leader)
+        })
+        .collect()
+}
+
+/// A flight begun: its request, the key's ticket when it began, its driver and its first
+/// action.
+type Started = (Request, l1::L1Ticket, Driver, Action);
+
+/// The flights of a batch's `requests` (its options judged at `judged_ms`) begun in
+/// `role`, in order. Each key's ticket is taken before its names (L1 is never filled
+/// across a clear after them), then the names are found in one generation, read (or
+/// found unreadable) once for them all: a batch whose read of it fails does not read it
+/// again for each key (contract §5.16).
+fn begin_flights(
+    requests: Vec<Request>,
+    judged_ms: u64,
+    settings: &Settings,
+    role: Role,
+) -> Vec<Result<Started, types::Error>> {
+    let named: Vec<l1::L1Ticket> = requests.iter().map(|request| l1::ticket(&request.key)).collect();
+    let generation = (!requests.is_empty()).then(flight_generation);
+    requests
+        .into_iter()
+        .zip(named)
+        .map(|(request, named)| {
+            let batch = generation.map(|generation| BatchNaming {
+                generation,
+                named,
+                judged_ms,
+            });
+            let (driver, action, ticket) = begin_flight(&request, settings, role, batch)?;
+            Ok((request, ticket, driver, action))
         })
         .collect()
 }

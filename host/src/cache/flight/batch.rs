@@ -582,28 +582,28 @@ impl Corral {
         let loads = Loads::new(keys, call, split, &*inner.clock);
         let mut answers: Vec<Option<Result<Served>>> = keys.iter().map(|_| None).collect();
         let parts = if options.bypass {
-            (0..keys.len()).map(|i| (i, Part::Lead(None), None)).collect()
+            // A bypass reads no key first, but its keys are named as a batch's are: in one
+            // generation, found once for them all.
+            let all: Vec<usize> = (0..keys.len()).collect();
+            let Some(located) = self.located(keys, located, &all, &mut answers).await else {
+                return answers;
+            };
+            all.into_iter()
+                .map(|i| {
+                    (
+                        i,
+                        Part::Lead(None),
+                        Some(self.named_only(keys[i], &located, named[i])),
+                    )
+                })
+                .collect()
         } else {
             let missed = self.answer_l1_hits(keys, &mut answers);
             if missed.is_empty() {
                 return answers;
             }
-            let located = match located {
-                Some(located) => located,
-                None => match self.locate_entries(keys).await {
-                    Ok((entries, generation, readable)) => Located {
-                        entries,
-                        generation,
-                        readable,
-                    },
-                    // Checked already: only a broken guest fails here, each key's failure.
-                    Err(e) => {
-                        for &i in &missed {
-                            answers[i] = Some(Err(e.clone()));
-                        }
-                        return answers;
-                    }
-                },
+            let Some(located) = self.located(keys, located, &missed, &mut answers).await else {
+                return answers;
             };
             self.answer_missed(keys, &located, named, &missed, &mut answers)
                 .await
@@ -641,6 +641,52 @@ impl Corral {
             answers[i] = Some(answer);
         }
         answers
+    }
+
+    /// The batch's keys named (`located`, if the generation was known when they were
+    /// checked; else found now, in one generation for them all). `None` only for a
+    /// broken guest: then each key at `asked` is answered with its failure.
+    async fn located(
+        &self,
+        keys: &[&str],
+        located: Option<Located>,
+        asked: &[usize],
+        answers: &mut [Option<Result<Served>>],
+    ) -> Option<Located> {
+        if located.is_some() {
+            return located;
+        }
+        match self.locate_entries(keys).await {
+            Ok((entries, generation, readable)) => Some(Located {
+                entries,
+                generation,
+                readable,
+            }),
+            // Checked already: only a broken guest fails here, each key's failure.
+            Err(e) => {
+                for &i in asked {
+                    answers[i] = Some(Err(e.clone()));
+                }
+                None
+            }
+        }
+    }
+
+    /// What a key of a bypass batch begins its flight with: no read (a bypass loads
+    /// first), only its batch's naming (`located`), and its ticket taken before it
+    /// (`named`). Its flight is named in that generation as a read key's is
+    /// ([`Corral::batch_key_names`]), and writes nothing where it could not be read.
+    fn named_only(&self, key: &str, located: &Located, named: Ticket) -> FirstRead {
+        let inner = &*self.inner;
+        FirstRead {
+            named,
+            l1_ticket: inner.l1.ticket_since(key, named),
+            tag_epoch: inner.l1.tag_epoch(),
+            read: Err(super::generation_unread()),
+            deadline: in_ms(inner.flight.store_budget.before_load_ms),
+            unnamed: !located.readable,
+            batch_generation: Some(located.generation),
+        }
     }
 
     /// Answers a batch's L1 hits (in `answers`); the indices of the other keys.
