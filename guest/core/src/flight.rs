@@ -1204,6 +1204,35 @@ mod tests {
     }
 
     #[test]
+    fn a_flight_starts_from_its_calls_verdict_and_counts_its_deadlines_from_now() {
+        let limits = Limits::default();
+        let options = EntryOptions {
+            absolute_ms: Some(NOW + 100),
+            ..EntryOptions::default()
+        };
+        let config = FlightConfig::default();
+        // Judged before the point, started after it: it starts, and counts from now.
+        let (mut flight, action) = Flight::start_judged("k", options, config, NOW, NOW + 500, &limits)
+            .expect("judged when the point was ahead");
+        assert_eq!(action, Action::ReadL2);
+        assert_eq!(flight.deadline_ms, NOW + 500 + config.lock_wait_ms);
+        // Judged now, the same options are refused.
+        let refused = Flight::start("k", options, config, NOW + 500, &limits).expect_err("in the past");
+        assert_eq!(refused.arg, crate::Arg::Absolute);
+        // Its load is answered, not cached: the point passed.
+        flight.handle(Event::L2Miss, NOW + 500, &limits);
+        flight.handle(Event::LockAcquired, NOW + 500, &limits);
+        flight.handle(Event::L2Miss, NOW + 500, &limits);
+        let loaded = Event::Loaded {
+            len: 3,
+            cacheable: true,
+            expiry: None,
+        };
+        let done = flight.handle(loaded, NOW + 510, &limits);
+        assert_eq!(finish(&done).0, Outcome::Loaded { cached: false });
+    }
+
+    #[test]
     fn without_a_stale_copy_a_failed_reload_is_the_loaders_error() {
         let (_, actions) = run(
             FlightConfig::default(),

@@ -48,6 +48,10 @@ pub struct LoadOptions {
     pub(crate) tags: Arc<[String]>,
     /// The most keys one call of a batch loader gets; `None`: no limit.
     pub(crate) max_batch: Option<usize>,
+    /// When the call judged these options ([`Corral::judge`](super::Corral)), set by the
+    /// call itself: every flight of the call starts from that verdict (one that leads
+    /// after following, a batch's key that flies on after its batch's reads, a refresh).
+    pub(crate) judged_ms: Option<u64>,
 }
 
 impl fmt::Debug for LoadOptions {

@@ -1041,3 +1041,51 @@ async fn a_caller_after_a_heard_change_does_not_join_an_older_flight() -> Result
     );
     Ok(())
 }
+
+/// A call's options are judged once, as it begins: a follower whose leader went away
+/// after the follower's absolute expiry passed leads in its place from the verdict its
+/// options got when it was called. It loads and is served (not cached: the point passed),
+/// as a caller whose point passes while its own loader runs is. Before, it judged its
+/// options again as it led, and failed with an invalid argument.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_leads_after_its_absolute_point_passed_is_served() -> Result<()> {
+    let cache = Corral::builder().build()?;
+    let started = Arc::new(Notify::new());
+    let leader = tokio::spawn({
+        let (cache, started) = (cache.clone(), started.clone());
+        async move {
+            cache
+                .get_or_set("k", relative(), || async move {
+                    started.notify_one();
+                    std::future::pending::<std::result::Result<Vec<u8>, std::io::Error>>().await
+                })
+                .await
+        }
+    });
+    started.notified().await;
+    let soon = std::time::SystemTime::now() + Duration::from_millis(100);
+    let follower = tokio::spawn({
+        let cache = cache.clone();
+        async move {
+            cache
+                .get_or_set("k", EntryOptions::new().absolute(soon), || async {
+                    Ok::<_, std::io::Error>(b"mine".to_vec())
+                })
+                .await
+        }
+    });
+    while cache.followers_of("k") == 0 {
+        tokio::task::yield_now().await;
+    }
+    // The follower's absolute point passes while it waits; then its leader goes away.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    leader.abort();
+    let got = follower.await?.context("the follower that led")?;
+    assert_eq!(&got[..], b"mine");
+    assert_eq!(
+        cache.get("k").await?,
+        None,
+        "not cached: its absolute point passed"
+    );
+    Ok(())
+}

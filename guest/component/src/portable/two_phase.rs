@@ -161,6 +161,9 @@ struct Request {
     options: types::EntryOptions,
     bypass: bool,
     tags: Vec<String>,
+    /// When its call judged the options: every flight of the call starts from that
+    /// verdict (one that leads after following, a batch's key, a refresh).
+    judged_ms: u64,
 }
 
 /// A load the caller holds: the flight stopped at its load, and what its followers in
@@ -372,6 +375,7 @@ pub(crate) fn begin(
         options,
         bypass,
         tags,
+        judged_ms: now,
     };
     if bypass {
         return fly(request, &settings, Role::Bypass);
@@ -460,12 +464,13 @@ pub(crate) fn begin_many(
         options,
         bypass,
         tags: tags.clone(),
+        judged_ms: now,
     };
     if bypass {
         // No read first, but the keys are named as a batch's are: in one generation,
         // found once for them all.
         let requests = keys.iter().map(|key| request(key)).collect();
-        return Ok(begin_flights(requests, now, &settings, Role::Bypass)
+        return Ok(begin_flights(requests, &settings, Role::Bypass)
             .into_iter()
             .map(|begun| {
                 let (request, ticket, driver, action) = begun?;
@@ -495,7 +500,7 @@ pub(crate) fn begin_many(
             begun[at] = Some(Ok(follow(None, request(&keys[at]))));
         }
     }
-    let mut flown = lead_many(led, now, &settings).into_iter();
+    let mut flown = lead_many(led, &settings).into_iter();
     Ok(begun
         .into_iter()
         .map(|b| b.unwrap_or_else(|| flown.next().unwrap_or_else(|| Err(lost()))))
@@ -507,13 +512,12 @@ fn lost() -> types::Error {
     types::Error::Other("the batch lost a key's flight".to_string())
 }
 
-/// The flights of `led` (keys this caller leads in the process, their options judged
-/// at `judged_ms`), in order: their first reads made together (one store timeout), then
-/// each run, under its own deadline, to its load, its end, or a wait for another
-/// process's landing: that key follows the process's flight of it once the batch's loads
-/// ended ([`Step::Parked`]).
-fn lead_many(led: Vec<Request>, judged_ms: u64, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
-    let mut started = begin_flights(led, judged_ms, settings, Role::Leader);
+/// The flights of `led` (keys this caller leads in the process), in order: their first
+/// reads made together (one store timeout), then each run, under its own deadline, to
+/// its load, its end, or a wait for another process's landing: that key follows the
+/// process's flight of it once the batch's loads ended ([`Step::Parked`]).
+fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
+    let mut started = begin_flights(led, settings, Role::Leader);
     let reading: Vec<_> = started
         .iter_mut()
         .filter_map(|s| s.as_mut().ok())
@@ -551,14 +555,12 @@ fn lead_many(led: Vec<Request>, judged_ms: u64, settings: &Settings) -> Vec<Resu
 /// action.
 type Started = (Request, l1::L1Ticket, Driver, Action);
 
-/// The flights of a batch's `requests` (its options judged at `judged_ms`) begun in
-/// `role`, in order. Each key's ticket is taken before its names (L1 is never filled
+/// The flights of a batch's `requests` begun in `role`, in order. Each key's ticket is taken before its names (L1 is never filled
 /// across a clear after them), then the names are found in one generation, read (or
 /// found unreadable) once for them all: a batch whose read of it fails does not read it
 /// again for each key (contract §5.16).
 fn begin_flights(
     requests: Vec<Request>,
-    judged_ms: u64,
     settings: &Settings,
     role: Role,
 ) -> Vec<Result<Started, types::Error>> {
@@ -568,11 +570,7 @@ fn begin_flights(
         .into_iter()
         .zip(named)
         .map(|(request, named)| {
-            let batch = generation.map(|generation| BatchNaming {
-                generation,
-                named,
-                judged_ms,
-            });
+            let batch = generation.map(|generation| BatchNaming { generation, named });
             let (driver, action, ticket) = begin_flight(&request, settings, role, batch)?;
             Ok((request, ticket, driver, action))
         })
@@ -686,13 +684,11 @@ fn drive(
 }
 
 /// How a batch named a key it leads: the generation it found for its keys
-/// (`flight_generation`), the key's ticket, taken before that, and when the batch judged
-/// its options (its keys' flights start from that verdict).
+/// (`flight_generation`), and the key's ticket, taken before that.
 #[derive(Clone, Copy)]
 struct BatchNaming {
     generation: (u64, bool),
     named: l1::L1Ticket,
-    judged_ms: u64,
 }
 
 /// The driver of a new flight of the request, and its first action.
@@ -707,7 +703,7 @@ fn start(
         &request.key,
         options_in(request.options),
         config,
-        batch.map_or(now, |b| b.judged_ms),
+        request.judged_ms,
         now,
         &settings.limits,
     )

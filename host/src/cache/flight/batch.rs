@@ -500,7 +500,7 @@ impl Corral {
         V: Into<Bytes>,
         E: Into<BoxError>,
     {
-        let options = options.into();
+        let mut options: LoadOptions = options.into();
         let inner = &*self.inner;
         Self::in_caller_only(&options)?;
         if let Some(max) = options.max_batch {
@@ -519,8 +519,9 @@ impl Corral {
         let judged = inner.clock.now_ms();
         let deferred = match self.judge(first, &options, judged) {
             Err(e) if matches!(e.argument(), Some("key" | "tags")) => Some(e),
-            judged => judged.map(|()| None)?,
+            verdict => verdict.map(|()| None)?,
         };
+        options.judged_ms = Some(judged);
         // Taken before the names: L1 is never filled across a clear after them.
         let named: Vec<Ticket> = distinct.iter().map(|k| inner.l1.ticket(k)).collect();
         let entries = self.entries_if_known(&distinct)?;
@@ -532,9 +533,7 @@ impl Corral {
             generation,
             readable: true,
         });
-        let answers = self
-            .many(&distinct, located, &named, (&options, judged), &loader)
-            .await;
+        let answers = self.many(&distinct, located, &named, &options, &loader).await;
         Ok(hand_out(answers, &asked)
             .into_iter()
             .map(|answer| match answer {
@@ -548,14 +547,13 @@ impl Corral {
 
     /// Every key of `keys` (distinct and checked, their entries named (`located`) if the
     /// generation was known, else named once L1 answered; their L1 tickets as of the
-    /// names `named`; the options judged at `judged`), answered (`None`: a key nothing
-    /// answered, a broken contract).
+    /// names `named`), answered (`None`: a key nothing answered, a broken contract).
     async fn many<L, Fut, I, V, E>(
         &self,
         keys: &[&str],
         located: Option<Located>,
         named: &[Ticket],
-        (options, judged): (&LoadOptions, u64),
+        options: &LoadOptions,
         loader: &L,
     ) -> Vec<Option<Result<Served>>>
     where
@@ -626,15 +624,7 @@ impl Corral {
         let mut flights = Vec::with_capacity(parts.len());
         for (i, part, first) in parts {
             indices.push(i);
-            flights.push(self.one_of_many(
-                i,
-                keys[i],
-                (options, judged),
-                &loads,
-                part,
-                seats[i].take(),
-                first,
-            ));
+            flights.push(self.one_of_many(i, keys[i], options, &loads, part, seats[i].take(), first));
         }
         let flown = futures::future::join_all(flights).await;
         for (i, answer) in indices.into_iter().zip(flown) {
@@ -940,13 +930,13 @@ impl Corral {
     }
 
     /// One key of a batch, answered: followed, or led (then its flight's loader is the
-    /// batch's, and it starts from the verdict its batch's options got at `judged`).
+    /// batch's).
     #[allow(clippy::too_many_arguments)]
     async fn one_of_many<M, C, S>(
         &self,
         index: usize,
         key: &str,
-        (options, judged): (&LoadOptions, u64),
+        options: &LoadOptions,
         loads: &Loads<'_, M, C, S>,
         mut part: Part,
         mut seat: Option<Seat<'_>>,
@@ -986,7 +976,7 @@ impl Corral {
                         began: Some(call_began),
                     };
                     let result = self
-                        .fly(key, options, callers, first, Some(judged))
+                        .fly(key, options, callers, first)
                         .instrument(self.flight_span(key))
                         .await;
                     if let Some(guard) = followers {
@@ -1012,7 +1002,7 @@ mod send_check {
             generation: 0,
             readable: true,
         };
-        send(c.many(keys, Some(located), &[], (o, 0), &loader));
+        send(c.many(keys, Some(located), &[], o, &loader));
         let clock = crate::clock::SystemClock;
         let loads = Loads::new(
             keys,
@@ -1021,7 +1011,7 @@ mod send_check {
             &clock,
         );
         send(loads.load(0, oneshot::channel().0));
-        send(c.one_of_many(0, "k", (o, 0), &loads, Part::Lead(None), None, None));
+        send(c.one_of_many(0, "k", o, &loads, Part::Lead(None), None, None));
     }
 }
 

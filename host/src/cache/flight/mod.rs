@@ -99,9 +99,11 @@ impl Corral {
         V: Into<Bytes>,
         E: Into<BoxError>,
     {
-        let options = options.into();
+        let mut options = options.into();
         Self::in_caller_only(&options)?;
-        self.judge(key, &options, self.inner.clock.now_ms())?;
+        let now = self.inner.clock.now_ms();
+        self.judge(key, &options, now)?;
+        options.judged_ms = Some(now);
         if options.bypass {
             return self
                 .lead(key, &options, loader, &mut None, &mut None)
@@ -196,8 +198,10 @@ impl Corral {
         V: Into<Bytes> + Send + 'static,
         E: Into<BoxError> + Send + 'static,
     {
-        let options = options.into();
-        self.judge(key, &options, self.inner.clock.now_ms())?;
+        let mut options = options.into();
+        let now = self.inner.clock.now_ms();
+        self.judge(key, &options, now)?;
+        options.judged_ms = Some(now);
         if options.bypass {
             let mut in_caller = options;
             in_caller.soft_timeout_ms = None;
@@ -356,7 +360,7 @@ impl Corral {
             batch: None,
             began: None,
         };
-        let result = self.fly(key, options, callers, None, None).await;
+        let result = self.fly(key, options, callers, None).await;
         Led {
             result,
             loader,
@@ -364,16 +368,14 @@ impl Corral {
         }
     }
 
-    /// Runs one flight to its end: the guest's machine decides, the driver performs.
-    /// `judged`: when its call judged the options, if not as the flight starts (a
-    /// batch's key): the flight starts from that verdict.
+    /// Runs one flight to its end: the guest's machine decides, the driver performs. It
+    /// starts from the verdict its call's options got (`LoadOptions::judged_ms`).
     async fn fly<F, Fut, V, E>(
         &self,
         key: &str,
         options: &LoadOptions,
         callers: Callers<'_, F>,
         first: Option<FirstRead>,
-        judged: Option<u64>,
     ) -> Result<Served>
     where
         F: FnOnce() -> Fut,
@@ -384,7 +386,7 @@ impl Corral {
         let inner = &*self.inner;
         let config = self.flight_config(options, callers.answer.is_some());
         let now = inner.clock.now_ms();
-        let judged = judged.unwrap_or(now);
+        let judged = options.judged_ms.unwrap_or(now);
         let (state, action) = inner
             .policy
             .flight_start(key, &options.entry, config, judged, now)?;
