@@ -518,10 +518,11 @@ impl Flight {
     }
 
     /// Starts a flight for `key` at `now_ms` for a call that judged its options at
-    /// `judged_ms` ([`check`](Self::check)): a batch's key, which flies on after its
-    /// batch's reads. The options are judged as the call found them: an absolute point
-    /// that passed since fails nothing (the value loaded is not cached, as when it
-    /// passes while the loader runs). The flight's own deadlines count from `now_ms`.
+    /// `judged_ms` ([`check`](Self::check)), earlier or now: a batch's key that flies on
+    /// after its batch's reads, a caller that leads after following. The options are
+    /// judged as the call found them: an absolute point that passed since fails nothing
+    /// (the value loaded is not cached, as when it passes while the loader runs). The
+    /// flight's own deadlines count from `now_ms`.
     ///
     /// # Errors
     /// An [`ArgError`] for a bad key or bad entry options.

@@ -64,13 +64,16 @@ thread_local! {
 }
 
 impl Corral {
-    /// Judges `options` for a get-or-set of `key` at `now` as a cold call would, before
-    /// any tier is asked: the same answer whether the key is in L1 or not.
+    /// Judges `options` for a get-or-set of `key` now, as a cold call would, before any
+    /// tier is asked: the same answer whether the key is in L1 or not. The moment is
+    /// kept in `options` (`judged_ms`): every flight of the call starts from this verdict.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
     /// option at fault.
-    pub(super) fn judge(&self, key: &str, options: &LoadOptions, now: u64) -> Result<()> {
+    pub(super) fn judge(&self, key: &str, options: &mut LoadOptions) -> Result<()> {
+        let now = self.inner.clock.now_ms();
+        options.judged_ms = Some(now);
         let remember = rememberable(options);
         if remember && ACCEPTED.with(|a| a.borrow().1.iter().flatten().any(|j| j.is(options))) {
             return Ok(());

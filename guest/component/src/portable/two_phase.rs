@@ -555,10 +555,10 @@ fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types:
 /// action.
 type Started = (Request, l1::L1Ticket, Driver, Action);
 
-/// The flights of a batch's `requests` begun in `role`, in order. Each key's ticket is taken before its names (L1 is never filled
-/// across a clear after them), then the names are found in one generation, read (or
-/// found unreadable) once for them all: a batch whose read of it fails does not read it
-/// again for each key (contract §5.16).
+/// The flights of a batch's `requests` begun in `role`, in order. Each key's ticket is
+/// taken before its names (L1 is never filled across a clear after them), then the names
+/// are found in one generation, read (or found unreadable) once for them all: a batch
+/// whose read of it fails does not read it again for each key (contract §5.16).
 fn begin_flights(
     requests: Vec<Request>,
     settings: &Settings,

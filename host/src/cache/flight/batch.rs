@@ -516,12 +516,10 @@ impl Corral {
         // every key, the tags. A bad key is named by the naming below, with its
         // position, whether these options were seen before or not; a bad tag only once
         // every key passed.
-        let judged = inner.clock.now_ms();
-        let deferred = match self.judge(first, &options, judged) {
+        let deferred = match self.judge(first, &mut options) {
             Err(e) if matches!(e.argument(), Some("key" | "tags")) => Some(e),
-            verdict => verdict.map(|()| None)?,
+            judged => judged.map(|()| None)?,
         };
-        options.judged_ms = Some(judged);
         // Taken before the names: L1 is never filled across a clear after them.
         let named: Vec<Ticket> = distinct.iter().map(|k| inner.l1.ticket(k)).collect();
         let entries = self.entries_if_known(&distinct)?;

@@ -101,9 +101,7 @@ impl Corral {
     {
         let mut options = options.into();
         Self::in_caller_only(&options)?;
-        let now = self.inner.clock.now_ms();
-        self.judge(key, &options, now)?;
-        options.judged_ms = Some(now);
+        self.judge(key, &mut options)?;
         if options.bypass {
             return self
                 .lead(key, &options, loader, &mut None, &mut None)
@@ -199,9 +197,7 @@ impl Corral {
         E: Into<BoxError> + Send + 'static,
     {
         let mut options = options.into();
-        let now = self.inner.clock.now_ms();
-        self.judge(key, &options, now)?;
-        options.judged_ms = Some(now);
+        self.judge(key, &mut options)?;
         if options.bypass {
             let mut in_caller = options;
             in_caller.soft_timeout_ms = None;
