@@ -31,6 +31,8 @@ pub struct RealWire {
     pub named: Arc<Gate>,
     /// What `named` holds the replies of commands naming (none: nothing).
     pub naming: Arc<std::sync::Mutex<Option<String>>>,
+    /// How many sends named it so far (held or not).
+    pub named_sends: Arc<AtomicUsize>,
 }
 
 /// A gate replies wait at while it is closed: each arrival is told
@@ -80,6 +82,7 @@ impl RealWire {
             mgets: Arc::default(),
             named: Arc::default(),
             naming: Arc::default(),
+            named_sends: Arc::default(),
         })
     }
 
@@ -109,9 +112,13 @@ impl Wire for RealWire {
                 })
             })
         };
+        let named = commands.iter().any(names);
+        if named {
+            self.named_sends.fetch_add(1, Ordering::SeqCst);
+        }
         let gate = if commands.iter().any(is_mget) {
             Some(self.mgets.clone())
-        } else if commands.iter().any(names) {
+        } else if named {
             Some(self.named.clone())
         } else {
             None

@@ -91,6 +91,7 @@ fn settings_out(s: corral_core::Settings) -> types::Settings {
 fn budget_out(b: corral_core::flight::StoreBudget) -> types::StoreBudget {
     types::StoreBudget {
         before_load_ms: b.before_load_ms,
+        refresh_before_load_ms: b.refresh_before_load_ms,
         after_load_ms: b.after_load_ms,
         release_ms: b.release_ms,
     }
@@ -99,6 +100,7 @@ fn budget_out(b: corral_core::flight::StoreBudget) -> types::StoreBudget {
 fn budget_in(b: types::StoreBudget) -> corral_core::flight::StoreBudget {
     corral_core::flight::StoreBudget {
         before_load_ms: b.before_load_ms,
+        refresh_before_load_ms: b.refresh_before_load_ms,
         after_load_ms: b.after_load_ms,
         release_ms: b.release_ms,
     }

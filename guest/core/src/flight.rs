@@ -80,6 +80,11 @@ pub struct StoreBudget {
     /// The steps before the load (reads, the lock, waits for a landing) share the lock
     /// wait, and at least one store timeout.
     pub before_load_ms: u64,
+    /// An eager refresh's steps before its load share one store timeout: it takes the
+    /// lock without waiting (contract §7.3), so it has no lock wait to spend, and a
+    /// body that begins it while its caller waits (the portable one) keeps that caller
+    /// no longer than one store step.
+    pub refresh_before_load_ms: u64,
     /// The steps after the load (the fill) share one store timeout.
     pub after_load_ms: u64,
     /// The release and the announcement get one store timeout of their own: the steps
@@ -92,8 +97,19 @@ impl StoreBudget {
     pub fn new(lock_wait_ms: u64, store_timeout_ms: u64) -> StoreBudget {
         StoreBudget {
             before_load_ms: store_timeout_ms.max(lock_wait_ms),
+            refresh_before_load_ms: store_timeout_ms,
             after_load_ms: store_timeout_ms,
             release_ms: store_timeout_ms,
+        }
+    }
+
+    /// What the steps before the load of a flight run by `config` share: a refresh's
+    /// budget, or a get-or-set's.
+    pub fn before_load_of(&self, config: &FlightConfig) -> u64 {
+        if config.refresh {
+            self.refresh_before_load_ms
+        } else {
+            self.before_load_ms
         }
     }
 
@@ -2423,9 +2439,21 @@ mod tests {
     fn the_store_budget_shares_the_lock_wait_before_the_load_and_a_store_timeout_after() {
         let b = StoreBudget::new(5_000, 1_000);
         assert_eq!(
-            (b.before_load_ms, b.after_load_ms, b.release_ms),
-            (5_000, 1_000, 1_000)
+            (
+                b.before_load_ms,
+                b.refresh_before_load_ms,
+                b.after_load_ms,
+                b.release_ms
+            ),
+            (5_000, 1_000, 1_000, 1_000)
         );
+        // A refresh never waits for the lock: one store timeout before its load.
+        let refresh = FlightConfig {
+            refresh: true,
+            ..crate::Settings::DEFAULT.flight(false)
+        };
+        assert_eq!(b.before_load_of(&refresh), 1_000);
+        assert_eq!(b.before_load_of(&crate::Settings::DEFAULT.flight(false)), 5_000);
         // A lock wait shorter than one store step still lets one step run.
         assert_eq!(StoreBudget::new(0, 1_000).before_load_ms, 1_000);
         assert_eq!(StoreBudget::new(u64::MAX, u64::MAX).before_load_ms, u64::MAX);

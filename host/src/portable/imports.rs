@@ -151,21 +151,33 @@ pub fn in_caller<T: Send + 'static>(step: impl Future<Output = T> + Send + 'stat
 }
 
 impl Backend {
-    /// Ends a call: a flight lock it still holds (it trapped or was cancelled mid-flight)
-    /// is released, owner-checked, and the release announced, so the process that takes
-    /// over need not wait out the lock's TTL; then the flights it led are handed on.
+    /// Ends a call: the flight locks it still holds (it trapped or was cancelled
+    /// mid-flight, or a lock try's reply was lost) are released, owner-checked, and the
+    /// releases announced, so the process that takes over need not wait out the locks'
+    /// TTL; then the flights it led are handed on. The releases go out together, and
+    /// end within one store timeout however many there are: what is left expires by
+    /// its TTL.
     pub(crate) fn end_call(&self, call: CallState) {
-        for (key, owner) in &call.locks {
+        if !call.locks.is_empty() {
             let stores = self.stores.clone();
-            let (key, owner) = (key.clone(), owner.clone());
+            let locks: Vec<(String, String)> =
+                call.locks.iter().map(|(k, o)| (k.clone(), o.clone())).collect();
+            let bound = self.announcing.bound;
             let released = self.io(call.lockstep.as_ref(), async move {
-                stores.flight_lock.release(&key, &owner).await?;
-                stores.notifications.announce(&key).await
+                let each = locks.iter().map(|(key, owner)| async {
+                    stores.flight_lock.release(key, owner).await?;
+                    stores.notifications.announce(key).await
+                });
+                tokio::time::timeout(bound, futures::future::join_all(each)).await
             });
             match released {
-                Some(Ok(())) => {}
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "releasing an abandoned flight lock failed; it expires by its TTL");
+                Some(Ok(each)) => {
+                    for e in each.into_iter().filter_map(std::result::Result::err) {
+                        tracing::warn!(error = %e, "releasing an abandoned flight lock failed; it expires by its TTL");
+                    }
+                }
+                Some(Err(_)) => {
+                    tracing::warn!("releasing abandoned flight locks timed out; they expire by their TTL");
                 }
                 None => tracing::warn!("the caller went away: an abandoned flight lock expires by its TTL"),
             }

@@ -786,3 +786,41 @@ async fn a_stale_copy_answered_late_in_the_generations_window_does_not_outlive_i
     third.await??;
     Ok(())
 }
+
+/// An eager refresh whose lock try gets no reply (held on the wire) ends within one store
+/// timeout: a refresh never waits for the lock, so its steps before the load get one
+/// store timeout (`refresh_before_load_ms`, contract §5.13), not the lock wait. The hit
+/// returns at once either way; the refresh leaves the flights under way when it ends
+/// (the release of what its lost reply may have taken goes on in the background). Before, it ran for the lock wait (5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eager_refresh_whose_lock_try_hangs_ends_within_one_store_timeout() -> Result<()> {
+    let server = RedisServer::start()?;
+    let clock = ManualClock::starting_now();
+    let wire = Arc::new(corral_tests::wire::RealWire::connect(&server.url()).await?);
+    let mut redis = corral::RedisOptions::new(server.url());
+    redis.response_timeout = Duration::from_millis(300);
+    redis.breaker_threshold = 0;
+    let cache = Corral::builder()
+        .redis_options(redis)
+        .redis_wire(wire.clone())
+        .clock(clock.clone())
+        .build()?;
+    let options = LoadOptions::relative(Duration::from_secs(10)).eager_refresh(0.5);
+    let loader = || async { Ok::<_, std::io::Error>("v") };
+    cache.fetch("k", options.clone(), loader).await?;
+    clock.advance(Duration::from_secs(6));
+    // Every reply to a command naming a flight lock (`…}:l`) held from now.
+    *wire.naming.lock().unwrap_or_else(|e| e.into_inner()) = Some("}:l".to_string());
+    wire.named.close();
+    let began = Instant::now();
+    assert_eq!(&cache.fetch("k", options, loader).await?[..], b"v");
+    eventually(30 * SEC, async || Ok(cache.flights_in_progress() == 0)).await?;
+    let took = began.elapsed();
+    println!("the refresh ran for {took:?}");
+    // One store timeout and the slack of a busy 2-core machine.
+    assert!(
+        took < Duration::from_millis(2_500),
+        "the refresh ran for {took:?}"
+    );
+    Ok(())
+}

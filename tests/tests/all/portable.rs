@@ -1524,3 +1524,180 @@ async fn generation_held(server: &RedisServer, timeout: Duration) -> Result<Port
         .redis_wire(Arc::new(wire))
         .build()?)
 }
+
+/// A portable batch's L1 hits due for their eager refresh are refreshed together: each
+/// key is served its copy at once, the prefix's generation (lapsed) is read once for
+/// them all, and their loads go to the loader in one call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_batch_refreshes_its_hits_due_in_one_loader_call() -> Result<()> {
+    let due = hits_due_for_refresh(false).await?;
+    assert_eq!(
+        due.generation_sends, 1,
+        "the generation read once for the batch's refreshes"
+    );
+    assert_eq!(
+        due.refreshed,
+        Some(due.keys),
+        "every key refreshed, in one loader call"
+    );
+    Ok(())
+}
+
+/// A portable batch's L1 hits due for their eager refresh, when the read of the prefix's
+/// (lapsed) generation gets no reply: it is sent once for them all, no refresh begins (a
+/// refresh names its key only in a generation it read), and each key is served its copy.
+/// Before, each refresh sent its own read of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_batch_of_hits_due_for_refresh_whose_generation_read_hangs_sends_it_once() -> Result<()> {
+    let due = hits_due_for_refresh(true).await?;
+    assert_eq!(
+        due.generation_sends, 1,
+        "the generation read sent again per refresh"
+    );
+    assert_eq!(due.refreshed, None, "nothing refreshed in an unread generation");
+    Ok(())
+}
+
+/// What a portable batch of 20 L1 hits due for their eager refresh did.
+struct HitsDue {
+    keys: Vec<String>,
+    /// How many sends named the prefix's generation during the batch.
+    generation_sends: usize,
+    /// The keys of the loader call the refreshes made, if they made one.
+    refreshed: Option<Vec<String>>,
+}
+
+/// 20 keys loaded 30 s after the prefix's generation was read (their L1 copies are not
+/// bound by it), then asked again in a batch 35 s later: past the generation's lapse
+/// (one L1 TTL, 60 s) and the keys' refresh point, short of their L1 deadline. With
+/// `hold`, the replies to what names the generation never come (its read times out).
+/// Each key must be served its copy.
+async fn hits_due_for_refresh(hold: bool) -> Result<HitsDue> {
+    let server = RedisServer::start()?;
+    let clock = corral::ManualClock::starting_now();
+    // The wire counts what names the prefix's generation (`{…}:g`).
+    let wire = Arc::new(corral_tests::wire::RealWire::connect(&server.url()).await?);
+    *wire.naming.lock().unwrap_or_else(|e| e.into_inner()) = Some("}:g".to_string());
+    let mut options = corral::RedisOptions::new(server.url());
+    options.response_timeout = Duration::from_millis(300);
+    let portable = PortableCache::builder()
+        .redis_options(options)
+        .redis_wire(wire.clone())
+        .clock(clock.clone())
+        .l1_ttl(60 * SEC)
+        .eager_refresh(0.5)
+        .build()?;
+    // Subscribed first (the gap a subscription opens with flushes what it knew): the
+    // generation is read now, by the probe, and not again before it lapses.
+    let native = Corral::builder().redis(server.url()).build()?;
+    until(
+        10 * SEC,
+        "the portable process never heard the native one",
+        async || {
+            native.set("probe", "p", EntryOptions::new()).await?;
+            portable.get("probe").await?;
+            native.set("probe", "q", EntryOptions::new()).await?;
+            Ok(portable.get("probe").await?.as_deref() == Some(&b"q"[..]))
+        },
+    )
+    .await?;
+    clock.advance(30 * SEC);
+    let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
+    let calls = Calls::default();
+    let options = EntryOptions::new().relative(60 * SEC);
+    portable
+        .get_or_set_many(&keys, options, recording(&calls))
+        .await?;
+    clock.advance(35 * SEC);
+    if hold {
+        wire.named.close();
+    }
+    let sends = wire.named_sends.load(Ordering::SeqCst);
+    let answers = portable
+        .get_or_set_many(&keys, options, recording(&calls))
+        .await?;
+    let generation_sends = wire.named_sends.load(Ordering::SeqCst) - sends;
+    let values: Vec<Option<Bytes>> = answers.into_iter().collect::<corral::Result<_>>()?;
+    let expected: Vec<Option<Bytes>> = keys.iter().map(|k| Some(Bytes::from(format!("v:{k}")))).collect();
+    assert_eq!(values, expected, "each key served its copy");
+    let refreshed = calls.lock().get(1).cloned();
+    assert!(calls.lock().len() <= 2, "the refreshes loaded in one call");
+    Ok(HitsDue {
+        keys,
+        generation_sends,
+        refreshed,
+    })
+}
+
+/// A portable batch of L1 hits due for their eager refresh ends within one store timeout
+/// when the replies to its refreshes' lock tries never come: the refreshes begin
+/// together under one bound (a refresh's budget: it takes the lock without waiting), and
+/// each key is served its L1 copy. Before, each began under a bound of its own, the lock
+/// wait: 20 keys took over 100 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_batch_of_hits_due_for_refresh_ends_within_one_store_timeout_when_its_locks_hang()
+-> Result<()> {
+    let took = refresh_with_locks_held(20).await?;
+    // One store timeout for the refreshes, one for releasing what their lost replies may
+    // have taken, and the slack of a busy 2-core machine; one per key would be 6 s.
+    assert!(took < Duration::from_millis(2_000), "took {took:?}");
+    Ok(())
+}
+
+/// One portable hit due for its eager refresh ends within one store timeout when the
+/// reply to its refresh's lock try never comes: a refresh never waits for the lock, so
+/// its steps before the load get one store timeout (`refresh_before_load_ms`), not the
+/// lock wait. Before, the hit took the lock wait (5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_portable_hit_due_for_refresh_ends_within_one_store_timeout_when_its_lock_hangs() -> Result<()> {
+    let took = refresh_with_locks_held(1).await?;
+    assert!(took < Duration::from_millis(2_000), "took {took:?}");
+    Ok(())
+}
+
+/// How long a portable call took to serve `n` keys from L1 whose eager refreshes fell
+/// due, while every reply to a command naming a flight lock (`…}:l`) is held (the store
+/// timeout is 300 ms, the lock wait the default 5 s): one key through `get_or_set`,
+/// more through `get_or_set_many`. Each key must be served its copy.
+async fn refresh_with_locks_held(n: usize) -> Result<Duration> {
+    let server = RedisServer::start()?;
+    let clock = corral::ManualClock::starting_now();
+    let wire = Arc::new(corral_tests::wire::RealWire::connect(&server.url()).await?);
+    let mut options = corral::RedisOptions::new(server.url());
+    options.response_timeout = Duration::from_millis(300);
+    options.breaker_threshold = 0;
+    let portable = PortableCache::builder()
+        .redis_options(options)
+        .redis_wire(wire.clone())
+        .clock(clock.clone())
+        .l1_ttl(600 * SEC)
+        .eager_refresh(0.5)
+        .build()?;
+    let keys: Vec<String> = (0..n).map(|i| format!("k{i}")).collect();
+    let calls = Calls::default();
+    let options = EntryOptions::new().relative(60 * SEC);
+    portable
+        .get_or_set_many(&keys, options, recording(&calls))
+        .await?;
+    // Past the refresh point (30 s), short of the expiry.
+    clock.advance(40 * SEC);
+    *wire.naming.lock().unwrap_or_else(|e| e.into_inner()) = Some("}:l".to_string());
+    wire.named.close();
+    let began = std::time::Instant::now();
+    let values: Vec<Option<Bytes>> = if let [key] = keys.as_slice() {
+        let one = portable
+            .get_or_set(key, options, |_| Err("an L1 hit".to_string()))
+            .await?;
+        vec![Some(one)]
+    } else {
+        let answers = portable
+            .get_or_set_many(&keys, options, recording(&calls))
+            .await?;
+        answers.into_iter().collect::<corral::Result<_>>()?
+    };
+    let took = began.elapsed();
+    let expected: Vec<Option<Bytes>> = keys.iter().map(|k| Some(Bytes::from(format!("v:{k}")))).collect();
+    assert_eq!(values, expected, "each key served its L1 copy");
+    println!("{n} hits due for refresh, their lock tries held: {took:?}");
+    Ok(took)
+}

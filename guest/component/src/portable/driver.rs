@@ -80,6 +80,9 @@ pub(super) struct Driver {
     first_read: Option<(StoredRead, l1::L1Ticket)>,
     /// Stop at the first wait for a landing instead of waiting ([`Step::Parked`]).
     park: bool,
+    /// Its steps before the load run within a bound its batch armed for it and its
+    /// other flights together (`l2.bound`), not one of its own.
+    bounded: bool,
     /// While the caller loads: the load's hard and soft timeouts, each until it is
     /// reported ([`Driver::overdue`]).
     hard_at: Option<u64>,
@@ -121,6 +124,7 @@ impl Driver {
             unnamed: false,
             first_read: None,
             park: false,
+            bounded: false,
             hard_at: None,
             soft_at: None,
             answered: false,
@@ -133,6 +137,12 @@ impl Driver {
     /// that waits on this one).
     pub(super) fn park_at_wait(&mut self) {
         self.park = true;
+    }
+
+    /// Its steps before the load run within the bound its batch armed already (the
+    /// refreshes of a batch's hits: one store timeout for them all), not one of its own.
+    pub(super) fn within_batch_bound(&mut self) {
+        self.bounded = true;
     }
 
     /// The flight's first L2 read was made already, with a batch's other keys: `read`,
@@ -169,7 +179,9 @@ impl Driver {
     /// Runs the flight from its first action to its load or its end.
     pub(super) fn start(&mut self, action: Action) -> Step {
         // The store steps of each phase share a deadline (contract §5.13).
-        l2::bound(settings().store_budget().before_load_ms);
+        if !self.bounded {
+            l2::bound(settings().store_budget().before_load_of(&self.flight.config));
+        }
         self.run(action)
     }
 
@@ -336,8 +348,12 @@ impl Driver {
                     if self.leads {
                         flights::finish(&self.key, result.as_ref().map(Vec::as_slice));
                     }
-                    l2::bound(settings().store_budget().release_ms);
                     let owed = std::mem::take(&mut self.release_owed);
+                    if release || notify || owed {
+                        // Their own bound; a flight with nothing to release (a refresh
+                        // that met the lock held) leaves its batch's bound in place.
+                        l2::bound(settings().store_budget().release_ms);
+                    }
                     self.release_and_announce(release || owed, notify || owed);
                     if let (Ok(value), Some(until_ms)) = (&result, l1_until_ms) {
                         self.fill_l1(value, until_ms, refresh_at_ms, stale_served, read);

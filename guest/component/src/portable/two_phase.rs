@@ -29,8 +29,8 @@ use corral_core::flight::{Action, Flight, FlightConfig};
 
 use super::driver::{Driver, Step};
 use super::{
-    check_tags, flight_generation, l1_entry, locate, locate_for_flight, locate_in_flight_generation, now_ms,
-    same_copy, settings,
+    check_tags, flight_generation, generation, l1_entry, locate, locate_for_flight,
+    locate_in_flight_generation, now_ms, same_copy, settings,
 };
 use crate::bindings::corral::cache::flights::{self, Joined};
 use crate::bindings::corral::cache::{l1, l2, types};
@@ -398,6 +398,17 @@ fn begin_request(request: Request, now: u64, settings: &Settings) -> Result<Begu
 /// The request's value from L1, if L1 holds a servable copy (with its eager refresh,
 /// when one is due).
 fn from_l1(request: &Request, now: u64, settings: &Settings) -> Option<Begun> {
+    let (value, due) = l1_hit(request, now)?;
+    Some(if due {
+        with_refresh(value, request, settings)
+    } else {
+        Begun::Hit(value)
+    })
+}
+
+/// The value of the request's key from L1, if L1 holds a servable copy, and whether
+/// its eager refresh fell due (then this copy is disarmed: it starts no other).
+fn l1_hit(request: &Request, now: u64) -> Option<(Vec<u8>, bool)> {
     let entry = l1_entry(&request.key, now, true)?;
     if entry.refresh_at_ms.is_some_and(|at| now >= at) {
         // Disarmed first: this copy starts no other refresh. Not a write: only over
@@ -410,9 +421,9 @@ fn from_l1(request: &Request, now: u64, settings: &Settings) -> Option<Begun> {
             };
             l1::fill(&request.key, &disarmed, ticket);
         }
-        return Some(with_refresh(entry.value, request, settings));
+        return Some((entry.value, true));
     }
-    Some(Begun::Hit(entry.value))
+    Some((entry.value, false))
 }
 
 /// A caller that follows `shared` (a load of this instance), or the flight of the
@@ -479,11 +490,16 @@ pub(crate) fn begin_many(
             .collect());
     }
     let mut begun: Vec<Option<Result<Begun, types::Error>>> = keys.iter().map(|_| None).collect();
-    let mut cold = Vec::new();
+    let (mut cold, mut due): (Vec<usize>, Vec<(usize, Request, Vec<u8>)>) = (Vec::new(), Vec::new());
     for (at, key) in keys.iter().enumerate() {
         let request = request(key);
-        begun[at] = if let Some(hit) = from_l1(&request, now, &settings) {
-            Some(Ok(hit))
+        begun[at] = if let Some((value, refresh)) = l1_hit(&request, now) {
+            if refresh {
+                due.push((at, request, value));
+                None
+            } else {
+                Some(Ok(Begun::Hit(value)))
+            }
         } else if let Some(shared) = open(key) {
             Some(Ok(follow(Some(shared), request)))
         } else {
@@ -501,6 +517,13 @@ pub(crate) fn begin_many(
         }
     }
     let mut flown = lead_many(led, &settings).into_iter();
+    let (at, due): (Vec<usize>, Vec<(Request, Vec<u8>)>) = due
+        .into_iter()
+        .map(|(at, request, value)| (at, (request, value)))
+        .unzip();
+    for (at, refreshing) in at.into_iter().zip(refresh_many(due, &settings)) {
+        begun[at] = Some(Ok(refreshing));
+    }
     Ok(begun
         .into_iter()
         .map(|b| b.unwrap_or_else(|| flown.next().unwrap_or_else(|| Err(lost()))))
@@ -547,6 +570,40 @@ fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types:
             let (request, ticket, mut driver, action) = s?;
             driver.park_at_wait();
             drive(driver, action, request, ticket, settings, Role::Leader)
+        })
+        .collect()
+}
+
+/// The eager refreshes of a batch's L1 hits that fell due (`due`: each request and the
+/// value its caller is served), begun together: the steps before their loads share one
+/// bound (a refresh's budget: one store timeout for them all, as for one key's), and the
+/// prefix's generation is found once for them. A refresh names its key only in a
+/// generation read from the store, as one key's refresh does ([`locate`]): unread, none
+/// begins, and each key is served its copy.
+fn refresh_many(due: Vec<(Request, Vec<u8>)>, settings: &Settings) -> Vec<Begun> {
+    if due.is_empty() {
+        return Vec::new();
+    }
+    l2::bound(settings.store_budget().refresh_before_load_ms);
+    let named: Vec<l1::L1Ticket> = due.iter().map(|(request, _)| l1::ticket(&request.key)).collect();
+    let generation = generation(now_ms()).ok();
+    due.into_iter()
+        .zip(named)
+        .map(|((request, value), named)| {
+            let Some(generation) = generation else {
+                return Begun::Hit(value);
+            };
+            let batch = BatchNaming {
+                generation: (generation, true),
+                named,
+            };
+            let flown = begin_flight(&request, settings, Role::Refresh, Some(batch)).and_then(
+                |(mut driver, action, ticket)| {
+                    driver.within_batch_bound();
+                    drive(driver, action, request, ticket, settings, Role::Refresh)
+                },
+            );
+            served_refreshing(value, flown)
         })
         .collect()
 }
@@ -712,9 +769,11 @@ fn start(
     // Taken before the names: L1 is never filled across a clear after them.
     let named = batch.map_or_else(|| l1::ticket(&request.key), |b| b.named);
     let (names, named_known) = match batch {
-        _ if config.refresh => (locate(&request.key, &settings.limits)?, true),
         // A batch's key (checked with its batch), in its batch's generation.
         Some(b) => locate_in_flight_generation(&request.key, b.generation, &settings.limits)?,
+        // A refresh names its key only in a generation it read (no stand-in): a store
+        // that cannot be read has nothing to refresh into.
+        None if config.refresh => (locate(&request.key, &settings.limits)?, true),
         None => locate_for_flight(&request.key, &settings.limits)?,
     };
     let mut driver = Driver::new(
@@ -735,7 +794,13 @@ fn start(
 /// got as far as loading (it takes the lock without waiting: one held elsewhere, or a
 /// failing store, ends it with nothing to do).
 fn with_refresh(value: Vec<u8>, request: &Request, settings: &Settings) -> Begun {
-    match fly(request.clone(), settings, Role::Refresh) {
+    served_refreshing(value, fly(request.clone(), settings, Role::Refresh))
+}
+
+/// `value` served, with the load of its refresh when the refresh's flight (`flown`)
+/// got as far as loading; else (it ended, or could not begin) the value alone.
+fn served_refreshing(value: Vec<u8>, flown: Result<Begun, types::Error>) -> Begun {
+    match flown {
         Ok(Begun::Lead(load)) => Begun::Refresh((value, load)),
         _ => Begun::Hit(value),
     }

@@ -133,11 +133,17 @@ where
         first_read: Option<FirstRead>,
     ) -> Self {
         let inner = &*cache.inner;
-        // The steps before the load share a deadline (contract §5.13).
-        let before_load = inner.flight.store_budget.before_load_ms;
+        // The steps before the load share a deadline (contract §5.13); a refresh's,
+        // one store timeout (it takes the lock without waiting).
+        let budget = &inner.flight.store_budget;
+        let before_load = if options.refresh {
+            budget.refresh_before_load_ms
+        } else {
+            budget.before_load_ms
+        };
         let deadline = first_read
             .as_ref()
-            .map_or_else(|| in_ms(before_load), |r| r.deadline);
+            .map_or_else(|| in_ms(before_load), |r| r.deadline.min(in_ms(before_load)));
         let unnamed = first_read.as_ref().is_some_and(|r| r.unnamed);
         Driver {
             cache,
