@@ -210,6 +210,15 @@ impl RedisServer {
         Ok(())
     }
 
+    /// How many cache entries the server holds: names of an entry's kind (`…}:e`), of any
+    /// prefix and generation.
+    pub async fn entries_held(&self) -> Result<usize> {
+        use corral_core::names::{Kind, kind_of};
+        let mut conn = self.connection().await?;
+        let names: Vec<String> = redis::cmd("KEYS").arg("*").query_async(&mut conn).await?;
+        Ok(names.iter().filter(|n| kind_of(n) == Some(Kind::Entry)).count())
+    }
+
     /// A plain async connection, for planting and checking raw data.
     pub async fn connection(&self) -> Result<redis::aio::MultiplexedConnection> {
         let client = redis::Client::open(self.url())?;

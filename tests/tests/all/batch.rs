@@ -1430,6 +1430,15 @@ async fn a_batch_whose_absolute_expiry_passes_while_it_reads_fails_no_key() -> R
         "each key loaded and served, none judged again"
     );
     assert_eq!(calls.all().len(), 1, "one loader call");
+    // Past its point, nothing is cached: no entry in L2, no copy in L1.
+    assert_eq!(
+        server.entries_held().await?,
+        0,
+        "an entry was written past its point"
+    );
+    // An L1 copy answers at once; without one, the read meets the held generation.
+    let read = tokio::time::timeout(Duration::from_secs(2), cache.get(&keys[0])).await;
+    assert!(!matches!(read, Ok(Ok(Some(_)))), "L1 kept a copy past its point");
     Ok(())
 }
 

@@ -816,6 +816,10 @@ async fn an_eager_refresh_whose_lock_try_hangs_ends_within_one_store_timeout() -
     assert_eq!(&cache.fetch("k", options, loader).await?[..], b"v");
     eventually(30 * SEC, async || Ok(cache.flights_in_progress() == 0)).await?;
     let took = began.elapsed();
+    assert!(
+        wire.named_sends.load(Ordering::SeqCst) >= 1,
+        "the refresh tried no lock"
+    );
     println!("the refresh ran for {took:?}");
     // One store timeout and the slack of a busy 2-core machine.
     assert!(

@@ -349,9 +349,10 @@ impl Driver {
                         flights::finish(&self.key, result.as_ref().map(Vec::as_slice));
                     }
                     let owed = std::mem::take(&mut self.release_owed);
-                    if release || notify || owed {
-                        // Their own bound; a flight with nothing to release (a refresh
-                        // that met the lock held) leaves its batch's bound in place.
+                    if !self.bounded || release || notify || owed {
+                        // Their own bound (and that of what follows in the call); a
+                        // refresh with nothing to release (it met the lock held) leaves
+                        // the bound its refreshes share in place.
                         l2::bound(settings().store_budget().release_ms);
                     }
                     self.release_and_announce(release || owed, notify || owed);

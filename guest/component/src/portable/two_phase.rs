@@ -508,15 +508,26 @@ pub(crate) fn begin_many(
         };
     }
     let joined = flights::join_many(&cold.iter().map(|&at| keys[at].clone()).collect::<Vec<_>>());
-    let mut led = Vec::new();
+    let (mut led, mut led_at) = (Vec::new(), Vec::new());
     for (&at, leads) in cold.iter().zip(joined) {
         if leads {
             led.push(request(&keys[at]));
+            led_at.push(at);
         } else {
             begun[at] = Some(Ok(follow(None, request(&keys[at]))));
         }
     }
-    let mut flown = lead_many(led, &settings).into_iter();
+    for (at, driven) in led_at.into_iter().zip(lead_many(led, &settings)) {
+        begun[at] = match driven {
+            Ok(Driven::Begun(b)) => Some(Ok(b)),
+            // An L2 hit due for its refresh: refreshed with the L1 hits due.
+            Ok(Driven::Due(request, value)) => {
+                due.push((at, request, value));
+                None
+            }
+            Err(e) => Some(Err(e)),
+        };
+    }
     let (at, due): (Vec<usize>, Vec<(Request, Vec<u8>)>) = due
         .into_iter()
         .map(|(at, request, value)| (at, (request, value)))
@@ -526,7 +537,7 @@ pub(crate) fn begin_many(
     }
     Ok(begun
         .into_iter()
-        .map(|b| b.unwrap_or_else(|| flown.next().unwrap_or_else(|| Err(lost()))))
+        .map(|b| b.unwrap_or_else(|| Err(lost())))
         .collect())
 }
 
@@ -539,7 +550,7 @@ fn lost() -> types::Error {
 /// reads made together (one store timeout), then each run, under its own deadline, to
 /// its load, its end, or a wait for another process's landing: that key follows the
 /// process's flight of it once the batch's loads ended ([`Step::Parked`]).
-fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types::Error>> {
+fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Driven, types::Error>> {
     let mut started = begin_flights(led, settings, Role::Leader);
     let reading: Vec<_> = started
         .iter_mut()
@@ -569,43 +580,62 @@ fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Begun, types:
         .map(|s| {
             let (request, ticket, mut driver, action) = s?;
             driver.park_at_wait();
-            drive(driver, action, request, ticket, settings, Role::Leader)
+            drive_to(driver, action, request, ticket, settings, Role::Leader)
         })
         .collect()
 }
 
-/// The eager refreshes of a batch's L1 hits that fell due (`due`: each request and the
-/// value its caller is served), begun together: the steps before their loads share one
-/// bound (a refresh's budget: one store timeout for them all, as for one key's), and the
-/// prefix's generation is found once for them. A refresh names its key only in a
-/// generation read from the store, as one key's refresh does ([`locate`]): unread, none
-/// begins, and each key is served its copy.
+/// The eager refreshes a batch's hits fell due for (`due`: each request and the value its
+/// caller is served: L1 hits, and led keys' L2 hits), begun together once its other keys
+/// are: the steps before their loads share one bound, and the prefix's generation is
+/// found once for them all ([`refresh_namings`]).
 fn refresh_many(due: Vec<(Request, Vec<u8>)>, settings: &Settings) -> Vec<Begun> {
     if due.is_empty() {
         return Vec::new();
     }
-    l2::bound(settings.store_budget().refresh_before_load_ms);
-    let named: Vec<l1::L1Ticket> = due.iter().map(|(request, _)| l1::ticket(&request.key)).collect();
-    let generation = generation(now_ms()).ok();
+    let namings = refresh_namings(due.iter().map(|(request, _)| request), settings);
     due.into_iter()
-        .zip(named)
-        .map(|((request, value), named)| {
-            let Some(generation) = generation else {
-                return Begun::Hit(value);
-            };
-            let batch = BatchNaming {
+        .zip(namings)
+        .map(|((request, value), naming)| refresh_one(request, value, naming, settings))
+        .collect()
+}
+
+/// How the refreshes of `requests` name their keys. Arms the bound their steps before
+/// their loads share (a refresh's budget: one store timeout, the generation's read
+/// included), takes each key's ticket, then finds the generation once. A refresh names
+/// its key only in a generation read from the store, no stand-in (contract §7.3): where
+/// it cannot be read, no refresh begins (`None`).
+fn refresh_namings<'r>(
+    requests: impl Iterator<Item = &'r Request>,
+    settings: &Settings,
+) -> Vec<Option<BatchNaming>> {
+    l2::bound(settings.store_budget().refresh_before_load_ms);
+    let named: Vec<l1::L1Ticket> = requests.map(|request| l1::ticket(&request.key)).collect();
+    let generation = generation(now_ms()).ok();
+    named
+        .into_iter()
+        .map(|named| {
+            generation.map(|generation| BatchNaming {
                 generation: (generation, true),
                 named,
-            };
-            let flown = begin_flight(&request, settings, Role::Refresh, Some(batch)).and_then(
-                |(mut driver, action, ticket)| {
-                    driver.within_batch_bound();
-                    drive(driver, action, request, ticket, settings, Role::Refresh)
-                },
-            );
-            served_refreshing(value, flown)
+            })
         })
         .collect()
+}
+
+/// `value`, due for its eager refresh, served with the refresh begun (`naming`: how it
+/// names its key, [`refresh_namings`]; none, no refresh) within the bound armed for it.
+fn refresh_one(request: Request, value: Vec<u8>, naming: Option<BatchNaming>, settings: &Settings) -> Begun {
+    let Some(naming) = naming else {
+        return Begun::Hit(value);
+    };
+    let flown = begin_flight(&request, settings, Role::Refresh, Some(naming)).and_then(
+        |(mut driver, action, ticket)| {
+            driver.within_batch_bound();
+            drive(driver, action, request, ticket, settings, Role::Refresh)
+        },
+    );
+    served_refreshing(value, flown)
 }
 
 /// A flight begun: its request, the key's ticket when it began, its driver and its first
@@ -692,16 +722,39 @@ fn begin_flight(
     Ok((driver, action, ticket))
 }
 
-/// Runs a started flight from `action` to its load or its end, its store steps under
-/// one deadline until then (contract §5.13); `ticket`, the key's when it began.
+/// Where a flight driven to its load or its end ([`drive_to`]) leaves its caller.
+enum Driven {
+    Begun(Begun),
+    /// Served `value`, due for its eager refresh, which the caller begins.
+    Due(Request, Vec<u8>),
+}
+
+/// Runs a started flight from `action` to its load or its end (see [`drive_to`]); a
+/// value due for its refresh is served with the refresh begun.
 fn drive(
-    mut driver: Driver,
+    driver: Driver,
     action: Action,
     request: Request,
     ticket: l1::L1Ticket,
     settings: &Settings,
     role: Role,
 ) -> Result<Begun, types::Error> {
+    Ok(match drive_to(driver, action, request, ticket, settings, role)? {
+        Driven::Begun(begun) => begun,
+        Driven::Due(request, value) => with_refresh(value, &request, settings),
+    })
+}
+
+/// Runs a started flight from `action` to its load or its end, its store steps under
+/// one deadline until then (contract §5.13); `ticket`, the key's when it began.
+fn drive_to(
+    mut driver: Driver,
+    action: Action,
+    request: Request,
+    ticket: l1::L1Ticket,
+    settings: &Settings,
+    role: Role,
+) -> Result<Driven, types::Error> {
     match driver.start(action) {
         Step::Load => {
             let leads = role == Role::Leader;
@@ -719,14 +772,14 @@ fn drive(
             } else if role == Role::Refresh {
                 REFRESHING.with(|open| open.borrow_mut().insert(request.key.clone(), shared.clone()));
             }
-            Ok(Begun::Lead(wcache::Load::new(Loading { shared })))
+            Ok(Driven::Begun(Begun::Lead(wcache::Load::new(Loading { shared }))))
         }
         Step::Done(result) => {
             let value = result?;
             if role != Role::Refresh && driver.refresh_due() {
-                return Ok(with_refresh(value, &request, settings));
+                return Ok(Driven::Due(request, value));
             }
-            Ok(Begun::Hit(value))
+            Ok(Driven::Begun(Begun::Hit(value)))
         }
         // A batch's flight that would wait for another process's landing holds no lock
         // yet: it gives up the process's flight of its key (a caller there leads in its
@@ -735,7 +788,7 @@ fn drive(
         // batches wait on each other.
         Step::Parked => {
             driver.abandon();
-            Ok(follow(refreshing(&request.key), request))
+            Ok(Driven::Begun(follow(refreshing(&request.key), request)))
         }
     }
 }
@@ -794,7 +847,10 @@ fn start(
 /// got as far as loading (it takes the lock without waiting: one held elsewhere, or a
 /// failing store, ends it with nothing to do).
 fn with_refresh(value: Vec<u8>, request: &Request, settings: &Settings) -> Begun {
-    served_refreshing(value, fly(request.clone(), settings, Role::Refresh))
+    let naming = refresh_namings(std::iter::once(request), settings)
+        .pop()
+        .flatten();
+    refresh_one(request.clone(), value, naming, settings)
 }
 
 /// `value` served, with the load of its refresh when the refresh's flight (`flown`)
