@@ -57,6 +57,12 @@ async fn until_each_hears_the_other(portable: &PortableCache, native: &Corral) -
         },
     )
     .await?;
+    until_portable_hears(native, portable).await
+}
+
+/// Waits until `portable` is subscribed: a probe `native` writes is heard (a changed
+/// value read after the old one was in L1).
+async fn until_portable_hears(native: &Corral, portable: &PortableCache) -> Result<()> {
     until(
         10 * SEC,
         "the portable process never heard the native one",
@@ -1596,17 +1602,7 @@ async fn hits_due_for_refresh(hold: bool) -> Result<HitsDue> {
     // Subscribed first (the gap a subscription opens with flushes what it knew): the
     // generation is read now, by the probe, and not again before it lapses.
     let native = Corral::builder().redis(server.url()).build()?;
-    until(
-        10 * SEC,
-        "the portable process never heard the native one",
-        async || {
-            native.set("probe", "p", EntryOptions::new()).await?;
-            portable.get("probe").await?;
-            native.set("probe", "q", EntryOptions::new()).await?;
-            Ok(portable.get("probe").await?.as_deref() == Some(&b"q"[..]))
-        },
-    )
-    .await?;
+    until_portable_hears(&native, &portable).await?;
     clock.advance(30 * SEC);
     let keys: Vec<String> = (0..20).map(|i| format!("k{i}")).collect();
     let calls = Calls::default();

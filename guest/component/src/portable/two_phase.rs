@@ -29,8 +29,8 @@ use corral_core::flight::{Action, Flight, FlightConfig};
 
 use super::driver::{Driver, Step};
 use super::{
-    check_tags, flight_generation, generation, l1_entry, locate, locate_for_flight,
-    locate_in_flight_generation, now_ms, same_copy, settings,
+    check_tags, flight_generation, generation, l1_entry, locate_for_flight, locate_in_flight_generation,
+    now_ms, same_copy, settings,
 };
 use crate::bindings::corral::cache::flights::{self, Joined};
 use crate::bindings::corral::cache::{l1, l2, types};
@@ -528,13 +528,7 @@ pub(crate) fn begin_many(
             Err(e) => Some(Err(e)),
         };
     }
-    let (at, due): (Vec<usize>, Vec<(Request, Vec<u8>)>) = due
-        .into_iter()
-        .map(|(at, request, value)| (at, (request, value)))
-        .unzip();
-    for (at, refreshing) in at.into_iter().zip(refresh_many(due, &settings)) {
-        begun[at] = Some(Ok(refreshing));
-    }
+    refresh_into(&mut begun, due, &settings);
     Ok(begun
         .into_iter()
         .map(|b| b.unwrap_or_else(|| Err(lost())))
@@ -583,6 +577,22 @@ fn lead_many(led: Vec<Request>, settings: &Settings) -> Vec<Result<Driven, types
             drive_to(driver, action, request, ticket, settings, Role::Leader)
         })
         .collect()
+}
+
+/// Begins the refreshes a batch's hits fell due for (`due`: each key's position, its
+/// request and the value it is served), each key's answer put in `begun`.
+fn refresh_into(
+    begun: &mut [Option<Result<Begun, types::Error>>],
+    due: Vec<(usize, Request, Vec<u8>)>,
+    settings: &Settings,
+) {
+    let (at, due): (Vec<usize>, Vec<(Request, Vec<u8>)>) = due
+        .into_iter()
+        .map(|(at, request, value)| (at, (request, value)))
+        .unzip();
+    for (at, refreshing) in at.into_iter().zip(refresh_many(due, settings)) {
+        begun[at] = Some(Ok(refreshing));
+    }
 }
 
 /// The eager refreshes a batch's hits fell due for (`due`: each request and the value its
@@ -822,11 +832,9 @@ fn start(
     // Taken before the names: L1 is never filled across a clear after them.
     let named = batch.map_or_else(|| l1::ticket(&request.key), |b| b.named);
     let (names, named_known) = match batch {
-        // A batch's key (checked with its batch), in its batch's generation.
+        // A batch's key (checked with its batch), in its batch's generation; a refresh
+        // is always named so ([`refresh_namings`]).
         Some(b) => locate_in_flight_generation(&request.key, b.generation, &settings.limits)?,
-        // A refresh names its key only in a generation it read (no stand-in): a store
-        // that cannot be read has nothing to refresh into.
-        None if config.refresh => (locate(&request.key, &settings.limits)?, true),
         None => locate_for_flight(&request.key, &settings.limits)?,
     };
     let mut driver = Driver::new(
