@@ -14,6 +14,8 @@ pub struct Totals {
     pub locked_loads: u64,
     pub degraded_loads: u64,
     pub metrics_degraded: u64,
+    /// Loads that began while a fresh copy of their key stood (eager refreshes).
+    pub refreshes: u64,
     pub faults: BTreeMap<&'static str, u64>,
     pub excused: BTreeMap<&'static str, u64>,
     pub violations: u64,
@@ -35,6 +37,7 @@ impl Totals {
         self.locked_loads += o.locked_loads;
         self.degraded_loads += o.degraded_loads;
         self.metrics_degraded += o.metrics_degraded;
+        self.refreshes += o.refreshes;
         for (k, n) in &o.faults {
             *self.faults.entry(k).or_default() += n;
         }
@@ -55,6 +58,7 @@ impl Totals {
             ("loads under the flight lock".into(), self.locked_loads),
             ("degraded loads (no lock)".into(), self.degraded_loads),
             ("  metrics().degraded, summed".into(), self.metrics_degraded),
+            ("loads of a fresh copy (eager refreshes)".into(), self.refreshes),
         ];
         for (k, ms) in &self.longest_ms {
             rows.push((format!("longest {k}, virtual ms"), *ms));

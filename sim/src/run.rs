@@ -80,6 +80,8 @@ pub struct Outcome {
     /// The `degraded` counters of every process, summed.
     pub metrics_degraded: u64,
     pub faults: BTreeMap<&'static str, u64>,
+    /// Loads that began while a fresh copy of their key stood (eager refreshes).
+    pub refreshes: u64,
     /// Anomalies a fault explains, by kind.
     pub excused: BTreeMap<&'static str, u64>,
     pub violations: Vec<String>,
@@ -143,11 +145,13 @@ enum Op {
 }
 
 /// What a batch asks beyond its keys: a hard timeout (the native body's; the portable
-/// body's timeouts are its builder's) and at most this many keys per loader call.
+/// body's timeouts are its builder's), at most this many keys per loader call, and
+/// (with `--refresh`) how long its entries live.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct BatchAsks {
     pub(crate) hard_ms: Option<u64>,
     pub(crate) max_batch: Option<usize>,
+    pub(crate) relative_ms: Option<u64>,
 }
 
 /// How a freshness key's entry expires: a short relative expiry, sliding within it, or
@@ -478,6 +482,8 @@ fn batcher(s: &Scenario, seed: u64, proc: usize) -> Vec<(u64, Op)> {
                     let asks = BatchAsks {
                         hard_ms: r.chance(300).then(|| r.range(100, 2_000)),
                         max_batch: r.chance(300).then(|| r.range(1, 2) as usize),
+                        // Drawn last: the other scenarios' seeds draw as they did.
+                        relative_ms: s.refresh.then(|| r.range(800, 3_000)),
                     };
                     Op::GetOrSetMany(keys, loader_plan(&mut r, s), left_out, asks)
                 }
@@ -559,6 +565,9 @@ pub(crate) struct Ctx {
     clocks: Vec<SimClock>,
     /// Per process, its tasks (actors and their calls): a crash aborts them all.
     pub(crate) tasks: Vec<Mutex<Vec<tokio::task::AbortHandle>>>,
+    /// Per process, the eager-refresh fraction (‰) its cache was built with, if any
+    /// (`--refresh`, the portable body): any of its loads may be a refresh.
+    refreshing: Vec<Option<u64>>,
 }
 
 impl Ctx {
@@ -593,7 +602,11 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     let mut lockers = Vec::new();
     let mut skews = Vec::new();
     let mut clocks = Vec::new();
+    let mut refreshing = Vec::new();
     for p in 0..scenario.procs {
+        let refresh =
+            (scenario.portable && scenario.refresh).then(|| Rng::new(seed, 1_000 + p as u64).range(300, 900));
+        refreshing.push(refresh);
         let skew = Arc::new(AtomicI64::new(plan.skew[p]));
         if plan.skew[p] != 0 {
             world.fault("clock-skew");
@@ -643,7 +656,12 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         // store is their one server.
         let cache_leases = native.locks().redis().cloned();
         let cache = if scenario.portable {
-            let portable = PortableCache::builder()
+            let mut portable = PortableCache::builder();
+            if let Some(pm) = refresh {
+                world.log(format_args!("p{p} refreshes early at {pm} permille"));
+                portable = portable.eager_refresh(pm as f64 / 1000.0);
+            }
+            let portable = portable
                 .clock(clock)
                 .redis_options(redis)
                 .redis_wire(crate::wire::SimWire::new(world.clone(), p))
@@ -760,6 +778,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         next_call: Mutex::new(0),
         clocks,
         tasks: (0..scenario.procs).map(|_| Mutex::new(Vec::new())).collect(),
+        refreshing,
     });
     if let Some((p, at)) = plan.crash {
         world.log(format_args!("plan: p{p} crashes at {at}"));
@@ -910,11 +929,11 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         if scenario.portable { " --portable" } else { "" },
         if scenario.clears { "" } else { " --no-clears" }
     );
-    let broken = if scenario.batches {
-        format!("{broken} --batches")
-    } else {
-        broken
-    };
+    let broken = format!(
+        "{broken}{}{}",
+        if scenario.batches { " --batches" } else { "" },
+        if scenario.refresh { " --refresh" } else { "" }
+    );
     Outcome {
         seed,
         broken,
@@ -926,6 +945,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         longest_ms,
         locked_loads: st.loads.iter().filter(|l| l.locked).count() as u64,
         degraded_loads: st.loads.iter().filter(|l| !l.locked).count() as u64,
+        refreshes: st.refresh_loads,
         metrics_degraded,
         faults: st.faults.clone(),
         excused: st.excused.clone(),
@@ -970,6 +990,14 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     let op_detach = match &op {
         Op::GetOrSetFor(.., d) => Some(*d),
         _ => None,
+    };
+    // A process whose cache refreshes early does so in any of its get-or-sets.
+    let op_detach = match (&op, ctx.refreshing[proc]) {
+        (Op::GetOrSet(..) | Op::GetOrSetTagged(..) | Op::GetOrSetFor(..), Some(pm)) => Some(Detach {
+            refresh_permille: Some(pm),
+            ..op_detach.unwrap_or_default()
+        }),
+        _ => op_detach,
     };
     let entry = match &op {
         Op::SetFor(_, e) | Op::GetOrSetFor(_, e, ..) => e.options(),
@@ -1030,7 +1058,9 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                         wait: Arc::new(wait_for(w.clone(), proc, ms)),
                         start: Box::new(start),
                     };
-                    let got = if detach.is_plain() {
+                    // The portable body's timeouts and eager refresh are its cache's:
+                    // it runs every get-or-set as it is (with its tags).
+                    let got = if detach.is_plain() || !cache.is_native() {
                         tokio::time::timeout(bound, cache.get_or_set(&key, entry, &tags, load)).await
                     } else {
                         let options = detach.options(entry);
@@ -1142,6 +1172,8 @@ async fn call_many(
     let absent = left_out.map(|i| keys[i].clone());
     // When each key's loader call began (the simulated time, the process's clock).
     let began: Arc<Mutex<BTreeMap<String, (u64, u64)>>> = Arc::default();
+    // A process whose cache refreshes early may load a key due for refresh.
+    let refresh = ctx.refreshing[proc];
     let load: crate::body::BatchLoad = {
         let (w, loaded, plan, began) = (w.clone(), loaded.clone(), plan.clone(), began.clone());
         let clock = ctx.clocks[proc].clone();
@@ -1151,7 +1183,7 @@ async fn call_many(
             let mut values = Vec::with_capacity(asked.len());
             for key in asked {
                 let value = format!("load{}", w.next_seq());
-                let index = w.load_started(id, proc, &key, &value, t_inv, false);
+                let index = w.load_started(id, proc, &key, &value, t_inv, refresh.is_some());
                 began.lock().insert(key.clone(), (w.now(), clock.now_ms()));
                 ends.push(EndGuard(w.clone(), index));
                 if absent.as_ref() != Some(&key) {
@@ -1177,7 +1209,8 @@ async fn call_many(
     let bound = Duration::from_millis(CALL_BOUND_MS);
     let task = {
         let (cache, asked) = (cache.clone(), keys.clone());
-        let entry = EntryOptions::new().relative(VALUE_TTL);
+        let ttl = asks.relative_ms.map_or(VALUE_TTL, Duration::from_millis);
+        let entry = EntryOptions::new().relative(ttl);
         tokio::spawn(crate::world::CALL.scope(id, async move {
             tokio::time::timeout(bound, cache.get_or_set_many(&asked, entry, asks, load)).await
         }))
@@ -1216,7 +1249,11 @@ async fn call_many(
             loaded: loaded.lock().get(&key).cloned(),
             clocks: (clock_inv, clock_end),
             stale: None,
-            detach: None,
+            // A key due for refresh answers with its copy while its loader runs.
+            detach: refresh.map(|pm| Detach {
+                refresh_permille: Some(pm),
+                ..Detach::default()
+            }),
             // A hard timeout cuts the key's load, counted from its loader call (the
             // native body's; the portable one leaves it to its builder, which sets none
             // here).

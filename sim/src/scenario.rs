@@ -297,6 +297,11 @@ pub struct Scenario {
     /// One more actor per process asks for overlapping batches of the hot keys through
     /// `get_or_set_many` (`--batches`).
     pub batches: bool,
+    /// The portable processes refresh early (`--refresh`): each builds its cache with
+    /// an eager-refresh fraction drawn from its seed, and a batch's entries live 0.8 to
+    /// 3 s, so hits fall due for refresh, one key's and a batch's, within a run. (The
+    /// native body's single keys draw eager refresh per call; its batches take none.)
+    pub refresh: bool,
 }
 
 impl Scenario {
@@ -322,6 +327,7 @@ impl Scenario {
             portable: false,
             clears: true,
             batches: false,
+            refresh: false,
         }
     }
 

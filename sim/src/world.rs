@@ -203,6 +203,8 @@ pub struct State {
     pending_swaps: BTreeMap<(usize, String), Vec<u64>>,
     /// Per key, times a held flight lock was lost (lapsed and taken over, or wiped).
     pub lock_losses: BTreeMap<String, Vec<u64>>,
+    /// Loads that began while a fresh copy of their key stood: eager refreshes.
+    pub refresh_loads: u64,
     /// Per (call, key): the call's reads of the key's entry, or of a name the judgement
     /// of an entry needs (a tag's moments, the generation).
     pub(crate) reads: BTreeMap<(u64, String), Reads>,
@@ -316,6 +318,7 @@ impl World {
                 generations: Vec::new(),
                 pending_swaps: BTreeMap::new(),
                 lock_losses: BTreeMap::new(),
+                refresh_loads: 0,
                 reads: BTreeMap::new(),
                 gaps: Vec::new(),
                 unhealed: vec![Vec::new(); n],
@@ -577,8 +580,8 @@ impl World {
                 // read, made in between, would have found it), unless that read failed.
                 // Fresh at the load, not only at the lock: a process paused between the
                 // two reads what is there when it wakes.
-                if !refresh
-                    && let Some((entry, _)) = st.names_of(key)
+                // An eager refresh loads so by design: counted, not judged.
+                let fresh_copy = if let Some((entry, _)) = st.names_of(key)
                     && let Some(stored) = st.entries.get(&entry)
                     && now < stored.until
                     && stored.since < since
@@ -586,9 +589,15 @@ impl World {
                     && !st.removed_by_tag(&stored.bytes, now)
                     && fresh_whatever_the_clock(&stored.bytes, now, clock_error_ms)
                 {
+                    Some((v.to_string(), stored.since))
+                } else {
+                    None
+                };
+                if refresh && fresh_copy.is_some() {
+                    st.refresh_loads += 1;
+                } else if let Some((v, landed)) = fresh_copy {
                     let what = format!(
-                        "p{proc} loads {key} although {v} landed at {} before its lock ({since})",
-                        stored.since
+                        "p{proc} loads {key} although {v} landed at {landed} before its lock ({since})"
                     );
                     // The entry's read, or one the judgement of what it found needs
                     // (a tag's moments, the generation: names no user key has).

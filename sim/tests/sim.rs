@@ -229,6 +229,45 @@ fn batches_hold_every_invariant_and_replay() {
 /// Seeds the batch workload runs in the suite (the simulator's `--batches` runs more).
 const BATCH_SEEDS: u64 = 300;
 
+/// The portable body refreshing early (`--refresh`): every process's cache built with
+/// an eager-refresh fraction, its batches' entries short-lived, so one key's hits and a
+/// batch's fall due for refresh (the refresh's lock try, its store steps under one
+/// store timeout, its load in the caller) under the scenarios' faults. Every invariant
+/// holds, and seeds replay.
+#[test]
+fn the_portable_body_refreshing_early_holds_every_invariant_and_replays() {
+    let mut totals = Totals::default();
+    for seed in 0..REFRESH_SEEDS {
+        let mut scenario = portable_batches(seed);
+        scenario.refresh = true;
+        let outcome = run_seed(&scenario, seed);
+        assert!(
+            outcome.violations.is_empty(),
+            "seed {seed} ({}):\n  {}\nreplay: {}\n{}",
+            outcome.scenario,
+            outcome.violations.join("\n  "),
+            outcome.replay_command(),
+            outcome.trace
+        );
+        if seed < 5 {
+            assert!(
+                run_seed(&scenario, seed).trace == outcome.trace,
+                "seed {seed} traced otherwise the second time"
+            );
+        }
+        totals.add(&outcome);
+    }
+    println!("{}", totals.table());
+    assert!(
+        totals.refreshes > REFRESH_SEEDS,
+        "hits fell due and were refreshed: {}",
+        totals.refreshes
+    );
+}
+
+/// Seeds the refreshing portable workload runs in the suite.
+const REFRESH_SEEDS: u64 = 40;
+
 /// A seed that once failed: it still runs the scenario it ran then (`named`), and holds
 /// every invariant.
 fn holds(scenario: &Scenario, seed: u64, named: &str) {

@@ -1,5 +1,5 @@
 //! `corral-sim [--seeds N] [--from S0] [--seed S] [--scenario NAME] [--procs P] [--keys K]
-//! [--callers C] [--portable] [--broken NAME] [--no-clears] [--batches] [--trace] [--twice] [--stop]`
+//! [--callers C] [--portable] [--broken NAME] [--no-clears] [--batches] [--refresh] [--trace] [--twice] [--stop]`
 //!
 //! Runs N seeds (cycling through the scenarios unless one is named), or one seed, and
 //! ends with a table. A failing seed prints its replay command and its trace; `--stop`
@@ -24,6 +24,7 @@ struct Args {
     portable: bool,
     clears: bool,
     batches: bool,
+    refresh: bool,
     stop: bool,
     broken: Option<String>,
 }
@@ -42,6 +43,7 @@ fn parse() -> Result<Args, String> {
         portable: false,
         clears: true,
         batches: false,
+        refresh: false,
         stop: false,
         broken: None,
     };
@@ -67,13 +69,14 @@ fn parse() -> Result<Args, String> {
             "--portable" => a.portable = true,
             "--no-clears" => a.clears = false,
             "--batches" => a.batches = true,
+            "--refresh" => a.refresh = true,
             "--stop" => a.stop = true,
             "--broken" => a.broken = Some(value("--broken")?),
             "-h" | "--help" => {
                 return Err(
                     "usage: corral-sim [--seeds N] [--from S0] [--seed S] [--procs P] [--keys K] [--callers C] \
                             [--scenario calm|network|loaders|chaos|process|redlock] \
-                            [--broken NAME] [--portable] [--no-clears] [--batches] [--trace] [--twice] [--stop]"
+                            [--broken NAME] [--portable] [--no-clears] [--batches] [--refresh] [--trace] [--twice] [--stop]"
                         .into(),
                 );
             }
@@ -113,6 +116,7 @@ fn main() -> ExitCode {
         }
         s.clears = args.clears;
         s.batches = args.batches;
+        s.refresh = args.refresh;
         if let Some(k) = args.keys {
             s.keys = k.max(1);
         }
