@@ -162,6 +162,7 @@ pub(crate) async fn session(ctx: &Arc<Ctx>, proc: usize, locks: &RedisLocks, s: 
         clocks: (0, 0),
         stale: None,
         detach: None,
+        cache_level: false,
         batch_hard: None,
     };
     crate::run::check_call(&w, &rec);

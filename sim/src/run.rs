@@ -298,8 +298,12 @@ pub(crate) struct CallRec {
     pub(crate) clocks: (u64, u64),
     /// Whether the value served was a stale copy, when the body said.
     pub(crate) stale: Option<bool>,
-    /// What a freshness get-or-set asked beyond its entry (timeouts, eager refresh).
+    /// What a freshness get-or-set asked beyond its entry (timeouts, eager refresh), or
+    /// what its process's cache applies to every get-or-set (`cache_level`).
     pub(crate) detach: Option<Detach>,
+    /// `detach` is its cache's, shared by every get-or-set of the process: one that
+    /// follows a load in the process times out with it, as a call without timeouts does.
+    pub(crate) cache_level: bool,
     /// A batch key's hard timeout, and when its loader call began (the simulated time
     /// and its process's clock), if this call loaded it: the timeout counts from then.
     pub(crate) batch_hard: Option<(u64, Option<(u64, u64)>)>,
@@ -565,9 +569,11 @@ pub(crate) struct Ctx {
     clocks: Vec<SimClock>,
     /// Per process, its tasks (actors and their calls): a crash aborts them all.
     pub(crate) tasks: Vec<Mutex<Vec<tokio::task::AbortHandle>>>,
-    /// Per process, the eager-refresh fraction (‰) its cache was built with, if any
-    /// (`--refresh`, the portable body): any of its loads may be a refresh.
-    refreshing: Vec<Option<u64>>,
+    /// Per process, what its cache applies to every get-or-set, if it was built so (the
+    /// portable body with `--refresh` or `--timeouts`): its eager-refresh fraction (any of
+    /// its loads may be a refresh) and its hard timeout (a follower in the process times
+    /// out with the load it followed).
+    cache_level: Vec<Option<Detach>>,
 }
 
 impl Ctx {
@@ -602,11 +608,18 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
     let mut lockers = Vec::new();
     let mut skews = Vec::new();
     let mut clocks = Vec::new();
-    let mut refreshing = Vec::new();
+    let mut cache_level = Vec::new();
     for p in 0..scenario.procs {
-        let refresh =
-            (scenario.portable && scenario.refresh).then(|| Rng::new(seed, 1_000 + p as u64).range(300, 900));
-        refreshing.push(refresh);
+        let level = scenario.portable.then(|| {
+            let mut r = Rng::new(seed, 1_000 + p as u64);
+            Detach {
+                refresh_permille: scenario.refresh.then(|| r.range(300, 900)),
+                hard_ms: scenario.timeouts.then(|| r.range(300, 4_000)),
+                ..Detach::default()
+            }
+        });
+        let level = level.filter(|d| !d.is_plain());
+        cache_level.push(level);
         let skew = Arc::new(AtomicI64::new(plan.skew[p]));
         if plan.skew[p] != 0 {
             world.fault("clock-skew");
@@ -657,9 +670,13 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         let cache_leases = native.locks().redis().cloned();
         let cache = if scenario.portable {
             let mut portable = PortableCache::builder();
-            if let Some(pm) = refresh {
+            if let Some(pm) = level.and_then(|d| d.refresh_permille) {
                 world.log(format_args!("p{p} refreshes early at {pm} permille"));
                 portable = portable.eager_refresh(pm as f64 / 1000.0);
+            }
+            if let Some(ms) = level.and_then(|d| d.hard_ms) {
+                world.log(format_args!("p{p} times loads out after {ms} ms"));
+                portable = portable.hard_timeout(Duration::from_millis(ms));
             }
             let portable = portable
                 .clock(clock)
@@ -778,7 +795,7 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         next_call: Mutex::new(0),
         clocks,
         tasks: (0..scenario.procs).map(|_| Mutex::new(Vec::new())).collect(),
-        refreshing,
+        cache_level,
     });
     if let Some((p, at)) = plan.crash {
         world.log(format_args!("plan: p{p} crashes at {at}"));
@@ -934,6 +951,11 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         if scenario.batches { " --batches" } else { "" },
         if scenario.refresh { " --refresh" } else { "" }
     );
+    let broken = if scenario.timeouts {
+        format!("{broken} --timeouts")
+    } else {
+        broken
+    };
     Outcome {
         seed,
         broken,
@@ -991,12 +1013,11 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         Op::GetOrSetFor(.., d) => Some(*d),
         _ => None,
     };
-    // A process whose cache refreshes early does so in any of its get-or-sets.
-    let op_detach = match (&op, ctx.refreshing[proc]) {
-        (Op::GetOrSet(..) | Op::GetOrSetTagged(..) | Op::GetOrSetFor(..), Some(pm)) => Some(Detach {
-            refresh_permille: Some(pm),
-            ..op_detach.unwrap_or_default()
-        }),
+    // A process whose cache refreshes early or times loads out does so in any of its
+    // get-or-sets, whatever the call asked (the portable body's are its builder's).
+    let cache_level = ctx.cache_level[proc];
+    let op_detach = match (&op, cache_level) {
+        (Op::GetOrSet(..) | Op::GetOrSetTagged(..) | Op::GetOrSetFor(..), Some(d)) => Some(d),
         _ => op_detach,
     };
     let entry = match &op {
@@ -1103,6 +1124,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         clocks: (clock_inv, clock_end),
         stale: *stale.lock(),
         detach: op_detach,
+        cache_level: cache_level.is_some(),
         batch_hard: None,
     };
     // A write the caller saw succeed: its place in the store's order.
@@ -1173,7 +1195,8 @@ async fn call_many(
     // When each key's loader call began (the simulated time, the process's clock).
     let began: Arc<Mutex<BTreeMap<String, (u64, u64)>>> = Arc::default();
     // A process whose cache refreshes early may load a key due for refresh.
-    let refresh = ctx.refreshing[proc];
+    let cache_level = ctx.cache_level[proc];
+    let refresh = cache_level.and_then(|d| d.refresh_permille);
     let load: crate::body::BatchLoad = {
         let (w, loaded, plan, began) = (w.clone(), loaded.clone(), plan.clone(), began.clone());
         let clock = ctx.clocks[proc].clone();
@@ -1250,17 +1273,17 @@ async fn call_many(
             clocks: (clock_inv, clock_end),
             stale: None,
             // A key due for refresh answers with its copy while its loader runs.
-            detach: refresh.map(|pm| Detach {
-                refresh_permille: Some(pm),
-                ..Detach::default()
-            }),
+            detach: cache_level,
+            cache_level: cache_level.is_some(),
             // A hard timeout cuts the key's load, counted from its loader call (the
             // native body's; the portable one leaves it to its builder, which sets none
             // here).
-            batch_hard: asks
-                .hard_ms
-                .filter(|_| cache.is_native())
-                .map(|h| (h, began.lock().get(&key).copied())),
+            batch_hard: if cache.is_native() {
+                asks.hard_ms
+            } else {
+                cache_level.and_then(|d| d.hard_ms)
+            }
+            .map(|h| (h, began.lock().get(&key).copied())),
         };
         if let (Res::Value(Some(v)), Some((l, _))) = (&res, &rec.loaded)
             && v == l
@@ -1320,7 +1343,7 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
         (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.hard_timeout_ran_out() => {}
         // Not its own: the timeout of the flight it followed, judged once every call is
         // in (`check_coalesced_timeouts`).
-        (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.detach.is_none() => {}
+        (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.detach.is_none() || c.cache_level => {}
         // Held past the wait, no answer, or lost before the release.
         (
             Res::Failed(
@@ -1374,10 +1397,12 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
 /// end less the call's span (a clock step back inside the call).
 /// A get-or-set whose own hard timeout (if any) did not run out fails with `Timeout`
 /// only as a follower of a flight whose leader's did (a batch's key, led with one,
-/// counted from its loader call): a call of
-/// the same key in the same process that timed out so, begun no later and ended no
-/// earlier (a flight answers its followers as it ends; a batch returns once all its
-/// keys are answered).
+/// counted from its loader call): a call of the same key in the same process that
+/// timed out so, begun no later and ended no earlier (a flight answers its followers as
+/// it ends). A batch's key (one with a hard timeout) joins the flight it finds after its
+/// read, so that flight may have begun after the batch began, and the two overlap (the
+/// batch returns once all its keys are answered). The portable body's timeouts are its
+/// cache's (`--timeouts`): its calls are judged so too.
 fn check_coalesced_timeouts(ctx: &Ctx) {
     let w = &ctx.world;
     let calls = ctx.calls.lock();
@@ -1385,14 +1410,20 @@ fn check_coalesced_timeouts(ctx: &Ctx) {
     for c in calls
         .iter()
         .filter(timed_out)
-        .filter(|c| c.detach.is_none() && !c.hard_timeout_ran_out())
+        .filter(|c| (c.detach.is_none() || c.cache_level) && !c.hard_timeout_ran_out())
     {
         let led = calls.iter().filter(timed_out).any(|l| {
             l.id != c.id
                 && l.proc == c.proc
                 && l.key == c.key
-                && l.t_inv <= c.t_inv
-                && c.t_end <= l.t_end
+                && if c.batch_hard.is_some() {
+                    // A batch's key joins the flight it finds after its read (one begun
+                    // since the batch began, too) and is answered as that flight ends
+                    // (before its leader's caller sees it, or after): the two overlap.
+                    l.t_inv <= c.t_end && c.t_inv <= l.t_end
+                } else {
+                    l.t_inv <= c.t_inv && c.t_end <= l.t_end
+                }
                 && l.hard_timeout_ran_out()
         });
         if !led {

@@ -302,6 +302,10 @@ pub struct Scenario {
     /// 3 s, so hits fall due for refresh, one key's and a batch's, within a run. (The
     /// native body's single keys draw eager refresh per call; its batches take none.)
     pub refresh: bool,
+    /// The portable processes time their loads out (`--timeouts`): each builds its
+    /// cache with a hard timeout of 0.3 to 4 s drawn from its seed (its slow loaders run
+    /// past it). (The native body's single keys and batches draw theirs per call.)
+    pub timeouts: bool,
 }
 
 impl Scenario {
@@ -328,6 +332,7 @@ impl Scenario {
             clears: true,
             batches: false,
             refresh: false,
+            timeouts: false,
         }
     }
 

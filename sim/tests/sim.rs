@@ -229,17 +229,20 @@ fn batches_hold_every_invariant_and_replay() {
 /// Seeds the batch workload runs in the suite (the simulator's `--batches` runs more).
 const BATCH_SEEDS: u64 = 300;
 
-/// The portable body refreshing early (`--refresh`): every process's cache built with
-/// an eager-refresh fraction, its batches' entries short-lived, so one key's hits and a
-/// batch's fall due for refresh (the refresh's lock try, its store steps under one
-/// store timeout, its load in the caller) under the scenarios' faults. Every invariant
-/// holds, and seeds replay.
+/// The portable body refreshing early and timing loads out (`--refresh --timeouts`):
+/// every process's cache built with an eager-refresh fraction and a hard timeout, its
+/// batches' entries short-lived, so one key's hits and a batch's fall due for refresh
+/// (the refresh's lock try, its store steps under one store timeout, its load in the
+/// caller) and slow loads time out, their followers in the process with them, under the
+/// scenarios' faults. Every invariant holds, and seeds replay.
 #[test]
-fn the_portable_body_refreshing_early_holds_every_invariant_and_replays() {
+fn the_portable_body_refreshing_early_and_timing_loads_out_holds_every_invariant() {
     let mut totals = Totals::default();
+    let mut timeouts = 0;
     for seed in 0..REFRESH_SEEDS {
         let mut scenario = portable_batches(seed);
         scenario.refresh = true;
+        scenario.timeouts = true;
         let outcome = run_seed(&scenario, seed);
         assert!(
             outcome.violations.is_empty(),
@@ -255,17 +258,20 @@ fn the_portable_body_refreshing_early_holds_every_invariant_and_replays() {
                 "seed {seed} traced otherwise the second time"
             );
         }
+        timeouts += outcome.trace.matches("-> Failed(Timeout)").count();
         totals.add(&outcome);
     }
     println!("{}", totals.table());
+    println!("{timeouts} calls timed out");
     assert!(
         totals.refreshes > REFRESH_SEEDS,
         "hits fell due and were refreshed: {}",
         totals.refreshes
     );
+    assert!(timeouts > 0, "slow loads timed out");
 }
 
-/// Seeds the refreshing portable workload runs in the suite.
+/// Seeds the refreshing, timing-out portable workload runs in the suite.
 const REFRESH_SEEDS: u64 = 40;
 
 /// A seed that once failed: it still runs the scenario it ran then (`named`), and holds

@@ -1,5 +1,5 @@
 //! `corral-sim [--seeds N] [--from S0] [--seed S] [--scenario NAME] [--procs P] [--keys K]
-//! [--callers C] [--portable] [--broken NAME] [--no-clears] [--batches] [--refresh] [--trace] [--twice] [--stop]`
+//! [--callers C] [--portable] [--broken NAME] [--no-clears] [--batches] [--refresh] [--timeouts] [--trace] [--twice] [--stop]`
 //!
 //! Runs N seeds (cycling through the scenarios unless one is named), or one seed, and
 //! ends with a table. A failing seed prints its replay command and its trace; `--stop`
@@ -25,6 +25,7 @@ struct Args {
     clears: bool,
     batches: bool,
     refresh: bool,
+    timeouts: bool,
     stop: bool,
     broken: Option<String>,
 }
@@ -44,6 +45,7 @@ fn parse() -> Result<Args, String> {
         clears: true,
         batches: false,
         refresh: false,
+        timeouts: false,
         stop: false,
         broken: None,
     };
@@ -70,13 +72,14 @@ fn parse() -> Result<Args, String> {
             "--no-clears" => a.clears = false,
             "--batches" => a.batches = true,
             "--refresh" => a.refresh = true,
+            "--timeouts" => a.timeouts = true,
             "--stop" => a.stop = true,
             "--broken" => a.broken = Some(value("--broken")?),
             "-h" | "--help" => {
                 return Err(
                     "usage: corral-sim [--seeds N] [--from S0] [--seed S] [--procs P] [--keys K] [--callers C] \
                             [--scenario calm|network|loaders|chaos|process|redlock] \
-                            [--broken NAME] [--portable] [--no-clears] [--batches] [--refresh] [--trace] [--twice] [--stop]"
+                            [--broken NAME] [--portable] [--no-clears] [--batches] [--refresh] [--timeouts] [--trace] [--twice] [--stop]"
                         .into(),
                 );
             }
@@ -117,6 +120,7 @@ fn main() -> ExitCode {
         s.clears = args.clears;
         s.batches = args.batches;
         s.refresh = args.refresh;
+        s.timeouts = args.timeouts;
         if let Some(k) = args.keys {
             s.keys = k.max(1);
         }
