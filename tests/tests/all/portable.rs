@@ -1724,3 +1724,68 @@ async fn refresh_with_locks_held(n: usize, from_l2: bool) -> Result<Duration> {
     println!("{n} hits due for refresh (from L2: {from_l2}), their lock tries held: {took:?}");
     Ok(took)
 }
+
+/// A cold batch against a frozen Redis (SIGSTOP) ends by its deadlines in both bodies
+/// (contract §9: the generation's read and the first reads, then each key's lock try,
+/// within one deadline before the load; the loader; one store timeout after it): every
+/// key is loaded once, in one loader call, and answered with what the loader gave.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_batch_against_a_frozen_redis_ends_by_its_deadlines_in_both_bodies() -> Result<()> {
+    let server = RedisServer::start()?;
+    let timeout = Duration::from_millis(200);
+    let lock_wait = SEC;
+    let mut options = corral::RedisOptions::new(server.url());
+    options.response_timeout = timeout;
+    let portable = PortableCache::builder()
+        .redis_options(options.clone())
+        .lock_wait(lock_wait)
+        .build()?;
+    let native = Corral::builder()
+        .redis_options(options)
+        .lock_wait(lock_wait)
+        .build()?;
+    // The deadlines of §9, and a second for the test's own scheduling: the steps
+    // before the load (the generation's read among them, in the portable body) within
+    // max(lock wait, store timeout), the steps after it within one store timeout.
+    let bound = lock_wait.max(timeout) + 2 * timeout + SEC;
+    let keys: Vec<String> = (0..50).map(|i| format!("frozen-{i}")).collect();
+    server.pause()?;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let started = std::time::Instant::now();
+    let answers = portable
+        .get_or_set_many(&keys, EntryOptions::new(), move |asked: &[String]| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Ok(asked.iter().map(|k| (k.clone(), k.as_bytes().to_vec())).collect())
+        })
+        .await?;
+    let portable_took = started.elapsed();
+    let portable_calls = calls.swap(0, Ordering::SeqCst);
+    let counted = calls.clone();
+    let started = std::time::Instant::now();
+    let native_answers = native
+        .get_or_set_many(&keys, EntryOptions::new(), move |asked: Vec<String>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let found: Vec<(String, String)> = asked.into_iter().map(|k| (k.clone(), k)).collect();
+            async move { Ok::<_, std::io::Error>(found) }
+        })
+        .await?;
+    let native_took = started.elapsed();
+    let native_calls = calls.load(Ordering::SeqCst);
+    server.resume()?;
+    println!(
+        "frozen Redis, 50 cold keys: portable {portable_took:?}, native {native_took:?} (bound {bound:?})"
+    );
+    for (body, answers, calls, took) in [
+        ("portable", answers, portable_calls, portable_took),
+        ("native", native_answers, native_calls, native_took),
+    ] {
+        assert!(took < bound, "{body}: {took:?}, past {bound:?}");
+        assert_eq!(calls, 1, "{body}: one loader call for the batch");
+        for (key, answer) in keys.iter().zip(answers) {
+            let value = answer.map_err(|e| anyhow::anyhow!("{body}: {key}: {e}"))?;
+            assert_eq!(value.as_deref(), Some(key.as_bytes()), "{body}: {key}");
+        }
+    }
+    Ok(())
+}
