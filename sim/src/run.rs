@@ -316,6 +316,15 @@ impl CallRec {
         self.detach.is_some_and(|d| !d.is_plain())
     }
 
+    /// Whether the call's own hard timeout ran out: it asked for one and ran at least that
+    /// long; a call whose timeout is its cache's (`cache_level`) also ran the load (one
+    /// that followed a load times out with it: `check_coalesced_timeouts`).
+    fn own_timeout_ran_out(&self) -> bool {
+        // (A batch's key counts from its loader call, which it ran: `batch_hard`.)
+        self.hard_timeout_ran_out()
+            && (!self.cache_level || self.loaded.is_some() || self.batch_hard.is_some())
+    }
+
     /// Whether the call asked for a hard timeout and ran at least that long, by the
     /// simulated time or by its process's clock (the guest judges a load's answer by
     /// the cache's clock, so a clock stepped forward during a load times it out).
@@ -487,7 +496,7 @@ fn batcher(s: &Scenario, seed: u64, proc: usize) -> Vec<(u64, Op)> {
                         hard_ms: r.chance(300).then(|| r.range(100, 2_000)),
                         max_batch: r.chance(300).then(|| r.range(1, 2) as usize),
                         // Drawn last: the other scenarios' seeds draw as they did.
-                        relative_ms: s.refresh.then(|| r.range(800, 3_000)),
+                        relative_ms: (s.refresh && s.portable).then(|| r.range(800, 3_000)),
                     };
                     Op::GetOrSetMany(keys, loader_plan(&mut r, s), left_out, asks)
                 }
@@ -1276,8 +1285,7 @@ async fn call_many(
             detach: cache_level,
             cache_level: cache_level.is_some(),
             // A hard timeout cuts the key's load, counted from its loader call (the
-            // native body's; the portable one leaves it to its builder, which sets none
-            // here).
+            // native body's asks; the portable body's builder, with `--timeouts`).
             batch_hard: if cache.is_native() {
                 asks.hard_ms
             } else {
@@ -1340,7 +1348,7 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
         ) => {}
         (Res::Failed(ErrorKind::Loader), "get_or_set") => {}
         // A hard timeout that ran out (its loader started after the call began).
-        (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.hard_timeout_ran_out() => {}
+        (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.own_timeout_ran_out() => {}
         // Not its own: the timeout of the flight it followed, judged once every call is
         // in (`check_coalesced_timeouts`).
         (Res::Failed(ErrorKind::Timeout), "get_or_set") if c.detach.is_none() || c.cache_level => {}
@@ -1355,12 +1363,45 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
         _ => {}
     }
     if let Some((value, plan)) = &c.loaded {
+        // A process whose cache refreshes early (`cache_level`): a call's load may be an
+        // eager refresh, whose caller is served the copy it hit, whatever the load does:
+        // a value of its key written before the load began. Surely one (`Some(false)`:
+        // a copy fresh by every clock stood when it took the lock): that copy, never its
+        // own value; else its own value (a lead) or such a copy.
+        let refreshing = c.cache_level && c.detach.is_some_and(|d| d.refresh_permille.is_some());
+        let (refreshed, copy) = if refreshing {
+            let st = w.st.lock();
+            let load = st.loads.iter().find(|l| l.value == *value);
+            let start = load.map_or(c.t_end, |l| l.start);
+            let written_before = |v: &str| {
+                st.versions.get(&c.key).is_some_and(|versions| {
+                    versions.iter().any(|version| {
+                        version.t <= start
+                            && matches!(&version.kind,
+                                crate::world::VersionKind::Set(x)
+                                | crate::world::VersionKind::Load { value: x, .. } if x == v)
+                    })
+                })
+            };
+            let copy = match &c.res {
+                Res::Value(Some(v)) => v != value && written_before(v),
+                _ => false,
+            };
+            (load.and_then(|l| l.refresh), copy)
+        } else {
+            (None, false)
+        };
         let ok = match (plan, &c.res) {
+            (_, Res::Value(Some(_))) if refreshed == Some(false) => copy,
+            // A loader's panic traps the portable call that runs it, a refresh's too.
+            (LoaderPlan::Panic(_), Res::Failed(ErrorKind::Loader)) => true,
+            _ if refreshed == Some(false) => false,
+            (_, Res::Value(Some(_))) if copy => true,
             // Cut by a timeout, or answered before its loader ended (a stale copy, the
             // current value while a refresh runs): the expiry check judges the value.
-            (_, Res::Value(Some(_))) if c.detached() => true,
-            (_, Res::Failed(ErrorKind::Timeout)) => c.hard_timeout_ran_out(),
-            (LoaderPlan::Panic(_) | LoaderPlan::Fail(_), Res::Failed(ErrorKind::Loader)) => true,
+            (_, Res::Value(Some(_))) if c.detached() && !c.cache_level => true,
+            (_, Res::Failed(ErrorKind::Timeout)) => c.own_timeout_ran_out(),
+            (LoaderPlan::Fail(_), Res::Failed(ErrorKind::Loader)) => true,
             // Fail-safe: the stale copy of an entry written with a window (the window is
             // checked by `check_expiry`).
             (LoaderPlan::Panic(_) | LoaderPlan::Fail(_), Res::Value(Some(v))) => {
@@ -1399,10 +1440,11 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
 /// only as a follower of a flight whose leader's did (a batch's key, led with one,
 /// counted from its loader call): a call of the same key in the same process that
 /// timed out so, begun no later and ended no earlier (a flight answers its followers as
-/// it ends). A batch's key (one with a hard timeout) joins the flight it finds after its
-/// read, so that flight may have begun after the batch began, and the two overlap (the
-/// batch returns once all its keys are answered). The portable body's timeouts are its
-/// cache's (`--timeouts`): its calls are judged so too.
+/// it ends). The portable body's timeouts are its cache's (`--timeouts`): its calls are
+/// judged so too, a call's own timeout counting only if it ran the load; and a call
+/// there joins the flight it finds after its read or its wait, so that flight may have
+/// begun after the call began, and the two overlap (a batch returns once all its keys
+/// are answered).
 fn check_coalesced_timeouts(ctx: &Ctx) {
     let w = &ctx.world;
     let calls = ctx.calls.lock();
@@ -1410,21 +1452,23 @@ fn check_coalesced_timeouts(ctx: &Ctx) {
     for c in calls
         .iter()
         .filter(timed_out)
-        .filter(|c| (c.detach.is_none() || c.cache_level) && !c.hard_timeout_ran_out())
+        .filter(|c| (c.detach.is_none() || c.cache_level) && !c.own_timeout_ran_out())
     {
         let led = calls.iter().filter(timed_out).any(|l| {
             l.id != c.id
                 && l.proc == c.proc
                 && l.key == c.key
-                && if c.batch_hard.is_some() {
-                    // A batch's key joins the flight it finds after its read (one begun
-                    // since the batch began, too) and is answered as that flight ends
-                    // (before its leader's caller sees it, or after): the two overlap.
+                && if c.cache_level {
+                    // A portable call joins the flight it finds once its wait or read
+                    // ends (a batch's key after its read; one that waited on another
+                    // process's lock once that ends): one begun since the call began, too.
+                    // It is answered as that flight ends (before its leader's caller sees
+                    // it, or after): the two overlap.
                     l.t_inv <= c.t_end && c.t_inv <= l.t_end
                 } else {
                     l.t_inv <= c.t_inv && c.t_end <= l.t_end
                 }
-                && l.hard_timeout_ran_out()
+                && l.own_timeout_ran_out()
         });
         if !led {
             w.violation(format!(

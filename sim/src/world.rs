@@ -164,6 +164,11 @@ pub struct LoadRec {
     /// A renewal of that lock was refused (the key was written or removed during the
     /// load): the lock lapses under the load by design.
     pub renewal_refused: bool,
+    /// Began while a fresh copy of its key stood, in a call that may refresh: an eager
+    /// refresh, whose caller is served that copy, not this load's value (`Some(false)`),
+    /// or, its double-check read having failed, perhaps the call's own lead
+    /// (`Some(true)`: either answer).
+    pub refresh: Option<bool>,
 }
 
 /// A lost or undeliverable notification: `key` (or every key: `None`) for `proc` at `t`.
@@ -530,6 +535,7 @@ impl World {
         let now = self.now();
         let mut problems = Vec::new();
         let mut excuses = Vec::new();
+        let mut refreshing = None;
         let clock_error_ms = if self.scenario.faults.clock_pm > 0 {
             CLOCK_ERROR_MS
         } else {
@@ -581,36 +587,48 @@ impl World {
                 // Fresh at the load, not only at the lock: a process paused between the
                 // two reads what is there when it wakes.
                 // An eager refresh loads so by design: counted, not judged.
-                let fresh_copy = if let Some((entry, _)) = st.names_of(key)
+                // A copy that stood before the lock: fresh whatever the clock (`true`),
+                // or perhaps fresh by the process's own (a refresh, or a lead).
+                let copy = if let Some((entry, _)) = st.names_of(key)
                     && let Some(stored) = st.entries.get(&entry)
                     && now < stored.until
                     && stored.since < since
                     && let Tag::Value(v) = tag_of(&stored.bytes)
                     && !st.removed_by_tag(&stored.bytes, now)
-                    && fresh_whatever_the_clock(&stored.bytes, now, clock_error_ms)
                 {
-                    Some((v.to_string(), stored.since))
+                    let fresh = fresh_whatever_the_clock(&stored.bytes, now, clock_error_ms);
+                    Some((v.to_string(), stored.since, fresh))
                 } else {
                     None
                 };
-                if refresh && fresh_copy.is_some() {
-                    st.refresh_loads += 1;
-                } else if let Some((v, landed)) = fresh_copy {
-                    let what = format!(
-                        "p{proc} loads {key} although {v} landed at {landed} before its lock ({since})"
-                    );
+                if refresh && copy.as_ref().is_some_and(|(_, _, fresh)| !fresh) {
+                    refreshing = Some(true);
+                }
+                let fresh_copy = copy
+                    .filter(|(_, _, fresh)| *fresh)
+                    .map(|(v, since, _)| (v, since));
+                if let Some((v, landed)) = fresh_copy {
                     // The entry's read, or one the judgement of what it found needs
                     // (a tag's moments, the generation: names no user key has).
                     // Failed since the lock was taken, or still running: the double-check
                     // had no answer to judge by.
-                    if st.reads.iter().any(|((c, k), read)| {
+                    let read_failed = st.reads.iter().any(|((c, k), read)| {
                         (*c == call || *c == DETACHED_CALLS + proc as u64)
                             && [read.pending_since, read.failed_at]
                                 .into_iter()
                                 .flatten()
                                 .any(|t| t >= since)
                             && (k == key || k.starts_with('{'))
-                    }) {
+                    });
+                    let what = format!(
+                        "p{proc} loads {key} although {v} landed at {landed} before its lock ({since})"
+                    );
+                    if refresh {
+                        // A refresh (its caller is served the copy), or, after a failed
+                        // read, perhaps a lead (its caller is served this load).
+                        st.refresh_loads += 1;
+                        refreshing = Some(read_failed);
+                    } else if read_failed {
                         excuses.push(("load-after-failed-read", what));
                     } else {
                         problems.push(what);
@@ -628,6 +646,7 @@ impl World {
                 lock_until,
                 lock_name: lock_name.clone().unwrap_or_default(),
                 renewal_refused: false,
+                refresh: refreshing,
             });
             index = st.loads.len() - 1;
             let _ = writeln!(
