@@ -950,21 +950,16 @@ async fn simulate(scenario: Scenario, seed: u64) -> Outcome {
         "" => String::new(),
         name => format!(" --broken {name}"),
     };
-    let broken = format!(
-        "{broken}{}{}",
-        if scenario.portable { " --portable" } else { "" },
-        if scenario.clears { "" } else { " --no-clears" }
-    );
-    let broken = format!(
-        "{broken}{}{}",
-        if scenario.batches { " --batches" } else { "" },
-        if scenario.refresh { " --refresh" } else { "" }
-    );
-    let broken = if scenario.timeouts {
-        format!("{broken} --timeouts")
-    } else {
-        broken
-    };
+    let flags = [
+        (scenario.portable, " --portable"),
+        (!scenario.clears, " --no-clears"),
+        (scenario.batches, " --batches"),
+        (scenario.refresh, " --refresh"),
+        (scenario.timeouts, " --timeouts"),
+    ];
+    let broken: String = std::iter::once(broken.as_str())
+        .chain(flags.iter().filter(|(on, _)| *on).map(|(_, flag)| *flag))
+        .collect();
     Outcome {
         seed,
         broken,
@@ -1205,7 +1200,7 @@ async fn call_many(
     let began: Arc<Mutex<BTreeMap<String, (u64, u64)>>> = Arc::default();
     // A process whose cache refreshes early may load a key due for refresh.
     let cache_level = ctx.cache_level[proc];
-    let refresh = cache_level.and_then(|d| d.refresh_permille);
+    let refresh = cache_level.is_some_and(|d| d.refresh_permille.is_some());
     let load: crate::body::BatchLoad = {
         let (w, loaded, plan, began) = (w.clone(), loaded.clone(), plan.clone(), began.clone());
         let clock = ctx.clocks[proc].clone();
@@ -1215,7 +1210,7 @@ async fn call_many(
             let mut values = Vec::with_capacity(asked.len());
             for key in asked {
                 let value = format!("load{}", w.next_seq());
-                let index = w.load_started(id, proc, &key, &value, t_inv, refresh.is_some());
+                let index = w.load_started(id, proc, &key, &value, t_inv, refresh);
                 began.lock().insert(key.clone(), (w.now(), clock.now_ms()));
                 ends.push(EndGuard(w.clone(), index));
                 if absent.as_ref() != Some(&key) {
@@ -1375,12 +1370,9 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
             let start = load.map_or(c.t_end, |l| l.start);
             let written_before = |v: &str| {
                 st.versions.get(&c.key).is_some_and(|versions| {
-                    versions.iter().any(|version| {
-                        version.t <= start
-                            && matches!(&version.kind,
-                                crate::world::VersionKind::Set(x)
-                                | crate::world::VersionKind::Load { value: x, .. } if x == v)
-                    })
+                    versions
+                        .iter()
+                        .any(|version| version.t <= start && version.kind.value() == Some(v))
                 })
             };
             let copy = match &c.res {

@@ -87,6 +87,16 @@ pub enum VersionKind {
     Restart,
 }
 
+impl VersionKind {
+    /// The value this version wrote, if it wrote one.
+    pub(crate) fn value(&self) -> Option<&str> {
+        match self {
+            VersionKind::Set(v) | VersionKind::Load { value: v, .. } => Some(v),
+            _ => None,
+        }
+    }
+}
+
 /// A call's reads of one name ([`State::reads`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Reads {
@@ -817,8 +827,8 @@ impl State {
     pub(crate) fn push_version_of(&mut self, key: &str, name: &str, t: u64, kind: VersionKind) -> u64 {
         self.order += 1;
         let order = self.order;
-        if let VersionKind::Set(v) | VersionKind::Load { value: v, .. } = &kind {
-            self.value_order.entry(v.clone()).or_insert(order);
+        if let Some(v) = kind.value() {
+            self.value_order.entry(v.to_owned()).or_insert(order);
         }
         self.versions.entry(key.to_owned()).or_default().push(Version {
             order,

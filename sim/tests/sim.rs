@@ -195,6 +195,27 @@ fn the_portable_body_holds_its_invariants_and_replays() {
     assert!(totals.locked_loads > 0, "loads ran under the flight lock");
 }
 
+/// Runs `seed` of `scenario`, which holds every invariant (else panics with its replay
+/// command and trace), and, if `replayed`, runs it again: it traces alike.
+fn holding_every_invariant(scenario: &Scenario, seed: u64, replayed: bool) -> corral_sim::Outcome {
+    let outcome = run_seed(scenario, seed);
+    assert!(
+        outcome.violations.is_empty(),
+        "seed {seed} ({}):\n  {}\nreplay: {}\n{}",
+        outcome.scenario,
+        outcome.violations.join("\n  "),
+        outcome.replay_command(),
+        outcome.trace
+    );
+    if replayed {
+        assert!(
+            run_seed(scenario, seed).trace == outcome.trace,
+            "seed {seed} traced otherwise the second time"
+        );
+    }
+    outcome
+}
+
 /// Overlapping batches (`get_or_set_many`, a key the loader leaves out now and then)
 /// beside the single-key callers hold every invariant in the native body, and replay.
 #[test]
@@ -204,21 +225,7 @@ fn batches_hold_every_invariant_and_replay() {
     for seed in 0..BATCH_SEEDS {
         let mut scenario = Scenario::for_seed(seed);
         scenario.batches = true;
-        let outcome = run_seed(&scenario, seed);
-        assert!(
-            outcome.violations.is_empty(),
-            "seed {seed} ({}):\n  {}\nreplay: {}\n{}",
-            outcome.scenario,
-            outcome.violations.join("\n  "),
-            outcome.replay_command(),
-            outcome.trace
-        );
-        if seed < 10 {
-            assert!(
-                run_seed(&scenario, seed).trace == outcome.trace,
-                "seed {seed} traced otherwise the second time"
-            );
-        }
+        let outcome = holding_every_invariant(&scenario, seed, seed < 10);
         batches += outcome.trace.matches("get_or_set_many").count();
         totals.add(&outcome);
     }
@@ -243,21 +250,7 @@ fn the_portable_body_refreshing_early_and_timing_loads_out_holds_every_invariant
         let mut scenario = portable_batches(seed);
         scenario.refresh = true;
         scenario.timeouts = true;
-        let outcome = run_seed(&scenario, seed);
-        assert!(
-            outcome.violations.is_empty(),
-            "seed {seed} ({}):\n  {}\nreplay: {}\n{}",
-            outcome.scenario,
-            outcome.violations.join("\n  "),
-            outcome.replay_command(),
-            outcome.trace
-        );
-        if seed < 5 {
-            assert!(
-                run_seed(&scenario, seed).trace == outcome.trace,
-                "seed {seed} traced otherwise the second time"
-            );
-        }
+        let outcome = holding_every_invariant(&scenario, seed, seed < 5);
         timeouts += outcome
             .trace
             .lines()
