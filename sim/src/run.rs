@@ -15,7 +15,7 @@ use parking_lot::Mutex;
 
 use crate::rng::Rng;
 use crate::scenario::Scenario;
-use crate::world::{Conn, SLOW_NET_MS, Tag, World, tag_of};
+use crate::world::{Conn, MayRefresh, SLOW_NET_MS, Tag, World, tag_of};
 
 /// The wall clock of the simulated epoch's start (any fixed point will do).
 pub const EPOCH_MS: u64 = 1_700_000_000_000;
@@ -1024,14 +1024,18 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         (Op::GetOrSet(..) | Op::GetOrSetTagged(..) | Op::GetOrSetFor(..), Some(d)) => Some(d),
         _ => op_detach,
     };
-    let entry = match &op {
-        Op::SetFor(_, e) | Op::GetOrSetFor(_, e, ..) => e.options(),
-        _ => EntryOptions::new().relative(VALUE_TTL),
+    let (entry, relative_ms) = match &op {
+        Op::SetFor(_, e) | Op::GetOrSetFor(_, e, ..) => (e.options(), e.relative_ms),
+        _ => (
+            EntryOptions::new().relative(VALUE_TTL),
+            VALUE_TTL.as_millis() as u64,
+        ),
     };
     let clock_inv = ctx.clocks[proc].now_ms();
     let bound = Duration::from_millis(CALL_BOUND_MS);
     let task = {
         let (cache, w, loaded, key) = (cache.clone(), w.clone(), loaded.clone(), key.clone());
+        let clock = ctx.clocks[proc].clone();
         let (tags, stale) = (tags.clone(), stale.clone());
         tokio::spawn(crate::world::CALL.scope(id, async move {
             let res = match op {
@@ -1063,10 +1067,14 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                     let began = w.now();
                     let ms = plan.ms();
                     let start = {
-                        let (w, key, loaded) = (w.clone(), key.clone(), loaded.clone());
+                        let (w, key, loaded, clock) = (w.clone(), key.clone(), loaded.clone(), clock.clone());
                         move || -> Finish {
                             let value = format!("load{}", w.next_seq());
-                            let refresh = detach.refresh_permille.is_some();
+                            let refresh = detach.refresh_permille.map(|permille| MayRefresh {
+                                permille,
+                                relative_ms,
+                                clock_ms: clock.highest_ms(),
+                            });
                             let index = w.load_started(id, proc, &key, &value, began, refresh);
                             let end = EndGuard(w.clone(), index);
                             *loaded.lock() = Some((value.clone(), plan.clone()));
@@ -1200,7 +1208,8 @@ async fn call_many(
     let began: Arc<Mutex<BTreeMap<String, (u64, u64)>>> = Arc::default();
     // A process whose cache refreshes early may load a key due for refresh.
     let cache_level = ctx.cache_level[proc];
-    let refresh = cache_level.is_some_and(|d| d.refresh_permille.is_some());
+    let refresh = cache_level.and_then(|d| d.refresh_permille);
+    let relative_ms = asks.relative_ms.unwrap_or(VALUE_TTL.as_millis() as u64);
     let load: crate::body::BatchLoad = {
         let (w, loaded, plan, began) = (w.clone(), loaded.clone(), plan.clone(), began.clone());
         let clock = ctx.clocks[proc].clone();
@@ -1210,6 +1219,11 @@ async fn call_many(
             let mut values = Vec::with_capacity(asked.len());
             for key in asked {
                 let value = format!("load{}", w.next_seq());
+                let refresh = refresh.map(|permille| MayRefresh {
+                    permille,
+                    relative_ms,
+                    clock_ms: clock.highest_ms(),
+                });
                 let index = w.load_started(id, proc, &key, &value, t_inv, refresh);
                 began.lock().insert(key.clone(), (w.now(), clock.now_ms()));
                 ends.push(EndGuard(w.clone(), index));
@@ -1236,8 +1250,7 @@ async fn call_many(
     let bound = Duration::from_millis(CALL_BOUND_MS);
     let task = {
         let (cache, asked) = (cache.clone(), keys.clone());
-        let ttl = asks.relative_ms.map_or(VALUE_TTL, Duration::from_millis);
-        let entry = EntryOptions::new().relative(ttl);
+        let entry = EntryOptions::new().relative(Duration::from_millis(relative_ms));
         tokio::spawn(crate::world::CALL.scope(id, async move {
             tokio::time::timeout(bound, cache.get_or_set_many(&asked, entry, asks, load)).await
         }))

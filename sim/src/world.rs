@@ -181,6 +181,26 @@ pub struct LoadRec {
     pub refresh: Option<bool>,
 }
 
+/// What a call that may refresh early asked, for judging its loads: its eager-refresh
+/// fraction and its relative duration, and the highest reading of its process's clock
+/// when its load began (its double-check judged the copy due at a reading no higher).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MayRefresh {
+    pub(crate) permille: u64,
+    pub(crate) relative_ms: u64,
+    pub(crate) clock_ms: u64,
+}
+
+impl MayRefresh {
+    /// When the refresh of a copy whose absolute point is `end_ms` falls due (contract
+    /// §7.3): `permille` thousandths of the call's relative duration, counted as ending
+    /// at that point, have passed.
+    pub(crate) fn due_ms(&self, end_ms: u64) -> u64 {
+        let left = u128::from(self.relative_ms) * u128::from(1000 - self.permille.min(1000)) / 1000;
+        end_ms.saturating_sub(left as u64)
+    }
+}
+
 /// A lost or undeliverable notification: `key` (or every key: `None`) for `proc` at `t`.
 #[derive(Clone, Debug)]
 pub struct Gap {
@@ -532,7 +552,8 @@ impl World {
     /// flight of the process (one that handed its outcome on and is still releasing).
     ///
     /// `refresh`: the call asked for eager refresh, so its load may be a refresh of a
-    /// fresh value (which the once-per-fill-window check does not apply to).
+    /// fresh value (which the once-per-fill-window check does not apply to), made no
+    /// earlier than the copy's refresh falls due.
     pub(crate) fn load_started(
         &self,
         call: u64,
@@ -540,11 +561,12 @@ impl World {
         key: &str,
         value: &str,
         began: u64,
-        refresh: bool,
+        refresh: Option<MayRefresh>,
     ) -> usize {
         let now = self.now();
         let mut problems = Vec::new();
         let mut excuses = Vec::new();
+        let mut early = Vec::new();
         let mut refreshing = None;
         let clock_error_ms = if self.scenario.faults.clock_pm > 0 {
             CLOCK_ERROR_MS
@@ -607,17 +629,18 @@ impl World {
                     && !st.removed_by_tag(&stored.bytes, now)
                 {
                     let fresh = fresh_whatever_the_clock(&stored.bytes, now, clock_error_ms);
-                    Some((v.to_string(), stored.since, fresh))
+                    let end = crate::keyspace::meta_of(&stored.bytes).and_then(|m| m.absolute_ms);
+                    Some((v.to_string(), stored.since, fresh, end))
                 } else {
                     None
                 };
-                if refresh && copy.as_ref().is_some_and(|(_, _, fresh)| !fresh) {
+                if refresh.is_some() && copy.as_ref().is_some_and(|(_, _, fresh, _)| !fresh) {
                     refreshing = Some(true);
                 }
                 let fresh_copy = copy
-                    .filter(|(_, _, fresh)| *fresh)
-                    .map(|(v, since, _)| (v, since));
-                if let Some((v, landed)) = fresh_copy {
+                    .filter(|(_, _, fresh, _)| *fresh)
+                    .map(|(v, since, _, end)| (v, since, end));
+                if let Some((v, landed, end)) = fresh_copy {
                     // The entry's read, or one the judgement of what it found needs
                     // (a tag's moments, the generation: names no user key has).
                     // Failed since the lock was taken, or still running: the double-check
@@ -633,11 +656,23 @@ impl World {
                     let what = format!(
                         "p{proc} loads {key} although {v} landed at {landed} before its lock ({since})"
                     );
-                    if refresh {
+                    if let Some(asked) = refresh {
                         // A refresh (its caller is served the copy), or, after a failed
                         // read, perhaps a lead (its caller is served this load).
                         st.refresh_loads += 1;
                         refreshing = Some(read_failed);
+                        // A refresh begins once its double-check found the copy due by
+                        // the process's clock: never before any reading of that clock
+                        // reached the moment the copy falls due.
+                        let due = end.map(|end| asked.due_ms(end));
+                        if !read_failed && due.is_none_or(|due| asked.clock_ms < due) {
+                            let due = due.map_or("never".to_owned(), |d| d.to_string());
+                            early.push(format!(
+                                "p{proc} refreshes {key} (copy {v}) at {} by its clock, \
+                                 before the copy falls due at {due}",
+                                asked.clock_ms
+                            ));
+                        }
                     } else if read_failed {
                         excuses.push(("load-after-failed-read", what));
                     } else {
@@ -667,6 +702,9 @@ impl World {
         }
         for p in problems {
             self.violation(format!("single-flight: {p}"));
+        }
+        for p in early {
+            self.violation(format!("refresh-when-due: {p}"));
         }
         for (k, e) in excuses {
             self.excuse(k, e);
