@@ -164,6 +164,7 @@ pub(crate) async fn session(ctx: &Arc<Ctx>, proc: usize, locks: &RedisLocks, s: 
         detach: None,
         cache_level: false,
         batch_hard: None,
+        load_began: None,
     };
     crate::run::check_call(&w, &rec);
     ctx.calls.lock().push(rec);

@@ -307,6 +307,10 @@ pub(crate) struct CallRec {
     /// A batch key's hard timeout, and when its loader call began (the simulated time
     /// and its process's clock), if this call loaded it: the timeout counts from then.
     pub(crate) batch_hard: Option<(u64, Option<(u64, u64)>)>,
+    /// When its own loader began (the simulated time and its process's clock), if it ran
+    /// one and its process was not paused since the call began: a load's hard timeout
+    /// leaves the loader at least half of it (contract §7.2).
+    pub(crate) load_began: Option<(u64, u64)>,
 }
 
 impl CallRec {
@@ -337,9 +341,16 @@ impl CallRec {
                 self.t_end - t_began >= h || clock_end.saturating_sub(clock_began) >= h
             });
         }
-        self.detach
-            .and_then(|d| d.hard_ms)
-            .is_some_and(|h| self.t_end - self.t_inv >= h || clock_end.saturating_sub(clock_inv) >= h)
+        let Some(h) = self.detach.and_then(|d| d.hard_ms) else {
+            return false;
+        };
+        let ran = |(t, clock): (u64, u64), at_least: u64| {
+            self.t_end - t >= at_least || clock_end.saturating_sub(clock) >= at_least
+        };
+        // Counted from the load (contract §7.2), which came after the call began; and
+        // the loader, once it began, kept at least half of it (a tagged load reads its
+        // tags' moments first, within half the time to its first timeout).
+        ran((self.t_inv, clock_inv), h) && self.load_began.is_none_or(|began| ran(began, h.div_ceil(2)))
     }
 }
 
@@ -994,6 +1005,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     let id = ctx.next_id();
     let t_inv = w.now();
     let loaded: Arc<Mutex<Option<(String, LoaderPlan)>>> = Arc::default();
+    let load_began: Arc<Mutex<Option<(u64, u64)>>> = Arc::default();
     // Whether the value served is a stale copy, when the body says.
     let stale: Arc<Mutex<Option<bool>>> = Arc::default();
     let (name, key) = match &op {
@@ -1035,7 +1047,7 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
     let bound = Duration::from_millis(CALL_BOUND_MS);
     let task = {
         let (cache, w, loaded, key) = (cache.clone(), w.clone(), loaded.clone(), key.clone());
-        let clock = ctx.clocks[proc].clone();
+        let (clock, load_began) = (ctx.clocks[proc].clone(), load_began.clone());
         let (tags, stale) = (tags.clone(), stale.clone());
         tokio::spawn(crate::world::CALL.scope(id, async move {
             let res = match op {
@@ -1068,7 +1080,9 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                     let ms = plan.ms();
                     let start = {
                         let (w, key, loaded, clock) = (w.clone(), key.clone(), loaded.clone(), clock.clone());
+                        let load_began = load_began.clone();
                         move || -> Finish {
+                            *load_began.lock() = Some((w.now(), clock.now_ms()));
                             let value = format!("load{}", w.next_seq());
                             let refresh = detach.refresh_permille.map(|permille| MayRefresh {
                                 permille,
@@ -1138,6 +1152,9 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         detach: op_detach,
         cache_level: cache_level.is_some(),
         batch_hard: None,
+        load_began: load_began
+            .lock()
+            .filter(|&(t_began, _)| !w.paused_within(proc, t_inv, t_began)),
     };
     // A write the caller saw succeed: its place in the store's order.
     let order = match (name, &res, &written) {
@@ -1300,6 +1317,7 @@ async fn call_many(
                 cache_level.and_then(|d| d.hard_ms)
             }
             .map(|h| (h, began.lock().get(&key).copied())),
+            load_began: None,
         };
         if let (Res::Value(Some(v)), Some((l, _))) = (&res, &rec.loaded)
             && v == l

@@ -268,6 +268,24 @@ fn the_portable_body_refreshing_early_and_timing_loads_out_holds_every_invariant
     assert!(timeouts > 0, "slow loads timed out");
 }
 
+/// A tagged portable load reads its tags' moments within half the time to its first
+/// timeout, as the native body's does, and its loader keeps the rest (contract §7.2).
+/// Before the fix the read ran within the steps' bound only: a slow one (seed 13, 373 ms
+/// of a 404 ms hard timeout) or a lost one (seed 167, run out at the store timeout, past
+/// the 738 ms hard timeout) left the loader nothing, and a load of 38 ms timed out
+/// (`loader outcome: p3 c72 get_or_set k1 ran its loader (Ok(38), load42) and got
+/// Failed(Timeout)`).
+#[test]
+fn a_portable_tagged_load_leaves_its_loader_half_its_hard_timeout() {
+    for (seed, named) in [(13, "network"), (167, "redlock")] {
+        let mut scenario = portable_batches(seed);
+        scenario.refresh = true;
+        scenario.timeouts = true;
+        let outcome = holding_every_invariant(&scenario, seed, false);
+        assert_eq!(outcome.scenario, named, "seed {seed} runs another scenario now");
+    }
+}
+
 /// Seeds the refreshing, timing-out portable workload runs in the suite.
 const REFRESH_SEEDS: u64 = 40;
 

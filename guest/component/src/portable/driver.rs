@@ -83,6 +83,8 @@ pub(super) struct Driver {
     /// Its steps before the load run within a bound its batch armed for it and its
     /// other flights together (`l2.bound`), not one of its own.
     bounded: bool,
+    /// When the bound of its own steps before the load ends (unbounded: `u64::MAX`).
+    before_load_until: u64,
     /// While the caller loads: the load's hard and soft timeouts, each until it is
     /// reported ([`Driver::overdue`]).
     hard_at: Option<u64>,
@@ -125,6 +127,7 @@ impl Driver {
             first_read: None,
             park: false,
             bounded: false,
+            before_load_until: u64::MAX,
             hard_at: None,
             soft_at: None,
             answered: false,
@@ -180,7 +183,9 @@ impl Driver {
     pub(super) fn start(&mut self, action: Action) -> Step {
         // The store steps of each phase share a deadline (contract §5.13).
         if !self.bounded {
-            l2::bound(settings().store_budget().before_load_of(&self.flight.config));
+            let ms = settings().store_budget().before_load_of(&self.flight.config);
+            self.before_load_until = now_ms().saturating_add(ms);
+            l2::bound(ms);
         }
         self.run(action)
     }
@@ -315,9 +320,24 @@ impl Driver {
                 Action::Load {
                     until_ms,
                     soft_until_ms,
+                    overdue_ms,
                     ..
                 } => {
                     let now = now_ms();
+                    // A tagged load reads its tags' moments first, within what the
+                    // native body gives that read: the rest of the steps before the load,
+                    // and half the time to the load's first timeout, which counts from
+                    // the load (contract §7.2): the caller's loader keeps the other half.
+                    // (A batch's key reports its loader call's start, and its timeouts
+                    // count from then: its batch's bound stays.)
+                    if !self.tag_list.is_empty() && !self.bounded {
+                        let first_mark = [soft_until_ms, overdue_ms, until_ms].into_iter().flatten().min();
+                        let read_ms = settings().store_budget().tag_read_ms(
+                            self.before_load_until.saturating_sub(now),
+                            first_mark.map(|mark| mark.saturating_sub(now)),
+                        );
+                        l2::bound(read_ms);
+                    }
                     // A key with a bad tag was refused before its flight began.
                     self.written_at = written_at(&self.tag_list, now).unwrap_or(now);
                     self.hard_at = until_ms;
