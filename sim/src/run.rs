@@ -1044,6 +1044,9 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         ),
     };
     let clock_inv = ctx.clocks[proc].now_ms();
+    // The portable body refreshes early only as its cache does (a call's own ask is not
+    // heard): its loads are judged as refreshes only then.
+    let refreshes = cache.is_native() || cache_level.is_some();
     let bound = Duration::from_millis(CALL_BOUND_MS);
     let task = {
         let (cache, w, loaded, key) = (cache.clone(), w.clone(), loaded.clone(), key.clone());
@@ -1084,11 +1087,15 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                         move || -> Finish {
                             *load_began.lock() = Some((w.now(), clock.now_ms()));
                             let value = format!("load{}", w.next_seq());
-                            let refresh = detach.refresh_permille.map(|permille| MayRefresh {
-                                permille,
-                                relative_ms,
-                                clock_ms: clock.highest_ms(),
-                            });
+                            let refresh =
+                                detach
+                                    .refresh_permille
+                                    .filter(|_| refreshes)
+                                    .map(|permille| MayRefresh {
+                                        permille,
+                                        relative_ms,
+                                        clock_ms: clock.highest_ms(),
+                                    });
                             let index = w.load_started(id, proc, &key, &value, began, refresh);
                             let end = EndGuard(w.clone(), index);
                             *loaded.lock() = Some((value.clone(), plan.clone()));
@@ -1152,9 +1159,13 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         detach: op_detach,
         cache_level: cache_level.is_some(),
         batch_hard: None,
-        load_began: load_began
-            .lock()
-            .filter(|&(t_began, _)| !w.paused_within(proc, t_inv, t_began)),
+        // A pause, or a step of the clock, before the loader began may have spent the
+        // load's timeout before it: then only the call's whole time is judged.
+        load_began: load_began.lock().filter(|&(t_began, clock_began)| {
+            let stepped =
+                (clock_began.abs_diff(clock_inv)).abs_diff(t_began - t_inv) > 1 || clock_began < clock_inv;
+            !stepped && !w.paused_within(proc, t_inv, t_began)
+        }),
     };
     // A write the caller saw succeed: its place in the store's order.
     let order = match (name, &res, &written) {

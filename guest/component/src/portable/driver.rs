@@ -143,9 +143,11 @@ impl Driver {
     }
 
     /// Its steps before the load run within the bound its batch armed already (the
-    /// refreshes of a batch's hits: one store timeout for them all), not one of its own.
-    pub(super) fn within_batch_bound(&mut self) {
+    /// refreshes of a batch's hits: one store timeout for them all), not one of its own;
+    /// that bound ends at `until` (the cache's clock).
+    pub(super) fn within_batch_bound(&mut self, until: u64) {
         self.bounded = true;
+        self.before_load_until = until;
     }
 
     /// The flight's first L2 read was made already, with a batch's other keys: `read`,
@@ -325,21 +327,28 @@ impl Driver {
                 } => {
                     let now = now_ms();
                     // A tagged load reads its tags' moments first, within what the
-                    // native body gives that read: the rest of the steps before the load,
-                    // and half the time to the load's first timeout, which counts from
-                    // the load (contract §7.2): the caller's loader keeps the other half.
-                    // (A batch's key reports its loader call's start, and its timeouts
-                    // count from then: its batch's bound stays.)
-                    if !self.tag_list.is_empty() && !self.bounded {
-                        let first_mark = [soft_until_ms, overdue_ms, until_ms].into_iter().flatten().min();
-                        let read_ms = settings().store_budget().tag_read_ms(
-                            self.before_load_until.saturating_sub(now),
-                            first_mark.map(|mark| mark.saturating_sub(now)),
-                        );
+                    // native body gives that read: one store timeout, the rest of the
+                    // steps before the load, and half the time to the load's first
+                    // timeout, which counts from the load (contract §7.2): the caller's
+                    // loader keeps the other half. The rest of the steps is reckoned by
+                    // the cache's clock (this body has no other): only a tighter bound
+                    // than the one armed is armed, so a clock stepped forward leaves the
+                    // armed one in place. A shared bound (refreshes) is armed again for
+                    // the steps after the read.
+                    let left = self.before_load_until.saturating_sub(now);
+                    let first_mark = [soft_until_ms, overdue_ms, until_ms].into_iter().flatten().min();
+                    let read_ms = settings()
+                        .store_budget()
+                        .tag_read_ms(left, first_mark.map(|mark| mark.saturating_sub(now)));
+                    let tighter = !self.tag_list.is_empty() && read_ms < left;
+                    if tighter {
                         l2::bound(read_ms);
                     }
                     // A key with a bad tag was refused before its flight began.
                     self.written_at = written_at(&self.tag_list, now).unwrap_or(now);
+                    if tighter && self.bounded {
+                        l2::bound(self.before_load_until.saturating_sub(now_ms()));
+                    }
                     self.hard_at = until_ms;
                     self.soft_at = soft_until_ms;
                     return Step::Load;

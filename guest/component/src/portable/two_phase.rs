@@ -603,26 +603,28 @@ fn refresh_many(due: Vec<(Request, Vec<u8>)>, settings: &Settings) -> Vec<Begun>
     if due.is_empty() {
         return Vec::new();
     }
-    let namings = refresh_namings(due.iter().map(|(request, _)| request), settings);
+    let (namings, bound_until) = refresh_namings(due.iter().map(|(request, _)| request), settings);
     due.into_iter()
         .zip(namings)
-        .map(|((request, value), naming)| refresh_one(request, value, naming, settings))
+        .map(|((request, value), naming)| refresh_one(request, value, naming, bound_until, settings))
         .collect()
 }
 
-/// How the refreshes of `requests` name their keys. Arms the bound their steps before
-/// their loads share (a refresh's budget: one store timeout, the generation's read
-/// included), takes each key's ticket, then finds the generation once. A refresh names
-/// its key only in a generation read from the store, no stand-in (contract §7.3): where
-/// it cannot be read, no refresh begins (`None`).
+/// How the refreshes of `requests` name their keys, and when the bound their steps
+/// before their loads share ends. Arms that bound (a refresh's budget: one store
+/// timeout, the generation's read included), takes each key's ticket, then finds the
+/// generation once. A refresh names its key only in a generation read from the store, no
+/// stand-in (contract §7.3): where it cannot be read, no refresh begins (`None`).
 fn refresh_namings<'r>(
     requests: impl Iterator<Item = &'r Request>,
     settings: &Settings,
-) -> Vec<Option<BatchNaming>> {
-    l2::bound(settings.store_budget().refresh_before_load_ms);
+) -> (Vec<Option<BatchNaming>>, u64) {
+    let bound_ms = settings.store_budget().refresh_before_load_ms;
+    l2::bound(bound_ms);
+    let bound_until = now_ms().saturating_add(bound_ms);
     let named: Vec<l1::L1Ticket> = requests.map(|request| l1::ticket(&request.key)).collect();
     let generation = generation(now_ms()).ok();
-    named
+    let namings = named
         .into_iter()
         .map(|named| {
             generation.map(|generation| BatchNaming {
@@ -630,18 +632,26 @@ fn refresh_namings<'r>(
                 named,
             })
         })
-        .collect()
+        .collect();
+    (namings, bound_until)
 }
 
 /// `value`, due for its eager refresh, served with the refresh begun (`naming`: how it
-/// names its key, [`refresh_namings`]; none, no refresh) within the bound armed for it.
-fn refresh_one(request: Request, value: Vec<u8>, naming: Option<BatchNaming>, settings: &Settings) -> Begun {
+/// names its key, [`refresh_namings`]; none, no refresh) within the bound armed for it,
+/// which ends at `bound_until`.
+fn refresh_one(
+    request: Request,
+    value: Vec<u8>,
+    naming: Option<BatchNaming>,
+    bound_until: u64,
+    settings: &Settings,
+) -> Begun {
     let Some(naming) = naming else {
         return Begun::Hit(value);
     };
     let flown = begin_flight(&request, settings, Role::Refresh, Some(naming)).and_then(
         |(mut driver, action, ticket)| {
-            driver.within_batch_bound();
+            driver.within_batch_bound(bound_until);
             drive(driver, action, request, ticket, settings, Role::Refresh)
         },
     );
@@ -855,10 +865,9 @@ fn start(
 /// got as far as loading (it takes the lock without waiting: one held elsewhere, or a
 /// failing store, ends it with nothing to do).
 fn with_refresh(value: Vec<u8>, request: &Request, settings: &Settings) -> Begun {
-    let naming = refresh_namings(std::iter::once(request), settings)
-        .pop()
-        .flatten();
-    refresh_one(request.clone(), value, naming, settings)
+    let (mut namings, bound_until) = refresh_namings(std::iter::once(request), settings);
+    let naming = namings.pop().flatten();
+    refresh_one(request.clone(), value, naming, bound_until, settings)
 }
 
 /// `value` served, with the load of its refresh when the refresh's flight (`flown`)
