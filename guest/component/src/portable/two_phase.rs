@@ -490,7 +490,10 @@ pub(crate) fn begin_many(
             .collect());
     }
     let mut begun: Vec<Option<Result<Begun, types::Error>>> = keys.iter().map(|_| None).collect();
-    let (mut cold, mut due): (Vec<usize>, Vec<(usize, Request, Vec<u8>)>) = (Vec::new(), Vec::new());
+    // The keys L1 does not serve, and those it serves with their refresh due (each with
+    // its position, request and copy).
+    let mut cold: Vec<usize> = Vec::new();
+    let mut due: Vec<(usize, Request, Vec<u8>)> = Vec::new();
     for (at, key) in keys.iter().enumerate() {
         let request = request(key);
         begun[at] = if let Some((value, refresh)) = l1_hit(&request, now) {
