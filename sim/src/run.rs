@@ -1087,15 +1087,10 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
                         move || -> Finish {
                             *load_began.lock() = Some((w.now(), clock.now_ms()));
                             let value = format!("load{}", w.next_seq());
-                            let refresh =
-                                detach
-                                    .refresh_permille
-                                    .filter(|_| refreshes)
-                                    .map(|permille| MayRefresh {
-                                        permille,
-                                        relative_ms,
-                                        clock_ms: clock.highest_ms(),
-                                    });
+                            let refresh = detach
+                                .refresh_permille
+                                .filter(|_| refreshes)
+                                .map(|permille| MayRefresh::now(permille, relative_ms, &clock));
                             let index = w.load_started(id, proc, &key, &value, began, refresh);
                             let end = EndGuard(w.clone(), index);
                             *loaded.lock() = Some((value.clone(), plan.clone()));
@@ -1162,9 +1157,9 @@ async fn call(ctx: &Arc<Ctx>, proc: usize, cache: &Body, op: Op) {
         // A pause, or a step of the clock, before the loader began may have spent the
         // load's timeout before it: then only the call's whole time is judged.
         load_began: load_began.lock().filter(|&(t_began, clock_began)| {
-            let stepped =
-                (clock_began.abs_diff(clock_inv)).abs_diff(t_began - t_inv) > 1 || clock_began < clock_inv;
-            !stepped && !w.paused_within(proc, t_inv, t_began)
+            // The clock moved by more than the simulated time (a millisecond of rounding).
+            let drift = (clock_began as i64 - clock_inv as i64) - (t_began - t_inv) as i64;
+            drift.abs() <= 1 && !w.paused_within(proc, t_inv, t_began)
         }),
     };
     // A write the caller saw succeed: its place in the store's order.
@@ -1247,11 +1242,7 @@ async fn call_many(
             let mut values = Vec::with_capacity(asked.len());
             for key in asked {
                 let value = format!("load{}", w.next_seq());
-                let refresh = refresh.map(|permille| MayRefresh {
-                    permille,
-                    relative_ms,
-                    clock_ms: clock.highest_ms(),
-                });
+                let refresh = refresh.map(|permille| MayRefresh::now(permille, relative_ms, &clock));
                 let index = w.load_started(id, proc, &key, &value, t_inv, refresh);
                 began.lock().insert(key.clone(), (w.now(), clock.now_ms()));
                 ends.push(EndGuard(w.clone(), index));

@@ -192,6 +192,15 @@ pub(crate) struct MayRefresh {
 }
 
 impl MayRefresh {
+    /// A call's ask, as its load begins: the highest reading of its process's `clock` now.
+    pub(crate) fn now(permille: u64, relative_ms: u64, clock: &crate::run::SimClock) -> Self {
+        MayRefresh {
+            permille,
+            relative_ms,
+            clock_ms: clock.highest_ms(),
+        }
+    }
+
     /// When the refresh of a copy whose absolute point is `end_ms` falls due (contract
     /// §7.3): `permille` thousandths of the call's relative duration, counted as ending
     /// at that point, have passed.
