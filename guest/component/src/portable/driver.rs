@@ -287,6 +287,40 @@ impl Driver {
         self.run(action)
     }
 
+    /// The load handed out to the caller, its timeouts (`until_ms`, `soft_until_ms`,
+    /// `overdue_ms`) armed. A tagged load reads its tags' moments first, within what the
+    /// native body gives that read: one store timeout, the rest of the steps before the
+    /// load, and half the time to the load's first timeout, which counts from the load
+    /// (contract §7.2): the caller's loader keeps the other half. The rest of the steps
+    /// is reckoned by the cache's clock (this body has no other): only a tighter bound
+    /// than the one armed is armed, so a clock stepped forward leaves the armed one in
+    /// place. A shared bound (refreshes) is armed again for the steps after the read.
+    fn hand_out_load(
+        &mut self,
+        until_ms: Option<u64>,
+        soft_until_ms: Option<u64>,
+        overdue_ms: Option<u64>,
+    ) -> Step {
+        let now = now_ms();
+        let left = self.before_load_until.saturating_sub(now);
+        let first_mark = [soft_until_ms, overdue_ms, until_ms].into_iter().flatten().min();
+        let read_ms = settings()
+            .store_budget()
+            .tag_read_ms(left, first_mark.map(|mark| mark.saturating_sub(now)));
+        let tighter = !self.tag_list.is_empty() && read_ms < left;
+        if tighter {
+            l2::bound(read_ms);
+        }
+        // A key with a bad tag was refused before its flight began.
+        self.written_at = written_at(&self.tag_list, now).unwrap_or(now);
+        if tighter && self.bounded {
+            l2::bound(self.before_load_until.saturating_sub(now_ms()));
+        }
+        self.hard_at = until_ms;
+        self.soft_at = soft_until_ms;
+        Step::Load
+    }
+
     fn run(&mut self, mut action: Action) -> Step {
         loop {
             let event = match action {
@@ -324,35 +358,7 @@ impl Driver {
                     soft_until_ms,
                     overdue_ms,
                     ..
-                } => {
-                    let now = now_ms();
-                    // A tagged load reads its tags' moments first, within what the
-                    // native body gives that read: one store timeout, the rest of the
-                    // steps before the load, and half the time to the load's first
-                    // timeout, which counts from the load (contract §7.2): the caller's
-                    // loader keeps the other half. The rest of the steps is reckoned by
-                    // the cache's clock (this body has no other): only a tighter bound
-                    // than the one armed is armed, so a clock stepped forward leaves the
-                    // armed one in place. A shared bound (refreshes) is armed again for
-                    // the steps after the read.
-                    let left = self.before_load_until.saturating_sub(now);
-                    let first_mark = [soft_until_ms, overdue_ms, until_ms].into_iter().flatten().min();
-                    let read_ms = settings()
-                        .store_budget()
-                        .tag_read_ms(left, first_mark.map(|mark| mark.saturating_sub(now)));
-                    let tighter = !self.tag_list.is_empty() && read_ms < left;
-                    if tighter {
-                        l2::bound(read_ms);
-                    }
-                    // A key with a bad tag was refused before its flight began.
-                    self.written_at = written_at(&self.tag_list, now).unwrap_or(now);
-                    if tighter && self.bounded {
-                        l2::bound(self.before_load_until.saturating_sub(now_ms()));
-                    }
-                    self.hard_at = until_ms;
-                    self.soft_at = soft_until_ms;
-                    return Step::Load;
-                }
+                } => return self.hand_out_load(until_ms, soft_until_ms, overdue_ms),
                 Action::WriteL2 {
                     header,
                     store_ttl_ms,
