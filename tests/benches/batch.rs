@@ -226,30 +226,35 @@ async fn main() -> Result<()> {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
     {
+        // CORRAL_BENCH_BATCHES=<count> sets how many batches (10,000 unless told).
+        let batches = std::env::var("CORRAL_BENCH_BATCHES")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(10_000);
         if n == contenders.len() {
             let (memory, keys) = in_memory_hits().await?;
             let (started, cpu) = (Instant::now(), client_cpu());
-            for _ in 0..10_000 {
+            for _ in 0..batches {
                 read_all(Reader::Bulk, &memory, &keys, &[], &raw).await;
             }
             println!(
                 "Corral `get_or_set_many` of 100 keys in the in-memory L2: {:.1} µs per 100 keys, client CPU {:.1} µs",
-                started.elapsed().as_secs_f64() * 1e6 / 10_000.0,
-                (client_cpu() - cpu) * 1e6 / 10_000.0,
+                started.elapsed().as_secs_f64() * 1e6 / f64::from(batches),
+                (client_cpu() - cpu) * 1e6 / f64::from(batches),
             );
             return Ok(());
         }
         let (keys, names) = written(&writer, 64).await?;
         let (started, cpu, switches) = (Instant::now(), client_cpu(), context_switches());
-        for _ in 0..10_000 {
+        for _ in 0..batches {
             read_all(contenders[n].1, &cache, &keys, &names, &raw).await;
         }
         println!(
             "{}: {:.0} µs per 100 keys, client CPU {:.0} µs and {:.2} context switches per 100 keys",
             contenders[n].0,
-            started.elapsed().as_secs_f64() * 1e6 / 10_000.0,
-            (client_cpu() - cpu) * 1e6 / 10_000.0,
-            (context_switches() - switches) as f64 / 10_000.0,
+            started.elapsed().as_secs_f64() * 1e6 / f64::from(batches),
+            (client_cpu() - cpu) * 1e6 / f64::from(batches),
+            (context_switches() - switches) as f64 / f64::from(batches),
         );
         return Ok(());
     }

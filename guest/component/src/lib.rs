@@ -733,6 +733,8 @@ mod flight {
             background_completion: c.background_completion,
             refresh: c.refresh,
             bypass: c.bypass,
+            // The native body's callers are handed the refreshes their flights start.
+            starts_refresh: true,
         }
     }
 

@@ -52,6 +52,11 @@ pub struct FlightConfig {
     pub refresh: bool,
     /// Skip both locks: load, write the tiers if cacheable, return.
     pub bypass: bool,
+    /// The caller can be handed the refresh a hit past its refresh moment starts. When
+    /// it cannot (a portable follower leading in a load's place: its `outcome` answers
+    /// with a value alone), such a hit starts none and keeps its refresh moment, so the
+    /// next caller starts it.
+    pub starts_refresh: bool,
 }
 
 impl Default for FlightConfig {
@@ -998,6 +1003,7 @@ impl Flight {
         self.locked = false;
         let refresh_now = matches!(outcome, Outcome::L2Hit { .. })
             && !self.config.refresh
+            && self.config.starts_refresh
             && refresh_at_ms.is_some_and(|at| now_ms >= at);
         Action::Finish {
             outcome,
@@ -1742,6 +1748,30 @@ mod tests {
             "{:?}",
             actions[1]
         );
+    }
+
+    #[test]
+    fn a_hit_past_its_refresh_moment_for_a_caller_that_cannot_take_a_refresh_keeps_the_moment() {
+        let options = relative(60_000);
+        let meta = expiry::plan(&options, NOW - 50_000, &Limits::default()).unwrap();
+        let config = FlightConfig {
+            eager_refresh_permille: Some(800),
+            starts_refresh: false,
+            ..FlightConfig::default()
+        };
+        let (_, actions) = run(config, &[(0, Event::L2Hit(meta))]);
+        match &actions[1] {
+            Action::Finish {
+                refresh_now,
+                refresh_at_ms,
+                ..
+            } => assert_eq!(
+                (*refresh_now, *refresh_at_ms),
+                (false, Some(NOW - 2_000)),
+                "not started: left due for the next caller"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

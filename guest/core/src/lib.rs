@@ -254,6 +254,7 @@ impl Settings {
             background_completion: false,
             refresh: false,
             bypass,
+            starts_refresh: true,
         }
     }
 }

@@ -1147,4 +1147,64 @@ mod tests {
         );
         Ok(())
     }
+
+    /// A follower in the instance whose load was dropped leads in its own right, and the
+    /// copy its flight finds is due for its eager refresh: the follower is served the
+    /// copy, and the refresh (which `outcome` has no way to hand it) is left due for the
+    /// next caller, who gets it. Before, the follower's flight began the refresh and
+    /// dropped its load: the copy was disarmed and nobody refreshed it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_follower_that_leads_into_a_copy_due_for_refresh_leaves_the_refresh_due() -> Result<()> {
+        let clock = ManualClock::starting_now();
+        let cache = PortableCache::builder()
+            .clock(clock.clone())
+            .eager_refresh(0.5)
+            .build()?;
+        let options = options_in(&EntryOptions::new().relative(10 * SEC));
+        let (followed, next) = cache
+            .call(move |s| {
+                let cache = s.guest.corral_cache_cache();
+                let store = &mut s.store;
+                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
+                    return Err(wasmtime::format_err!("the first caller did not lead"));
+                };
+                let Ok(Begun::Wait(follower)) = cache.call_begin(&mut *store, "k", options, false, &[])?
+                else {
+                    return Err(wasmtime::format_err!("the second caller did not follow"));
+                };
+                // The key is written meanwhile; past half its life, its refresh is due.
+                if let Err(e) = cache.call_set(&mut *store, "k", b"written", options)? {
+                    return Ok(Err(e));
+                }
+                clock.advance(6 * SEC);
+                // The holder gives its load up: the follower leads.
+                load.resource_drop(&mut *store)?;
+                let followed = cache.follower().call_outcome(&mut *store, follower)?;
+                if let Followed::Lead(load) = &followed {
+                    load.resource_drop(&mut *store)?;
+                }
+                follower.resource_drop(&mut *store)?;
+                let next = match cache.call_begin(&mut *store, "k", options, false, &[])? {
+                    Ok(Begun::Refresh((value, load))) => {
+                        load.resource_drop(&mut *store)?;
+                        format!("refresh, serving {:?}", String::from_utf8(value))
+                    }
+                    Ok(Begun::Hit(value)) => format!("hit {:?}", String::from_utf8(value)),
+                    Ok(Begun::Lead(load)) => {
+                        load.resource_drop(&mut *store)?;
+                        "lead".to_owned()
+                    }
+                    Ok(Begun::Wait(follower)) => {
+                        follower.resource_drop(&mut *store)?;
+                        "wait".to_owned()
+                    }
+                    Err(e) => format!("error {e:?}"),
+                };
+                Ok(Ok((followed, next)))
+            })
+            .await?;
+        assert_eq!(value(&followed), Some(Ok(&b"written"[..])), "the follower's answer");
+        assert_eq!(next, r#"refresh, serving Ok("written")"#, "the next caller");
+        Ok(())
+    }
 }

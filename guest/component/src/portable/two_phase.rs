@@ -164,6 +164,19 @@ struct Request {
     /// When its call judged the options: every flight of the call starts from that
     /// verdict (one that leads after following, a batch's key, a refresh).
     judged_ms: u64,
+    /// Its caller can be handed the eager refresh its flight finds due: a caller that
+    /// followed cannot (`outcome` answers with a value alone), and leaves it due.
+    takes_refresh: bool,
+}
+
+impl Request {
+    /// The request of a caller that followed and now begins in its own right.
+    fn followed(&self) -> Request {
+        Request {
+            takes_refresh: false,
+            ..self.clone()
+        }
+    }
 }
 
 /// A load the caller holds: the flight stopped at its load, and what its followers in
@@ -309,14 +322,14 @@ impl wcache::GuestFollower for Following {
                 return Followed::Pending;
             }
         }
-        self.led(lead(self.request.clone()))
+        self.led(lead(self.request.followed()))
     }
 }
 
 impl Following {
     /// Begins again once the refresh it followed is over, as a new caller would.
     fn again(&self) -> Followed {
-        self.led(begin_request(self.request.clone(), now_ms(), &settings()))
+        self.led(begin_request(self.request.followed(), now_ms(), &settings()))
     }
 
     /// What this caller got once it led in its own right (`begun`).
@@ -334,6 +347,8 @@ impl Following {
                 }
                 Followed::Lead(load)
             }
+            // A follower's request takes no refresh ([`Request::followed`]): its flight
+            // leaves a due refresh to the next caller rather than begin one to drop.
             Ok(Begun::Hit(value) | Begun::Refresh((value, _))) => settle(Ok(value)),
             // It follows another load now (one of the instance, a newer refresh's, or the
             // process's flight).
@@ -376,6 +391,7 @@ pub(crate) fn begin(
         bypass,
         tags,
         judged_ms: now,
+        takes_refresh: true,
     };
     if bypass {
         return fly(request, &settings, Role::Bypass);
@@ -410,7 +426,8 @@ fn from_l1(request: &Request, now: u64, settings: &Settings) -> Option<Begun> {
 /// its eager refresh fell due (then this copy is disarmed: it starts no other).
 fn l1_hit(request: &Request, now: u64) -> Option<(Vec<u8>, bool)> {
     let entry = l1_entry(&request.key, now, true)?;
-    if entry.refresh_at_ms.is_some_and(|at| now >= at) {
+    // A caller that cannot take the refresh leaves the copy due for the next.
+    if request.takes_refresh && entry.refresh_at_ms.is_some_and(|at| now >= at) {
         // Disarmed first: this copy starts no other refresh. Not a write: only over
         // the very copy read, and refused if the key is written meanwhile.
         let ticket = l1::ticket(&request.key);
@@ -476,6 +493,7 @@ pub(crate) fn begin_many(
         bypass,
         tags: tags.clone(),
         judged_ms: now,
+        takes_refresh: true,
     };
     if bypass {
         // No read first, but the keys are named as a batch's are: in one generation,
@@ -725,6 +743,7 @@ fn begin_flight(
 ) -> Result<(Driver, Action, l1::L1Ticket), types::Error> {
     let config = FlightConfig {
         refresh: role == Role::Refresh,
+        starts_refresh: request.takes_refresh,
         ..settings.flight(request.bypass)
     };
     // A batch's key began when its batch took its ticket, before finding its names.
