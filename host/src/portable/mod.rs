@@ -1203,7 +1203,11 @@ mod tests {
                 Ok(Ok((followed, next)))
             })
             .await?;
-        assert_eq!(value(&followed), Some(Ok(&b"written"[..])), "the follower's answer");
+        assert_eq!(
+            value(&followed),
+            Some(Ok(&b"written"[..])),
+            "the follower's answer"
+        );
         assert_eq!(next, r#"refresh, serving Ok("written")"#, "the next caller");
         Ok(())
     }
