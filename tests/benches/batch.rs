@@ -230,6 +230,7 @@ async fn main() -> Result<()> {
         let batches = std::env::var("CORRAL_BENCH_BATCHES")
             .ok()
             .and_then(|v| v.parse::<u32>().ok())
+            .filter(|&n| n > 0)
             .unwrap_or(10_000);
         if n == contenders.len() {
             let (memory, keys) = in_memory_hits().await?;

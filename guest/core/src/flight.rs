@@ -39,7 +39,8 @@ pub struct FlightConfig {
     pub soft_timeout_ms: Option<u64>,
     /// Eager refresh (contract §7.3): once this many thousandths of an entry's
     /// freshness (its `relative` duration) have passed, a hit returns it and starts one
-    /// background refresh. `None`: never.
+    /// background refresh (for a caller that can take it: `starts_refresh`). `None`:
+    /// never.
     pub eager_refresh_permille: Option<u32>,
     /// Background completion (contract §7.2): a load still running at the hard
     /// timeout is not stopped. The callers are answered then, as a hard timeout answers

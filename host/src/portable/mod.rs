@@ -1211,4 +1211,82 @@ mod tests {
         assert_eq!(next, r#"refresh, serving Ok("written")"#, "the next caller");
         Ok(())
     }
+
+    /// A follower of the instance's own refresh begins again once it ended, and L1 holds
+    /// a copy (another caller's load) due for its eager refresh by then: the follower is served the copy, which
+    /// stays armed, and the next caller starts the refresh. Before, the follower's hit
+    /// disarmed the copy and began a refresh whose load it dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_follower_of_a_refresh_served_from_l1_leaves_the_copys_refresh_due() -> Result<()> {
+        let clock = ManualClock::starting_now();
+        let cache = PortableCache::builder()
+            .clock(clock.clone())
+            .eager_refresh(0.5)
+            .lock_wait(SEC)
+            .build()?;
+        let entry = EntryOptions::new().relative(10 * SEC);
+        cache.get_or_set("k", entry, |_| Ok(b"old".to_vec())).await?;
+        let options = options_in(&entry);
+        let (followed, next) = cache
+            .call(move |s| {
+                let cache = s.guest.corral_cache_cache();
+                let store = &mut s.store;
+                clock.advance(6 * SEC);
+                let Ok(Begun::Refresh((_, refresh))) =
+                    cache.call_begin(&mut *store, "k", options, false, &[])?
+                else {
+                    return Err(wasmtime::format_err!("no refresh was due"));
+                };
+                // Past the entry's end: the next caller meets the refresh's lock.
+                clock.advance(5 * SEC);
+                let Ok(Begun::Wait(follower)) = cache.call_begin(&mut *store, "k", options, false, &[])?
+                else {
+                    refresh.resource_drop(&mut *store)?;
+                    return Err(wasmtime::format_err!("the caller did not follow the refresh"));
+                };
+                // The refresh finds its entry gone; another caller loads the key, and,
+                // past half its life, that copy is due for its refresh when the follower
+                // asks.
+                let _ = cache
+                    .load()
+                    .call_complete(&mut *store, refresh, b"refreshed", true)?;
+                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
+                    return Err(wasmtime::format_err!("the key's next caller did not lead"));
+                };
+                if let Err(e) = cache.load().call_complete(&mut *store, load, b"loaded", true)? {
+                    return Ok(Err(e));
+                }
+                clock.advance(6 * SEC);
+                let followed = cache.follower().call_outcome(&mut *store, follower)?;
+                if let Followed::Lead(load) = &followed {
+                    load.resource_drop(&mut *store)?;
+                }
+                follower.resource_drop(&mut *store)?;
+                let next = match cache.call_begin(&mut *store, "k", options, false, &[])? {
+                    Ok(Begun::Refresh((value, load))) => {
+                        load.resource_drop(&mut *store)?;
+                        format!("refresh, serving {:?}", String::from_utf8(value))
+                    }
+                    Ok(Begun::Hit(value)) => format!("hit {:?}", String::from_utf8(value)),
+                    Ok(Begun::Lead(load)) => {
+                        load.resource_drop(&mut *store)?;
+                        "lead".to_owned()
+                    }
+                    Ok(Begun::Wait(follower)) => {
+                        follower.resource_drop(&mut *store)?;
+                        "wait".to_owned()
+                    }
+                    Err(e) => format!("error {e:?}"),
+                };
+                Ok(Ok((followed, next)))
+            })
+            .await?;
+        assert_eq!(
+            value(&followed),
+            Some(Ok(&b"loaded"[..])),
+            "the follower's answer"
+        );
+        assert_eq!(next, r#"refresh, serving Ok("loaded")"#, "the next caller");
+        Ok(())
+    }
 }

@@ -423,7 +423,8 @@ fn from_l1(request: &Request, now: u64, settings: &Settings) -> Option<Begun> {
 }
 
 /// The value of the request's key from L1, if L1 holds a servable copy, and whether
-/// its eager refresh fell due (then this copy is disarmed: it starts no other).
+/// its eager refresh fell due for a caller that takes it (then this copy is disarmed: it
+/// starts no other; for one that does not, it stays armed for the next caller).
 fn l1_hit(request: &Request, now: u64) -> Option<(Vec<u8>, bool)> {
     let entry = l1_entry(&request.key, now, true)?;
     // A caller that cannot take the refresh leaves the copy due for the next.
