@@ -1397,7 +1397,7 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
         // a copy fresh by every clock stood when it took the lock): that copy, never its
         // own value; else its own value (a lead) or such a copy.
         let refreshing = c.cache_level && c.detach.is_some_and(|d| d.refresh_permille.is_some());
-        let (refreshed, copy) = if refreshing {
+        let (refreshed, copy, blind_refresh) = if refreshing {
             let st = w.st.lock();
             let load = st.loads.iter().find(|l| l.value == *value);
             let start = load.map_or(c.t_end, |l| l.start);
@@ -1412,10 +1412,19 @@ pub(crate) fn check_call(w: &World, c: &CallRec) {
                 Res::Value(Some(v)) => v != value && written_before(v),
                 _ => false,
             };
-            (load.and_then(|l| l.refresh), copy)
+            // Served the copy: a refresh, which never loads once its own second read
+            // of the entry failed (contract §7.3).
+            let blind = copy && load.is_some_and(|l| l.own_read_failed);
+            (load.and_then(|l| l.refresh), copy, blind)
         } else {
-            (None, false)
+            (None, false, false)
         };
+        if blind_refresh {
+            w.violation(format!(
+                "refresh-after-failed-read: {who}'s refresh loaded {value} although its read of the \
+                 entry failed after its lock"
+            ));
+        }
         let ok = match (plan, &c.res) {
             (_, Res::Value(Some(_))) if refreshed == Some(false) => copy,
             // A loader's panic traps the portable call that runs it, a refresh's too.

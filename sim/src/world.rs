@@ -179,6 +179,10 @@ pub struct LoadRec {
     /// or, its double-check read having failed, perhaps the call's own lead
     /// (`Some(true)`: either answer).
     pub refresh: Option<bool>,
+    /// Its call's own read of the key's entry failed, or was still running, after the
+    /// lock was taken: no refresh may load then (contract §7.3: a refresh whose second
+    /// read finds the entry unreadable does nothing), only the call's own lead.
+    pub own_read_failed: bool,
 }
 
 /// What a call that may refresh early asked, for judging its loads: its eager-refresh
@@ -594,6 +598,7 @@ impl World {
                 l.proc == proc && !l.reply_lost && l.since >= began && l.call.is_none_or(|c| c == call)
             });
             let mut lock_until = 0;
+            let mut own_read_failed = false;
             if locked {
                 let since = held.map_or(0, |l| l.since);
                 lock_until = held.map_or(0, |l| l.until);
@@ -662,6 +667,14 @@ impl World {
                                 .any(|t| t >= since)
                             && (k == key || k.starts_with('{'))
                     });
+                    own_read_failed = st.reads.iter().any(|((c, k), read)| {
+                        *c == call
+                            && k == key
+                            && [read.pending_since, read.failed_at]
+                                .into_iter()
+                                .flatten()
+                                .any(|t| t >= since)
+                    });
                     let what = format!(
                         "p{proc} loads {key} although {v} landed at {landed} before its lock ({since})"
                     );
@@ -701,6 +714,7 @@ impl World {
                 lock_name: lock_name.clone().unwrap_or_default(),
                 renewal_refused: false,
                 refresh: refreshing,
+                own_read_failed,
             });
             index = st.loads.len() - 1;
             let _ = writeln!(
