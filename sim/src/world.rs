@@ -655,26 +655,25 @@ impl World {
                     .filter(|(_, _, fresh, _)| *fresh)
                     .map(|(v, since, _, end)| (v, since, end));
                 if let Some((v, landed, end)) = fresh_copy {
+                    // A read by a call (`of`) of a name (`about`) failed since the lock was
+                    // taken, or is still running: the double-check had no answer to judge by.
+                    let failed_since_lock = |of: &dyn Fn(u64) -> bool, about: &dyn Fn(&str) -> bool| {
+                        st.reads.iter().any(|((c, k), read)| {
+                            of(*c)
+                                && about(k)
+                                && [read.pending_since, read.failed_at]
+                                    .into_iter()
+                                    .flatten()
+                                    .any(|t| t >= since)
+                        })
+                    };
                     // The entry's read, or one the judgement of what it found needs
                     // (a tag's moments, the generation: names no user key has).
-                    // Failed since the lock was taken, or still running: the double-check
-                    // had no answer to judge by.
-                    let read_failed = st.reads.iter().any(|((c, k), read)| {
-                        (*c == call || *c == DETACHED_CALLS + proc as u64)
-                            && [read.pending_since, read.failed_at]
-                                .into_iter()
-                                .flatten()
-                                .any(|t| t >= since)
-                            && (k == key || k.starts_with('{'))
-                    });
-                    own_read_failed = st.reads.iter().any(|((c, k), read)| {
-                        *c == call
-                            && k == key
-                            && [read.pending_since, read.failed_at]
-                                .into_iter()
-                                .flatten()
-                                .any(|t| t >= since)
-                    });
+                    let read_failed =
+                        failed_since_lock(&|c| c == call || c == DETACHED_CALLS + proc as u64, &|k| {
+                            k == key || k.starts_with('{')
+                        });
+                    own_read_failed = failed_since_lock(&|c| c == call, &|k| k == key);
                     let what = format!(
                         "p{proc} loads {key} although {v} landed at {landed} before its lock ({since})"
                     );

@@ -1715,6 +1715,20 @@ mod tests {
         }
     }
 
+    /// Whether an L2 hit of `meta` under `config` starts its refresh now, and the refresh
+    /// moment its finish carries.
+    fn hit_refresh(config: FlightConfig, meta: EntryMeta) -> (bool, Option<u64>) {
+        let (_, actions) = run(config, &[(0, Event::L2Hit(meta))]);
+        match &actions[1] {
+            Action::Finish {
+                refresh_now,
+                refresh_at_ms,
+                ..
+            } => (*refresh_now, *refresh_at_ms),
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn a_hit_past_its_refresh_moment_starts_the_refresh_now_and_a_refresh_never_does() {
         let options = relative(60_000);
@@ -1723,19 +1737,11 @@ mod tests {
             eager_refresh_permille: Some(800),
             ..FlightConfig::default()
         };
-        let (_, actions) = run(config, &[(0, Event::L2Hit(meta))]);
-        match &actions[1] {
-            Action::Finish {
-                refresh_now,
-                refresh_at_ms,
-                ..
-            } => assert_eq!(
-                (*refresh_now, *refresh_at_ms),
-                (true, None),
-                "due: now, not on a later hit"
-            ),
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(
+            hit_refresh(config, meta),
+            (true, None),
+            "due: now, not on a later hit"
+        );
         let fresh = expiry::plan(&options, NOW, &Limits::default()).unwrap();
         let (_, actions) = run(config, &[(0, Event::L2Hit(fresh))]);
         assert!(
@@ -1760,19 +1766,11 @@ mod tests {
             starts_refresh: false,
             ..FlightConfig::default()
         };
-        let (_, actions) = run(config, &[(0, Event::L2Hit(meta))]);
-        match &actions[1] {
-            Action::Finish {
-                refresh_now,
-                refresh_at_ms,
-                ..
-            } => assert_eq!(
-                (*refresh_now, *refresh_at_ms),
-                (false, Some(NOW - 2_000)),
-                "not started: left due for the next caller"
-            ),
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(
+            hit_refresh(config, meta),
+            (false, Some(NOW - 2_000)),
+            "not started: left due for the next caller"
+        );
     }
 
     #[test]

@@ -1148,6 +1148,39 @@ mod tests {
         Ok(())
     }
 
+    /// What `follower` is told when asked (a load it is handed dropped), and then what
+    /// the key's next caller begins with, said in words (its load or follower dropped).
+    fn asked_then_next(
+        s: &mut Slot<PortableState>,
+        follower: wasmtime::component::ResourceAny,
+        options: types::EntryOptions,
+    ) -> wasmtime::Result<(Followed, String)> {
+        let cache = s.guest.corral_cache_cache();
+        let store = &mut s.store;
+        let followed = cache.follower().call_outcome(&mut *store, follower)?;
+        if let Followed::Lead(load) = &followed {
+            load.resource_drop(&mut *store)?;
+        }
+        follower.resource_drop(&mut *store)?;
+        let next = match cache.call_begin(&mut *store, "k", options, false, &[])? {
+            Ok(Begun::Refresh((value, load))) => {
+                load.resource_drop(&mut *store)?;
+                format!("refresh, serving {:?}", String::from_utf8(value))
+            }
+            Ok(Begun::Hit(value)) => format!("hit {:?}", String::from_utf8(value)),
+            Ok(Begun::Lead(load)) => {
+                load.resource_drop(&mut *store)?;
+                "lead".to_owned()
+            }
+            Ok(Begun::Wait(follower)) => {
+                follower.resource_drop(&mut *store)?;
+                "wait".to_owned()
+            }
+            Err(e) => format!("error {e:?}"),
+        };
+        Ok((followed, next))
+    }
+
     /// A follower in the instance whose load was dropped leads in its own right, and the
     /// copy its flight finds is due for its eager refresh: the follower is served the
     /// copy, and the refresh (which `outcome` has no way to hand it) is left due for the
@@ -1179,28 +1212,7 @@ mod tests {
                 clock.advance(6 * SEC);
                 // The holder gives its load up: the follower leads.
                 load.resource_drop(&mut *store)?;
-                let followed = cache.follower().call_outcome(&mut *store, follower)?;
-                if let Followed::Lead(load) = &followed {
-                    load.resource_drop(&mut *store)?;
-                }
-                follower.resource_drop(&mut *store)?;
-                let next = match cache.call_begin(&mut *store, "k", options, false, &[])? {
-                    Ok(Begun::Refresh((value, load))) => {
-                        load.resource_drop(&mut *store)?;
-                        format!("refresh, serving {:?}", String::from_utf8(value))
-                    }
-                    Ok(Begun::Hit(value)) => format!("hit {:?}", String::from_utf8(value)),
-                    Ok(Begun::Lead(load)) => {
-                        load.resource_drop(&mut *store)?;
-                        "lead".to_owned()
-                    }
-                    Ok(Begun::Wait(follower)) => {
-                        follower.resource_drop(&mut *store)?;
-                        "wait".to_owned()
-                    }
-                    Err(e) => format!("error {e:?}"),
-                };
-                Ok(Ok((followed, next)))
+                Ok(Ok(asked_then_next(s, follower, options)?))
             })
             .await?;
         assert_eq!(
@@ -1213,8 +1225,8 @@ mod tests {
     }
 
     /// A follower of the instance's own refresh begins again once it ended, and L1 holds
-    /// a copy (another caller's load) due for its eager refresh by then: the follower is served the copy, which
-    /// stays armed, and the next caller starts the refresh. Before, the follower's hit
+    /// a copy (another caller's load) due for its eager refresh by then: the follower is
+    /// served the copy, which stays armed, and the next caller starts the refresh. Before, the follower's hit
     /// disarmed the copy and began a refresh whose load it dropped.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_follower_of_a_refresh_served_from_l1_leaves_the_copys_refresh_due() -> Result<()> {
@@ -1257,28 +1269,7 @@ mod tests {
                     return Ok(Err(e));
                 }
                 clock.advance(6 * SEC);
-                let followed = cache.follower().call_outcome(&mut *store, follower)?;
-                if let Followed::Lead(load) = &followed {
-                    load.resource_drop(&mut *store)?;
-                }
-                follower.resource_drop(&mut *store)?;
-                let next = match cache.call_begin(&mut *store, "k", options, false, &[])? {
-                    Ok(Begun::Refresh((value, load))) => {
-                        load.resource_drop(&mut *store)?;
-                        format!("refresh, serving {:?}", String::from_utf8(value))
-                    }
-                    Ok(Begun::Hit(value)) => format!("hit {:?}", String::from_utf8(value)),
-                    Ok(Begun::Lead(load)) => {
-                        load.resource_drop(&mut *store)?;
-                        "lead".to_owned()
-                    }
-                    Ok(Begun::Wait(follower)) => {
-                        follower.resource_drop(&mut *store)?;
-                        "wait".to_owned()
-                    }
-                    Err(e) => format!("error {e:?}"),
-                };
-                Ok(Ok((followed, next)))
+                Ok(Ok(asked_then_next(s, follower, options)?))
             })
             .await?;
         assert_eq!(
