@@ -386,6 +386,10 @@ impl CorralBuilder {
             .entries
             .gathers()
             .then(|| super::gathered::Gets::new(settings.l1_capacity, removal_ttl_ms));
+        // The flights' registry hashes keys as the names' table does: a batch hashes
+        // each of its keys once, for both.
+        let names = super::named::Names::new(settings.l1_capacity);
+        let registry = Registry::counted_hashing(&owed, names.hasher().clone());
         Ok(Corral {
             inner: Arc::new(Inner {
                 policy,
@@ -396,13 +400,13 @@ impl CorralBuilder {
                 l1_ttl_ms: settings.l1_ttl_ms,
                 flight,
                 read_hints: super::read::ReadHints::new(settings.l1_capacity, removal_ttl_ms),
-                names: super::named::Names::new(settings.l1_capacity),
+                names,
                 flight_names: super::named::Names::new(settings.l1_capacity),
                 gets,
                 decoded: super::typed::Decoded::new(settings.l1_capacity, settings.l1_ttl_ms),
                 retry: crate::guest::policy::retry(&settings),
                 cas_tries: settings.cas_tries,
-                registry: Registry::counted(&owed),
+                registry,
                 refreshes: Registry::counted(&owed),
                 background: Default::default(),
                 owed,

@@ -853,14 +853,15 @@ impl Corral {
         })
     }
 
-    /// A batch's keys, all checked (contract §5.16), and named (by memory or in one guest
-    /// call) when the prefix's generation is known: their names in it. `None` when it is
+    /// A batch's keys (hashed `hashes`, in order, by the names'
+    /// [`hash`](named::Names::hash)), all checked (contract §5.16), and named (by memory
+    /// or in one guest call) when the prefix's generation is known: their names in it. `None` when it is
     /// not: the keys are checked by the guest alone, and named by
     /// [`locate_entries`](Self::locate_entries) once L1 answered what it holds, so that a
     /// batch of L1 hits waits on no store, as one get-or-set's L1 hit does not.
-    pub(crate) fn entries_if_known(&self, keys: &[&str]) -> Result<Option<(Parts, u64)>> {
+    pub(crate) fn entries_if_known(&self, keys: &[&str], hashes: &[u64]) -> Result<Option<(Parts, u64)>> {
         match self.known_generation() {
-            Some(generation) => Ok(Some((self.entries_in(keys, generation)?, generation))),
+            Some(generation) => Ok(Some((self.entries_hashed(keys, hashes, generation)?, generation))),
             None => {
                 let (policy, prefix) = (&self.inner.policy, &self.inner.prefix);
                 policy.locate_entries(prefix, keys, 0).map(|_| None)
@@ -900,13 +901,21 @@ impl Corral {
     /// keys were checked when the guest named them), the others checked and named by
     /// the guest in one call.
     fn entries_in<K: AsRef<str>>(&self, keys: &[K], generation: u64) -> Result<Parts> {
+        let names = &self.inner.names;
+        let hashes: Vec<u64> = keys.iter().map(|k| names.hash(k.as_ref())).collect();
+        self.entries_hashed(keys, &hashes, generation)
+    }
+
+    /// [`entries_in`](Self::entries_in), the keys hashed already (`hashes`, in order, by
+    /// the names' [`hash`](named::Names::hash)).
+    fn entries_hashed<K: AsRef<str>>(&self, keys: &[K], hashes: &[u64], generation: u64) -> Result<Parts> {
         let remembered = &self.inner.names;
         // A name is about the prefix, the key and a few bytes more.
         let per_name = self.inner.prefix.len() + 16;
         let bytes = keys.iter().map(|k| k.as_ref().len() + per_name).sum();
         let mut parts = Parts::with_capacity(keys.len(), bytes);
         // Where the keys not remembered stand in `keys`.
-        let at = remembered.write_all_to(keys, generation, &mut parts);
+        let at = remembered.write_all_to(keys, hashes, generation, &mut parts);
         if at.is_empty() {
             return Ok(parts);
         }

@@ -37,10 +37,15 @@ struct Named<N> {
 /// A slot's ways, the one kept last first.
 type Slot<N> = [Option<Named<N>>; WAYS];
 
+/// A slot with its lock, starting a cache line: its lock and the way kept last (the
+/// one most lookups find) share that line.
+#[repr(align(64))]
+struct Locked<N>(Mutex<Slot<N>>);
+
 /// Names of type `N` (an entry's, or all of a key's: WIT `store-names`) by key and
 /// generation.
 pub(crate) struct Names<N> {
-    slots: Box<[Mutex<Slot<N>>]>,
+    slots: Box<[Locked<N>]>,
     hasher: SeedableRandomState,
 }
 
@@ -63,20 +68,35 @@ impl<N: Clone> Names<N> {
     fn with_hasher(capacity: u64, hasher: SeedableRandomState) -> Self {
         let slots = capacity.clamp(1 << 9, 1 << 11).next_power_of_two() as usize;
         Names {
-            slots: (0..slots).map(|_| Mutex::new(Default::default())).collect(),
+            slots: (0..slots)
+                .map(|_| Locked(Mutex::new(Default::default())))
+                .collect(),
             hasher,
         }
     }
 
+    /// The hasher this table places keys by (randomly seeded).
+    pub(crate) fn hasher(&self) -> &SeedableRandomState {
+        &self.hasher
+    }
+
     /// The slot of `key`, and its hash.
     fn slot(&self, key: &str) -> (&Mutex<Slot<N>>, u64) {
-        let hash = self.hasher.hash_one(key);
+        let hash = self.hash(key);
         (self.slot_of(hash), hash)
+    }
+
+    /// The hash of `key` this table places it by: a batch hashes each key once, for
+    /// this table and for finding its keys that come twice ([`distinct_keys`]).
+    ///
+    /// [`distinct_keys`]: crate::cache::distinct_keys
+    pub(crate) fn hash(&self, key: &str) -> u64 {
+        self.hasher.hash_one(key)
     }
 
     /// The slot of a key hashed `hash`.
     fn slot_of(&self, hash: u64) -> &Mutex<Slot<N>> {
-        &self.slots[hash as usize & (self.slots.len() - 1)]
+        &self.slots[hash as usize & (self.slots.len() - 1)].0
     }
 
     /// What `f` makes of the name the guest gave `key` in `generation`, if remembered.
@@ -157,26 +177,25 @@ impl<N: Clone> Names<N> {
 }
 
 impl Names<String> {
-    /// The names the guest gave `keys` in `generation`, each written as a part of
-    /// `parts` in order (an empty part for a key not remembered); the positions of the
-    /// keys not remembered. The keys' slots are all asked of the CPU's cache before the
-    /// first is looked in ([`prefetch`]): a batch waits on their misses together.
+    /// The names the guest gave `keys` (hashed `hashes`, by [`hash`](Self::hash), in
+    /// order) in `generation`, each written as a part of `parts` in order (an empty part
+    /// for a key not remembered); the positions of the keys not remembered. The keys'
+    /// slots are all asked of the CPU's cache before the first is looked in
+    /// ([`prefetch`]): a batch waits on their misses together.
     pub(crate) fn write_all_to<K: AsRef<str>>(
         &self,
         keys: &[K],
+        hashes: &[u64],
         generation: u64,
         parts: &mut Parts,
     ) -> Vec<usize> {
-        let hashes: Vec<u64> = keys
-            .iter()
-            .map(|key| {
-                let hash = self.hasher.hash_one(key.as_ref());
-                prefetch(self.slot_of(hash), usize::MAX);
-                hash
-            })
-            .collect();
+        debug_assert_eq!(keys.len(), hashes.len(), "a hash a key");
+        // A slot's first line: its lock and the way most lookups find.
+        for &hash in hashes {
+            prefetch(self.slot_of(hash), 64);
+        }
         let mut missing = Vec::new();
-        for (i, (key, hash)) in keys.iter().zip(hashes).enumerate() {
+        for (i, (key, &hash)) in keys.iter().zip(hashes).enumerate() {
             let out = parts.text_mut();
             let slot = self.slot_of(hash);
             if Self::with_in(slot, hash, key.as_ref(), generation, |name| out.push_str(name)).is_none() {
@@ -290,7 +309,13 @@ mod tests {
         assert_eq!(names.get("k2", 3), None, "another key");
         // Written in parts: the remembered names, an empty part for each key not.
         let mut parts = Parts::with_capacity(4, 16);
-        let missing = names.write_all_to(&["k2", "k", "k", "x"], 3, &mut parts);
+        let hashed = |keys: &[&str]| keys.iter().map(|k| names.hash(k)).collect::<Vec<_>>();
+        let missing = names.write_all_to(
+            &["k2", "k", "k", "x"],
+            &hashed(&["k2", "k", "k", "x"]),
+            3,
+            &mut parts,
+        );
         assert_eq!(missing, [0, 3]);
         assert_eq!(
             parts.iter().collect::<Vec<_>>(),
@@ -298,7 +323,7 @@ mod tests {
         );
         let mut parts = Parts::with_capacity(1, 0);
         assert_eq!(
-            names.write_all_to(&["k"], 2, &mut parts),
+            names.write_all_to(&["k"], &hashed(&["k"]), 2, &mut parts),
             [0],
             "another generation"
         );
@@ -314,7 +339,8 @@ mod tests {
         }
         // Many at once, as one at a time.
         let mut parts = Parts::with_capacity(crowd.len(), 0);
-        let missing = names.write_all_to(&crowd, 1, &mut parts);
+        let crowd_hashes: Vec<u64> = crowd.iter().map(|k| names.hash(k)).collect();
+        let missing = names.write_all_to(&crowd, &crowd_hashes, 1, &mut parts);
         for (i, key) in crowd.iter().enumerate() {
             let one = names.get(key, 1);
             assert_eq!(missing.contains(&i), one.is_none(), "{key}");
@@ -326,7 +352,8 @@ mod tests {
         assert_eq!(names.get(&long, 1), None, "too long to keep");
         names.keep("k", 3, "{c:k}:e:3"); // the crowd may have pushed it out
         let mut parts = Parts::with_capacity(2, 0);
-        assert_eq!(names.write_all_to(&[long.as_str(), "k"], 3, &mut parts), [0]);
+        let both = [long.as_str(), "k"];
+        assert_eq!(names.write_all_to(&both, &hashed(&both), 3, &mut parts), [0]);
         assert_eq!(parts.iter().collect::<Vec<_>>(), ["", "{c:k}:e:3"]);
     }
 }

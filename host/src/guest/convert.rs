@@ -103,7 +103,12 @@ impl Parts {
 
     /// The parts, in order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = &str> {
-        (0..self.ends.len()).map(|i| self.get(i))
+        let mut start = 0;
+        self.ends.iter().map(move |&end| {
+            let part = &self.text[start..end];
+            start = end;
+            part
+        })
     }
 
     /// How many parts there are.

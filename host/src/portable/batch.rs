@@ -77,7 +77,8 @@ impl PortableCache {
         refuse_timeouts(&options)?;
         let max_batch = options.max_batch.map(|n| n as u64);
         // Each key once in the component (`begin-many` takes each key once).
-        let (keys, asked) = distinct_keys(keys);
+        let hasher = foldhash::fast::RandomState::default();
+        let (keys, _, asked) = distinct_keys(keys, |key| std::hash::BuildHasher::hash_one(&hasher, key));
         let keys: Vec<String> = keys.into_iter().map(str::to_owned).collect();
         let tags: Vec<String> = options.tags.to_vec();
         let (entry, bypass) = (options_in(&options.entry), options.bypass);

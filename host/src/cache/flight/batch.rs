@@ -85,6 +85,14 @@ fn after_read(
     leads: Vec<(usize, LeaderGuard<Outcome>)>,
     parts: &mut Vec<(usize, Part, Option<FirstRead>)>,
 ) -> AfterRead {
+    // Every key answered by its read, none led at the look: the batch of fresh hits.
+    if flying.is_empty() && leads.is_empty() {
+        return AfterRead {
+            hits: Vec::new(),
+            unjoined: Vec::new(),
+            unjoined_hits: to_read.to_vec(),
+        };
+    }
     // The next key to fly, and the next led, each taken only when its turn comes (a
     // read is large to move).
     let (mut flying, mut leads) = (flying.into_iter(), leads.into_iter());
@@ -117,36 +125,39 @@ fn after_read(
     after
 }
 
-/// A batch's keys each once, in the order first asked for, and for each key asked the
-/// position of its distinct key: a key asked twice is loaded once, answered twice
-/// (both bodies, contract §5.16).
-pub(crate) fn distinct_keys<K: AsRef<str>>(keys: &[K]) -> (Vec<&str>, Vec<usize>) {
-    use std::hash::BuildHasher;
+/// A batch's keys each once, in the order first asked for, with the hash `hash` gives
+/// each, and for each key asked the position of its distinct key: a key asked twice is
+/// loaded once, answered twice (both bodies, contract §5.16).
+pub(crate) fn distinct_keys<K: AsRef<str>>(
+    keys: &[K],
+    hash: impl Fn(&str) -> u64,
+) -> (Vec<&str>, Vec<u64>, Vec<usize>) {
     let mut distinct: Vec<&str> = Vec::with_capacity(keys.len());
+    let mut hashes: Vec<u64> = Vec::with_capacity(keys.len());
     // Each distinct key's position, found by its hash: four bytes a key.
-    let hasher = foldhash::fast::RandomState::default();
     let mut index_of: hashbrown::HashTable<u32> = hashbrown::HashTable::with_capacity(keys.len());
     let asked = keys
         .iter()
         .map(|key| {
             let key = key.as_ref();
-            let hash = hasher.hash_one(key);
+            let hashed = hash(key);
             let entry = index_of.entry(
-                hash,
+                hashed,
                 |&at| distinct[at as usize] == key,
-                |&at| hasher.hash_one(distinct[at as usize]),
+                |&at| hashes[at as usize],
             );
             match entry {
                 hashbrown::hash_table::Entry::Occupied(at) => *at.get() as usize,
                 hashbrown::hash_table::Entry::Vacant(vacant) => {
                     vacant.insert(distinct.len() as u32);
                     distinct.push(key);
+                    hashes.push(hashed);
                     distinct.len() - 1
                 }
             }
         })
         .collect();
-    (distinct, asked)
+    (distinct, hashes, asked)
 }
 
 /// The answers of a batch's distinct keys (`answers`), in the order asked (`asked`: the
@@ -507,7 +518,8 @@ impl Corral {
             inner.policy.check_max_batch(max as u64)?;
         }
         let keys: Vec<K> = keys.into_iter().collect();
-        let (distinct, asked) = distinct_keys(&keys);
+        // Each key hashed once: for its duplicates, and for the names' table.
+        let (distinct, hashes, asked) = distinct_keys(&keys, |key| inner.names.hash(key));
         let Some(first) = distinct.first() else {
             return Ok(Vec::new());
         };
@@ -522,7 +534,7 @@ impl Corral {
         };
         // Taken before the names: L1 is never filled across a clear after them.
         let named: Vec<Ticket> = distinct.iter().map(|k| inner.l1.ticket(k)).collect();
-        let entries = self.entries_if_known(&distinct)?;
+        let entries = self.entries_if_known(&distinct, &hashes)?;
         if let Some(e) = deferred {
             return Err(e);
         }
@@ -531,7 +543,9 @@ impl Corral {
             generation,
             readable: true,
         });
-        let answers = self.many(&distinct, located, &named, &options, &loader).await;
+        let answers = self
+            .many((&distinct, &hashes), located, &named, &options, &loader)
+            .await;
         Ok(hand_out(answers, &asked)
             .into_iter()
             .map(|answer| match answer {
@@ -543,12 +557,12 @@ impl Corral {
             .collect())
     }
 
-    /// Every key of `keys` (distinct and checked, their entries named (`located`) if the
-    /// generation was known, else named once L1 answered; their L1 tickets as of the
-    /// names `named`), answered (`None`: a key nothing answered, a broken contract).
+    /// Every key of `keys` (distinct and checked, each with its hash by the names' hasher,
+    /// their entries named (`located`) if the generation was known, else named once L1
+    /// answered; their L1 tickets as of the names `named`), answered (`None`: a key nothing answered, a broken contract).
     async fn many<L, Fut, I, V, E>(
         &self,
-        keys: &[&str],
+        (keys, hashes): (&[&str], &[u64]),
         located: Option<Located>,
         named: &[Ticket],
         options: &LoadOptions,
@@ -601,7 +615,7 @@ impl Corral {
             let Some(located) = self.located(keys, located, &missed, &mut answers).await else {
                 return answers;
             };
-            self.answer_missed(keys, &located, named, &missed, &mut answers)
+            self.answer_missed((keys, hashes), &located, named, &missed, &mut answers)
                 .await
         };
         if parts.is_empty() {
@@ -738,7 +752,13 @@ impl Corral {
                 .map(|at| (at, Err(super::generation_unread())))
                 .collect()
         } else {
-            let names: Vec<&str> = missed.iter().map(|&i| located.entries.get(i)).collect();
+            // Every key of the batch (the usual case: L1 off, or missed them all): the
+            // names in order, each found where the last ended.
+            let names: Vec<&str> = if missed.len() == located.entries.len() {
+                located.entries.iter().collect()
+            } else {
+                missed.iter().map(|&i| located.entries.get(i)).collect()
+            };
             match tokio::time::timeout_at(deadline, self.l2_look_many(&names, now, hit)).await {
                 Ok(reads) => reads,
                 // Past the deadline, the keys not answered yet.
@@ -792,7 +812,8 @@ impl Corral {
         flying
     }
 
-    /// The keys at `missed` (L1 missed them): those another caller in this process is
+    /// The keys at `missed` (L1 missed them; each with its hash by the names' hasher, which
+    /// the registry's is): those another caller in this process is
     /// loading are followed; the others are read together, their fresh hits answered
     /// from their reads (in `answers`), and the rest joined after their reads, to lead
     /// their flights from them ([`Registry::peek`](registry::Registry::peek): a flight
@@ -800,7 +821,7 @@ impl Corral {
     /// Returns the keys to fly, with what each begins with.
     async fn answer_missed(
         &self,
-        keys: &[&str],
+        (keys, hashes): (&[&str], &[u64]),
         located: &Located,
         named: &[Ticket],
         missed: &[usize],
@@ -811,7 +832,9 @@ impl Corral {
             return Vec::new();
         }
         let ticket = |key: &str| inner.l1.ticket(key);
-        let (mut peek, looked) = inner.registry.peek(missed.iter().map(|&i| keys[i]), ticket);
+        let (mut peek, looked) = inner
+            .registry
+            .peek_hashed(missed.iter().map(|&i| (keys[i], hashes[i])), ticket);
         let mut parts = Vec::new();
         // Read: the keys no flight has (`None`) and those this caller leads (`leads`).
         let (mut to_read, mut leads) = (Vec::with_capacity(missed.len()), Vec::new());
@@ -1000,7 +1023,7 @@ mod send_check {
             generation: 0,
             readable: true,
         };
-        send(c.many(keys, Some(located), &[], o, &loader));
+        send(c.many((keys, &[]), Some(located), &[], o, &loader));
         let clock = crate::clock::SystemClock;
         let loads = Loads::new(
             keys,
@@ -1135,24 +1158,36 @@ mod tests {
 
     #[test]
     fn keys_asked_twice_are_answered_twice_in_the_order_asked() {
-        let (distinct, asked) = distinct_keys(&["b", "a", "b", "c", "a"]);
+        use std::hash::BuildHasher;
+        let hasher = foldhash::fast::RandomState::default();
+        let hash = |key: &str| hasher.hash_one(key);
+        let (distinct, hashes, asked) = distinct_keys(&["b", "a", "b", "c", "a"], hash);
         assert_eq!(distinct, ["b", "a", "c"]);
+        assert_eq!(
+            hashes,
+            [hash("b"), hash("a"), hash("c")],
+            "each distinct key's hash"
+        );
         let answers: Vec<String> = distinct.iter().map(|k| k.to_uppercase()).collect();
         let handed = hand_out(answers, &asked);
         assert_eq!(handed, ["B", "A", "B", "C", "A"]);
-        let (distinct, asked) = distinct_keys(&["b", "a"]);
+        let (distinct, _, asked) = distinct_keys(&["b", "a"], hash);
         assert_eq!(hand_out(distinct.clone(), &asked), distinct, "each asked once");
-        // Many keys, each asked up to three times, against the first position of each.
+        // Many keys, each asked up to three times, against the first position of each;
+        // with every key hashed alike, the same: a hash only finds where to compare.
         let keys: Vec<String> = (0..3_000).map(|n| format!("k{}", (n * 7) % 1_000)).collect();
-        let (distinct, asked) = distinct_keys(&keys);
-        assert_eq!(distinct.len(), 1_000);
         let mut first_seen: Vec<&str> = Vec::new();
         for key in &keys {
             if !first_seen.contains(&key.as_str()) {
                 first_seen.push(key);
             }
         }
-        assert_eq!(distinct, first_seen, "in the order first asked");
-        assert!(keys.iter().zip(&asked).all(|(key, &at)| distinct[at] == key));
+        for colliding in [false, true] {
+            let hash = |key: &str| if colliding { 7 } else { hash(key) };
+            let (distinct, hashes, asked) = distinct_keys(&keys, hash);
+            assert_eq!(distinct, first_seen, "in the order first asked");
+            assert_eq!(hashes.len(), distinct.len());
+            assert!(keys.iter().zip(&asked).all(|(key, &at)| distinct[at] == key));
+        }
     }
 }

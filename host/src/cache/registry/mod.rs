@@ -25,6 +25,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use foldhash::fast::SeedableRandomState;
 use hashbrown::HashTable;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -62,7 +63,7 @@ struct Flights<T> {
     /// (randomly seeded, weaker against crafted collisions than SipHash): the table
     /// holds only the keys with a flight under way.
     by_key: HashTable<Live<T>>,
-    hasher: foldhash::fast::RandomState,
+    hasher: SeedableRandomState,
     /// Flights no caller may join any more (their key changed since they began), by id,
     /// until their leaders finish.
     sealed: HashMap<u64, Flight<T>>,
@@ -126,6 +127,8 @@ pub(crate) struct Registry<T> {
 /// What a registry's clones share.
 struct Table<T> {
     flights: Mutex<Flights<T>>,
+    /// The flights' hasher (a copy), for hashing keys before the lock is taken.
+    hasher: SeedableRandomState,
     /// How many flights began of keys the reading batch holds ([`Registry::peek`]),
     /// readable without the lock: a batch about to fill L1 with its reads sees at once
     /// whether any flight of its keys began since it settled ([`Peek::overtook`]).
@@ -151,11 +154,19 @@ impl<T> Default for Registry<T> {
 impl<T> Registry<T> {
     /// An empty registry whose flights count in `owed` while they lead.
     pub(crate) fn counted(owed: &Owed) -> Self {
+        Registry::counted_hashing(owed, SeedableRandomState::random())
+    }
+
+    /// [`counted`](Self::counted), its keys hashed by `hasher` (randomly seeded): a
+    /// batch that hashed its keys with the same one for its names' table hashes them
+    /// once ([`peek_hashed`](Self::peek_hashed)).
+    pub(crate) fn counted_hashing(owed: &Owed, hasher: SeedableRandomState) -> Self {
         Registry {
             shared: Arc::new(Table {
+                hasher: hasher.clone(),
                 flights: Mutex::new(Flights {
                     by_key: HashTable::new(),
-                    hasher: foldhash::fast::RandomState::default(),
+                    hasher,
                     sealed: HashMap::new(),
                     next_id: 0,
                     leading: None,

@@ -135,6 +135,7 @@ impl<T: Clone> Registry<T> {
     /// list is empty when no key joined (no flight was under way: every key is read
     /// first). While another batch reads so, every key joins now, as
     /// [`join_many`](Self::join_many) joins them.
+    #[cfg(test)]
     pub(crate) fn peek<'k, K>(
         &self,
         keys: K,
@@ -144,7 +145,27 @@ impl<T: Clone> Registry<T> {
         K: IntoIterator<Item = &'k str>,
         K::IntoIter: ExactSizeIterator + Clone,
     {
+        let hasher = &self.shared.hasher;
+        self.peek_hashed(keys.into_iter().map(|key| (key, hasher.hash_one(key))), ticket)
+    }
+
+    /// [`peek`](Self::peek), each key with its hash by this registry's hasher (the one
+    /// it was [made with](Self::counted_hashing)): none is hashed under the lock.
+    pub(crate) fn peek_hashed<'k, K>(
+        &self,
+        keys: K,
+        ticket: impl Fn(&str) -> Ticket,
+    ) -> (Peek<T>, Vec<Option<Join<T>>>)
+    where
+        K: IntoIterator<Item = (&'k str, u64)>,
+        K::IntoIter: ExactSizeIterator + Clone,
+    {
         let keys = keys.into_iter();
+        debug_assert!(
+            keys.clone()
+                .all(|(key, hash)| hash == self.shared.hasher.hash_one(key)),
+            "a key hashed by another hasher"
+        );
         let mut flights = self.shared.flights.lock();
         let looked = flights.next_id;
         let peek = |done| Peek {
@@ -154,17 +175,16 @@ impl<T: Clone> Registry<T> {
             done,
         };
         if flights.peeking.is_some() {
-            let joins = self.join_all_in(&mut flights, keys, ticket);
+            let joins = self.join_all_in(&mut flights, keys.map(|(key, _)| key), ticket);
             return (peek(true), joins.into_iter().map(Some).collect());
         }
         let mut unjoined = Vec::with_capacity(keys.len());
         let joins = if flights.by_key.is_empty() {
             // No flight under way: nothing to join, no list of `None`s.
-            unjoined.extend(keys.map(|key| flights.hasher.hash_one(key)));
+            unjoined.extend(keys.map(|(_, hash)| hash));
             Vec::new()
         } else {
-            keys.map(|key| {
-                let hash = flights.hasher.hash_one(key);
+            keys.map(|(key, hash)| {
                 if flights
                     .by_key
                     .find(hash, |live| live.key.as_str() == key)
