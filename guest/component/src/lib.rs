@@ -410,6 +410,8 @@ impl wit::Guest for Component {
             each: Vec::with_capacity(lens.len()),
             value_offsets: Vec::with_capacity(lens.len()),
             l1_until_ms: Vec::with_capacity(lens.len()),
+            keep_until_ms: Vec::with_capacity(lens.len()),
+            kept_len: Vec::with_capacity(lens.len()),
             flying: Vec::new(),
         };
         // Each read judged and answered as it is taken: no list of judgements between.
@@ -426,7 +428,7 @@ impl wit::Guest for Component {
                 slid_ms: None,
             };
             start = end;
-            let (verdict, value_offset, l1_until_ms) =
+            let (verdict, value_offset, l1_until_ms, (keep_until_ms, kept_len)) =
                 match corral_core::batch::judge(&read, now_ms, &limits, l1_ttl_ms) {
                     corral_core::batch::Judged::Served(s) => {
                         let verdict = match s.next_read {
@@ -439,20 +441,23 @@ impl wit::Guest for Component {
                                 wit::Verdict::Served
                             }
                         };
-                        (verdict, s.value_offset as u32, s.l1_until_ms)
+                        let kept = (s.keep_until_ms, s.kept_len as u32);
+                        (verdict, s.value_offset as u32, s.l1_until_ms, kept)
                     }
                     corral_core::batch::Judged::Flies { outcome, l1_until_ms } => {
                         many.flying.push(wit::JudgedRead {
                             outcome: read_outcome(outcome),
                             l1_until_ms,
                         });
-                        (wit::Verdict::Flies, 0, 0)
+                        (wit::Verdict::Flies, 0, 0, (0, 0))
                     }
-                    corral_core::batch::Judged::Alone => (wit::Verdict::Alone, 0, 0),
+                    corral_core::batch::Judged::Alone => (wit::Verdict::Alone, 0, 0, (0, 0)),
                 };
             many.each.push(verdict);
             many.value_offsets.push(value_offset);
             many.l1_until_ms.push(l1_until_ms);
+            many.keep_until_ms.push(keep_until_ms);
+            many.kept_len.push(kept_len);
         }
         many
     }

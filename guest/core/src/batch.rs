@@ -68,6 +68,29 @@ pub struct Served {
     pub next_read: NextRead,
     /// The moment until which L1 may serve it.
     pub l1_until_ms: u64,
+    /// Until when this judgement holds for the same head (0: it does not, past its own
+    /// moment): at any moment `now` before it, a read whose first
+    /// [`kept_len`](Self::kept_len) bytes and whole length are this read's is served the
+    /// same way (the same value offset and next read), L1 until the earlier of this
+    /// moment and `now` plus the L1 TTL. So a body may keep the judgement of a head it
+    /// reads again (an entry read many times over its life) instead of asking anew; the
+    /// rule stays here.
+    pub keep_until_ms: u64,
+    /// How many leading bytes of the read the judgement depends on (its header; 0 when
+    /// not kept).
+    pub kept_len: usize,
+}
+
+impl Served {
+    /// This judgement, for a read with the same kept bytes and length at `now_ms`, given
+    /// the cache's `l1_ttl_ms`; `None` past [`keep_until_ms`](Self::keep_until_ms) (or
+    /// for a judgement not kept).
+    pub fn again_at(&self, now_ms: u64, l1_ttl_ms: u64) -> Option<Served> {
+        (now_ms < self.keep_until_ms).then(|| Served {
+            l1_until_ms: self.keep_until_ms.min(now_ms.saturating_add(l1_ttl_ms)),
+            ..*self
+        })
+    }
 }
 
 /// Judges the first reads of a batch's keys at `now_ms`, in order.
@@ -107,6 +130,8 @@ fn judged_in_full(read: &FirstRead<'_>, now_ms: u64, limits: &Limits, l1_ttl_ms:
                 value_offset: hit.value_offset,
                 next_read: hit.next_read,
                 l1_until_ms: flight::l1_deadline(&hit.meta, now_ms, l1_ttl_ms),
+                keep_until_ms: 0,
+                kept_len: 0,
             })
         }
         ReadOutcome::Fresh(hit) => Judged::Flies {
@@ -133,11 +158,20 @@ fn served_plainly(read: &FirstRead<'_>, now_ms: u64, limits: &Limits, l1_ttl_ms:
     }
     let decoded = envelope::decode_header(read.head, read.total_len, limits).ok()?;
     match expiry::check(&decoded.meta, now_ms) {
-        Freshness::Fresh { meta, moved: false } => Some(Served {
-            value_offset: decoded.value_offset,
-            next_read: NextRead::of_envelope(&meta, false),
-            l1_until_ms: flight::l1_deadline(&meta, now_ms, l1_ttl_ms),
-        }),
+        Freshness::Fresh { meta, moved: false } => {
+            // Without a sliding interval nothing here moves with the moment but its
+            // L1 deadline: fresh until it expires, at any earlier moment, and L1 until
+            // the earlier of its expiry and the moment plus the L1 TTL
+            // (`flight::l1_deadline`). A sliding entry's judgement is not kept.
+            let kept = meta.sliding_ms.is_none();
+            Some(Served {
+                value_offset: decoded.value_offset,
+                next_read: NextRead::of_envelope(&meta, false),
+                l1_until_ms: flight::l1_deadline(&meta, now_ms, l1_ttl_ms),
+                keep_until_ms: if kept { meta.expires_at_ms } else { 0 },
+                kept_len: if kept { decoded.fixed_len } else { 0 },
+            })
+        }
         _ => None,
     }
 }
@@ -273,7 +307,45 @@ mod tests {
                 slid_ms: slid,
             };
             if let Some(served) = served_plainly(&read, now_ms, &limits, 1_000) {
-                prop_assert_eq!(Judged::Served(served), judged_in_full(&read, now_ms, &limits, 1_000));
+                let in_full = judged_in_full(&read, now_ms, &limits, 1_000);
+                let Judged::Served(whole) = in_full else {
+                    return Err(TestCaseError::fail(format!("served the short way only: {in_full:?}")));
+                };
+                // The same, but for what is kept (the whole judgement keeps nothing).
+                prop_assert_eq!(Served { keep_until_ms: 0, kept_len: 0, ..served }, whole);
+            }
+        }
+
+        /// A kept judgement is the judgement of any read with the same kept bytes and
+        /// length, at any moment before it lapses; past it, it is not given.
+        #[test]
+        fn a_kept_judgement_is_the_judgement_of_the_same_head_at_any_earlier_moment(
+            stored in any_stored(),
+            first_ms in 0u64..5_000,
+            again_ms in 0u64..5_000,
+            l1_ttl_ms in prop_oneof![Just(0u64), 1u64..3_000, Just(u64::MAX)],
+            noise in proptest::collection::vec(any::<u8>(), 300),
+        ) {
+            let limits = Limits::default();
+            let read = FirstRead { head: &stored, total_len: stored.len() as u64, slid_ms: None };
+            let Judged::Served(served) = judge(&read, first_ms, &limits, l1_ttl_ms) else {
+                return Ok(());
+            };
+            if served.keep_until_ms == 0 {
+                prop_assert_eq!(served.kept_len, 0);
+                prop_assert_eq!(served.again_at(again_ms, l1_ttl_ms), None);
+                return Ok(());
+            }
+            prop_assert!(first_ms < served.keep_until_ms);
+            prop_assert_eq!(served.again_at(first_ms, l1_ttl_ms), Some(served));
+            // Another read: the kept bytes, then anything, as long.
+            let mut other = stored[..served.kept_len].to_vec();
+            other.extend(noise.iter().cycle().take(stored.len() - served.kept_len));
+            let again = FirstRead { head: &other, total_len: stored.len() as u64, slid_ms: None };
+            let judged = judge(&again, again_ms, &limits, l1_ttl_ms);
+            match served.again_at(again_ms, l1_ttl_ms) {
+                Some(kept) => prop_assert_eq!(judged, Judged::Served(kept)),
+                None => prop_assert!(again_ms >= served.keep_until_ms),
             }
         }
     }

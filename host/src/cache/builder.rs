@@ -401,6 +401,7 @@ impl CorralBuilder {
                 flight,
                 read_hints: super::read::ReadHints::new(settings.l1_capacity, removal_ttl_ms),
                 names,
+                kept: super::kept::Kept::new(settings.l1_capacity),
                 flight_names: super::named::Names::new(settings.l1_capacity),
                 gets,
                 decoded: super::typed::Decoded::new(settings.l1_capacity, settings.l1_ttl_ms),

@@ -35,6 +35,7 @@ mod flight;
 mod gathered;
 mod health;
 mod judge;
+mod kept;
 pub(crate) mod load;
 pub(crate) mod metrics;
 mod named;
@@ -87,6 +88,9 @@ pub(crate) struct Inner {
     pub(crate) read_hints: read::ReadHints,
     /// The entry names the guest gave lately (a key named again without a guest call).
     pub(crate) names: named::Names<String>,
+    /// The guest's judgements of fresh hits a batch read, kept for the same heads read
+    /// again (found by the keys' hashes in `names`).
+    pub(crate) kept: kept::Kept,
     /// All the store names of keys the guest named lately for a get-or-set.
     pub(crate) flight_names: named::Names<StoreNames>,
     /// `get`'s L2 reads that reach the cache together, read together (named in one

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use bytes::{Buf, Bytes};
 
 use super::Corral;
+use super::kept::{Again, Kept};
 use super::metrics::Metrics;
 use crate::guest::policy::{
     JudgedMany, JudgedRead, NextRead, ReadOutcome, TagVerdict, Touch, Verdict as WitVerdict, WitMeta,
@@ -139,7 +140,30 @@ impl ReadHints {
 /// failed, every read fails with it.
 struct SharedReads {
     found: std::vec::IntoIter<Result<Option<Bytes>>>,
+    /// For each read, the judgement kept for its head, if one was: the guest judged the
+    /// others only, in order.
+    again: std::vec::IntoIter<Option<Again>>,
     judged: Result<Judgements>,
+}
+
+/// Keeps what the guest's `many` judgement of `reads` (each with its key's hash, in
+/// order) says may be kept.
+fn keep_judged<'r>(kept: &Kept, reads: impl Iterator<Item = (&'r [u8], u64)>, many: &JudgedMany) {
+    let columns = many
+        .each
+        .iter()
+        .zip(&many.value_offsets)
+        .zip(many.keep_until_ms.iter().zip(&many.kept_len));
+    for ((stored, hash), ((verdict, &offset), (&until, &len))) in reads.zip(columns) {
+        let next_read = match verdict {
+            WitVerdict::Served => NextRead::Get,
+            WitVerdict::ServedSliding => NextRead::Script,
+            WitVerdict::Flies | WitVerdict::Alone => continue,
+        };
+        if until > 0 {
+            kept.keep(hash, stored, (len as usize, until), offset, next_read);
+        }
+    }
 }
 
 /// The guest's judgement of a shared `MGET`'s reads (`judged-many`), column by column,
@@ -188,13 +212,22 @@ impl Iterator for SharedReads {
 
     fn next(&mut self) -> Option<Self::Item> {
         let read = self.found.next()?;
-        let judged = match &mut self.judged {
-            Ok(judged) => judged,
-            Err(e) => return Some(Err(e.clone())),
-        };
+        let again = self.again.next().flatten();
         let bytes = match read {
             Ok(Some(bytes)) => bytes,
             nothing_or_failed => return Some(nothing_or_failed.map(|_| None)),
+        };
+        if let Some(again) = again {
+            let served = ServedRead {
+                value_offset: again.value_offset,
+                next_read: again.next_read,
+                l1_until_ms: again.l1_until_ms,
+            };
+            return Some(Ok(Some((bytes, Verdict::Served(served)))));
+        }
+        let judged = match &mut self.judged {
+            Ok(judged) => judged,
+            Err(e) => return Some(Err(e.clone())),
         };
         let column = (judged.value_offsets.next(), judged.l1_until_ms.next());
         let verdict = match (judged.each.next(), column) {
@@ -311,7 +344,7 @@ impl Corral {
     pub(crate) async fn l2_look_each(&self, names: &[&str], now: u64) -> Vec<Result<Looked>> {
         let mut found: Vec<Option<Result<Looked>>> = names.iter().map(|_| None).collect();
         let served = |at: usize, value, until| found[at] = Some(Ok(Looked::Served(value, until)));
-        let rest = self.l2_look_many(names, now, served).await;
+        let rest = self.l2_look_many(names, None, now, served).await;
         for (at, look) in rest {
             found[at] = Some(look.map(|(read, l1_until)| Looked::Read(read, l1_until)));
         }
@@ -325,10 +358,13 @@ impl Corral {
 
     /// [`l2_look_each`](Self::l2_look_each), a read served from itself alone handed to
     /// `served` (its position in `names`, its value, until when L1 may serve it) as it is
-    /// judged: the others come back, each with its position, in order.
+    /// judged: the others come back, each with its position, in order. `hashes`, when
+    /// given, places each read's kept judgement ([`Kept`](super::kept::Kept)): its key's
+    /// hash by the names' hasher, in order (else each name's).
     pub(crate) async fn l2_look_many(
         &self,
         names: &[&str],
+        hashes: Option<&[u64]>,
         now: u64,
         mut served: impl FnMut(usize, Bytes, u64),
     ) -> Vec<(usize, Result<ReadFound>)> {
@@ -341,19 +377,28 @@ impl Corral {
         };
         let hint_of = |i: usize| hints.get(i).copied().flatten();
         let is_plain = |hint: &Option<NextRead>| matches!(hint, None | Some(NextRead::Get));
-        let some_plain: Vec<&str>;
-        let plain = if hints.iter().all(is_plain) {
-            names
+        let by_name: Vec<u64>;
+        let hashes = match hashes {
+            Some(hashes) => hashes,
+            None => {
+                by_name = names.iter().map(|name| inner.names.hash(name)).collect();
+                &by_name
+            }
+        };
+        let (some_plain, some_hashes): (Vec<&str>, Vec<u64>);
+        let (plain, plain_hashes) = if hints.iter().all(is_plain) {
+            (names, hashes)
         } else {
-            some_plain = names
+            (some_plain, some_hashes) = names
                 .iter()
+                .zip(hashes)
                 .zip(&hints)
                 .filter(|(_, hint)| is_plain(hint))
-                .map(|(name, _)| *name)
-                .collect();
-            &some_plain
+                .map(|((name, hash), _)| (*name, *hash))
+                .unzip();
+            (&some_plain[..], &some_hashes[..])
         };
-        let mut shared = self.shared_reads(plain, now).await;
+        let mut shared = self.shared_reads(plain, plain_hashes, now).await;
         // The keys that need more than their judgement (a touch, tags, a removal, a read
         // of their own) go on as futures, the rest are settled here.
         // A loop, not a closure: the futures' borrows stay of one lifetime (a closure's
@@ -398,13 +443,16 @@ impl Corral {
             .collect()
     }
 
-    /// The bytes under `names`, in one `MGET` per node, to be judged (all in one call)
-    /// as they are taken, in order.
-    async fn shared_reads(&self, names: &[&str], now: u64) -> SharedReads {
+    /// The bytes under `names` (each placed in the kept judgements by its hash in
+    /// `hashes`), in one `MGET` per node, to be judged as they are taken, in order: by
+    /// the judgement kept for the same head, else by the guest (all those in one call,
+    /// their judgements kept).
+    async fn shared_reads(&self, names: &[&str], hashes: &[u64], now: u64) -> SharedReads {
         let inner = &*self.inner;
         if names.is_empty() {
             return SharedReads {
                 found: Vec::new().into_iter(),
+                again: Vec::new().into_iter(),
                 judged: Ok(Judgements::default()),
             };
         }
@@ -416,16 +464,38 @@ impl Corral {
             .into_iter()
             .map(|read| read.map_err(|e| self.l2_failed(e)))
             .collect();
-        let reads = found
+        let (kept, l1_ttl_ms) = (&inner.kept, inner.l1_ttl_ms);
+        let again: Vec<Option<Again>> = found
             .iter()
-            .filter_map(|read| read.as_ref().ok().and_then(Option::as_ref))
-            .map(|b| &b[..]);
-        let judged = inner
-            .policy
-            .read_many(reads, now, inner.l1_ttl_ms)
-            .map(Judgements::from);
+            .zip(hashes)
+            .map(|(read, &hash)| match read {
+                Ok(Some(stored)) => kept.get(hash, stored, now, l1_ttl_ms),
+                _ => None,
+            })
+            .collect();
+        // The reads with bytes no kept judgement answered, with their keys' hashes.
+        let unjudged = found
+            .iter()
+            .zip(hashes)
+            .zip(&again)
+            .filter_map(|((read, hash), again)| match (read, again) {
+                (Ok(Some(stored)), None) => Some((&stored[..], *hash)),
+                _ => None,
+            });
+        let judged = if unjudged.clone().next().is_none() {
+            Ok(Judgements::default())
+        } else {
+            let judged = inner
+                .policy
+                .read_many(unjudged.clone().map(|(stored, _)| stored), now, l1_ttl_ms);
+            if let Ok(many) = &judged {
+                keep_judged(kept, unjudged, many);
+            }
+            judged.map(Judgements::from)
+        };
         SharedReads {
             found: found.into_iter(),
+            again: again.into_iter(),
             judged,
         }
     }

@@ -715,14 +715,15 @@ impl Corral {
     }
 
     /// The first reads of the keys at `missed` (their entries named as `located` says, their
-    /// L1 tickets taken before the names: `named`), together. A fresh hit is answered
+    /// L1 tickets taken before the names: `named`; the batch's keys' hashes: `hashes`),
+    /// together. A fresh hit is answered
     /// from its read alone (in `answers`; its L1 fill comes back in `fills`, to be made
     /// once the batch knows no flight of the key overtook its read); the other keys come
     /// back with what their flights begin with (the read, the tickets taken before it,
     /// the deadline it began).
     async fn answer_l2_hits(
         &self,
-        missed: &[usize],
+        (missed, hashes): (&[usize], &[u64]),
         located: &Located,
         answers: &mut [Option<Result<Served>>],
         fills: &mut Vec<HitFill>,
@@ -759,7 +760,9 @@ impl Corral {
             } else {
                 missed.iter().map(|&i| located.entries.get(i)).collect()
             };
-            match tokio::time::timeout_at(deadline, self.l2_look_many(&names, now, hit)).await {
+            let hashes: Vec<u64> = missed.iter().map(|&i| hashes[i]).collect();
+            let looked = self.l2_look_many(&names, Some(&hashes), now, hit);
+            match tokio::time::timeout_at(deadline, looked).await {
                 Ok(reads) => reads,
                 // Past the deadline, the keys not answered yet.
                 Err(_) => (0..missed.len())
@@ -854,7 +857,7 @@ impl Corral {
         let now = inner.clock.now_ms();
         let mut fills = Vec::new();
         let flying = self
-            .answer_l2_hits(&to_read, located, answers, &mut fills, (named, now))
+            .answer_l2_hits((&to_read, hashes), located, answers, &mut fills, (named, now))
             .await;
         let AfterRead {
             hits,
@@ -1016,7 +1019,7 @@ mod send_check {
     fn send<T: Send>(_: T) {}
     #[allow(dead_code, unused_must_use)]
     fn futures_are_send(c: &Corral, keys: &[&str], o: &LoadOptions) {
-        send(c.l2_look_many(&[], 0, |_, _, _| ()));
+        send(c.l2_look_many(&[], None, 0, |_, _, _| ()));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
         let located = Located {
             entries: Parts::default(),
@@ -1074,6 +1077,102 @@ mod tests {
             .expect("the other caller");
         };
         BETWEEN.with(|b| *b.borrow_mut() = Some(Box::new(run)));
+    }
+
+    /// A batch of hits read again is judged by what the guest said of the same heads,
+    /// and answers as the guest would: fresh until the entries expire, not a moment
+    /// after; a key written again is judged by its new bytes.
+    #[tokio::test]
+    async fn hits_judged_by_their_kept_judgements_answer_as_the_guest_would() {
+        let clock = crate::ManualClock::new(1_000_000);
+        let cache = Corral::builder()
+            .clock(clock.clone())
+            .l1_capacity(0)
+            .build()
+            .expect("a memory cache");
+        let keys: Vec<String> = (0..20).map(|i| format!("kept{i}")).collect();
+        let expires_at = 1_000_000 + 60_000;
+        let loads = std::sync::atomic::AtomicUsize::new(0);
+        let batch = |tag: &'static str| {
+            let loads = &loads;
+            // Loads after the first expiry expire a minute later.
+            let until = expires_at + if tag == "fifth" { 60_000 } else { 0 };
+            let options = LoadOptions::from(EntryOptions::new().absolute_at_ms(until));
+            cache.get_or_set_many(&keys, options, move |asked: Vec<String>| async move {
+                loads.fetch_add(asked.len(), std::sync::atomic::Ordering::SeqCst);
+                Ok::<_, std::io::Error>(
+                    asked
+                        .into_iter()
+                        .map(|k| (k, tag.as_bytes().to_vec()))
+                        .collect::<Vec<_>>(),
+                )
+            })
+        };
+        let values = |answers: Vec<Result<Option<Bytes>>>| -> Vec<Vec<u8>> {
+            answers
+                .into_iter()
+                .map(|a| a.expect("answered").expect("a value").to_vec())
+                .collect()
+        };
+        assert!(
+            values(batch("first").await.expect("a batch"))
+                .iter()
+                .all(|v| v == b"first")
+        );
+        assert_eq!(loads.swap(0, std::sync::atomic::Ordering::SeqCst), 20);
+        // Read: judged by the guest, kept. Read again: served by what was kept.
+        for _ in 0..2 {
+            assert!(
+                values(batch("second").await.expect("a batch"))
+                    .iter()
+                    .all(|v| v == b"first")
+            );
+        }
+        let name = cache.entry_name(&keys[3]).expect("named");
+        let stored = cache
+            .inner
+            .stores
+            .entries
+            .get(&name)
+            .await
+            .expect("read")
+            .expect("stored");
+        let hash = cache.inner.names.hash(&keys[3]);
+        let kept = cache
+            .inner
+            .kept
+            .get(hash, &stored, clock.now_ms(), cache.inner.l1_ttl_ms);
+        assert!(kept.is_some(), "the guest's judgement of the hit is kept");
+        assert_eq!(loads.load(std::sync::atomic::Ordering::SeqCst), 0, "hits all");
+        // One key written again: its new bytes are judged, and served.
+        cache
+            .set(
+                &keys[5],
+                b"written".to_vec(),
+                EntryOptions::new().absolute_at_ms(expires_at),
+            )
+            .await
+            .expect("a set");
+        let answers = values(batch("third").await.expect("a batch"));
+        assert_eq!(answers[5], b"written");
+        assert!(answers.iter().enumerate().all(|(i, v)| i == 5 || v == b"first"));
+        // The last moment before they expire: still fresh. At it: expired, loaded anew.
+        clock.set(expires_at - 1);
+        assert!(
+            values(batch("fourth").await.expect("a batch"))
+                .iter()
+                .enumerate()
+                .all(|(i, v)| i == 5 || v == b"first")
+        );
+        assert_eq!(loads.load(std::sync::atomic::Ordering::SeqCst), 0);
+        clock.set(expires_at);
+        let after = values(batch("fifth").await.expect("a batch"));
+        assert_eq!(
+            loads.load(std::sync::atomic::Ordering::SeqCst),
+            20,
+            "every key expired"
+        );
+        assert!(after.iter().all(|v| v == b"fifth"));
     }
 
     #[tokio::test]
