@@ -49,8 +49,9 @@ struct Slot {
     seq: AtomicU64,
     /// The kept bytes, little-endian, zero past their length.
     head: [AtomicU64; WORDS],
-    /// The kept length (bits 0-7), the next read (bit 8: the read-and-touch script), the
-    /// value's offset (bits 32-63). 0: empty.
+    /// The kept length (bits 0-7), the next read (bit 8: the read-and-touch script), a
+    /// tag of the key's hash (bits 9-31: a way holding another key's head is passed over
+    /// at once, as most are), the value's offset (bits 32-63). 0: empty.
     shape: AtomicU64,
     /// The whole length of the read.
     total_len: AtomicU64,
@@ -92,15 +93,22 @@ fn holds(slot: &Slot, kept: &[u8]) -> bool {
         })
 }
 
-fn shape_of(len: usize, next_read: NextRead, value_offset: u32) -> Option<u64> {
+fn shape_of(len: usize, next_read: NextRead, value_offset: u32, hash: u64) -> Option<u64> {
     let script = match next_read {
         NextRead::Get => 0,
         NextRead::Script => 1,
         // A read that sets a TTL is never served from its read alone.
         NextRead::Expiring(_) => return None,
     };
-    Some(len as u64 | script << 8 | u64::from(value_offset) << 32)
+    Some(len as u64 | script << 8 | tag_of(hash) | u64::from(value_offset) << 32)
 }
+
+/// A key's tag in a slot's shape (see [`Slot::shape`]): bits its set was not picked by.
+fn tag_of(hash: u64) -> u64 {
+    (hash >> 41) << 9 & TAG
+}
+
+const TAG: u64 = 0xffff_fe00;
 
 /// The kept judgements of one cache.
 pub(crate) struct Kept {
@@ -140,6 +148,7 @@ impl Kept {
             let len = (shape & 0xff) as usize;
             let same = seq & 1 == 0
                 && shape != 0
+                && shape & TAG == tag_of(hash)
                 && now_ms < until_ms
                 && slot.total_len.load(Ordering::Relaxed) == stored.len() as u64
                 && holds(slot, stored.get(..len)?);
@@ -172,8 +181,10 @@ impl Kept {
         value_offset: u32,
         next_read: NextRead,
     ) {
-        let (Some(words), Some(shape)) = (words_of(stored, len), shape_of(len, next_read, value_offset))
-        else {
+        let (Some(words), Some(shape)) = (
+            words_of(stored, len),
+            shape_of(len, next_read, value_offset, hash),
+        ) else {
             return;
         };
         if until_ms == 0 || len == 0 {
@@ -256,8 +267,10 @@ mod tests {
         longer.push(0);
         assert_eq!(kept.get(7, &longer, 100, 50), None);
         assert_eq!(kept.get(7, &stored[..20], 100, 50), None, "shorter than kept");
-        // Found by its key's hash, in its set: another set does not hold it.
+        // Found by its key's hash: another set does not hold it, and another key of the
+        // same set passes over it.
         assert_eq!(kept.get(8, &stored, 100, 50), None);
+        assert_eq!(kept.get(7 | 1 << 50, &stored, 100, 50), None);
     }
 
     #[test]

@@ -760,8 +760,14 @@ impl Corral {
             } else {
                 missed.iter().map(|&i| located.entries.get(i)).collect()
             };
-            let hashes: Vec<u64> = missed.iter().map(|&i| hashes[i]).collect();
-            let looked = self.l2_look_many(&names, Some(&hashes), now, hit);
+            let some: Vec<u64>;
+            let hashes = if missed.len() == hashes.len() {
+                hashes
+            } else {
+                some = missed.iter().map(|&i| hashes[i]).collect();
+                &some
+            };
+            let looked = self.l2_look_many(&names, Some(hashes), now, hit);
             match tokio::time::timeout_at(deadline, looked).await {
                 Ok(reads) => reads,
                 // Past the deadline, the keys not answered yet.
