@@ -325,8 +325,11 @@ mod tests {
             again_ms in 0u64..5_000,
             l1_ttl_ms in prop_oneof![Just(0u64), 1u64..3_000, Just(u64::MAX)],
             noise in proptest::collection::vec(any::<u8>(), 300),
+            max_value_bytes in prop_oneof![Just(Limits::default().max_value_bytes), 0u32..10],
+            sliding_in_store in any::<bool>(),
         ) {
-            let limits = Limits::default();
+            // Any limits, the same for both reads (a cache's are fixed).
+            let limits = Limits { max_value_bytes, sliding_in_store, ..Limits::default() };
             let read = FirstRead { head: &stored, total_len: stored.len() as u64, slid_ms: None };
             let Judged::Served(served) = judge(&read, first_ms, &limits, l1_ttl_ms) else {
                 return Ok(());

@@ -136,8 +136,10 @@ impl ReadHints {
 }
 
 /// A shared `MGET`'s reads, each with its judgement, taken in order: the bytes a key
-/// holds (none: `Ok(None)`) and what the guest judged of them. Should the judgement have
-/// failed, every read fails with it.
+/// holds (none: `Ok(None)`) and what the guest judged of them, or the judgement kept for
+/// the same head. Should the guest's judgement have failed, every read it was asked
+/// about fails with it; a read a kept judgement answered is served, a miss is a miss,
+/// a failed read keeps its own error.
 struct SharedReads {
     found: std::vec::IntoIter<Result<Option<Bytes>>>,
     /// For each read, the judgement kept for its head, if one was: the guest judged the

@@ -132,15 +132,26 @@ pub(crate) fn distinct_keys<K: AsRef<str>>(
     keys: &[K],
     hash: impl Fn(&str) -> u64,
 ) -> (Vec<&str>, Vec<u64>, Vec<usize>) {
+    let all: Vec<u64> = keys.iter().map(|key| hash(key.as_ref())).collect();
+    // Most batches ask for each key once, which no two equal hashes says at once.
+    let mut sorted = all.clone();
+    sorted.sort_unstable();
+    if sorted.windows(2).all(|pair| pair[0] != pair[1]) {
+        return (
+            keys.iter().map(AsRef::as_ref).collect(),
+            all,
+            (0..keys.len()).collect(),
+        );
+    }
     let mut distinct: Vec<&str> = Vec::with_capacity(keys.len());
     let mut hashes: Vec<u64> = Vec::with_capacity(keys.len());
     // Each distinct key's position, found by its hash: four bytes a key.
     let mut index_of: hashbrown::HashTable<u32> = hashbrown::HashTable::with_capacity(keys.len());
     let asked = keys
         .iter()
-        .map(|key| {
+        .zip(all)
+        .map(|(key, hashed)| {
             let key = key.as_ref();
-            let hashed = hash(key);
             let entry = index_of.entry(
                 hashed,
                 |&at| distinct[at as usize] == key,
@@ -754,7 +765,9 @@ impl Corral {
                 .collect()
         } else {
             // Every key of the batch (the usual case: L1 off, or missed them all): the
-            // names in order, each found where the last ended.
+            // names in order, each found where the last ended. (`missed` is in order,
+            // each key once: as long as the batch, it is every key.)
+            debug_assert!(missed.windows(2).all(|w| w[0] < w[1]), "keys out of order");
             let names: Vec<&str> = if missed.len() == located.entries.len() {
                 located.entries.iter().collect()
             } else {
@@ -1085,6 +1098,20 @@ mod tests {
         BETWEEN.with(|b| *b.borrow_mut() = Some(Box::new(run)));
     }
 
+    /// A batch hashes its keys once, for the names' table and the flight registry: the
+    /// two hash alike (`peek_hashed` finds a key's flight by the batch's hash).
+    #[test]
+    fn the_registry_hashes_keys_as_the_names_table_does() {
+        let cache = Corral::builder().build().expect("a memory cache");
+        for key in ["a", "product:42", ""] {
+            assert_eq!(
+                cache.inner.registry.hash(key),
+                cache.inner.names.hash(key),
+                "{key:?}"
+            );
+        }
+    }
+
     /// A batch of hits read again is judged by what the guest said of the same heads,
     /// and answers as the guest would: fresh until the entries expire, not a moment
     /// after; a key written again is judged by its new bytes.
@@ -1162,13 +1189,22 @@ mod tests {
         let answers = values(batch("third").await.expect("a batch"));
         assert_eq!(answers[5], b"written");
         assert!(answers.iter().enumerate().all(|(i, v)| i == 5 || v == b"first"));
+        // One key removed: its tombstone is judged (a miss), and the key loaded anew.
+        cache.remove(&keys[7]).await.expect("a removal");
+        let answers = values(batch("removed").await.expect("a batch"));
+        assert_eq!(answers[7], b"removed");
+        assert_eq!(
+            loads.swap(0, std::sync::atomic::Ordering::SeqCst),
+            1,
+            "the removed key alone"
+        );
         // The last moment before they expire: still fresh. At it: expired, loaded anew.
         clock.set(expires_at - 1);
         assert!(
             values(batch("fourth").await.expect("a batch"))
                 .iter()
                 .enumerate()
-                .all(|(i, v)| i == 5 || v == b"first")
+                .all(|(i, v)| [5, 7].contains(&i) || v == b"first")
         );
         assert_eq!(loads.load(std::sync::atomic::Ordering::SeqCst), 0);
         clock.set(expires_at);

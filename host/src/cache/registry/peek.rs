@@ -149,6 +149,13 @@ impl<T: Clone> Registry<T> {
         self.peek_hashed(keys.into_iter().map(|key| (key, hasher.hash_one(key))), ticket)
     }
 
+    /// The hash of `key` by this registry's hasher: what [`peek_hashed`](Self::peek_hashed)
+    /// takes with each key.
+    #[cfg(test)]
+    pub(crate) fn hash(&self, key: &str) -> u64 {
+        self.shared.hasher.hash_one(key)
+    }
+
     /// [`peek`](Self::peek), each key with its hash by this registry's hasher (the one
     /// it was [made with](Self::counted_hashing)): none is hashed under the lock.
     pub(crate) fn peek_hashed<'k, K>(
