@@ -331,24 +331,26 @@ mod tests {
 
     #[test]
     fn readers_never_see_half_a_write() {
-        // Two heads written over each other in one slot while readers look: a reader
-        // finds one of them whole, or nothing.
+        // Two heads written over each other in one slot by two writers while a reader
+        // looks: the reader finds one of them whole, or nothing.
         let kept = std::sync::Arc::new(Kept::new(0));
         let (a, b) = (header(1), header(2));
         // One way holds a head that never lapses: the two take turns in the other.
         kept.keep(0, &header(3), (32, u64::MAX), 32, NextRead::Get);
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let writer = {
-            let (kept, stop, a, b) = (kept.clone(), stop.clone(), a.clone(), b.clone());
-            std::thread::spawn(move || {
-                let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    let (stored, offset) = if n.is_multiple_of(2) { (&a, 32) } else { (&b, 33) };
-                    kept.keep(0, stored, (32, 1_000_000 + n), offset, NextRead::Get);
-                    n += 1;
-                }
+        let writers: Vec<_> = (0..2u64)
+            .map(|first| {
+                let (kept, stop, a, b) = (kept.clone(), stop.clone(), a.clone(), b.clone());
+                std::thread::spawn(move || {
+                    let mut n = first;
+                    while !stop.load(Ordering::Relaxed) {
+                        let (stored, offset) = if n.is_multiple_of(2) { (&a, 32) } else { (&b, 33) };
+                        kept.keep(0, stored, (32, 1_000_000 + n), offset, NextRead::Get);
+                        n += 1;
+                    }
+                })
             })
-        };
+            .collect();
         for _ in 0..200_000 {
             for (stored, offset) in [(&a, 32), (&b, 33)] {
                 if let Some(again) = kept.get(0, stored, 1, 10) {
@@ -357,6 +359,8 @@ mod tests {
             }
         }
         stop.store(true, Ordering::Relaxed);
-        writer.join().expect("the writer");
+        for writer in writers {
+            writer.join().expect("a writer");
+        }
     }
 }
