@@ -1098,6 +1098,13 @@ mod tests {
         BETWEEN.with(|b| *b.borrow_mut() = Some(Box::new(run)));
     }
 
+    /// The bytes L2 holds for `key`'s entry (there must be some).
+    async fn stored_entry(cache: &Corral, key: &str) -> Bytes {
+        let name = cache.entry_of(key).await.expect("named");
+        let stored = cache.inner.stores.entries.get(&name).await.expect("read");
+        stored.expect("an entry")
+    }
+
     /// A batch hashes its keys once, for the names' table and the flight registry: the
     /// two hash alike (`peek_hashed` finds a key's flight by the batch's hash).
     #[test]
@@ -1161,15 +1168,7 @@ mod tests {
                     .all(|v| v == b"first")
             );
         }
-        let name = cache.entry_name(&keys[3]).expect("named");
-        let stored = cache
-            .inner
-            .stores
-            .entries
-            .get(&name)
-            .await
-            .expect("read")
-            .expect("stored");
+        let stored = stored_entry(&cache, &keys[3]).await;
         let hash = cache.inner.names.hash(&keys[3]);
         let kept = cache
             .inner
@@ -1231,14 +1230,7 @@ mod tests {
             .expect("set");
         cache.inner.l1.remove("k"); // as if L1 had let its copy go: the batch reads L2
         let name = cache.entry_of("k").await.expect("named");
-        let older = cache
-            .inner
-            .stores
-            .entries
-            .get(&name)
-            .await
-            .expect("read")
-            .expect("written");
+        let older = stored_entry(&cache, "k").await;
         let newer = Bytes::from([&older[..older.len() - 5], b"newer"].concat());
         // While the batch is between its settle and its fills: another process writes
         // the key (unheard here yet), and a caller here reads it through a flight that
