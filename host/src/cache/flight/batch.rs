@@ -438,6 +438,24 @@ where
     }
 }
 
+/// The entry names and the hashes (of all the batch's keys, `hashes`) of the keys at
+/// `read`, in order. Every key of the batch (the usual case: L1 off, or it missed them
+/// all) takes them as they are, each name found where the last ended: `read` is in
+/// order, each key once, so as long as the batch it is every key.
+fn names_and_hashes<'a>(
+    located: &'a Located,
+    read: &[usize],
+    hashes: &'a [u64],
+) -> (Vec<&'a str>, std::borrow::Cow<'a, [u64]>) {
+    debug_assert!(read.windows(2).all(|w| w[0] < w[1]), "keys out of order");
+    if read.len() == hashes.len() {
+        (located.entries.iter().collect(), hashes.into())
+    } else {
+        let names = read.iter().map(|&i| located.entries.get(i)).collect();
+        (names, read.iter().map(|&i| hashes[i]).collect())
+    }
+}
+
 /// A key of a batch left without an answer (never: every key gets one).
 fn unanswered() -> Error {
     Error::guest("a key of the batch went unanswered", "broken contract")
@@ -764,23 +782,8 @@ impl Corral {
                 .map(|at| (at, Err(super::generation_unread())))
                 .collect()
         } else {
-            // Every key of the batch (the usual case: L1 off, or missed them all): the
-            // names in order, each found where the last ended. (`missed` is in order,
-            // each key once: as long as the batch, it is every key.)
-            debug_assert!(missed.windows(2).all(|w| w[0] < w[1]), "keys out of order");
-            let names: Vec<&str> = if missed.len() == located.entries.len() {
-                located.entries.iter().collect()
-            } else {
-                missed.iter().map(|&i| located.entries.get(i)).collect()
-            };
-            let some: Vec<u64>;
-            let hashes = if missed.len() == hashes.len() {
-                hashes
-            } else {
-                some = missed.iter().map(|&i| hashes[i]).collect();
-                &some
-            };
-            let looked = self.l2_look_many(&names, Some(hashes), now, hit);
+            let (names, hashes) = names_and_hashes(located, missed, hashes);
+            let looked = self.l2_look_many(&names, Some(&hashes), now, hit);
             match tokio::time::timeout_at(deadline, looked).await {
                 Ok(reads) => reads,
                 // Past the deadline, the keys not answered yet.
