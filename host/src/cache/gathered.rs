@@ -102,7 +102,9 @@ impl Corral {
         // Judged no earlier than now: a follower may have called after the leader.
         let now = now.max(self.inner.clock.now_ms());
         let reading: Vec<&str> = names.iter().collect();
-        let looks = self.l2_look_each(&reading, now).await;
+        // Kept judgements are placed by the keys' hashes, as a batch places them.
+        let hashes: Vec<u64> = keys.iter().map(|key| self.inner.names.hash(key)).collect();
+        let looks = self.l2_look_each(&reading, &hashes, now).await;
         for (key, entry) in keys.iter().zip(names.iter()) {
             self.note_key_hint(key, entry);
         }

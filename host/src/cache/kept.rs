@@ -12,9 +12,8 @@
 //! entry lives in the store unchanged for most of its life and is read many times, so
 //! a batch of hits mostly finds each head here.
 //!
-//! A judgement is found by its key's hash (the names' hasher: a batch has it already;
-//! a gathering of `get`s, which knows only the entries' names, by the name's hash, so
-//! the two do not find each other's) but trusted only for its very bytes: a slot holds whichever head was kept there
+//! A judgement is found by its key's hash (the names' hasher: a batch has it already,
+//! and a gathering of `get`s hashes its keys alike) but trusted only for its very bytes: a slot holds whichever head was kept there
 //! last, a collision costs a guest call, never a wrong judgement. A slot is a line of
 //! atomics under a sequence number: a reader takes no lock and writes nothing (a write
 //! it overlapped is seen in the sequence, and the read is a miss); a writer that finds

@@ -343,10 +343,10 @@ impl Corral {
     /// its own command, all at once. A fresh entry judged with the others comes with the
     /// moment until which L1 may serve it; one with nothing left to do is served from
     /// its read alone (contract §5.16).
-    pub(crate) async fn l2_look_each(&self, names: &[&str], now: u64) -> Vec<Result<Looked>> {
+    pub(crate) async fn l2_look_each(&self, names: &[&str], hashes: &[u64], now: u64) -> Vec<Result<Looked>> {
         let mut found: Vec<Option<Result<Looked>>> = names.iter().map(|_| None).collect();
         let served = |at: usize, value, until| found[at] = Some(Ok(Looked::Served(value, until)));
-        let rest = self.l2_look_many(names, None, now, served).await;
+        let rest = self.l2_look_many(names, hashes, now, served).await;
         for (at, look) in rest {
             found[at] = Some(look.map(|(read, l1_until)| Looked::Read(read, l1_until)));
         }
@@ -360,13 +360,13 @@ impl Corral {
 
     /// [`l2_look_each`](Self::l2_look_each), a read served from itself alone handed to
     /// `served` (its position in `names`, its value, until when L1 may serve it) as it is
-    /// judged: the others come back, each with its position, in order. `hashes`, when
-    /// given, places each read's kept judgement ([`Kept`](super::kept::Kept)): its key's
-    /// hash by the names' hasher, in order (else each name's).
+    /// judged: the others come back, each with its position, in order. `hashes` places
+    /// each read's kept judgement ([`Kept`](super::kept::Kept)): its key's hash by the
+    /// names' hasher, in order.
     pub(crate) async fn l2_look_many(
         &self,
         names: &[&str],
-        hashes: Option<&[u64]>,
+        hashes: &[u64],
         now: u64,
         mut served: impl FnMut(usize, Bytes, u64),
     ) -> Vec<(usize, Result<ReadFound>)> {
@@ -379,14 +379,7 @@ impl Corral {
         };
         let hint_of = |i: usize| hints.get(i).copied().flatten();
         let is_plain = |hint: &Option<NextRead>| matches!(hint, None | Some(NextRead::Get));
-        let by_name: Vec<u64>;
-        let hashes = match hashes {
-            Some(hashes) => hashes,
-            None => {
-                by_name = names.iter().map(|name| inner.names.hash(name)).collect();
-                &by_name
-            }
-        };
+        debug_assert_eq!(names.len(), hashes.len(), "a hash a name");
         let (some_plain, some_hashes): (Vec<&str>, Vec<u64>);
         let (plain, plain_hashes) = if hints.iter().all(is_plain) {
             (names, hashes)

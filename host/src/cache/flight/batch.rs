@@ -783,7 +783,7 @@ impl Corral {
                 .collect()
         } else {
             let (names, hashes) = names_and_hashes(located, missed, hashes);
-            let looked = self.l2_look_many(&names, Some(&hashes), now, hit);
+            let looked = self.l2_look_many(&names, &hashes, now, hit);
             match tokio::time::timeout_at(deadline, looked).await {
                 Ok(reads) => reads,
                 // Past the deadline, the keys not answered yet.
@@ -1041,7 +1041,7 @@ mod send_check {
     fn send<T: Send>(_: T) {}
     #[allow(dead_code, unused_must_use)]
     fn futures_are_send(c: &Corral, keys: &[&str], o: &LoadOptions) {
-        send(c.l2_look_many(&[], None, 0, |_, _, _| ()));
+        send(c.l2_look_many(&[], &[], 0, |_, _, _| ()));
         let loader = |_: Vec<String>| async { Ok::<_, std::io::Error>(Vec::<(String, Bytes)>::new()) };
         let located = Located {
             entries: Parts::default(),
