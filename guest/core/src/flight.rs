@@ -1700,11 +1700,7 @@ mod tests {
             eager_refresh_permille: Some(800),
             ..FlightConfig::default()
         };
-        let (_, actions) = run(config, &[(0, Event::L2Hit(meta))]);
-        match &actions[1] {
-            Action::Finish { refresh_at_ms, .. } => assert_eq!(*refresh_at_ms, Some(NOW + 48_000)),
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(hit_refresh(config, meta).1, Some(NOW + 48_000));
         for bad in [0, 1000, 5000] {
             let config = FlightConfig {
                 eager_refresh_permille: Some(bad),
@@ -1743,18 +1739,7 @@ mod tests {
             "due: now, not on a later hit"
         );
         let fresh = expiry::plan(&options, NOW, &Limits::default()).unwrap();
-        let (_, actions) = run(config, &[(0, Event::L2Hit(fresh))]);
-        assert!(
-            matches!(
-                actions[1],
-                Action::Finish {
-                    refresh_now: false,
-                    ..
-                }
-            ),
-            "{:?}",
-            actions[1]
-        );
+        assert!(!hit_refresh(config, fresh).0, "fresh: no refresh now");
     }
 
     #[test]

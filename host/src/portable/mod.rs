@@ -864,13 +864,8 @@ mod tests {
             .call(move |s| {
                 let cache = s.guest.corral_cache_cache();
                 let store = &mut s.store;
-                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
-                    return Err(wasmtime::format_err!("the first caller did not lead"));
-                };
-                let Ok(Begun::Wait(follower)) = cache.call_begin(&mut *store, "k", options, false, &[])?
-                else {
-                    return Err(wasmtime::format_err!("the second caller did not follow"));
-                };
+                let load = leads(cache, store, options, "the first caller")?;
+                let follower = follows(cache, store, options, "the second caller")?;
                 let before = cache.follower().call_outcome(&mut *store, follower)?;
                 clock.advance(advance);
                 let after = cache.follower().call_outcome(&mut *store, follower)?;
@@ -879,6 +874,36 @@ mod tests {
                 Ok(Ok((before, after, ended)))
             })
             .await
+    }
+
+    type CacheExport = crate::guest::bindings::exports::corral::cache::cache::Guest;
+
+    /// A get-or-set of "k" begun by a caller that must lead (`who`, named if it did
+    /// not): its load.
+    fn leads(
+        cache: &CacheExport,
+        store: &mut wasmtime::Store<PortableState>,
+        options: types::EntryOptions,
+        who: &str,
+    ) -> wasmtime::Result<wasmtime::component::ResourceAny> {
+        match cache.call_begin(&mut *store, "k", options, false, &[])? {
+            Ok(Begun::Lead(load)) => Ok(load),
+            _ => Err(wasmtime::format_err!("{who} did not lead")),
+        }
+    }
+
+    /// A get-or-set of "k" begun by a caller that must follow (`who`, named if it did
+    /// not): its follower.
+    fn follows(
+        cache: &CacheExport,
+        store: &mut wasmtime::Store<PortableState>,
+        options: types::EntryOptions,
+        who: &str,
+    ) -> wasmtime::Result<wasmtime::component::ResourceAny> {
+        match cache.call_begin(&mut *store, "k", options, false, &[])? {
+            Ok(Begun::Wait(follower)) => Ok(follower),
+            _ => Err(wasmtime::format_err!("{who} did not follow")),
+        }
     }
 
     fn value(followed: &Followed) -> Option<std::result::Result<&[u8], &types::Error>> {
@@ -1068,17 +1093,11 @@ mod tests {
             .call(move |s| {
                 let cache = s.guest.corral_cache_cache();
                 let store = &mut s.store;
-                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
-                    return Err(wasmtime::format_err!("the first caller did not lead"));
-                };
-                let Ok(Begun::Wait(early)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
-                    return Err(wasmtime::format_err!("the second caller did not follow"));
-                };
+                let load = leads(cache, store, options, "the first caller")?;
+                let early = follows(cache, store, options, "the second caller")?;
                 clock.advance(2 * SEC);
                 let mut asked = vec![cache.follower().call_outcome(&mut *store, early)?];
-                let Ok(Begun::Wait(late)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
-                    return Err(wasmtime::format_err!("the third caller did not follow"));
-                };
+                let late = follows(cache, store, options, "the third caller")?;
                 asked.push(cache.follower().call_outcome(&mut *store, late)?);
                 let ended = cache.load().call_complete(&mut *store, load, b"new", true)?;
                 asked.push(cache.follower().call_outcome(&mut *store, early)?);
@@ -1118,15 +1137,10 @@ mod tests {
             .call(move |s| {
                 let cache = s.guest.corral_cache_cache();
                 let store = &mut s.store;
-                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
-                    return Err(wasmtime::format_err!("the first caller did not lead"));
-                };
+                let load = leads(cache, store, options, "the first caller")?;
                 // The second caller's first reading is the step.
                 clock.set(clock.now_ms() - 3_600_000);
-                let Ok(Begun::Wait(follower)) = cache.call_begin(&mut *store, "k", options, false, &[])?
-                else {
-                    return Err(wasmtime::format_err!("the second caller did not follow"));
-                };
+                let follower = follows(cache, store, options, "the second caller")?;
                 let pending = cache.follower().call_outcome(&mut *store, follower)?;
                 // Not cached: a caller that does not take the outcome must load again.
                 let ended = cache.load().call_complete(&mut *store, load, b"loaded", false)?;
@@ -1198,13 +1212,8 @@ mod tests {
             .call(move |s| {
                 let cache = s.guest.corral_cache_cache();
                 let store = &mut s.store;
-                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
-                    return Err(wasmtime::format_err!("the first caller did not lead"));
-                };
-                let Ok(Begun::Wait(follower)) = cache.call_begin(&mut *store, "k", options, false, &[])?
-                else {
-                    return Err(wasmtime::format_err!("the second caller did not follow"));
-                };
+                let load = leads(cache, store, options, "the first caller")?;
+                let follower = follows(cache, store, options, "the second caller")?;
                 // The key is written meanwhile; past half its life, its refresh is due.
                 if let Err(e) = cache.call_set(&mut *store, "k", b"written", options)? {
                     return Ok(Err(e));
@@ -1262,9 +1271,7 @@ mod tests {
                 let _ = cache
                     .load()
                     .call_complete(&mut *store, refresh, b"refreshed", true)?;
-                let Ok(Begun::Lead(load)) = cache.call_begin(&mut *store, "k", options, false, &[])? else {
-                    return Err(wasmtime::format_err!("the key's next caller did not lead"));
-                };
+                let load = leads(cache, store, options, "the key's next caller")?;
                 if let Err(e) = cache.load().call_complete(&mut *store, load, b"loaded", true)? {
                     return Ok(Err(e));
                 }
