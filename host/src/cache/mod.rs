@@ -88,8 +88,8 @@ pub(crate) struct Inner {
     pub(crate) read_hints: read::ReadHints,
     /// The entry names the guest gave lately (a key named again without a guest call).
     pub(crate) names: named::Names<String>,
-    /// The guest's judgements of fresh hits a batch read, kept for the same heads read
-    /// again (found by the keys' hashes in `names`).
+    /// The guest's judgements of fresh hits a batch or a gathering of gets read, kept for
+    /// the same heads read again (found by the keys' hashes in `names`).
     pub(crate) kept: kept::Kept,
     /// All the store names of keys the guest named lately for a get-or-set.
     pub(crate) flight_names: named::Names<StoreNames>,
@@ -859,8 +859,8 @@ impl Corral {
 
     /// A batch's keys (hashed `hashes`, in order, by the names'
     /// [`hash`](named::Names::hash)), all checked (contract §5.16), and named (by memory
-    /// or in one guest call) when the prefix's generation is known: their names in it. `None` when it is
-    /// not: the keys are checked by the guest alone, and named by
+    /// or in one guest call) when the prefix's generation is known: their names in it.
+    /// `None` when it is not: the keys are checked by the guest alone, and named by
     /// [`locate_entries`](Self::locate_entries) once L1 answered what it holds, so that a
     /// batch of L1 hits waits on no store, as one get-or-set's L1 hit does not.
     pub(crate) fn entries_if_known(&self, keys: &[&str], hashes: &[u64]) -> Result<Option<(Parts, u64)>> {

@@ -158,9 +158,8 @@ fn keep_judged<'r>(kept: &Kept, reads: impl Iterator<Item = (&'r [u8], u64)>, ma
         .zip(many.keep_until_ms.iter().zip(&many.kept_len));
     for ((stored, hash), ((verdict, &offset), (&until, &len))) in reads.zip(columns) {
         let next_read = match verdict {
-            WitVerdict::Served => NextRead::Get,
-            WitVerdict::ServedSliding => NextRead::Script,
             WitVerdict::Flies | WitVerdict::Alone => continue,
+            served => next_read_of_served(served),
         };
         if until > 0 {
             kept.keep(hash, stored, (len as usize, until), offset, next_read);
@@ -240,15 +239,20 @@ impl Iterator for SharedReads {
             (Some(WitVerdict::Alone), _) => Verdict::Flies(None),
             (Some(served), (Some(value_offset), Some(l1_until_ms))) => Verdict::Served(ServedRead {
                 value_offset,
-                next_read: match served {
-                    WitVerdict::ServedSliding => NextRead::Script,
-                    _ => NextRead::Get,
-                },
+                next_read: next_read_of_served(&served),
                 l1_until_ms,
             }),
             _ => return Some(Err(unjudged())),
         };
         Some(Ok(Some((bytes, verdict))))
+    }
+}
+
+/// How a key whose read the guest judged `served` (or `served-sliding`) is read next.
+fn next_read_of_served(served: &WitVerdict) -> NextRead {
+    match served {
+        WitVerdict::ServedSliding => NextRead::Script,
+        _ => NextRead::Get,
     }
 }
 
@@ -361,7 +365,7 @@ impl Corral {
     /// [`l2_look_each`](Self::l2_look_each), a read served from itself alone handed to
     /// `served` (its position in `names`, its value, until when L1 may serve it) as it is
     /// judged: the others come back, each with its position, in order. `hashes` places
-    /// each read's kept judgement ([`Kept`](super::kept::Kept)): its key's hash by the
+    /// each read's kept judgement ([`Kept`]): its key's hash by the
     /// names' hasher, in order.
     pub(crate) async fn l2_look_many(
         &self,

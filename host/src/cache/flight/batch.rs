@@ -588,7 +588,8 @@ impl Corral {
 
     /// Every key of `keys` (distinct and checked, each with its hash by the names' hasher,
     /// their entries named (`located`) if the generation was known, else named once L1
-    /// answered; their L1 tickets as of the names `named`), answered (`None`: a key nothing answered, a broken contract).
+    /// answered; their L1 tickets as of the names `named`), answered (`None`: a key
+    /// nothing answered, a broken contract).
     async fn many<L, Fut, I, V, E>(
         &self,
         (keys, hashes): (&[&str], &[u64]),
@@ -743,13 +744,12 @@ impl Corral {
         missed
     }
 
-    /// The first reads of the keys at `missed` (their entries named as `located` says, their
-    /// L1 tickets taken before the names: `named`; the batch's keys' hashes: `hashes`),
-    /// together. A fresh hit is answered
-    /// from its read alone (in `answers`; its L1 fill comes back in `fills`, to be made
-    /// once the batch knows no flight of the key overtook its read); the other keys come
-    /// back with what their flights begin with (the read, the tickets taken before it,
-    /// the deadline it began).
+    /// The first reads of the keys at `missed` (their entries named as `located` says,
+    /// their L1 tickets taken before the names: `named`; the batch's keys' hashes:
+    /// `hashes`), together. A fresh hit is answered from its read alone (in `answers`;
+    /// its L1 fill comes back in `fills`, to be made once the batch knows no flight of
+    /// the key overtook its read); the other keys come back with what their flights
+    /// begin with (the read, the tickets taken before it, the deadline it began).
     async fn answer_l2_hits(
         &self,
         (missed, hashes): (&[usize], &[u64]),
@@ -837,9 +837,9 @@ impl Corral {
         flying
     }
 
-    /// The keys at `missed` (L1 missed them; each with its hash by the names' hasher, which
-    /// the registry's is): those another caller in this process is
-    /// loading are followed; the others are read together, their fresh hits answered
+    /// The keys at `missed` (L1 missed them; each with its hash by the names' hasher,
+    /// which the registry's is): those another caller in this process is loading are
+    /// followed; the others are read together, their fresh hits answered
     /// from their reads (in `answers`), and the rest joined after their reads, to lead
     /// their flights from them ([`Registry::peek`](registry::Registry::peek): a flight
     /// of such a key that ran meanwhile is followed, as if joined before the read).
@@ -859,7 +859,7 @@ impl Corral {
         let ticket = |key: &str| inner.l1.ticket(key);
         let (mut peek, looked) = inner
             .registry
-            .peek_hashed(missed.iter().map(|&i| (keys[i], hashes[i])), ticket);
+            .peek(missed.iter().map(|&i| (keys[i], hashes[i])), ticket);
         let mut parts = Vec::new();
         // Read: the keys no flight has (`None`) and those this caller leads (`leads`).
         let (mut to_read, mut leads) = (Vec::with_capacity(missed.len()), Vec::new());
@@ -888,8 +888,8 @@ impl Corral {
         } = after_read(&to_read, flying, leads, &mut parts);
         let (settled, overtaken) = inner.registry.settle(
             &mut peek,
-            unjoined.iter().map(|&(i, _)| (keys[i], named[i])),
-            unjoined_hits.iter().map(|&i| keys[i]),
+            unjoined.iter().map(|&(i, _)| (keys[i], hashes[i], named[i])),
+            unjoined_hits.iter().map(|&i| (keys[i], hashes[i])),
             ticket,
         );
         let overtaken = overtaken.into_iter().map(|at| unjoined_hits[at]);
@@ -1109,7 +1109,7 @@ mod tests {
     }
 
     /// A batch hashes its keys once, for the names' table and the flight registry: the
-    /// two hash alike (`peek_hashed` finds a key's flight by the batch's hash).
+    /// two hash alike (`Registry::peek` finds a key's flight by the batch's hash).
     #[test]
     fn the_registry_hashes_keys_as_the_names_table_does() {
         let cache = Corral::builder().build().expect("a memory cache");

@@ -159,7 +159,7 @@ impl<T> Registry<T> {
 
     /// [`counted`](Self::counted), its keys hashed by `hasher` (randomly seeded): a
     /// batch that hashed its keys with the same one for its names' table hashes them
-    /// once ([`peek_hashed`](Self::peek_hashed)).
+    /// once ([`peek`](Self::peek), [`settle`](Self::settle)).
     pub(crate) fn counted_hashing(owed: &Owed, hasher: SeedableRandomState) -> Self {
         Registry {
             shared: Arc::new(Table {

@@ -128,15 +128,9 @@ pub(crate) enum Settled<T> {
 }
 
 impl<T: Clone> Registry<T> {
-    /// A batch's look at `keys` (each with its ticket now, `ticket`) before it reads
-    /// them, with the map locked once: a key with a flight under way joins it (`Some`,
-    /// as [`join`](Self::join)); the others (`None`) are read before they join, and
-    /// joined by [`settle`](Self::settle) only if their reads did not answer them; the
-    /// list is empty when no key joined (no flight was under way: every key is read
-    /// first). While another batch reads so, every key joins now, as
-    /// [`join_many`](Self::join_many) joins them.
+    /// [`peek`](Self::peek) of keys it hashes itself.
     #[cfg(test)]
-    pub(crate) fn peek<'k, K>(
+    pub(crate) fn peek_keys<'k, K>(
         &self,
         keys: K,
         ticket: impl Fn(&str) -> Ticket,
@@ -146,19 +140,27 @@ impl<T: Clone> Registry<T> {
         K::IntoIter: ExactSizeIterator + Clone,
     {
         let hasher = &self.shared.hasher;
-        self.peek_hashed(keys.into_iter().map(|key| (key, hasher.hash_one(key))), ticket)
+        self.peek(keys.into_iter().map(|key| (key, hasher.hash_one(key))), ticket)
     }
 
-    /// The hash of `key` by this registry's hasher: what [`peek_hashed`](Self::peek_hashed)
-    /// takes with each key.
+    /// The hash of `key` by this registry's hasher: what [`peek`](Self::peek) and
+    /// [`settle`](Self::settle) take with each key.
     #[cfg(test)]
     pub(crate) fn hash(&self, key: &str) -> u64 {
         self.shared.hasher.hash_one(key)
     }
 
-    /// [`peek`](Self::peek), each key with its hash by this registry's hasher (the one
-    /// it was [made with](Self::counted_hashing)): none is hashed under the lock.
-    pub(crate) fn peek_hashed<'k, K>(
+    /// A batch's look at `keys` (each with its ticket now, `ticket`) before it reads
+    /// them, with the map locked once: a key with a flight under way joins it (`Some`,
+    /// as [`join`](Self::join)); the others (`None`) are read before they join, and
+    /// joined by [`settle`](Self::settle) only if their reads did not answer them; the
+    /// list is empty when no key joined (no flight was under way: every key is read
+    /// first). While another batch reads so, every key joins now, as
+    /// [`join_many`](Self::join_many) joins them.
+    ///
+    /// Each key comes with its hash by this registry's hasher (the one it was [made
+    /// with](Self::counted_hashing)): none is hashed under the lock.
+    pub(crate) fn peek<'k, K>(
         &self,
         keys: K,
         ticket: impl Fn(&str) -> Ticket,
@@ -211,15 +213,9 @@ impl<T: Clone> Registry<T> {
         (peek(false), joins)
     }
 
-    /// Settles `peek`, with the map locked once. Joins, in order, the keys it read whose
-    /// reads did not answer them (`misses`, each with the ticket taken before its read;
-    /// `ticket` gives each key's ticket now); the keys that lead share one allocation of
-    /// their text. Returns how each was joined, and the positions among `hits` (the
-    /// keys it answered from their reads) of those a flight of began since the look:
-    /// they do not fill L1 (that flight may have filled it with what it found after the
-    /// batch's read). A flight that begins later is caught as the batch fills
-    /// ([`Peek::overtook`]): the look goes on until `peek` is dropped.
-    pub(crate) fn settle<'k, M>(
+    /// [`settle`](Self::settle) of keys it hashes itself.
+    #[cfg(test)]
+    pub(crate) fn settle_keys<'k, M>(
         &self,
         peek: &mut Peek<T>,
         misses: M,
@@ -230,14 +226,50 @@ impl<T: Clone> Registry<T> {
         M: IntoIterator<Item = (&'k str, Ticket)>,
         M::IntoIter: ExactSizeIterator + Clone,
     {
+        let hasher = &self.shared.hasher;
+        let misses = misses
+            .into_iter()
+            .map(|(key, read)| (key, hasher.hash_one(key), read));
+        let hits = hits.into_iter().map(|key| (key, hasher.hash_one(key)));
+        self.settle(peek, misses, hits, ticket)
+    }
+
+    /// Settles `peek`, with the map locked once. Joins, in order, the keys it read whose
+    /// reads did not answer them (`misses`, each with the ticket taken before its read;
+    /// `ticket` gives each key's ticket now); the keys that lead share one allocation of
+    /// their text. Returns how each was joined, and the positions among `hits` (the
+    /// keys it answered from their reads) of those a flight of began since the look:
+    /// they do not fill L1 (that flight may have filled it with what it found after the
+    /// batch's read). A flight that begins later is caught as the batch fills
+    /// ([`Peek::overtook`]): the look goes on until `peek` is dropped.
+    ///
+    /// Each key comes with its hash by this registry's hasher (the one it was [made
+    /// with](Self::counted_hashing)): none is hashed under the lock.
+    pub(crate) fn settle<'k, M>(
+        &self,
+        peek: &mut Peek<T>,
+        misses: M,
+        hits: impl IntoIterator<Item = (&'k str, u64)>,
+        ticket: impl Fn(&str) -> Ticket,
+    ) -> (Vec<Settled<T>>, Vec<usize>)
+    where
+        M: IntoIterator<Item = (&'k str, u64, Ticket)>,
+        M::IntoIter: ExactSizeIterator + Clone,
+    {
         let misses = misses.into_iter();
-        let (text, ranges) = joined(misses.clone().map(|(key, _)| key));
+        debug_assert!(
+            misses
+                .clone()
+                .all(|(key, hash, _)| hash == self.shared.hasher.hash_one(key)),
+            "a key hashed by another hasher"
+        );
+        let (text, ranges) = joined(misses.clone().map(|(key, _, _)| key));
         let mut settled = Vec::with_capacity(misses.len());
         let mut flights = self.shared.flights.lock();
         let looked = peek.looked;
         let any_began = flights.next_id != looked;
-        for ((key, read), range) in misses.zip(ranges) {
-            let (hash, now) = (flights.hasher.hash_one(key), ticket(key));
+        for ((key, hash, read), range) in misses.zip(ranges) {
+            let now = ticket(key);
             let began = flights
                 .by_key
                 .find(hash, |live| live.key.as_str() == key)
@@ -267,7 +299,7 @@ impl<T: Clone> Registry<T> {
         let overtaken = if any_began {
             hits.into_iter()
                 .enumerate()
-                .filter(|(_, key)| flights.began_since(key, looked))
+                .filter(|(_, (key, hash))| flights.began_since_hashed(*hash, key, looked))
                 .map(|(i, _)| i)
                 .collect()
         } else {
@@ -302,7 +334,11 @@ impl<T> Flights<T> {
     /// Whether a flight of `key` began since the last flight id was `since`: it runs,
     /// or it ended (kept, `key` being a key the reading batch looked at).
     fn began_since(&self, key: &str, since: u64) -> bool {
-        let hash = self.hasher.hash_one(key);
+        self.began_since_hashed(self.hasher.hash_one(key), key, since)
+    }
+
+    /// [`began_since`](Self::began_since) of `key`, hashed `hash`.
+    fn began_since_hashed(&self, hash: u64, key: &str, since: u64) -> bool {
         self.by_key
             .find(hash, |live| live.key.as_str() == key)
             .is_some_and(|live| live.flight.id > since)
@@ -343,7 +379,7 @@ mod tests {
     async fn a_batch_that_reads_before_joining_gets_what_began_meanwhile() {
         let registry = Registry::<&str>::default();
         let under_way = lead(&registry, "a");
-        let (mut peek, looked) = registry.peek(["a", "b", "c", "d", "e"], |_| T0);
+        let (mut peek, looked) = registry.peek_keys(["a", "b", "c", "d", "e"], |_| T0);
         assert!(
             matches!(looked[0], Some(Join::Follower(_))),
             "a flight under way is followed"
@@ -358,7 +394,7 @@ mod tests {
         let c = lead(&registry, "c");
         lead(&registry, "e").finish("E");
         let (settled, overtaken) =
-            registry.settle(&mut peek, [("b", T0), ("c", T0), ("d", T0)], ["e"], |_| T0);
+            registry.settle_keys(&mut peek, [("b", T0), ("c", T0), ("d", T0)], ["e"], |_| T0);
         assert!(matches!(settled[0], Settled::Ended("B")));
         assert!(matches!(&settled[1], Settled::Joined(Join::Follower(_), true)));
         assert!(matches!(&settled[2], Settled::Joined(Join::Leader(_), false)));
@@ -372,13 +408,13 @@ mod tests {
     #[tokio::test]
     async fn a_flight_ended_meanwhile_is_not_followed_across_a_change_or_a_leader_gone() {
         let registry = Registry::<&str>::default();
-        let (mut peek, _) = registry.peek(["a", "b", "c"], |_| T0);
+        let (mut peek, _) = registry.peek_keys(["a", "b", "c"], |_| T0);
         lead(&registry, "a").finish("A");
         drop(lead(&registry, "b"));
         // a was written since its flight began, b's leader went away, c was written
         // since the batch read it: each led, and read again.
         let now = |k: &str| if k == "b" { T0 } else { CHANGED };
-        let (settled, _) = registry.settle(&mut peek, [("a", T0), ("b", T0), ("c", T0)], [], now);
+        let (settled, _) = registry.settle_keys(&mut peek, [("a", T0), ("b", T0), ("c", T0)], [], now);
         drop(peek);
         for s in &settled {
             assert!(matches!(s, Settled::Joined(Join::Leader(_), true)));
@@ -390,9 +426,9 @@ mod tests {
     #[tokio::test]
     async fn a_flight_led_from_a_read_is_sealed_for_a_caller_after_a_change_since_the_read() {
         let registry = Registry::<&str>::default();
-        let (mut peek, _) = registry.peek(["k"], |_| T0);
+        let (mut peek, _) = registry.peek_keys(["k"], |_| T0);
         // The batch read k as of T0; nothing changed since: led from its read.
-        let (settled, _) = registry.settle(&mut peek, [("k", T0)], [], |_| T0);
+        let (settled, _) = registry.settle_keys(&mut peek, [("k", T0)], [], |_| T0);
         drop(peek);
         assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
         assert!(matches!(registry.join("k", T0), Join::Follower(_)));
@@ -402,11 +438,11 @@ mod tests {
     #[tokio::test]
     async fn only_the_reading_batchs_keys_are_kept_and_one_batch_reads_at_a_time() {
         let registry = Registry::<&str>::default();
-        let (first, looked) = registry.peek(["a", "b"], |_| T0);
+        let (first, looked) = registry.peek_keys(["a", "b"], |_| T0);
         assert!(looked.iter().all(Option::is_none));
         // A batch while the first reads joins first: it leads its keys, and the first
         // follows it after its read.
-        let (second, joined) = registry.peek(["b", "c"], |_| T0);
+        let (second, joined) = registry.peek_keys(["b", "c"], |_| T0);
         assert!(matches!(
             joined[..],
             [Some(Join::Leader(_)), Some(Join::Leader(_))]
@@ -419,9 +455,9 @@ mod tests {
         assert_eq!(kept(&registry), 0, "nothing kept once no batch reads");
         lead(&registry, "a").finish("A");
         assert_eq!(kept(&registry), 0);
-        let (mut third, looked) = registry.peek(["a"], |_| T0);
+        let (mut third, looked) = registry.peek_keys(["a"], |_| T0);
         assert!(looked.is_empty(), "the next batch reads first again");
-        let (settled, overtaken) = registry.settle(&mut third, [("a", T0)], [], |_| T0);
+        let (settled, overtaken) = registry.settle_keys(&mut third, [("a", T0)], [], |_| T0);
         assert!(matches!(&settled[0], Settled::Joined(Join::Leader(_), false)));
         assert!(overtaken.is_empty());
         assert!(
@@ -435,8 +471,8 @@ mod tests {
     #[tokio::test]
     async fn a_flight_that_begins_after_the_settle_overtakes_the_batchs_hits_until_it_filled() {
         let registry = Registry::<&str>::default();
-        let (mut peek, _) = registry.peek(["hit", "miss", "other"], |_| T0);
-        let (settled, overtaken) = registry.settle(&mut peek, [("miss", T0)], ["hit", "other"], |_| T0);
+        let (mut peek, _) = registry.peek_keys(["hit", "miss", "other"], |_| T0);
+        let (settled, overtaken) = registry.settle_keys(&mut peek, [("miss", T0)], ["hit", "other"], |_| T0);
         assert!(overtaken.is_empty());
         assert!(
             !peek.overtook("hit") && !peek.overtook("other"),
@@ -465,9 +501,9 @@ mod tests {
         // A flight of `led` runs as of a ticket its key has since left: the batch seals
         // it and leads its own from the look; `read` has none.
         let old = lead(&registry, "led");
-        let (mut peek, looked) = registry.peek(["led", "read"], |_| CHANGED);
+        let (mut peek, looked) = registry.peek_keys(["led", "read"], |_| CHANGED);
         assert!(matches!(looked[0], Some(Join::Leader(_))), "sealed and led anew");
-        let (settled, _) = registry.settle(&mut peek, [], ["read"], |_| CHANGED);
+        let (settled, _) = registry.settle_keys(&mut peek, [], ["read"], |_| CHANGED);
         // Another caller's flight of a key of the batch begins after the settle: the
         // check is made, and the batch's own flight of `led` is not counted.
         let _other = lead(&registry, "read");
@@ -496,7 +532,7 @@ mod tests {
     async fn a_batch_whose_keys_all_had_flights_reads_nothing_before_joining() {
         let registry = Registry::<&str>::default();
         let _a = lead(&registry, "a");
-        let (peek, looked) = registry.peek(["a"], |_| T0);
+        let (peek, looked) = registry.peek_keys(["a"], |_| T0);
         assert!(matches!(looked[..], [Some(Join::Follower(_))]));
         assert!(registry.shared.flights.lock().peeking.is_none());
         drop(peek);
